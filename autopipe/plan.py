@@ -1,0 +1,194 @@
+"""The Plan: where to cut the model, what each stage is predicted to cost, and why.
+
+A :class:`Plan` is the output of :func:`autopipe.partition` and the input of the
+runtime (:class:`autopipe.Pipeline`) and of the reports. It is a plain, serialisable value:
+``plan.save("plan.json")`` writes versioned JSON and ``Plan.load("plan.json")`` reads it
+back, so a plan computed once can be shared by every rank of a job.
+
+Example:
+    >>> from autopipe.plan import Plan, StagePlan
+    >>> stage = StagePlan(index=0, fqns=["layers.0"], first_segment=0, last_segment=0,
+    ...                   fwd_s=1e-3, bwd_s=2e-3, comm_s=0.0, param_bytes=4, act_bytes=8,
+    ...                   peak_bytes=24, send_bytes=0, recv_bytes=0)
+    >>> plan = Plan(num_stages=1, split_points=[], stages=[stage], schedule="1F1B",
+    ...             n_microbatches=1, bottleneck_s=3e-3, predicted_step_s=3e-3,
+    ...             lower_bound_s=3e-3)
+    >>> plan.split_spec
+    {}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from torch.distributed.pipelining import SplitPoint
+
+__all__ = ["Plan", "StagePlan", "BaselinePlan", "PLAN_FORMAT_VERSION"]
+
+#: Bumped whenever the JSON layout changes incompatibly; ``Plan.load`` refuses newer files.
+PLAN_FORMAT_VERSION = 1
+
+
+@dataclass
+class StagePlan:
+    """One pipeline stage of a plan: which modules it holds and what it is predicted to cost.
+
+    Times are per micro-batch, in seconds; bytes are per device (``param_bytes``,
+    ``peak_bytes``) or per micro-batch (``act_bytes``, ``send_bytes``, ``recv_bytes``).
+    """
+
+    index: int  # stage number, 0 = first
+    fqns: list[str]  # top-most module names whose code runs entirely in this stage
+    first_segment: int  # first segment (cost-graph node) of the stage
+    last_segment: int  # last segment, inclusive
+    fwd_s: float  # forward compute per micro-batch
+    bwd_s: float  # backward compute per micro-batch
+    comm_s: float  # time to send and receive this stage's boundary tensors, both directions
+    param_bytes: int  # parameters (and buffers) held by the stage
+    act_bytes: int  # activations saved for backward, per micro-batch in flight
+    peak_bytes: int  # predicted peak memory: params, grads, optimizer state, activations in flight
+    send_bytes: int  # bytes sent to the next stage per micro-batch, forward
+    recv_bytes: int  # bytes received from the previous stage per micro-batch, forward
+    inflight_microbatches: int = 1  # micro-batches whose activations are held at the peak
+    device: str = ""  # name of the device the stage is planned for (heterogeneous plans)
+
+    @property
+    def time_s(self) -> float:
+        """Forward + backward + communication per micro-batch: the stage's pipeline period."""
+        return self.fwd_s + self.bwd_s + self.comm_s
+
+
+@dataclass
+class BaselinePlan:
+    """A split users could pick by hand or with another tool, costed by the same model."""
+
+    name: str  # "equal_layers", "balanced_params", "block_partition", ...
+    description: str  # one line: where the method comes from
+    split_points: list[str]  # its split points (module names), in order
+    bottleneck_s: float  # its heaviest stage under the same cost model
+    predicted_step_s: float  # its predicted step time under the same schedule
+    peak_bytes: int  # its heaviest stage's predicted memory
+    fits_memory: bool = True
+
+
+@dataclass
+class Plan:
+    """Where to cut a model into pipeline stages, with the predictions behind the choice.
+
+    Use ``plan.split_spec`` for ``torch.distributed.pipelining.pipeline(..., split_spec=)``,
+    or hand the plan to :class:`autopipe.Pipeline`.
+    """
+
+    num_stages: int
+    split_points: list[str]  # module names cut at their BEGINNING, in pipeline order
+    stages: list[StagePlan]
+    schedule: str
+    n_microbatches: int
+    bottleneck_s: float  # the heaviest stage's time per micro-batch
+    predicted_step_s: float  # predicted time of one optimizer step (all micro-batches)
+    lower_bound_s: float  # max(total compute / p, heaviest segment): no split can beat it
+    baselines: list[BaselinePlan] = field(default_factory=list)
+    cost_source: str = "measured"  # "measured", "flops" or "params"
+    objective: str = "bottleneck"  # what the partitioner minimised
+    device: str = "cpu"  # device the costs were measured on
+    stages_per_rank: int = 1
+    memory_limit_bytes: list[int] | None = None  # per device, when given
+    optimizer: str = "adam"
+    planner_s: float = 0.0  # time the exact search took
+    model_name: str = ""
+    segment_names: list[str] = field(default_factory=list)  # one per cost-graph segment
+    extras: dict[str, Any] = field(default_factory=dict)  # later additions (simulation, alternatives)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def split_spec(self) -> dict[str, SplitPoint]:
+        """The ``split_spec`` for ``torch.distributed.pipelining.pipeline``.
+
+        Example:
+            >>> from torch.distributed.pipelining import pipeline  # doctest: +SKIP
+            >>> pipe = pipeline(model, (x_mb,), split_spec=plan.split_spec)  # doctest: +SKIP
+        """
+        return {name: SplitPoint.BEGINNING for name in self.split_points}
+
+    @property
+    def balance(self) -> float:
+        """lower_bound_s / bottleneck_s: 1.0 means no split could have a lighter heaviest stage."""
+        return self.lower_bound_s / self.bottleneck_s if self.bottleneck_s > 0 else 1.0
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Share of the step a device idles, from the predicted step and the stage times."""
+        if self.predicted_step_s <= 0:
+            return 0.0
+        busy = max(s.time_s for s in self.stages) * self.n_microbatches
+        return max(0.0, 1.0 - busy / self.predicted_step_s)
+
+    def baseline(self, name: str) -> BaselinePlan:
+        """The baseline called ``name``; raises KeyError listing those present."""
+        for b in self.baselines:
+            if b.name == name:
+                return b
+        raise KeyError(f"no baseline {name!r}; this plan has {[b.name for b in self.baselines]}")
+
+    # ------------------------------------------------------------------ text
+    def report(self) -> str:
+        """A plain-text table of the stages, the predictions and the baselines.
+
+        Every figure is traced back to the profile: times per micro-batch, bytes per device.
+        """
+        from .reporting.text import plan_to_text  # local import: reporting depends on plan
+
+        return plan_to_text(self)
+
+    def __str__(self) -> str:
+        return (
+            f"Plan({self.num_stages} stages, split at {self.split_points}, {self.schedule} "
+            f"x{self.n_microbatches}, bottleneck {self.bottleneck_s * 1e3:.3f} ms/mb, "
+            f"predicted step {self.predicted_step_s * 1e3:.2f} ms, balance {self.balance:.2f})"
+        )
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict[str, Any]:
+        """Everything in the plan as JSON-ready data, with a format version."""
+        data = asdict(self)
+        data["format_version"] = PLAN_FORMAT_VERSION
+        data["split_spec"] = {k: "BEGINNING" for k in self.split_points}  # for readers of the file
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        """Inverse of :meth:`to_dict`; raises ValueError for an unknown format version."""
+        version = data.get("format_version")
+        if not isinstance(version, int) or version > PLAN_FORMAT_VERSION or version < 1:
+            raise ValueError(
+                f"plan format_version={version!r} is not supported; this autopipe reads "
+                f"versions 1..{PLAN_FORMAT_VERSION}"
+            )
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in known}
+        kwargs["stages"] = [StagePlan(**s) for s in data["stages"]]
+        kwargs["baselines"] = [BaselinePlan(**b) for b in data.get("baselines", [])]
+        return cls(**kwargs)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the plan as JSON (``Plan.load`` reads it back)."""
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.to_dict(), f, indent=2, sort_keys=True)
+            f.write("\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Plan":
+        """Read a plan written by :meth:`save`.
+
+        Example:
+            >>> plan = Plan.load("plan.json")  # doctest: +SKIP
+        """
+        with open(path, encoding="utf-8") as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"path={os.fspath(path)!r} is not a plan JSON file: {e}") from e
+        return cls.from_dict(data)
