@@ -1,0 +1,227 @@
+"""The cost graph: segments as nodes, the tensors between them as edges, bytes on every cut.
+
+Second step of the data flow. From a :class:`~autopipe.trace.TracedModel` it builds a
+``networkx.DiGraph`` whose nodes are the segments (with their measured costs once a
+profile is attached) and whose edges carry the bytes of the tensors one segment hands to a
+later one. From the same tensors it computes, for every candidate cut, the bytes that
+must cross it per micro-batch:
+
+* forward: every tensor produced before the cut and used at or after it (so a skip
+  connection or a residual stream that jumps over several segments counts at every cut it
+  spans), plus model inputs still needed after the cut;
+* backward: the gradients of those of them that require grad (floating point and
+  downstream of a parameter or an input that requires grad).
+
+Example:
+    >>> from autopipe.models import seed_transformer
+    >>> from autopipe.trace import trace
+    >>> from autopipe.costgraph import build_cost_graph
+    >>> model, args = seed_transformer(vocab_size=100, d_model=16, num_layers=2, batch=2, seq_len=8)
+    >>> cg = build_cost_graph(trace(model, args))
+    >>> k = cg.segment_index("layers.1")
+    >>> cg.cut_fwd_bytes[k]  # the residual stream: 2 x 8 x 16 float32
+    1024
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import networkx as nx
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_leaves
+
+from .trace import TracedModel
+
+__all__ = ["SegmentCost", "CostGraph", "build_cost_graph", "tensor_bytes", "requires_grad_map"]
+
+
+@dataclass
+class SegmentCost:
+    """What one segment costs per micro-batch, measured or estimated (see ``autopipe.profile``)."""
+
+    fwd_s: float  # forward time
+    bwd_s: float  # backward time (input and weight gradients)
+    param_bytes: int  # parameters and buffers it owns (shared ones counted where first used)
+    act_bytes: int  # tensors saved for backward, excluding parameters
+    out_bytes: int  # bytes of the tensors it produces that later segments read
+    flops: float = 0.0  # forward + backward floating point operations, when counted
+    trainable_param_bytes: int = 0  # the part of param_bytes that gets gradients and optimizer state
+
+    @property
+    def time_s(self) -> float:
+        return self.fwd_s + self.bwd_s
+
+
+@dataclass
+class CostGraph:
+    """Segments, the tensors between them, and the bytes crossing each candidate cut.
+
+    Index ``k`` of the ``cut_*`` lists is the cut *before* segment ``k``; entries 0 and
+    ``num_segments`` are the model's inputs and outputs, which no stage boundary sends.
+    """
+
+    graph: nx.DiGraph
+    segment_names: list[str]
+    cut_fwd_bytes: list[int]
+    cut_bwd_bytes: list[int]
+    cut_tensors: list[list[str]]  # names of the graph values crossing each cut
+    costs: list[SegmentCost] | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.segment_names)
+
+    def segment_index(self, name: str) -> int:
+        """Index of the segment that starts at split point ``name`` (KeyError if none)."""
+        try:
+            return self.segment_names.index(name)
+        except ValueError:
+            raise KeyError(f"no segment starts at {name!r}") from None
+
+    def attach_costs(self, costs: list[SegmentCost]) -> "CostGraph":
+        """Record per-segment costs on the graph's nodes; returns self for chaining."""
+        if len(costs) != self.num_segments:
+            raise ValueError(
+                f"costs has {len(costs)} entries but the cost graph has {self.num_segments} segments"
+            )
+        self.costs = list(costs)
+        for i, c in enumerate(costs):
+            self.graph.nodes[i].update(
+                fwd_s=c.fwd_s, bwd_s=c.bwd_s, param_bytes=c.param_bytes,
+                act_bytes=c.act_bytes, out_bytes=c.out_bytes, flops=c.flops,
+            )
+        return self
+
+
+def tensor_bytes(value: Any) -> int:
+    """Bytes of every tensor inside ``value`` (tensors, fake tensors, nested tuples)."""
+    total = 0
+    for leaf in tree_leaves(value):
+        if isinstance(leaf, torch.Tensor):
+            total += leaf.numel() * leaf.element_size()
+    return total
+
+
+def _is_float(value: Any) -> bool:
+    leaves = [x for x in tree_leaves(value) if isinstance(x, torch.Tensor)]
+    return bool(leaves) and any(x.is_floating_point() or x.is_complex() for x in leaves)
+
+
+# Ops whose output never carries a gradient even if their input does.
+_NO_GRAD_OPS = {"detach", "detach_", "argmax", "argmin", "lift_fresh_copy", "zeros_like", "ones_like",
+                "empty_like", "full_like", "randn_like", "rand_like", "bernoulli", "eq", "ne", "lt",
+                "le", "gt", "ge", "sort.values_stable"}
+
+
+def requires_grad_map(traced: TracedModel) -> dict[fx.Node, bool]:
+    """Which graph values would require grad in a training forward pass."""
+    ep = traced.exported
+    sig = ep.graph_signature
+    param_of = dict(sig.inputs_to_parameters)
+    params = dict(traced.graph_module.named_parameters())
+    flat_inputs = tree_leaves((traced.example_args, traced.example_kwargs))
+    user_inputs = [x for x in flat_inputs if isinstance(x, torch.Tensor)]
+    user_names = list(sig.user_inputs)
+    rg: dict[fx.Node, bool] = {}
+    for node in ep.graph.nodes:
+        if node.op == "placeholder":
+            if node.name in param_of:
+                p = params.get(param_of[node.name])
+                rg[node] = bool(p is None or p.requires_grad)
+            elif node.name in user_names:
+                i = user_names.index(node.name)
+                rg[node] = bool(i < len(user_inputs) and user_inputs[i].requires_grad)
+            else:
+                rg[node] = False  # buffers and constants
+        elif node.op == "call_function":
+            op_name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+            upstream = any(rg.get(a, False) for a in node.all_input_nodes)
+            rg[node] = upstream and op_name not in _NO_GRAD_OPS and _is_float(node.meta.get("val"))
+        else:
+            rg[node] = False
+    return rg
+
+
+def build_cost_graph(traced: TracedModel, costs: list[SegmentCost] | None = None) -> CostGraph:
+    """Build the cost graph of a traced model.
+
+    Args:
+        traced: The result of :func:`autopipe.trace.trace`.
+        costs: Per-segment costs from :func:`autopipe.profile.profile_segments`; may be
+            attached later with :meth:`CostGraph.attach_costs`.
+
+    Returns:
+        A :class:`CostGraph`; the partitioner reads its cut bytes and segment costs.
+
+    Example:
+        >>> from autopipe.models import seed_transformer
+        >>> from autopipe.trace import trace
+        >>> model, args = seed_transformer(vocab_size=100, num_layers=2, seq_len=8)
+        >>> cg = build_cost_graph(trace(model, args))
+        >>> cg.num_segments == len(cg.graph.nodes)
+        True
+    """
+    n = traced.num_segments
+    seg_of: dict[fx.Node, int] = {}
+    for seg in traced.segments:
+        for node in traced.nodes[seg.start:seg.end]:
+            seg_of[node] = seg.index
+    sig = traced.exported.graph_signature
+    user_inputs = set(sig.user_inputs)
+    for node in traced.exported.graph.nodes:
+        if node.op == "placeholder" and node.name in user_inputs:
+            seg_of[node] = -1  # produced "before" the first segment
+    requires_grad = requires_grad_map(traced)
+
+    g = nx.DiGraph()
+    for seg in traced.segments:
+        g.add_node(seg.index, name=seg.name, modules=list(seg.modules), num_nodes=seg.end - seg.start)
+    fwd = [0] * (n + 1)
+    bwd = [0] * (n + 1)
+    crossing: list[list[str]] = [[] for _ in range(n + 1)]
+
+    for producer, src in seg_of.items():
+        consumers = set()
+        for user in producer.users:
+            if user.op == "output":
+                consumers.add(n)  # the model output leaves from the last stage
+            elif user in seg_of:
+                consumers.add(seg_of[user])
+        consumers.discard(src)
+        if not consumers:
+            continue
+        nbytes = tensor_bytes(producer.meta.get("val"))
+        grad = nbytes if requires_grad.get(producer, False) else 0
+        last = max(consumers)
+        # The tensor is live across every cut between its producer and its last consumer.
+        for k in range(max(src, 0) + 1, min(last, n - 1) + 1):
+            fwd[k] += nbytes
+            bwd[k] += grad
+            crossing[k].append(producer.name)
+        if src >= 0:
+            for c in consumers:
+                if c < n:
+                    edge = g.get_edge_data(src, c, default=None)
+                    if edge is None:
+                        g.add_edge(src, c, bytes=0, grad_bytes=0, tensors=[])
+                        edge = g.edges[src, c]
+                    edge["bytes"] += nbytes
+                    edge["grad_bytes"] += grad
+                    edge["tensors"].append(producer.name)
+    fwd[0] = fwd[n] = bwd[0] = bwd[n] = 0
+    crossing[0], crossing[n] = [], []
+    cg = CostGraph(
+        graph=g,
+        segment_names=[s.name for s in traced.segments],
+        cut_fwd_bytes=fwd,
+        cut_bwd_bytes=bwd,
+        cut_tensors=crossing,
+        meta={"model_name": traced.model_name},
+    )
+    if costs is not None:
+        cg.attach_costs(costs)
+    return cg

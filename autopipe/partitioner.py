@@ -1,0 +1,411 @@
+"""Exact contiguous partition of segments into pipeline stages (min-max stage time).
+
+Fourth step of the data flow, as plain numbers: no torch, no graph. A
+:class:`PartitionProblem` holds, per segment, its compute time and memory, and per cut the
+communication time; :func:`solve_bottleneck` returns the cuts that minimise the heaviest
+stage's time, subject to every stage's memory limit.
+
+Cost model (per micro-batch, stage ``s`` holding segments ``i .. j-1``)::
+
+    time_s(i, j) = (C[j] - C[i]) / speed[s]  +  link_in[s](i)  +  link_out[s](j)
+    mem_s(i, j)  = (S[j] - S[i])  +  inflight[s] * (A[j] - A[i])   <=  capacity[s]
+
+with ``C``, ``S``, ``A`` prefix sums of compute seconds, static bytes (parameters, gradients,
+optimizer state) and activation bytes; ``link_*`` the time to move the tensors that cross a
+cut over the link between two neighbouring stages (forward activations plus backward
+gradients); ``inflight[s]`` the micro-batches whose activations stage ``s`` holds at its peak
+(1F1B: ``min(m, p - s)``; GPipe: ``m``).
+
+Algorithm: a parametric search on the bottleneck ``T``. For a given ``T`` the stages are
+filled left to right keeping the set of reachable cut positions; a position ``j`` is
+reachable by stage ``s`` if some reachable ``i`` lies in the memory window
+``[a_s(j), j)`` and ``C[i] - speed·link_in(i) >= C[j] + speed·(link_out(j) - T)``. The window
+maximum is a range-maximum query answered for all ``j`` at once with a sparse table, so one
+test costs ``O(p · n log n)`` numpy work. Bisection over ``T``, tightened to the bottleneck
+of each feasible partition found, converges to the optimum within ``rel_tol``. This is the
+classic "bottleneck path / linear partition" search (cf. Bokhari 1988; Pinar & Aykanat,
+"Fast optimal load balancing algorithms for 1D partitioning", JPDC 2004), extended with
+per-stage speeds, per-cut communication and memory windows.
+
+Example:
+    >>> import numpy as np
+    >>> from autopipe.partitioner import PartitionProblem, solve_bottleneck
+    >>> prob = PartitionProblem.uniform(compute_s=[1, 1, 1, 4], num_stages=2)
+    >>> solve_bottleneck(prob).cuts   # stage 0 = segments 0..2, stage 1 = segment 3
+    [3]
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import InfeasibleMemoryError
+
+__all__ = [
+    "PartitionProblem",
+    "PartitionResult",
+    "solve_bottleneck",
+    "solve_min_memory",
+    "evaluate",
+    "brute_force",
+]
+
+
+@dataclass
+class PartitionProblem:
+    """The numbers the partitioner needs, one entry per segment, cut or stage.
+
+    Attributes:
+        compute_s: (n,) forward + backward seconds of each segment on a speed-1 device.
+        static_bytes: (n,) bytes a segment pins for the whole step (params, grads, optimizer).
+        act_bytes: (n,) bytes a segment saves for backward per micro-batch.
+        cut_fwd_bytes / cut_bwd_bytes: (n+1,) bytes crossing the cut before segment k
+            (entries 0 and n are ignored).
+        num_stages: p.
+        speed: (p,) relative compute speed of the device running each stage.
+        bandwidth: (p-1,) bytes/s of the link between stage s and s+1.
+        latency_s: (p-1,) fixed cost of one message on that link.
+        inflight: (p,) micro-batches of activations stage s holds at its peak.
+        capacity_bytes: (p,) memory of each stage's device (inf = unlimited).
+    """
+
+    compute_s: np.ndarray
+    static_bytes: np.ndarray
+    act_bytes: np.ndarray
+    cut_fwd_bytes: np.ndarray
+    cut_bwd_bytes: np.ndarray
+    num_stages: int
+    speed: np.ndarray
+    bandwidth: np.ndarray
+    latency_s: np.ndarray
+    inflight: np.ndarray
+    capacity_bytes: np.ndarray
+
+    def __post_init__(self) -> None:
+        f = lambda a: np.asarray(a, dtype=np.float64)  # noqa: E731
+        self.compute_s, self.static_bytes, self.act_bytes = f(self.compute_s), f(self.static_bytes), f(self.act_bytes)
+        self.cut_fwd_bytes, self.cut_bwd_bytes = f(self.cut_fwd_bytes), f(self.cut_bwd_bytes)
+        self.speed, self.bandwidth, self.latency_s = f(self.speed), f(self.bandwidth), f(self.latency_s)
+        self.inflight, self.capacity_bytes = f(self.inflight), f(self.capacity_bytes)
+        n, p = len(self.compute_s), self.num_stages
+        if p < 1:
+            raise ValueError(f"num_stages={p} must be >= 1")
+        if p > n:
+            raise ValueError(f"num_stages={p} exceeds the {n} segments available; at most {n} stages")
+        for name, arr, size in [
+            ("static_bytes", self.static_bytes, n), ("act_bytes", self.act_bytes, n),
+            ("cut_fwd_bytes", self.cut_fwd_bytes, n + 1), ("cut_bwd_bytes", self.cut_bwd_bytes, n + 1),
+            ("speed", self.speed, p), ("bandwidth", self.bandwidth, p - 1), ("latency_s", self.latency_s, p - 1),
+            ("inflight", self.inflight, p), ("capacity_bytes", self.capacity_bytes, p),
+        ]:
+            if arr.shape != (size,):
+                raise ValueError(f"{name} must have {size} entries, got shape {arr.shape}")
+        if np.any(self.speed <= 0) or np.any(self.bandwidth <= 0):
+            raise ValueError("speed and bandwidth must be > 0")
+        if np.any(self.compute_s < 0) or np.any(self.latency_s < 0):
+            raise ValueError("compute_s and latency_s must be >= 0")
+
+    @classmethod
+    def uniform(
+        cls,
+        compute_s,
+        num_stages: int,
+        *,
+        static_bytes=None,
+        act_bytes=None,
+        cut_bytes=None,
+        bandwidth: float = float("inf"),
+        latency_s: float = 0.0,
+        inflight=None,
+        capacity_bytes: float = float("inf"),
+    ) -> "PartitionProblem":
+        """Identical devices and links; handy in tests and examples."""
+        n = len(compute_s)
+        cut = np.zeros(n + 1) if cut_bytes is None else np.asarray(cut_bytes, dtype=float)
+        return cls(
+            compute_s=compute_s,
+            static_bytes=np.zeros(n) if static_bytes is None else static_bytes,
+            act_bytes=np.zeros(n) if act_bytes is None else act_bytes,
+            cut_fwd_bytes=cut,
+            cut_bwd_bytes=np.zeros(n + 1),
+            num_stages=num_stages,
+            speed=np.ones(num_stages),
+            bandwidth=np.full(num_stages - 1, bandwidth),
+            latency_s=np.full(num_stages - 1, latency_s),
+            inflight=np.ones(num_stages) if inflight is None else inflight,
+            capacity_bytes=np.full(num_stages, capacity_bytes),
+        )
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.compute_s)
+
+    def link_s(self, link: int) -> np.ndarray:
+        """(n+1,) seconds to move every cut's tensors (both directions) over ``link``."""
+        fwd, bwd = self.cut_fwd_bytes, self.cut_bwd_bytes
+        lat = self.latency_s[link]
+        t = fwd / self.bandwidth[link] + bwd / self.bandwidth[link]
+        t = t + lat * ((fwd > 0).astype(float) + (bwd > 0).astype(float))
+        t[0] = t[-1] = 0.0
+        return t
+
+
+@dataclass
+class PartitionResult:
+    """A partition: ``cuts`` are segment indices where stages 1..p-1 begin."""
+
+    cuts: list[int]
+    stage_time_s: list[float]
+    stage_compute_s: list[float]
+    stage_comm_s: list[float]
+    stage_mem_bytes: list[float]
+    fits_memory: bool = True
+    searched: dict = field(default_factory=dict)  # iterations, tolerance: how the answer was found
+
+    @property
+    def bottleneck_s(self) -> float:
+        return max(self.stage_time_s)
+
+    @property
+    def bounds(self) -> list[tuple[int, int]]:
+        """(first, last + 1) segment range of each stage."""
+        edges = [0, *self.cuts, len(self.stage_time_s) and None]
+        return [(edges[s], edges[s + 1]) for s in range(len(self.cuts) + 1)]
+
+
+def evaluate(problem: PartitionProblem, cuts: list[int]) -> PartitionResult:
+    """Stage times and memory of the partition with the given ``cuts`` (no search).
+
+    Raises:
+        ValueError: cuts not strictly increasing inside (0, n) or not p-1 of them.
+    """
+    n, p = problem.num_segments, problem.num_stages
+    cuts = [int(c) for c in cuts]
+    if len(cuts) != p - 1 or any(b <= a for a, b in zip([0, *cuts], [*cuts, n])):
+        raise ValueError(f"cuts={cuts} must be {p - 1} strictly increasing segment indices in 1..{n - 1}")
+    C = np.concatenate([[0.0], np.cumsum(problem.compute_s)])
+    S = np.concatenate([[0.0], np.cumsum(problem.static_bytes)])
+    A = np.concatenate([[0.0], np.cumsum(problem.act_bytes)])
+    edges = [0, *cuts, n]
+    links = [problem.link_s(s) for s in range(p - 1)]
+    times, comps, comms, mems = [], [], [], []
+    for s in range(p):
+        i, j = edges[s], edges[s + 1]
+        comp = (C[j] - C[i]) / problem.speed[s]
+        comm = (links[s - 1][i] if s > 0 else 0.0) + (links[s][j] if s < p - 1 else 0.0)
+        comps.append(float(comp))
+        comms.append(float(comm))
+        times.append(float(comp + comm))
+        mems.append(float(S[j] - S[i] + problem.inflight[s] * (A[j] - A[i])))
+    fits = all(m <= c for m, c in zip(mems, problem.capacity_bytes))
+    return PartitionResult(cuts, times, comps, comms, mems, fits_memory=fits)
+
+
+# --------------------------------------------------------------------------- search
+
+
+def _range_max(values: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """max(values[lo[k] .. hi[k]]) for every k (inclusive; -inf where lo > hi), via a sparse table."""
+    out = np.full(lo.shape, -np.inf)
+    valid = lo <= hi
+    if not valid.any():
+        return out
+    lo_v, hi_v = lo[valid], hi[valid]
+    length = hi_v - lo_v + 1
+    level = np.frexp(length)[1].astype(np.int64) - 1  # floor(log2(length)), exact for integers
+    table = [values]
+    for k in range(1, int(level.max()) + 1):
+        prev, half = table[-1], 1 << (k - 1)
+        table.append(np.maximum(prev[:-half], prev[half:]))
+    if len(table) == 1:
+        res = values[lo_v]
+    else:
+        res = np.empty(len(lo_v))
+        for k, row in enumerate(table):
+            sel = level == k
+            if sel.any():
+                res[sel] = np.maximum(row[lo_v[sel]], row[hi_v[sel] - (1 << k) + 1])
+    out[valid] = res
+    return out
+
+
+class _Search:
+    """Precomputed prefix sums and windows shared by every feasibility test."""
+
+    def __init__(self, problem: PartitionProblem) -> None:
+        self.pb = problem
+        n, p = problem.num_segments, problem.num_stages
+        self.n, self.p = n, p
+        self.C = np.concatenate([[0.0], np.cumsum(problem.compute_s)])
+        S = np.concatenate([[0.0], np.cumsum(problem.static_bytes)])
+        A = np.concatenate([[0.0], np.cumsum(problem.act_bytes)])
+        links = [problem.link_s(s) for s in range(p - 1)]
+        zero = np.zeros(n + 1)
+        self.link_in = [links[s - 1] if s > 0 else zero for s in range(p)]
+        self.link_out = [links[s] if s < p - 1 else zero for s in range(p)]
+        j = np.arange(n + 1)
+        self.window_lo = []
+        for s in range(p):
+            M = S + problem.inflight[s] * A  # nondecreasing: memory is a prefix-sum difference
+            # smallest i with M[j] - M[i] <= cap  <=>  M[i] >= M[j] - cap
+            lo = np.searchsorted(M, M - problem.capacity_bytes[s] * (1 + 1e-12), side="left")
+            self.window_lo.append(np.minimum(lo, j))
+        self.j = j
+
+    def reachable(self, T: float) -> list[np.ndarray] | None:
+        """Boolean reach[s][i]: stages 0..s-1 can end exactly at cut i with every stage <= T."""
+        n, p, C, pb = self.n, self.p, self.C, self.pb
+        reach = [np.zeros(n + 1, dtype=bool)]
+        reach[0][0] = True
+        tol = 1e-12 * max(T, 1e-300)
+        for s in range(p):
+            sp = pb.speed[s]
+            starts = np.flatnonzero(reach[s])
+            a, b = int(starts[0]), int(starts[-1])
+            if a >= n:
+                return None  # every reachable cut is already at the end: no segment left
+            # Only ends j in (a, hi] can be reached; near the optimum this band is narrow,
+            # which keeps each test far below O(n) per stage.
+            hi = n if not np.isfinite(T) else min(n, int(np.searchsorted(C, C[b] + sp * T * (1 + 1e-12), side="right")) - 1)
+            hi = min(n, max(hi, a + 1))
+            js = np.arange(a + 1, hi + 1)
+            V = np.where(reach[s][a : b + 1], C[a : b + 1] - sp * self.link_in[s][a : b + 1], -np.inf)
+            lo = self.window_lo[s][js]
+            if np.isfinite(T):
+                # Links cost >= 0, so a stage ending at j cannot start before C[j] - speed*T.
+                lo = np.maximum(lo, np.searchsorted(C, C[js] - sp * T * (1 + 1e-12), side="left"))
+            lo = np.maximum(lo, a) - a
+            up = np.minimum(js - 1, b) - a
+            best = _range_max(V, lo, up)
+            need = C[js] + sp * (self.link_out[s][js] - T)
+            ok_band = np.isfinite(best) & (best >= need - sp * tol)
+            ok = np.zeros(n + 1, dtype=bool)
+            ok[js] = ok_band
+            if not ok.any():
+                return None
+            reach.append(ok)
+        return reach if reach[p][n] else None
+
+    def backtrack(self, T: float, reach: list[np.ndarray]) -> list[int]:
+        """Cuts of one partition with every stage <= T, choosing each stage as light as possible."""
+        cuts = []
+        j = self.n
+        tol = 1e-12 * max(T, 1e-300)
+        for s in range(self.p - 1, 0, -1):
+            sp = self.pb.speed[s]
+            lo = int(self.window_lo[s][j])
+            cand = np.arange(lo, j)
+            cand = cand[reach[s][cand]]
+            value = self.C[cand] - sp * self.link_in[s][cand]
+            need = self.C[j] + sp * (self.link_out[s][j] - T) - sp * tol
+            cand, value = cand[value >= need], value[value >= need]
+            # The lightest feasible stage; ties go to the latest cut for determinism.
+            i = int(cand[np.flatnonzero(value == value.max())[-1]])
+            cuts.append(i)
+            j = i
+        return cuts[::-1]
+
+
+def solve_bottleneck(problem: PartitionProblem, *, rel_tol: float = 1e-9, max_iter: int = 200) -> PartitionResult:
+    """The contiguous partition minimising the heaviest stage time within every memory limit.
+
+    Args:
+        problem: Costs per segment, cut and stage.
+
+    Keyword Args:
+        rel_tol: Stop when the optimum is bracketed within this relative gap.
+        max_iter: Safety bound on bisection steps.
+
+    Returns:
+        A :class:`PartitionResult`; ``searched`` records the iterations and the final gap.
+
+    Raises:
+        InfeasibleMemoryError: no partition fits; the message says the smallest capacity
+            (with the same ratios between devices) that would fit.
+
+    Example:
+        >>> prob = PartitionProblem.uniform(compute_s=[3, 1, 1, 1, 3], num_stages=3)
+        >>> r = solve_bottleneck(prob)
+        >>> r.cuts, r.bottleneck_s
+        ([1, 4], 3.0)
+    """
+    search = _Search(problem)
+    reach = search.reachable(float("inf"))
+    if reach is None:
+        need = solve_min_memory(problem)
+        raise InfeasibleMemoryError(
+            f"no split into {problem.num_stages} stages fits the memory given "
+            f"({_fmt_caps(problem.capacity_bytes)}); the smallest per-device memory that fits is "
+            f"{_fmt_bytes(need)} (with {problem.num_stages} stages, this schedule and optimizer). "
+            "Give more memory, more devices, a schedule that holds fewer micro-batches (1F1B), "
+            "or enable activation checkpointing.",
+            min_memory_bytes=int(np.ceil(need)),
+        )
+    hi_cuts = search.backtrack(float("inf"), reach)
+    hi = evaluate(problem, hi_cuts).bottleneck_s
+    best_cuts = hi_cuts
+    # No stage can be lighter than the ideal share of compute or the heaviest single segment.
+    lo = max(search.C[-1] / problem.speed.sum(), (problem.compute_s / problem.speed.max()).max()) * (1 - 1e-12)
+    it = 0
+    while hi - lo > rel_tol * hi and it < max_iter:
+        it += 1
+        mid = 0.5 * (lo + hi)
+        reach = search.reachable(mid)
+        if reach is None:
+            lo = mid
+        else:
+            best_cuts = search.backtrack(mid, reach)
+            hi = min(mid, evaluate(problem, best_cuts).bottleneck_s)
+    result = evaluate(problem, best_cuts)
+    result.searched = {"iterations": it, "lower": float(lo), "upper": float(hi), "rel_tol": rel_tol}
+    return result
+
+
+def solve_min_memory(problem: PartitionProblem) -> float:
+    """Smallest ``c`` such that some partition fits when every capacity is scaled to ``c·cap_s/max(cap)``.
+
+    With unlimited capacities it is the least possible peak memory of the heaviest stage.
+    """
+    n, p = problem.num_segments, problem.num_stages
+    caps = problem.capacity_bytes
+    ratio = caps / caps.max() if np.isfinite(caps).all() and caps.max() > 0 else np.ones(p)
+
+    def fits(c: float) -> bool:
+        trial = PartitionProblem(**{**problem.__dict__, "capacity_bytes": ratio * c})
+        return _Search(trial).reachable(float("inf")) is not None
+
+    S_total = float(np.sum(problem.static_bytes) + problem.inflight.max() * np.sum(problem.act_bytes))
+    lo, hi = 0.0, max(S_total / ratio.min(), 1.0)
+    for _ in range(100):
+        if hi - lo <= 1e-6 * hi:
+            break
+        mid = 0.5 * (lo + hi)
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
+
+
+def brute_force(problem: PartitionProblem) -> PartitionResult | None:
+    """The optimum by trying every set of cuts; for tests on small problems only."""
+    n, p = problem.num_segments, problem.num_stages
+    best = None
+    for cuts in itertools.combinations(range(1, n), p - 1):
+        r = evaluate(problem, list(cuts))
+        if r.fits_memory and (best is None or r.bottleneck_s < best.bottleneck_s):
+            best = r
+    return best
+
+
+def _fmt_bytes(b: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(b) < 1024 or unit == "TiB":
+            return f"{b:.1f} {unit}" if unit != "B" else f"{int(b)} B"
+        b /= 1024
+    return f"{b:.1f} TiB"
+
+
+def _fmt_caps(caps: np.ndarray) -> str:
+    vals = sorted(set(float(c) for c in caps))
+    return ", ".join(_fmt_bytes(c) for c in vals)

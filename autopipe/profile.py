@@ -1,0 +1,372 @@
+"""Measure what every segment costs: forward and backward time, parameters, activations.
+
+Third step of the data flow. :func:`profile_segments` runs each segment of a
+:class:`~autopipe.trace.TracedModel` on its own, on the target device, with the real
+tensors the previous segments produce for the example micro-batch:
+
+* forward seconds and backward seconds are *measured* (warm-up, then the median of
+  ``repeats`` runs; CUDA timings use events after a synchronisation), never guessed as 2x;
+* activation bytes are the tensors autograd saves for backward (counted with
+  ``torch.autograd.graph.saved_tensors_hooks``), parameters excluded;
+* FLOPs come from ``torch.utils.flop_counter.FlopCounterMode`` on one run.
+
+Other cost sources, for comparison or when measuring is not wanted:
+
+* ``cost="flops"``: time = counted FLOPs / the device's measured matmul throughput;
+* ``cost="params"``: the model's total FLOP time shared out in proportion to each segment's
+  parameter bytes (what "balance by parameter count" assumes).
+
+The model's parameters, buffers, gradients and RNG state are the same afterwards as before:
+backward uses ``torch.autograd.grad`` (nothing accumulates into ``.grad``), buffers mutated by
+the forward (BatchNorm statistics) are restored, and so is the RNG state.
+
+Example:
+    >>> from autopipe.models import seed_transformer
+    >>> from autopipe.trace import trace
+    >>> from autopipe.profile import profile_segments
+    >>> model, args = seed_transformer(vocab_size=100, num_layers=1, seq_len=8)
+    >>> costs = profile_segments(trace(model, args), repeats=1, warmup=0, progress=False)
+    >>> all(c.fwd_s > 0 for c in costs)
+    True
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_flatten, tree_leaves
+
+from ._progress import progress_iter
+from .costgraph import SegmentCost, requires_grad_map, tensor_bytes
+from .trace import TracedModel
+
+__all__ = ["COST_SOURCES", "profile_segments", "measure_device_flops", "resolve_device", "Timer"]
+
+#: Accepted values of the ``cost`` argument.
+COST_SOURCES = ("measured", "flops", "params")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device to profile on: the given one, else CUDA when present, else CPU.
+
+    Raises:
+        ValueError: the device string is not one torch understands, or CUDA is asked for
+            but not available.
+    """
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r} is not a torch device; use 'cpu', 'cuda' or 'cuda:N'") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available here; use device='cpu'")
+    return dev
+
+
+class Timer:
+    """Wall-clock timing that is correct on CPU and CUDA (events after a synchronisation)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def time(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+        """Run ``fn`` once; return (seconds, its result)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            result = fn()
+            end.record()
+            torch.cuda.synchronize(self.device)
+            return start.elapsed_time(end) / 1e3, result
+        t0 = time.perf_counter()
+        result = fn()
+        return time.perf_counter() - t0, result
+
+
+def measure_device_flops(device: str | torch.device | None = None, *, size: int = 1024, repeats: int = 5) -> float:
+    """Measured float32 matmul throughput of ``device`` in FLOP/s (median of ``repeats``).
+
+    Used to turn counted FLOPs into seconds (``cost="flops"``) and to compare devices.
+
+    Example:
+        >>> measure_device_flops("cpu", size=256, repeats=2) > 1e6
+        True
+    """
+    dev = resolve_device(device)
+    a = torch.randn(size, size, device=dev)
+    b = torch.randn(size, size, device=dev)
+    timer = Timer(dev)
+    timer.time(lambda: a @ b)  # warm-up: kernel selection, thread pool start
+    times = [timer.time(lambda: a @ b)[0] for _ in range(repeats)]
+    return 2.0 * size**3 / max(statistics.median(times), 1e-12)
+
+
+# --------------------------------------------------------------------------- segment graphs
+
+
+@dataclass
+class _SegmentModule:
+    module: fx.GraphModule
+    inputs: list[str]  # graph value names it reads from earlier segments / model inputs
+    outputs: list[str]  # graph value names later segments (or the model output) read
+
+
+def _segment_modules(traced: TracedModel) -> list[_SegmentModule]:
+    """One small GraphModule per segment, over the shared root (parameters are not copied)."""
+    gm = traced.graph_module
+    by_name = {n.name: n for n in gm.graph.nodes}
+    seg_of = {}
+    for seg in traced.segments:
+        for node in traced.nodes[seg.start:seg.end]:
+            seg_of[node.name] = seg.index
+    last = len(traced.segments)
+    result = []
+    for seg in traced.segments:
+        graph = fx.Graph()
+        env: dict[str, fx.Node] = {}
+        inputs: list[str] = []
+
+        def value(n: fx.Node, graph=graph, env=env, inputs=inputs) -> fx.Node:
+            if n.name in env:
+                return env[n.name]
+            if n.op == "get_attr":
+                env[n.name] = graph.get_attr(n.target)
+            else:  # produced by an earlier segment, or a model input
+                env[n.name] = graph.placeholder(n.name)
+                inputs.append(n.name)
+            return env[n.name]
+
+        for ep_node in traced.nodes[seg.start:seg.end]:
+            node = by_name[ep_node.name]
+            env[node.name] = graph.node_copy(node, lambda a: value(a))
+        outputs = []
+        for ep_node in traced.nodes[seg.start:seg.end]:
+            node = by_name[ep_node.name]
+            if any(u.op == "output" or seg_of.get(u.name, last) > seg.index for u in node.users):
+                outputs.append(node.name)
+        graph.output(tuple(env[o] for o in outputs))
+        result.append(_SegmentModule(fx.GraphModule(gm, graph), inputs, outputs))
+    return result
+
+
+# --------------------------------------------------------------------------- state keeping
+
+
+@contextmanager
+def _model_state_preserved(module: torch.nn.Module) -> Iterator[None]:
+    """Restore buffers (running statistics) and the RNG state after profiling."""
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+
+
+class _SavedBytes:
+    """Counts the bytes autograd saves for backward, skipping parameters and duplicates."""
+
+    def __init__(self, param_ptrs: set[int]) -> None:
+        self.param_ptrs = param_ptrs
+        self.seen: set[tuple[int, tuple[int, ...]]] = set()
+        self.total = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        ptr = t.data_ptr() if t.layout == torch.strided else id(t)
+        key = (ptr, tuple(t.shape))
+        if ptr not in self.param_ptrs and key not in self.seen:
+            self.seen.add(key)
+            self.total += t.numel() * t.element_size()
+        return t
+
+
+# --------------------------------------------------------------------------- profiling
+
+
+def _as_tuple(out: Any) -> tuple[Any, ...]:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def profile_segments(
+    traced: TracedModel,
+    *,
+    cost: str = "measured",
+    device: str | torch.device | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+    device_flops: float | None = None,
+    progress: bool = True,
+) -> list[SegmentCost]:
+    """Measure (or estimate) every segment's cost per micro-batch.
+
+    Args:
+        traced: The result of :func:`autopipe.trace.trace`.
+
+    Keyword Args:
+        cost: ``"measured"`` (time it), ``"flops"`` or ``"params"`` (estimate it); see the
+            module docstring.
+        device: Where to run: ``"cpu"``, ``"cuda"``, ``"cuda:1"``; default CUDA if present.
+            Each segment is copied there in turn, so the model need not fit on it whole.
+        warmup: Untimed runs before timing (measured source only).
+        repeats: Timed runs; the median is kept (measured source only).
+        device_flops: FLOP/s used to turn FLOPs into seconds; measured when omitted.
+        progress: Show a progress bar.
+
+    Returns:
+        One :class:`~autopipe.costgraph.SegmentCost` per segment, in graph order. Attach
+        them with ``build_cost_graph(traced, costs)``.
+
+    Raises:
+        ValueError: unknown ``cost``, or ``warmup``/``repeats`` out of range.
+
+    Example:
+        >>> from autopipe.models import seed_transformer
+        >>> from autopipe.trace import trace
+        >>> model, args = seed_transformer(vocab_size=100, num_layers=1, seq_len=8)
+        >>> costs = profile_segments(trace(model, args), cost="flops", progress=False)
+        >>> costs[-1].flops > 0
+        True
+    """
+    if cost not in COST_SOURCES:
+        raise ValueError(f"cost={cost!r} is not a cost source; use one of {list(COST_SOURCES)}")
+    if not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup={warmup!r} must be an integer >= 0")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r} must be an integer >= 1")
+    dev = resolve_device(device)
+    timer = Timer(dev)
+    gm = traced.graph_module
+    seg_mods = _segment_modules(traced)
+    rg_ep = requires_grad_map(traced)
+    needs_grad = {n.name: v for n, v in rg_ep.items()}
+
+    # Model inputs, by placeholder name (the exported graph's flat user inputs).
+    user_names = list(traced.exported.graph_signature.user_inputs)
+    flat_inputs, _ = tree_flatten((traced.example_args, traced.example_kwargs))
+    env: dict[str, Any] = {}
+    for name, val in zip(user_names, flat_inputs):
+        env[name] = val.to(dev) if isinstance(val, torch.Tensor) else val
+    last_use: dict[str, int] = {}
+    for k, sm in enumerate(seg_mods):
+        for name in sm.inputs:
+            last_use[name] = k
+
+    params_seen: set[int] = set()
+    costs: list[SegmentCost] = []
+    with _model_state_preserved(gm):
+        for k, sm in enumerate(progress_iter(seg_mods, "profiling segments", enabled=progress)):
+            module = sm.module
+            on_device = all(p.device == dev for p in module.parameters()) and all(
+                b.device == dev for b in module.buffers()
+            )
+            if not on_device:
+                module = copy.deepcopy(module).to(dev)  # a copy: never move the user's tensors
+            state = list(module.named_parameters()) + list(module.named_buffers())
+            # Parameters are charged where first used, so the segments add up to the model.
+            param_bytes = trainable_bytes = 0
+            src_tensors = dict(sm.module.named_parameters())
+            src_tensors.update(dict(sm.module.named_buffers()))
+            for name, t in state:
+                key = id(src_tensors.get(name, t))
+                if key not in params_seen:
+                    params_seen.add(key)
+                    param_bytes += t.numel() * t.element_size()
+                    if isinstance(t, torch.nn.Parameter) and t.requires_grad:
+                        trainable_bytes += t.numel() * t.element_size()
+            trainable = [p for _, p in module.named_parameters() if p.requires_grad]
+
+            def make_inputs() -> list[Any]:
+                vals = []
+                for name in sm.inputs:
+                    v = env[name]
+                    if isinstance(v, torch.Tensor) and needs_grad.get(name, False):
+                        v = v.detach().requires_grad_(True)
+                    vals.append(v)
+                return vals
+
+            def forward_backward(counter: _SavedBytes | None = None) -> tuple[float, float, Any]:
+                inputs = make_inputs()
+                if counter is not None:
+                    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+                        fwd_s, out = timer.time(lambda: _as_tuple(module.forward(*inputs)))
+                else:
+                    fwd_s, out = timer.time(lambda: _as_tuple(module.forward(*inputs)))
+                outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+                wrt = [v for v in inputs if isinstance(v, torch.Tensor) and v.requires_grad] + trainable
+                if not outs or not wrt:
+                    return fwd_s, 0.0, out
+                grads = [torch.ones_like(o) for o in outs]
+                bwd_s, _ = timer.time(
+                    lambda: torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+                )
+                return fwd_s, bwd_s, out
+
+            counter = _SavedBytes({p.data_ptr() for _, p in state})
+            from torch.utils.flop_counter import FlopCounterMode
+
+            with FlopCounterMode(display=False) as flop_counter:
+                _, _, out = forward_backward(counter)
+            flops = float(flop_counter.get_total_flops())
+            fwd_times, bwd_times = [], []
+            if cost == "measured":
+                for i in range(warmup + repeats):
+                    f, b, _ = forward_backward()
+                    if i >= warmup:
+                        fwd_times.append(f)
+                        bwd_times.append(b)
+            out_vals = [o.detach() if isinstance(o, torch.Tensor) else o for o in out]
+            costs.append(
+                SegmentCost(
+                    fwd_s=statistics.median(fwd_times) if fwd_times else 0.0,
+                    bwd_s=statistics.median(bwd_times) if bwd_times else 0.0,
+                    param_bytes=param_bytes,
+                    act_bytes=counter.total,
+                    out_bytes=tensor_bytes(out_vals),
+                    flops=flops,
+                    trainable_param_bytes=trainable_bytes,
+                )
+            )
+            # Hand this segment's outputs to later segments; drop values nobody needs any more.
+            for name, val in zip(sm.outputs, out_vals):
+                env[name] = val
+            for name in [n for n, last in last_use.items() if last == k]:
+                env.pop(name, None)
+            del module
+
+    if cost != "measured":
+        _estimate_times(costs, cost, device_flops if device_flops else measure_device_flops(dev))
+    return costs
+
+
+def _estimate_times(costs: list[SegmentCost], cost: str, device_flops: float) -> None:
+    """Fill fwd_s / bwd_s from FLOPs (cost="flops") or from parameter shares (cost="params")."""
+    if device_flops <= 0:
+        raise ValueError(f"device_flops={device_flops!r} must be > 0 FLOP/s")
+    # Backward of a matmul costs two matmuls (input and weight gradients): 1/3 fwd, 2/3 bwd.
+    if cost == "flops":
+        for c in costs:
+            c.fwd_s = c.flops / 3.0 / device_flops
+            c.bwd_s = 2.0 * c.flops / 3.0 / device_flops
+    else:  # "params"
+        total_s = sum(c.flops for c in costs) / device_flops
+        total_bytes = sum(c.param_bytes for c in costs) or 1
+        for c in costs:
+            share = total_s * c.param_bytes / total_bytes
+            c.fwd_s, c.bwd_s = share / 3.0, 2.0 * share / 3.0

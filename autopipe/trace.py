@@ -1,0 +1,286 @@
+"""Trace a model with torch.export and find every legal split point.
+
+This is the first step of autopipe's data flow (see ``docs/how-the-planner-decides.md``)::
+
+    model + example inputs --trace--> TracedModel --profile--> costs --> cost graph --> Plan
+
+:func:`trace` captures the model exactly as ``torch.distributed.pipelining.pipeline()``
+does (``torch.export.export`` with the same arguments), then reads the ``nn_module_stack``
+that export records on every graph node. A module is a legal split point for
+``SplitPoint.BEGINNING`` when
+
+* it is called exactly once (export marks a second call with an ``@1`` suffix), and
+* the graph nodes it produced are contiguous, so a cut before its first node separates the
+  graph into "everything before the module" and "the module and everything after".
+
+Candidates at the same graph position (``layers.1`` and ``layers.1.attention`` both start
+at the first node of the attention) are merged into one cut, named by the outermost module.
+The runs of nodes between neighbouring cuts are the *segments*: the units the profiler
+measures and the partitioner groups into stages.
+
+Example:
+    >>> import torch
+    >>> from autopipe.models import seed_transformer
+    >>> from autopipe.trace import trace
+    >>> model, args = seed_transformer(vocab_size=100, num_layers=2, seq_len=8)
+    >>> traced = trace(model, args)
+    >>> traced.split_point_names[:3]
+    ['pos_encoding', 'layers.0', 'layers.0.attention.k_linear']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.export import ExportedProgram
+
+from .errors import ModelExportError, MissingExampleInputsError
+
+__all__ = ["SplitCandidate", "Segment", "TracedModel", "trace", "resolve_example_inputs"]
+
+
+@dataclass(frozen=True)
+class SplitCandidate:
+    """A place where the pipeline may be cut: before the first graph node of ``name``.
+
+    ``aliases`` are deeper modules that start at the same node (``layers.1.attention`` for
+    ``layers.1``); cutting at any of them is the same cut.
+    """
+
+    name: str  # outermost module starting at this position; used in split_spec
+    position: int  # index into TracedModel.nodes of the first node after the cut
+    aliases: tuple[str, ...] = ()
+
+
+@dataclass
+class Segment:
+    """A run of graph nodes between two neighbouring cuts: the smallest unit of a stage."""
+
+    index: int
+    name: str  # the split point it starts at ("<input>" for the first segment)
+    start: int  # first node index (into TracedModel.nodes)
+    end: int  # one past the last node index
+    modules: list[str] = field(default_factory=list)  # modules whose nodes all lie here, outermost
+    param_names: list[str] = field(default_factory=list)  # parameters and buffers it reads
+
+
+@dataclass
+class TracedModel:
+    """The exported graph of one micro-batch and its legal split points.
+
+    Attributes:
+        exported: the ``torch.export.ExportedProgram``.
+        graph_module: ``exported.module()``; shares parameter tensors with the user's model.
+        nodes: the graph's compute nodes (``call_function``) in execution order.
+        candidates: the legal split points in graph order (no cut at position 0).
+        segments: ``len(candidates) + 1`` runs of nodes between the cuts.
+        example_args / example_kwargs: the micro-batch the model was traced with.
+    """
+
+    exported: ExportedProgram
+    graph_module: fx.GraphModule
+    nodes: list[fx.Node]
+    candidates: list[SplitCandidate]
+    segments: list[Segment]
+    example_args: tuple[Any, ...]
+    example_kwargs: dict[str, Any]
+    model_name: str = ""
+
+    @property
+    def split_point_names(self) -> list[str]:
+        """The candidate split point names in graph order (what ``split_spec`` may use)."""
+        return [c.name for c in self.candidates]
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.segments)
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def resolve_example_inputs(
+    model: torch.nn.Module,
+    example_args: Sequence[Any] | Any | None,
+    example_kwargs: Mapping[str, Any] | None,
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Return ``(args, kwargs)`` for one micro-batch, taking them from the model if omitted.
+
+    A model may carry its inputs as ``example_input_array`` (PyTorch Lightning) or
+    ``dummy_inputs`` (Hugging Face: a dict of keyword arguments).
+
+    Raises:
+        MissingExampleInputsError: none were given and the model carries none.
+    """
+    if example_args is None and example_kwargs is None:
+        carried = getattr(model, "example_input_array", None)
+        if carried is not None:
+            example_args = carried
+        else:
+            dummy = getattr(model, "dummy_inputs", None)
+            if isinstance(dummy, Mapping) and dummy:
+                example_kwargs = dict(dummy)
+                example_args = ()
+            elif dummy is not None and not isinstance(dummy, Mapping):
+                example_args = dummy
+    if example_args is None and not example_kwargs:
+        raise MissingExampleInputsError(
+            f"example_args=None and example_kwargs=None for {type(model).__name__}: autopipe needs one "
+            "micro-batch of example inputs to trace the model. Pass example_args=(x_mb,) (as mb_args "
+            "in torch's pipeline()), or give the model an `example_input_array` attribute (Lightning) "
+            "or `dummy_inputs` (Hugging Face)."
+        )
+    if example_args is None:
+        example_args = ()
+    if not isinstance(example_args, tuple):
+        example_args = tuple(example_args) if isinstance(example_args, list) else (example_args,)
+    if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
+        raise TypeError(
+            f"example_kwargs must be a dict of keyword arguments, got {type(example_kwargs).__name__}"
+        )
+    return example_args, dict(example_kwargs or {})
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ExportedProgram:
+    """``torch.export.export`` as ``pipeline()`` calls it, with a useful error when it fails."""
+    try:
+        # export prints long guard/warning logs for some models; keep the user's terminal clean.
+        with contextlib.redirect_stdout(io.StringIO()):
+            return torch.export.export(model, args, kwargs)
+    except Exception as e:  # noqa: BLE001 - re-raised with advice, cause kept
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelExportError(
+            f"torch.export could not capture {type(model).__name__} as one graph: {reason}\n"
+            "torch.distributed.pipelining needs the same capture, so autopipe cannot split this model "
+            "as it is. What to try: remove data-dependent Python control flow from forward() "
+            "(use torch.where / torch.cond), return tensors (or tuples/dicts of tensors) rather than "
+            "custom objects, make sure the example inputs match a real micro-batch, or check the "
+            "exporter's full message in the chained exception above. "
+            "See https://pytorch.org/docs/stable/export.html"
+        ) from e
+
+
+def _module_spans(nodes: list[fx.Node]) -> tuple[dict[str, list[int]], set[str]]:
+    """For every module FQN, the node indices it produced; and the FQNs called more than once."""
+    spans: dict[str, list[int]] = {}
+    called_twice: set[str] = set()
+    for i, node in enumerate(nodes):
+        stack = node.meta.get("nn_module_stack") or {}
+        for key, (fqn, _type) in stack.items():
+            if not fqn:
+                continue  # the root module
+            if "@" in key:  # export's marker for the second and later calls of a module
+                called_twice.add(fqn)
+            spans.setdefault(fqn, []).append(i)
+    return spans, called_twice
+
+
+def _find_candidates(nodes: list[fx.Node], user_fqns: set[str]) -> list[SplitCandidate]:
+    spans, called_twice = _module_spans(nodes)
+    by_position: dict[int, list[str]] = {}
+    for fqn, idx in spans.items():
+        if fqn in called_twice or fqn not in user_fqns:
+            continue
+        first, last = idx[0], idx[-1]
+        if last - first + 1 != len(idx):
+            continue  # interleaved with other code: a BEGINNING cut would not isolate it
+        if first == 0:
+            continue  # a cut before everything creates an empty stage
+        by_position.setdefault(first, []).append(fqn)
+    candidates = []
+    for pos in sorted(by_position):
+        # Outermost first (fewest dots), then alphabetical, so the choice is deterministic.
+        names = sorted(by_position[pos], key=lambda n: (n.count("."), n))
+        candidates.append(SplitCandidate(name=names[0], position=pos, aliases=tuple(names[1:])))
+    return candidates
+
+
+def _build_segments(
+    nodes: list[fx.Node], candidates: list[SplitCandidate], exported: ExportedProgram
+) -> list[Segment]:
+    bounds = [0] + [c.position for c in candidates] + [len(nodes)]
+    names = ["<input>"] + [c.name for c in candidates]
+    spans, _ = _module_spans(nodes)
+    # Map lifted placeholders (parameters, buffers, constants) back to their FQNs.
+    sig = exported.graph_signature
+    state_of: dict[str, str] = {}
+    state_of.update(sig.inputs_to_parameters)
+    state_of.update(sig.inputs_to_buffers)
+    state_of.update(getattr(sig, "inputs_to_lifted_tensor_constants", {}) or {})
+
+    segments = []
+    for k in range(len(bounds) - 1):
+        start, end = bounds[k], bounds[k + 1]
+        inside = [f for f, idx in spans.items() if start <= idx[0] and idx[-1] < end]
+        # Keep only outermost modules: drop any whose parent is also fully inside.
+        inside_set = set(inside)
+        outer = sorted(
+            (f for f in inside if not any(f.startswith(p + ".") for p in inside_set if p != f)),
+            key=lambda f: spans[f][0],
+        )
+        params: list[str] = []
+        for node in nodes[start:end]:
+            for arg in node.all_input_nodes:
+                if arg.op == "placeholder" and arg.name in state_of:
+                    fqn = state_of[arg.name]
+                    if fqn not in params:
+                        params.append(fqn)
+        segments.append(Segment(index=k, name=names[k], start=start, end=end, modules=outer, param_names=params))
+    return segments
+
+
+def trace(
+    model: torch.nn.Module,
+    example_args: Sequence[Any] | Any | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+) -> TracedModel:
+    """Export ``model`` on one micro-batch and list the legal split points and segments.
+
+    Args:
+        model: Any ``nn.Module`` that ``torch.export`` can capture. It is not modified.
+        example_args: One micro-batch of positional inputs (as ``mb_args`` of
+            ``torch.distributed.pipelining.pipeline``). May be omitted when the model carries
+            ``example_input_array`` or ``dummy_inputs``.
+        example_kwargs: One micro-batch of keyword inputs.
+
+    Returns:
+        A :class:`TracedModel`; pass it to :func:`autopipe.profile.profile_segments`.
+
+    Raises:
+        MissingExampleInputsError: no inputs given and none carried by the model.
+        ModelExportError: torch.export cannot capture the model (the exporter's reason included).
+
+    Example:
+        >>> from autopipe.models import seed_transformer
+        >>> model, args = seed_transformer(vocab_size=100, num_layers=2, seq_len=8)
+        >>> t = trace(model, args)
+        >>> "layers.1" in t.split_point_names and "out_linear" in t.split_point_names
+        True
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    args, kwargs = resolve_example_inputs(model, example_args, example_kwargs)
+    exported = _export(model, args, kwargs)
+    nodes = [n for n in exported.graph.nodes if n.op == "call_function"]
+    user_fqns = {name for name, _ in model.named_modules() if name}
+    candidates = _find_candidates(nodes, user_fqns)
+    segments = _build_segments(nodes, candidates, exported)
+    return TracedModel(
+        exported=exported,
+        graph_module=exported.module(),
+        nodes=nodes,
+        candidates=candidates,
+        segments=segments,
+        example_args=args,
+        example_kwargs=kwargs,
+        model_name=type(model).__name__,
+    )
