@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+import importlib
 import itertools
 import json
 
@@ -10,7 +11,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import autopipe.simulate as simulate_module
 from autopipe.simulate import (
     SCHEDULES,
     Action,
@@ -21,6 +21,9 @@ from autopipe.simulate import (
     stage_ranks,
     validate_schedule,
 )
+
+# The package re-exports the function `simulate`, which shadows the submodule attribute.
+simulate_module = importlib.import_module("autopipe.simulate")
 
 F_S, B_S = 1.0, 2.0  # uniform forward / backward seconds per micro-batch
 
@@ -287,12 +290,14 @@ def test_gpipe_step_is_two_flow_shops_for_any_stage_times(pipeline):
 
 @settings(max_examples=60, deadline=None)
 @given(pipelines())
-def test_1f1b_closed_form_is_exact_when_the_last_stage_is_the_bottleneck(pipeline):
-    p, m, fwd, bwd, comm = pipeline
-    fwd[-1], bwd[-1] = 4.0, 4.0  # F + B = 8 >= every other stage's
-    step = simulate(fwd, bwd, schedule="1F1B", n_microbatches=m, comm_s=comm).step_s
+def test_1f1b_closed_form_is_exact_when_the_last_stage_is_slowest_both_ways(pipeline):
+    # Zero communication, and the last stage has the largest forward AND the largest
+    # backward: it then never waits, and everything else hides under its m (F + B).
+    p, m, fwd, bwd, _ = pipeline
+    fwd[-1], bwd[-1] = max(fwd), max(bwd)
+    step = simulate(fwd, bwd, schedule="1F1B", n_microbatches=m).step_s
     per_stage = [f + b for f, b in zip(fwd, bwd)]
-    assert step == pytest.approx(sum(per_stage) + (m - 1) * max(per_stage) + 2 * sum(comm))
+    assert step == pytest.approx(sum(per_stage) + (m - 1) * max(per_stage))
 
 
 @settings(max_examples=60, deadline=None)
@@ -311,19 +316,23 @@ def test_1f1b_step_lies_between_the_proved_bounds_for_any_stage_times(pipeline):
 
 
 @pytest.mark.parametrize(
-    "fwd,bwd,m,step,closed_form",
+    "fwd,bwd,comm,m,step,closed_form",
     [
         # First stage is the bottleneck: its forwards hide in the warm-up -> shorter.
-        ([1.0, 1.0], [2.0, 1.0], 2, 7.0, 8.0),
+        ([1.0, 1.0], [2.0, 1.0], [0.0], 2, 7.0, 8.0),
         # A middle bottleneck waits for a light neighbour's round trip -> longer.
-        ([0.5, 3.0, 1.0], [4.0, 2.0, 0.5], 3, 21.5, 21.0),
+        ([0.5, 3.0, 1.0], [4.0, 2.0, 0.5], [0.0, 0.0], 3, 21.5, 21.0),
+        # The last stage ties the largest F + B without the largest B -> longer.
+        ([3.0, 0.5, 0.5, 1.5], [0.5, 3.0, 0.5, 2.0], [0.0] * 3, 5, 26.0, 25.5),
+        # Slowest last stage, but the forward it needs arrives late over the cut -> longer.
+        ([3.0, 4.0], [4.0, 4.0], [1.0], 3, 34.0, 33.0),
     ],
 )
-def test_1f1b_closed_form_is_not_exact_for_every_heterogeneous_split(fwd, bwd, m, step,
+def test_1f1b_closed_form_is_not_exact_for_every_heterogeneous_split(fwd, bwd, comm, m, step,
                                                                       closed_form):
     per_stage = [f + b for f, b in zip(fwd, bwd)]
-    assert sum(per_stage) + (m - 1) * max(per_stage) == closed_form
-    assert simulate(fwd, bwd, schedule="1F1B", n_microbatches=m).step_s == step
+    assert sum(per_stage) + (m - 1) * max(per_stage) + 2 * sum(comm) == closed_form
+    assert simulate(fwd, bwd, schedule="1F1B", n_microbatches=m, comm_s=comm).step_s == step
 
 
 # --- the Timeline ----------------------------------------------------------------------
