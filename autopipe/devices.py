@@ -1,0 +1,131 @@
+"""Devices, links and memory: what the stages run on.
+
+A :class:`Device` has a relative compute ``speed`` (1.0 = the device the profile was
+measured on), a ``memory`` capacity, and the ``bandwidth`` / ``latency_s`` of its link to
+the next device in the pipeline. Memory may be given in bytes or as a string
+(``"16GiB"``, ``"512 MB"``).
+
+Example:
+    >>> from autopipe.devices import Device, parse_bytes
+    >>> parse_bytes("16GiB")
+    17179869184
+    >>> Device(speed=2.0, memory="8GiB").memory_bytes
+    8589934592
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+__all__ = ["Device", "parse_bytes", "default_link", "OPTIMIZER_STATE_FACTORS", "optimizer_state_factor"]
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+
+
+def parse_bytes(value: int | float | str, *, name: str = "memory") -> int:
+    """Bytes from an integer or a string such as ``"16GiB"``, ``"1.5 GB"``, ``"800MiB"``.
+
+    Raises:
+        ValueError: not a positive amount with a known unit (the message names ``name``).
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is not a memory size; give bytes or a string like '16GiB'")
+    if isinstance(value, (int, float)):
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive number of bytes (or a string like '16GiB')")
+        return int(value)
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?\d+)?)\s*([A-Za-z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS:
+            amount = float(m.group(1)) * _UNITS[m.group(2).lower()]
+            if amount > 0:
+                return int(amount)
+    raise ValueError(
+        f"{name}={value!r} is not a memory size; use a positive number of bytes or a string such as "
+        "'16GiB', '512MiB', '1.5GB' (units: B, KB/MB/GB/TB powers of 1000, KiB/MiB/GiB/TiB powers of 1024)"
+    )
+
+
+#: Default link between neighbouring devices, per device type: (bytes/s, seconds per message).
+#: CPU: gloo over loopback TCP, as measured on small hosts (~1 GB/s, tens of microseconds).
+#: CUDA: a conservative PCIe-class peer link (NVLink is 10x faster: pass bandwidth= to say so).
+_DEFAULT_LINKS = {"cpu": (1e9, 50e-6), "cuda": (10e9, 20e-6)}
+
+
+def default_link(device_type: str) -> tuple[float, float]:
+    """(bandwidth bytes/s, latency s) assumed between stages when none is given."""
+    return _DEFAULT_LINKS.get(device_type, _DEFAULT_LINKS["cuda"])
+
+
+@dataclass
+class Device:
+    """One pipeline device: relative speed, memory, and its link to the next device.
+
+    Args:
+        speed: Compute speed relative to the profiled device (2.0 = twice as fast). > 0.
+        memory: Capacity in bytes or as a string ("16GiB"); None = unlimited.
+        bandwidth: Bytes/s of the link to the next device; None = the default for the type.
+        latency_s: Seconds per message on that link; None = the default.
+        name: Shown in reports.
+    """
+
+    speed: float = 1.0
+    memory: int | float | str | None = None
+    bandwidth: float | None = None
+    latency_s: float | None = None
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.speed, bool) or not isinstance(self.speed, (int, float)) or not self.speed > 0 or not math.isfinite(self.speed):
+            raise ValueError(f"Device speed={self.speed!r} must be a finite number > 0 (1.0 = the profiled device)")
+        if self.memory is not None:
+            parse_bytes(self.memory, name="Device memory")
+        if self.bandwidth is not None and not (self.bandwidth > 0):
+            raise ValueError(f"Device bandwidth={self.bandwidth!r} must be > 0 bytes/s")
+        if self.latency_s is not None and not (self.latency_s >= 0):
+            raise ValueError(f"Device latency_s={self.latency_s!r} must be >= 0 seconds")
+
+    @property
+    def memory_bytes(self) -> float:
+        """Capacity in bytes (inf when unlimited)."""
+        return float("inf") if self.memory is None else parse_bytes(self.memory, name="Device memory")
+
+
+#: Optimizer state kept per trainable parameter byte (Adam: exp_avg and exp_avg_sq).
+OPTIMIZER_STATE_FACTORS = {
+    "none": 0.0,  # inference, or state kept elsewhere
+    "sgd": 0.0,
+    "sgd_momentum": 1.0,
+    "adagrad": 1.0,
+    "rmsprop": 1.0,
+    "lion": 1.0,
+    "adam": 2.0,
+    "adamw": 2.0,
+    "adamax": 2.0,
+    "nadam": 2.0,
+    "radam": 2.0,
+}
+
+
+def optimizer_state_factor(optimizer: str | type) -> tuple[str, float]:
+    """(canonical name, state bytes per parameter byte) for an optimizer name or class.
+
+    Raises:
+        ValueError: unknown optimizer (the message lists the known ones).
+    """
+    key = optimizer.__name__ if isinstance(optimizer, type) else optimizer
+    if isinstance(key, str):
+        k = key.lower().replace("-", "_")
+        if k in OPTIMIZER_STATE_FACTORS:
+            return k, OPTIMIZER_STATE_FACTORS[k]
+    raise ValueError(
+        f"optimizer={optimizer!r} is not known; use one of {sorted(OPTIMIZER_STATE_FACTORS)} "
+        "or a torch.optim class such as torch.optim.AdamW"
+    )

@@ -1,0 +1,447 @@
+"""``autopipe.partition``: from a model to a Plan, one visible step at a time.
+
+The whole data flow of ``docs/how-the-planner-decides.md`` in one function::
+
+    trace(model, inputs)            -> TracedModel   legal split points, segments
+    profile_segments(traced)        -> [SegmentCost] measured per-segment costs
+    build_cost_graph(traced, costs) -> CostGraph     bytes crossing every cut
+    build_problem(cost_graph, ...)  -> PartitionProblem  numbers per segment/cut/stage
+    solve_bottleneck(problem)       -> PartitionResult   the exact min-max split
+    make_plan(...)                  -> Plan          split_spec, predictions, baselines
+
+Each step is importable and can be run alone in a REPL.
+
+Example:
+    >>> import autopipe
+    >>> from autopipe.models import seed_transformer
+    >>> model, args = seed_transformer(vocab_size=1000, num_layers=2, seq_len=16)
+    >>> plan = autopipe.partition(model, 2, example_args=args, progress=False, repeats=1)
+    >>> plan.num_stages, len(plan.split_spec)
+    (2, 1)
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import simulate as sim
+from .baselines import BASELINES, evaluate_baselines, layer_units
+from .costgraph import CostGraph, SegmentCost, build_cost_graph
+from .devices import Device, default_link, optimizer_state_factor, parse_bytes
+from .partitioner import PartitionProblem, PartitionResult, solve_bottleneck
+from .plan import BaselinePlan, Plan, StagePlan
+from .profile import COST_SOURCES, profile_segments, resolve_device
+from .trace import TracedModel, _module_spans, trace
+
+__all__ = ["partition", "build_problem", "make_plan", "predict_step_s", "inflight_per_stage"]
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_int(name: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+    return int(value)
+
+
+def _devices_for(
+    n_gpus: int, devices: Sequence[Device] | None, memory: Any, bandwidth: float | None, latency_s: float | None
+) -> list[Device]:
+    """One Device per pipeline rank, from ``devices`` or from the scalar options."""
+    if devices is not None:
+        devices = list(devices)
+        if len(devices) != n_gpus:
+            raise ValueError(f"devices has {len(devices)} entries but n_gpus={n_gpus}; give one Device per GPU")
+        for i, d in enumerate(devices):
+            if not isinstance(d, Device):
+                raise TypeError(f"devices[{i}]={d!r} is not an autopipe.Device")
+        if memory is not None:
+            raise ValueError("give memory either per device (Device(memory=...)) or as memory=, not both")
+        return devices
+    if bandwidth is not None and not (isinstance(bandwidth, (int, float)) and bandwidth > 0):
+        raise ValueError(f"bandwidth={bandwidth!r} must be > 0 bytes/s")
+    if latency_s is not None and not (isinstance(latency_s, (int, float)) and latency_s >= 0):
+        raise ValueError(f"latency_s={latency_s!r} must be >= 0 seconds")
+    if isinstance(memory, (list, tuple)):
+        if len(memory) != n_gpus:
+            raise ValueError(f"memory has {len(memory)} entries but n_gpus={n_gpus}; give one per GPU or a single value")
+        mems = [parse_bytes(m, name=f"memory[{i}]") for i, m in enumerate(memory)]
+    else:
+        mems = [None if memory is None else parse_bytes(memory, name="memory")] * n_gpus
+    return [Device(memory=m, bandwidth=bandwidth, latency_s=latency_s) for m in mems]
+
+
+# --------------------------------------------------------------------------- schedule facts
+
+
+def inflight_per_stage(schedule: str, n_ranks: int, n_microbatches: int, stages_per_rank: int) -> list[int]:
+    """Micro-batches whose activations each stage holds at its peak under ``schedule``.
+
+    Read from the simulated order of torch's schedule class (so 1F1B gives
+    ``min(m, p - s)`` and GPipe ``m``, as the textbook says).
+    """
+    p = n_ranks * stages_per_rank
+    timeline = sim.simulate([1.0] * p, [2.0] * p, schedule=schedule, n_microbatches=n_microbatches,
+                            stages_per_rank=stages_per_rank)
+    return [max(1, int(x)) for x in timeline.stage_peak_inflight]
+
+
+def predict_step_s(
+    fwd_s: Sequence[float], bwd_s: Sequence[float], comm_s: Sequence[float], *,
+    schedule: str, n_microbatches: int, stages_per_rank: int,
+) -> float:
+    """Predicted time of one step: the simulated makespan of ``schedule`` with these stages."""
+    return sim.simulate(list(fwd_s), list(bwd_s), schedule=schedule, n_microbatches=n_microbatches,
+                        comm_s=list(comm_s) if len(comm_s) else 0.0, stages_per_rank=stages_per_rank).step_s
+
+
+# --------------------------------------------------------------------------- problem
+
+
+def build_problem(
+    cost_graph: CostGraph,
+    traced: TracedModel,
+    *,
+    num_stages: int,
+    stage_devices: Sequence[Device],
+    inflight: Sequence[int],
+    optimizer_factor: float,
+    link_default: tuple[float, float],
+    stages_per_rank: int = 1,
+) -> PartitionProblem:
+    """Turn the cost graph into the partitioner's numbers for ``num_stages`` stages.
+
+    Static bytes of a segment = its parameters and buffers + gradients and optimizer state of
+    its trainable parameters. A parameter read by several segments (tied embeddings) is
+    replicated by torch into every stage that reads it, so the search charges it at every
+    segment that reads it (never less than the truth); the Plan's figures are exact.
+    """
+    costs = cost_graph.costs
+    if costs is None:
+        raise ValueError("the cost graph has no costs; profile it first (profile_segments)")
+    sizes = _state_sizes(traced)
+    static = []
+    for seg in traced.segments:
+        b = 0.0
+        for name in seg.param_names:  # every reader pays: torch replicates shared parameters
+            nbytes, trainable = sizes.get(name, (0, False))
+            b += nbytes + (nbytes * (1.0 + optimizer_factor) if trainable else 0.0)
+        static.append(b)
+    bw, lat = [], []
+    for s in range(num_stages - 1):
+        d = stage_devices[s]
+        bw.append(d.bandwidth if d.bandwidth is not None else link_default[0])
+        lat.append(d.latency_s if d.latency_s is not None else link_default[1])
+    return PartitionProblem(
+        compute_s=np.array([c.fwd_s + c.bwd_s for c in costs]),
+        static_bytes=np.array(static),
+        act_bytes=np.array([c.act_bytes for c in costs], dtype=float),
+        cut_fwd_bytes=np.array(cost_graph.cut_fwd_bytes, dtype=float),
+        cut_bwd_bytes=np.array(cost_graph.cut_bwd_bytes, dtype=float),
+        num_stages=num_stages,
+        speed=np.array([d.speed for d in stage_devices], dtype=float),
+        bandwidth=np.array(bw, dtype=float),
+        latency_s=np.array(lat, dtype=float),
+        inflight=np.array(inflight, dtype=float),
+        # A rank's memory is shared by its stages: each gets an equal part.
+        capacity_bytes=np.array([d.memory_bytes / stages_per_rank for d in stage_devices], dtype=float),
+    )
+
+
+def _state_sizes(traced: TracedModel) -> dict[str, tuple[int, bool]]:
+    """FQN -> (bytes, trainable) of every parameter and buffer of the traced model."""
+    gm = traced.graph_module
+    out: dict[str, tuple[int, bool]] = {}
+    for name, p in gm.named_parameters():
+        out[name] = (p.numel() * p.element_size(), p.requires_grad)
+    for name, b in gm.named_buffers():
+        out[name] = (b.numel() * b.element_size(), False)
+    for name, c in traced.exported.constants.items():
+        if isinstance(c, torch.Tensor):
+            out[name] = (c.numel() * c.element_size(), False)
+    return out
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def _stage_fqns(traced: TracedModel, start_seg: int, end_seg: int) -> list[str]:
+    """Top-most modules whose graph nodes all lie inside segments [start_seg, end_seg)."""
+    lo, hi = traced.segments[start_seg].start, traced.segments[end_seg - 1].end
+    spans, _ = _module_spans(traced.nodes)
+    inside = {f for f, idx in spans.items() if lo <= idx[0] and idx[-1] < hi}
+    outer = [f for f in inside if not any(f.startswith(p + ".") for p in inside if p != f)]
+    # A list container (layers) never runs itself; collapse complete runs of its children.
+    return sorted(outer, key=lambda f: spans[f][0])
+
+
+def _stage_records(
+    traced: TracedModel, cost_graph: CostGraph, problem: PartitionProblem, result: PartitionResult,
+    optimizer_factor: float, stage_devices: Sequence[Device], inflight: Sequence[int],
+) -> list[StagePlan]:
+    costs = cost_graph.costs or []
+    sizes = _state_sizes(traced)
+    edges = [0, *result.cuts, problem.num_segments]
+    records = []
+    for s in range(problem.num_stages):
+        i, j = edges[s], edges[s + 1]
+        speed = problem.speed[s]
+        names = []
+        for seg in traced.segments[i:j]:
+            names.extend(n for n in seg.param_names if n not in names)
+        param_bytes = sum(sizes.get(n, (0, False))[0] for n in names)
+        trainable = sum(sizes[n][0] for n in names if n in sizes and sizes[n][1])
+        act = int(sum(c.act_bytes for c in costs[i:j]))
+        static = param_bytes + trainable * (1.0 + optimizer_factor)
+        records.append(StagePlan(
+            index=s,
+            fqns=_stage_fqns(traced, i, j),
+            first_segment=i,
+            last_segment=j - 1,
+            fwd_s=float(sum(c.fwd_s for c in costs[i:j]) / speed),
+            bwd_s=float(sum(c.bwd_s for c in costs[i:j]) / speed),
+            comm_s=float(result.stage_comm_s[s]),
+            param_bytes=int(param_bytes),
+            act_bytes=act,
+            peak_bytes=int(static + inflight[s] * act),
+            send_bytes=int(cost_graph.cut_fwd_bytes[j]) if j < problem.num_segments else 0,
+            recv_bytes=int(cost_graph.cut_fwd_bytes[i]) if i > 0 else 0,
+            inflight_microbatches=int(inflight[s]),
+            device=stage_devices[s].name,
+        ))
+    return records
+
+
+def _cut_comm_s(problem: PartitionProblem, cuts: Sequence[int]) -> list[float]:
+    """One-way time of each stage boundary (the larger of activation and gradient), for the simulator."""
+    out = []
+    for s, k in enumerate(cuts):
+        nbytes = max(problem.cut_fwd_bytes[k], problem.cut_bwd_bytes[k])
+        out.append(float(nbytes / problem.bandwidth[s] + (problem.latency_s[s] if nbytes else 0.0)))
+    return out
+
+
+def _predict(problem: PartitionProblem, result: PartitionResult, costs: list[SegmentCost], *,
+             schedule: str, m: int, stages_per_rank: int) -> float:
+    edges = [0, *result.cuts, problem.num_segments]
+    fwd = [sum(c.fwd_s for c in costs[edges[s]:edges[s + 1]]) / problem.speed[s] for s in range(problem.num_stages)]
+    bwd = [sum(c.bwd_s for c in costs[edges[s]:edges[s + 1]]) / problem.speed[s] for s in range(problem.num_stages)]
+    return predict_step_s(fwd, bwd, _cut_comm_s(problem, result.cuts), schedule=schedule,
+                          n_microbatches=m, stages_per_rank=stages_per_rank)
+
+
+def make_plan(
+    traced: TracedModel,
+    cost_graph: CostGraph,
+    problem: PartitionProblem,
+    result: PartitionResult,
+    *,
+    schedule: str,
+    n_microbatches: int,
+    stages_per_rank: int,
+    optimizer: str,
+    optimizer_factor: float,
+    stage_devices: Sequence[Device],
+    inflight: Sequence[int],
+    cost_source: str,
+    device: str,
+    planner_s: float,
+    memory_limit_bytes: list[int] | None,
+) -> Plan:
+    """Assemble the Plan: split points, per-stage records, predictions and baselines."""
+    costs = cost_graph.costs or []
+    split_points = [traced.candidates[c - 1].name for c in result.cuts]
+    stages = _stage_records(traced, cost_graph, problem, result, optimizer_factor, stage_devices, inflight)
+    compute = problem.compute_s
+    lower = max(float(compute.sum() / problem.speed.sum()), float((compute / problem.speed.max()).max()))
+    predicted = _predict(problem, result, costs, schedule=schedule, m=n_microbatches, stages_per_rank=stages_per_rank)
+
+    baselines = []
+    units = layer_units(traced)
+    seg_param_bytes = np.array([c.param_bytes for c in costs], dtype=float)
+    for name, r in evaluate_baselines(units, problem, seg_param_bytes).items():
+        baselines.append(BaselinePlan(
+            name=name,
+            description=BASELINES[name],
+            split_points=[traced.candidates[c - 1].name for c in r.cuts],
+            bottleneck_s=r.bottleneck_s,
+            predicted_step_s=_predict(problem, r, costs, schedule=schedule, m=n_microbatches,
+                                      stages_per_rank=stages_per_rank),
+            peak_bytes=int(max(r.stage_mem_bytes)),
+            fits_memory=r.fits_memory,
+        ))
+    extras = {
+        "segments": [
+            {
+                "name": seg.name, "modules": seg.modules, "fwd_s": c.fwd_s, "bwd_s": c.bwd_s,
+                "param_bytes": c.param_bytes, "act_bytes": c.act_bytes, "out_bytes": c.out_bytes,
+                "flops": c.flops, "cut_fwd_bytes": cost_graph.cut_fwd_bytes[seg.index],
+                "cut_bwd_bytes": cost_graph.cut_bwd_bytes[seg.index],
+            }
+            for seg, c in zip(traced.segments, costs)
+        ],
+        "search": result.searched,
+        "links": {"bandwidth": problem.bandwidth.tolist(), "latency_s": problem.latency_s.tolist()},
+    }
+    return Plan(
+        num_stages=problem.num_stages,
+        split_points=split_points,
+        stages=stages,
+        schedule=schedule,
+        n_microbatches=n_microbatches,
+        bottleneck_s=result.bottleneck_s,
+        predicted_step_s=predicted,
+        lower_bound_s=lower,
+        baselines=baselines,
+        cost_source=cost_source,
+        objective="bottleneck",
+        device=device,
+        stages_per_rank=stages_per_rank,
+        memory_limit_bytes=memory_limit_bytes,
+        optimizer=optimizer,
+        planner_s=planner_s,
+        model_name=traced.model_name,
+        segment_names=list(cost_graph.segment_names),
+        extras=extras,
+    )
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def partition(
+    model: torch.nn.Module,
+    n_gpus: int,
+    example_args: Sequence[Any] | Any | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    schedule: str = "1F1B",
+    n_microbatches: int | None = None,
+    stages_per_rank: int | None = None,
+    memory: int | str | Sequence[int | str] | None = None,
+    devices: Sequence[Device] | None = None,
+    optimizer: str | type = "adam",
+    cost: str = "measured",
+    device: str | torch.device | None = None,
+    bandwidth: float | None = None,
+    latency_s: float | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+    progress: bool = True,
+) -> Plan:
+    """Find where to cut ``model`` into pipeline stages so the schedule runs fastest.
+
+    Traces the model with ``torch.export`` (as ``torch.distributed.pipelining.pipeline``
+    does), measures every segment between legal split points, and searches exactly for the
+    contiguous split whose heaviest stage (compute + communication) is lightest while
+    every stage fits its device's memory. The model is left exactly as it was.
+
+    Args:
+        model: Any ``nn.Module`` that ``torch.export`` can capture.
+        n_gpus: Number of pipeline ranks (devices), >= 1.
+        example_args: One micro-batch of positional inputs (``mb_args`` in torch's
+            ``pipeline()``); may be omitted if the model carries ``example_input_array``
+            or ``dummy_inputs``.
+        example_kwargs: One micro-batch of keyword inputs.
+
+    Keyword Args:
+        schedule: One of ``autopipe.SCHEDULES`` (GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
+            InterleavedZeroBubble, ZBVZeroBubble, DualPipeV); decides activation memory.
+        n_microbatches: Micro-batches per step; default ``2 * n_gpus``.
+        stages_per_rank: Stages per rank for multi-stage schedules (default: 2 for the
+            V-shaped ones, 1 otherwise). The plan has ``n_gpus * stages_per_rank`` stages.
+        memory: Memory per device in bytes or as "16GiB"; one value or one per device.
+        devices: ``[autopipe.Device(speed=..., memory=..., bandwidth=...), ...]``, one per
+            rank, for heterogeneous devices (instead of ``memory``/``bandwidth``).
+        optimizer: Optimizer whose state counts toward memory ("adam", "sgd", ... or a
+            ``torch.optim`` class).
+        cost: ``"measured"`` (default), ``"flops"`` or ``"params"``.
+        device: Device to profile on; default CUDA when present, else CPU.
+        bandwidth: Bytes/s between neighbouring devices (default: 1 GB/s on CPU,
+            10 GB/s on CUDA).
+        latency_s: Seconds per message between devices (default 50 us CPU, 20 us CUDA).
+        warmup: Untimed runs per segment before measuring.
+        repeats: Timed runs per segment; the median is kept.
+        progress: Show progress bars while profiling.
+
+    Returns:
+        A :class:`~autopipe.plan.Plan`. Use ``plan.split_spec`` with
+        ``torch.distributed.pipelining.pipeline`` or pass the plan to
+        :class:`autopipe.Pipeline`; ``print(plan.report())`` explains it.
+
+    Raises:
+        ValueError: a bad argument (named in the message), raised before any work;
+            ``n_gpus`` larger than the legal split points allow.
+        MissingExampleInputsError: no example inputs.
+        ModelExportError: the model cannot be exported (with the exporter's reason).
+        InfeasibleMemoryError: no split fits ``memory`` (the message says what would).
+
+    Example:
+        >>> import autopipe
+        >>> from autopipe.models import seed_transformer
+        >>> model, args = seed_transformer(vocab_size=2000, num_layers=2, seq_len=16)
+        >>> plan = autopipe.partition(model, 2, example_args=args, progress=False, repeats=1)
+        >>> plan.split_points[0] in {"layers.0", "layers.1", "out_linear"} or plan.split_points[0].startswith("layers.")
+        True
+    """
+    # ---- validate everything before any work
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    n_gpus = _check_int("n_gpus", n_gpus)
+    schedule = sim.canonical_schedule_name(schedule)
+    if stages_per_rank is None:
+        stages_per_rank = 2 if schedule in ("ZBVZeroBubble", "DualPipeV") else 1
+    stages_per_rank = _check_int("stages_per_rank", stages_per_rank)
+    m = 2 * n_gpus if n_microbatches is None else _check_int("n_microbatches", n_microbatches)
+    if schedule == "1F1B" and n_microbatches is None:
+        m = max(m, n_gpus)
+    sim.validate_schedule(schedule, n_gpus, m, stages_per_rank)
+    if cost not in COST_SOURCES:
+        raise ValueError(f"cost={cost!r} is not a cost source; use one of {list(COST_SOURCES)}")
+    opt_name, opt_factor = optimizer_state_factor(optimizer)
+    rank_devices = _devices_for(n_gpus, devices, memory, bandwidth, latency_s)
+    dev = resolve_device(device)
+    _check_int("warmup", warmup, 0)
+    _check_int("repeats", repeats, 1)
+
+    # ---- trace, profile, cost graph
+    traced = trace(model, example_args, example_kwargs)
+    num_stages = n_gpus * stages_per_rank
+    if num_stages > traced.num_segments:
+        raise ValueError(
+            f"n_gpus={n_gpus} x stages_per_rank={stages_per_rank} = {num_stages} stages, but "
+            f"{traced.model_name} has only {len(traced.candidates)} legal split points "
+            f"({traced.num_segments} segments); use at most {traced.num_segments} stages"
+        )
+    costs = profile_segments(traced, cost=cost, device=dev, warmup=warmup, repeats=repeats, progress=progress)
+    cost_graph = build_cost_graph(traced, costs)
+
+    # ---- search
+    ranks = sim.stage_ranks(schedule, n_gpus, stages_per_rank)
+    stage_devices = [rank_devices[r] for r in ranks]
+    inflight = inflight_per_stage(schedule, n_gpus, m, stages_per_rank)
+    problem = build_problem(
+        cost_graph, traced, num_stages=num_stages, stage_devices=stage_devices, inflight=inflight,
+        optimizer_factor=opt_factor, link_default=default_link(dev.type), stages_per_rank=stages_per_rank,
+    )
+    t0 = time.perf_counter()
+    result = solve_bottleneck(problem)
+    planner_s = time.perf_counter() - t0
+    limits = None
+    if any(math.isfinite(d.memory_bytes) for d in rank_devices):
+        limits = [int(d.memory_bytes) if math.isfinite(d.memory_bytes) else -1 for d in rank_devices]
+    return make_plan(
+        traced, cost_graph, problem, result,
+        schedule=schedule, n_microbatches=m, stages_per_rank=stages_per_rank,
+        optimizer=opt_name, optimizer_factor=opt_factor, stage_devices=stage_devices,
+        inflight=inflight, cost_source=cost, device=str(dev), planner_s=planner_s,
+        memory_limit_bytes=limits,
+    )

@@ -1,0 +1,93 @@
+"""Plain-text report of a Plan: the stages, the predictions and the baselines beside them.
+
+Example:
+    >>> from autopipe.reporting.text import format_bytes, format_seconds
+    >>> format_bytes(3 * 2**20), format_seconds(0.0123)
+    ('3.0 MiB', '12.30 ms')
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..plan import Plan
+
+__all__ = ["plan_to_text", "format_bytes", "format_seconds"]
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable bytes in powers of 1024."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def format_seconds(s: float) -> str:
+    """Seconds in the unit that reads best (s, ms, us)."""
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))  # noqa: E731
+    return [line(header), line(["-" * w for w in widths]), *[line(r) for r in rows]]
+
+
+def _modules_summary(fqns: list[str], limit: int = 4) -> str:
+    if len(fqns) <= limit:
+        return ", ".join(fqns)
+    return ", ".join(fqns[:2]) + f", ... {fqns[-1]} ({len(fqns)} modules)"
+
+
+def plan_to_text(plan: "Plan") -> str:
+    """The report printed by ``plan.report()``: every figure per micro-batch unless marked."""
+    out = [
+        f"autopipe plan for {plan.model_name or 'model'}: {plan.num_stages} stages, "
+        f"{plan.schedule} with {plan.n_microbatches} micro-batches"
+        + (f", {plan.stages_per_rank} stages per rank" if plan.stages_per_rank > 1 else ""),
+        f"costs: {plan.cost_source} on {plan.device}; optimizer state: {plan.optimizer}; "
+        f"search: exact ({plan.objective}), {format_seconds(plan.planner_s)}",
+        "",
+        "split_spec = {" + ", ".join(f'"{n}": SplitPoint.BEGINNING' for n in plan.split_points) + "}",
+        "",
+    ]
+    rows = []
+    for s in plan.stages:
+        rows.append([
+            str(s.index), _modules_summary(s.fqns), format_seconds(s.fwd_s), format_seconds(s.bwd_s),
+            format_seconds(s.comm_s), format_seconds(s.time_s), format_bytes(s.param_bytes),
+            f"{format_bytes(s.act_bytes)} x{s.inflight_microbatches}", format_bytes(s.peak_bytes),
+            format_bytes(s.send_bytes),
+        ])
+    out += _table(["stage", "modules", "fwd", "bwd", "comm", "total", "params", "activations", "peak mem", "sends"], rows)
+    out += [
+        "",
+        f"bottleneck stage: {format_seconds(plan.bottleneck_s)} per micro-batch; "
+        f"lower bound max(total/p, heaviest segment) = {format_seconds(plan.lower_bound_s)}; "
+        f"balance {plan.balance:.1%}",
+        f"predicted step: {format_seconds(plan.predicted_step_s)} (simulated {plan.schedule}, "
+        f"bubble {plan.bubble_fraction:.1%})",
+    ]
+    if plan.memory_limit_bytes:
+        out.append("memory limit per device: " + ", ".join(
+            format_bytes(m) if m >= 0 else "unlimited" for m in plan.memory_limit_bytes))
+    if plan.baselines:
+        out += ["", "the same model split the usual ways (same costs, same schedule):"]
+        rows = []
+        for b in plan.baselines:
+            speedup = b.predicted_step_s / plan.predicted_step_s if plan.predicted_step_s > 0 else float("nan")
+            rows.append([
+                b.name, ", ".join(b.split_points) or "-", format_seconds(b.bottleneck_s),
+                format_seconds(b.predicted_step_s), f"{speedup:.2f}x", format_bytes(b.peak_bytes),
+                "yes" if b.fits_memory else "NO",
+            ])
+        out += _table(["baseline", "split points", "bottleneck", "step", "autopipe faster by", "peak mem", "fits"], rows)
+        out += [f"  {b.name}: {b.description}" for b in plan.baselines]
+    return "\n".join(out)
