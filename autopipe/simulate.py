@@ -187,6 +187,55 @@ class Timeline:
         peaks = _walk_inflight(self.events, self.stage_ranks, weights=act_bytes)[0]
         return [int(p) for p in peaks]
 
+    def to_text(self, *, s_per_char: float | None = None, max_width: int = 160) -> str:
+        """A text Gantt chart: one row per rank, each action drawn as its label padded with
+        "-" to its length; "." is idle.
+
+        Labels are ``F3`` (forward of micro-batch 3; ``B``, ``I``, ``W`` for the backward
+        kinds) or, when a rank holds several stages, torch's ``2F3`` (stage 2 first).
+
+        Args:
+            s_per_char: seconds per character; None picks the shortest action's length
+                divided by the label length, so labels fit, unless the chart would then
+                be wider than ``max_width`` characters.
+            max_width: widest row allowed when ``s_per_char`` is None.
+
+        Returns:
+            The chart, one line per rank.
+
+        Raises:
+            ValueError: if ``s_per_char`` is not positive or ``max_width`` < 1.
+
+        Example:
+            >>> t = simulate([1.0, 1.0], [2.0, 2.0], schedule="1F1B", n_microbatches=4)
+            >>> print(t.to_text())
+            rank 0 |F0F1....B0--F2B1--F3B2--..B3--|
+            rank 1 |..F0B0--F1B1--F2B2--F3B3--....|
+        """
+        if s_per_char is not None and not s_per_char > 0:
+            raise ValueError(f"s_per_char must be > 0 seconds, got {s_per_char!r}")
+        if isinstance(max_width, bool) or not isinstance(max_width, int) or max_width < 1:
+            raise ValueError(f"max_width must be an int >= 1, got {max_width!r}")
+        with_stage = self.n_stages > self.n_ranks
+
+        def label(e: Event) -> str:
+            return f"{e.stage if with_stage else ''}{e.kind}{e.microbatch}"
+
+        if s_per_char is None:
+            shortest = min((e.duration_s for e in self.events if e.duration_s > 0), default=1.0)
+            s_per_char = max(shortest / (3 if with_stage else 2), self.step_s / max_width)
+        width = max(1, round(self.step_s / s_per_char))
+        rows = []
+        for rank in range(self.n_ranks):
+            cells = ["."] * width
+            for e in self.per_rank(rank):
+                first, last = round(e.start_s / s_per_char), round(e.end_s / s_per_char)
+                text = label(e)
+                for col in range(first, min(last, width)):
+                    cells[col] = text[col - first] if col - first < len(text) else "-"
+            rows.append(f"rank {rank} |{''.join(cells)}|")
+        return "\n".join(rows)
+
     def to_chrome_trace(self) -> dict[str, Any]:
         """The timeline in Chrome's trace-event JSON format, one track per rank.
 

@@ -370,6 +370,15 @@ def test_chrome_trace_has_one_complete_event_per_action_on_its_rank_track_in_us(
     assert names == ["rank 0", "rank 1"]
 
 
+def test_text_chart_draws_each_rank_with_labels_and_idle_dots():
+    chart = simulate([1.0, 1.0], [1.0, 1.0], schedule="GPipe", n_microbatches=2).to_text()
+    assert chart.splitlines() == ["rank 0 |F0F1....B0B1|", "rank 1 |..F0F1B0B1..|"]
+
+
+def test_text_chart_names_the_stage_when_a_rank_holds_several():
+    assert uniform("Interleaved1F1B", 2, 2, 2).to_text().startswith("rank 0 |0F0")
+
+
 # --- validation ------------------------------------------------------------------------
 
 
