@@ -6,6 +6,7 @@ import doctest
 import importlib
 import itertools
 import json
+import pathlib
 
 import pytest
 from hypothesis import given, settings
@@ -118,6 +119,11 @@ def test_gpipe_and_1f1b_uniform_bubble_is_p_minus_1_over_m_plus_p_minus_1(schedu
 @pytest.mark.parametrize("p,m", [(2, 2), (4, 4), (4, 9)])
 def test_1f1b_stage_s_holds_p_minus_s_microbatches_in_flight(p, m):
     assert uniform("1F1B", p, m).stage_peak_inflight == [min(m, p - s) for s in range(p)]
+
+
+def test_interleaved_with_one_stage_per_rank_holds_2_p_minus_s_minus_1_not_1f1bs_p_minus_s():
+    # torch's Interleaved1F1B warm-up is deeper than Schedule1F1B's even with v = 1.
+    assert uniform("Interleaved1F1B", 4, 8).stage_peak_inflight == [7, 5, 3, 1]
 
 
 def test_gpipe_holds_every_microbatch_in_flight_on_every_stage():
@@ -449,3 +455,14 @@ def test_validate_schedule_rejects_combinations_torch_cannot_run(args, message):
 def test_docstring_examples_run():
     result = doctest.testmod(simulate_module)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_examples_in_docs_simulator_md_print_what_they_show():
+    path = pathlib.Path(__file__).resolve().parents[1] / "docs" / "simulator.md"
+    # Drop the Markdown code fences so doctest sees each example's output end.
+    text = "\n".join(line for line in path.read_text().splitlines() if not line.startswith("```"))
+    test = doctest.DocTestParser().get_doctest(text, {}, path.name, str(path), 0)
+    runner = doctest.DocTestRunner()
+    runner.run(test)
+    results = runner.summarize(verbose=False)
+    assert results.attempted > 0 and results.failed == 0
