@@ -580,26 +580,30 @@ def _one_f_one_b_order(n_ranks: int, n_microbatches: int) -> list[list[Action]]:
 
 def _order_problems(order: list[list[Action]], ranks: list[int], n_mb: int) -> list[str]:
     """What is wrong with an order: missing/duplicate actions, stages on the wrong rank."""
+    n_stages = len(ranks)
     problems = []
     seen: dict[Action, int] = {}
     for rank, actions in enumerate(order):
         for a in actions:
-            if not (0 <= a.stage < len(ranks) and a.microbatch is not None and 0 <= a.microbatch < n_mb):
-                problems.append(f"rank {rank} runs {a}, outside {len(ranks)} stages x {n_mb} micro-batches")
+            in_range = 0 <= a.stage < n_stages and a.microbatch is not None
+            if not (in_range and 0 <= a.microbatch < n_mb):
+                problems.append(f"rank {rank} runs {a}, outside {n_stages} stages x {n_mb} "
+                                f"micro-batches")
                 continue
             if ranks[a.stage] != rank:
-                problems.append(f"rank {rank} runs {a} but stage {a.stage} belongs to rank {ranks[a.stage]}")
+                problems.append(f"rank {rank} runs {a} but stage {a.stage} belongs to rank "
+                                f"{ranks[a.stage]}")
             seen[a] = seen.get(a, 0) + 1
     for action, count in seen.items():
         if count > 1:
             problems.append(f"{action} runs {count} times")
-    for s in range(len(ranks)):
+    for s in range(n_stages):
         for i in range(n_mb):
             if Action(s, FORWARD, i) not in seen:
                 problems.append(f"{Action(s, FORWARD, i)} never runs")
             full = Action(s, FULL_BACKWARD, i) in seen
             split = (Action(s, INPUT_GRAD, i) in seen, Action(s, WEIGHT_GRAD, i) in seen)
-            if not (full and split == (False, False) or not full and split == (True, True)):
+            if split != ((False, False) if full else (True, True)):
                 problems.append(f"stage {s} micro-batch {i} needs one B or one I and one W")
     return problems
 

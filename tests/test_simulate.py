@@ -245,6 +245,20 @@ def test_each_rank_runs_its_actions_one_at_a_time_in_torchs_order(schedule, p, m
             assert after.start_s >= before.end_s - 1e-9
 
 
+def test_an_order_that_waits_on_itself_is_reported_as_a_deadlock():
+    # Rank 0 wants stage 0's backward before its forward; rank 1 waits for that forward.
+    order = [[Action(0, "B", 0), Action(0, "F", 0)], [Action(1, "F", 0), Action(1, "B", 0)]]
+    with pytest.raises(ValueError, match=r"deadlocks: rank 0 waits at 0B0, rank 1 waits at 1F0"):
+        simulate_module._place_in_time(order, [0, 1], [1.0] * 2, [1.0] * 2, [0.5] * 2, [0.0],
+                                       schedule="custom")
+
+
+def test_an_order_missing_an_action_is_reported():
+    order = [[Action(0, "F", 0), Action(0, "I", 0)]]
+    problems = simulate_module._order_problems(order, [0], 1)
+    assert problems == ["stage 0 micro-batch 0 needs one B or one I and one W"]
+
+
 # --- zero-bubble backward split --------------------------------------------------------
 
 
