@@ -383,18 +383,27 @@ def solve_min_memory(problem: PartitionProblem) -> float:
     caps = problem.capacity_bytes
     ratio = caps / caps.max() if np.isfinite(caps).all() and caps.max() > 0 else np.ones(p)
 
-    def fits(c: float) -> bool:
+    def partition_at(c: float) -> list[int] | None:
         trial = PartitionProblem(**{**problem.__dict__, "capacity_bytes": ratio * c})
-        return _Search(trial).reachable(float("inf")) is not None
+        search = _Search(trial)
+        reach = search.reachable(float("inf"))
+        return None if reach is None else search.backtrack(float("inf"), reach)
 
     S_total = float(np.sum(problem.static_bytes) + problem.inflight.max() * np.sum(problem.act_bytes))
-    lo, hi = 0.0, max(S_total / ratio.min(), 1.0)
+    lo, hi = 0.0, max(S_total / ratio.min(), 1.0) * 1.01
+    cuts = partition_at(hi)
     for _ in range(100):
-        if hi - lo <= 1e-6 * hi:
+        if hi - lo <= 1e-9 * hi:
             break
         mid = 0.5 * (lo + hi)
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-    return hi
+        found = partition_at(mid)
+        if found is None:
+            lo = mid
+        else:
+            hi, cuts = mid, found
+    # Report the memory the partition found actually needs: an exact, achievable figure.
+    mems = np.array(evaluate(problem, cuts).stage_mem_bytes)
+    return float((mems / ratio).max())
 
 
 def brute_force(problem: PartitionProblem) -> PartitionResult | None:

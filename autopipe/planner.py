@@ -335,6 +335,7 @@ def partition(
     latency_s: float | None = None,
     warmup: int = 2,
     repeats: int = 5,
+    costs: Sequence[SegmentCost] | None = None,
     progress: bool = True,
 ) -> Plan:
     """Find where to cut ``model`` into pipeline stages so the schedule runs fastest.
@@ -370,6 +371,9 @@ def partition(
         latency_s: Seconds per message between devices (default 50 us CPU, 20 us CUDA).
         warmup: Untimed runs per segment before measuring.
         repeats: Timed runs per segment; the median is kept.
+        costs: A profile to reuse (``plan.extras`` or :func:`autopipe.profile.profile_segments`
+            output, one :class:`~autopipe.costgraph.SegmentCost` per segment): skips measuring,
+            and the same costs always give the same plan.
         progress: Show progress bars while profiling.
 
     Returns:
@@ -421,8 +425,14 @@ def partition(
             f"{traced.model_name} has only {len(traced.candidates)} legal split points "
             f"({traced.num_segments} segments); use at most {traced.num_segments} stages"
         )
-    costs = profile_segments(traced, cost=cost, device=dev, warmup=warmup, repeats=repeats, progress=progress)
-    cost_graph = build_cost_graph(traced, costs)
+    if costs is None:
+        costs = profile_segments(traced, cost=cost, device=dev, warmup=warmup, repeats=repeats, progress=progress)
+    elif len(costs) != traced.num_segments:
+        raise ValueError(
+            f"costs has {len(costs)} entries but {traced.model_name} traces to {traced.num_segments} "
+            "segments; pass the profile of this model with these example inputs"
+        )
+    cost_graph = build_cost_graph(traced, list(costs))
 
     # ---- search
     ranks = sim.stage_ranks(schedule, n_gpus, stages_per_rank)

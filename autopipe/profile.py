@@ -125,6 +125,10 @@ def _segment_modules(traced: TracedModel) -> list[_SegmentModule]:
     """One small GraphModule per segment, over the shared root (parameters are not copied)."""
     gm = traced.graph_module
     by_name = {n.name: n for n in gm.graph.nodes}
+    # Unlifting may rename the model's input placeholders (input -> input_1); they keep their
+    # order, so map them back to the exported program's names, which the profiler feeds.
+    gm_inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    ep_name = dict(zip(gm_inputs, traced.exported.graph_signature.user_inputs))
     seg_of = {}
     for seg in traced.segments:
         for node in traced.nodes[seg.start:seg.end]:
@@ -143,7 +147,7 @@ def _segment_modules(traced: TracedModel) -> list[_SegmentModule]:
                 env[n.name] = graph.get_attr(n.target)
             else:  # produced by an earlier segment, or a model input
                 env[n.name] = graph.placeholder(n.name)
-                inputs.append(n.name)
+                inputs.append(ep_name.get(n.name, n.name))
             return env[n.name]
 
         for ep_node in traced.nodes[seg.start:seg.end]:

@@ -1,0 +1,27 @@
+"""Shared fixtures: small models traced once per session, so the suite stays fast."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopipe.models import seed_transformer
+from autopipe.trace import trace
+
+
+@pytest.fixture(scope="session")
+def small_transformer():
+    """The seed Transformer at test size: (model, args). Do not mutate it."""
+    return seed_transformer(vocab_size=500, d_model=32, num_heads=4, d_ff=64, num_layers=2, batch=2, seq_len=8)
+
+
+@pytest.fixture(scope="session")
+def small_traced(small_transformer):
+    model, args = small_transformer
+    return trace(model, args)
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield

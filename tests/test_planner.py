@@ -1,0 +1,192 @@
+"""autopipe.partition(): plans torch can build, better than the usual splits, clear errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.pipelining import pipeline
+
+import autopipe
+from autopipe.errors import InfeasibleMemoryError, MissingExampleInputsError, ModelExportError
+from autopipe.models import seed_transformer
+from autopipe.profile import profile_segments
+from autopipe.trace import trace
+
+FAST = dict(progress=False, warmup=0, repeats=1)
+
+
+def assert_plan_builds_and_matches(model: nn.Module, args: tuple, plan: autopipe.Plan) -> None:
+    """torch's pipeline() builds exactly plan.num_stages stages, which reproduce the model."""
+    pipe = pipeline(copy.deepcopy(model), args, split_spec=plan.split_spec)
+    assert pipe.num_stages == plan.num_stages
+    out = pipe(*args)
+    out = out[0] if isinstance(out, tuple) else out
+    with torch.no_grad():
+        expected = model(*args)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_gpus", [2, 4])
+def test_seed_transformer_plan_builds_in_torch_and_reproduces_output(small_transformer, n_gpus):
+    model, args = small_transformer
+    plan = autopipe.partition(model, n_gpus, example_args=args, **FAST)
+    assert plan.num_stages == n_gpus == len(plan.stages)
+    assert len(plan.split_spec) == n_gpus - 1
+    assert_plan_builds_and_matches(model, args, plan)
+
+
+def test_every_split_point_the_tracer_offers_builds_in_torch(small_transformer, small_traced):
+    model, args = small_transformer
+    for name in small_traced.split_point_names:
+        plan_like = type("P", (), {"split_spec": {name: autopipe.plan.SplitPoint.BEGINNING}, "num_stages": 2})
+        assert_plan_builds_and_matches(model, args, plan_like)
+
+
+def test_heavy_last_layer_is_not_split_by_equal_layers():
+    model, args = seed_transformer(vocab_size=8000, d_model=64, num_heads=4, d_ff=128, num_layers=4, batch=2, seq_len=32)
+    plan = autopipe.partition(model, 2, example_args=args, progress=False, warmup=1, repeats=3)
+    equal = plan.baseline("equal_layers")
+    assert plan.split_points != equal.split_points
+    assert plan.bottleneck_s < equal.bottleneck_s
+    assert_plan_builds_and_matches(model, args, plan)
+
+
+def test_plan_stage_records_are_complete(small_transformer):
+    model, args = small_transformer
+    plan = autopipe.partition(model, 2, example_args=args, **FAST)
+    first, last = plan.stages
+    assert "embedding" in first.fqns and "out_linear" in last.fqns
+    assert first.send_bytes == last.recv_bytes > 0
+    assert all(s.peak_bytes >= s.param_bytes > 0 for s in plan.stages)
+    assert plan.lower_bound_s <= plan.bottleneck_s
+    assert {b.name for b in plan.baselines} == {"equal_layers", "balanced_params", "block_partition"}
+    assert "split_spec" in plan.report() and "equal_layers" in plan.report()
+
+
+def test_partition_leaves_the_model_exactly_as_it_was(small_transformer):
+    model, args = small_transformer
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    forwards = {name: m.forward for name, m in model.named_modules()}
+    autopipe.partition(model, 2, example_args=args, **FAST)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert all("forward" not in vars(m) for m in model.modules())  # not wrapped like pipeline() does
+    assert {name: m.forward for name, m in model.named_modules()} == forwards
+    # and torch can still pipeline it afterwards
+    pipeline(copy.deepcopy(model), args, split_spec={"layers.1": autopipe.plan.SplitPoint.BEGINNING})
+
+
+def test_same_profile_gives_the_same_plan(small_transformer, small_traced):
+    model, args = small_transformer
+    costs = profile_segments(small_traced, **FAST)
+    a = autopipe.partition(model, 4, example_args=args, costs=costs, progress=False)
+    b = autopipe.partition(model, 4, example_args=args, costs=costs, progress=False)
+    assert a.split_points == b.split_points
+    assert a.to_dict()["stages"] == b.to_dict()["stages"]
+
+
+def test_plan_survives_save_and_load(small_transformer, tmp_path):
+    model, args = small_transformer
+    plan = autopipe.partition(model, 2, example_args=args, **FAST)
+    plan.save(tmp_path / "plan.json")
+    assert autopipe.Plan.load(tmp_path / "plan.json").split_spec == plan.split_spec
+
+
+def test_memory_limit_is_respected(small_transformer, small_traced):
+    model, args = small_transformer
+    costs = profile_segments(small_traced, **FAST)
+    free = autopipe.partition(model, 2, example_args=args, costs=costs, progress=False)
+    limit = int(max(s.peak_bytes for s in free.stages) * 0.999)
+    try:
+        tight = autopipe.partition(model, 2, example_args=args, costs=costs, memory=limit, progress=False)
+    except InfeasibleMemoryError:
+        return  # the free plan was already the smallest: nothing else to check
+    assert all(s.peak_bytes <= limit for s in tight.stages)
+    assert tight.memory_limit_bytes == [limit, limit]
+
+
+def test_impossible_memory_names_the_smallest_that_fits(small_transformer):
+    model, args = small_transformer
+    with pytest.raises(InfeasibleMemoryError, match="the smallest per-device memory that fits is") as info:
+        autopipe.partition(model, 2, example_args=args, memory="1KiB", **FAST)
+    assert info.value.min_memory_bytes > 1024
+
+
+def test_flops_and_params_cost_sources_plan_too(small_transformer):
+    model, args = small_transformer
+    for cost in ("flops", "params"):
+        plan = autopipe.partition(model, 2, example_args=args, cost=cost, progress=False)
+        assert plan.cost_source == cost and plan.num_stages == 2
+
+
+# ---- bad input: clear errors before any work
+
+
+@pytest.mark.parametrize("n_gpus", [0, -1, 1.5, "2", True])
+def test_bad_n_gpus(small_transformer, n_gpus):
+    model, args = small_transformer
+    with pytest.raises(ValueError, match=r"n_gpus=.* must be an integer >= 1"):
+        autopipe.partition(model, n_gpus, example_args=args, **FAST)
+
+
+def test_more_stages_than_split_points(small_traced, small_transformer):
+    model, args = small_transformer
+    with pytest.raises(ValueError, match=rf"only {len(small_traced.candidates)} legal split points"):
+        autopipe.partition(model, 100, example_args=args, n_microbatches=100, **FAST)
+
+
+def test_unknown_cost_source(small_transformer):
+    model, args = small_transformer
+    with pytest.raises(ValueError, match="cost='magic' is not a cost source"):
+        autopipe.partition(model, 2, example_args=args, cost="magic")
+
+
+def test_unknown_optimizer(small_transformer):
+    model, args = small_transformer
+    with pytest.raises(ValueError, match="optimizer='adamax2' is not known; use one of"):
+        autopipe.partition(model, 2, example_args=args, optimizer="adamax2")
+
+
+def test_unknown_schedule_lists_the_known_ones(small_transformer):
+    model, args = small_transformer
+    with pytest.raises(ValueError, match="valid schedules"):
+        autopipe.partition(model, 2, example_args=args, schedule="zigzag")
+
+
+@pytest.mark.parametrize("memory", ["lots", -5, "0GiB"])
+def test_bad_memory(small_transformer, memory):
+    model, args = small_transformer
+    with pytest.raises(ValueError, match="memory="):
+        autopipe.partition(model, 2, example_args=args, memory=memory)
+
+
+def test_missing_example_inputs():
+    with pytest.raises(MissingExampleInputsError):
+        autopipe.partition(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), 2)
+
+
+def test_model_that_does_not_export():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 2), nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.a(x) if x.sum() > 0 else self.b(x)
+
+    with pytest.raises(ModelExportError, match="What to try"):
+        autopipe.partition(Branchy(), 2, example_args=(torch.randn(1, 2),))
+
+
+def test_bad_arguments_fail_before_tracing(small_transformer, monkeypatch):
+    model, args = small_transformer
+
+    def must_not_trace(*a, **k):
+        raise AssertionError("traced before validating")
+
+    monkeypatch.setattr(autopipe.planner, "trace", must_not_trace)
+    with pytest.raises(ValueError, match="optimizer="):
+        autopipe.partition(model, 2, example_args=args, optimizer="nope")

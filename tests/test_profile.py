@@ -1,0 +1,76 @@
+"""profile_segments(): measured costs per segment, and the model left exactly as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from autopipe.profile import measure_device_flops, profile_segments
+from autopipe.trace import trace
+
+
+def test_every_segment_gets_positive_measured_times(small_traced):
+    costs = profile_segments(small_traced, warmup=0, repeats=1, progress=False)
+    assert len(costs) == small_traced.num_segments
+    assert all(c.fwd_s > 0 for c in costs)
+    # Segments with parameters have a backward; it is measured, not a multiple of forward.
+    with_params = [c for c in costs if c.trainable_param_bytes > 0]
+    assert with_params and all(c.bwd_s > 0 for c in with_params)
+    assert len({round(c.bwd_s / c.fwd_s, 6) for c in with_params}) > 1
+
+
+def test_parameter_bytes_add_up_to_the_model(small_transformer, small_traced):
+    model, _ = small_transformer
+    costs = profile_segments(small_traced, cost="flops", progress=False, device_flops=1e9)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total += sum(b.numel() * b.element_size() for b in model.buffers())
+    assert sum(c.param_bytes for c in costs) == total
+
+
+def test_activation_bytes_count_tensors_saved_for_backward_not_parameters():
+    lin = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    x = torch.randn(4, 16)
+    costs = profile_segments(trace(lin, (x,)), cost="flops", progress=False, device_flops=1e9)
+    # The second linear saves its 4x16 float input for the weight gradient; no 16x16 weight.
+    assert costs[1].act_bytes == 4 * 16 * 4
+
+
+def test_model_state_gradients_and_rng_are_unchanged():
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Dropout(0.5), nn.Linear(8, 2))
+    x = torch.randn(6, 8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    profile_segments(trace(model, (x,)), warmup=1, repeats=2, progress=False)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # running stats restored
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(rng, torch.get_rng_state())
+
+
+def test_flops_source_estimates_time_from_counted_flops(small_traced):
+    costs = profile_segments(small_traced, cost="flops", device_flops=1e9, progress=False)
+    head = costs[-1]
+    assert head.flops > 0
+    assert head.fwd_s + head.bwd_s == pytest.approx(head.flops / 1e9)
+
+
+def test_params_source_shares_time_by_parameter_bytes(small_traced):
+    costs = profile_segments(small_traced, cost="params", device_flops=1e9, progress=False)
+    a, b = costs[-1], max(costs[:-1], key=lambda c: c.param_bytes)
+    assert (a.fwd_s + a.bwd_s) / (b.fwd_s + b.bwd_s) == pytest.approx(a.param_bytes / b.param_bytes)
+
+
+def test_unknown_cost_source_is_rejected_before_any_work(small_traced):
+    with pytest.raises(ValueError, match=r"cost='guess' is not a cost source; use one of \['measured', 'flops', 'params'\]"):
+        profile_segments(small_traced, cost="guess")
+
+
+@pytest.mark.parametrize("kw", [{"repeats": 0}, {"warmup": -1}])
+def test_bad_repeat_counts_are_rejected(small_traced, kw):
+    with pytest.raises(ValueError, match=list(kw)[0]):
+        profile_segments(small_traced, **kw)
+
+
+def test_device_flops_is_measured():
+    assert measure_device_flops("cpu", size=128, repeats=1) > 1e6
