@@ -1,0 +1,813 @@
+"""The drop-in pipeline: plan once, build this rank's stages with torch, step torch's schedule.
+
+A training loop changes in two lines and runs under ``torchrun`` (or ``autopipe run``)::
+
+    pipe = autopipe.Pipeline(model, example_args=(x_mb,), loss_fn=loss_fn,
+                             schedule="1F1B", n_microbatches=8)
+    opt = torch.optim.AdamW(pipe.parameters())
+    for x, y in loader:
+        opt.zero_grad(); loss = pipe.step(x, target=y); opt.step()
+
+What happens, on every rank:
+
+1. **Plan.** The split comes from a :class:`~autopipe.plan.Plan` (an object or a JSON
+   file), from ``split_points`` given by hand, or from :func:`autopipe.planner.partition`
+   run once on rank 0 and broadcast - so timings measured differently on each rank can
+   never give two ranks different splits.
+2. **Build.** ``torch.distributed.pipelining.pipeline()`` cuts a private copy of the model
+   at the plan's split points; this rank keeps its stage(s): one for GPipe and 1F1B,
+   ``stages_per_rank`` looped (stage ``s`` on rank ``s % ranks``) for Interleaved1F1B,
+   LoopedBFS and InterleavedZeroBubble, two in a V for ZBVZeroBubble and DualPipeV.
+3. **Step.** torch's schedule class runs the micro-batches; autopipe only adds what a
+   drop-in needs: the mean loss on every rank, gradients of parameters shared by stages
+   on several ranks (tied embeddings) summed across them, original parameter names, and
+   clear errors before any communication.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import inspect
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..plan import Plan, StagePlan
+from ..simulate import SCHEDULES, canonical_schedule_name, schedule_class, stage_ranks, validate_schedule
+from .checkpointing import checkpoint_stage, resolve_checkpoint_stages
+from .distributed import DEFAULT_TIMEOUT_S, broadcast_object, default_device, init_distributed
+from .params import StateNames, model_state_names, shared_parameters, stage_state
+
+__all__ = ["Pipeline"]
+
+# Schedules that run exactly one stage per rank (torch's PipelineScheduleSingle).
+_SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
+# Schedules that place a rank's two stages in a V (rank r: stages r and 2 * ranks - 1 - r).
+# torch's Pipe.build_stage wires each stage's peers for the looped placement, so these get
+# a manual PipelineStage, which learns its peers from the schedule.
+_V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
+class Pipeline:
+    """A model split into pipeline stages across the ranks of a ``torch.distributed`` job.
+
+    Every rank constructs the ``Pipeline`` with the same arguments; each builds only its
+    own stage(s). The user's ``model`` is never modified: the pipeline traces and splits a
+    private copy (so the host briefly holds the model twice).
+
+    Args:
+        model: the unsplit model (on the CPU, or on this rank's device).
+
+    Keyword Args:
+        example_args: positional inputs of ONE micro-batch, as a tuple (what
+            ``pipeline()`` traces; a batch given to :meth:`step` is ``n_microbatches`` of
+            these stacked along dimension 0).
+        example_kwargs: keyword inputs of one micro-batch.
+        loss_fn: ``loss_fn(output, target) -> scalar`` for one micro-batch, averaging over
+            it (as ``nn.CrossEntropyLoss()`` does). Needed by :meth:`step` and :meth:`evaluate`.
+        plan: a :class:`~autopipe.plan.Plan` or the path of a plan JSON file. Exclusive
+            with ``split_points``.
+        split_points: module names to cut before (``["layers.1"]``), to split by hand.
+        n_stages: number of pipeline ranks; must equal the world size (the default).
+        schedule: ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``, ``"LoopedBFS"``,
+            ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"`` or ``"DualPipeV"`` (any case).
+            Default: the plan's schedule, else ``"1F1B"``.
+        n_microbatches: micro-batches per step. Default: the plan's, else
+            ``2 * n_stages`` for a hand split, else the planner's choice.
+        stages_per_rank: stages held by each rank. Default: the plan's, else 1 for GPipe
+            and 1F1B and 2 for the multi-stage schedules.
+        checkpoint_stages: activation checkpointing: False, True (every stage) or a list of
+            stage indices; a checkpointed stage recomputes its forward during backward.
+        device: where this rank runs; default CUDA ``LOCAL_RANK`` when present, else CPU.
+        timeout_s: collective timeout when the pipeline creates the process group itself.
+        planner_options: extra keyword arguments for :func:`autopipe.planner.partition`.
+
+    Raises:
+        TypeError / ValueError: for a bad argument (named in the message), a schedule name
+            that does not exist (the message lists those that do), a world size that does
+            not match the plan, or a plan whose split points the model lacks. Raised on
+            every rank before any communication.
+        RuntimeError: if no process group exists and torchrun's environment is missing.
+
+    Example:
+        >>> pipe = Pipeline(model, example_args=(x_mb,), loss_fn=loss_fn,  # doctest: +SKIP
+        ...                 schedule="1F1B", n_microbatches=8)
+        >>> loss = pipe.step(x, target=y)  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        example_args: tuple[Any, ...],
+        example_kwargs: dict[str, Any] | None = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        plan: Plan | str | os.PathLike | None = None,
+        split_points: Sequence[str] | None = None,
+        n_stages: int | None = None,
+        schedule: str | None = None,
+        n_microbatches: int | None = None,
+        stages_per_rank: int | None = None,
+        checkpoint_stages: bool | Sequence[int] = False,
+        device: torch.device | str | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        planner_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        # ---- 1. everything that can be checked alone, before joining the job
+        _check_model_and_inputs(model, example_args, example_kwargs, loss_fn)
+        plan = _load_plan(plan, split_points)
+        split_points = _check_split_points(model, split_points if plan is None else plan.split_points,
+                                           "split_points" if plan is None else "plan.split_points")
+        for arg, value in (("n_stages", n_stages), ("n_microbatches", n_microbatches),
+                           ("stages_per_rank", stages_per_rank)):
+            if value is not None:
+                _check_count(arg, value)
+        if schedule is not None:
+            schedule = canonical_schedule_name(schedule)  # lists the valid names when unknown
+        if planner_options is not None and not isinstance(planner_options, Mapping):
+            raise TypeError(f"planner_options must be a dict of keyword arguments, got {planner_options!r}")
+
+        # ---- 2. the job: rank, world size, device
+        self.rank, self.world_size = init_distributed(timeout_s=timeout_s)
+        self.device = torch.device(device) if device is not None else default_device()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # NCCL collectives use the current device
+
+        # ---- 3. settings every rank derives from its own arguments (no communication)
+        if plan is not None:
+            schedule = schedule or canonical_schedule_name(plan.schedule)
+            n_microbatches = n_microbatches or plan.n_microbatches
+            stages_per_rank = stages_per_rank or plan.stages_per_rank
+            if plan.num_stages % stages_per_rank:
+                raise ValueError(
+                    f"the plan has {plan.num_stages} stages, which is not a multiple of "
+                    f"stages_per_rank={stages_per_rank}"
+                )
+            n_ranks = plan.num_stages // stages_per_rank
+            if n_stages is not None and n_stages != n_ranks:
+                raise ValueError(
+                    f"n_stages={n_stages} but the plan runs {plan.num_stages} stages at "
+                    f"{stages_per_rank} per rank, i.e. on {n_ranks} ranks"
+                )
+        else:
+            schedule = schedule or "1F1B"
+            n_ranks = n_stages if n_stages is not None else self.world_size
+            stages_per_rank = stages_per_rank or (1 if schedule in _SINGLE_STAGE_SCHEDULES else 2)
+            if split_points is not None:
+                n_microbatches = n_microbatches or 2 * n_ranks
+                if len(split_points) + 1 != n_ranks * stages_per_rank:
+                    raise ValueError(
+                        f"split_points={list(split_points)} make {len(split_points) + 1} stages, but "
+                        f"{n_ranks} ranks x stages_per_rank={stages_per_rank} need "
+                        f"{n_ranks * stages_per_rank} (give {n_ranks * stages_per_rank - 1} split points)"
+                    )
+        if n_ranks != self.world_size:
+            raise ValueError(
+                f"the pipeline needs {n_ranks} ranks ({'the plan' if plan is not None else 'n_stages'}: "
+                f"{n_ranks * stages_per_rank} stages, {stages_per_rank} per rank) but the world "
+                f"has {self.world_size} processes; launch with --nproc {n_ranks}"
+            )
+        if n_microbatches is not None:
+            validate_schedule(schedule, n_ranks, n_microbatches, stages_per_rank)
+        if plan is None and split_points is not None:
+            plan = _plan_from_split_points(split_points, schedule, n_microbatches, stages_per_rank)
+
+        # ---- 4. one plan for all ranks
+        if plan is None:
+            plan = self._plan_on_rank0(model, example_args, example_kwargs, n_ranks, schedule,
+                                       n_microbatches, stages_per_rank, dict(planner_options or {}))
+            n_microbatches = n_microbatches or plan.n_microbatches
+            validate_schedule(schedule, n_ranks, n_microbatches, plan.stages_per_rank)
+            if plan.num_stages != n_ranks * stages_per_rank:
+                raise ValueError(
+                    f"the planner returned {plan.num_stages} stages; {n_ranks} ranks x "
+                    f"stages_per_rank={stages_per_rank} need {n_ranks * stages_per_rank}"
+                )
+        else:
+            self._check_ranks_agree(plan, schedule, n_microbatches, stages_per_rank)
+
+        self.plan: Plan = plan
+        self.schedule: str = schedule
+        self.n_microbatches: int = n_microbatches
+        self.stages_per_rank: int = stages_per_rank
+        self.num_stages: int = plan.num_stages
+        #: ``stage_ranks[s]`` is the rank that runs stage ``s``.
+        self.stage_ranks: list[int] = stage_ranks(schedule, n_ranks, stages_per_rank)
+        #: The stages this rank runs, in pipeline order.
+        self.stage_indices: list[int] = [s for s, r in enumerate(self.stage_ranks) if r == self.rank]
+        self.has_first_stage: bool = 0 in self.stage_indices
+        self.has_last_stage: bool = self.num_stages - 1 in self.stage_indices
+        self.training: bool = model.training
+        self._loss_fn = loss_fn
+        self._example = (tuple(example_args), dict(example_kwargs or {}))
+        checkpointed = resolve_checkpoint_stages(checkpoint_stages, self.num_stages)
+
+        # ---- 5. build this rank's stages from a private copy of the model
+        self._build(model, checkpointed)
+
+    # ------------------------------------------------------------------ building
+    def _plan_on_rank0(self, model, example_args, example_kwargs, n_ranks, schedule,
+                       n_microbatches, stages_per_rank, options) -> Plan:
+        """Rank 0 runs the planner; every rank receives its plan, or its error."""
+        outcome: tuple[str, Any] | None = None
+        if self.rank == 0:
+            try:
+                from ..planner import partition  # the planner is optional until it is installed
+
+                options.setdefault("device", self.device)  # measure where the stages will run
+                found = partition(model, n_ranks, example_args=example_args, example_kwargs=example_kwargs,
+                                  schedule=schedule, n_microbatches=n_microbatches,
+                                  stages_per_rank=stages_per_rank, **options)
+                outcome = ("ok", found.to_dict())
+            except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+                error = e
+                outcome = ("error", f"{type(e).__name__}: {e}")
+        outcome = broadcast_object(outcome, src=0, device=self._comm_device())
+        if outcome[0] == "error":
+            if self.rank == 0:
+                raise error
+            raise RuntimeError(f"planning failed on rank 0, so no rank can build its stages: {outcome[1]}")
+        return Plan.from_dict(outcome[1])
+
+    def _check_ranks_agree(self, plan: Plan, schedule: str, n_microbatches: int, stages_per_rank: int) -> None:
+        """Every rank must run the same split and schedule; otherwise all raise the same error."""
+        key = repr((plan.split_points, plan.num_stages, schedule, n_microbatches, stages_per_rank))
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        digests: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(digests, digest)
+        if len(set(digests)) > 1:
+            groups = {d: [r for r, x in enumerate(digests) if x == d] for d in set(digests)}
+            raise ValueError(
+                f"ranks were given different plans or settings (split points, schedule, "
+                f"n_microbatches, stages_per_rank); ranks agreeing with each other: "
+                f"{sorted(groups.values())}. Give every rank the same plan file."
+            )
+
+    def _build(self, model: nn.Module, checkpointed: list[int]) -> None:
+        local_model = copy.deepcopy(model)
+        self._names: StateNames = model_state_names(local_model)
+        split_spec = {name: SplitPoint.BEGINNING for name in self.plan.split_points}
+        train_pipe = _split(local_model, split_spec, self._example, training=True, expected=self.num_stages)
+        eval_pipe = None
+        if _has_mode_dependent_modules(local_model):
+            # torch.export bakes train/eval behaviour (dropout, batch-norm statistics) into the
+            # graph, so inference in eval mode needs its own trace over the same tensors.
+            eval_pipe = _split(local_model, split_spec, self._example, training=False, expected=self.num_stages)
+
+        # What each stage uses, under the original names: every rank computes it for every
+        # stage, so all ranks agree on which parameters are shared and by whom.
+        all_states = [stage_state(train_pipe.get_stage_module(s), self._names) for s in range(self.num_stages)]
+        held = set().union(*all_states)
+        # Tensors no stage reads (unused modules) still belong in a full checkpoint.
+        self._unheld_state = {
+            canon: tensor.detach().cpu().clone()
+            for key in self._names.state_dict_keys
+            if (canon := self._names.canonical.get(key, key)) not in held
+            for tensor in [local_model.get_parameter(canon) if canon in self._names.parameter_names
+                           else local_model.get_buffer(canon)]
+        }
+
+        # This rank's stages, on its device; build_stage also rewrites device constants.
+        self._train_modules: dict[int, nn.Module] = {}
+        self._train_stages = []
+        for s in self.stage_indices:
+            built = train_pipe.build_stage(s, self.device)
+            self._train_modules[s] = built.submod
+            self._train_stages.append(built)
+        # One tensor per original name on this rank: a tied parameter used by two local
+        # stages (V schedules put the first and last stage on rank 0) becomes one Parameter.
+        self._state: dict[str, torch.Tensor] = {}
+        for s in self.stage_indices:
+            for canon, (local_name, _) in stage_state(self._train_modules[s], self._names).items():
+                if canon in self._state:
+                    _set_tensor(self._train_modules[s], local_name, self._state[canon])
+                else:
+                    self._state[canon] = self._train_modules[s].get_parameter(local_name) \
+                        if canon in self._names.parameter_names else self._train_modules[s].get_buffer(local_name)
+        self._eval_modules = self._train_modules
+        if eval_pipe is not None:
+            self._eval_modules = {}
+            for s in self.stage_indices:
+                module = eval_pipe.build_stage(s, self.device).submod
+                for canon, (local_name, _) in stage_state(module, self._names).items():
+                    _set_tensor(module, local_name, self._state[canon])
+                module.eval()
+                self._eval_modules[s] = module
+        for s in checkpointed:
+            if s in self._train_modules:
+                checkpoint_stage(self._train_modules[s])
+        if self.schedule in _V_SCHEDULES:
+            self._train_stages = [self._manual_stage(s, self._train_modules[s]) for s in self.stage_indices]
+        for module in self._train_modules.values():
+            module.train(self.training)
+
+        # Parameters held on several ranks: their gradients are summed after each backward.
+        # new_group is collective: every rank creates every group, in the same order.
+        self._shared: list[tuple[list[str], Any]] = []
+        stage_params = [[c for c in st if c in self._names.parameter_names] for st in all_states]
+        for ranks, names in shared_parameters(stage_params, self.stage_ranks):
+            group = None if len(ranks) == self.world_size else dist.new_group(list(ranks))
+            if self.rank in ranks:
+                self._shared.append((names, group))
+
+        self._train_schedule = None
+        if self._loss_fn is not None:
+            self._train_schedule = self._make_schedule(self._train_stages, _MicrobatchMeanLoss(self._loss_fn, self.n_microbatches))
+        self._inference: dict[tuple[bool, bool], Any] = {}  # (training, with_loss) -> schedule
+
+    def _manual_stage(self, stage_index: int, module: nn.Module) -> PipelineStage:
+        # PipelineStage asks its schedule which rank runs each neighbour, so V placement works.
+        return PipelineStage(module, stage_index, self.num_stages, self.device)
+
+    def _make_schedule(self, stages: list, loss_fn: Callable | None):
+        cls = schedule_class(self.schedule)
+        kwargs: dict[str, Any] = {"loss_fn": loss_fn}
+        # The loss is already divided by n_microbatches (see _MicrobatchMeanLoss), so torch
+        # must not divide the gradients again - its division would also hit gradients
+        # accumulated over earlier steps.
+        if "scale_grads" in inspect.signature(cls.__init__).parameters:
+            kwargs["scale_grads"] = False
+        first = stages[0] if self.schedule in _SINGLE_STAGE_SCHEDULES else stages
+        return cls(first, self.n_microbatches, **kwargs)
+
+    def _inference_schedule(self, *, with_loss: bool):
+        """The schedule that runs inference in the current mode, built on first use."""
+        key = (self.training, with_loss)
+        if key not in self._inference:
+            modules = self._train_modules if self.training else self._eval_modules
+            if self.schedule in _V_SCHEDULES:
+                stages = [self._manual_stage(s, modules[s]) for s in self.stage_indices]
+                # See _run_inference: V schedules always run their backward actions.
+                loss = _MicrobatchMeanLoss(self._loss_fn, self.n_microbatches) if with_loss else _zero_loss
+            else:
+                # Fresh stage objects: a schedule keeps per-stage communication state that
+                # a forward-only run would overwrite for the training schedule.
+                stages = [_rewrap_stage(st, modules[st.stage_index]) for st in self._train_stages]
+                loss = _MicrobatchMeanLoss(self._loss_fn, self.n_microbatches) if with_loss else None
+            self._inference[key] = self._make_schedule(stages, loss)
+        return self._inference[key]
+
+    def _run_inference(self, args: tuple, kwargs: dict, target: Any, *, with_loss: bool) -> tuple[Any, list]:
+        """Forward every micro-batch without training; return the merged output and the losses."""
+        schedule = self._inference_schedule(with_loss=with_loss)
+        if target is None and self.schedule in _V_SCHEDULES:
+            target = torch.zeros(self.n_microbatches)  # what _zero_loss ignores, one per micro-batch
+        stage_args, stage_kwargs, stage_target = self._place(args, kwargs, target)
+        losses: list[torch.Tensor] = []
+        if self.schedule not in _V_SCHEDULES:
+            with torch.no_grad():
+                output = schedule.eval(*stage_args, target=stage_target, losses=losses, **stage_kwargs)
+            return output, losses
+        # torch's ZBVZeroBubble and DualPipeV run their backward actions even in eval() and
+        # fail there, and no forward-only torch schedule places stages in a V. So inference
+        # runs a training step of the same schedule and puts every gradient back as it was:
+        # correct, at the price of a backward pass.
+        params = {id(p): p for m in (*self._train_modules.values(), *self._eval_modules.values())
+                  for p in m.parameters()}
+        saved = [(p, p.grad) for p in params.values()]
+        for p, _ in saved:
+            p.grad = None
+        try:
+            with torch.enable_grad():
+                output = schedule.step(*stage_args, target=stage_target, losses=losses, **stage_kwargs)
+        finally:
+            for p, grad in saved:
+                p.grad = grad
+        return (output.detach() if isinstance(output, torch.Tensor) else output), losses
+
+    def _comm_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    # ------------------------------------------------------------------ running
+    def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
+        """Run one training step (forward and backward of every micro-batch); return the mean loss.
+
+        Every rank calls it with the same batch. Gradients accumulate into the local
+        stages' parameters as with ``loss.backward()``; call the optimizer afterwards.
+
+        Args:
+            *args: the model's positional inputs for the whole batch
+                (``n_microbatches`` micro-batches stacked along dimension 0).
+            target: what ``loss_fn`` compares the output with, for the whole batch.
+            **kwargs: the model's keyword inputs for the whole batch.
+
+        Returns:
+            The mean of the micro-batches' losses, a detached scalar tensor, on every rank.
+
+        Raises:
+            ValueError: if the batch does not split into ``n_microbatches`` micro-batches
+                shaped like ``example_args``, or ``target`` is missing (before any
+                communication).
+            RuntimeError: if the pipeline has no ``loss_fn``, or is in eval mode.
+
+        Example:
+            >>> opt.zero_grad(); loss = pipe.step(x, target=y); opt.step()  # doctest: +SKIP
+        """
+        if self._train_schedule is None:
+            raise RuntimeError("step() trains and needs a loss; construct the Pipeline with loss_fn=...")
+        if not self.training:
+            raise RuntimeError("step() trains, but the pipeline is in eval mode; call pipe.train() first")
+        self._check_batch(args, kwargs, target, need_target=True)
+        before = [[self._state[n].grad.clone() if self._state[n].grad is not None else None for n in names]
+                  for names, _ in self._shared]
+        losses: list[torch.Tensor] = []
+        stage_args, stage_kwargs, stage_target = self._place(args, kwargs, target)
+        self._train_schedule.step(*stage_args, target=stage_target, losses=losses, **stage_kwargs)
+        loss = self._share_loss(losses)
+        self._sum_shared_grads(before)
+        return loss
+
+    def evaluate(self, *args: Any, target: Any, **kwargs: Any) -> torch.Tensor:
+        """Forward only, in the current mode; return the mean loss on every rank.
+
+        Args:
+            *args, **kwargs: the model's inputs for the whole batch.
+            target: what ``loss_fn`` compares the output with.
+
+        Returns:
+            The mean micro-batch loss, a scalar tensor, on every rank.
+
+        Raises:
+            ValueError: for a batch that does not split into the micro-batches.
+            RuntimeError: if the pipeline has no ``loss_fn``.
+
+        Example:
+            >>> pipe.eval(); val_loss = pipe.evaluate(x, target=y)  # doctest: +SKIP
+        """
+        if self._loss_fn is None:
+            raise RuntimeError("evaluate() needs a loss; construct the Pipeline with loss_fn=...")
+        self._check_batch(args, kwargs, target, need_target=True)
+        _, losses = self._run_inference(args, kwargs, target, with_loss=True)
+        return self._share_loss(losses)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Inference in the current mode: the merged output on the last stage's rank.
+
+        With ZBVZeroBubble and DualPipeV, which torch cannot run forward-only, this costs a
+        backward pass too (gradients are left as they were).
+
+        Args:
+            *args, **kwargs: the model's inputs for the whole batch.
+
+        Returns:
+            The model's output for the whole batch (detached) on the rank that runs the
+            last stage, None on the other ranks.
+
+        Raises:
+            ValueError: for a batch that does not split into the micro-batches.
+
+        Example:
+            >>> pipe.eval(); logits = pipe(x)  # doctest: +SKIP
+        """
+        self._check_batch(args, kwargs, None, need_target=False)
+        output, _ = self._run_inference(args, kwargs, None, with_loss=False)
+        return output if self.has_last_stage else None
+
+    __call__ = forward
+
+    def _check_batch(self, args: tuple, kwargs: dict, target: Any, *, need_target: bool) -> None:
+        """Each rank checks the batch it was given, so a bad batch fails everywhere, silently nowhere."""
+        m = self.n_microbatches
+        example_args, example_kwargs = self._example
+        if len(args) != len(example_args) or set(kwargs) != set(example_kwargs):
+            raise ValueError(
+                f"the batch has {len(args)} positional and keyword inputs {sorted(kwargs)}, but the "
+                f"pipeline was traced with {len(example_args)} positional and {sorted(example_kwargs)}"
+            )
+        given, _ = tree_flatten((args, kwargs))
+        examples, _ = tree_flatten((example_args, example_kwargs))
+        for i, (x, ex) in enumerate(zip(given, examples)):
+            if not isinstance(ex, torch.Tensor) or ex.dim() == 0:
+                continue
+            expected = (ex.shape[0] * m, *ex.shape[1:])
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != expected:
+                shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(
+                    f"input {i} of the batch has shape {shape}, which does not split into "
+                    f"n_microbatches={m} micro-batches shaped like the example {tuple(ex.shape)}; "
+                    f"pass a batch of shape {expected}"
+                )
+        if need_target:
+            if target is None:
+                raise ValueError("target=None: pass target=... for loss_fn(output, target)")
+            for t in tree_flatten(target)[0]:
+                if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] % m):
+                    raise ValueError(
+                        f"target has shape {tuple(t.shape)}, whose first dimension does not split "
+                        f"into n_microbatches={m} equal micro-batches"
+                    )
+
+    def _place(self, args: tuple, kwargs: dict, target: Any) -> tuple[tuple, dict, Any]:
+        """Inputs go to the first stage's rank, targets to the last's, on their device."""
+        def to_device(t):
+            return t.to(self.device, non_blocking=True) if isinstance(t, torch.Tensor) else t
+        stage_args, stage_kwargs = ((), {})
+        if self.has_first_stage:
+            stage_args, stage_kwargs = tree_map(to_device, (tuple(args), dict(kwargs)))
+        stage_target = tree_map(to_device, target) if self.has_last_stage and target is not None else None
+        return stage_args, stage_kwargs, stage_target
+
+    def _share_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """Sum of the (already divided) micro-batch losses, sent from the last stage to all ranks."""
+        device = self._comm_device()
+        if self.has_last_stage:
+            loss = torch.stack([l.detach().float() for l in losses]).sum().to(device)
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=device)
+        dist.broadcast(loss, src=self.stage_ranks[-1])
+        return loss
+
+    def _sum_shared_grads(self, before: list[list[torch.Tensor | None]]) -> None:
+        """Sum this step's gradients of parameters held on several ranks, across those ranks.
+
+        Only the step's own contribution is summed (gradient minus what was there before),
+        so gradients accumulated over several steps stay right.
+        """
+        for (names, group), previous in zip(self._shared, before):
+            params = [self._state[n] for n in names]
+            deltas = []
+            for p, prev in zip(params, previous):
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                deltas.append((g - prev if prev is not None else g).reshape(-1))
+            flat = torch.cat(deltas)
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for p, prev in zip(params, previous):
+                chunk = flat[offset: offset + p.numel()].view_as(p)
+                offset += p.numel()
+                p.grad = chunk.clone() if prev is None else prev + chunk
+
+    # ------------------------------------------------------------------ nn.Module-like surface
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the original model's names (one entry per tensor).
+
+        Returns:
+            ``[(name, parameter), ...]`` in pipeline order.
+
+        Example:
+            >>> dict(pipe.named_parameters())["layers.1.ffn.fc1.weight"]  # doctest: +SKIP
+        """
+        return [(n, t) for n, t in self._state.items() if n in self._names.parameter_names]
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters, each once: hand them to the optimizer.
+
+        Example:
+            >>> opt = torch.optim.AdamW(pipe.parameters())  # doctest: +SKIP
+        """
+        return [p for _, p in self.named_parameters()]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of this rank's parameters, as ``nn.Module.zero_grad``."""
+        for p in self.parameters():
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
+
+    def train(self, mode: bool = True) -> "Pipeline":
+        """Switch to training (``mode=True``) or evaluation behaviour; returns the pipeline.
+
+        Example:
+            >>> pipe.train()  # doctest: +SKIP
+        """
+        if not isinstance(mode, bool):
+            raise TypeError(f"mode must be a bool, got {mode!r}")
+        self.training = mode
+        for module in self._train_modules.values():
+            module.train(mode)
+        return self
+
+    def eval(self) -> "Pipeline":
+        """Switch to evaluation behaviour (no dropout, frozen batch-norm statistics).
+
+        Example:
+            >>> pipe.eval(); logits = pipe(x)  # doctest: +SKIP
+        """
+        return self.train(False)
+
+    @property
+    def stage_modules(self) -> dict[int, nn.Module]:
+        """This rank's stage modules (training trace), by stage index."""
+        return dict(self._train_modules)
+
+    # ------------------------------------------------------------------ state dicts
+    def state_dict(self, *, full: bool = False) -> dict[str, torch.Tensor]:
+        """The parameters and persistent buffers under the original model's names.
+
+        Args:
+            full: False: this rank's tensors only (save one file per rank). True: the whole
+                model, gathered to every rank on the CPU, with every key of the unsplit
+                model's ``state_dict()`` (tied aliases included) - load it with
+                ``model.load_state_dict``. Collective: every rank must call it.
+
+        Returns:
+            ``{name: tensor}``; the local form holds detached views of the live tensors,
+            the full form CPU copies.
+
+        Example:
+            >>> model.load_state_dict(pipe.state_dict(full=True))  # doctest: +SKIP
+        """
+        local = {n: t.detach() for n, t in self._state.items() if n in self._names.canonical}
+        if not full:
+            return local
+        gathered: list[dict[str, torch.Tensor] | None] = [None] * self.world_size
+        dist.all_gather_object(gathered, {n: t.cpu().clone() for n, t in local.items()})
+        merged: dict[str, torch.Tensor] = dict(self._unheld_state)
+        for part in gathered:
+            for n, t in part.items():
+                merged.setdefault(n, t)
+        return {key: merged[self._names.canonical.get(key, key)] for key in self._names.state_dict_keys}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
+        """Copy values into this rank's parameters and buffers from a full or per-rank state dict.
+
+        Keys are the original model's names; any alias of a tied tensor will do. Each rank
+        takes what it holds and ignores the rest, so the same full dict can be given to
+        every rank. No communication.
+
+        Args:
+            state_dict: ``model.state_dict()`` of the unsplit model, ``pipe.state_dict(full=True)``
+                or this rank's ``pipe.state_dict()``.
+            strict: raise if a tensor of this rank is missing or a key is not a name of the
+                model.
+
+        Raises:
+            KeyError: (strict) names missing or unknown, listed.
+            ValueError: a shape differs from the model's.
+
+        Example:
+            >>> pipe.load_state_dict(torch.load("model.pt"))  # doctest: +SKIP
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
+        unknown = sorted(k for k in state_dict if k not in self._names.canonical)
+        by_canon: dict[str, torch.Tensor] = {}
+        for key, value in state_dict.items():
+            if key in self._names.canonical:
+                by_canon.setdefault(self._names.canonical[key], value)
+        missing = sorted(n for n in self._state if n not in by_canon)
+        if strict and (unknown or missing):
+            raise KeyError(f"load_state_dict(strict=True): missing names {missing}, unknown names {unknown}")
+        for name, tensor in self._state.items():
+            if name in by_canon:
+                value = by_canon[name]
+                if tuple(value.shape) != tuple(tensor.shape):
+                    raise ValueError(f"{name!r} has shape {tuple(value.shape)} in state_dict but "
+                                     f"{tuple(tensor.shape)} in the model")
+                tensor.copy_(value)
+
+    def __repr__(self) -> str:
+        return (f"Pipeline(rank {self.rank}/{self.world_size}, stages {self.stage_indices} of "
+                f"{self.num_stages}, split at {self.plan.split_points}, {self.schedule} x"
+                f"{self.n_microbatches} micro-batches, device {self.device})")
+
+
+# ---------------------------------------------------------------------- helpers
+class _MicrobatchMeanLoss:
+    """The user's per-micro-batch loss divided by the number of micro-batches.
+
+    Summed over the micro-batches this is the batch's mean loss, and its gradients are
+    those of the batch mean - without torch rescaling gradients after the step.
+    """
+
+    def __init__(self, loss_fn: Callable, n_microbatches: int) -> None:
+        self.loss_fn = loss_fn
+        self.n_microbatches = n_microbatches
+
+    def __call__(self, output: Any, target: Any, **kwargs: Any) -> torch.Tensor:
+        return self.loss_fn(output, target, **kwargs) / self.n_microbatches
+
+
+def _zero_loss(output: Any, target: Any) -> torch.Tensor:
+    """A loss of exactly zero that still depends on the output (so a backward can run)."""
+    floats = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return sum(t.sum() for t in floats) * 0.0
+
+
+def _split(model: nn.Module, split_spec: dict, example: tuple[tuple, dict], *, training: bool, expected: int):
+    """``pipeline()`` on ``model`` in the given mode, leaving the model's forwards as they were.
+
+    torch's ``annotate_split_points`` wraps the split modules' ``forward`` in place; a second
+    ``pipeline()`` on the same model would then wrap the wrapper.
+    """
+    was_training = model.training
+    saved = {}
+    for name in split_spec:
+        module = model.get_submodule(name)
+        saved[name] = {k: module.__dict__[k] for k in ("forward", "_orig_forward") if k in module.__dict__}
+    model.train(training)
+    try:
+        pipe = pipeline(model, tuple(example[0]), dict(example[1]) or None, split_spec=split_spec)
+    finally:
+        model.train(was_training)
+        for name, attrs in saved.items():
+            module = model.get_submodule(name)
+            for k in ("forward", "_orig_forward"):
+                module.__dict__.pop(k, None)
+            module.__dict__.update(attrs)
+    if pipe.num_stages != expected:
+        raise ValueError(
+            f"splitting at {list(split_spec)} gave {pipe.num_stages} stages, not {expected}: a split "
+            f"point must be a module called exactly once per forward, in forward order"
+        )
+    return pipe
+
+
+def _rewrap_stage(stage, module: nn.Module):
+    """A new stage object of the same kind over ``module`` (for a separate schedule)."""
+    return type(stage)(module, stage.stage_index, stage.pipe_info, stage.device, stage.group)
+
+
+def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Make ``module``'s parameter or buffer ``name`` be ``tensor`` (the same object)."""
+    prefix, _, leaf = name.rpartition(".")
+    parent = module.get_submodule(prefix) if prefix else module
+    if leaf in parent._parameters:
+        parent._parameters[leaf] = tensor
+    else:
+        parent._buffers[leaf] = tensor
+
+
+def _has_mode_dependent_modules(model: nn.Module) -> bool:
+    """True if train and eval mode compute differently: dropout with p > 0 or batch statistics."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
+            return True
+    return False
+
+
+def _plan_from_split_points(split_points: list[str], schedule: str, n_microbatches: int,
+                            stages_per_rank: int) -> Plan:
+    """A Plan for a hand-chosen split: the split points, no cost predictions."""
+    n = len(split_points) + 1
+    stages = [StagePlan(index=i, fqns=[], first_segment=i, last_segment=i, fwd_s=0.0, bwd_s=0.0, comm_s=0.0,
+                        param_bytes=0, act_bytes=0, peak_bytes=0, send_bytes=0, recv_bytes=0) for i in range(n)]
+    return Plan(num_stages=n, split_points=list(split_points), stages=stages, schedule=schedule,
+                n_microbatches=n_microbatches, bottleneck_s=0.0, predicted_step_s=0.0, lower_bound_s=0.0,
+                cost_source="none", objective="given by hand", stages_per_rank=stages_per_rank,
+                extras={"source": "split_points given to autopipe.Pipeline"})
+
+
+def _check_count(arg: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{arg} must be an int >= 1, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{arg} must be >= 1, got {value!r}")
+
+
+def _check_model_and_inputs(model: Any, example_args: Any, example_kwargs: Any, loss_fn: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(example_args, tuple):
+        raise TypeError(
+            f"example_args must be a tuple of one micro-batch's positional inputs, e.g. (x_mb,); "
+            f"got {type(example_args).__name__}"
+        )
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise TypeError(f"example_kwargs must be a dict or None, got {type(example_kwargs).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
+
+
+def _load_plan(plan: Any, split_points: Any) -> Plan | None:
+    if plan is not None and split_points is not None:
+        raise ValueError("give either plan= or split_points=, not both")
+    if plan is None or isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, os.PathLike)):
+        if not os.path.isfile(plan):
+            raise FileNotFoundError(f"plan={os.fspath(plan)!r}: no such plan file")
+        return Plan.load(plan)
+    raise TypeError(f"plan must be an autopipe Plan, a plan file path or None, got {type(plan).__name__}")
+
+
+def _check_split_points(model: nn.Module, split_points: Any, arg: str) -> list[str] | None:
+    if split_points is None:
+        return None
+    if isinstance(split_points, str) or not isinstance(split_points, Sequence):
+        raise TypeError(f"{arg} must be a list of module names, got {split_points!r}")
+    names = dict(model.named_modules())
+    bad = [p for p in split_points if not isinstance(p, str) or p not in names or p == ""]
+    if bad:
+        raise ValueError(
+            f"{arg}={list(split_points)!r}: {bad} are not submodules of the model; split points "
+            f"are module names such as {[n for n in names if n][:5]}"
+        )
+    if len(set(split_points)) != len(split_points):
+        raise ValueError(f"{arg}={list(split_points)!r} names a module twice")
+    return list(split_points)
+
+
+# Names users can pass as schedule=, for error messages and docs.
+SCHEDULE_NAMES: tuple[str, ...] = SCHEDULES
