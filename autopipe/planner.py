@@ -160,9 +160,11 @@ def _state_sizes(traced: TracedModel) -> dict[str, tuple[int, bool]]:
     """FQN -> (bytes, trainable) of every parameter and buffer of the traced model."""
     gm = traced.graph_module
     out: dict[str, tuple[int, bool]] = {}
-    for name, p in gm.named_parameters():
+    # remove_duplicate=False: a tied weight has one name per module using it (wte, lm_head),
+    # and torch replicates it into every stage that reads it under either name.
+    for name, p in gm.named_parameters(remove_duplicate=False):
         out[name] = (p.numel() * p.element_size(), p.requires_grad)
-    for name, b in gm.named_buffers():
+    for name, b in gm.named_buffers(remove_duplicate=False):
         out[name] = (b.numel() * b.element_size(), False)
     for name, c in traced.exported.constants.items():
         if isinstance(c, torch.Tensor):

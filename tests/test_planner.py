@@ -190,3 +190,22 @@ def test_bad_arguments_fail_before_tracing(small_transformer, monkeypatch):
     monkeypatch.setattr(autopipe.planner, "trace", must_not_trace)
     with pytest.raises(ValueError, match="optimizer="):
         autopipe.partition(model, 2, example_args=args, optimizer="nope")
+
+
+def test_tied_weights_count_in_every_stage_that_holds_a_copy():
+    from autopipe.models.hf import gpt2_from_config
+
+    model, args = gpt2_from_config(n_layer=2, n_embd=32, n_head=4, vocab_size=2000, seq_len=8)
+    plan = autopipe.partition(model, 2, example_args=args, **FAST)
+    wte = model.transformer.wte.weight
+    wte_bytes = wte.numel() * wte.element_size()
+    head_stage = next(s for s in plan.stages if "lm_head" in s.fqns)
+    emb_stage = next(s for s in plan.stages if "transformer.wte" in s.fqns)
+    assert head_stage is not emb_stage
+    assert head_stage.param_bytes >= wte_bytes and emb_stage.param_bytes >= wte_bytes
+
+
+def test_seed_transformer_factory_leaves_the_global_rng_alone():
+    state = torch.get_rng_state()
+    seed_transformer(vocab_size=50, num_layers=1, seq_len=4)
+    assert torch.equal(state, torch.get_rng_state())

@@ -159,9 +159,10 @@ def seed_transformer(
         >>> tuple(x.shape)
         (4, 8)
     """
-    torch.manual_seed(0)
-    model = SeedTransformer(
-        vocab_size, d_model=d_model, num_heads=num_heads, d_ff=d_ff,
-        num_layers=num_layers, max_len=max(seq_len, 64), dropout=dropout,
-    )
+    with torch.random.fork_rng(devices=[]):  # same weights every call; caller's RNG untouched
+        torch.manual_seed(0)
+        model = SeedTransformer(
+            vocab_size, d_model=d_model, num_heads=num_heads, d_ff=d_ff,
+            num_layers=num_layers, max_len=max(seq_len, 64), dropout=dropout,
+        )
     return model, (model.example_input(batch, seq_len),)
