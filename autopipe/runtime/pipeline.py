@@ -363,7 +363,9 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         if self.schedule not in _V_SCHEDULES:
             with torch.no_grad():
-                output = schedule.eval(*stage_args, target=stage_target, losses=losses, **stage_kwargs)
+                # torch insists on a full list of losses whenever one is asked for.
+                output = schedule.eval(*stage_args, target=stage_target, losses=losses if with_loss else None,
+                                       **stage_kwargs)
             return output, losses
         # torch's ZBVZeroBubble and DualPipeV run their backward actions even in eval() and
         # fail there, and no forward-only torch schedule places stages in a V. So inference

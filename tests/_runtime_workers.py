@@ -1,0 +1,266 @@
+"""What each rank runs in the runtime tests (spawned by tests/_dist_utils.run_world).
+
+Every function takes ``(rank, world_size, ...)`` and returns plain data for the test to
+check. The model is the seed tutorial's Transformer (vocabulary 100, d_model 12, 4 heads)
+without dropout, trained on the tutorial's data set (sequence ``i`` is ten tokens ``i``),
+so that the unsplit model, run in the same process on the same batch, is the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autopipe.models.transformer import SeedTransformer
+from autopipe.runtime import Pipeline
+
+VOCAB = 100
+MICROBATCH = 2  # sequences per micro-batch
+N_MICROBATCHES = 4
+
+# Split points giving n_ranks * stages_per_rank stages of the tutorial model.
+SPLITS = {
+    2: ["layers.1"],
+    4: ["layers.0", "layers.1", "out_linear"],
+    8: [f"layers.{i}" for i in range(6)] + ["out_linear"],
+}
+
+
+def tutorial_model(*, num_layers: int = 2, dropout: float = 0.0, tied: bool = False, seed: int = 0) -> SeedTransformer:
+    torch.manual_seed(seed)
+    model = SeedTransformer(VOCAB, d_model=12, num_heads=4, d_ff=24, num_layers=num_layers, max_len=100,
+                            dropout=dropout)
+    if tied:  # GPT-2 style: the output layer reuses the embedding matrix
+        model.out_linear.weight = model.embedding.weight
+    return model
+
+
+def tutorial_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch ``step`` of the tutorial data: inputs and next-token targets, (8, 9) each."""
+    data = torch.stack([torch.full((10,), i) for i in range(16)])
+    batch = data.roll(-step * MICROBATCH * N_MICROBATCHES, 0)[: MICROBATCH * N_MICROBATCHES]
+    return batch[:, :-1], batch[:, 1:]
+
+
+def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(output.reshape(-1, VOCAB), target.reshape(-1))
+
+
+def example_args() -> tuple[torch.Tensor]:
+    return (tutorial_batch(0)[0][:MICROBATCH],)
+
+
+def build(model: nn.Module, schedule: str, total_stages: int, **options) -> Pipeline:
+    options.setdefault("split_points", SPLITS[total_stages])
+    options.setdefault("n_microbatches", N_MICROBATCHES)
+    return Pipeline(model, example_args=example_args(), loss_fn=loss_fn, schedule=schedule, **options)
+
+
+def compare_with_unsplit(pipe: Pipeline, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
+    """One pipeline step and one unsplit step on the same batch: losses and gradient differences."""
+    loss = pipe.step(x, target=y)
+    model.zero_grad()
+    ref = loss_fn(model(x), y)
+    ref.backward()
+    ref_grads = {n: p.grad for n, p in model.named_parameters()}
+    grad_diff = {
+        n: float("inf") if p.grad is None else (p.grad - ref_grads[n]).abs().max().item()
+        for n, p in pipe.named_parameters()
+    }
+    return {"loss": loss.item(), "ref_loss": ref.item(), "grad_diff": grad_diff}
+
+
+# ---------------------------------------------------------------------- workers
+def schedule_run(rank: int, world_size: int, schedule: str, n_steps: int) -> dict:
+    """Step 1 against the unsplit model, the merged output, then training for n_steps."""
+    model = tutorial_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    stages_per_rank = 1 if schedule in ("GPipe", "1F1B") else 2
+    pipe = build(model, schedule, world_size * stages_per_rank)
+    result = {
+        "model_unchanged": all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        and not any("forward" in m.__dict__ for m in model.modules()),
+        "stage_indices": pipe.stage_indices,
+        "has_last_stage": pipe.has_last_stage,
+        "all_param_names": sorted(n for n, _ in model.named_parameters()),
+    }
+    x, y = tutorial_batch(0)
+    result.update(compare_with_unsplit(pipe, model, x, y))
+    output = pipe(x)
+    result["output_diff"] = None if output is None else (output - model(x)).abs().max().item()
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    opt.step()  # the gradients of step 1
+    losses = [result["loss"]]
+    for step in range(1, n_steps):
+        x, y = tutorial_batch(step)
+        opt.zero_grad()
+        losses.append(pipe.step(x, target=y).item())
+        opt.step()
+    result["losses"] = losses
+    return result
+
+
+def gradients_run(rank: int, world_size: int, schedule: str, stages_per_rank: int) -> dict:
+    """Loss and gradients of one step against the unsplit model."""
+    n_stages = world_size * stages_per_rank
+    model = tutorial_model(num_layers=6 if n_stages == 8 else 2)
+    pipe = build(model, schedule, n_stages, stages_per_rank=stages_per_rank)
+    result = compare_with_unsplit(pipe, model, *tutorial_batch(0))
+    result["all_param_names"] = sorted(n for n, _ in model.named_parameters())
+    return result
+
+
+def _gather(t: torch.Tensor) -> list[torch.Tensor]:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return parts
+
+
+def tied_and_state_run(rank: int, world_size: int) -> dict:
+    """Tied weights across ranks and on one rank; state_dict round trips."""
+    result: dict = {}
+    x, y = tutorial_batch(0)
+
+    # Tied embedding / output layer on two ranks (1F1B: stage 0 on rank 0, stage 1 on rank 1).
+    model = tutorial_model(tied=True)
+    pipe = build(model, "1F1B", 2)
+    result["tied_names"] = [n for n, _ in pipe.named_parameters() if n == "embedding.weight"]
+    result["tied_grad_diff"] = compare_with_unsplit(pipe, model, x, y)["grad_diff"].get("embedding.weight")
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    opt.step()
+    for step in range(1, 4):
+        xs, ys = tutorial_batch(step)
+        opt.zero_grad()
+        pipe.step(xs, target=ys)
+        opt.step()
+    tied = dict(pipe.named_parameters())["embedding.weight"].detach()
+    copies = _gather(tied)
+    result["tied_copies_equal"] = all(torch.equal(copies[0], c) for c in copies)
+    full = pipe.state_dict(full=True)
+    result["tied_full_keys"] = sorted(full)
+    reloaded = tutorial_model(tied=True, seed=1)
+    reloaded.load_state_dict(full)  # strict: every key of the unsplit model, aliases included
+    out = pipe(x)
+    result["tied_reload_diff"] = None if out is None else (out - reloaded(x)).abs().max().item()
+
+    # Tied weights with both uses on rank 0 (ZBV places stages 0 and 3 there).
+    model = tutorial_model(tied=True)
+    pipe = build(model, "ZBVZeroBubble", 4)
+    result["v_tied_count"] = sum(n == "embedding.weight" for n, _ in pipe.named_parameters())
+    result["v_tied_grad_diff"] = compare_with_unsplit(pipe, model, x, y)["grad_diff"]
+
+    # unsplit -> pipeline -> a training step -> gathered state_dict -> unsplit model.
+    model = tutorial_model()
+    pipe = build(model, "1F1B", 2)
+    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    pipe.step(x, target=y)
+    opt.step()
+    full = pipe.state_dict(full=True)
+    result["full_keys_match"] = sorted(full) == sorted(model.state_dict())
+    fresh = tutorial_model(seed=1)
+    fresh.load_state_dict(full)
+    out = pipe(x)
+    result["round_trip_diff"] = None if out is None else (out - fresh(x)).abs().max().item()
+    # ... and back: the unsplit model's state_dict into the pipeline.
+    other = tutorial_model(seed=2)
+    pipe.load_state_dict(other.state_dict())
+    out = pipe(x)
+    result["load_diff"] = None if out is None else (out - other(x)).abs().max().item()
+    # Per-rank files: this rank's state_dict restores this rank's tensors.
+    local = {k: v.clone() for k, v in pipe.state_dict().items()}
+    for p in pipe.parameters():
+        p.data.zero_()
+    pipe.load_state_dict(local)
+    result["local_restored"] = all(torch.equal(local[k], v) for k, v in pipe.state_dict().items())
+    return result
+
+
+def checkpointing_and_modes_run(rank: int, world_size: int) -> dict:
+    """Activation checkpointing keeps gradients; eval mode turns dropout off."""
+    result: dict = {}
+    x, y = tutorial_batch(0)
+    for schedule, n_stages in (("1F1B", 2), ("ZBVZeroBubble", 4)):
+        model = tutorial_model()
+        pipe = build(model, schedule, n_stages, checkpoint_stages=True)
+        result[f"checkpointed_{schedule}"] = compare_with_unsplit(pipe, model, x, y)
+
+    model = tutorial_model(dropout=0.5)
+    pipe = build(model, "1F1B", 2)
+    model.eval()
+    pipe.eval()
+    out = pipe(x)
+    result["eval_output_diff"] = None if out is None else (out - model(x)).abs().max().item()
+    result["eval_loss"] = pipe.evaluate(x, target=y).item()
+    result["ref_eval_loss"] = loss_fn(model(x), y).item()
+    try:
+        pipe.step(x, target=y)
+        result["step_in_eval_mode"] = "no error"
+    except RuntimeError as e:
+        result["step_in_eval_mode"] = str(e)
+    pipe.train()
+    result["train_mode_loss"] = pipe.step(x, target=y).item()  # runs: dropout on, finite loss
+    return result
+
+
+def failing_rank_run(rank: int, world_size: int) -> None:
+    """Rank 1 (the last stage) raises inside its loss on the second step."""
+    calls = {"n": 0}
+
+    def flaky_loss(output, target):
+        calls["n"] += 1
+        if rank == 1 and calls["n"] > N_MICROBATCHES:
+            raise RuntimeError("injected failure on rank 1")
+        return loss_fn(output, target)
+
+    model = tutorial_model()
+    pipe = Pipeline(model, example_args=example_args(), loss_fn=flaky_loss, split_points=SPLITS[2],
+                    schedule="1F1B", n_microbatches=N_MICROBATCHES)
+    for step in range(3):
+        xs, ys = tutorial_batch(step)
+        pipe.step(xs, target=ys)
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except (ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def errors_run(rank: int, world_size: int, plan_path: str) -> dict:
+    """Bad input fails with a clear error on every rank, and the job goes on afterwards."""
+    import autopipe.planner
+
+    result: dict = {}
+    model = tutorial_model()
+    pipe = build(model, "1F1B", 2)
+    x, y = tutorial_batch(0)
+    result["odd_batch"] = _error(lambda: pipe.step(x[:7], target=y[:7]))
+    result["odd_target"] = _error(lambda: pipe.step(x, target=y[:7]))
+    result["step_after_errors"] = pipe.step(x, target=y).item()  # nothing was half-sent
+    result["n_stages_mismatch"] = _error(lambda: build(model, "1F1B", 2, n_stages=3, split_points=SPLITS[4][:2]))
+    result["plan_world_mismatch"] = _error(lambda: Pipeline(model, example_args=example_args(), loss_fn=loss_fn,
+                                                             plan=plan_path, stages_per_rank=1))
+    result["ranks_disagree"] = _error(lambda: build(model, "1F1B", 2, split_points=["layers.1" if rank == 0 else "layers.0"]))
+
+    # Planning: rank 0 runs the planner once; every rank builds the plan it broadcasts.
+    calls = []
+    real_partition = autopipe.planner.partition
+
+    def counting_partition(*args, **kwargs):
+        calls.append(1)
+        return real_partition(*args, **kwargs)
+
+    autopipe.planner.partition = counting_partition
+    try:
+        planned = Pipeline(model, example_args=example_args(), loss_fn=loss_fn, schedule="1F1B",
+                           n_microbatches=N_MICROBATCHES,
+                           planner_options={"progress": False, "repeats": 1, "warmup": 0})
+    finally:
+        autopipe.planner.partition = real_partition
+    result["planner_calls"] = len(calls)
+    result["planned_split"] = planned.plan.split_points
+    result["planned_step"] = planned.step(x, target=y).item()
+    return result
