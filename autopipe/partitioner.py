@@ -49,6 +49,7 @@ __all__ = [
     "PartitionResult",
     "solve_bottleneck",
     "solve_min_memory",
+    "candidate_partitions",
     "evaluate",
     "brute_force",
 ]
@@ -289,8 +290,12 @@ class _Search:
             reach.append(ok)
         return reach if reach[p][n] else None
 
-    def backtrack(self, T: float, reach: list[np.ndarray]) -> list[int]:
+    def backtrack(self, T: float, reach: list[np.ndarray], mode: str = "balance") -> list[int]:
         """Cuts of one partition with every stage <= T.
+
+        ``mode="balance"`` (default) is described below; ``mode="min_comm"`` instead takes, at
+        each stage, the feasible cut whose tensors are cheapest to send (ties: balance), for
+        schedules whose step time grows with the total communication.
 
         Many partitions share the optimal bottleneck (an unsplittable heavy layer fixes it);
         walking back from the last stage, each stage takes the feasible start that brings
@@ -313,6 +318,10 @@ class _Search:
             # Equal share of the compute left for stages 0..s, at this stage's speed.
             share = self.C[j] / self.pb.speed[: s + 1].sum()
             gap = np.abs(stage_time - share)
+            if mode == "min_comm":
+                link = self.link_in[s][cand]
+                keep = link <= link.min() * (1 + 1e-12)
+                cand, gap = cand[keep], gap[keep]
             i = int(cand[np.flatnonzero(gap == gap.min())[-1]])  # ties: the later cut
             cuts.append(i)
             j = i
@@ -372,6 +381,41 @@ def solve_bottleneck(problem: PartitionProblem, *, rel_tol: float = 1e-9, max_it
     result = evaluate(problem, best_cuts)
     result.searched = {"iterations": it, "lower": float(lo), "upper": float(hi), "rel_tol": rel_tol}
     return result
+
+
+def candidate_partitions(
+    problem: PartitionProblem, *, max_ratio: float = 1.5, steps: int = 16
+) -> list[PartitionResult]:
+    """Good partitions trading a slightly heavier bottleneck for cheaper or better-placed cuts.
+
+    The optimal-bottleneck partition comes first; then, for thresholds ``T`` on a geometric
+    ladder from the optimum ``T*`` to ``max_ratio * T*``, one balanced and one
+    least-communication partition with every stage ``<= T``. A caller that scores partitions
+    by something other than the bottleneck (the simulated step time of a schedule) picks
+    among them. Duplicates are removed; order is deterministic.
+
+    Example:
+        >>> # The middle cut balances compute but costs 0.5 s to cross; the cut at 3 is free.
+        >>> prob = PartitionProblem.uniform([1, 1, 1, 1], 2, cut_bytes=[0, 0, 0.5, 0, 0], bandwidth=1.0)
+        >>> [(r.cuts, r.bottleneck_s) for r in candidate_partitions(prob, max_ratio=1.5, steps=4)]
+        [([2], 2.5), ([3], 3.0)]
+    """
+    if max_ratio < 1 or steps < 1:
+        raise ValueError(f"max_ratio={max_ratio} must be >= 1 and steps={steps} >= 1")
+    best = solve_bottleneck(problem)
+    search = _Search(problem)
+    seen = {tuple(best.cuts)}
+    out = [best]
+    for T in best.bottleneck_s * np.geomspace(1.0, max_ratio, steps):
+        reach = search.reachable(float(T))
+        if reach is None:
+            continue
+        for mode in ("balance", "min_comm"):
+            cuts = search.backtrack(float(T), reach, mode=mode)
+            if tuple(cuts) not in seen:
+                seen.add(tuple(cuts))
+                out.append(evaluate(problem, cuts))
+    return out
 
 
 def solve_min_memory(problem: PartitionProblem) -> float:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch.distributed.pipelining import SplitPoint
@@ -132,6 +133,90 @@ class Plan:
             if b.name == name:
                 return b
         raise KeyError(f"no baseline {name!r}; this plan has {[b.name for b in self.baselines]}")
+
+    # ------------------------------------------------------------------ feedback
+    def segment_costs(self) -> list:
+        """The per-segment costs this plan was made from (for ``partition(..., costs=)``).
+
+        Lets a plan be re-made for another schedule, memory or device count, or after
+        :meth:`calibrate`, without measuring again.
+        """
+        from .costgraph import SegmentCost
+
+        segs = self.extras.get("segments")
+        if not segs:
+            raise ValueError("this plan carries no per-segment costs (made by an older autopipe?)")
+        return [
+            SegmentCost(fwd_s=d["fwd_s"], bwd_s=d["bwd_s"], param_bytes=d["param_bytes"],
+                        act_bytes=d["act_bytes"], out_bytes=d["out_bytes"], flops=d.get("flops", 0.0),
+                        trainable_param_bytes=d.get("trainable_param_bytes", 0))
+            for d in segs
+        ]
+
+    def calibrate(self, measured: "Sequence[float] | Mapping[str, Any]") -> "Plan":
+        """A copy of the plan with measured stage times folded in.
+
+        Args:
+            measured: one of
+                * a list of per-stage seconds per micro-batch (forward + backward), e.g. from
+                  timing each stage alone;
+                * ``{"fwd_s": [...], "bwd_s": [...]}`` per stage;
+                * ``{"step_s": x}``: a measured step time; every cost is scaled by one factor.
+
+        Returns:
+            A new Plan whose stage times, segment costs (scaled by their stage's factor),
+            bottleneck and simulated step time agree with the measurement;
+            ``extras["calibration"]`` keeps the factors. Pass ``plan.segment_costs()`` of the
+            result to :func:`autopipe.partition` to re-plan with the corrected costs.
+
+        Raises:
+            ValueError: wrong number of stages, or a non-positive time.
+
+        Example:
+            >>> calibrated = plan.calibrate([0.012, 0.015])  # doctest: +SKIP
+        """
+        import copy as _copy
+
+        from .simulate import simulate
+
+        p = self.num_stages
+        if isinstance(measured, Mapping) and "step_s" in measured:
+            step = float(measured["step_s"])
+            if not step > 0:
+                raise ValueError(f"measured step_s={measured['step_s']!r} must be > 0 seconds")
+            factor = step / self.predicted_step_s if self.predicted_step_s > 0 else 1.0
+            fwd_f = bwd_f = [factor] * p
+        else:
+            if isinstance(measured, Mapping):
+                fwd, bwd = list(measured.get("fwd_s", [])), list(measured.get("bwd_s", []))
+                if len(fwd) != p or len(bwd) != p:
+                    raise ValueError(f"measured fwd_s and bwd_s must each have {p} entries (one per stage)")
+                fwd_f = [f / s.fwd_s if s.fwd_s > 0 else 1.0 for f, s in zip(fwd, self.stages)]
+                bwd_f = [b / s.bwd_s if s.bwd_s > 0 else 1.0 for b, s in zip(bwd, self.stages)]
+                values = fwd + bwd
+            else:
+                values = [float(x) for x in measured]
+                if len(values) != p:
+                    raise ValueError(f"measured has {len(values)} stage times but the plan has {p} stages")
+                fwd_f = bwd_f = [x / (s.fwd_s + s.bwd_s) if s.fwd_s + s.bwd_s > 0 else 1.0
+                                 for x, s in zip(values, self.stages)]
+            if any(not (x > 0) for x in values):
+                raise ValueError(f"measured times must all be > 0 seconds, got {values}")
+        new = _copy.deepcopy(self)
+        for st, ff, bf in zip(new.stages, fwd_f, bwd_f):
+            st.fwd_s *= ff
+            st.bwd_s *= bf
+            for seg in new.extras.get("segments", [])[st.first_segment : st.last_segment + 1]:
+                seg["fwd_s"] *= ff
+                seg["bwd_s"] *= bf
+        new.bottleneck_s = max(st.time_s for st in new.stages)
+        comm = new.extras.get("cut_comm_s") or 0.0
+        new.predicted_step_s = simulate(
+            [st.fwd_s for st in new.stages], [st.bwd_s for st in new.stages], schedule=new.schedule,
+            n_microbatches=new.n_microbatches, comm_s=comm, stages_per_rank=new.stages_per_rank,
+        ).step_s
+        new.extras["calibration"] = {"fwd_factor": list(fwd_f), "bwd_factor": list(bwd_f)}
+        return new
 
     # ------------------------------------------------------------------ text
     def report(self) -> str:

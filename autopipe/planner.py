@@ -26,6 +26,7 @@ import math
 import numbers
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -35,12 +36,19 @@ from . import simulate as sim
 from .baselines import BASELINES, evaluate_baselines, layer_units
 from .costgraph import CostGraph, SegmentCost, build_cost_graph
 from .devices import Device, default_link, optimizer_state_factor, parse_bytes
-from .partitioner import PartitionProblem, PartitionResult, solve_bottleneck
+from .errors import InfeasibleMemoryError
+from .partitioner import PartitionProblem, PartitionResult, candidate_partitions, solve_bottleneck
 from .plan import BaselinePlan, Plan, StagePlan
 from .profile import COST_SOURCES, profile_segments, resolve_device
 from .trace import TracedModel, _module_spans, trace
 
-__all__ = ["partition", "build_problem", "make_plan", "predict_step_s", "inflight_per_stage"]
+__all__ = [
+    "partition", "build_problem", "make_plan", "predict_step_s", "inflight_per_stage",
+    "ScheduleOption", "auto_schedule_options", "OBJECTIVES",
+]
+
+#: Accepted values of ``objective``.
+OBJECTIVES = ("step", "bottleneck")
 
 
 # --------------------------------------------------------------------------- validation
@@ -231,40 +239,152 @@ def _cut_comm_s(problem: PartitionProblem, cuts: Sequence[int]) -> list[float]:
     return out
 
 
-def _predict(problem: PartitionProblem, result: PartitionResult, costs: list[SegmentCost], *,
-             schedule: str, m: int, stages_per_rank: int) -> float:
+def _stage_fwd_bwd(problem: PartitionProblem, result: PartitionResult, costs: list[SegmentCost]) -> tuple[list[float], list[float]]:
     edges = [0, *result.cuts, problem.num_segments]
     fwd = [sum(c.fwd_s for c in costs[edges[s]:edges[s + 1]]) / problem.speed[s] for s in range(problem.num_stages)]
     bwd = [sum(c.bwd_s for c in costs[edges[s]:edges[s + 1]]) / problem.speed[s] for s in range(problem.num_stages)]
+    return fwd, bwd
+
+
+def _predict(problem: PartitionProblem, result: PartitionResult, costs: list[SegmentCost], *,
+             schedule: str, m: int, stages_per_rank: int) -> float:
+    fwd, bwd = _stage_fwd_bwd(problem, result, costs)
     return predict_step_s(fwd, bwd, _cut_comm_s(problem, result.cuts), schedule=schedule,
                           n_microbatches=m, stages_per_rank=stages_per_rank)
+
+
+@dataclass
+class ScheduleOption:
+    """One (schedule, stages per rank) the planner costed, with its best split."""
+
+    schedule: str
+    stages_per_rank: int
+    n_microbatches: int
+    problem: PartitionProblem | None = None
+    result: PartitionResult | None = None
+    inflight: list[int] = field(default_factory=list)
+    predicted_step_s: float = float("inf")
+    rank_peak_bytes: list[float] = field(default_factory=list)
+    fits: bool = False
+    candidates: int = 0
+    step_lower_bound_s: float = 0.0
+    reason: str = ""  # why it was not usable, when it was not
+
+    def summary(self) -> dict[str, Any]:
+        """The JSON-ready line the report's "alternatives considered" table shows."""
+        return {
+            "schedule": self.schedule, "stages_per_rank": self.stages_per_rank,
+            "n_microbatches": self.n_microbatches,
+            "predicted_step_s": self.predicted_step_s if math.isfinite(self.predicted_step_s) else None,
+            "peak_bytes": int(max(self.rank_peak_bytes)) if self.rank_peak_bytes else None,
+            "fits": self.fits,
+            "split_points_count": len(self.result.cuts) if self.result else None,
+            "note": self.reason,
+        }
+
+
+def _rank_peak_bytes(problem: PartitionProblem, result: PartitionResult, ranks: list[int], timeline_act: list[int]) -> list[float]:
+    """Per rank: static bytes of its stages + the simulated peak of their saved activations."""
+    n_ranks = max(ranks) + 1
+    A = np.concatenate([[0.0], np.cumsum(problem.act_bytes)])
+    edges = [0, *result.cuts, problem.num_segments]
+    peak = [float(x) for x in timeline_act]
+    for s, r in enumerate(ranks):
+        act = A[edges[s + 1]] - A[edges[s]]
+        peak[r] += result.stage_mem_bytes[s] - problem.inflight[s] * act  # static part of the stage
+    return peak[:n_ranks]
+
+
+def _cost_option(
+    option: ScheduleOption, *, traced: TracedModel, cost_graph: CostGraph, n_gpus: int,
+    rank_devices: Sequence[Device], optimizer_factor: float, link_default: tuple[float, float], objective: str,
+) -> ScheduleOption:
+    """Find the best split for one schedule option and predict its step time and memory."""
+    sched, v, m = option.schedule, option.stages_per_rank, option.n_microbatches
+    costs = cost_graph.costs or []
+    ranks = sim.stage_ranks(sched, n_gpus, v)
+    stage_devices = [rank_devices[r] for r in ranks]
+    option.inflight = inflight_per_stage(sched, n_gpus, m, v)
+    problem = build_problem(
+        cost_graph, traced, num_stages=n_gpus * v, stage_devices=stage_devices, inflight=option.inflight,
+        optimizer_factor=optimizer_factor, link_default=link_default, stages_per_rank=v,
+    )
+    option.problem = problem
+    results = [solve_bottleneck(problem)] if objective == "bottleneck" else candidate_partitions(problem)
+    option.candidates = len(results)
+    best = None
+    for r in results:
+        step = _predict(problem, r, costs, schedule=sched, m=m, stages_per_rank=v)
+        if best is None or (step, r.bottleneck_s) < (best[0], best[1].bottleneck_s):
+            best = (step, r)
+    option.predicted_step_s, option.result = best
+    # Memory per rank from the simulated timeline (stages on one rank peak at different times).
+    fwd, bwd = _stage_fwd_bwd(problem, option.result, costs)
+    timeline = sim.simulate(fwd, bwd, schedule=sched, n_microbatches=m, stages_per_rank=v,
+                            comm_s=_cut_comm_s(problem, option.result.cuts) or 0.0)
+    A = np.concatenate([[0.0], np.cumsum(problem.act_bytes)])
+    edges = [0, *option.result.cuts, problem.num_segments]
+    act = [int(A[edges[s + 1]] - A[edges[s]]) for s in range(problem.num_stages)]
+    option.rank_peak_bytes = _rank_peak_bytes(problem, option.result, ranks, timeline.peak_activation_bytes(act))
+    option.fits = all(pk <= d.memory_bytes for pk, d in zip(option.rank_peak_bytes, rank_devices))
+    # A bound no split can beat under this schedule: each rank does m micro-batches of its work.
+    free = PartitionProblem(**{**problem.__dict__, "cut_fwd_bytes": np.zeros_like(problem.cut_fwd_bytes),
+                               "cut_bwd_bytes": np.zeros_like(problem.cut_bwd_bytes),
+                               "capacity_bytes": np.full_like(problem.capacity_bytes, np.inf)})
+    per_rank = solve_bottleneck(free).bottleneck_s if v == 1 else float(problem.compute_s.sum() / sum(d.speed for d in rank_devices))
+    option.step_lower_bound_s = float(max(m * per_rank, problem.compute_s.sum() / max(problem.speed)))
+    return option
+
+
+def auto_schedule_options(n_gpus: int, n_microbatches: int, num_segments: int) -> list[tuple[str, int]]:
+    """The (schedule, stages per rank) pairs ``schedule="auto"`` compares.
+
+    Every schedule torch offers, with 1 stage per rank for GPipe/1F1B, 2 for the V-shaped
+    ones, and 2 or 4 for the looped/interleaved ones; pairs torch cannot run with these
+    counts, or that need more stages than the model has segments, are left out.
+    """
+    pairs = [("GPipe", 1), ("1F1B", 1)]
+    for sched in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"):
+        pairs += [(sched, 2), (sched, 4)]
+    pairs += [("ZBVZeroBubble", 2), ("DualPipeV", 2)]
+    usable = []
+    for sched, v in pairs:
+        if n_gpus * v > num_segments or (n_gpus == 1 and v > 1):
+            continue
+        try:
+            sim.validate_schedule(sched, n_gpus, n_microbatches, v)
+        except (ValueError, TypeError):
+            continue
+        usable.append((sched, v))
+    return usable
 
 
 def make_plan(
     traced: TracedModel,
     cost_graph: CostGraph,
-    problem: PartitionProblem,
-    result: PartitionResult,
+    chosen: ScheduleOption,
     *,
-    schedule: str,
-    n_microbatches: int,
-    stages_per_rank: int,
     optimizer: str,
     optimizer_factor: float,
-    stage_devices: Sequence[Device],
-    inflight: Sequence[int],
+    rank_devices: Sequence[Device],
     cost_source: str,
+    objective: str,
     device: str,
     planner_s: float,
     memory_limit_bytes: list[int] | None,
+    alternatives: Sequence[ScheduleOption] = (),
 ) -> Plan:
-    """Assemble the Plan: split points, per-stage records, predictions and baselines."""
+    """Assemble the Plan of the chosen option: split points, stages, predictions, baselines."""
+    problem, result = chosen.problem, chosen.result
+    assert problem is not None and result is not None
     costs = cost_graph.costs or []
+    sched, v, m = chosen.schedule, chosen.stages_per_rank, chosen.n_microbatches
+    ranks = sim.stage_ranks(sched, len(rank_devices), v)
+    stage_devices = [rank_devices[r] for r in ranks]
     split_points = [traced.candidates[c - 1].name for c in result.cuts]
-    stages = _stage_records(traced, cost_graph, problem, result, optimizer_factor, stage_devices, inflight)
+    stages = _stage_records(traced, cost_graph, problem, result, optimizer_factor, stage_devices, chosen.inflight)
     compute = problem.compute_s
     lower = max(float(compute.sum() / problem.speed.sum()), float((compute / problem.speed.max()).max()))
-    predicted = _predict(problem, result, costs, schedule=schedule, m=n_microbatches, stages_per_rank=stages_per_rank)
 
     baselines = []
     units = layer_units(traced)
@@ -275,8 +395,7 @@ def make_plan(
             description=BASELINES[name],
             split_points=[traced.candidates[c - 1].name for c in r.cuts],
             bottleneck_s=r.bottleneck_s,
-            predicted_step_s=_predict(problem, r, costs, schedule=schedule, m=n_microbatches,
-                                      stages_per_rank=stages_per_rank),
+            predicted_step_s=_predict(problem, r, costs, schedule=sched, m=m, stages_per_rank=v),
             peak_bytes=int(max(r.stage_mem_bytes)),
             fits_memory=r.fits_memory,
         ))
@@ -285,28 +404,36 @@ def make_plan(
             {
                 "name": seg.name, "modules": seg.modules, "fwd_s": c.fwd_s, "bwd_s": c.bwd_s,
                 "param_bytes": c.param_bytes, "act_bytes": c.act_bytes, "out_bytes": c.out_bytes,
-                "flops": c.flops, "cut_fwd_bytes": cost_graph.cut_fwd_bytes[seg.index],
+                "flops": c.flops, "trainable_param_bytes": c.trainable_param_bytes,
+                "cut_fwd_bytes": cost_graph.cut_fwd_bytes[seg.index],
                 "cut_bwd_bytes": cost_graph.cut_bwd_bytes[seg.index],
             }
             for seg, c in zip(traced.segments, costs)
         ],
-        "search": result.searched,
+        "search": {**result.searched, "candidates": chosen.candidates},
+        "step_lower_bound_s": chosen.step_lower_bound_s,
+        "step_gap": 1.0 - chosen.step_lower_bound_s / chosen.predicted_step_s if chosen.predicted_step_s > 0 else 0.0,
+        "rank_peak_bytes": [int(b) for b in chosen.rank_peak_bytes],
+        "stage_ranks": ranks,
+        "cut_comm_s": _cut_comm_s(problem, result.cuts),
         "links": {"bandwidth": problem.bandwidth.tolist(), "latency_s": problem.latency_s.tolist()},
     }
+    if alternatives:
+        extras["alternatives"] = [a.summary() for a in alternatives]
     return Plan(
         num_stages=problem.num_stages,
         split_points=split_points,
         stages=stages,
-        schedule=schedule,
-        n_microbatches=n_microbatches,
+        schedule=sched,
+        n_microbatches=m,
         bottleneck_s=result.bottleneck_s,
-        predicted_step_s=predicted,
+        predicted_step_s=chosen.predicted_step_s,
         lower_bound_s=lower,
         baselines=baselines,
         cost_source=cost_source,
-        objective="bottleneck",
+        objective=objective,
         device=device,
-        stages_per_rank=stages_per_rank,
+        stages_per_rank=v,
         memory_limit_bytes=memory_limit_bytes,
         optimizer=optimizer,
         planner_s=planner_s,
@@ -328,6 +455,7 @@ def partition(
     schedule: str = "1F1B",
     n_microbatches: int | None = None,
     stages_per_rank: int | None = None,
+    objective: str = "step",
     memory: int | str | Sequence[int | str] | None = None,
     devices: Sequence[Device] | None = None,
     optimizer: str | type = "adam",
@@ -357,10 +485,15 @@ def partition(
 
     Keyword Args:
         schedule: One of ``autopipe.SCHEDULES`` (GPipe, 1F1B, Interleaved1F1B, LoopedBFS,
-            InterleavedZeroBubble, ZBVZeroBubble, DualPipeV); decides activation memory.
+            InterleavedZeroBubble, ZBVZeroBubble, DualPipeV), or ``"auto"`` to compare them
+            all (and 2 or 4 stages per rank for the looped ones) and keep the fastest that
+            fits in memory; the others are listed in ``plan.extras["alternatives"]``.
         n_microbatches: Micro-batches per step; default ``2 * n_gpus``.
         stages_per_rank: Stages per rank for multi-stage schedules (default: 2 for the
             V-shaped ones, 1 otherwise). The plan has ``n_gpus * stages_per_rank`` stages.
+        objective: ``"step"`` (default): the split whose simulated step time under the
+            schedule is lowest, among bottleneck-optimal and near-optimal splits;
+            ``"bottleneck"``: the exact min-max split alone (fastest to compute).
         memory: Memory per device in bytes or as "16GiB"; one value or one per device.
         devices: ``[autopipe.Device(speed=..., memory=..., bandwidth=...), ...]``, one per
             rank, for heterogeneous devices (instead of ``memory``/``bandwidth``).
@@ -402,14 +535,18 @@ def partition(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     n_gpus = _check_int("n_gpus", n_gpus)
-    schedule = sim.canonical_schedule_name(schedule)
-    if stages_per_rank is None:
-        stages_per_rank = 2 if schedule in ("ZBVZeroBubble", "DualPipeV") else 1
-    stages_per_rank = _check_int("stages_per_rank", stages_per_rank)
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective={objective!r} is not known; use one of {list(OBJECTIVES)}")
+    auto = isinstance(schedule, str) and schedule.strip().lower() == "auto"
     m = 2 * n_gpus if n_microbatches is None else _check_int("n_microbatches", n_microbatches)
-    if schedule == "1F1B" and n_microbatches is None:
-        m = max(m, n_gpus)
-    sim.validate_schedule(schedule, n_gpus, m, stages_per_rank)
+    if not auto:
+        schedule = sim.canonical_schedule_name(schedule)
+        if stages_per_rank is None:
+            stages_per_rank = 2 if schedule in ("ZBVZeroBubble", "DualPipeV") else 1
+        stages_per_rank = _check_int("stages_per_rank", stages_per_rank)
+        sim.validate_schedule(schedule, n_gpus, m, stages_per_rank)
+    elif stages_per_rank is not None:
+        raise ValueError(f"stages_per_rank={stages_per_rank!r} cannot be fixed with schedule='auto'; leave it None")
     if cost not in COST_SOURCES:
         raise ValueError(f"cost={cost!r} is not a cost source; use one of {list(COST_SOURCES)}")
     opt_name, opt_factor = optimizer_state_factor(optimizer)
@@ -420,12 +557,16 @@ def partition(
 
     # ---- trace, profile, cost graph
     traced = trace(model, example_args, example_kwargs)
-    num_stages = n_gpus * stages_per_rank
-    if num_stages > traced.num_segments:
+    if auto:
+        pairs = auto_schedule_options(n_gpus, m, traced.num_segments)
+    else:
+        pairs = [(schedule, stages_per_rank)]
+    needed = min((n_gpus * v for _, v in pairs), default=n_gpus)
+    if not pairs or needed > traced.num_segments:
         raise ValueError(
-            f"n_gpus={n_gpus} x stages_per_rank={stages_per_rank} = {num_stages} stages, but "
-            f"{traced.model_name} has only {len(traced.candidates)} legal split points "
-            f"({traced.num_segments} segments); use at most {traced.num_segments} stages"
+            f"n_gpus={n_gpus} needs at least {needed} stages, but {traced.model_name} has only "
+            f"{len(traced.candidates)} legal split points ({traced.num_segments} segments); use at most "
+            f"{traced.num_segments} stages"
         )
     if costs is None:
         costs = profile_segments(traced, cost=cost, device=dev, warmup=warmup, repeats=repeats, progress=progress)
@@ -436,24 +577,43 @@ def partition(
         )
     cost_graph = build_cost_graph(traced, list(costs))
 
-    # ---- search
-    ranks = sim.stage_ranks(schedule, n_gpus, stages_per_rank)
-    stage_devices = [rank_devices[r] for r in ranks]
-    inflight = inflight_per_stage(schedule, n_gpus, m, stages_per_rank)
-    problem = build_problem(
-        cost_graph, traced, num_stages=num_stages, stage_devices=stage_devices, inflight=inflight,
-        optimizer_factor=opt_factor, link_default=default_link(dev.type), stages_per_rank=stages_per_rank,
-    )
+    # ---- search: the best split for each schedule option, then the fastest option that fits
     t0 = time.perf_counter()
-    result = solve_bottleneck(problem)
+    options = []
+    for sched, v in pairs:
+        option = ScheduleOption(schedule=sched, stages_per_rank=v, n_microbatches=m)
+        try:
+            _cost_option(option, traced=traced, cost_graph=cost_graph, n_gpus=n_gpus, rank_devices=rank_devices,
+                         optimizer_factor=opt_factor, link_default=default_link(dev.type), objective=objective)
+        except InfeasibleMemoryError as e:
+            if not auto:
+                raise
+            option.reason = str(e).split(";")[0]
+        options.append(option)
     planner_s = time.perf_counter() - t0
+    usable = [o for o in options if o.result is not None and o.fits]
+    if not usable:
+        # Every option fails memory: say what the most frugal one would need.
+        raise InfeasibleMemoryError(
+            "no schedule considered fits the memory given: "
+            + "; ".join(f"{o.schedule} x{o.stages_per_rank} needs "
+                        f"{_fmt_rank_peak(o)}" for o in options)
+        )
+    chosen = min(usable, key=lambda o: (o.predicted_step_s, max(o.rank_peak_bytes)))
     limits = None
     if any(math.isfinite(d.memory_bytes) for d in rank_devices):
         limits = [int(d.memory_bytes) if math.isfinite(d.memory_bytes) else -1 for d in rank_devices]
     return make_plan(
-        traced, cost_graph, problem, result,
-        schedule=schedule, n_microbatches=m, stages_per_rank=stages_per_rank,
-        optimizer=opt_name, optimizer_factor=opt_factor, stage_devices=stage_devices,
-        inflight=inflight, cost_source=cost, device=str(dev), planner_s=planner_s,
-        memory_limit_bytes=limits,
+        traced, cost_graph, chosen,
+        optimizer=opt_name, optimizer_factor=opt_factor, rank_devices=rank_devices,
+        cost_source=cost, objective=objective, device=str(dev), planner_s=planner_s,
+        memory_limit_bytes=limits, alternatives=options if auto else (),
     )
+
+
+def _fmt_rank_peak(option: ScheduleOption) -> str:
+    if option.rank_peak_bytes:
+        from .reporting.text import format_bytes
+
+        return format_bytes(max(option.rank_peak_bytes)) + " on its fullest device"
+    return option.reason or "more memory"

@@ -51,3 +51,29 @@ def test_not_json_is_a_clear_error(tmp_path):
 
 def test_balance_is_lower_bound_over_bottleneck():
     assert _plan().balance == pytest.approx(3e-3 / 3.1e-3)
+
+
+def test_calibrate_with_per_stage_times_rescales_stages_and_prediction():
+    plan = _plan()
+    cal = plan.calibrate([6e-3, 3e-3])  # stage 0 measured twice as slow, stage 1 as predicted
+    assert cal.stages[0].fwd_s == pytest.approx(2e-3) and cal.stages[0].bwd_s == pytest.approx(4e-3)
+    assert cal.stages[1].fwd_s == pytest.approx(1e-3)
+    assert cal.bottleneck_s == pytest.approx(6e-3 + 1e-4)
+    assert cal.predicted_step_s > plan.predicted_step_s
+    assert plan.stages[0].fwd_s == 1e-3  # the original is untouched
+
+
+def test_calibrate_with_a_step_time_scales_everything_by_one_factor():
+    plan = _plan()
+    cal = plan.calibrate({"step_s": 2 * plan.predicted_step_s})
+    assert cal.extras["calibration"]["fwd_factor"] == [2.0, 2.0]
+
+
+def test_calibrate_rejects_the_wrong_number_of_stages():
+    with pytest.raises(ValueError, match="measured has 3 stage times but the plan has 2 stages"):
+        _plan().calibrate([1.0, 1.0, 1.0])
+
+
+def test_calibrate_rejects_non_positive_times():
+    with pytest.raises(ValueError, match="must all be > 0"):
+        _plan().calibrate([1.0, 0.0])

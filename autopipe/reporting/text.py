@@ -75,9 +75,27 @@ def plan_to_text(plan: "Plan") -> str:
         f"predicted step: {format_seconds(plan.predicted_step_s)} (simulated {plan.schedule}, "
         f"bubble {plan.bubble_fraction:.1%})",
     ]
+    if "step_lower_bound_s" in plan.extras:
+        out.append(
+            f"search: objective '{plan.objective}', {plan.extras.get('search', {}).get('candidates', 1)} candidate "
+            f"splits simulated; no split can beat {format_seconds(plan.extras['step_lower_bound_s'])} per step "
+            f"under this schedule (gap to that bound {plan.extras.get('step_gap', 0.0):.1%}, most of it pipeline fill)"
+        )
     if plan.memory_limit_bytes:
         out.append("memory limit per device: " + ", ".join(
             format_bytes(m) if m >= 0 else "unlimited" for m in plan.memory_limit_bytes))
+    if plan.extras.get("alternatives"):
+        out += ["", "schedules considered (schedule='auto'):"]
+        rows = []
+        for a in sorted(plan.extras["alternatives"], key=lambda a: a["predicted_step_s"] or float("inf")):
+            chosen = a["schedule"] == plan.schedule and a["stages_per_rank"] == plan.stages_per_rank
+            rows.append([
+                ("* " if chosen else "  ") + a["schedule"], str(a["stages_per_rank"]), str(a["n_microbatches"]),
+                format_seconds(a["predicted_step_s"]) if a["predicted_step_s"] else "-",
+                format_bytes(a["peak_bytes"]) if a["peak_bytes"] else "-",
+                "yes" if a["fits"] else "NO", a.get("note", "")[:60],
+            ])
+        out += _table(["schedule", "stages/rank", "micro-batches", "step", "peak mem/device", "fits", "note"], rows)
     if plan.baselines:
         out += ["", "the same model split the usual ways (same costs, same schedule):"]
         rows = []

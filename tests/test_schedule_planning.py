@@ -1,0 +1,109 @@
+"""Schedule-aware planning: simulated objective, schedule='auto', heterogeneous devices, calibration."""
+
+from __future__ import annotations
+
+import pytest
+
+import autopipe
+from autopipe.profile import profile_segments
+
+
+@pytest.fixture(scope="module")
+def costs(small_traced):
+    return profile_segments(small_traced, progress=False, warmup=0, repeats=1)
+
+
+def test_step_objective_is_never_worse_than_the_bottleneck_split(small_transformer, costs):
+    model, args = small_transformer
+    kw = dict(example_args=args, costs=costs, progress=False, n_microbatches=4)
+    by_step = autopipe.partition(model, 2, objective="step", **kw)
+    by_bottleneck = autopipe.partition(model, 2, objective="bottleneck", **kw)
+    assert by_step.predicted_step_s <= by_bottleneck.predicted_step_s * (1 + 1e-12)
+    assert by_step.objective == "step" and by_bottleneck.objective == "bottleneck"
+    assert 0.0 <= by_step.extras["step_gap"] < 1.0
+    assert by_step.extras["step_lower_bound_s"] <= by_step.predicted_step_s
+
+
+def test_auto_schedule_picks_the_fastest_alternative_that_fits(small_transformer, costs):
+    model, args = small_transformer
+    plan = autopipe.partition(model, 2, example_args=args, costs=costs, schedule="auto", n_microbatches=4, progress=False)
+    alts = plan.extras["alternatives"]
+    assert {a["schedule"] for a in alts} >= {"GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"}
+    fitting = [a for a in alts if a["fits"]]
+    assert plan.predicted_step_s == min(a["predicted_step_s"] for a in fitting)
+    assert plan.num_stages == 2 * plan.stages_per_rank
+    assert "schedules considered" in plan.report()
+
+
+def test_auto_schedule_respects_memory(small_transformer, costs):
+    model, args = small_transformer
+    free = autopipe.partition(model, 2, example_args=args, costs=costs, schedule="auto", n_microbatches=4, progress=False)
+    peaks = sorted({a["peak_bytes"] for a in free.extras["alternatives"] if a["peak_bytes"]})
+    limit = peaks[len(peaks) // 2]  # some options fit, some do not
+    plan = autopipe.partition(model, 2, example_args=args, costs=costs, schedule="auto", n_microbatches=4,
+                              memory=limit, progress=False)
+    assert max(plan.extras["rank_peak_bytes"]) <= limit
+    assert any(not a["fits"] for a in plan.extras["alternatives"])
+
+
+def test_faster_device_gets_more_work(small_transformer, costs):
+    model, args = small_transformer
+    even = autopipe.partition(model, 2, example_args=args, costs=costs, objective="bottleneck", progress=False)
+    fast_first = autopipe.partition(model, 2, example_args=args, costs=costs, objective="bottleneck", progress=False,
+                                    devices=[autopipe.Device(speed=4.0), autopipe.Device(speed=1.0)])
+    assert fast_first.stages[0].last_segment >= even.stages[0].last_segment
+    compute = lambda s: (s.fwd_s + s.bwd_s)  # noqa: E731  (already divided by speed)
+    raw = [compute(s) * d for s, d in zip(fast_first.stages, (4.0, 1.0))]
+    raw_even = [compute(s) for s in even.stages]
+    assert raw[0] / sum(raw) >= raw_even[0] / sum(raw_even)
+
+
+def test_each_device_memory_is_respected(small_transformer, costs):
+    model, args = small_transformer
+    free = autopipe.partition(model, 2, example_args=args, costs=costs, progress=False, objective="bottleneck")
+    small = int(min(s.peak_bytes for s in free.stages) * 1.05)
+    plan = autopipe.partition(model, 2, example_args=args, costs=costs, progress=False, objective="bottleneck",
+                              devices=[autopipe.Device(memory=small), autopipe.Device(memory="1GiB")])
+    assert plan.stages[0].peak_bytes <= small
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(speed=0), "speed=0 must be a finite number > 0"),
+    (dict(speed=-1.0), "speed=-1.0 must be"),
+    (dict(memory="-3GiB"), "Device memory='-3GiB' is not a memory size"),
+    (dict(bandwidth=0), "bandwidth=0 must be > 0"),
+])
+def test_bad_device_values_are_rejected(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        autopipe.Device(**kwargs)
+
+
+def test_device_list_must_match_n_gpus(small_transformer):
+    model, args = small_transformer
+    with pytest.raises(ValueError, match="devices has 3 entries but n_gpus=2"):
+        autopipe.partition(model, 2, example_args=args, devices=[autopipe.Device()] * 3)
+
+
+def test_interleaved_needs_a_valid_micro_batch_count(small_transformer):
+    model, args = small_transformer
+    with pytest.raises(ValueError, match="1F1B' needs n_microbatches >= n_ranks"):
+        autopipe.partition(model, 4, example_args=args, schedule="1F1B", n_microbatches=2)
+    with pytest.raises(ValueError, match="multiple of"):
+        autopipe.partition(model, 2, example_args=args, schedule="Interleaved1F1B", stages_per_rank=2, n_microbatches=5)
+
+
+def test_unknown_objective(small_transformer):
+    model, args = small_transformer
+    with pytest.raises(ValueError, match="objective='fast' is not known"):
+        autopipe.partition(model, 2, example_args=args, objective="fast")
+
+
+def test_calibrated_costs_feed_a_new_plan(small_transformer, costs):
+    model, args = small_transformer
+    plan = autopipe.partition(model, 2, example_args=args, costs=costs, progress=False, objective="bottleneck")
+    # Pretend stage 0 ran 3x slower than profiled: the re-plan must move work off it.
+    times = [3 * plan.stages[0].time_s, plan.stages[1].time_s]
+    cal = plan.calibrate(times)
+    replanned = autopipe.partition(model, 2, example_args=args, costs=cal.segment_costs(), progress=False,
+                                   objective="bottleneck")
+    assert replanned.stages[0].last_segment <= plan.stages[0].last_segment
