@@ -40,6 +40,7 @@ from .errors import InfeasibleMemoryError
 from .partitioner import PartitionProblem, PartitionResult, candidate_partitions, solve_bottleneck
 from .plan import BaselinePlan, Plan, StagePlan
 from .profile import COST_SOURCES, profile_segments, resolve_device
+from .scaling import ScaledProfile, profile_scaling
 from .trace import TracedModel, _module_spans, trace
 
 __all__ = [
@@ -453,7 +454,8 @@ def partition(
     example_kwargs: Mapping[str, Any] | None = None,
     *,
     schedule: str = "1F1B",
-    n_microbatches: int | None = None,
+    n_microbatches: int | str | None = None,
+    global_batch: int | None = None,
     stages_per_rank: int | None = None,
     objective: str = "step",
     memory: int | str | Sequence[int | str] | None = None,
@@ -466,6 +468,7 @@ def partition(
     warmup: int = 2,
     repeats: int = 5,
     costs: Sequence[SegmentCost] | None = None,
+    scaling: ScaledProfile | None = None,
     progress: bool = True,
 ) -> Plan:
     """Find where to cut ``model`` into pipeline stages so the schedule runs fastest.
@@ -488,7 +491,13 @@ def partition(
             InterleavedZeroBubble, ZBVZeroBubble, DualPipeV), or ``"auto"`` to compare them
             all (and 2 or 4 stages per rank for the looped ones) and keep the fastest that
             fits in memory; the others are listed in ``plan.extras["alternatives"]``.
-        n_microbatches: Micro-batches per step; default ``2 * n_gpus``.
+        n_microbatches: Micro-batches per step; default ``2 * n_gpus``. ``"auto"`` tries
+            every divisor of ``global_batch`` (up to 64) as the micro-batch count, costing each
+            micro-batch size from a profile taken at several sizes (no re-profiling per
+            count), and keeps the fastest that fits; the plan then records
+            ``extras["microbatch_size"]``.
+        global_batch: Samples per optimizer step. Needed for ``n_microbatches="auto"``;
+            with a fixed ``n_microbatches`` it must be divisible by it.
         stages_per_rank: Stages per rank for multi-stage schedules (default: 2 for the
             V-shaped ones, 1 otherwise). The plan has ``n_gpus * stages_per_rank`` stages.
         objective: ``"step"`` (default): the split whose simulated step time under the
@@ -509,6 +518,8 @@ def partition(
         costs: A profile to reuse (``plan.extras`` or :func:`autopipe.profile.profile_segments`
             output, one :class:`~autopipe.costgraph.SegmentCost` per segment): skips measuring,
             and the same costs always give the same plan.
+        scaling: A :class:`~autopipe.scaling.ScaledProfile` to reuse with
+            ``n_microbatches="auto"`` (from :func:`autopipe.scaling.profile_scaling`).
         progress: Show progress bars while profiling.
 
     Returns:
@@ -538,13 +549,38 @@ def partition(
     if objective not in OBJECTIVES:
         raise ValueError(f"objective={objective!r} is not known; use one of {list(OBJECTIVES)}")
     auto = isinstance(schedule, str) and schedule.strip().lower() == "auto"
-    m = 2 * n_gpus if n_microbatches is None else _check_int("n_microbatches", n_microbatches)
+    auto_m = isinstance(n_microbatches, str) and n_microbatches.strip().lower() == "auto"
+    if global_batch is not None:
+        global_batch = _check_int("global_batch", global_batch)
+    if auto_m:
+        if global_batch is None:
+            raise ValueError("n_microbatches='auto' needs global_batch= (samples per step) to choose micro-batch sizes")
+        if costs is not None:
+            raise ValueError("costs= holds one micro-batch size; with n_microbatches='auto' pass scaling= instead")
+        m_options = [d for d in range(1, min(global_batch, 64) + 1) if global_batch % d == 0]
+    else:
+        m = 2 * n_gpus if n_microbatches is None else _check_int("n_microbatches", n_microbatches)
+        if global_batch is not None and global_batch % m:
+            divisors = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
+            raise ValueError(f"n_microbatches={m} does not divide global_batch={global_batch}; use one of {divisors}")
+        m_options = [m]
     if not auto:
         schedule = sim.canonical_schedule_name(schedule)
         if stages_per_rank is None:
             stages_per_rank = 2 if schedule in ("ZBVZeroBubble", "DualPipeV") else 1
         stages_per_rank = _check_int("stages_per_rank", stages_per_rank)
-        sim.validate_schedule(schedule, n_gpus, m, stages_per_rank)
+        runnable = []
+        for m_try in m_options:
+            try:
+                sim.validate_schedule(schedule, n_gpus, m_try, stages_per_rank)
+                runnable.append(m_try)
+            except ValueError:
+                if not auto_m:
+                    raise
+        if not runnable:
+            raise ValueError(f"schedule {schedule!r} on {n_gpus} ranks cannot run any micro-batch count dividing "
+                             f"global_batch={global_batch}: tried {m_options}")
+        m_options = runnable
     elif stages_per_rank is not None:
         raise ValueError(f"stages_per_rank={stages_per_rank!r} cannot be fixed with schedule='auto'; leave it None")
     if cost not in COST_SOURCES:
@@ -557,39 +593,55 @@ def partition(
 
     # ---- trace, profile, cost graph
     traced = trace(model, example_args, example_kwargs)
-    if auto:
-        pairs = auto_schedule_options(n_gpus, m, traced.num_segments)
-    else:
-        pairs = [(schedule, stages_per_rank)]
-    needed = min((n_gpus * v for _, v in pairs), default=n_gpus)
-    if not pairs or needed > traced.num_segments:
+    pairs_for = {
+        mm: auto_schedule_options(n_gpus, mm, traced.num_segments) if auto else [(schedule, stages_per_rank)]
+        for mm in m_options
+    }
+    needed = min((n_gpus * v for pairs in pairs_for.values() for _, v in pairs), default=n_gpus)
+    if not any(pairs_for.values()) or needed > traced.num_segments:
         raise ValueError(
             f"n_gpus={n_gpus} needs at least {needed} stages, but {traced.model_name} has only "
             f"{len(traced.candidates)} legal split points ({traced.num_segments} segments); use at most "
             f"{traced.num_segments} stages"
         )
-    if costs is None:
-        costs = profile_segments(traced, cost=cost, device=dev, warmup=warmup, repeats=repeats, progress=progress)
-    elif len(costs) != traced.num_segments:
-        raise ValueError(
-            f"costs has {len(costs)} entries but {traced.model_name} traces to {traced.num_segments} "
-            "segments; pass the profile of this model with these example inputs"
-        )
-    cost_graph = build_cost_graph(traced, list(costs))
+    # One cost graph per micro-batch count: measured at the example size, or from the fits.
+    graphs: dict[int, CostGraph] = {}
+    micro_size: dict[int, int] = {}
+    if auto_m:
+        if scaling is None:
+            scaling = profile_scaling(model, example_args, example_kwargs, sizes=_scaling_sizes(global_batch, m_options),
+                                      cost=cost, device=dev, warmup=warmup, repeats=repeats, progress=progress)
+        if scaling.segment_names != [sg.name for sg in traced.segments]:
+            raise ValueError("scaling= was profiled on a different model or inputs: its segments do not match")
+        for mm in m_options:
+            b = global_batch // mm
+            graph = build_cost_graph(traced, scaling.costs_at(b))
+            graph.cut_fwd_bytes, graph.cut_bwd_bytes = (list(x) for x in scaling.cut_bytes_at(b))
+            graphs[mm], micro_size[mm] = graph, b
+    else:
+        if costs is None:
+            costs = profile_segments(traced, cost=cost, device=dev, warmup=warmup, repeats=repeats, progress=progress)
+        elif len(costs) != traced.num_segments:
+            raise ValueError(
+                f"costs has {len(costs)} entries but {traced.model_name} traces to {traced.num_segments} "
+                "segments; pass the profile of this model with these example inputs"
+            )
+        graphs[m_options[0]] = build_cost_graph(traced, list(costs))
 
-    # ---- search: the best split for each schedule option, then the fastest option that fits
+    # ---- search: the best split for each (micro-batches, schedule) option, then the fastest that fits
     t0 = time.perf_counter()
     options = []
-    for sched, v in pairs:
-        option = ScheduleOption(schedule=sched, stages_per_rank=v, n_microbatches=m)
-        try:
-            _cost_option(option, traced=traced, cost_graph=cost_graph, n_gpus=n_gpus, rank_devices=rank_devices,
-                         optimizer_factor=opt_factor, link_default=default_link(dev.type), objective=objective)
-        except InfeasibleMemoryError as e:
-            if not auto:
-                raise
-            option.reason = str(e).split(";")[0]
-        options.append(option)
+    for mm, graph in graphs.items():
+        for sched, v in pairs_for[mm]:
+            option = ScheduleOption(schedule=sched, stages_per_rank=v, n_microbatches=mm)
+            try:
+                _cost_option(option, traced=traced, cost_graph=graph, n_gpus=n_gpus, rank_devices=rank_devices,
+                             optimizer_factor=opt_factor, link_default=default_link(dev.type), objective=objective)
+            except InfeasibleMemoryError as e:
+                if not (auto or auto_m):
+                    raise
+                option.reason = str(e).split(";")[0]
+            options.append(option)
     planner_s = time.perf_counter() - t0
     usable = [o for o in options if o.result is not None and o.fits]
     if not usable:
@@ -603,12 +655,27 @@ def partition(
     limits = None
     if any(math.isfinite(d.memory_bytes) for d in rank_devices):
         limits = [int(d.memory_bytes) if math.isfinite(d.memory_bytes) else -1 for d in rank_devices]
-    return make_plan(
-        traced, cost_graph, chosen,
+    plan = make_plan(
+        traced, graphs[chosen.n_microbatches], chosen,
         optimizer=opt_name, optimizer_factor=opt_factor, rank_devices=rank_devices,
         cost_source=cost, objective=objective, device=str(dev), planner_s=planner_s,
-        memory_limit_bytes=limits, alternatives=options if auto else (),
+        memory_limit_bytes=limits, alternatives=options if (auto or auto_m) else (),
     )
+    if global_batch is not None:
+        plan.extras["global_batch"] = global_batch
+        plan.extras["microbatch_size"] = global_batch // chosen.n_microbatches
+    if auto_m and scaling is not None:
+        plan.extras["scaling_fit_error"] = {k: max(v) if v else 0.0 for k, v in scaling.fit_error.items()}
+    return plan
+
+
+def _scaling_sizes(global_batch: int, m_options: Sequence[int]) -> list[int]:
+    """Micro-batch sizes to profile for fitting: the smallest, a middle and the largest used."""
+    sizes = sorted({global_batch // mm for mm in m_options})
+    picks = sorted({sizes[0], sizes[len(sizes) // 2], sizes[-1]})
+    if len(picks) < 2:  # one size only (global_batch == 1): fit needs two points
+        picks = sorted({picks[0], picks[0] + 1})
+    return picks
 
 
 def _fmt_rank_peak(option: ScheduleOption) -> str:

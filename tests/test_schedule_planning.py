@@ -107,3 +107,30 @@ def test_calibrated_costs_feed_a_new_plan(small_transformer, costs):
     replanned = autopipe.partition(model, 2, example_args=args, costs=cal.segment_costs(), progress=False,
                                    objective="bottleneck")
     assert replanned.stages[0].last_segment <= plan.stages[0].last_segment
+
+
+def test_auto_microbatches_tries_divisors_of_the_global_batch(small_transformer):
+    from autopipe.scaling import profile_scaling
+
+    model, args = small_transformer  # example micro-batch of 2 samples
+    scaled = profile_scaling(model, args, sizes=[1, 2, 4], cost="flops", progress=False)
+    plan = autopipe.partition(model, 2, example_args=args, n_microbatches="auto", global_batch=8,
+                              scaling=scaled, progress=False)
+    tried = {a["n_microbatches"] for a in plan.extras["alternatives"]}
+    assert tried == {2, 4, 8}  # 1F1B needs at least 2 micro-batches on 2 ranks
+    assert plan.n_microbatches in tried
+    assert plan.extras["microbatch_size"] * plan.n_microbatches == 8
+    best = min(a["predicted_step_s"] for a in plan.extras["alternatives"] if a["fits"])
+    assert plan.predicted_step_s == best
+
+
+def test_auto_microbatches_needs_a_global_batch(small_transformer):
+    model, args = small_transformer
+    with pytest.raises(ValueError, match="needs global_batch="):
+        autopipe.partition(model, 2, example_args=args, n_microbatches="auto")
+
+
+def test_micro_batch_count_must_divide_the_global_batch(small_transformer):
+    model, args = small_transformer
+    with pytest.raises(ValueError, match=r"n_microbatches=3 does not divide global_batch=8; use one of \[1, 2, 4, 8\]"):
+        autopipe.partition(model, 2, example_args=args, n_microbatches=3, global_batch=8)
