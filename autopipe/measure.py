@@ -1,0 +1,573 @@
+"""Measure the devices and links a pipeline runs on, instead of guessing them.
+
+The planner's cost model needs, per pipeline rank, a relative compute ``speed`` and the
+``bandwidth`` / ``latency_s`` of the link to the next rank (:class:`autopipe.Device`).
+This module measures them:
+
+* :func:`measure_link` starts two processes on loopback (gloo on CPU, NCCL on two GPUs),
+  ping-pongs messages of several sizes between them, and fits
+  ``one-way time = latency + bytes / bandwidth``;
+* :func:`measure_link_in_group` does the same between two ranks of a process group that
+  already exists (under ``torchrun``, across nodes);
+* :func:`measure_device_speed` compares a device's matmul throughput with the device the
+  profile was measured on;
+* :func:`measure_devices` builds the ``devices=[...]`` list for :func:`autopipe.partition`.
+
+Example:
+    >>> from autopipe.measure import fit_link
+    >>> bandwidth, latency_s, error = fit_link([1000, 2000], [1e-6 + 1000 / 1e9, 1e-6 + 2000 / 1e9])
+    >>> round(bandwidth), round(latency_s * 1e6, 6), error
+    (1000000000, 1.0, 0.0)
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import numbers
+import os
+import pickle
+import socket
+import statistics
+import tempfile
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .devices import Device, parse_bytes
+from .profile import measure_device_flops, resolve_device
+
+__all__ = [
+    "LinkMeasurement",
+    "fit_link",
+    "measure_link",
+    "measure_link_in_group",
+    "measure_device_speed",
+    "measure_devices",
+    "DEFAULT_SIZES_BYTES",
+]
+
+#: Message sizes of a link measurement: small ones pin down the latency, large ones the bandwidth.
+DEFAULT_SIZES_BYTES = (1 << 10, 1 << 14, 1 << 18, 1 << 22, 1 << 25)  # 1 KiB ... 32 MiB
+
+
+@dataclass
+class LinkMeasurement:
+    """What a link between two processes does: one-way time = latency_s + bytes / bandwidth.
+
+    Use it as ``Device(bandwidth=m.bandwidth_bytes_per_s, latency_s=m.latency_s)``, or
+    ``Device(**m.device_kwargs())``.
+    """
+
+    bandwidth_bytes_per_s: float  # fitted bytes per second
+    latency_s: float  # fitted seconds per message (the time of an empty message)
+    sizes_bytes: list[int]  # message sizes tried
+    one_way_s: list[float]  # median one-way time per size (half a round trip)
+    samples_s: list[list[float]]  # every one-way time measured, per size
+    fit_error: float  # max |fit - median| / median over the sizes
+    backend: str  # "gloo" or "nccl"
+    devices: tuple[str, str]  # where the two ends' buffers lived
+
+    def device_kwargs(self) -> dict[str, float]:
+        """``{"bandwidth": ..., "latency_s": ...}`` for :class:`autopipe.Device`."""
+        return {"bandwidth": self.bandwidth_bytes_per_s, "latency_s": self.latency_s}
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field."""
+        out = asdict(self)
+        out["devices"] = list(self.devices)
+        return out
+
+    def summary(self) -> str:
+        """One line: bandwidth, latency and fit error."""
+        return (
+            f"{self.backend} {self.devices[0]} <-> {self.devices[1]}: "
+            f"{self.bandwidth_bytes_per_s / 1e9:.3g} GB/s, latency {self.latency_s * 1e6:.3g} us "
+            f"(fit error {100 * self.fit_error:.1f}% over {len(self.sizes_bytes)} sizes)"
+        )
+
+
+# --------------------------------------------------------------------------- the fit
+
+
+def fit_link(sizes_bytes: Sequence[int], one_way_s: Sequence[float]) -> tuple[float, float, float]:
+    """Fit ``one_way_s = latency_s + sizes_bytes / bandwidth`` to measured transfer times.
+
+    The fit minimises *relative* residuals (least squares weighted by 1 / time), so the
+    microsecond times of small messages count as much as the milliseconds of large ones:
+    the small messages pin down the latency and the large ones the bandwidth. A negative
+    latency (noise) is replaced by the best fit with zero latency.
+
+    Args:
+        sizes_bytes: Message sizes, at least two distinct, all > 0.
+        one_way_s: The one-way time of each, all > 0.
+
+    Returns:
+        ``(bandwidth bytes/s, latency s, relative error)``; the error is
+        ``max |fit - measured| / measured``.
+
+    Raises:
+        ValueError: lengths differ, fewer than two distinct sizes, a size or time <= 0, or
+            the times do not grow with the size (no bandwidth can be read from them).
+
+    Example:
+        >>> bw, lat, err = fit_link([10, 20, 40], [2e-6 + n / 5e8 for n in (10, 20, 40)])
+        >>> f"{bw:.3g} {lat:.3g} {err:.1g}"
+        '5e+08 2e-06 0'
+    """
+    x = np.asarray(sizes_bytes, dtype=float)
+    t = np.asarray(one_way_s, dtype=float)
+    if x.shape != t.shape or x.ndim != 1:
+        raise ValueError(f"sizes_bytes ({len(sizes_bytes)}) and one_way_s ({len(one_way_s)}) must have equal lengths")
+    if len(set(x.tolist())) < 2:
+        raise ValueError(f"sizes_bytes={list(sizes_bytes)!r} must hold at least two distinct message sizes")
+    if np.any(x <= 0) or np.any(~np.isfinite(t)) or np.any(t <= 0):
+        raise ValueError(f"sizes_bytes and one_way_s must be > 0, got {list(sizes_bytes)!r} and {list(one_way_s)!r}")
+    w = 1.0 / t  # divide each equation by its own time: relative residuals
+    (latency, per_byte), *_ = np.linalg.lstsq(np.stack([w, x * w], axis=1), np.ones_like(t), rcond=None)
+    if latency < 0:
+        latency = 0.0
+        per_byte = float(np.dot(x * w, np.ones_like(t)) / np.dot(x * w, x * w))
+    if not per_byte > 0:
+        raise ValueError(
+            f"one_way_s={list(one_way_s)!r} does not grow with sizes_bytes={list(sizes_bytes)!r}, so no "
+            "bandwidth can be read from it; measure larger messages (several MiB) or more repeats"
+        )
+    predicted = latency + per_byte * x
+    error = float(np.max(np.abs(predicted - t) / t))
+    return float(1.0 / per_byte), float(latency), (0.0 if error < 1e-12 else error)
+
+
+def _measurement(sizes: list[int], samples: list[list[float]], backend: str, devices: tuple[str, str]) -> LinkMeasurement:
+    medians = [statistics.median(s) for s in samples]
+    bandwidth, latency, error = fit_link(sizes, medians)
+    return LinkMeasurement(
+        bandwidth_bytes_per_s=bandwidth, latency_s=latency, sizes_bytes=list(sizes), one_way_s=medians,
+        samples_s=[list(s) for s in samples], fit_error=error, backend=backend, devices=devices,
+    )
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_sizes_bytes(sizes_bytes: Any) -> list[int]:
+    if isinstance(sizes_bytes, (str, bytes)) or not isinstance(sizes_bytes, Sequence):
+        raise ValueError(f"sizes_bytes={sizes_bytes!r} must be a list of message sizes in bytes (integers >= 1)")
+    for n in sizes_bytes:
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+            raise ValueError(f"sizes_bytes={list(sizes_bytes)!r}: {n!r} is not a message size; use integers >= 1")
+    distinct = sorted({int(n) for n in sizes_bytes})
+    if len(distinct) < 2:
+        raise ValueError(
+            f"sizes_bytes={list(sizes_bytes)!r} must hold at least two distinct sizes to separate latency "
+            "from bandwidth, e.g. (1024, 4 << 20)"
+        )
+    return distinct
+
+
+def _check_count(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
+    return int(value)
+
+
+def _check_timeout(timeout_s: Any) -> float:
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (0 < timeout_s < math.inf):
+        raise ValueError(f"timeout_s={timeout_s!r} must be a finite number of seconds > 0")
+    return float(timeout_s)
+
+
+# --------------------------------------------------------------------------- in a process group
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _group_device(group: Any) -> torch.device:
+    """The device a backend's tensors must live on: the current GPU for NCCL, else the CPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def measure_link_in_group(
+    src: int,
+    dst: int,
+    *,
+    sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES,
+    repeats: int = 10,
+    warmup: int = 3,
+    group: Any = None,
+    device: str | torch.device | None = None,
+) -> LinkMeasurement | None:
+    """Measure the link between ranks ``src`` and ``dst`` of an initialised process group.
+
+    Call it on ``src`` and ``dst`` (other ranks may call it too and get ``None`` at once).
+    ``src`` sends a message of each size and ``dst`` sends it back, ``warmup + repeats``
+    times with ``isend``/``irecv`` + ``wait`` (as ``torch.distributed.pipelining`` moves
+    activations); half of each round trip is one one-way sample. ``src`` then sends the
+    samples to ``dst``, so both return the same :class:`LinkMeasurement`. Transfers time
+    out after the group's own timeout (``init_process_group(timeout=...)``).
+
+    Args:
+        src: Global rank that starts every round trip.
+        dst: Global rank that echoes.
+
+    Keyword Args:
+        sizes_bytes: Message sizes (at least two distinct, >= 1).
+        repeats: Timed round trips per size (>= 1); the median is fitted.
+        warmup: Untimed round trips per size first (connection set-up, allocator).
+        group: The process group (default: the world).
+        device: Where the buffers live; default the current GPU for NCCL, else the CPU.
+
+    Returns:
+        The measurement on ``src`` and ``dst``; ``None`` on every other rank.
+
+    Raises:
+        RuntimeError: no process group is initialised.
+        ValueError: bad ranks or options (before any communication).
+
+    Example (under ``torchrun --nproc-per-node 2``)::
+
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        link = measure_link_in_group(0, 1)
+        if dist.get_rank() == 0:
+            print(link.summary())
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("measure_link_in_group needs an initialised process group: call "
+                           "torch.distributed.init_process_group first (or use measure_link)")
+    world = dist.get_world_size()
+    for name, r in (("src", src), ("dst", dst)):
+        if isinstance(r, bool) or not isinstance(r, numbers.Integral) or not 0 <= r < world:
+            raise ValueError(f"{name}={r!r} must be a rank in [0, {world - 1}]")
+    if src == dst:
+        raise ValueError(f"src={src} and dst={dst} must be different ranks")
+    sizes = _check_sizes_bytes(sizes_bytes)
+    repeats = _check_count("repeats", repeats, 1)
+    warmup = _check_count("warmup", warmup, 0)
+    dev = torch.device(device) if device is not None else _group_device(group)
+    rank = dist.get_rank()
+    if rank not in (src, dst):
+        return None
+    peer = dst if rank == src else src
+    samples: list[list[float]] = []
+    for nbytes in sizes:
+        buf = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+        times = []
+        for i in range(warmup + repeats):
+            if rank == src:
+                _synchronize(dev)
+                t0 = time.perf_counter()
+                dist.isend(buf, peer, group=group).wait()
+                dist.irecv(buf, peer, group=group).wait()
+                _synchronize(dev)  # NCCL's wait only orders streams; the host must see the bytes
+                if i >= warmup:
+                    times.append((time.perf_counter() - t0) / 2.0)
+            else:
+                dist.irecv(buf, peer, group=group).wait()
+                dist.isend(buf, peer, group=group).wait()
+        samples.append(times)
+    # Share src's samples so both ends return the same measurement.
+    table = torch.zeros(len(sizes), repeats, dtype=torch.float64, device=dev)
+    if rank == src:
+        table.copy_(torch.tensor(samples, dtype=torch.float64))
+        dist.isend(table, peer, group=group).wait()
+    else:
+        dist.irecv(table, peer, group=group).wait()
+    _synchronize(dev)
+    return _measurement(sizes, table.cpu().tolist(), dist.get_backend(group), (f"rank {src}", f"rank {dst}"))
+
+
+# --------------------------------------------------------------------------- two spawned processes
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _link_worker(rank: int, port: int, backend: str, devices: tuple[str, str], sizes: list[int],
+                 repeats: int, warmup: int, timeout_s: float, out_dir: str) -> None:
+    """One end of :func:`measure_link`; writes ("ok", measurement) or ("error", text) to a file."""
+    torch.set_num_threads(1)  # both ends share the host's cores; the transfer needs no threads
+    dev = torch.device(devices[rank])
+    try:
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        link = measure_link_in_group(0, 1, sizes_bytes=sizes, repeats=repeats, warmup=warmup, device=dev)
+        result: tuple[str, Any] = ("ok", link)
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+        result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    if result[0] == "ok":
+        dist.destroy_process_group()
+    os._exit(0 if result[0] == "ok" else 1)  # skip interpreter teardown: a dead peer cannot block it
+
+
+def _link_devices(device: Any) -> tuple[torch.device, torch.device]:
+    """The two ends' devices from ``device``: None, a type ("cpu", "cuda") or a pair."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "cpu"
+    if isinstance(device, (list, tuple)):
+        if len(device) != 2:
+            raise ValueError(f"device={device!r}: give one device, a device type, or a pair of devices")
+        pair = (resolve_device(device[0]), resolve_device(device[1]))
+    else:
+        one = resolve_device(device)
+        if one.type == "cuda" and one.index is None:
+            pair = (torch.device("cuda", 0), torch.device("cuda", 1))
+        else:
+            pair = (one, one)
+    if pair[0].type != pair[1].type:
+        raise ValueError(f"device={device!r}: both ends must be the same kind of device")
+    if pair[0].type == "cuda":
+        pair = tuple(torch.device("cuda", d.index if d.index is not None else 0) for d in pair)  # type: ignore[assignment]
+        if pair[0] == pair[1]:
+            raise ValueError(f"device={device!r}: both ends on {pair[0]}; NCCL needs two different GPUs")
+        if max(d.index for d in pair) >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r} but only {torch.cuda.device_count()} GPU(s) are visible")
+    elif pair[0].type != "cpu":
+        raise ValueError(f"device={device!r}: links can be measured between CPU processes or CUDA GPUs")
+    return pair
+
+
+def measure_link(
+    *,
+    device: str | torch.device | Sequence[str | torch.device] | None = None,
+    backend: str | None = None,
+    sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES,
+    repeats: int = 10,
+    warmup: int = 3,
+    timeout_s: float = 60.0,
+) -> LinkMeasurement:
+    """Measure the link between two processes on this machine (loopback).
+
+    Starts two processes, joins them in a process group on ``127.0.0.1``, and runs
+    :func:`measure_link_in_group` between them. Never hangs: the group's transfers time out
+    after ``timeout_s``, and both processes are killed if they are not done by then.
+
+    Keyword Args:
+        device: ``"cpu"`` (both processes on the CPU), ``"cuda"`` (GPUs 0 and 1), or a pair
+            such as ``("cuda:0", "cuda:3")``; default two GPUs when there are, else the CPU.
+        backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA); default follows ``device``.
+        sizes_bytes: Message sizes (at least two distinct, >= 1).
+        repeats: Timed round trips per size (>= 1).
+        warmup: Untimed round trips per size first (>= 0).
+        timeout_s: Limit on the whole measurement, start-up included (> 0).
+
+    The processes are started with the ``spawn`` method, so a script that calls this must
+    do so under ``if __name__ == "__main__":``.
+
+    Returns:
+        A :class:`LinkMeasurement`; ``Device(**m.device_kwargs())`` uses it.
+
+    Raises:
+        ValueError: bad options (before any process starts).
+        TimeoutError: the processes were not done within ``timeout_s`` (they are killed).
+        RuntimeError: a process failed; the message holds its traceback.
+
+    Example:
+        >>> link = measure_link(device="cpu", sizes_bytes=(1024, 1 << 20), repeats=3)  # doctest: +SKIP
+        >>> link.bandwidth_bytes_per_s > 0  # doctest: +SKIP
+        True
+    """
+    pair = _link_devices(device)
+    if backend is None:
+        backend = "nccl" if pair[0].type == "cuda" else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend={backend!r} is not supported; use 'gloo' (CPU) or 'nccl' (CUDA)")
+    if (backend == "nccl") != (pair[0].type == "cuda"):
+        raise ValueError(f"backend={backend!r} does not move {pair[0].type} tensors; use "
+                         f"{'nccl' if pair[0].type == 'cuda' else 'gloo'} for device={device!r}")
+    sizes = _check_sizes_bytes(sizes_bytes)
+    repeats = _check_count("repeats", repeats, 1)
+    warmup = _check_count("warmup", warmup, 0)
+    timeout_s = _check_timeout(timeout_s)
+    if not dist.is_available():
+        raise RuntimeError("torch.distributed is not available in this torch build")
+    results = _spawn_pair(backend, (str(pair[0]), str(pair[1])), sizes, repeats, warmup, timeout_s)
+    link = results[0]
+    link.devices = (str(pair[0]), str(pair[1]))
+    return link
+
+
+def _spawn_pair(backend: str, devices: tuple[str, str], sizes: list[int], repeats: int, warmup: int,
+                timeout_s: float) -> list[LinkMeasurement]:
+    """Run :func:`_link_worker` on two spawned processes; their results in rank order."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="autopipe-link-") as out_dir:
+        procs = [
+            ctx.Process(target=_link_worker, daemon=True,
+                        args=(rank, port, backend, devices, sizes, repeats, warmup, timeout_s, out_dir))
+            for rank in range(2)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        late = [rank for rank, p in enumerate(procs) if p.is_alive()]
+        for rank in late:
+            procs[rank].kill()
+            procs[rank].join(10)
+        outcomes: list[tuple[str, Any]] = []
+        for rank in range(2):
+            path = os.path.join(out_dir, f"rank{rank}.pkl")
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    outcomes.append(pickle.load(f))
+            else:
+                outcomes.append(("error", f"exited with code {procs[rank].exitcode} and no result"))
+    if late:
+        raise TimeoutError(f"the link measurement was not done after timeout_s={timeout_s}; ranks {late} "
+                           "were killed. Raise timeout_s, or use fewer or smaller sizes_bytes.")
+    errors = [f"--- rank {rank} ---\n{text}" for rank, (status, text) in enumerate(outcomes) if status != "ok"]
+    if errors:
+        raise RuntimeError("the link measurement failed:\n" + "\n".join(errors))
+    return [value for _, value in outcomes]
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def measure_device_speed(
+    device: str | torch.device | None = None,
+    *,
+    reference: float | str | torch.device | None = None,
+) -> float:
+    """Compute speed of ``device`` relative to ``reference``, from matmul throughput.
+
+    ``Device.speed`` is relative to the device the profile was measured on, so the
+    reference should be that device. Both are measured with
+    :func:`autopipe.profile.measure_device_flops` (float32 matmuls).
+
+    Args:
+        device: The device to rate; default CUDA when present, else the CPU.
+
+    Keyword Args:
+        reference: FLOP/s, or a device to measure; default the device autopipe profiles
+            on by default (CUDA when present, else the CPU).
+
+    Returns:
+        ``device FLOP/s / reference FLOP/s`` (2.0 = twice as fast), for ``Device(speed=...)``.
+
+    Raises:
+        ValueError: an unknown device, or a reference that is not a positive FLOP/s.
+
+    Example:
+        >>> measure_device_speed("cpu", reference=1e9) > 0
+        True
+    """
+    dev = resolve_device(device)
+    if isinstance(reference, bool):
+        raise ValueError(f"reference={reference!r} must be FLOP/s (a number > 0) or a device")
+    if isinstance(reference, (int, float)):
+        if not (0 < reference < math.inf):
+            raise ValueError(f"reference={reference!r} must be a finite FLOP/s > 0, or a device")
+        reference_flops = float(reference)
+    else:
+        ref_dev = resolve_device(reference)
+        if ref_dev == dev:
+            return 1.0  # the same device: exactly 1, not the ratio of two noisy runs
+        reference_flops = measure_device_flops(ref_dev)
+    return measure_device_flops(dev) / reference_flops
+
+
+def measure_devices(
+    devices: Sequence[str | torch.device] | None = None,
+    *,
+    memory: int | str | Sequence[int | str | None] | None = None,
+    reference: float | str | torch.device | None = None,
+    measure_links: bool = True,
+    sizes_bytes: Sequence[int] = DEFAULT_SIZES_BYTES,
+    repeats: int = 10,
+    timeout_s: float = 60.0,
+) -> list[Device]:
+    """One measured :class:`autopipe.Device` per pipeline rank, for ``partition(devices=...)``.
+
+    Speed comes from :func:`measure_device_speed` (measured once per distinct device), the
+    link from each rank to the next from :func:`measure_link` (once per distinct pair; the
+    last rank has no next, so its link stays unset), memory from
+    ``torch.cuda.get_device_properties`` on CUDA.
+
+    Args:
+        devices: One device per rank, e.g. ``["cuda:0", "cuda:1"]`` or ``["cpu"] * 4``;
+            default every visible GPU, or two CPU ranks when there is none.
+
+    Keyword Args:
+        memory: Capacity per rank (bytes or "16GiB"), one value or one per rank; default
+            the GPU's total memory, unlimited on CPU.
+        reference: What speed 1.0 means (see :func:`measure_device_speed`).
+        measure_links: False leaves bandwidth/latency to the planner's defaults.
+        sizes_bytes, repeats, timeout_s: Passed to :func:`measure_link`.
+
+    Returns:
+        ``[Device(speed=..., memory=..., bandwidth=..., latency_s=..., name=...), ...]``.
+
+    Raises:
+        ValueError: an empty or unknown device list, or a ``memory`` list of the wrong length.
+
+    Example:
+        >>> ranks = measure_devices(["cpu", "cpu"], memory="4GiB", reference=1e9, measure_links=False)
+        >>> [d.memory for d in ranks]
+        [4294967296, 4294967296]
+    """
+    if devices is None:
+        n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        devices = [f"cuda:{i}" for i in range(n_gpus)] if n_gpus else ["cpu", "cpu"]
+    if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence) or not devices:
+        raise ValueError(f"devices={devices!r} must be a non-empty list, one device per rank, e.g. ['cuda:0', 'cuda:1']")
+    resolved = [resolve_device(d) for d in devices]
+    if isinstance(memory, (list, tuple)):
+        if len(memory) != len(resolved):
+            raise ValueError(f"memory has {len(memory)} entries but devices has {len(resolved)}; give one per rank or one value")
+        memories = list(memory)
+    else:
+        memories = [memory] * len(resolved)
+    memories = [None if m is None else parse_bytes(m, name="memory") for m in memories]
+    if measure_links and len(resolved) > 1:
+        _check_sizes_bytes(sizes_bytes)  # fail before the slow speed measurements
+        _check_count("repeats", repeats, 1)
+        _check_timeout(timeout_s)
+    if isinstance(reference, bool):
+        raise ValueError(f"reference={reference!r} must be FLOP/s (a number > 0) or a device")
+    ref_dev = None if isinstance(reference, (int, float)) else resolve_device(reference)
+    ref_flops = float(reference) if ref_dev is None else None  # measured once, when first needed
+    speeds: dict[str, float] = {}
+    links: dict[tuple[str, str], LinkMeasurement] = {}
+    out = []
+    for i, dev in enumerate(resolved):
+        key = str(dev)
+        if key not in speeds:
+            if dev == ref_dev:
+                speeds[key] = 1.0  # the reference itself: exactly 1, not a ratio of two noisy runs
+            else:
+                if ref_flops is None:
+                    ref_flops = measure_device_flops(ref_dev)
+                speeds[key] = measure_device_speed(dev, reference=ref_flops)
+        mem = memories[i]
+        if mem is None and dev.type == "cuda":
+            mem = torch.cuda.get_device_properties(dev).total_memory
+        bandwidth = latency_s = None
+        if measure_links and i + 1 < len(resolved):
+            pair = (key, str(resolved[i + 1]))
+            if pair not in links:
+                links[pair] = measure_link(device=pair, sizes_bytes=sizes_bytes, repeats=repeats, timeout_s=timeout_s)
+            bandwidth, latency_s = links[pair].bandwidth_bytes_per_s, links[pair].latency_s
+        out.append(Device(speed=speeds[key], memory=mem, bandwidth=bandwidth, latency_s=latency_s, name=f"{i}:{key}"))
+    return out

@@ -1,0 +1,167 @@
+"""Measuring links and devices: the fit alone, two gloo processes on loopback, Device lists."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import autopipe.measure as measure
+from autopipe.devices import Device
+from autopipe.measure import (
+    LinkMeasurement,
+    fit_link,
+    measure_device_speed,
+    measure_devices,
+    measure_link,
+    measure_link_in_group,
+)
+
+from _dist_utils import run_world
+
+SMALL_SIZES = (1 << 10, 1 << 23)  # 1 KiB for the latency, 8 MiB for the bandwidth
+
+
+# --------------------------------------------------------------------------- fit_link
+
+
+def test_fit_recovers_known_bandwidth_and_latency():
+    sizes = [1 << 10, 1 << 16, 1 << 20, 1 << 24]
+    times = [50e-6 + n / 2.5e9 for n in sizes]
+    bandwidth, latency_s, error = fit_link(sizes, times)
+    assert bandwidth == pytest.approx(2.5e9, rel=1e-9)
+    assert latency_s == pytest.approx(50e-6, rel=1e-9)
+    assert error == 0.0
+
+
+def test_fit_reports_the_worst_relative_miss():
+    sizes = [1000, 2000, 4000]
+    times = [1e-6 + n / 1e9 for n in sizes]
+    times[1] *= 1.5  # one sample 50% slow
+    _, _, error = fit_link(sizes, times)
+    assert 0.1 < error < 1.0
+
+
+def test_a_negative_latency_from_noise_becomes_zero():
+    sizes = [1 << 20, 1 << 22, 1 << 24]
+    times = [n / 1e9 - 1e-5 for n in sizes]
+    bandwidth, latency_s, _ = fit_link(sizes, times)
+    assert latency_s == 0.0
+    assert 0.9e9 < bandwidth < 1.1e9
+
+
+def test_fit_rejects_times_that_do_not_grow_with_size():
+    with pytest.raises(ValueError, match="does not grow"):
+        fit_link([1024, 1 << 20], [2e-3, 1e-3])
+
+
+def test_fit_needs_two_distinct_sizes():
+    with pytest.raises(ValueError, match="sizes_bytes="):
+        fit_link([1024, 1024], [1e-3, 1e-3])
+
+
+# --------------------------------------------------------------------------- measure_link
+
+
+@pytest.mark.distributed
+def test_link_between_two_gloo_processes_has_finite_positive_figures():
+    link = measure_link(device="cpu", sizes_bytes=SMALL_SIZES, repeats=5, warmup=1, timeout_s=90)
+    assert link.backend == "gloo" and link.devices == ("cpu", "cpu")
+    assert 0 < link.bandwidth_bytes_per_s < math.inf
+    assert 0 <= link.latency_s < math.inf
+    assert [len(s) for s in link.samples_s] == [5, 5]
+    assert Device(**link.device_kwargs()).bandwidth == link.bandwidth_bytes_per_s
+
+
+@pytest.mark.distributed
+def test_a_measurement_past_its_timeout_is_killed_and_raises():
+    # Two fresh processes cannot even import torch in 0.2 s: the deadline must end them.
+    with pytest.raises(TimeoutError, match="timeout_s=0.2"):
+        measure_link(device="cpu", sizes_bytes=SMALL_SIZES, repeats=1, timeout_s=0.2)
+
+
+def _in_group_worker(rank: int, world_size: int) -> dict:
+    link = measure_link_in_group(0, 1, sizes_bytes=SMALL_SIZES, repeats=3, warmup=1)
+    return link.to_dict()
+
+
+@pytest.mark.distributed
+def test_both_ends_of_an_existing_group_return_the_same_measurement():
+    ends = run_world(_in_group_worker, 2, timeout_s=90, pg_timeout_s=30)
+    assert ends[0] == ends[1]
+    assert ends[0]["bandwidth_bytes_per_s"] > 0 and ends[0]["latency_s"] >= 0
+
+
+def test_in_group_measurement_needs_a_process_group():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        measure_link_in_group(0, 1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"sizes_bytes": (0, 1024)}, "sizes_bytes="),
+        ({"sizes_bytes": (1024, 1024)}, "sizes_bytes="),
+        ({"sizes_bytes": "1024"}, "sizes_bytes="),
+        ({"repeats": 0}, "repeats="),
+        ({"warmup": -1}, "warmup="),
+        ({"timeout_s": 0}, "timeout_s="),
+        ({"timeout_s": math.inf}, "timeout_s="),
+        ({"backend": "mpi"}, "backend="),
+        ({"device": "cpu", "backend": "nccl"}, "backend="),
+        ({"device": ("cpu", "cpu", "cpu")}, "device="),
+        ({"device": "tpu"}, "device="),
+    ],
+)
+def test_bad_arguments_raise_before_any_process_starts(monkeypatch, kwargs, name):
+    def no_spawn(*args, **kw):
+        raise AssertionError("processes were started for bad arguments")
+
+    monkeypatch.setattr(measure, "_spawn_pair", no_spawn)
+    with pytest.raises(ValueError, match=name):
+        measure_link(**kwargs)
+
+
+# --------------------------------------------------------------------------- devices
+
+
+def test_a_device_is_exactly_as_fast_as_itself():
+    assert measure_device_speed("cpu", reference="cpu") == 1.0
+
+
+def test_speed_against_a_given_flop_rate_is_a_positive_ratio():
+    speed = measure_device_speed("cpu", reference=1e6)
+    assert 0 < speed < math.inf
+
+
+@pytest.mark.parametrize("reference", [0, -1.0, math.inf, True])
+def test_a_reference_that_is_not_a_positive_flop_rate_raises(reference):
+    with pytest.raises(ValueError, match="reference="):
+        measure_device_speed("cpu", reference=reference)
+
+
+def test_cpu_ranks_get_speed_one_and_the_given_memory():
+    ranks = measure_devices(["cpu", "cpu"], memory="1GiB", reference="cpu", measure_links=False)
+    assert [d.speed for d in ranks] == [1.0, 1.0]
+    assert [d.memory_bytes for d in ranks] == [2**30, 2**30]
+    assert all(d.bandwidth is None and d.latency_s is None for d in ranks)
+
+
+def _fake_link(**kwargs) -> LinkMeasurement:
+    _fake_link.calls.append(kwargs["device"])
+    return LinkMeasurement(bandwidth_bytes_per_s=3e9, latency_s=7e-5, sizes_bytes=[1, 2], one_way_s=[1.0, 2.0],
+                           samples_s=[[1.0], [2.0]], fit_error=0.0, backend="gloo", devices=("cpu", "cpu"))
+
+
+def test_each_rank_but_the_last_gets_its_link_measured_once_per_pair(monkeypatch):
+    _fake_link.calls = []
+    monkeypatch.setattr(measure, "measure_link", _fake_link)
+    ranks = measure_devices(["cpu"] * 3, reference="cpu")
+    assert [(d.bandwidth, d.latency_s) for d in ranks] == [(3e9, 7e-5), (3e9, 7e-5), (None, None)]
+    assert _fake_link.calls == [("cpu", "cpu")]
+
+
+def test_a_memory_list_of_the_wrong_length_raises():
+    with pytest.raises(ValueError, match="memory has 3 entries"):
+        measure_devices(["cpu", "cpu"], memory=["1GiB"] * 3, measure_links=False)
