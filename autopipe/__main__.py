@@ -1,0 +1,10 @@
+"""``python -m autopipe``: the same command line as the ``autopipe`` script (see :mod:`autopipe.cli`)."""
+
+from __future__ import annotations
+
+import sys
+
+from autopipe.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Specification of ``autopipe run``: parse its arguments, start N local processes with torchrun."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from autopipe.runtime.launch import parse_run_args
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "hello.py"
+    path.write_text(textwrap.dedent("""
+        import os, sys
+        print("rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"], "args", sys.argv[1:], flush=True)
+        if "--fail-on-rank-1" in sys.argv and os.environ["RANK"] == "1":
+            sys.exit(3)
+    """))
+    return str(path)
+
+
+def test_nproc_may_follow_the_script(script):
+    assert parse_run_args([script, "--nproc", "2", "--lr", "0.1"]).nproc == 2
+
+
+def test_nproc_may_precede_the_script(script):
+    parsed = parse_run_args(["--nproc=3", script])
+    assert (parsed.script, parsed.nproc) == (script, 3)
+
+
+def test_arguments_after_the_script_go_to_the_script_unchanged(script):
+    parsed = parse_run_args([script, "--nproc", "2", "--steps", "5", "--nproc", "7"])
+    assert parsed.script_args == ["--steps", "5", "--nproc", "7"]
+
+
+@pytest.mark.parametrize("bad", ["0", "two"])
+def test_nproc_must_be_a_positive_integer(script, bad):
+    with pytest.raises(ValueError, match="--nproc"):
+        parse_run_args([script, "--nproc", bad])
+
+
+def test_missing_script_is_a_clear_error():
+    with pytest.raises(ValueError, match="no script"):
+        parse_run_args(["--nproc", "2"])
+
+
+def test_script_that_is_not_a_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="not a file"):
+        parse_run_args([str(tmp_path / "missing.py"), "--nproc", "2"])
+
+
+def _autopipe_run(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, "-m", "autopipe", "run", *args], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=REPO)
+
+
+@pytest.mark.distributed
+def test_run_starts_nproc_ranks_with_the_scripts_arguments(script):
+    done = _autopipe_run(script, "--nproc", "2", "--steps", "5")
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank"))
+    assert lines == ["rank 0 of 2 args ['--steps', '5']", "rank 1 of 2 args ['--steps', '5']"], done.stdout
+
+
+@pytest.mark.distributed
+def test_run_exits_with_the_failing_ranks_code(script):
+    done = _autopipe_run(script, "--nproc", "2", "--fail-on-rank-1")
+    assert done.returncode == 3
