@@ -423,7 +423,7 @@ def solve_min_memory(problem: PartitionProblem) -> float:
 
     With unlimited capacities it is the least possible peak memory of the heaviest stage.
     """
-    n, p = problem.num_segments, problem.num_stages
+    p = problem.num_stages
     caps = problem.capacity_bytes
     ratio = caps / caps.max() if np.isfinite(caps).all() and caps.max() > 0 else np.ones(p)
 

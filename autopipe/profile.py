@@ -36,13 +36,14 @@ import copy
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
 
 from ._progress import progress_iter
 from .costgraph import SegmentCost, requires_grad_map, tensor_bytes
@@ -208,6 +209,29 @@ def _as_tuple(out: Any) -> tuple[Any, ...]:
     return out if isinstance(out, tuple) else (out,)
 
 
+def _forward_backward(
+    module: fx.GraphModule, inputs: list[Any], trainable: list[torch.Tensor], timer: Timer,
+    counter: _SavedBytes | None = None,
+) -> tuple[float, float, tuple[Any, ...]]:
+    """One timed forward and one timed backward of a segment: (fwd_s, bwd_s, outputs).
+
+    ``module.forward`` is called directly, not ``module(...)``: the FLOP counter's module
+    tracker hooks ``Module.__call__`` and does not support ``torch.autograd.grad``.
+    Backward uses ``torch.autograd.grad`` so nothing accumulates into any ``.grad``.
+    """
+    hooks = (torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t)
+             if counter is not None else nullcontext())
+    with hooks:
+        fwd_s, out = timer.time(lambda: _as_tuple(module.forward(*inputs)))
+    outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+    wrt = [v for v in inputs if isinstance(v, torch.Tensor) and v.requires_grad] + trainable
+    if not outs or not wrt:
+        return fwd_s, 0.0, out
+    grads = [torch.ones_like(o) for o in outs]
+    bwd_s, _ = timer.time(lambda: torch.autograd.grad(outs, wrt, grads, allow_unused=True))
+    return fwd_s, bwd_s, out
+
+
 def profile_segments(
     traced: TracedModel,
     *,
@@ -296,7 +320,8 @@ def profile_segments(
                         trainable_bytes += t.numel() * t.element_size()
             trainable = [p for _, p in module.named_parameters() if p.requires_grad]
 
-            def make_inputs() -> list[Any]:
+            def make_inputs(sm: _SegmentModule = sm) -> list[Any]:
+                # Fresh leaves each run: inputs that carry a gradient in training get one here.
                 vals = []
                 for name in sm.inputs:
                     v = env[name]
@@ -305,33 +330,14 @@ def profile_segments(
                     vals.append(v)
                 return vals
 
-            def forward_backward(counter: _SavedBytes | None = None) -> tuple[float, float, Any]:
-                inputs = make_inputs()
-                if counter is not None:
-                    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
-                        fwd_s, out = timer.time(lambda: _as_tuple(module.forward(*inputs)))
-                else:
-                    fwd_s, out = timer.time(lambda: _as_tuple(module.forward(*inputs)))
-                outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
-                wrt = [v for v in inputs if isinstance(v, torch.Tensor) and v.requires_grad] + trainable
-                if not outs or not wrt:
-                    return fwd_s, 0.0, out
-                grads = [torch.ones_like(o) for o in outs]
-                bwd_s, _ = timer.time(
-                    lambda: torch.autograd.grad(outs, wrt, grads, allow_unused=True)
-                )
-                return fwd_s, bwd_s, out
-
             counter = _SavedBytes({p.data_ptr() for _, p in state})
-            from torch.utils.flop_counter import FlopCounterMode
-
             with FlopCounterMode(display=False) as flop_counter:
-                _, _, out = forward_backward(counter)
+                _, _, out = _forward_backward(module, make_inputs(), trainable, timer, counter)
             flops = float(flop_counter.get_total_flops())
             fwd_times, bwd_times = [], []
             if cost == "measured":
                 for i in range(warmup + repeats):
-                    f, b, _ = forward_backward()
+                    f, b, _ = _forward_backward(module, make_inputs(), trainable, timer)
                     if i >= warmup:
                         fwd_times.append(f)
                         bwd_times.append(b)
