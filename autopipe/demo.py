@@ -1,0 +1,327 @@
+"""``autopipe demo``: the whole story on the seed tutorial's Transformer, in well under a minute.
+
+The tutorial autopipe grew from splits a small Transformer by hand, half the blocks per
+GPU (``{"layers.1": SplitPoint.BEGINNING}`` for two blocks). With a large vocabulary the
+output layer ``out_linear`` costs as much as all the blocks together, and the hand split
+leaves one device idle much of the step. The demo:
+
+1. profiles every layer of that model (one micro-batch, one CPU thread - what each rank
+   will have);
+2. plans 2 pipeline stages under 1F1B with 4 micro-batches;
+3. compares the plan with the hand split, both costed by the same model;
+4. trains both splits for a few steps on 2 CPU processes (gloo) with
+   :class:`autopipe.Pipeline`, alternating steps so machine noise hits both alike,
+   and prints the loss and the measured step time beside the predicted one;
+5. writes the plan, the reports (HTML, Markdown + PNG, JSON) and Chrome traces of the
+   simulated and the measured step.
+
+Example:
+    >>> from autopipe.demo import run_demo
+    >>> result = run_demo(out_dir="/tmp/autopipe-demo", steps=4)  # doctest: +SKIP
+    >>> result["measured"]["runs"][0]["name"]  # doctest: +SKIP
+    'autopipe'
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import statistics
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+__all__ = ["run_demo", "DEMO_SCHEDULE", "DEMO_MICROBATCHES", "DEMO_RANKS"]
+
+DEMO_RANKS = 2  # CPU processes, one pipeline stage each
+DEMO_SCHEDULE = "1F1B"
+DEMO_MICROBATCHES = 4
+_WORKER_TIMEOUT_S = 150.0  # the whole training run; a stuck rank is killed after this
+
+
+def _model_config(vocab_size: int, num_layers: int) -> dict[str, Any]:
+    """Sizes of the demo Transformer: tutorial architecture, large vocabulary, CPU-sized."""
+    return {"vocab_size": vocab_size, "d_model": 128, "num_heads": 4, "d_ff": 512,
+            "num_layers": num_layers, "batch": 4, "seq_len": 64, "dropout": 0.0}
+
+
+def _hand_split(num_layers: int) -> list[str]:
+    """The tutorial's way: the second half of the blocks on the second device."""
+    return [f"layers.{max(1, num_layers // 2)}"]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- training (in each rank)
+
+
+def _lm_loss(logits: Any, target: Any) -> Any:
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def _train_worker(rank: int, world_size: int, port: int, config: dict[str, Any], plan_dict: dict[str, Any],
+                  hand_split: list[str], steps: int, work_dir: str) -> None:
+    """One rank: build both pipelines, alternate their training steps, time them, save results."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    # Results travel back in a file; the profiler's C++ chatter on stdout/stderr would only
+    # interleave with the parent's tables.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
+    result: dict[str, Any]
+    try:
+        import warnings
+
+        warnings.simplefilter("ignore")
+        import torch
+        import torch.distributed as dist
+
+        from .models import seed_transformer
+        from .plan import Plan
+        from .runtime import Pipeline
+
+        torch.set_num_threads(1)  # one core per rank: the profile was taken the same way
+        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=_WORKER_TIMEOUT_S))
+        model, (x_mb,) = seed_transformer(**config)
+        pipes = {
+            "autopipe": Pipeline(model, example_args=(x_mb,), loss_fn=_lm_loss, plan=Plan.from_dict(plan_dict),
+                                 device="cpu"),
+            "hand split": Pipeline(model, example_args=(x_mb,), loss_fn=_lm_loss, split_points=hand_split,
+                                   schedule=DEMO_SCHEDULE, n_microbatches=DEMO_MICROBATCHES, device="cpu"),
+        }
+        optimizers = {name: torch.optim.Adam(p.parameters(), lr=2e-3) for name, p in pipes.items()}
+        # One fixed batch of token sequences: next-token prediction, so the loss visibly falls.
+        g = torch.Generator().manual_seed(1)
+        tokens = torch.randint(0, config["vocab_size"], (DEMO_MICROBATCHES * config["batch"], config["seq_len"] + 1),
+                               generator=g)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        runs: dict[str, dict[str, list[float]]] = {name: {"step_s": [], "losses": []} for name in pipes}
+        for _ in range(steps):
+            for name, pipe in pipes.items():  # alternate, so load on the machine hits both splits alike
+                opt = optimizers[name]
+                dist.barrier()
+                t0 = time.perf_counter()
+                opt.zero_grad()
+                loss = pipe.step(x, target=y)
+                opt.step()
+                dist.barrier()
+                runs[name]["step_s"].append(time.perf_counter() - t0)
+                runs[name]["losses"].append(float(loss))
+        # One more autopipe step under torch.profiler: the measured Chrome trace.
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with record_function("autopipe training step"):
+                optimizers["autopipe"].zero_grad()
+                pipes["autopipe"].step(x, target=y)
+                optimizers["autopipe"].step()
+        prof.export_chrome_trace(os.path.join(work_dir, f"trace_rank{rank}.json"))
+        dist.barrier()
+        dist.destroy_process_group()
+        result = {"ok": True, "runs": runs}
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which prints one line
+        result = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    with open(os.path.join(work_dir, f"rank{rank}.json"), "w", encoding="utf-8") as f:
+        json.dump(result, f)
+
+
+def _train(config: dict[str, Any], plan_dict: dict[str, Any], hand_split: list[str], steps: int,
+           work_dir: str) -> dict[str, Any]:
+    """Start the ranks, wait for them (killing any that overrun), and return rank 0's results."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_train_worker, args=(r, DEMO_RANKS, port, config, plan_dict, hand_split, steps,
+                                                     work_dir), daemon=True)
+             for r in range(DEMO_RANKS)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + _WORKER_TIMEOUT_S + 30
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    stuck = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in stuck:
+        procs[r].kill()  # only the processes this function started
+        procs[r].join(5)
+    results = []
+    for r in range(DEMO_RANKS):
+        path = os.path.join(work_dir, f"rank{r}.json")
+        results.append(json.load(open(path, encoding="utf-8")) if os.path.exists(path) else None)
+    for r, res in enumerate(results):
+        if res is not None and not res["ok"]:
+            raise RuntimeError(f"training failed on rank {r}: {res['error']}")
+    if stuck or any(res is None for res in results):
+        why = f"ranks {stuck} did not finish within {_WORKER_TIMEOUT_S:.0f} s" if stuck else "a rank died"
+        raise RuntimeError(f"training failed: {why}")
+    return results[0]
+
+
+# --------------------------------------------------------------------------- the demo
+
+
+def run_demo(
+    *,
+    out_dir: str | os.PathLike = "autopipe-demo",
+    steps: int = 8,
+    train: bool = True,
+    vocab_size: int = 10000,
+    num_layers: int = 4,
+    console: Any = None,
+) -> dict[str, Any]:
+    """Profile, plan, compare with the hand split, train on 2 CPU processes, and report.
+
+    Keyword Args:
+        out_dir: folder for ``plan.json``, ``report.html``, ``report.md`` (+ PNGs in
+            ``report_files/``), ``report.json``, ``trace_simulated.json`` and, after
+            training, ``trace_measured.json``. Created when missing.
+        steps: training steps per split (the first is a warm-up, left out of the median).
+        train: False stops after planning and writing the reports; no process is started.
+        vocab_size: the Transformer's vocabulary; the larger, the heavier ``out_linear``.
+        num_layers: Transformer blocks (>= 2, so the hand split has a block on each side).
+        console: a rich ``Console`` to print to; default stdout.
+
+    Returns:
+        :func:`~autopipe.reporting.data.report_data` of the plan, with ``"measured"``
+        filled in after training, plus ``"files"``: the paths written.
+
+    Raises:
+        ValueError: ``steps`` < 1, ``num_layers`` < 2 or ``vocab_size`` < 2.
+        OSError: ``out_dir`` cannot be written.
+        RuntimeError: a training process failed (its error is in the message) or overran.
+
+    Example:
+        >>> run_demo(out_dir="/tmp/demo", train=False)["summary"]["num_stages"]  # doctest: +SKIP
+        2
+    """
+    for name, value, low in (("steps", steps, 1), ("num_layers", num_layers, 2), ("vocab_size", vocab_size, 2)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+    import torch
+
+    import autopipe
+
+    from .models import seed_transformer
+    from .profile import profile_segments
+    from .reporting.charts import save_pngs
+    from .reporting.chrome import merge_rank_traces, simulated_trace
+    from .reporting.data import layer_rows, report_data, sort_layer_rows
+    from .reporting.files import write_json, write_report
+    from .reporting.terminal import make_console, print_layers, print_plan
+    from .reporting.text import format_seconds
+    from .reporting.timeline import plan_timeline
+    from .trace import trace
+
+    console = console or make_console()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = _model_config(vocab_size, num_layers)
+    hand_split = _hand_split(num_layers)
+    model, args = seed_transformer(**config)
+
+    console.rule(f"[bold]1. Profile[/bold]: the seed tutorial's Transformer, vocabulary {vocab_size:,}")
+    console.print(f"{num_layers} blocks, d_model {config['d_model']}, one micro-batch = {config['batch']} sequences "
+                  f"x {config['seq_len']} tokens; measured with 1 CPU thread, as each rank will run.")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        traced = trace(model, args)
+        costs = profile_segments(traced, device="cpu", warmup=2, repeats=5)  # the demo trains on CPU processes
+    finally:
+        torch.set_num_threads(threads)
+    rows = layer_rows(traced, costs)
+    print_layers(sort_layer_rows(rows, "time")[:8],
+                 title=f"The 8 heaviest of {len(rows)} layers (per micro-batch, largest first)")
+
+    console.rule(f"[bold]2. Plan[/bold]: {DEMO_RANKS} stages, {DEMO_SCHEDULE}, {DEMO_MICROBATCHES} micro-batches")
+    plan = autopipe.partition(model, DEMO_RANKS, args, schedule=DEMO_SCHEDULE, n_microbatches=DEMO_MICROBATCHES,
+                              costs=costs, progress=False)
+    timeline = plan_timeline(plan)
+    data = report_data(plan, timeline=timeline)
+    print_plan(data, console=console, gantt=timeline.to_text())
+
+    console.rule("[bold]3. Against the hand split[/bold]")
+    hand = next((b for b in plan.baselines if b.split_points == hand_split), None)
+    if hand is not None:
+        console.print(f"The tutorial's way, half the blocks per device (split at {hand_split[0]}), is the "
+                      f"{hand.name} baseline: predicted step {format_seconds(hand.predicted_step_s)} against "
+                      f"autopipe's {format_seconds(plan.predicted_step_s)} "
+                      f"({hand.predicted_step_s / plan.predicted_step_s:.2f}x).", markup=False)
+    else:
+        console.print(f"The hand split {hand_split} is trained below beside the plan.", markup=False)
+
+    files: list[Path] = [out / "plan.json"]
+    plan.save(out / "plan.json")
+    files.append(write_json(simulated_trace(plan, timeline=timeline), out / "trace_simulated.json"))
+
+    if train:
+        console.rule(f"[bold]4. Train[/bold]: {steps} steps of each split on {DEMO_RANKS} CPU processes (gloo)")
+        t0 = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix="autopipe-demo-") as work_dir:
+            result = _train(config, plan.to_dict(), hand_split, steps, work_dir)
+            measured_trace = merge_rank_traces(
+                [os.path.join(work_dir, f"trace_rank{r}.json") for r in range(DEMO_RANKS)],
+                label="autopipe demo: one measured 1F1B step (torch.profiler)")
+        files.append(write_json(measured_trace, out / "trace_measured.json"))
+        predicted = {"autopipe": plan.predicted_step_s, "hand split": hand.predicted_step_s if hand else None}
+        splits = {"autopipe": list(plan.split_points), "hand split": hand_split}
+        runs = []
+        for name, run in result["runs"].items():
+            timed = run["step_s"][1:] or run["step_s"]  # the first step warms up caches and allocators
+            runs.append({"name": name, "split_points": splits[name], "predicted_step_s": predicted[name],
+                         "median_step_s": statistics.median(timed), **run})
+        data["measured"] = {
+            "runs": runs, "n_ranks": DEMO_RANKS, "threads_per_rank": 1,
+            "notes": [f"median of steps 2..{steps} (step 1 warms up); both splits alternate step by step on the "
+                      "same machine; every other process on it slows both alike",
+                      f"training took {time.perf_counter() - t0:.1f} s including process start-up"],
+        }
+        _print_training(console, runs, steps)
+
+    console.rule("[bold]5. Files[/bold]")
+    for path in ("report.html", "report.md", "report.json"):
+        files += write_report(data, out / path)
+    for path in files:
+        console.print(f"  {path}", markup=False)
+    console.print("Open the .json traces in https://ui.perfetto.dev or chrome://tracing; report.html in a browser.")
+    data["files"] = [str(p) for p in files]
+    return data
+
+
+def _print_training(console: Any, runs: list[dict[str, Any]], steps: int) -> None:
+    from rich.table import Table
+
+    from .reporting.text import format_seconds
+
+    table = Table(title="Loss per step (mean over micro-batches, same data for both splits)", title_justify="left")
+    table.add_column("step", justify="right")
+    for run in runs:
+        table.add_column(f"{run['name']} loss", justify="right")
+        table.add_column(f"{run['name']} step time", justify="right")
+    for i in range(steps):
+        cells = [str(i + 1)]
+        for run in runs:
+            cells += [f"{run['losses'][i]:.4f}", format_seconds(run["step_s"][i])]
+        table.add_row(*cells)
+    console.print(table)
+    for run in runs:
+        pred = run["predicted_step_s"]
+        ratio = f" (measured/predicted {run['median_step_s'] / pred:.2f})" if pred else ""
+        console.print(f"{run['name']:>10}: measured step {format_seconds(run['median_step_s'])} (median), predicted "
+                      f"{format_seconds(pred) if pred else '-'}{ratio}", markup=False)
+    if len(runs) == 2 and runs[0]["median_step_s"] > 0:
+        console.print(f"measured speed-up of autopipe over the hand split: "
+                      f"{runs[1]['median_step_s'] / runs[0]['median_step_s']:.2f}x", markup=False)

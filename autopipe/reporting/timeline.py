@@ -1,0 +1,94 @@
+"""The simulated timeline of a Plan: the Gantt chart every report draws.
+
+A plan stores its stages' times, not the timeline, so reports rebuild it with the same
+simulator and the same numbers the planner used: stage ``s`` runs ``fwd_s`` / ``bwd_s``
+per micro-batch, and cut ``c`` (between stages ``c`` and ``c + 1``) delays each tensor by
+``max(activation bytes, gradient bytes) / bandwidth + latency``, one way. The result's
+``step_s`` is the plan's ``predicted_step_s``.
+
+Example:
+    >>> from autopipe.plan import Plan, StagePlan
+    >>> from autopipe.reporting.timeline import plan_timeline
+    >>> stages = [StagePlan(index=i, fqns=[f"layers.{i}"], first_segment=i, last_segment=i,
+    ...                     fwd_s=1.0, bwd_s=2.0, comm_s=0.0, param_bytes=0, act_bytes=0,
+    ...                     peak_bytes=0, send_bytes=0, recv_bytes=0) for i in range(2)]
+    >>> plan = Plan(num_stages=2, split_points=["layers.1"], stages=stages, schedule="1F1B",
+    ...             n_microbatches=4, bottleneck_s=3.0, predicted_step_s=15.0, lower_bound_s=3.0)
+    >>> plan_timeline(plan).step_s
+    15.0
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..plan import Plan
+    from ..simulate import Timeline
+
+__all__ = ["cut_comm_s", "plan_timeline"]
+
+
+def cut_comm_s(plan: "Plan") -> list[float]:
+    """One-way transfer time of each cut of ``plan``, in seconds, as the planner charged it.
+
+    Bytes come from the stages (activations sent forward) and, when the plan carries its
+    profile, from ``plan.extras["segments"]`` (gradients sent backward); bandwidth and
+    latency from ``plan.extras["links"]``, or torch-free defaults for the plan's device
+    type (1 GB/s and 50 us on CPU, 10 GB/s and 20 us on CUDA) for plans without them.
+
+    Args:
+        plan: a :class:`~autopipe.plan.Plan`.
+
+    Returns:
+        ``num_stages - 1`` seconds, cut ``c`` between stage ``c`` and stage ``c + 1``.
+
+    Example:
+        >>> cut_comm_s(plan) == [0.0]  # doctest: +SKIP
+    """
+    from ..devices import default_link
+
+    segments = plan.extras.get("segments") or []
+    links = plan.extras.get("links") or {}
+    bandwidth = links.get("bandwidth") or []
+    latency = links.get("latency_s") or []
+    default_bw, default_lat = default_link(str(plan.device).split(":")[0])
+    out = []
+    for c in range(plan.num_stages - 1):
+        fwd_bytes = plan.stages[c].send_bytes
+        first = plan.stages[c + 1].first_segment
+        bwd_bytes = segments[first]["cut_bwd_bytes"] if first < len(segments) else fwd_bytes
+        nbytes = max(fwd_bytes, bwd_bytes)
+        bw = bandwidth[c] if c < len(bandwidth) else default_bw
+        lat = latency[c] if c < len(latency) else default_lat
+        out.append(float(nbytes / bw + (lat if nbytes else 0.0)))
+    return out
+
+
+def plan_timeline(plan: "Plan") -> "Timeline":
+    """Simulate one training step of ``plan`` under its schedule: the timeline reports draw.
+
+    Args:
+        plan: a :class:`~autopipe.plan.Plan` (from :func:`autopipe.partition` or ``Plan.load``).
+
+    Returns:
+        A :class:`~autopipe.simulate.Timeline`; ``to_chrome_trace()`` gives the Chrome trace,
+        ``to_text()`` a text Gantt chart.
+
+    Raises:
+        ValueError: the plan's schedule, stage count and micro-batches do not go together
+            (a hand-edited plan file).
+
+    Example:
+        >>> print(plan_timeline(plan).to_text())  # doctest: +SKIP
+    """
+    from ..simulate import simulate
+
+    return simulate(
+        [s.fwd_s for s in plan.stages],
+        [s.bwd_s for s in plan.stages],
+        schedule=plan.schedule,
+        n_microbatches=plan.n_microbatches,
+        comm_s=cut_comm_s(plan) if plan.num_stages > 1 else 0.0,
+        stages_per_rank=plan.stages_per_rank,
+    )
