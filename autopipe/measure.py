@@ -571,3 +571,34 @@ def measure_devices(
             bandwidth, latency_s = links[pair].bandwidth_bytes_per_s, links[pair].latency_s
         out.append(Device(speed=speeds[key], memory=mem, bandwidth=bandwidth, latency_s=latency_s, name=f"{i}:{key}"))
     return out
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m autopipe.measure``: measure the loopback link a few times, print the medians."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(prog="python -m autopipe.measure", description=main.__doc__)
+    parser.add_argument("--device", default=None, help="'cpu' (gloo) or 'cuda' (NCCL, two GPUs); default: auto")
+    parser.add_argument("--runs", type=int, default=5, help="independent measurements (fresh processes each)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed round trips per size and run")
+    parser.add_argument("--json", action="store_true", help="print every run as JSON as well")
+    args = parser.parse_args(argv)
+    runs = []
+    for i in range(_check_count("runs", args.runs, 1)):
+        link = measure_link(device=args.device, repeats=args.repeats)
+        runs.append(link)
+        print(f"run {i + 1}: {link.summary()}", flush=True)
+    bandwidth = statistics.median(r.bandwidth_bytes_per_s for r in runs)
+    latency_s = statistics.median(r.latency_s for r in runs)
+    print(f"median of {len(runs)} runs: {bandwidth / 1e9:.3g} GB/s, latency {latency_s * 1e6:.3g} us")
+    if args.json:
+        print(json.dumps([r.to_dict() for r in runs]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

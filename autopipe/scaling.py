@@ -33,7 +33,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import functools
+import inspect
+import io
 import math
 import numbers
 from collections.abc import Mapping, Sequence
@@ -45,7 +49,7 @@ import sympy
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from .costgraph import SegmentCost, build_cost_graph
+from .costgraph import SegmentCost, build_cost_graph, requires_grad_map, tensor_bytes
 from .profile import COST_SOURCES, measure_device_flops, profile_segments, resolve_device
 from .trace import resolve_example_inputs, trace
 
@@ -57,6 +61,7 @@ __all__ = [
     "ScaledProfile",
     "profile_scaling",
     "resize_batch",
+    "symbolic_cut_bytes",
     "SCALED_PROFILE_FORMAT_VERSION",
 ]
 
@@ -605,3 +610,147 @@ def _mismatch_message(b_a: int, names_a: list[str], b_b: int, names_b: list[str]
         "size?), so costs cannot be carried from one size to another. Pass sizes= that avoid the "
         "special case (often b=1), or profile each micro-batch size on its own with profile_segments."
     )
+
+
+# --------------------------------------------------------------------------- symbolic cut bytes
+
+
+def _dynamic_shapes(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int,
+                    base: int, dim: Any) -> dict[str, Any]:
+    """torch.export's ``dynamic_shapes``, by argument name: the batch dimension of batch tensors."""
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+
+    def spec(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() > batch_dim and t.shape[batch_dim] == base:
+            return {batch_dim: dim}
+        return None
+
+    return {name: tree_map(spec, value) for name, value in bound.arguments.items()}
+
+
+def _tensor_ops(exported: Any) -> list[Any]:
+    """Graph nodes that compute tensors, in order (size arithmetic on SymInts left out)."""
+    return [
+        n for n in exported.graph.nodes
+        if n.op == "call_function" and any(isinstance(v, torch.Tensor) for v in tree_leaves(n.meta.get("val")))
+    ]
+
+
+def _match_nodes(static: Any, dynamic: Any) -> dict[str, Any]:
+    """Static graph node name -> the same value's node in the dynamic-shape graph.
+
+    Names are not stable between the two exports (the dynamic one adds size arithmetic,
+    which shifts torch's ``mul_3``-style numbering, and keeps slices that a static export
+    drops as no-ops), so the two sequences of tensor ops are aligned by operator with
+    difflib and only ops in identical runs are paired; model inputs are paired in order.
+    """
+    pairs = dict(zip(static.graph_signature.user_inputs, dynamic.graph_signature.user_inputs))
+    by_name = {n.name: n for n in dynamic.graph.nodes}
+    matched = {s: by_name[d] for s, d in pairs.items()}
+    ops_s, ops_d = _tensor_ops(static), _tensor_ops(dynamic)
+    aligner = difflib.SequenceMatcher(a=[str(n.target) for n in ops_s], b=[str(n.target) for n in ops_d],
+                                      autojunk=False)
+    for tag, i0, i1, j0, j1 in aligner.get_opcodes():
+        # "replace" runs of equal length pair too: a static alias is a full slice when dynamic.
+        if tag == "equal" or (tag == "replace" and i1 - i0 == j1 - j0):
+            for i, j in zip(range(i0, i1), range(j0, j1)):
+                matched[ops_s[i].name] = ops_d[j]
+    return matched
+
+
+def _bytes_expr(value: Any, batch_symbol: sympy.Symbol) -> sympy.Expr:
+    """Bytes of a (fake) tensor whose shape may hold SymInts, in the symbol B."""
+    total = sympy.Integer(0)
+    for leaf in tree_leaves(value):
+        if isinstance(leaf, torch.Tensor):
+            numel = sympy.Integer(1)
+            for size in leaf.shape:
+                numel *= size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
+            total += numel * leaf.element_size()
+    return sympy.expand(total.subs(batch_symbol, B))
+
+
+def symbolic_cut_bytes(
+    model: torch.nn.Module,
+    example_args: Sequence[Any] | Any | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    batch_dim: int = 0,
+) -> tuple[list[sympy.Expr], list[sympy.Expr]]:
+    """Bytes crossing every cut as exact expressions in ``b``, read from torch.export's shapes.
+
+    A check on :func:`profile_scaling`'s fitted cut bytes that needs no profiling: the model
+    is exported once more with the batch dimension marked dynamic (``torch.export.Dim``),
+    and the symbolic shape of every tensor that :func:`autopipe.costgraph.build_cost_graph`
+    finds crossing a cut is turned into bytes.
+
+    Args:
+        model: The model, as for :func:`profile_scaling`.
+        example_args / example_kwargs: One micro-batch of at least 2 samples (torch.export
+            specialises sizes 0 and 1).
+
+    Keyword Args:
+        batch_dim: The input dimension that indexes samples.
+
+    Returns:
+        ``(forward, backward)`` bytes per cut, index ``k`` = the cut before segment ``k``.
+
+    Raises:
+        ValueError: the micro-batch has fewer than 2 samples, the model does not export with
+            a dynamic batch size, or its dynamic graph differs from the static one.
+
+    Example:
+        >>> from autopipe.models import seed_transformer
+        >>> model, args = seed_transformer(vocab_size=100, d_model=16, num_layers=1, batch=2, seq_len=8)
+        >>> fwd, bwd = symbolic_cut_bytes(model, args)
+        >>> fwd[2]
+        512*b
+    """
+    if isinstance(batch_dim, bool) or not isinstance(batch_dim, numbers.Integral) or batch_dim < 0:
+        raise ValueError(f"batch_dim={batch_dim!r} must be an integer >= 0 (the input dimension that indexes samples)")
+    args, kwargs = resolve_example_inputs(model, example_args, example_kwargs)
+    base = _base_size(args, kwargs, int(batch_dim))
+    if base < 2:
+        raise ValueError(f"the example micro-batch has {base} sample(s) along batch_dim={batch_dim}; "
+                         "torch.export treats sizes 0 and 1 as constants, so give at least 2")
+    traced = trace(model, args, kwargs)
+    cost_graph = build_cost_graph(traced)
+    needs_grad = {node.name: rg for node, rg in requires_grad_map(traced).items()}
+    dim = torch.export.Dim("b")
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            exported = torch.export.export(model, args, kwargs,
+                                           dynamic_shapes=_dynamic_shapes(model, args, kwargs, batch_dim, base, dim))
+    except Exception as e:  # noqa: BLE001 - re-raised with the reason, cause kept
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"the model does not export with a dynamic batch size along batch_dim={batch_dim}: {reason}") from e
+    nodes = _match_nodes(traced.exported, exported)
+    static_vals = {n.name: n.meta.get("val") for n in traced.exported.graph.nodes}
+    batch_symbols = {
+        leaf.shape[batch_dim].node.expr
+        for n in exported.graph.nodes if n.op == "placeholder" and n.name in exported.graph_signature.user_inputs
+        for leaf in tree_leaves(n.meta.get("val"))
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > batch_dim and isinstance(leaf.shape[batch_dim], torch.SymInt)
+    }
+    if len(batch_symbols) != 1:
+        raise ValueError(f"expected one symbolic batch size among the inputs, found {sorted(map(str, batch_symbols))}")
+    (batch_symbol,) = batch_symbols
+    fwd, bwd = [], []
+    for k, names in enumerate(cost_graph.cut_tensors):
+        f = w = sympy.Integer(0)
+        for name in names:
+            if name not in nodes:
+                raise ValueError(
+                    f"tensor {name!r} crossing cut {k} has no counterpart in the graph exported with a dynamic "
+                    "batch size (the model's code depends on the batch size?), so its size cannot be read symbolically"
+                )
+            nbytes = _bytes_expr(nodes[name].meta.get("val"), batch_symbol)
+            if nbytes.subs(B, base) != tensor_bytes(static_vals[name]):  # a wrong pairing
+                raise ValueError(f"tensor {name!r} crossing cut {k} has {tensor_bytes(static_vals[name])} bytes at "
+                                 f"b={base} but its dynamic-shape counterpart has {nbytes.subs(B, base)}")
+            f += nbytes
+            if needs_grad.get(name, False):
+                w += nbytes
+        fwd.append(sympy.expand(f))
+        bwd.append(sympy.expand(w))
+    return fwd, bwd

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from autopipe.costgraph import build_cost_graph
 from autopipe.models import seed_transformer
 from autopipe.profile import profile_segments
-from autopipe.scaling import B, ScaledProfile, fit_affine, profile_scaling, resize_batch
+from autopipe.scaling import B, ScaledProfile, fit_affine, profile_scaling, resize_batch, symbolic_cut_bytes
 from autopipe.trace import trace
 
 FLOPS = 1e9  # a fixed device speed, so the "flops" source needs no measuring
@@ -219,3 +219,16 @@ def test_report_lists_the_worst_fit_error_of_each_quantity(scaled_flops):
     assert "b = 1, 2, 4" in text
     assert "act_bytes" in text and "exact" in text
     assert "Whole model" in text
+
+
+def test_fitted_cut_bytes_equal_torch_exports_symbolic_shapes(tiny, scaled_flops):
+    model, args = tiny
+    fwd, bwd = symbolic_cut_bytes(model, args)
+    assert fwd == scaled_flops.cut_fwd_bytes
+    assert bwd == scaled_flops.cut_bwd_bytes
+
+
+def test_symbolic_cut_bytes_need_two_samples(tiny):
+    model, (x,) = tiny
+    with pytest.raises(ValueError, match="at least 2"):
+        symbolic_cut_bytes(model, (x[:1],))
