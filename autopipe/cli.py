@@ -301,6 +301,15 @@ def _status(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
+def _spinner(message: str) -> Any:
+    """A spinner on stderr while ``message`` is under way; nothing when stderr is not a terminal."""
+    if not sys.stderr.isatty():
+        return contextlib.nullcontext()
+    from rich.console import Console
+
+    return Console(stderr=True).status(message)
+
+
 def _check_outputs(args: argparse.Namespace) -> None:
     """Every output path is checked before any tracing or profiling starts."""
     from .reporting.files import check_writable, report_format
@@ -337,7 +346,11 @@ def _bandwidth(text: str | None) -> float | None:
         return None
     from .devices import parse_bytes
 
-    return float(parse_bytes(text.removesuffix("/s"), name="--bandwidth"))
+    try:
+        return float(parse_bytes(text.strip().removesuffix("/s"), name="--bandwidth"))
+    except ValueError:
+        raise CliError(f"--bandwidth {text!r} is not a rate; give bytes per second such as 10GB, 1.5GB/s, "
+                       "800MiB/s or 25e9") from None
 
 
 def _memory(text: str | None) -> Any:
@@ -353,6 +366,7 @@ def _write_plan_outputs(plan: Any, args: argparse.Namespace, data: dict[str, Any
 
     written: list[Path] = []
     if getattr(args, "out", None):
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         plan.save(args.out)
         written.append(Path(args.out))
     for path in args.report:
@@ -383,15 +397,15 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from .reporting.terminal import print_layers
     from .trace import trace
 
-    _status(f"tracing {type(loaded.model).__name__} with torch.export ...")
-    traced = trace(loaded.model, loaded.example_args, loaded.example_kwargs)
+    with _spinner(f"tracing {type(loaded.model).__name__} with torch.export ..."):
+        traced = trace(loaded.model, loaded.example_args, loaded.example_kwargs)
     costs = profile_segments(traced, cost=args.cost, device=args.device, warmup=args.warmup,
                              repeats=args.repeats, progress=not args.no_progress)
     rows = layer_rows(traced, costs)
     shown = sort_layer_rows(rows, args.sort)[: args.top]
     order = "graph order" if args.sort == "graph" else f"largest {args.sort} first"
     title = f"{traced.model_name}: {len(rows)} layers ({order}{', top ' + str(args.top) if args.top else ''}), " \
-            f"cost {args.cost} on {costs and (args.device or _default_device())}"
+            f"cost {args.cost} on {args.device or _default_device()}"
     print_layers(shown, title=title)
     written: list[Path] = []
     if args.json:
@@ -402,6 +416,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     if args.png:
         from .reporting.charts import layer_cost_figure
 
+        Path(args.png).parent.mkdir(parents=True, exist_ok=True)
         layer_cost_figure(rows, title=f"Per-layer cost - {traced.model_name}").savefig(args.png, dpi=110)
         written.append(Path(args.png))
     _print_written(written)
