@@ -12,6 +12,7 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import autopipe.scaling as scaling
 from autopipe.costgraph import build_cost_graph
 from autopipe.models import seed_transformer
 from autopipe.profile import profile_segments
@@ -178,7 +179,11 @@ def test_segments_that_differ_between_sizes_raise():
 
 
 @pytest.mark.parametrize("sizes", [(4,), (2, 2), (0, 2), (-1, 2), (1.5, 2), (True, 2), "12"])
-def test_bad_sizes_raise_before_tracing(sizes):
+def test_bad_sizes_raise_before_tracing(monkeypatch, sizes):
+    def no_trace(*args, **kwargs):
+        raise AssertionError("the model was traced for bad sizes")
+
+    monkeypatch.setattr(scaling, "trace", no_trace)
     with pytest.raises(ValueError, match="sizes="):
         profile_scaling(nn.Linear(4, 4), (torch.randn(2, 4),), sizes=sizes, cost="flops", device_flops=FLOPS)
 
