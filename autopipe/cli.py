@@ -406,7 +406,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     order = "graph order" if args.sort == "graph" else f"largest {args.sort} first"
     title = f"{traced.model_name}: {len(rows)} layers ({order}{', top ' + str(args.top) if args.top else ''}), " \
             f"cost {args.cost} on {args.device or _default_device()}"
-    print_layers(shown, title=title)
+    print_layers(shown, title=title, totals_of=rows)
     written: list[Path] = []
     if args.json:
         from .reporting.files import write_json

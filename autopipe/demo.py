@@ -243,7 +243,7 @@ def run_demo(
     finally:
         torch.set_num_threads(threads)
     rows = layer_rows(traced, costs)
-    print_layers(sort_layer_rows(rows, "time")[:8],
+    print_layers(sort_layer_rows(rows, "time")[:8], totals_of=rows,
                  title=f"The 8 heaviest of {len(rows)} layers (per micro-batch, largest first)")
 
     console.rule(f"[bold]2. Plan[/bold]: {DEMO_RANKS} stages, {DEMO_SCHEDULE}, {DEMO_MICROBATCHES} micro-batches")

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from ..simulate import Timeline
     from ..trace import TracedModel
 
-__all__ = ["REPORT_FORMAT_VERSION", "report_data", "layer_rows", "sort_layer_rows", "LAYER_SORT_KEYS",
+__all__ = ["REPORT_FORMAT_VERSION", "report_data", "timeline_data", "layer_rows", "sort_layer_rows", "LAYER_SORT_KEYS",
            "stage_ranks_of"]
 
 #: Bumped when the layout of :func:`report_data` changes incompatibly.
@@ -150,18 +150,37 @@ def report_data(
         "baselines": baselines,
         "alternatives": alternatives,
         "layers": layers,
-        "timeline": {
-            "schedule": timeline.schedule,
-            "n_microbatches": timeline.n_microbatches,
-            "stage_ranks": list(timeline.stage_ranks),
-            "step_s": timeline.step_s,
-            "bubble_fraction": timeline.bubble_fraction,
-            "busy_s": list(timeline.busy_s),
-            "events": [asdict(e) for e in timeline.events],
-        },
+        "timeline": timeline_data(timeline),
         "measured": measured,
         "plan": plan.to_dict(),
     })
+
+
+def timeline_data(timeline: "Timeline") -> dict[str, Any]:
+    """A simulated timeline as JSON-ready data (what the Gantt chart draws).
+
+    Args:
+        timeline: from :func:`autopipe.simulate` or
+            :func:`~autopipe.reporting.timeline.plan_timeline`.
+
+    Returns:
+        ``schedule``, ``n_microbatches``, ``stage_ranks``, ``step_s``, ``bubble_fraction``,
+        ``busy_s`` and ``events`` (rank, stage, microbatch, kind, start_s, end_s).
+
+    Example:
+        >>> from autopipe.simulate import simulate
+        >>> timeline_data(simulate([1.0], [2.0], schedule="GPipe", n_microbatches=1))["step_s"]
+        3.0
+    """
+    return {
+        "schedule": timeline.schedule,
+        "n_microbatches": timeline.n_microbatches,
+        "stage_ranks": list(timeline.stage_ranks),
+        "step_s": timeline.step_s,
+        "bubble_fraction": timeline.bubble_fraction,
+        "busy_s": list(timeline.busy_s),
+        "events": [asdict(e) for e in timeline.events],
+    }
 
 
 def layer_rows(traced: "TracedModel", costs: "list[SegmentCost]") -> list[dict[str, Any]]:

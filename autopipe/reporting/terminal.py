@@ -105,16 +105,17 @@ def print_plan(data: dict[str, Any], *, console: Any = None, gantt: str | None =
 
 
 def print_layers(rows: list[dict[str, Any]], *, console: Any = None, title: str | None = None,
-                 total_note: bool = True) -> None:
-    """Print the per-layer profile table (rows in the order given).
+                 totals_of: list[dict[str, Any]] | None = None) -> None:
+    """Print the per-layer profile table (rows in the order given), then the model's totals.
 
     Args:
-        rows: :func:`~autopipe.reporting.data.layer_rows`, sorted as wanted.
+        rows: :func:`~autopipe.reporting.data.layer_rows`, sorted and cut as wanted.
 
     Keyword Args:
         console: a rich ``Console``; default :func:`make_console`.
         title: table title.
-        total_note: add a line with the totals.
+        totals_of: the rows to total (all layers, when ``rows`` shows only the top few);
+            default ``rows``.
 
     Example:
         >>> print_layers(layer_rows(traced, costs))  # doctest: +SKIP
@@ -125,11 +126,12 @@ def print_layers(rows: list[dict[str, Any]], *, console: Any = None, title: str 
     table = layer_table(rows)
     if title:
         table.title = title
-    if total_note and rows:
-        fwd = sum(r["fwd_s"] for r in rows)
-        bwd = sum(r["bwd_s"] for r in rows)
-        params = sum(r["param_bytes"] for r in rows)
-        acts = sum(r["act_bytes"] for r in rows)
-        table.notes.append(f"total over {len(rows)} layers: forward {format_seconds(fwd)}, backward "
+    every = rows if totals_of is None else totals_of
+    if every:
+        fwd = sum(r["fwd_s"] for r in every)
+        bwd = sum(r["bwd_s"] for r in every)
+        params = sum(r["param_bytes"] for r in every)
+        acts = sum(r["act_bytes"] for r in every)
+        table.notes.append(f"all {len(every)} layers together: forward {format_seconds(fwd)}, backward "
                            f"{format_seconds(bwd)}, parameters {format_bytes(params)}, activations {format_bytes(acts)}")
     _print_table(console, table)
