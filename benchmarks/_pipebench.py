@@ -1,0 +1,512 @@
+"""Measuring real pipelines: the helpers shared by split_quality, split_quality_sim and prediction_accuracy.
+
+Four things every "measured, not predicted" benchmark here needs:
+
+* :data:`MODELS` - the zoo models with uneven layers at benchmark sizes, with a loss and a
+  target for each, so a pipeline can train them;
+* :class:`StageChain` - a model cut by ``torch.distributed.pipelining.pipeline()`` at given
+  split points, every stage's forward and backward timed **in one process** (stage ``k``'s
+  output feeds stage ``k + 1``; its input gradient flows back). That is what a stage costs
+  with no communication and no schedule around it;
+* :func:`run_world` + :func:`pipeline_worker` - a real multi-rank run of
+  :class:`autopipe.Pipeline` (gloo on 127.0.0.1 on CPU, NCCL on GPUs), several splits or
+  plans built side by side and stepped in interleaved rounds (A B C A B C ...), every
+  process and collective under a timeout;
+* :class:`LiveBytes` - the peak bytes of live tensor storage during a step, which is how
+  per-rank peak memory is measured on a CPU (it has no ``max_memory_allocated``).
+
+Nothing here asserts on a time: the scripts report medians and ratios.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import pickle
+import socket
+import statistics
+import tempfile
+import time
+import traceback
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.pipelining import SplitPoint, pipeline
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+from autopipe.models.zoo import build
+from autopipe.profile import Timer
+
+__all__ = [
+    "BenchModel", "MODELS", "make_model", "ce_loss", "make_target", "stack_microbatches",
+    "StageChain", "LiveBytes", "run_world", "pipeline_worker", "WorldFailed", "median",
+]
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+# --------------------------------------------------------------------------- models
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    """A zoo model at three sizes: full runs, ``--quick`` runs and the test suite's ``--smoke``."""
+
+    zoo: str  # name in autopipe.models.zoo.ZOO
+    why: str  # what makes its layers uneven
+    full: dict[str, Any] = field(default_factory=dict)
+    quick: dict[str, Any] = field(default_factory=dict)
+    smoke: dict[str, Any] = field(default_factory=dict)
+
+
+# Sizes are chosen so one forward+backward of one micro-batch takes roughly 20-60 ms on one
+# CPU thread: long enough that Python overhead per action is small, short enough that every
+# benchmark finishes within its 10-minute budget on a 2-core machine.
+MODELS: dict[str, BenchModel] = {
+    "seed_transformer": BenchModel(
+        "seed_transformer", "tutorial Transformer, 8k-token vocabulary: the output layer costs as much as the blocks",
+        full=dict(vocab_size=8000, d_model=128, num_heads=4, d_ff=512, num_layers=4, batch=2, seq_len=32),
+        quick=dict(vocab_size=8000, d_model=128, num_heads=4, d_ff=512, num_layers=2, batch=2, seq_len=32),
+        smoke=dict(vocab_size=500, d_model=32, num_heads=2, d_ff=64, num_layers=2, batch=2, seq_len=8),
+    ),
+    "gpt2_untied": BenchModel(
+        "gpt2_untied", "GPT-2 (HF config), separate embedding and 8k-token head",
+        full=dict(n_layer=4, n_embd=128, n_head=4, vocab_size=8000, batch=2, seq_len=32),
+        quick=dict(n_layer=2, n_embd=128, n_head=4, vocab_size=8000, batch=2, seq_len=32),
+        smoke=dict(n_layer=2, n_embd=32, n_head=2, vocab_size=300, batch=2, seq_len=8),
+    ),
+    "gpt2_tied": BenchModel(
+        "gpt2_tied", "GPT-2 (HF config), head tied to the embedding: the shared weight is replicated",
+        full=dict(n_layer=4, n_embd=128, n_head=4, vocab_size=8000, batch=2, seq_len=32),
+        quick=dict(n_layer=2, n_embd=128, n_head=4, vocab_size=8000, batch=2, seq_len=32),
+        smoke=dict(n_layer=2, n_embd=32, n_head=2, vocab_size=300, batch=2, seq_len=8),
+    ),
+    "llama": BenchModel(
+        "llama", "Llama (HF config), RoPE, SwiGLU, untied 8k-token head",
+        full=dict(num_hidden_layers=4, hidden_size=128, num_attention_heads=4, vocab_size=8000, batch=2, seq_len=32),
+        quick=dict(num_hidden_layers=2, hidden_size=128, num_attention_heads=4, vocab_size=8000, batch=2, seq_len=32),
+        smoke=dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=2, vocab_size=300, batch=2, seq_len=8),
+    ),
+    "cnn": BenchModel(
+        "cnn", "CNN: early blocks compute-heavy on large maps, late blocks parameter-heavy",
+        full=dict(image_size=64, widths=(16, 32, 64, 128, 256), batch=8),
+        quick=dict(image_size=64, widths=(16, 32, 64, 128, 256), batch=4),
+        smoke=dict(image_size=16, widths=(4, 8), hidden=16, batch=2),
+    ),
+    "unet": BenchModel(
+        "unet", "U-Net: long skip connections cross every middle cut",
+        full=dict(base_width=16, depth=3, image_size=64, batch=2),
+        quick=dict(base_width=16, depth=3, image_size=64, batch=1),
+        smoke=dict(base_width=4, depth=2, image_size=8, batch=1),
+    ),
+    "mlp": BenchModel(
+        "mlp", "MLP whose widths swing tenfold (128 ... 2560)",
+        full=dict(batch=32),
+        quick=dict(batch=32),
+        smoke=dict(widths=(16, 160, 16, 64, 16), batch=4),
+    ),
+}
+
+
+def make_model(name: str, size: str = "full") -> tuple[nn.Module, tuple[Any, ...]]:
+    """Build benchmark model ``name`` at ``size`` ("full", "quick" or "smoke"): (model, one micro-batch)."""
+    spec = MODELS[name]
+    return build(spec.zoo, **getattr(spec, size))
+
+
+def ce_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy for every zoo model: LM logits (B, S, V), classes (B, C), pixel classes (B, C, H, W)."""
+    if output.dim() == 3:
+        return F.cross_entropy(output.flatten(0, 1).float(), target.flatten())
+    return F.cross_entropy(output.float(), target)
+
+
+def make_target(output: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """A random class-index target that :func:`ce_loss` accepts for ``output``."""
+    g = torch.Generator().manual_seed(seed)
+    if output.dim() == 3:  # (B, S, V) -> (B, S)
+        return torch.randint(0, output.shape[-1], tuple(output.shape[:2]), generator=g)
+    shape = (output.shape[0], *output.shape[2:])  # class dimension is 1
+    return torch.randint(0, output.shape[1], shape, generator=g)
+
+
+def stack_microbatches(values: tuple[Any, ...], m: int) -> tuple[Any, ...]:
+    """A batch of ``m`` micro-batches: every tensor repeated along dimension 0 (data does not change timing)."""
+    return tuple(torch.cat([v] * m) if isinstance(v, torch.Tensor) and v.dim() > 0 else v for v in values)
+
+
+# --------------------------------------------------------------------------- one process, every stage
+
+
+class StageChain:
+    """A model split by ``pipeline()`` at ``split_points``; each stage's forward and backward timed alone.
+
+    The stages run one after another in this process, as the pipeline's graph wires them
+    (``pipe.split_gm``): each stage's inputs are detached leaves, so its backward is timed
+    on its own, with the gradient the next stage's backward produced - exactly the work a
+    pipeline rank does for one micro-batch, minus the communication and the schedule. The
+    last stage's forward includes the loss, as torch's schedules compute it there.
+
+    Example:
+        >>> chain = StageChain(model, args, ["layers.2"], device="cpu")      # doctest: +SKIP
+        >>> fwd_s, bwd_s = chain.time(target, warmup=1, repeats=5)           # doctest: +SKIP
+    """
+
+    def __init__(self, model: nn.Module, args: tuple[Any, ...], split_points: Sequence[str],
+                 *, device: str | torch.device = "cpu", loss_fn: Callable = ce_loss) -> None:
+        self.split_points = list(split_points)
+        self.device = torch.device(device)
+        spec = {name: SplitPoint.BEGINNING for name in self.split_points}
+        # pipeline() wraps the split modules' forwards in place, so it always gets a copy.
+        pipe = pipeline(copy.deepcopy(model), args, split_spec=spec)
+        if pipe.num_stages != len(self.split_points) + 1:
+            raise ValueError(f"split at {self.split_points} gave {pipe.num_stages} stages")
+        self.num_stages = pipe.num_stages
+        self.gm = pipe.split_gm.to(self.device)
+        self.gm.train()
+        self.args = tuple(a.to(self.device) if isinstance(a, torch.Tensor) else a for a in args)
+        self.loss_fn = loss_fn
+        self.timer = Timer(self.device)
+        self._stage_of = {n.name: k for k, n in enumerate(n for n in self.gm.graph.nodes if n.op == "call_module")}
+
+    def run_once(self, target: torch.Tensor) -> tuple[list[float], list[float]]:
+        """One forward+backward of one micro-batch: per-stage (fwd_s, bwd_s)."""
+        for p in self.gm.parameters():
+            p.grad = None
+        env: dict[str, Any] = {}
+        placeholders = iter(self.args)
+        fwd = [0.0] * self.num_stages
+        bwd = [0.0] * self.num_stages
+        stage_io: list[tuple[list[torch.Tensor], list[tuple[int, torch.Tensor]], Any]] = []
+        producer: dict[int, int] = {}  # id(tensor) -> stage that produced it
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                env[node.name] = next(placeholders)
+            elif node.op == "call_module":
+                k = self._stage_of[node.name]
+                raw = [env[a.name] for a in node.args]  # pipe's stage calls take positional values only
+                leaves, links = [], []
+                for v in raw:
+                    if isinstance(v, torch.Tensor) and v.is_floating_point() and id(v) in producer:
+                        leaf = v.detach().requires_grad_(True)
+                        links.append((id(v), leaf))
+                        leaves.append(leaf)
+                    else:
+                        leaves.append(v)
+                module = getattr(self.gm, node.target)
+                last = k == self.num_stages - 1
+                if last:
+                    t, out = self.timer.time(lambda: self.loss_fn(module(*leaves), target))
+                else:
+                    t, out = self.timer.time(lambda: module(*leaves))
+                fwd[k] = t
+                for o in tree_leaves(out):
+                    if isinstance(o, torch.Tensor):
+                        producer[id(o)] = k
+                stage_io.append((leaves, links, out))
+                env[node.name] = out
+            elif node.op == "call_function":
+                fn_args = [env[a.name] if hasattr(a, "name") and a.name in env else a for a in node.args]
+                env[node.name] = node.target(*fn_args)
+            # output: nothing to do; the loss was taken in the last stage
+        # Backward, last stage first: each stage's output gradients are its successors' input gradients.
+        grads: dict[int, torch.Tensor] = {}
+        for k in reversed(range(self.num_stages)):
+            _, links, out = stage_io[k]
+            if k == self.num_stages - 1:
+                outs, gouts = [out], [None]
+            else:
+                pairs = [(o, grads[id(o)]) for o in tree_leaves(out)
+                         if isinstance(o, torch.Tensor) and o.requires_grad and id(o) in grads]
+                outs, gouts = [o for o, _ in pairs], [g for _, g in pairs]
+            if outs:
+                t, _ = self.timer.time(lambda: torch.autograd.backward(outs, gouts))
+                bwd[k] = t
+            for src, leaf in links:
+                if leaf.grad is not None:
+                    grads[src] = grads[src] + leaf.grad if src in grads else leaf.grad
+        return fwd, bwd
+
+    def time(self, target: torch.Tensor, *, warmup: int = 1, repeats: int = 5) -> tuple[list[float], list[float]]:
+        """Median per-stage (fwd_s, bwd_s) over ``repeats`` runs after ``warmup`` untimed runs."""
+        target = target.to(self.device)
+        for _ in range(warmup):
+            self.run_once(target)
+        runs = [self.run_once(target) for _ in range(repeats)]
+        fwd = [median([r[0][k] for r in runs]) for k in range(self.num_stages)]
+        bwd = [median([r[1][k] for r in runs]) for k in range(self.num_stages)]
+        return fwd, bwd
+
+
+# --------------------------------------------------------------------------- memory
+
+
+class LiveBytes(TorchDispatchMode):
+    """Peak bytes of tensor storage allocated while the mode is active and still alive.
+
+    Every operator's output storage is counted once when it first appears and uncounted
+    when Python frees it (a weak reference callback), so ``peak`` is the high-water mark of
+    memory *allocated inside the block* - activations, gradients, temporaries, received
+    tensors. Storage that existed before the block (parameters, optimizer state) is not
+    in it; add it yourself. This is exact for what torch allocates through its operators
+    and independent of the host allocator, which makes it a fair CPU stand-in for
+    ``torch.cuda.max_memory_allocated`` (allocator caching and fragmentation excluded).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._refs: dict[int, weakref.ref] = {}
+
+    def _free(self, key: int, nbytes: int, _ref: Any) -> None:
+        self.live -= nbytes
+        self._refs.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        out = func(*args, **(kwargs or {}))
+        # An output that shares an input's storage (a view, an in-place or out= op) allocated
+        # nothing; without this, a parameter made before the block would be counted the
+        # first time a view of it (``weight.t()``) appears.
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                st = t.untyped_storage()
+                if st in self._seen or (st.data_ptr() in inputs and st.nbytes() > 0):
+                    continue
+                n = st.nbytes()
+                self._seen[st] = n
+                key = id(st)
+                self._refs[key] = weakref.ref(st, lambda r, key=key, n=n: self._free(key, n, r))
+                self.live += n
+                self.peak = max(self.peak, self.live)
+        return out
+
+
+def _tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.data_ptr() not in seen:
+            seen.add(st.data_ptr())
+            total += st.nbytes()
+    return total
+
+
+# --------------------------------------------------------------------------- worlds
+
+
+class WorldFailed(RuntimeError):
+    """A rank raised, died or ran past the deadline; the message has each rank's traceback."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _world_entry(fn: Callable, rank: int, world: int, port: int, backend: str, threads: int,
+                 pg_timeout_s: float, out_dir: str, job: Any) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    # Each rank gets its share of the cores, and the planner profiled with the same count.
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        result = ("ok", fn(rank, world, job))
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+        result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+    if result[0] == "ok" and dist.is_initialized():
+        dist.destroy_process_group()
+    os._exit(0 if result[0] == "ok" else 1)  # no teardown that could block on a dead peer
+
+
+def run_world(fn: Callable, world: int, job: Any, *, device: str = "cpu", threads: int = 1,
+              timeout_s: float = 300.0, pg_timeout_s: float = 120.0) -> list[Any]:
+    """Run ``fn(rank, world, job)`` on ``world`` spawned processes; return each rank's result.
+
+    gloo on 127.0.0.1 for CPU, NCCL for CUDA (one GPU per rank). Every collective times out
+    after ``pg_timeout_s`` and the whole world is killed after ``timeout_s``: a benchmark
+    can fail, never hang.
+    """
+    import torch.multiprocessing as mp
+
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="autopipe-bench-") as out_dir:
+        procs = [ctx.Process(target=_world_entry, daemon=True,
+                             args=(fn, r, world, port, backend, threads, pg_timeout_s, out_dir, job))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+        results, errors = [], {}
+        for r in range(world):
+            path = os.path.join(out_dir, f"rank{r}.pkl")
+            if not os.path.exists(path):
+                errors[r] = f"no result (exit code {procs[r].exitcode}; killed after {timeout_s:.0f} s?)"
+                continue
+            with open(path, "rb") as f:
+                status, value = pickle.load(f)
+            if status != "ok":
+                errors[r] = value
+            results.append(value)
+    if errors:
+        raise WorldFailed("\n".join(f"--- rank {r}:\n{msg}" for r, msg in sorted(errors.items())))
+    return results
+
+
+def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """Build every variant of ``job`` as an :class:`autopipe.Pipeline` and time them interleaved.
+
+    ``job`` holds: ``model`` and ``size`` (see :data:`MODELS`), ``device`` ("cpu" or "cuda"),
+    ``variants`` (each ``{"label", "schedule", "n_microbatches", "stages_per_rank"}`` plus
+    ``"split_points"`` or ``"plan"`` (a ``Plan.to_dict()``)), ``rounds`` and ``steps`` (each
+    round steps every variant ``steps`` times, in the same order), ``memory`` (measure peak
+    bytes per rank) and ``link_bytes`` (sizes for a send/recv probe between ranks 0 and 1).
+
+    Returns, per variant label: the step times this rank saw (seconds, between a barrier
+    and the end of ``step``, which ends with the loss broadcast, so every rank has
+    finished), and optionally memory figures; plus the link probe.
+    """
+    import torch.distributed as dist
+
+    from autopipe.runtime import Pipeline
+    from autopipe.plan import Plan
+
+    device = torch.device(f"cuda:{rank}") if job["device"].startswith("cuda") else torch.device("cpu")
+    model, args = make_model(job["model"], job["size"])
+    with torch.no_grad():
+        target_mb = make_target(model(*args))
+    def one_step(pipe, batch, target) -> float:
+        pipe.zero_grad()
+        dist.barrier()
+        t0 = time.perf_counter()
+        pipe.step(*batch, target=target)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
+    pipes, errors = [], {}
+    for v in job["variants"]:
+        m = v["n_microbatches"]
+        kw = dict(example_args=args, loss_fn=ce_loss, schedule=v["schedule"], n_microbatches=m,
+                  stages_per_rank=v["stages_per_rank"], device=device)
+        if "plan" in v:
+            kw["plan"] = Plan.from_dict(v["plan"])
+        else:
+            kw["split_points"] = v["split_points"]
+        batch, target = stack_microbatches(args, m), torch.cat([target_mb] * m)
+        error = None
+        try:
+            pipe = Pipeline(model, **kw)
+            for _ in range(job.get("warmup_steps", 1)):  # first steps set up buffers and communication
+                one_step(pipe, batch, target)
+        except Exception as e:  # noqa: BLE001 - a variant torch cannot run is reported, not fatal
+            error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+        # Drop the variant on every rank if it failed on any (torch's checks fail on all ranks alike).
+        flags: list[str | None] = [None] * world
+        dist.all_gather_object(flags, error)
+        if any(flags):
+            errors[v["label"]] = next(f for f in flags if f)
+            continue
+        pipes.append((v["label"], pipe, batch, target))
+
+    times: dict[str, list[float]] = {label: [] for label, *_ in pipes}
+    for _ in range(job["rounds"]):
+        for label, pipe, batch, target in pipes:
+            for _ in range(job["steps"]):
+                times[label].append(one_step(pipe, batch, target))
+    out: dict[str, Any] = {"times": times, "errors": errors}
+
+    if job.get("memory"):
+        out["memory"] = {label: _measure_step_memory(pipe, batch, target, device)
+                         for label, pipe, batch, target in pipes}
+    if job.get("link_bytes") and world >= 2 and rank < 2:
+        out["link"] = _link_probe(rank, job["link_bytes"], device)
+    dist.barrier()
+    return out
+
+
+def _measure_step_memory(pipe: Any, batch: tuple, target: torch.Tensor, device: torch.device) -> dict[str, int]:
+    """Peak bytes on this rank during a training step with Adam, in the steady state.
+
+    One untracked step + ``opt.step()`` first, so Adam's state exists; then gradients are
+    dropped and one step runs under :class:`LiveBytes`. Static bytes = parameters, buffers
+    and optimizer state alive before the step; dynamic = the high-water mark of what the
+    step allocated (activations of the micro-batches in flight, gradients, temporaries,
+    received tensors).
+    """
+    import torch.distributed as dist
+
+    params = pipe.parameters()
+    opt = torch.optim.Adam(params, lr=1e-6)
+    pipe.zero_grad()
+    pipe.step(*batch, target=target)
+    opt.step()
+    pipe.zero_grad()  # set_to_none: the step re-allocates gradients, and the tracker sees them
+    state = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    buffers = [b for m in pipe.stage_modules.values() for b in m.buffers()]
+    static_params = _tensor_bytes(list(params) + buffers)
+    static_opt = _tensor_bytes(state)
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    tracker = LiveBytes()
+    with tracker:
+        pipe.step(*batch, target=target)
+    result = {"param_buffer_bytes": static_params, "optimizer_bytes": static_opt, "step_peak_bytes": tracker.peak,
+              "peak_bytes": static_params + static_opt + tracker.peak}
+    if device.type == "cuda":
+        result["cuda_peak_bytes"] = int(torch.cuda.max_memory_allocated(device) - base + static_params + static_opt)
+    del opt
+    pipe.zero_grad()
+    return result
+
+
+def _link_probe(rank: int, sizes: Sequence[int], device: torch.device, repeats: int = 20) -> dict[str, float]:
+    """One-way time of a send/recv of each size between ranks 0 and 1 (half the round trip, median)."""
+    import torch.distributed as dist
+
+    out = {}
+    for nbytes in sizes:
+        buf = torch.zeros(max(1, int(nbytes) // 4), dtype=torch.float32, device=device)
+        rtts = []
+        for i in range(repeats + 3):
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            else:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            if i >= 3:
+                rtts.append(time.perf_counter() - t0)
+        out[str(int(nbytes))] = median(rtts) / 2
+    return out

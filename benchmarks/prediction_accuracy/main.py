@@ -1,0 +1,221 @@
+"""Prediction accuracy: the plan's predicted step time and per-rank peak memory vs real pipelines.
+
+For each model x schedule x micro-batch count this script
+
+1. profiles the model once (one thread on CPU, as each rank will run) and plans it for 2
+   ranks with ``autopipe.partition(..., schedule=, n_microbatches=, costs=profile)``;
+2. runs every plan of the model as a real 2-rank :class:`autopipe.Pipeline` (gloo on
+   127.0.0.1), all plans side by side in interleaved rounds, and takes the median step;
+   then measures each rank's peak memory during one steady-state step with Adam
+   (``_pipebench.LiveBytes``: parameters, buffers and Adam state alive before the step,
+   plus the high-water mark of tensor storage the step allocates);
+3. times every stage of each plan in one process (``_pipebench.StageChain``) and folds
+   those times into the plan with ``plan.calibrate({"fwd_s": ..., "bwd_s": ...})``, to show
+   how much of the error is the per-segment profile and how much is everything else;
+4. measures the link (send/recv of each cut's size between the two ranks) and simulates
+   the schedule again with measured stage times *and* measured link times - what is left
+   is what the simulator does not model (per-action overhead of the schedule, contention).
+
+Signed error = (predicted - measured) / measured. Nothing is asserted.
+
+    python benchmarks/prediction_accuracy/main.py            # 5 models x 4 schedules x {4, 8}
+    python benchmarks/prediction_accuracy/main.py --quick    # 2 models x 3 schedules x 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from _common import write_result  # noqa: E402
+from _pipebench import (  # noqa: E402
+    MODELS, StageChain, make_model, make_target, median, pipeline_worker, run_world,
+)
+
+import autopipe  # noqa: E402
+from autopipe.profile import profile_segments  # noqa: E402
+from autopipe.trace import trace  # noqa: E402
+
+# (schedule, stages per rank): two single-stage, two multi-stage schedules torch offers.
+SCHEDULES = (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2))
+FULL_MODELS = ("seed_transformer", "gpt2_tied", "cnn", "unet", "mlp")
+QUICK_MODELS = ("seed_transformer", "mlp")
+
+
+def _cut_bytes(plan: autopipe.Plan) -> list[int]:
+    """Bytes crossing each stage boundary of the plan, one way (the larger of activation and gradient)."""
+    segs = plan.extras["segments"]
+    return [int(max(segs[st.first_segment]["cut_fwd_bytes"], segs[st.first_segment]["cut_bwd_bytes"]))
+            for st in plan.stages[1:]]
+
+
+def bench_model(name: str, size: str, opts: argparse.Namespace, log) -> list[dict[str, Any]]:
+    model, args = make_model(name, size)
+    with torch.no_grad():
+        target = make_target(model(*args))
+    device = opts.device
+    costs = profile_segments(trace(model, args), device=device, warmup=1, repeats=opts.profile_repeats, progress=False)
+    cases = []
+    for sched, v in opts.schedule_list:
+        for m in opts.microbatches:
+            try:
+                plan = autopipe.partition(model, 2, example_args=args, schedule=sched, n_microbatches=m,
+                                          stages_per_rank=v, costs=costs, device=device, progress=False)
+            except ValueError as e:  # a combination torch cannot run (e.g. too few micro-batches)
+                log(f"  {name} {sched} x{m}: not planned: {e}")
+                continue
+            cases.append({"model": name, "schedule": sched, "stages_per_rank": v, "n_microbatches": m,
+                          "label": f"{sched}-{v}-{m}", "plan": plan})
+    log(f"  {name}: {len(cases)} plans; running them on 2 ranks")
+
+    # Stage times in one process, per distinct split (calibration input).
+    stage_times: dict[tuple[str, ...], tuple[list[float], list[float]]] = {}
+    for c in cases:
+        key = tuple(c["plan"].split_points)
+        if key not in stage_times:
+            chain = StageChain(model, args, list(key), device=device)
+            stage_times[key] = chain.time(target, warmup=1, repeats=opts.stage_repeats)
+
+    sizes = sorted({b for c in cases for b in _cut_bytes(c["plan"])})
+    job = {"model": name, "size": size, "device": device, "rounds": opts.rounds, "steps": opts.steps,
+           "warmup_steps": 1, "memory": not opts.no_memory, "link_bytes": sizes,
+           "variants": [{"label": c["label"], "plan": c["plan"].to_dict(), "schedule": c["schedule"],
+                         "n_microbatches": c["n_microbatches"], "stages_per_rank": c["stages_per_rank"]}
+                        for c in cases]}
+    results = run_world(pipeline_worker, 2, job, device=device, threads=opts.threads, timeout_s=opts.world_timeout)
+    link = results[0].get("link", {})
+    rows = []
+    for c in cases:
+        plan: autopipe.Plan = c["plan"]
+        label = c["label"]
+        row: dict[str, Any] = {k: c[k] for k in ("model", "schedule", "stages_per_rank", "n_microbatches")}
+        row["split_points"] = plan.split_points
+        row["predicted_step_s"] = plan.predicted_step_s
+        if label in results[0]["errors"]:
+            row["error"] = results[0]["errors"][label]
+            log(f"  {label:24s} not run: {row['error'][:110]}")
+            rows.append(row)
+            continue
+        per_step = [max(ts) for ts in zip(*(r["times"][label] for r in results))]
+        measured = median(per_step)
+        fwd, bwd = stage_times[tuple(plan.split_points)]
+        calibrated = plan.calibrate({"fwd_s": fwd, "bwd_s": bwd})
+        cut_bytes = _cut_bytes(plan)
+        link_s = [link.get(str(b), 0.0) for b in cut_bytes]
+        resim = autopipe.simulate(fwd, bwd, schedule=plan.schedule, n_microbatches=plan.n_microbatches,
+                                  comm_s=link_s, stages_per_rank=plan.stages_per_rank).step_s
+        row.update({
+            "measured_step_s": measured, "step_samples": per_step,
+            "error": (plan.predicted_step_s - measured) / measured,
+            "calibrated_step_s": calibrated.predicted_step_s,
+            "calibrated_error": (calibrated.predicted_step_s - measured) / measured,
+            "measured_links_step_s": resim,
+            "measured_links_error": (resim - measured) / measured,
+            "predicted_stage_fwd_s": [s.fwd_s for s in plan.stages], "predicted_stage_bwd_s": [s.bwd_s for s in plan.stages],
+            "measured_stage_fwd_s": fwd, "measured_stage_bwd_s": bwd,
+            "cut_bytes": cut_bytes, "predicted_cut_s": plan.extras.get("cut_comm_s"), "measured_cut_s": link_s,
+        })
+        if "memory" in results[0]:
+            mem = [r["memory"][label] for r in results]
+            pred = plan.extras["rank_peak_bytes"]
+            row["predicted_peak_bytes"] = pred
+            row["measured_peak_bytes"] = [x["peak_bytes"] for x in mem]
+            row["measured_memory"] = mem
+            row["memory_error"] = [(p - x["peak_bytes"]) / x["peak_bytes"] for p, x in zip(pred, mem)]
+        log(f"  {label:24s} predicted {plan.predicted_step_s * 1e3:7.1f} ms  measured {measured * 1e3:7.1f} ms  "
+            f"error {row['error']:+6.1%}  calibrated {row['calibrated_error']:+6.1%}  "
+            f"+measured links {row['measured_links_error']:+6.1%}"
+            + (f"  memory error {', '.join(f'{e:+.0%}' for e in row['memory_error'])}" if "memory_error" in row else ""))
+        rows.append(row)
+    return rows
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    ok = [r for r in rows if "measured_step_s" in r]
+    out: dict[str, Any] = {"cases": len(rows), "run": len(ok)}
+    for key in ("error", "calibrated_error", "measured_links_error"):
+        vals = [abs(r[key]) for r in ok]
+        out[f"median_abs_{key}"] = median(vals) if vals else None
+        out[f"max_abs_{key}"] = max(vals) if vals else None
+    mem = [abs(e) for r in ok for e in r.get("memory_error", [])]
+    out["median_abs_memory_error"] = median(mem) if mem else None
+    by_sched: dict[str, list[float]] = {}
+    for r in ok:
+        by_sched.setdefault(r["schedule"], []).append(r["error"])
+    out["median_error_by_schedule"] = {k: median(v) for k, v in by_sched.items()}
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK_MODELS)}, 3 schedules, 4 micro-batches")
+    ap.add_argument("--smoke", action="store_true", help="one tiny model, one schedule (for the test suite)")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda (needs 2 GPUs)")
+    ap.add_argument("--models", nargs="*", default=None, help=f"subset of {list(MODELS)}")
+    ap.add_argument("--schedules", nargs="*", default=None, help=f"subset of {[s for s, _ in SCHEDULES]}")
+    ap.add_argument("--microbatches", nargs="*", type=int, default=None)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process (CPU)")
+    ap.add_argument("--profile-repeats", type=int, default=None)
+    ap.add_argument("--stage-repeats", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--world-timeout", type=float, default=400.0)
+    ap.add_argument("--out", default=None)
+    opts = ap.parse_args(argv)
+    size = "smoke" if opts.smoke else "quick" if opts.quick else "full"
+    defaults = {"smoke": (1, 1, 1, 1), "quick": (3, 3, 3, 1), "full": (5, 5, 5, 1)}[size]
+    for attr, d in zip(("profile_repeats", "stage_repeats", "rounds", "steps"), defaults):
+        if getattr(opts, attr) is None:
+            setattr(opts, attr, d)
+    names = opts.models or (["mlp"] if opts.smoke else list(QUICK_MODELS) if opts.quick else list(FULL_MODELS))
+    wanted = opts.schedules or (["1F1B"] if opts.smoke else ["GPipe", "1F1B", "Interleaved1F1B"] if opts.quick
+                                else [s for s, _ in SCHEDULES])
+    opts.schedule_list = [(s, v) for s, v in SCHEDULES if s in wanted]
+    opts.microbatches = opts.microbatches or ([4] if size != "full" else [4, 8])
+    out = opts.out or str(Path(__file__).parent / ("results.json" if size == "full" else f"results_{size}.json"))
+    if opts.device == "cpu":
+        torch.set_num_threads(opts.threads)
+    if opts.device.startswith("cuda") and torch.cuda.device_count() < 2:
+        raise SystemExit(f"--device cuda runs real 2-rank pipelines and needs 2 GPUs; this machine has "
+                         f"{torch.cuda.device_count()}")
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    t0, load_start = time.perf_counter(), _loadavg()
+    log(f"prediction accuracy: {names} x {[s for s, _ in opts.schedule_list]} x m={opts.microbatches}, "
+        f"device {opts.device}, {opts.threads} thread(s) per process")
+    rows = [r for n in names for r in bench_model(n, size, opts, log)]
+    summary = summarise(rows)
+    log(f"median |error|: predicted {summary['median_abs_error']:.1%}, calibrated "
+        f"{summary['median_abs_calibrated_error']:.1%}, + measured links {summary['median_abs_measured_links_error']:.1%}")
+    payload = {
+        "benchmark": "prediction_accuracy", "size": size, "device": opts.device, "threads_per_process": opts.threads,
+        "repeats": {k: getattr(opts, k) for k in ("profile_repeats", "stage_repeats", "rounds", "steps")},
+        "load_avg_start": load_start, "load_avg_end": _loadavg(),
+        "summary": summary, "rows": rows, "wall_s": time.perf_counter() - t0,
+    }
+    path = write_result(out, payload)
+    log(f"wrote {path} ({payload['wall_s']:.0f} s)")
+    return payload
+
+
+def _loadavg() -> list[float] | None:
+    import os
+
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,249 @@
+"""Split quality, measured: autopipe's 2-stage split vs the baselines and the exhaustive best.
+
+For each zoo model with uneven layers this script
+
+1. plans a 2-stage pipeline with ``autopipe.partition`` (1F1B, 4 micro-batches by default),
+   which also reports the splits three baselines would choose: equal layers (Megatron-LM /
+   torchtitan), balanced parameters (DeepSpeed) and torchgpipe's block partition;
+2. **scans every legal split point** (``trace(...).split_point_names``): builds the two
+   stages with ``torch.distributed.pipelining.pipeline()`` and times each stage's forward +
+   backward in one process (stage 0's output feeds stage 1; stage 1's input gradient flows
+   back). The measured bottleneck of a split is the slower stage. The scan starts at
+   autopipe's split and walks outwards; a side is abandoned once the stage that grows in
+   that direction alone measured more than ``--prune-slack`` x the best bottleneck so far
+   twice running (it only grows further, so nothing beyond can win). ``--exhaustive``
+   measures every candidate instead;
+3. **re-measures** the finalists (autopipe, each baseline, the scan's best three)
+   interleaved (A B C A B C ...), so the minimum of a noisy scan does not flatter the best;
+4. **runs each contender as a real 2-rank pipeline** (:class:`autopipe.Pipeline`, gloo on
+   127.0.0.1, one process per rank), interleaved in rounds, and takes the median step time.
+
+One thread per rank (and for profiling, planning and stage timing) on CPU, so what the
+planner measured is what each rank sees. Nothing is asserted; everything is written to
+JSON beside this file.
+
+    python benchmarks/split_quality/main.py            # 7 models, ~8-10 minutes on 2 cores
+    python benchmarks/split_quality/main.py --quick    # 3 smaller models, under 2 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from _common import write_result  # noqa: E402
+from _pipebench import (  # noqa: E402
+    MODELS, StageChain, make_model, make_target, median, pipeline_worker, run_world,
+)
+
+import autopipe  # noqa: E402
+from autopipe.trace import trace  # noqa: E402
+
+BASELINE_ORDER = ("equal_layers", "balanced_params", "block_partition")
+QUICK_MODELS = ("seed_transformer", "cnn", "mlp")
+
+
+def scan_splits(model: torch.nn.Module, args: tuple, target: torch.Tensor, candidates: list[str], start: str, *,
+                device: str, repeats: int, prune_slack: float | None, log) -> dict[str, dict[str, Any]]:
+    """Measured stage times of 2-stage splits at ``candidates``, walking outwards from ``start``.
+
+    Returns ``{split point: {"stage_s": [s0, s1], "fwd_s": [...], "bwd_s": [...], "bottleneck_s": max}}``.
+    With ``prune_slack`` a side stops once its growing stage exceeded slack x the best
+    bottleneck on two candidates in a row (stage 0 only grows to the right, stage 1 to the left).
+    """
+    table: dict[str, dict[str, Any]] = {}
+    best = float("inf")
+
+    def measure(name: str) -> dict[str, Any]:
+        nonlocal best
+        chain = StageChain(model, args, [name], device=device)
+        fwd, bwd = chain.time(target, warmup=1, repeats=repeats)
+        stage = [f + b for f, b in zip(fwd, bwd)]
+        row = {"fwd_s": fwd, "bwd_s": bwd, "stage_s": stage, "bottleneck_s": max(stage)}
+        table[name] = row
+        best = min(best, row["bottleneck_s"])
+        return row
+
+    i0 = candidates.index(start)
+    measure(start)
+    # (direction, index of the stage that grows as we walk that way)
+    for step, growing in ((-1, 1), (1, 0)):
+        over = 0
+        i = i0 + step
+        while 0 <= i < len(candidates):
+            row = measure(candidates[i])
+            if prune_slack is not None:
+                over = over + 1 if row["stage_s"][growing] > prune_slack * best else 0
+                if over >= 2:
+                    break
+            i += step
+    log(f"    scanned {len(table)}/{len(candidates)} split points")
+    return table
+
+
+def remeasure(model, args, target, splits: list[str], *, device: str, rounds: int) -> dict[str, dict[str, Any]]:
+    """Stage times of ``splits`` measured interleaved (one forward+backward of each per round), medians."""
+    chains = {s: StageChain(model, args, [s], device=device) for s in splits}
+    t = target.to(device)
+    for c in chains.values():
+        c.run_once(t)
+    runs: dict[str, list] = {s: [] for s in splits}
+    for _ in range(rounds):
+        for s, c in chains.items():
+            runs[s].append(c.run_once(t))
+    out = {}
+    for s, rs in runs.items():
+        fwd = [median([r[0][k] for r in rs]) for k in range(2)]
+        bwd = [median([r[1][k] for r in rs]) for k in range(2)]
+        stage = [f + b for f, b in zip(fwd, bwd)]
+        out[s] = {"fwd_s": fwd, "bwd_s": bwd, "stage_s": stage, "bottleneck_s": max(stage)}
+    return out
+
+
+def bench_model(name: str, size: str, opts: argparse.Namespace, log) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    model, args = make_model(name, size)
+    with torch.no_grad():
+        target = make_target(model(*args))
+    device = opts.device
+    plan = autopipe.partition(model, 2, example_args=args, schedule=opts.schedule, n_microbatches=opts.microbatches,
+                              device=device, progress=False, warmup=1, repeats=opts.profile_repeats)
+    candidates = trace(model, args).split_point_names
+    methods: dict[str, dict[str, Any]] = {
+        "autopipe": {"split_point": plan.split_points[0], "predicted_bottleneck_s": plan.bottleneck_s,
+                     "predicted_step_s": plan.predicted_step_s},
+    }
+    for b in sorted(plan.baselines, key=lambda b: BASELINE_ORDER.index(b.name) if b.name in BASELINE_ORDER else 9):
+        methods[b.name] = {"split_point": b.split_points[0], "predicted_bottleneck_s": b.bottleneck_s,
+                           "predicted_step_s": b.predicted_step_s}
+    log(f"  {name}: {len(candidates)} split points; autopipe cuts at {plan.split_points[0]!r}, baselines at "
+        + ", ".join(f"{k}={v['split_point']!r}" for k, v in methods.items() if k != "autopipe"))
+
+    scan = scan_splits(model, args, target, candidates, plan.split_points[0], device=device,
+                       repeats=opts.scan_repeats, prune_slack=None if opts.exhaustive else opts.prune_slack, log=log)
+    # Finalists: the scan's best few and every method's split, re-measured side by side; the
+    # exhaustive best is the finalist with the lowest re-measured bottleneck (the minimum of
+    # a noisy scan alone would be flattered by noise).
+    finalists = sorted(scan, key=lambda s: scan[s]["bottleneck_s"])[: opts.finalists]
+    finalists = list(dict.fromkeys([*(m["split_point"] for m in methods.values()), *finalists]))
+    again = remeasure(model, args, target, finalists, device=device, rounds=opts.remeasure_rounds)
+    best_split = min(finalists, key=lambda s: again[s]["bottleneck_s"])
+    methods["exhaustive_best"] = {"split_point": best_split}
+    contenders = list(dict.fromkeys(m["split_point"] for m in methods.values()))
+    for m in methods.values():
+        s = m["split_point"]
+        m["scan_bottleneck_s"] = scan[s]["bottleneck_s"] if s in scan else None
+        m["stage_s"] = again[s]["stage_s"]
+        m["bottleneck_s"] = again[s]["bottleneck_s"]
+
+    real: dict[str, Any] = {"ran": False}
+    n_gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
+    if device.startswith("cuda") and n_gpus < 2:
+        real["note"] = f"a real 2-rank pipeline on CUDA needs 2 GPUs; this machine has {n_gpus}"
+    elif not opts.no_real:
+        job = {"model": name, "size": size, "device": device, "rounds": opts.rounds, "steps": opts.steps,
+               "warmup_steps": 1,
+               "variants": [{"label": s, "split_points": [s], "schedule": opts.schedule,
+                             "n_microbatches": opts.microbatches, "stages_per_rank": 1} for s in contenders]}
+        results = run_world(pipeline_worker, 2, job, device=device, threads=opts.threads, timeout_s=opts.world_timeout)
+        for s in contenders:
+            # A step ends for both ranks with the loss broadcast; take the slower rank's view of each step.
+            per_step = [max(ts) for ts in zip(*(r["times"][s] for r in results))]
+            for m in methods.values():
+                if m["split_point"] == s:
+                    m["step_s"] = median(per_step)
+                    m["step_samples"] = per_step
+        real = {"ran": True, "rounds": opts.rounds, "steps_per_round": opts.steps}
+    best = methods["exhaustive_best"]
+    for m in methods.values():
+        m["bottleneck_vs_best"] = m["bottleneck_s"] / best["bottleneck_s"]
+        if "step_s" in m:
+            m["step_vs_best"] = m["step_s"] / best["step_s"]
+    row = {
+        "model": name, "why": MODELS[name].why, "size": getattr(MODELS[name], size),
+        "params": sum(p.numel() for p in model.parameters()),
+        "candidates": len(candidates), "measured_candidates": len(scan), "exhaustive": opts.exhaustive,
+        "scan": {s: scan[s]["stage_s"] for s in candidates if s in scan},
+        "finalists": {s: again[s]["stage_s"] for s in finalists},
+        "methods": methods, "real": real, "wall_s": time.perf_counter() - t_start,
+    }
+    _print_row(row, log)
+    return row
+
+
+def _print_row(row: dict[str, Any], log) -> None:
+    log(f"  {'method':16s} {'split point':34s} {'stage0 ms':>9s} {'stage1 ms':>9s} {'vs best':>8s} {'step ms':>8s} {'vs best':>8s}")
+    for k, m in row["methods"].items():
+        step = f"{m['step_s'] * 1e3:8.1f} {m['step_vs_best']:8.3f}" if "step_s" in m else ""
+        log(f"  {k:16s} {m['split_point']:34s} {m['stage_s'][0] * 1e3:9.2f} {m['stage_s'][1] * 1e3:9.2f} "
+            f"{m['bottleneck_vs_best']:8.3f} {step}")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK_MODELS)} at smaller sizes, fewer repeats")
+    ap.add_argument("--smoke", action="store_true", help="one tiny model, minimal repeats (for the test suite)")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda (real runs need 2 GPUs)")
+    ap.add_argument("--models", nargs="*", default=None, help=f"subset of {list(MODELS)}")
+    ap.add_argument("--schedule", default="1F1B")
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process (CPU)")
+    ap.add_argument("--exhaustive", action="store_true", help="measure every split point (no pruning)")
+    ap.add_argument("--prune-slack", type=float, default=1.3)
+    ap.add_argument("--finalists", type=int, default=3, help="best scanned splits re-measured with the methods' splits")
+    ap.add_argument("--profile-repeats", type=int, default=None)
+    ap.add_argument("--scan-repeats", type=int, default=None)
+    ap.add_argument("--remeasure-rounds", type=int, default=None)
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds of the real pipelines")
+    ap.add_argument("--steps", type=int, default=None, help="steps per variant per round")
+    ap.add_argument("--no-real", action="store_true", help="skip the real 2-rank pipelines")
+    ap.add_argument("--world-timeout", type=float, default=300.0)
+    ap.add_argument("--out", default=None)
+    opts = ap.parse_args(argv)
+    size = "smoke" if opts.smoke else "quick" if opts.quick else "full"
+    defaults = {"smoke": (1, 1, 1, 1, 1), "quick": (3, 3, 5, 3, 1), "full": (5, 3, 9, 5, 2)}[size]
+    for attr, d in zip(("profile_repeats", "scan_repeats", "remeasure_rounds", "rounds", "steps"), defaults):
+        if getattr(opts, attr) is None:
+            setattr(opts, attr, d)
+    names = opts.models or (["mlp"] if opts.smoke else list(QUICK_MODELS) if opts.quick else list(MODELS))
+    out = opts.out or str(Path(__file__).parent / ("results.json" if size == "full" else f"results_{size}.json"))
+    if opts.device == "cpu":
+        torch.set_num_threads(opts.threads)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    t0, load_start = time.perf_counter(), _loadavg()
+    log(f"split quality: {len(names)} models, {size} sizes, {opts.schedule} x{opts.microbatches}, device {opts.device}, "
+        f"{opts.threads} thread(s) per process")
+    rows = [bench_model(n, size, opts, log) for n in names]
+    payload = {
+        "benchmark": "split_quality", "size": size, "device": opts.device, "schedule": opts.schedule,
+        "n_microbatches": opts.microbatches, "threads_per_process": opts.threads, "exhaustive": opts.exhaustive,
+        "prune_slack": None if opts.exhaustive else opts.prune_slack,
+        "repeats": {k: getattr(opts, k) for k in ("profile_repeats", "scan_repeats", "remeasure_rounds", "rounds", "steps")},
+        "load_avg_start": load_start, "load_avg_end": _loadavg(), "rows": rows, "wall_s": time.perf_counter() - t0,
+    }
+    path = write_result(out, payload)
+    log(f"wrote {path} ({payload['wall_s']:.0f} s)")
+    return payload
+
+
+def _loadavg() -> list[float] | None:
+    try:
+        import os
+
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+if __name__ == "__main__":
+    main()
