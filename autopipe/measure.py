@@ -212,9 +212,10 @@ def measure_link_in_group(
     """Measure the link between ranks ``src`` and ``dst`` of an initialised process group.
 
     Call it on ``src`` and ``dst`` (other ranks may call it too and get ``None`` at once).
-    ``src`` sends a message of each size and ``dst`` sends it back, ``warmup + repeats``
-    times with ``isend``/``irecv`` + ``wait`` (as ``torch.distributed.pipelining`` moves
-    activations); half of each round trip is one one-way sample. ``src`` then sends the
+    ``src`` sends a message of each size and ``dst`` sends it back with ``isend``/``irecv``
+    + ``wait`` (as ``torch.distributed.pipelining`` moves activations), for
+    ``warmup + repeats`` rounds in which the sizes take turns; half of each round trip is
+    one one-way sample. ``src`` then sends the
     samples to ``dst``, so both return the same :class:`LinkMeasurement`. Transfers time
     out after the group's own timeout (``init_process_group(timeout=...)``).
 
@@ -260,11 +261,12 @@ def measure_link_in_group(
     if rank not in (src, dst):
         return None
     peer = dst if rank == src else src
-    samples: list[list[float]] = []
-    for nbytes in sizes:
-        buf = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
-        times = []
-        for i in range(warmup + repeats):
+    buffers = [torch.zeros(nbytes, dtype=torch.uint8, device=dev) for nbytes in sizes]
+    samples: list[list[float]] = [[] for _ in sizes]
+    # Sizes take turns within each round, so a burst of load from other processes slows
+    # every size a little instead of one size a lot (it would bend the fitted line).
+    for i in range(warmup + repeats):
+        for k, buf in enumerate(buffers):
             if rank == src:
                 _synchronize(dev)
                 t0 = time.perf_counter()
@@ -272,11 +274,10 @@ def measure_link_in_group(
                 dist.irecv(buf, peer, group=group).wait()
                 _synchronize(dev)  # NCCL's wait only orders streams; the host must see the bytes
                 if i >= warmup:
-                    times.append((time.perf_counter() - t0) / 2.0)
+                    samples[k].append((time.perf_counter() - t0) / 2.0)
             else:
                 dist.irecv(buf, peer, group=group).wait()
                 dist.isend(buf, peer, group=group).wait()
-        samples.append(times)
     # Share src's samples so both ends return the same measurement.
     table = torch.zeros(len(sizes), repeats, dtype=torch.float64, device=dev)
     if rank == src:
