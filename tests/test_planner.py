@@ -209,3 +209,21 @@ def test_seed_transformer_factory_leaves_the_global_rng_alone():
     state = torch.get_rng_state()
     seed_transformer(vocab_size=50, num_layers=1, seq_len=4)
     assert torch.equal(state, torch.get_rng_state())
+
+
+def _example_models():
+    from autopipe.models.hf import gpt2_from_config, llama_from_config
+
+    yield "gpt2", lambda: gpt2_from_config(n_layer=4, n_embd=32, n_head=4, vocab_size=1000, seq_len=8)
+    yield "llama", lambda: llama_from_config(num_hidden_layers=4, hidden_size=32, num_attention_heads=4,
+                                             vocab_size=1000, seq_len=8)
+
+
+@pytest.mark.parametrize("n_gpus", [2, 4])
+@pytest.mark.parametrize("name, factory", list(_example_models()), ids=lambda v: v if isinstance(v, str) else "")
+def test_hugging_face_plans_build_in_torch_and_reproduce_output(name, factory, n_gpus):
+    model, args = factory()
+    model.eval()  # no dropout: outputs must match exactly
+    plan = autopipe.partition(model, n_gpus, example_args=args, cost="flops", progress=False)
+    assert plan.num_stages == n_gpus
+    assert_plan_builds_and_matches(model, args, plan)
