@@ -151,7 +151,7 @@ def layer_cost_figure(layers: list[dict[str, Any]], *, title: str = "Per-layer c
     acts = [r["act_bytes"] * mscale for r in layers]
     ax_m.barh([v - h / 2 for v in y], params, height=h, color="#7F7F7F", label="parameters")
     ax_m.barh([v + h / 2 for v in y], acts, height=h, color="#E0A458", label="activations saved for backward")
-    ax_m.set_xlabel(f"memory per micro-batch ({munit})")
+    ax_m.set_xlabel(f"memory ({munit}): parameters; activations per micro-batch")
     ax_m.grid(axis="x", alpha=0.3)
     ax_m.legend(loc="best", fontsize=8)
     if has_stage:
@@ -215,10 +215,9 @@ def stage_balance_figure(data: dict[str, Any]) -> Figure:
     # x in axes fraction, y in data: the label sits at the right end of the line, whatever n is.
     ax_t.text(0.99, lower, "lower bound ", transform=ax_t.get_yaxis_transform(), ha="right", va="bottom", fontsize=8)
     ax_t.set_ylim(0, max(max(f + b + c for f, b, c in zip(fwd, bwd, comm)), lower) * 1.22)
-    ax_t.set_title("time per micro-batch", fontsize=10)
+    ax_t.set_title("time per micro-batch\n(light: forward, dark: backward)", fontsize=10)
     ax_t.set_ylabel(tunit)
-    ax_t.legend(handles=[Patch(color="#BBBBBB", label="forward"), Patch(color="#666666", label="backward"),
-                         Patch(facecolor="#333333", hatch="///", edgecolor="white", label="communication")],
+    ax_t.legend(handles=[Patch(facecolor="#333333", hatch="///", edgecolor="white", label="communication")],
                 **_BELOW)
 
     sends = [s["send_bytes"] for s in stages]
@@ -228,7 +227,7 @@ def stage_balance_figure(data: dict[str, Any]) -> Figure:
         if s.get("cut_comm_s") is not None and s["send_bytes"]:
             ax_c.annotate(format_seconds(s["cut_comm_s"]), (i, s["send_bytes"] * bscale), xytext=(0, 2),
                           textcoords="offset points", ha="center", va="bottom", fontsize=7)
-    ax_c.set_title("sent to the next stage, per micro-batch", fontsize=10)
+    ax_c.set_title("sent to the next stage, per micro-batch\n(label: one-way transfer time)", fontsize=10)
     ax_c.set_ylabel(bunit)
     ax_c.set_ylim(0, max(max(sends) * bscale, 1e-9) * 1.2)
 
@@ -249,7 +248,7 @@ def stage_balance_figure(data: dict[str, Any]) -> Figure:
         ax_m.plot([], [], color=_WARN, linewidth=2, label="capacity")
     top = max(peaks + [c for c in caps if c is not None]) * mscale
     ax_m.set_ylim(0, top * 1.3)
-    ax_m.set_title("peak memory", fontsize=10)
+    ax_m.set_title("peak memory\n(xN: micro-batches in flight)", fontsize=10)
     ax_m.set_ylabel(munit)
     ax_m.legend(**_BELOW)
     for ax in (ax_t, ax_c, ax_m):

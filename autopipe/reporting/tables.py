@@ -197,12 +197,12 @@ def measured_table(data: dict[str, Any]) -> Table | None:
         return None
     rows = []
     for run in m.get("runs", []):
-        measured, predicted = run.get("median_step_s"), run.get("predicted_step_s")
-        ratio = f"{measured / predicted:.2f}" if measured and predicted else "-"
+        best, median, predicted = run.get("best_step_s"), run.get("median_step_s"), run.get("predicted_step_s")
+        ratio = f"{best / predicted:.2f}" if best and predicted else "-"
         rows.append([run.get("name", "?"), ", ".join(run.get("split_points", [])) or "-",
                      format_seconds(predicted) if predicted else "-",
-                     format_seconds(measured) if measured else "-", ratio,
+                     format_seconds(best) if best else "-", format_seconds(median) if median else "-", ratio,
                      " ".join(f"{x:.3f}" for x in run.get("losses", [])) or "-"])
-    return Table("Measured run", ["split", "split points", "predicted step", "measured step (median)",
-                                  "measured / predicted", "loss per step"],
-                 rows, [False, False, True, True, True, False], notes=list(m.get("notes", [])))
+    return Table("Measured run", ["split", "split points", "predicted step", "measured step (best)",
+                                  "measured step (median)", "best / predicted", "loss per step"],
+                 rows, [False, False, True, True, True, True, False], notes=list(m.get("notes", [])))
