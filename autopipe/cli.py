@@ -24,7 +24,7 @@ import sys
 import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 __all__ = ["main", "build_parser", "CliError"]
 
@@ -147,6 +147,14 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad option is one line on stderr (with where to look), not a usage block."""
+
+    def error(self, message: str) -> "NoReturn":  # type: ignore[override]
+        print(f"{self.prog}: error: {message} (see '{self.prog} --help')", file=sys.stderr)
+        sys.exit(2)
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -212,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     """
     from . import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=PROG, formatter_class=_Formatter, epilog=_MAIN_EPILOG,
         description="Automatic pipeline parallelism for PyTorch: find where to cut a model into "
                     "pipeline stages, explain why, and run it.",
@@ -481,7 +489,6 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
-
     from .reporting.files import check_writable
 
     check_writable(args.out_dir, what="--out-dir", directory=True)

@@ -304,6 +304,15 @@ def test_user_mistakes_are_one_line_on_stderr(workdir, monkeypatch, capsys, argv
         assert fragment in err, err
 
 
+@pytest.mark.parametrize("argv", [["plan", "tiny.py:make"], ["plan", "tiny.py:make", "--gpus", "zero"], ["bogus"]])
+def test_bad_options_are_one_line_pointing_at_help(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--help" in err
+
+
 def test_debug_shows_the_traceback_instead(workdir, monkeypatch):
     monkeypatch.chdir(workdir)
     with pytest.raises(ModelSpecError):
