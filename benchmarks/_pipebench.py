@@ -46,13 +46,31 @@ from autopipe.models.zoo import build
 from autopipe.profile import Timer
 
 __all__ = [
-    "BenchModel", "MODELS", "make_model", "ce_loss", "make_target", "stack_microbatches",
+    "BenchModel", "MODELS", "host_info", "make_model", "ce_loss", "make_target", "stack_microbatches",
     "StageChain", "LiveBytes", "run_world", "pipeline_worker", "WorldFailed", "median",
 ]
 
 
 def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
+
+
+def host_info() -> dict[str, Any]:
+    """What ``_common.machine()`` leaves out: the CPU model and how busy the machine was."""
+    info: dict[str, Any] = {"cpu_model": None, "load_avg": None}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu_model"] = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        info["load_avg"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        pass
+    return info
 
 
 # --------------------------------------------------------------------------- models
@@ -443,13 +461,62 @@ def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
                 times[label].append(one_step(pipe, batch, target))
     out: dict[str, Any] = {"times": times, "errors": errors}
 
+    if job.get("instrument"):
+        out["in_run"] = {label: _time_actions_in_run(pipe, lambda: one_step(pipe, batch, target), job["instrument"])
+                         for label, pipe, batch, target in pipes}
     if job.get("memory"):
         out["memory"] = {label: _measure_step_memory(pipe, batch, target, device)
                          for label, pipe, batch, target in pipes}
-    if job.get("link_bytes") and world >= 2 and rank < 2:
-        out["link"] = _link_probe(rank, job["link_bytes"], device)
+    if job.get("link_bytes") and world >= 2:
+        # autopipe's own link measurement, between the two ranks, in the conditions of the run.
+        from dataclasses import asdict
+
+        from autopipe.measure import measure_link_in_group
+
+        sizes = sorted({max(1, int(b)) for b in job["link_bytes"]} | {1 << 10, 1 << 20})
+        link = measure_link_in_group(0, 1, sizes_bytes=sizes, repeats=job.get("link_repeats", 10), device=device)
+        if link is not None:
+            out["link"] = asdict(link)
     dist.barrier()
     return out
+
+
+def _time_actions_in_run(pipe: Any, step: Callable[[], float], steps: int) -> dict[int, dict[str, float]]:
+    """Median seconds of each compute action of this rank's stages, timed inside running steps.
+
+    Wraps the forward / backward / weight-gradient calls torch's schedules make on each
+    stage object (``forward_one_chunk``, ``backward_one_chunk``,
+    ``backward_weight_one_chunk``) for ``steps`` steps, then unwraps them. The stage
+    compute seen here runs while the other rank computes too, so comparing it with the
+    same stage timed alone in one process shows how much the ranks slow each other down
+    (shared cores, memory bandwidth, the communication threads).
+    """
+    stages = getattr(pipe, "_train_stages", [])  # Pipeline keeps torch's stage objects here
+    record: dict[int, dict[str, list[float]]] = {}
+    patched = []
+    for st in stages:
+        rec = record.setdefault(st.stage_index, {"F": [], "B": [], "W": []})
+        for meth, key in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W")):
+            orig = getattr(st, meth, None)
+            if orig is None:
+                continue
+
+            def timed(*a: Any, _orig: Callable = orig, _rec: list = rec[key], **k: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return _orig(*a, **k)
+                finally:
+                    _rec.append(time.perf_counter() - t0)
+
+            setattr(st, meth, timed)
+            patched.append((st, meth))
+    try:
+        for _ in range(steps):
+            step()
+    finally:
+        for st, meth in patched:
+            delattr(st, meth)  # the instance attribute goes; the class method shows through again
+    return {s: {k: median(v) if v else 0.0 for k, v in rec.items()} for s, rec in record.items()}
 
 
 def _measure_step_memory(pipe: Any, batch: tuple, target: torch.Tensor, device: torch.device) -> dict[str, int]:
@@ -488,25 +555,3 @@ def _measure_step_memory(pipe: Any, batch: tuple, target: torch.Tensor, device: 
     del opt
     pipe.zero_grad()
     return result
-
-
-def _link_probe(rank: int, sizes: Sequence[int], device: torch.device, repeats: int = 20) -> dict[str, float]:
-    """One-way time of a send/recv of each size between ranks 0 and 1 (half the round trip, median)."""
-    import torch.distributed as dist
-
-    out = {}
-    for nbytes in sizes:
-        buf = torch.zeros(max(1, int(nbytes) // 4), dtype=torch.float32, device=device)
-        rtts = []
-        for i in range(repeats + 3):
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            if i >= 3:
-                rtts.append(time.perf_counter() - t0)
-        out[str(int(nbytes))] = median(rtts) / 2
-    return out

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from _common import write_result  # noqa: E402
 from _pipebench import (  # noqa: E402
-    MODELS, StageChain, make_model, make_target, median, pipeline_worker, run_world,
+    MODELS, StageChain, host_info, make_model, make_target, median, pipeline_worker, run_world,
 )
 
 import autopipe  # noqa: E402
@@ -56,7 +56,9 @@ def _cut_bytes(plan: autopipe.Plan) -> list[int]:
             for st in plan.stages[1:]]
 
 
-def bench_model(name: str, size: str, opts: argparse.Namespace, log) -> list[dict[str, Any]]:
+def bench_model(name: str, size: str, opts: argparse.Namespace, log, *, memory: bool = True
+                ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Plan ``name`` for every schedule x micro-batch count, run the plans on 2 ranks; rows + the link measured."""
     model, args = make_model(name, size)
     with torch.no_grad():
         target = make_target(model(*args))
@@ -85,12 +87,13 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log) -> list[dic
 
     sizes = sorted({b for c in cases for b in _cut_bytes(c["plan"])})
     job = {"model": name, "size": size, "device": device, "rounds": opts.rounds, "steps": opts.steps,
-           "warmup_steps": 1, "memory": not opts.no_memory, "link_bytes": sizes,
+           "warmup_steps": 1, "memory": memory and not opts.no_memory, "link_bytes": sizes,
+           "instrument": opts.instrument_steps,
            "variants": [{"label": c["label"], "plan": c["plan"].to_dict(), "schedule": c["schedule"],
                          "n_microbatches": c["n_microbatches"], "stages_per_rank": c["stages_per_rank"]}
                         for c in cases]}
     results = run_world(pipeline_worker, 2, job, device=device, threads=opts.threads, timeout_s=opts.world_timeout)
-    link = results[0].get("link", {})
+    link = results[0].get("link")
     rows = []
     for c in cases:
         plan: autopipe.Plan = c["plan"]
@@ -99,8 +102,8 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log) -> list[dic
         row["split_points"] = plan.split_points
         row["predicted_step_s"] = plan.predicted_step_s
         if label in results[0]["errors"]:
-            row["error"] = results[0]["errors"][label]
-            log(f"  {label:24s} not run: {row['error'][:110]}")
+            row["not_run"] = results[0]["errors"][label]
+            log(f"  {label:24s} not run: {row['not_run'][:110]}")
             rows.append(row)
             continue
         per_step = [max(ts) for ts in zip(*(r["times"][label] for r in results))]
@@ -108,20 +111,35 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log) -> list[dic
         fwd, bwd = stage_times[tuple(plan.split_points)]
         calibrated = plan.calibrate({"fwd_s": fwd, "bwd_s": bwd})
         cut_bytes = _cut_bytes(plan)
-        link_s = [link.get(str(b), 0.0) for b in cut_bytes]
-        resim = autopipe.simulate(fwd, bwd, schedule=plan.schedule, n_microbatches=plan.n_microbatches,
-                                  comm_s=link_s, stages_per_rank=plan.stages_per_rank).step_s
         row.update({
             "measured_step_s": measured, "step_samples": per_step,
-            "error": (plan.predicted_step_s - measured) / measured,
             "calibrated_step_s": calibrated.predicted_step_s,
-            "calibrated_error": (calibrated.predicted_step_s - measured) / measured,
-            "measured_links_step_s": resim,
-            "measured_links_error": (resim - measured) / measured,
-            "predicted_stage_fwd_s": [s.fwd_s for s in plan.stages], "predicted_stage_bwd_s": [s.bwd_s for s in plan.stages],
+            "predicted_stage_fwd_s": [st.fwd_s for st in plan.stages],
+            "predicted_stage_bwd_s": [st.bwd_s for st in plan.stages],
             "measured_stage_fwd_s": fwd, "measured_stage_bwd_s": bwd,
-            "cut_bytes": cut_bytes, "predicted_cut_s": plan.extras.get("cut_comm_s"), "measured_cut_s": link_s,
+            "cut_bytes": cut_bytes, "predicted_cut_s": plan.extras.get("cut_comm_s"),
         })
+        if link is not None:
+            # The same plan, simulated with the link measured between the two ranks
+            # (what partition(..., bandwidth=, latency_s=) from autopipe.measure would use).
+            cut_s = [link["latency_s"] + b / link["bandwidth_bytes_per_s"] for b in cut_bytes]
+            row["measured_cut_s"] = cut_s
+            sim = dict(schedule=plan.schedule, n_microbatches=plan.n_microbatches, comm_s=cut_s,
+                       stages_per_rank=plan.stages_per_rank)
+            row["measured_link_step_s"] = autopipe.simulate(row["predicted_stage_fwd_s"], row["predicted_stage_bwd_s"],
+                                                            **sim).step_s
+            row["calibrated_measured_link_step_s"] = autopipe.simulate(fwd, bwd, **sim).step_s
+        if "in_run" in results[0] and link is not None:
+            # Stage compute timed inside the running pipeline (both ranks busy at once), then
+            # simulated with the measured link: what is left is the schedule's own overhead.
+            acts: dict[int, dict[str, float]] = {}
+            for r in results:
+                acts.update({int(k): v for k, v in r["in_run"][label].items()})
+            run_fwd = [acts[s]["F"] for s in range(plan.num_stages)]
+            run_bwd = [acts[s]["B"] + acts[s]["W"] for s in range(plan.num_stages)]
+            row["in_run_stage_fwd_s"], row["in_run_stage_bwd_s"] = run_fwd, run_bwd
+            row["in_run_step_s"] = autopipe.simulate(run_fwd, run_bwd, **sim).step_s
+            row["contention_factor"] = (sum(run_fwd) + sum(run_bwd)) / (sum(fwd) + sum(bwd))
         if "memory" in results[0]:
             mem = [r["memory"][label] for r in results]
             pred = plan.extras["rank_peak_bytes"]
@@ -129,26 +147,57 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log) -> list[dic
             row["measured_peak_bytes"] = [x["peak_bytes"] for x in mem]
             row["measured_memory"] = mem
             row["memory_error"] = [(p - x["peak_bytes"]) / x["peak_bytes"] for p, x in zip(pred, mem)]
-        log(f"  {label:24s} predicted {plan.predicted_step_s * 1e3:7.1f} ms  measured {measured * 1e3:7.1f} ms  "
-            f"error {row['error']:+6.1%}  calibrated {row['calibrated_error']:+6.1%}  "
-            f"+measured links {row['measured_links_error']:+6.1%}"
-            + (f"  memory error {', '.join(f'{e:+.0%}' for e in row['memory_error'])}" if "memory_error" in row else ""))
         rows.append(row)
-    return rows
+    return rows, link
+
+
+#: Prediction columns: JSON key of the predicted step -> what it adds to the plan's own prediction.
+PREDICTIONS = {
+    "predicted_step_s": "the plan as made (profiled segments, default link)",
+    "measured_link_step_s": "the plan's stages, link measured between the ranks (autopipe.measure)",
+    "calibrated_step_s": "plan.calibrate(stage times measured in one process), default link",
+    "calibrated_measured_link_step_s": "measured stage times and measured link",
+    "overhead_step_s": "measured stages and link + the schedule's fixed cost per step, measured on a tiny model",
+    "in_run_step_s": "stage compute timed inside the running pipeline (both ranks busy) and measured link",
+}
+
+
+def add_errors(rows: list[dict[str, Any]], overhead: dict[str, float]) -> None:
+    """Signed error of every prediction column; the overhead-corrected column where a probe exists."""
+    for r in rows:
+        if "measured_step_s" not in r:
+            continue
+        key = f"{r['schedule']}-{r['stages_per_rank']}-{r['n_microbatches']}"
+        if key in overhead and "calibrated_measured_link_step_s" in r:
+            r["overhead_step_s"] = r["calibrated_measured_link_step_s"] + overhead[key]
+        r["errors"] = {k: (r[k] - r["measured_step_s"]) / r["measured_step_s"] for k in PREDICTIONS if k in r}
+
+
+def log_rows(rows: list[dict[str, Any]], log) -> None:
+    for r in rows:
+        if "errors" not in r:
+            continue
+        e = r["errors"]
+        log(f"  {r['model']:16s} {r['schedule']:15s} x{r['n_microbatches']:<2d} predicted "
+            f"{r['predicted_step_s'] * 1e3:7.1f} ms  measured {r['measured_step_s'] * 1e3:7.1f} ms  "
+            + "  ".join(f"{k.replace('_step_s', '')} {v:+6.1%}" for k, v in e.items())
+            + (f"  memory {', '.join(f'{x:+.0%}' for x in r['memory_error'])}" if "memory_error" in r else ""))
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    ok = [r for r in rows if "measured_step_s" in r]
-    out: dict[str, Any] = {"cases": len(rows), "run": len(ok)}
-    for key in ("error", "calibrated_error", "measured_links_error"):
-        vals = [abs(r[key]) for r in ok]
-        out[f"median_abs_{key}"] = median(vals) if vals else None
-        out[f"max_abs_{key}"] = max(vals) if vals else None
+    ok = [r for r in rows if "errors" in r]
+    out: dict[str, Any] = {"cases": len(rows), "run": len(ok), "columns": PREDICTIONS}
+    for key in PREDICTIONS:
+        vals = [abs(r["errors"][key]) for r in ok if key in r["errors"]]
+        out[f"median_abs_error:{key}"] = median(vals) if vals else None
+        out[f"max_abs_error:{key}"] = max(vals) if vals else None
+    signed = [r["errors"]["predicted_step_s"] for r in ok]
+    out["median_signed_error"] = median(signed) if signed else None
     mem = [abs(e) for r in ok for e in r.get("memory_error", [])]
     out["median_abs_memory_error"] = median(mem) if mem else None
     by_sched: dict[str, list[float]] = {}
     for r in ok:
-        by_sched.setdefault(r["schedule"], []).append(r["error"])
+        by_sched.setdefault(r["schedule"], []).append(r["errors"]["predicted_step_s"])
     out["median_error_by_schedule"] = {k: median(v) for k, v in by_sched.items()}
     return out
 
@@ -167,6 +216,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--instrument-steps", type=int, default=2,
+                    help="steps with every compute action timed inside the run (0: none)")
     ap.add_argument("--world-timeout", type=float, default=400.0)
     ap.add_argument("--out", default=None)
     opts = ap.parse_args(argv)
@@ -190,31 +241,39 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def log(msg: str) -> None:
         print(msg, flush=True)
 
-    t0, load_start = time.perf_counter(), _loadavg()
+    t0, host_start = time.perf_counter(), host_info()
     log(f"prediction accuracy: {names} x {[s for s, _ in opts.schedule_list]} x m={opts.microbatches}, "
         f"device {opts.device}, {opts.threads} thread(s) per process")
-    rows = [r for n in names for r in bench_model(n, size, opts, log)]
+    # The schedule's fixed cost per step (Python per action, message latency the link fit
+    # misses): the same schedules on a model whose compute is negligible.
+    probe_rows, probe_link = [], None
+    if not opts.smoke:  # the smoke model is the probe model: nothing to learn, twice the time
+        log("  overhead probe: a tiny MLP through the same schedules")
+        probe_rows, probe_link = bench_model("mlp", "smoke", opts, log, memory=False)
+    overhead = {f"{r['schedule']}-{r['stages_per_rank']}-{r['n_microbatches']}":
+                r["measured_step_s"] - r["calibrated_measured_link_step_s"]
+                for r in probe_rows if "calibrated_measured_link_step_s" in r}
+    add_errors(probe_rows, {})
+    rows, links = [], {}
+    for n in names:
+        model_rows, links[n] = bench_model(n, size, opts, log)
+        add_errors(model_rows, overhead)
+        log_rows(model_rows, log)
+        rows += model_rows
     summary = summarise(rows)
-    log(f"median |error|: predicted {summary['median_abs_error']:.1%}, calibrated "
-        f"{summary['median_abs_calibrated_error']:.1%}, + measured links {summary['median_abs_measured_links_error']:.1%}")
+    log("median |error| over " + f"{summary['run']} cases: " + ", ".join(
+        f"{k.replace('_step_s', '')} {summary[f'median_abs_error:{k}']:.1%}" for k in PREDICTIONS
+        if summary[f"median_abs_error:{k}"] is not None))
     payload = {
         "benchmark": "prediction_accuracy", "size": size, "device": opts.device, "threads_per_process": opts.threads,
         "repeats": {k: getattr(opts, k) for k in ("profile_repeats", "stage_repeats", "rounds", "steps")},
-        "load_avg_start": load_start, "load_avg_end": _loadavg(),
-        "summary": summary, "rows": rows, "wall_s": time.perf_counter() - t0,
+        "host_start": host_start, "host_end": host_info(),
+        "summary": summary, "rows": rows, "links": links, "overhead_s": overhead,
+        "overhead_probe": {"rows": probe_rows, "link": probe_link}, "wall_s": time.perf_counter() - t0,
     }
     path = write_result(out, payload)
     log(f"wrote {path} ({payload['wall_s']:.0f} s)")
     return payload
-
-
-def _loadavg() -> list[float] | None:
-    import os
-
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 if __name__ == "__main__":

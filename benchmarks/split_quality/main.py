@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from _common import write_result  # noqa: E402
 from _pipebench import (  # noqa: E402
-    MODELS, StageChain, make_model, make_target, median, pipeline_worker, run_world,
+    MODELS, StageChain, host_info, make_model, make_target, median, pipeline_worker, run_world,
 )
 
 import autopipe  # noqa: E402
@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def log(msg: str) -> None:
         print(msg, flush=True)
 
-    t0, load_start = time.perf_counter(), _loadavg()
+    t0, host_start = time.perf_counter(), host_info()
     log(f"split quality: {len(names)} models, {size} sizes, {opts.schedule} x{opts.microbatches}, device {opts.device}, "
         f"{opts.threads} thread(s) per process")
     rows = [bench_model(n, size, opts, log) for n in names]
@@ -229,20 +229,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "n_microbatches": opts.microbatches, "threads_per_process": opts.threads, "exhaustive": opts.exhaustive,
         "prune_slack": None if opts.exhaustive else opts.prune_slack,
         "repeats": {k: getattr(opts, k) for k in ("profile_repeats", "scan_repeats", "remeasure_rounds", "rounds", "steps")},
-        "load_avg_start": load_start, "load_avg_end": _loadavg(), "rows": rows, "wall_s": time.perf_counter() - t0,
+        "host_start": host_start, "host_end": host_info(), "rows": rows, "wall_s": time.perf_counter() - t0,
     }
     path = write_result(out, payload)
     log(f"wrote {path} ({payload['wall_s']:.0f} s)")
     return payload
-
-
-def _loadavg() -> list[float] | None:
-    try:
-        import os
-
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from _common import write_result  # noqa: E402
+from _pipebench import host_info  # noqa: E402
 
 import autopipe  # noqa: E402
 from autopipe.models.zoo import build  # noqa: E402
@@ -129,13 +130,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def log(msg: str) -> None:
         print(msg, flush=True)
 
-    t0 = time.perf_counter()
+    t0, host_start = time.perf_counter(), host_info()
     log(f"split quality (simulated): {list(configs)} x p={stages}, {opts.schedule} with {opts.microbatch_factor}p "
         f"micro-batches, profiled on {opts.device}")
     rows = [bench_model(n, c, stages, opts, log) for n, c in configs.items()]
     payload = {"benchmark": "split_quality_sim", "size": size, "device": opts.device, "schedule": opts.schedule,
                "microbatch_factor": opts.microbatch_factor, "threads": opts.threads, "repeats": opts.repeats,
-               "rows": rows, "wall_s": time.perf_counter() - t0}
+               "host_start": host_start, "host_end": host_info(), "rows": rows, "wall_s": time.perf_counter() - t0}
     path = write_result(out, payload)
     log(f"wrote {path} ({payload['wall_s']:.0f} s)")
     return payload

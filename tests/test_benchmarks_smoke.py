@@ -1,0 +1,81 @@
+"""The measured benchmarks run end to end at a tiny size and write valid JSON.
+
+Each script under ``benchmarks/`` that measures split quality or prediction accuracy is
+run as a user would run it (a subprocess, ``--smoke``: one tiny model, one repeat) and its
+JSON is checked for the fields ``benchmarks/render_docs.py`` reads. Timings are never
+checked: the benchmarks report them, they do not assert on them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+
+def _run(script: str, out: Path, *extra: str, timeout_s: float = 90.0) -> dict:
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / script / "main.py"), "--smoke", "--out", str(out), *extra],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
+    )
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    data = json.loads(out.read_text())
+    assert data["machine"]["torch"], "every result records the machine it ran on"
+    return data
+
+
+def _finite_positive(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_split_quality_compares_every_method_on_measured_stages_and_real_steps(tmp_path):
+    data = _run("split_quality", tmp_path / "sq.json")
+    assert data["benchmark"] == "split_quality"
+    (row,) = data["rows"]
+    methods = row["methods"]
+    assert {"autopipe", "exhaustive_best"} <= set(methods)
+    for m in methods.values():
+        assert m["split_point"]
+        assert len(m["stage_s"]) == 2 and all(_finite_positive(t) for t in m["stage_s"])
+        assert _finite_positive(m["step_s"]), "each method ran as a real 2-rank pipeline"
+    assert methods["exhaustive_best"]["bottleneck_vs_best"] == 1.0
+    assert row["measured_candidates"] <= row["candidates"]
+
+
+def test_split_quality_sim_reports_lower_bounds_beside_each_stage_count(tmp_path):
+    data = _run("split_quality_sim", tmp_path / "sim.json")
+    assert data["benchmark"] == "split_quality_sim"
+    entries = [e for row in data["rows"] for e in row["by_stages"] if "autopipe" in e]
+    assert [e["stages"] for e in entries] == [2, 4]
+    for e in entries:
+        assert _finite_positive(e["autopipe"]["step_s"])
+        assert e["lower_bound_s"] <= e["autopipe"]["bottleneck_s"] * (1 + 1e-9)
+
+
+def test_prediction_accuracy_reports_signed_errors_and_memory_per_rank(tmp_path):
+    data = _run("prediction_accuracy", tmp_path / "pa.json")
+    assert data["benchmark"] == "prediction_accuracy"
+    (row,) = data["rows"]
+    assert _finite_positive(row["measured_step_s"])
+    assert set(row["errors"]) >= {"predicted_step_s", "calibrated_step_s"}
+    assert len(row["measured_peak_bytes"]) == 2 and all(b > 0 for b in row["measured_peak_bytes"])
+    assert data["summary"]["run"] == 1
+
+
+def test_render_docs_writes_markdown_from_results(tmp_path):
+    _run("split_quality_sim", tmp_path / "split_quality_sim" / "results.json")
+    out = tmp_path / "benchmarks.md"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "render_docs.py"), "--results", str(tmp_path), "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    assert "# Benchmarks" in text and "Split quality at scale" in text
