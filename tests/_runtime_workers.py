@@ -19,12 +19,16 @@ VOCAB = 100
 MICROBATCH = 2  # sequences per micro-batch
 N_MICROBATCHES = 4
 
-# Split points giving n_ranks * stages_per_rank stages of the tutorial model.
+# Split points giving n_ranks * stages_per_rank stages of the tutorial model. The 4-stage
+# split cuts inside attention blocks, as the planner may: stage 0 sends two tensors (one a
+# view), and the residual of layers.1 skips from stage 1 to stage 3.
 SPLITS = {
     2: ["layers.1"],
-    4: ["layers.0", "layers.1", "out_linear"],
+    4: ["layers.0.attention.out_linear", "layers.1", "layers.1.attention.out_linear"],
     8: [f"layers.{i}" for i in range(6)] + ["out_linear"],
 }
+# A cut where a strided (non-contiguous) tensor crosses: k_linear's input is a transpose's.
+NON_CONTIGUOUS_SPLIT = ["layers.1.attention.k_linear"]
 
 
 def tutorial_model(*, num_layers: int = 2, dropout: float = 0.0, tied: bool = False, seed: int = 0) -> SeedTransformer:
@@ -101,14 +105,50 @@ def schedule_run(rank: int, world_size: int, schedule: str, n_steps: int) -> dic
     return result
 
 
-def gradients_run(rank: int, world_size: int, schedule: str, stages_per_rank: int) -> dict:
-    """Loss and gradients of one step against the unsplit model."""
+def gradients_run(rank: int, world_size: int, cases: list[tuple]) -> list[dict]:
+    """Loss and gradients of one step against the unsplit model, for each (schedule, stages_per_rank, split)."""
+    return [_gradients_case(world_size, *case) for case in cases]
+
+
+def _gradients_case(world_size: int, schedule: str, stages_per_rank: int, split_points: tuple = ()) -> dict:
     n_stages = world_size * stages_per_rank
     model = tutorial_model(num_layers=6 if n_stages == 8 else 2)
-    pipe = build(model, schedule, n_stages, stages_per_rank=stages_per_rank)
+    pipe = build(model, schedule, n_stages, stages_per_rank=stages_per_rank,
+                 split_points=list(split_points) or SPLITS[n_stages])
     result = compare_with_unsplit(pipe, model, *tutorial_batch(0))
     result["all_param_names"] = sorted(n for n, _ in model.named_parameters())
     return result
+
+
+GPT2_SPLITS = {2: ["transformer.h.1"], 4: ["transformer.h.1", "transformer.h.2", "transformer.h.3"]}
+
+
+def gpt2_run(rank: int, world_size: int, schedules: list[str]) -> dict[str, dict]:
+    """GPT-2 from a config: tied embedding/head, a causal mask read by every block."""
+    return {schedule: _gpt2_case(schedule, world_size) for schedule in schedules}
+
+
+def _gpt2_case(schedule: str, world_size: int) -> dict:
+    from autopipe.models.hf import gpt2_from_config
+
+    vocab = 64
+    model, (x_mb,) = gpt2_from_config(n_layer=4, n_embd=16, n_head=2, vocab_size=vocab, seq_len=8, batch=2)
+    stages_per_rank = 1 if schedule in ("GPipe", "1F1B") else 2
+    pipe = Pipeline(model, example_args=(x_mb,), schedule=schedule, n_microbatches=N_MICROBATCHES,
+                    split_points=GPT2_SPLITS[world_size * stages_per_rank],
+                    loss_fn=lambda out, y: nn.functional.cross_entropy(out.reshape(-1, vocab), y.reshape(-1)))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, vocab, (2 * N_MICROBATCHES, 8), generator=g)
+    y = torch.randint(0, vocab, (2 * N_MICROBATCHES, 8), generator=g)
+    loss = pipe.step(x, target=y)
+    ref = nn.functional.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
+    ref.backward()
+    ref_grads = dict(model.named_parameters())
+    return {
+        "loss": loss.item(), "ref_loss": ref.item(),
+        "grad_diff": {n: (p.grad - ref_grads[n].grad).abs().max().item() for n, p in pipe.named_parameters()},
+        "all_param_names": sorted(n for n, _ in model.named_parameters()),
+    }
 
 
 def _gather(t: torch.Tensor) -> list[torch.Tensor]:

@@ -30,9 +30,30 @@ def schedule_results(schedule: str) -> list[dict]:
     return run_world(workers.schedule_run, 2, schedule, 50, timeout_s=240)
 
 
+# Cases that share a world: (schedule, stages_per_rank, split points or () for the default).
+FOUR_RANK_CASES = (("1F1B", 1, ()), ("Interleaved1F1B", 2, ()))
+TWO_RANK_CASES = (("1F1B", 1, tuple(workers.NON_CONTIGUOUS_SPLIT)),)
+GPT2_SCHEDULES = ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")
+
+
 @functools.lru_cache(maxsize=None)
-def gradient_results(schedule: str, world_size: int, stages_per_rank: int) -> list[dict]:
-    return run_world(workers.gradients_run, world_size, schedule, stages_per_rank, timeout_s=240)
+def gradient_results(world_size: int, cases: tuple) -> dict[tuple, list[dict]]:
+    per_rank = run_world(workers.gradients_run, world_size, list(cases), timeout_s=300)
+    return {case: [rank_results[i] for rank_results in per_rank] for i, case in enumerate(cases)}
+
+
+@functools.lru_cache(maxsize=None)
+def gpt2_results() -> dict[str, list[dict]]:
+    per_rank = run_world(workers.gpt2_run, 2, list(GPT2_SCHEDULES), timeout_s=300)
+    return {s: [rank_results[s] for rank_results in per_rank] for s in GPT2_SCHEDULES}
+
+
+def assert_matches_unsplit(results: list[dict]) -> None:
+    """Loss within TOL on every rank; every parameter covered once or more, within TOL."""
+    assert set().union(*(r["grad_diff"] for r in results)) == set(results[0]["all_param_names"])
+    for r in results:
+        assert abs(r["loss"] - r["ref_loss"]) < TOL
+        assert max(r["grad_diff"].values()) < TOL, r["grad_diff"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -113,13 +134,20 @@ def test_pipeline_leaves_the_users_model_unchanged():
 
 
 # ---------------------------------------------------------------------- 4 ranks
-@pytest.mark.parametrize("schedule,stages_per_rank", [("1F1B", 1), ("Interleaved1F1B", 2)])
-def test_gradients_equal_unsplit_model_on_4_ranks(schedule, stages_per_rank):
-    results = gradient_results(schedule, 4, stages_per_rank)
-    assert set().union(*(r["grad_diff"] for r in results)) == set(results[0]["all_param_names"])
-    for r in results:
-        assert abs(r["loss"] - r["ref_loss"]) < TOL
-        assert max(r["grad_diff"].values()) < TOL
+@pytest.mark.parametrize("case", FOUR_RANK_CASES, ids=lambda c: c[0])
+def test_gradients_equal_unsplit_model_on_4_ranks(case):
+    assert_matches_unsplit(gradient_results(4, FOUR_RANK_CASES)[case])
+
+
+# ---------------------------------------------------------------------- awkward cuts
+def test_cut_where_a_strided_tensor_crosses_trains_exactly():
+    assert_matches_unsplit(gradient_results(2, TWO_RANK_CASES)[TWO_RANK_CASES[0]])
+
+
+@pytest.mark.parametrize("schedule", GPT2_SCHEDULES)
+def test_gpt2_with_tied_embeddings_and_a_mask_read_by_every_block_trains_exactly(schedule):
+    pytest.importorskip("transformers")
+    assert_matches_unsplit(gpt2_results()[schedule])
 
 
 # ---------------------------------------------------------------------- tied weights, state dicts

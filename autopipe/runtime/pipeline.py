@@ -43,6 +43,7 @@ from ..plan import Plan, StagePlan
 from ..simulate import SCHEDULES, canonical_schedule_name, schedule_class, stage_ranks, validate_schedule
 from .checkpointing import checkpoint_stage, resolve_checkpoint_stages
 from .distributed import DEFAULT_TIMEOUT_S, broadcast_object, default_device, init_distributed
+from .relay import relay_skip_connections
 from .params import StateNames, model_state_names, shared_parameters, stage_state
 
 __all__ = ["Pipeline"]
@@ -303,6 +304,8 @@ class Pipeline:
         for s in checkpointed:
             if s in self._train_modules:
                 checkpoint_stage(self._train_modules[s])
+        for module in {id(m): m for m in (*self._train_modules.values(), *self._eval_modules.values())}.values():
+            _outputs_never_views(module)
         if self.schedule in _V_SCHEDULES:
             self._train_stages = [self._manual_stage(s, self._train_modules[s]) for s in self.stage_indices]
         for module in self._train_modules.values():
@@ -721,7 +724,61 @@ def _split(model: nn.Module, split_spec: dict, example: tuple[tuple, dict], *, t
             f"splitting at {list(split_spec)} gave {pipe.num_stages} stages, not {expected}: a split "
             f"point must be a module called exactly once per forward, in forward order"
         )
+    # torch's schedules and stages only pass tensors between neighbouring stages.
+    relay_skip_connections(pipe)
+    for s in range(pipe.num_stages):
+        _make_boundary_tensors_contiguous(pipe.get_stage_module(s))
     return pipe
+
+
+def _outputs_never_views(stage_module: nn.Module) -> None:
+    """Copy any stage output that is a view of another tensor (e.g. the result of ``.view``).
+
+    torch's zero-bubble backward detaches each stage output in place, which a view does
+    not allow ("Can't detach views in-place"); a cut right after a reshape makes one.
+    """
+    inner = stage_module.forward
+
+    def forward(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t._is_view() else t, out)
+
+    stage_module.forward = forward
+
+
+def _make_boundary_tensors_contiguous(stage_module: nn.Module) -> None:
+    """Make every tensor a stage sends or receives contiguous, in its graph.
+
+    A cut inside a module can fall where a tensor is a strided view (``k.transpose(...)``).
+    torch's stage sends the output as it is and allocates receive buffers with the traced
+    strides, and gloo (like NCCL) only sends and receives contiguous tensors. So each
+    non-contiguous stage output gets a ``clone(memory_format=contiguous_format)`` and each
+    stage input is described as contiguous; contiguous boundaries are left untouched.
+    """
+    graph = stage_module.graph
+    changed = False
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(val, torch.Tensor) and not val.is_contiguous():
+            node.meta["val"] = val.clone(memory_format=torch.contiguous_format)
+            changed = True
+    output = next(n for n in graph.nodes if n.op == "output")
+
+    def contiguous(arg):
+        nonlocal changed
+        val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+        if not isinstance(val, torch.Tensor) or val.is_contiguous():
+            return arg
+        with graph.inserting_before(output):
+            copy = graph.call_function(torch.ops.aten.clone.default, (arg,),
+                                       {"memory_format": torch.contiguous_format})
+        copy.meta["val"] = val.clone(memory_format=torch.contiguous_format)
+        changed = True
+        return copy
+
+    output.args = torch.fx.node.map_arg(output.args, contiguous)
+    if changed:
+        stage_module.recompile()
 
 
 def _rewrap_stage(stage, module: nn.Module):
