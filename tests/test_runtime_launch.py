@@ -74,3 +74,14 @@ def test_run_starts_nproc_ranks_with_the_scripts_arguments(script):
 def test_run_exits_with_the_failing_ranks_code(script):
     done = _autopipe_run(script, "--nproc", "2", "--fail-on-rank-1")
     assert done.returncode == 3
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("example,args", [
+    ("train_seed_transformer.py", ["--schedule", "ZBVZeroBubble", "--steps", "3"]),
+    ("train_gpt2.py", ["--steps", "3", "--layers", "2", "--width", "32", "--vocab", "64", "--seq-len", "8"]),
+])
+def test_examples_run_under_autopipe_run(example, args):
+    done = _autopipe_run(os.path.join(REPO, "examples", example), "--nproc", "2", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
