@@ -47,7 +47,7 @@ from autopipe.profile import Timer
 
 __all__ = [
     "BenchModel", "MODELS", "host_info", "make_model", "ce_loss", "make_target", "stack_microbatches",
-    "StageChain", "LiveBytes", "run_world", "pipeline_worker", "WorldFailed", "median",
+    "StageChain", "use_codegen", "interpreter_modules", "LiveBytes", "run_world", "pipeline_worker", "WorldFailed", "median",
 ]
 
 
@@ -166,6 +166,29 @@ def stack_microbatches(values: tuple[Any, ...], m: int) -> tuple[Any, ...]:
 # --------------------------------------------------------------------------- one process, every stage
 
 
+def build_split(model: nn.Module, args: tuple[Any, ...], split_points: Sequence[str]) -> Any:
+    """The ``torch.distributed.pipelining`` Pipe that :class:`autopipe.Pipeline` would build.
+
+    Uses the runtime's own construction (``pipeline()`` on a copy, skip connections relayed
+    through the stages in between, contiguous boundary tensors, outputs that are never
+    views), so a stage timed here is the module a rank runs. Falls back to plain
+    ``pipeline()`` if the runtime's private helper moves.
+    """
+    spec = {name: SplitPoint.BEGINNING for name in split_points}
+    expected = len(split_points) + 1
+    try:
+        from autopipe.runtime.pipeline import _outputs_never_views, _split
+    except ImportError:  # pragma: no cover - only if the runtime is reorganised
+        pipe = pipeline(copy.deepcopy(model), args, split_spec=spec)
+    else:
+        pipe = _split(copy.deepcopy(model), spec, (tuple(args), {}), training=True, expected=expected)
+        for k in range(pipe.num_stages):
+            _outputs_never_views(pipe.get_stage_module(k))
+    if pipe.num_stages != expected:
+        raise ValueError(f"split at {list(split_points)} gave {pipe.num_stages} stages, not {expected}")
+    return pipe
+
+
 class StageChain:
     """A model split by ``pipeline()`` at ``split_points``; each stage's forward and backward timed alone.
 
@@ -181,17 +204,15 @@ class StageChain:
     """
 
     def __init__(self, model: nn.Module, args: tuple[Any, ...], split_points: Sequence[str],
-                 *, device: str | torch.device = "cpu", loss_fn: Callable = ce_loss) -> None:
+                 *, device: str | torch.device = "cpu", loss_fn: Callable = ce_loss, codegen: bool = False) -> None:
         self.split_points = list(split_points)
         self.device = torch.device(device)
-        spec = {name: SplitPoint.BEGINNING for name in self.split_points}
-        # pipeline() wraps the split modules' forwards in place, so it always gets a copy.
-        pipe = pipeline(copy.deepcopy(model), args, split_spec=spec)
-        if pipe.num_stages != len(self.split_points) + 1:
-            raise ValueError(f"split at {self.split_points} gave {pipe.num_stages} stages")
+        pipe = build_split(model, args, self.split_points)
         self.num_stages = pipe.num_stages
         self.gm = pipe.split_gm.to(self.device)
         self.gm.train()
+        if codegen:
+            use_codegen(self.gm)
         self.args = tuple(a.to(self.device) if isinstance(a, torch.Tensor) else a for a in args)
         self.loss_fn = loss_fn
         self.timer = Timer(self.device)
@@ -264,6 +285,37 @@ class StageChain:
         fwd = [median([r[0][k] for r in runs]) for k in range(self.num_stages)]
         bwd = [median([r[1][k] for r in runs]) for k in range(self.num_stages)]
         return fwd, bwd
+
+
+def use_codegen(module: nn.Module) -> int:
+    """Make torch's unflattened stage modules run generated code instead of the fx Interpreter.
+
+    ``pipeline()`` rebuilds each stage's module hierarchy from the exported graph as
+    ``torch.export.unflatten.InterpreterModule`` objects, which by default execute their
+    graph node by node through ``torch.fx.Interpreter`` (for readable stack traces). That
+    costs Python time per graph node that autopipe's profiler - which runs each segment as
+    a compiled ``GraphModule`` - does not see. ``InterpreterModule`` can run its generated
+    code instead (what it does under ``torch.compile``); this switches every one in
+    ``module`` to it. Returns how many were switched. An experiment (``--codegen-stages``):
+    :class:`autopipe.Pipeline` itself runs torch's default.
+    """
+    from torch.export.unflatten import InterpreterModule
+
+    n = 0
+    for m in module.modules():
+        if isinstance(m, InterpreterModule):
+            m._run_with_interpreter = False
+            n += 1
+    return n
+
+
+def interpreter_modules(module: nn.Module) -> dict[str, int]:
+    """How many of torch's InterpreterModules in ``module`` run the fx Interpreter, and how many generated code."""
+    from torch.export.unflatten import InterpreterModule
+
+    mods = [m for m in module.modules() if isinstance(m, InterpreterModule)]
+    interp = sum(1 for m in mods if getattr(m, "_run_with_interpreter", True))
+    return {"interpreter": interp, "codegen": len(mods) - interp}
 
 
 # --------------------------------------------------------------------------- memory
@@ -442,6 +494,9 @@ def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
         error = None
         try:
             pipe = Pipeline(model, **kw)
+            if job.get("codegen"):
+                for module in pipe.stage_modules.values():
+                    use_codegen(module)
             for _ in range(job.get("warmup_steps", 1)):  # first steps set up buffers and communication
                 one_step(pipe, batch, target)
         except Exception as e:  # noqa: BLE001 - a variant torch cannot run is reported, not fatal
@@ -459,7 +514,9 @@ def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
         for label, pipe, batch, target in pipes:
             for _ in range(job["steps"]):
                 times[label].append(one_step(pipe, batch, target))
-    out: dict[str, Any] = {"times": times, "errors": errors}
+    out: dict[str, Any] = {"times": times, "errors": errors,
+                           "interpreter_modules": {label: [interpreter_modules(m) for m in pipe.stage_modules.values()]
+                                                   for label, pipe, *_ in pipes}}
 
     if job.get("instrument"):
         out["in_run"] = {label: _time_actions_in_run(pipe, lambda: one_step(pipe, batch, target), job["instrument"])
@@ -468,15 +525,7 @@ def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
         out["memory"] = {label: _measure_step_memory(pipe, batch, target, device)
                          for label, pipe, batch, target in pipes}
     if job.get("link_bytes") and world >= 2:
-        # autopipe's own link measurement, between the two ranks, in the conditions of the run.
-        from dataclasses import asdict
-
-        from autopipe.measure import measure_link_in_group
-
-        sizes = sorted({max(1, int(b)) for b in job["link_bytes"]} | {1 << 10, 1 << 20})
-        link = measure_link_in_group(0, 1, sizes_bytes=sizes, repeats=job.get("link_repeats", 10), device=device)
-        if link is not None:
-            out["link"] = asdict(link)
+        out["link"] = link_probe(rank, job["link_bytes"], device, repeats=job.get("link_repeats", 10))
     dist.barrier()
     return out
 
@@ -554,4 +603,49 @@ def _measure_step_memory(pipe: Any, batch: tuple, target: torch.Tensor, device: 
         result["cuda_peak_bytes"] = int(torch.cuda.max_memory_allocated(device) - base + static_params + static_opt)
     del opt
     pipe.zero_grad()
+    return result
+
+
+def link_probe(rank: int, sizes_bytes: Sequence[int], device: torch.device, *, repeats: int = 10,
+               warmup: int = 3) -> dict[str, Any] | None:
+    """One-way time of each message size between ranks 0 and 1, in the conditions of the run.
+
+    Round trips with ``isend``/``irecv`` + ``wait`` as torch's pipeline stages move
+    activations, the sizes taking turns within each round (as ``autopipe.measure`` does);
+    half a round trip is one sample. The cut sizes themselves are measured, so a cut's time
+    is read off directly (``one_way_s[size]``); ``autopipe.measure.fit_link`` adds a
+    latency + bandwidth fit when the times allow one. Returns None on ranks other than 0 and 1.
+    """
+    import torch.distributed as dist
+
+    from autopipe.measure import fit_link
+
+    if rank > 1:
+        return None
+    sizes = sorted({max(1, int(b)) for b in sizes_bytes} | {1 << 10, 1 << 20, 1 << 23})
+    peer = 1 - rank
+    buffers = [torch.zeros(n, dtype=torch.uint8, device=device) for n in sizes]
+    samples: list[list[float]] = [[] for _ in sizes]
+    for i in range(warmup + repeats):
+        for k, buf in enumerate(buffers):
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.isend(buf, peer).wait()
+                dist.irecv(buf, peer).wait()
+            else:
+                dist.irecv(buf, peer).wait()
+                dist.isend(buf, peer).wait()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= warmup:
+                samples[k].append((time.perf_counter() - t0) / 2.0)
+    one_way = [median(x) for x in samples]
+    result: dict[str, Any] = {"sizes_bytes": sizes, "one_way_s": one_way, "samples_s": samples,
+                              "by_size": {str(n): t for n, t in zip(sizes, one_way)},
+                              "latency_s": None, "bandwidth_bytes_per_s": None}
+    try:
+        bw, lat, err = fit_link(sizes, one_way)
+        result.update(latency_s=lat, bandwidth_bytes_per_s=bw, fit_error=err)
+    except ValueError as e:  # times that do not grow with size (a busy machine): keep the raw medians
+        result["fit_note"] = str(e).split(";")[0]
     return result

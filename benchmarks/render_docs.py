@@ -217,10 +217,18 @@ def render_prediction_accuracy(d: dict[str, Any], behind: list[str]) -> str:
                    "simulation with measured stage and link times):\n\n" + table(["schedule-stages per rank-m", "ms"], per))
     links = d.get("links") or {}
     if links:
-        rows = [[k, f"{v['latency_s'] * 1e6:.0f}", f"{v['bandwidth_bytes_per_s'] / 1e9:.2f}"] for k, v in links.items() if v]
-        out.append("Link measured between the two ranks during each model's run (`autopipe.measure`, fitted "
-                   "latency + bytes / bandwidth); the planner's CPU default is 50 µs and 1 GB/s:\n\n"
-                   + table(["model run", "latency µs", "bandwidth GB/s"], rows))
+        def one_way(v: dict[str, Any], n: int) -> str:
+            t = v.get("by_size", {}).get(str(n))
+            return "–" if t is None else f"{t * 1e6:.0f}"
+
+        rows = [[k, one_way(v, 1 << 10), one_way(v, 1 << 20), one_way(v, 1 << 23),
+                 "–" if v.get("latency_s") is None else f"{v['latency_s'] * 1e6:.0f}",
+                 "–" if v.get("bandwidth_bytes_per_s") is None else f"{v['bandwidth_bytes_per_s'] / 1e9:.2f}"]
+                for k, v in links.items() if v]
+        out.append("Link measured between the two ranks after each model's run (isend/irecv ping-pong, median "
+                   "one-way time; the fit is `autopipe.measure.fit_link`, – where the times did not grow with size). "
+                   "The planner's CPU default is 50 µs + bytes / (1 GB/s), i.e. 51 µs, 1.1 ms and 8.4 ms:\n\n"
+                   + table(["model run", "1 KiB µs", "1 MiB µs", "8 MiB µs", "fitted latency µs", "fitted GB/s"], rows))
     return "\n\n".join(out)
 
 

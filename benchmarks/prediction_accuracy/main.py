@@ -82,18 +82,19 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, *, memory: 
     for c in cases:
         key = tuple(c["plan"].split_points)
         if key not in stage_times:
-            chain = StageChain(model, args, list(key), device=device)
+            chain = StageChain(model, args, list(key), device=device, codegen=opts.codegen_stages)
             stage_times[key] = chain.time(target, warmup=1, repeats=opts.stage_repeats)
 
     sizes = sorted({b for c in cases for b in _cut_bytes(c["plan"])})
-    job = {"model": name, "size": size, "device": device, "rounds": opts.rounds, "steps": opts.steps,
+    job = {"model": name, "size": size, "device": device, "codegen": opts.codegen_stages,
+           "rounds": opts.rounds, "steps": opts.steps,
            "warmup_steps": 1, "memory": memory and not opts.no_memory, "link_bytes": sizes,
            "instrument": opts.instrument_steps,
            "variants": [{"label": c["label"], "plan": c["plan"].to_dict(), "schedule": c["schedule"],
                          "n_microbatches": c["n_microbatches"], "stages_per_rank": c["stages_per_rank"]}
                         for c in cases]}
     results = run_world(pipeline_worker, 2, job, device=device, threads=opts.threads, timeout_s=opts.world_timeout)
-    link = results[0].get("link")
+    link = results[0].get("link")  # rank 0's view of the ping-pong (rank 1 times the same round trips)
     rows = []
     for c in cases:
         plan: autopipe.Plan = c["plan"]
@@ -122,7 +123,7 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, *, memory: 
         if link is not None:
             # The same plan, simulated with the link measured between the two ranks
             # (what partition(..., bandwidth=, latency_s=) from autopipe.measure would use).
-            cut_s = [link["latency_s"] + b / link["bandwidth_bytes_per_s"] for b in cut_bytes]
+            cut_s = [link["by_size"][str(max(1, b))] for b in cut_bytes]
             row["measured_cut_s"] = cut_s
             sim = dict(schedule=plan.schedule, n_microbatches=plan.n_microbatches, comm_s=cut_s,
                        stages_per_rank=plan.stages_per_rank)
@@ -211,6 +212,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--schedules", nargs="*", default=None, help=f"subset of {[s for s, _ in SCHEDULES]}")
     ap.add_argument("--microbatches", nargs="*", type=int, default=None)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process (CPU)")
+    ap.add_argument("--codegen-stages", action="store_true",
+                    help="experiment: run torch's stage modules as generated code, not through the fx Interpreter")
     ap.add_argument("--profile-repeats", type=int, default=None)
     ap.add_argument("--stage-repeats", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=None)
@@ -266,6 +269,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if summary[f"median_abs_error:{k}"] is not None))
     payload = {
         "benchmark": "prediction_accuracy", "size": size, "device": opts.device, "threads_per_process": opts.threads,
+        "codegen_stages": opts.codegen_stages,
         "repeats": {k: getattr(opts, k) for k in ("profile_repeats", "stage_repeats", "rounds", "steps")},
         "host_start": host_start, "host_end": host_info(),
         "summary": summary, "rows": rows, "links": links, "overhead_s": overhead,

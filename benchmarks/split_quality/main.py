@@ -51,7 +51,8 @@ QUICK_MODELS = ("seed_transformer", "cnn", "mlp")
 
 
 def scan_splits(model: torch.nn.Module, args: tuple, target: torch.Tensor, candidates: list[str], start: str, *,
-                device: str, repeats: int, prune_slack: float | None, log) -> dict[str, dict[str, Any]]:
+                device: str, repeats: int, prune_slack: float | None, log, codegen: bool = False
+                ) -> dict[str, dict[str, Any]]:
     """Measured stage times of 2-stage splits at ``candidates``, walking outwards from ``start``.
 
     Returns ``{split point: {"stage_s": [s0, s1], "fwd_s": [...], "bwd_s": [...], "bottleneck_s": max}}``.
@@ -63,7 +64,7 @@ def scan_splits(model: torch.nn.Module, args: tuple, target: torch.Tensor, candi
 
     def measure(name: str) -> dict[str, Any]:
         nonlocal best
-        chain = StageChain(model, args, [name], device=device)
+        chain = StageChain(model, args, [name], device=device, codegen=codegen)
         fwd, bwd = chain.time(target, warmup=1, repeats=repeats)
         stage = [f + b for f, b in zip(fwd, bwd)]
         row = {"fwd_s": fwd, "bwd_s": bwd, "stage_s": stage, "bottleneck_s": max(stage)}
@@ -88,9 +89,10 @@ def scan_splits(model: torch.nn.Module, args: tuple, target: torch.Tensor, candi
     return table
 
 
-def remeasure(model, args, target, splits: list[str], *, device: str, rounds: int) -> dict[str, dict[str, Any]]:
+def remeasure(model, args, target, splits: list[str], *, device: str, rounds: int, codegen: bool = False
+              ) -> dict[str, dict[str, Any]]:
     """Stage times of ``splits`` measured interleaved (one forward+backward of each per round), medians."""
-    chains = {s: StageChain(model, args, [s], device=device) for s in splits}
+    chains = {s: StageChain(model, args, [s], device=device, codegen=codegen) for s in splits}
     t = target.to(device)
     for c in chains.values():
         c.run_once(t)
@@ -127,13 +129,15 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log) -> dict[str
         + ", ".join(f"{k}={v['split_point']!r}" for k, v in methods.items() if k != "autopipe"))
 
     scan = scan_splits(model, args, target, candidates, plan.split_points[0], device=device,
-                       repeats=opts.scan_repeats, prune_slack=None if opts.exhaustive else opts.prune_slack, log=log)
+                       repeats=opts.scan_repeats, prune_slack=None if opts.exhaustive else opts.prune_slack, log=log,
+                       codegen=opts.codegen_stages)
     # Finalists: the scan's best few and every method's split, re-measured side by side; the
     # exhaustive best is the finalist with the lowest re-measured bottleneck (the minimum of
     # a noisy scan alone would be flattered by noise).
     finalists = sorted(scan, key=lambda s: scan[s]["bottleneck_s"])[: opts.finalists]
     finalists = list(dict.fromkeys([*(m["split_point"] for m in methods.values()), *finalists]))
-    again = remeasure(model, args, target, finalists, device=device, rounds=opts.remeasure_rounds)
+    again = remeasure(model, args, target, finalists, device=device, rounds=opts.remeasure_rounds,
+                      codegen=opts.codegen_stages)
     best_split = min(finalists, key=lambda s: again[s]["bottleneck_s"])
     methods["exhaustive_best"] = {"split_point": best_split}
     contenders = list(dict.fromkeys(m["split_point"] for m in methods.values()))
@@ -148,7 +152,8 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log) -> dict[str
     if device.startswith("cuda") and n_gpus < 2:
         real["note"] = f"a real 2-rank pipeline on CUDA needs 2 GPUs; this machine has {n_gpus}"
     elif not opts.no_real:
-        job = {"model": name, "size": size, "device": device, "rounds": opts.rounds, "steps": opts.steps,
+        job = {"model": name, "size": size, "device": device, "codegen": opts.codegen_stages,
+               "rounds": opts.rounds, "steps": opts.steps,
                "warmup_steps": 1,
                "variants": [{"label": s, "split_points": [s], "schedule": opts.schedule,
                              "n_microbatches": opts.microbatches, "stages_per_rank": 1} for s in contenders]}
@@ -195,6 +200,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--schedule", default="1F1B")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process (CPU)")
+    ap.add_argument("--codegen-stages", action="store_true",
+                    help="experiment: run torch's stage modules as generated code, not through the fx Interpreter")
     ap.add_argument("--exhaustive", action="store_true", help="measure every split point (no pruning)")
     ap.add_argument("--prune-slack", type=float, default=1.3)
     ap.add_argument("--finalists", type=int, default=3, help="best scanned splits re-measured with the methods' splits")
@@ -227,6 +234,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload = {
         "benchmark": "split_quality", "size": size, "device": opts.device, "schedule": opts.schedule,
         "n_microbatches": opts.microbatches, "threads_per_process": opts.threads, "exhaustive": opts.exhaustive,
+        "codegen_stages": opts.codegen_stages,
         "prune_slack": None if opts.exhaustive else opts.prune_slack,
         "repeats": {k: getattr(opts, k) for k in ("profile_repeats", "scan_repeats", "remeasure_rounds", "rounds", "steps")},
         "host_start": host_start, "host_end": host_info(), "rows": rows, "wall_s": time.perf_counter() - t0,
