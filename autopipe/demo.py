@@ -107,14 +107,18 @@ def _train_worker(rank: int, world_size: int, port: int, config: dict[str, Any],
         tokens = torch.randint(0, config["vocab_size"], (DEMO_MICROBATCHES * config["batch"], config["seq_len"] + 1),
                                generator=g)
         x, y = tokens[:, :-1], tokens[:, 1:]
-        runs: dict[str, dict[str, list[float]]] = {name: {"step_s": [], "losses": []} for name in pipes}
+        runs: dict[str, dict[str, list[float]]] = {name: {"step_s": [], "cpu_s": [], "losses": []} for name in pipes}
         for _ in range(steps):
             for name, pipe in pipes.items():  # alternate, so load on the machine hits both splits alike
                 opt = optimizers[name]
                 dist.barrier()
                 t0 = time.perf_counter()
                 opt.zero_grad()
+                cpu0 = time.thread_time()
                 loss = pipe.step(x, target=y)
+                # CPU time of this rank's compute thread: what its stages cost, however much
+                # other work on the machine stretches the wall clock (gloo waits do not spin).
+                runs[name]["cpu_s"].append(time.thread_time() - cpu0)
                 opt.step()
                 dist.barrier()
                 runs[name]["step_s"].append(time.perf_counter() - t0)
@@ -167,7 +171,13 @@ def _train(config: dict[str, Any], plan_dict: dict[str, Any], hand_split: list[s
     if stuck or any(res is None for res in results):
         why = f"ranks {stuck} did not finish within {_WORKER_TIMEOUT_S:.0f} s" if stuck else "a rank died"
         raise RuntimeError(f"training failed: {why}")
-    return results[0]
+    # Wall times and losses are the same on every rank (barriers, shared mean loss); CPU
+    # times are per rank.
+    merged = results[0]
+    for name, run in merged["runs"].items():
+        run["rank_cpu_s"] = [res["runs"][name]["cpu_s"] for res in results]
+        del run["cpu_s"]
+    return merged
 
 
 # --------------------------------------------------------------------------- the demo
@@ -222,7 +232,7 @@ def run_demo(
     from .reporting.files import write_json, write_report
     from .reporting.terminal import make_console, print_layers, print_plan
     from .reporting.text import format_seconds
-    from .reporting.timeline import plan_timeline
+    from .reporting.timeline import plan_timeline, split_timeline
     from .trace import trace
 
     console = console or make_console()
@@ -279,13 +289,18 @@ def run_demo(
                 [os.path.join(work_dir, f"trace_rank{r}.json") for r in range(DEMO_RANKS)],
                 label="autopipe demo: one measured 1F1B step (torch.profiler)")
         files.append(write_json(measured_trace, out / "trace_measured.json"))
-        predicted = {"autopipe": plan.predicted_step_s, "hand split": hand.predicted_step_s if hand else None}
+        simulated = {"autopipe": timeline, "hand split": split_timeline(plan, hand_split)}
         splits = {"autopipe": list(plan.split_points), "hand split": hand_split}
         runs = []
         for name, run in result["runs"].items():
             timed = run["step_s"][1:] or run["step_s"]  # the first step warms up caches and allocators
-            runs.append({"name": name, "split_points": splits[name], "predicted_step_s": predicted[name],
-                         "best_step_s": min(timed), "median_step_s": statistics.median(timed), **run})
+            runs.append({
+                "name": name, "split_points": splits[name], "predicted_step_s": simulated[name].step_s,
+                "best_step_s": min(timed), "median_step_s": statistics.median(timed),
+                "rank_compute_s": [statistics.median(cpu[1:] or cpu) for cpu in run["rank_cpu_s"]],
+                "predicted_rank_compute_s": list(simulated[name].busy_s),
+                **run,
+            })
         notes = [
             f"best and median of steps 2..{steps} (step 1 warms up); both splits alternate step by step on the "
             "same machine, so other processes slow both alike; the best step is the one they disturbed least, "
@@ -329,7 +344,8 @@ def _print_training(console: Any, runs: list[dict[str, Any]], steps: int) -> Non
 
     from .reporting.text import format_seconds
 
-    table = Table(title="Loss per step (mean over micro-batches; the same data and initial weights for both splits)", title_justify="left")
+    table = Table(title="Loss per step (mean over micro-batches; the same data and initial weights for both splits)",
+                  title_justify="left")
     table.add_column("step", justify="right")
     for run in runs:
         table.add_column(f"{run['name']} loss", justify="right")
@@ -340,14 +356,27 @@ def _print_training(console: Any, runs: list[dict[str, Any]], steps: int) -> Non
             cells += [f"{run['losses'][i]:.4f}", format_seconds(run["step_s"][i])]
         table.add_row(*cells)
     console.print(table)
+
+    compute = Table(title="Compute per rank per step: CPU time of each rank's compute thread (median; waiting for "
+                          "a core does not count), against the prediction", title_justify="left")
+    compute.add_column("split")
+    n_ranks = len(runs[0]["rank_compute_s"])
+    for r in range(n_ranks):
+        compute.add_column(f"rank {r} measured / predicted", justify="right")
     for run in runs:
-        pred = run["predicted_step_s"]
-        ratio = f" (best/predicted {run['best_step_s'] / pred:.2f})" if pred else ""
+        compute.add_row(run["name"], *[f"{format_seconds(m)} / {format_seconds(p)}"
+                                       for m, p in zip(run["rank_compute_s"], run["predicted_rank_compute_s"])])
+    console.print(compute)
+    for run in runs:
+        ratio = f" (best/predicted {run['best_step_s'] / run['predicted_step_s']:.2f})" if run["predicted_step_s"] else ""
         console.print(f"{run['name']:>10}: measured step {format_seconds(run['best_step_s'])} best, "
                       f"{format_seconds(run['median_step_s'])} median; predicted "
-                      f"{format_seconds(pred) if pred else '-'}{ratio}", markup=False)
-    if len(runs) == 2 and runs[0]["best_step_s"] > 0:
-        predicted = (f", predicted {runs[1]['predicted_step_s'] / runs[0]['predicted_step_s']:.2f}x"
-                     if runs[0]["predicted_step_s"] and runs[1]["predicted_step_s"] else "")
-        console.print(f"speed-up of autopipe over the hand split: measured {runs[1]['best_step_s'] / runs[0]['best_step_s']:.2f}x "
-                      f"(best steps){predicted}", markup=False)
+                      f"{format_seconds(run['predicted_step_s'])}{ratio}", markup=False)
+    if len(runs) == 2:
+        auto, hand = runs
+        console.print(
+            f"autopipe over the hand split: step {hand['best_step_s'] / auto['best_step_s']:.2f}x measured (best "
+            f"steps), {hand['predicted_step_s'] / auto['predicted_step_s']:.2f}x predicted; busiest rank's compute "
+            f"{max(hand['rank_compute_s']) / max(auto['rank_compute_s']):.2f}x measured, "
+            f"{max(hand['predicted_rank_compute_s']) / max(auto['predicted_rank_compute_s']):.2f}x predicted",
+            markup=False)

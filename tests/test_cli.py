@@ -233,6 +233,7 @@ def test_demo_profiles_plans_compares_trains_and_writes_every_file(tmp_path):
     runs = {r["name"]: r for r in report["measured"]["runs"]}
     assert sorted(runs) == ["autopipe", "hand split"]
     assert runs["autopipe"]["losses"][1] < runs["autopipe"]["losses"][0]
+    assert len(runs["autopipe"]["rank_compute_s"]) == len(runs["hand split"]["predicted_rank_compute_s"]) == 2
     assert trace_ranks(json.loads((out / "trace_measured.json").read_text())) == {0, 1}
     assert trace_ranks(json.loads((out / "trace_simulated.json").read_text())) == {0, 1}
     assert "Measured run" in (out / "report.html").read_text()

@@ -199,10 +199,15 @@ def measured_table(data: dict[str, Any]) -> Table | None:
     for run in m.get("runs", []):
         best, median, predicted = run.get("best_step_s"), run.get("median_step_s"), run.get("predicted_step_s")
         ratio = f"{best / predicted:.2f}" if best and predicted else "-"
+        compute = " | ".join(f"{format_seconds(c)} / {format_seconds(p)}" for c, p in
+                             zip(run.get("rank_compute_s", []), run.get("predicted_rank_compute_s", [])))
         rows.append([run.get("name", "?"), ", ".join(run.get("split_points", [])) or "-",
                      format_seconds(predicted) if predicted else "-",
                      format_seconds(best) if best else "-", format_seconds(median) if median else "-", ratio,
-                     " ".join(f"{x:.3f}" for x in run.get("losses", [])) or "-"])
+                     compute or "-", " ".join(f"{x:.3f}" for x in run.get("losses", [])) or "-"])
     return Table("Measured run", ["split", "split points", "predicted step", "measured step (best)",
-                                  "measured step (median)", "best / predicted", "loss per step"],
-                 rows, [False, False, True, True, True, True, False], notes=list(m.get("notes", [])))
+                                  "measured step (median)", "best / predicted",
+                                  "compute per rank, measured / predicted", "loss per step"],
+                 rows, [False, False, True, True, True, True, True, False],
+                 notes=["compute per rank: CPU time of each rank's compute thread per step (median); time spent "
+                        "waiting for a core does not count"] + list(m.get("notes", [])))

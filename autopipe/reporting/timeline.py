@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from ..plan import Plan
     from ..simulate import Timeline
 
-__all__ = ["cut_comm_s", "plan_timeline"]
+__all__ = ["cut_comm_s", "plan_timeline", "split_timeline"]
 
 
 def cut_comm_s(plan: "Plan") -> list[float]:
@@ -92,3 +92,55 @@ def plan_timeline(plan: "Plan") -> "Timeline":
         comm_s=cut_comm_s(plan) if plan.num_stages > 1 else 0.0,
         stages_per_rank=plan.stages_per_rank,
     )
+
+
+def split_timeline(plan: "Plan", split_points: "list[str]") -> "Timeline":
+    """Simulate ``plan``'s schedule with another split of the same profiled layers.
+
+    Stage times are sums of ``plan.extras["segments"]`` between the split points; each cut
+    costs ``max(activation, gradient bytes) / bandwidth + latency`` on the plan's links, as
+    for the plan itself. Use it to draw the timeline of a hand split or a baseline.
+
+    Args:
+        plan: a plan that carries its per-segment profile (any plan from
+            :func:`autopipe.partition`).
+        split_points: segment names to cut before, in order, as many as the plan's cuts.
+
+    Returns:
+        The simulated :class:`~autopipe.simulate.Timeline`.
+
+    Raises:
+        ValueError: the plan has no profile, or a split point is not a segment name, or
+            the number of split points does not match the plan's stages.
+
+    Example:
+        >>> hand = split_timeline(plan, ["layers.2"])  # doctest: +SKIP
+        >>> hand.step_s >= plan.predicted_step_s  # doctest: +SKIP
+        True
+    """
+    from ..devices import default_link
+    from ..simulate import simulate
+
+    segments = plan.extras.get("segments") or []
+    if not segments:
+        raise ValueError("plan has no per-segment profile (plan.extras['segments']); re-plan with autopipe.partition")
+    names = [s["name"] for s in segments]
+    unknown = [p for p in split_points if p not in names]
+    if unknown or len(split_points) != plan.num_stages - 1:
+        raise ValueError(
+            f"split_points={list(split_points)!r} must be {plan.num_stages - 1} of the plan's segment names "
+            f"({', '.join(names[1:6])}, ...); unknown: {unknown}"
+        )
+    edges = [0, *sorted(names.index(p) for p in split_points), len(segments)]
+    fwd = [sum(s["fwd_s"] for s in segments[a:b]) for a, b in zip(edges, edges[1:])]
+    bwd = [sum(s["bwd_s"] for s in segments[a:b]) for a, b in zip(edges, edges[1:])]
+    links = plan.extras.get("links") or {}
+    default_bw, default_lat = default_link(str(plan.device).split(":")[0])
+    bandwidth = links.get("bandwidth") or [default_bw] * len(split_points)
+    latency = links.get("latency_s") or [default_lat] * len(split_points)
+    comm = []
+    for c, k in enumerate(edges[1:-1]):
+        nbytes = max(segments[k]["cut_fwd_bytes"], segments[k]["cut_bwd_bytes"])
+        comm.append(nbytes / bandwidth[c] + (latency[c] if nbytes else 0.0))
+    return simulate(fwd, bwd, schedule=plan.schedule, n_microbatches=plan.n_microbatches,
+                    comm_s=comm if comm else 0.0, stages_per_rank=plan.stages_per_rank)

@@ -19,7 +19,7 @@ from pathlib import Path
 from autopipe.plan import Plan
 from autopipe.reporting.charts import timeline_figure
 from autopipe.reporting.data import timeline_data
-from autopipe.reporting.timeline import cut_comm_s
+from autopipe.reporting.timeline import cut_comm_s, split_timeline
 from autopipe.simulate import simulate
 
 HERE = Path(__file__).resolve().parent
@@ -46,19 +46,6 @@ def concept_pictures() -> list[Path]:
     fig.savefig(HERE / "concept_unbalanced.png", dpi=100)
     out.append(HERE / "concept_unbalanced.png")
     return out
-
-
-def split_timeline(plan: Plan, split_points: list[str]):
-    """Simulate ``plan``'s schedule with another split of the same profiled segments."""
-    segments = plan.extras["segments"]
-    names = [s["name"] for s in segments]
-    edges = [0, *[names.index(p) for p in split_points], len(segments)]
-    fwd = [sum(s["fwd_s"] for s in segments[a:b]) for a, b in zip(edges, edges[1:])]
-    bwd = [sum(s["bwd_s"] for s in segments[a:b]) for a, b in zip(edges, edges[1:])]
-    bandwidth, latency = plan.extras["links"]["bandwidth"], plan.extras["links"]["latency_s"]
-    comm = [max(segments[k]["cut_fwd_bytes"], segments[k]["cut_bwd_bytes"]) / bandwidth[c] + latency[c]
-            for c, k in enumerate(edges[1:-1])]
-    return simulate(fwd, bwd, schedule=plan.schedule, n_microbatches=plan.n_microbatches, comm_s=comm)
 
 
 def demo_pictures() -> list[Path]:
