@@ -21,7 +21,7 @@ from autopipe.reporting.html import plan_to_html
 from autopipe.reporting.markdown import plan_to_markdown
 from autopipe.reporting.tables import stage_table
 from autopipe.reporting.terminal import make_console, print_layers, print_plan
-from autopipe.reporting.timeline import cut_comm_s, plan_timeline
+from autopipe.reporting.timeline import cut_comm_s, plan_timeline, split_timeline
 
 VOID_TAGS = {"meta", "br", "hr", "img", "input", "link"}
 
@@ -87,6 +87,16 @@ def test_simulated_timeline_of_an_interleaved_plan_reproduces_its_prediction(int
     timeline = plan_timeline(interleaved_plan)
     assert timeline.step_s == pytest.approx(interleaved_plan.predicted_step_s, rel=1e-9)
     assert timeline.n_ranks == 2 and timeline.n_stages == 4
+
+
+def test_split_timeline_of_a_baseline_reproduces_its_predicted_step(plan):
+    baseline = plan.baselines[0]
+    assert split_timeline(plan, baseline.split_points).step_s == pytest.approx(baseline.predicted_step_s, rel=1e-9)
+
+
+def test_split_timeline_refuses_a_split_point_that_is_no_segment(plan):
+    with pytest.raises(ValueError, match="unknown: \\['nowhere'\\]"):
+        split_timeline(plan, ["nowhere"])
 
 
 def test_cut_comm_is_charged_once_per_cut(plan):
