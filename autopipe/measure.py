@@ -226,7 +226,7 @@ def measure_link_in_group(
     Keyword Args:
         sizes_bytes: Message sizes (at least two distinct, >= 1).
         repeats: Timed round trips per size (>= 1); the median is fitted.
-        warmup: Untimed round trips per size first (connection set-up, allocator).
+        warmup: Untimed rounds first (connection set-up, allocator).
         group: The process group (default: the world).
         device: Where the buffers live; default the current GPU for NCCL, else the CPU.
 
@@ -359,7 +359,9 @@ def measure_link(
 
     Starts two processes, joins them in a process group on ``127.0.0.1``, and runs
     :func:`measure_link_in_group` between them. Never hangs: the group's transfers time out
-    after ``timeout_s``, and both processes are killed if they are not done by then.
+    after ``timeout_s``, and both processes are killed if they are not done by then. The
+    processes are started with the ``spawn`` method, so a script that calls this must do so
+    under ``if __name__ == "__main__":``.
 
     Keyword Args:
         device: ``"cpu"`` (both processes on the CPU), ``"cuda"`` (GPUs 0 and 1), or a pair
@@ -367,11 +369,8 @@ def measure_link(
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA); default follows ``device``.
         sizes_bytes: Message sizes (at least two distinct, >= 1).
         repeats: Timed round trips per size (>= 1).
-        warmup: Untimed round trips per size first (>= 0).
+        warmup: Untimed rounds first (>= 0).
         timeout_s: Limit on the whole measurement, start-up included (> 0).
-
-    The processes are started with the ``spawn`` method, so a script that calls this must
-    do so under ``if __name__ == "__main__":``.
 
     Returns:
         A :class:`LinkMeasurement`; ``Device(**m.device_kwargs())`` uses it.
