@@ -78,12 +78,25 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, *, memory: 
     log(f"  {name}: {len(cases)} plans; running them on 2 ranks")
 
     # Stage times in one process, per distinct split (calibration input).
+    # Also with torch's stage modules running generated code instead of the fx Interpreter,
+    # interleaved with the first, to show how much of the profile-vs-stage gap is the Interpreter.
     stage_times: dict[tuple[str, ...], tuple[list[float], list[float]]] = {}
+    codegen_times: dict[tuple[str, ...], tuple[list[float], list[float]]] = {}
     for c in cases:
         key = tuple(c["plan"].split_points)
         if key not in stage_times:
-            chain = StageChain(model, args, list(key), device=device, codegen=opts.codegen_stages)
-            stage_times[key] = chain.time(target, warmup=1, repeats=opts.stage_repeats)
+            chains = [StageChain(model, args, list(key), device=device, codegen=opts.codegen_stages),
+                      StageChain(model, args, list(key), device=device, codegen=True)]
+            runs: list[list] = [[], []]
+            t = target.to(device)
+            for i in range(1 + opts.stage_repeats):
+                for k, ch in enumerate(chains):
+                    r = ch.run_once(t)
+                    if i:  # the first round warms up
+                        runs[k].append(r)
+            med = [([median([r[0][s] for r in rs]) for s in range(ch.num_stages)],
+                    [median([r[1][s] for r in rs]) for s in range(ch.num_stages)]) for rs, ch in zip(runs, chains)]
+            stage_times[key], codegen_times[key] = med
 
     sizes = sorted({b for c in cases for b in _cut_bytes(c["plan"])})
     job = {"model": name, "size": size, "device": device, "codegen": opts.codegen_stages,
@@ -118,6 +131,8 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, *, memory: 
             "predicted_stage_fwd_s": [st.fwd_s for st in plan.stages],
             "predicted_stage_bwd_s": [st.bwd_s for st in plan.stages],
             "measured_stage_fwd_s": fwd, "measured_stage_bwd_s": bwd,
+            "codegen_stage_fwd_s": codegen_times[tuple(plan.split_points)][0],
+            "codegen_stage_bwd_s": codegen_times[tuple(plan.split_points)][1],
             "cut_bytes": cut_bytes, "predicted_cut_s": plan.extras.get("cut_comm_s"),
         })
         if link is not None:
@@ -192,6 +207,19 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
         vals = [abs(r["errors"][key]) for r in ok if key in r["errors"]]
         out[f"median_abs_error:{key}"] = median(vals) if vals else None
         out[f"max_abs_error:{key}"] = max(vals) if vals else None
+    # Stage compute: what the profile says vs what torch's stage modules take in one process.
+    def ratio(r: dict[str, Any], key: str) -> float:
+        return (sum(r[f"{key}_fwd_s"]) + sum(r[f"{key}_bwd_s"])) / (sum(r["predicted_stage_fwd_s"]) + sum(r["predicted_stage_bwd_s"]))
+
+    for key in ("measured_stage", "codegen_stage"):
+        vals = [ratio(r, key) for r in ok if f"{key}_fwd_s" in r]
+        out[f"median_{key}_over_profile"] = median(vals) if vals else None
+    fwd = [sum(r["measured_stage_fwd_s"]) / sum(r["predicted_stage_fwd_s"]) for r in ok]
+    bwd = [sum(r["measured_stage_bwd_s"]) / sum(r["predicted_stage_bwd_s"]) for r in ok]
+    out["median_stage_fwd_over_profile"] = median(fwd) if fwd else None
+    out["median_stage_bwd_over_profile"] = median(bwd) if bwd else None
+    contention = [r["contention_factor"] for r in ok if "contention_factor" in r]
+    out["median_contention_factor"] = median(contention) if contention else None
     signed = [r["errors"]["predicted_step_s"] for r in ok]
     out["median_signed_error"] = median(signed) if signed else None
     mem = [abs(e) for r in ok for e in r.get("memory_error", [])]
