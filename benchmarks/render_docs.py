@@ -65,13 +65,14 @@ def table(header: list[str], rows: list[list[Any]]) -> str:
 
 def machine_line(data: dict[str, Any]) -> str:
     m = data.get("machine", {})
-    host = data.get("host_end") or data.get("host_start") or {}
+    host = data.get("host_end") or data.get("host_start") or data.get("host") or {}
     cpu = host.get("cpu_model") or m.get("cpu")
     parts = [f"{cpu}, {m.get('cores')} cores" if m.get("cores") else str(cpu),
              f"CUDA: {m['cuda']}" if m.get("cuda") else "no GPU",
              f"torch {m.get('torch')}", f"Python {m.get('python')}",
              f"{data.get('threads_per_process', data.get('threads', m.get('torch_threads')))} torch thread(s) per process"]
-    loads = [h.get("load_avg") for h in (data.get("host_start"), data.get("host_end")) if h and h.get("load_avg")]
+    loads = [h.get("load_avg") for h in (data.get("host_start"), data.get("host_end"), data.get("host"))
+             if isinstance(h, dict) and h.get("load_avg")]
     if loads:
         parts.append("load average (1/5/15 min) " + " → ".join("/".join(f"{x:.1f}" for x in la) for la in loads))
     parts.append(f"run {m.get('date')}")
@@ -191,6 +192,18 @@ def render_prediction_accuracy(d: dict[str, Any], behind: list[str]) -> str:
         out.append(f"Peak memory per rank: median |error| {s['median_abs_memory_error']:.1%} over every rank of every case "
                    "(predicted `plan.extras['rank_peak_bytes']`; measured: parameters, buffers and Adam state alive "
                    "before a steady-state step + the high-water mark of tensor storage the step allocates).")
+    diag = [
+        ("stage forward + backward timed alone in one process ÷ the profile's", s.get("median_measured_stage_over_profile")),
+        ("… forward only", s.get("median_stage_fwd_over_profile")),
+        ("… backward only", s.get("median_stage_bwd_over_profile")),
+        ("the same stages running generated code instead of the fx Interpreter ÷ the profile's",
+         s.get("median_codegen_stage_over_profile")),
+        ("stage compute inside the running pipeline ÷ timed alone (the ranks slowing each other down)",
+         s.get("median_contention_factor")),
+    ]
+    if any(v is not None for _, v in diag):
+        out.append("Where the time goes (medians over the cases):\n\n"
+                   + table(["ratio", "median"], [[k, ratio(v)] for k, v in diag]))
     head = s.get("median_abs_error:predicted_step_s")
     if head is not None and head > 0.10:
         behind.append(f"prediction accuracy: the median |error| of the step-time prediction is {head:.1%} "
@@ -249,7 +262,18 @@ def render_generic(d: dict[str, Any], behind: list[str]) -> str:
     return "\n\n".join(out) or "(no tabular results)"
 
 
+def render_runtime_overhead(d: dict[str, Any], behind: list[str]) -> str:
+    """The runtime engineer's table, plus a 'behind' line wherever autopipe.Pipeline is slower than by hand."""
+    for r in d.get("rows", []):
+        pct_over = r.get("overhead_pct")
+        if isinstance(pct_over, (int, float)) and pct_over > 100 * BEHIND_TOL:
+            behind.append(f"runtime overhead, {r.get('schedule')}: a step through autopipe.Pipeline took "
+                          f"{pct_over:.1f}% longer than the same pipeline written by hand with torch.distributed.pipelining.")
+    return render_generic(d, behind)
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any], list[str]], str]] = {
+    "runtime_overhead": render_runtime_overhead,
     "split_quality": render_split_quality,
     "split_quality_sim": render_split_quality_sim,
     "planner_scaling": render_planner_scaling,

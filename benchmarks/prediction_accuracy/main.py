@@ -170,7 +170,7 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, *, memory: 
 #: Prediction columns: JSON key of the predicted step -> what it adds to the plan's own prediction.
 PREDICTIONS = {
     "predicted_step_s": "the plan as made (profiled segments, default link)",
-    "measured_link_step_s": "the plan's stages, link measured between the ranks (autopipe.measure)",
+    "measured_link_step_s": "the plan's stages, each cut's one-way time measured between the ranks",
     "calibrated_step_s": "plan.calibrate(stage times measured in one process), default link",
     "calibrated_measured_link_step_s": "measured stage times and measured link",
     "overhead_step_s": "measured stages and link + the schedule's fixed cost per step, measured on a tiny model",
