@@ -661,7 +661,10 @@ def _resolve_options(
         if stages_per_rank is not None:
             raise ValueError(f"stages_per_rank={stages_per_rank!r} cannot be fixed with schedule='auto'; leave it None")
         return _Wanted(None, None, m_options, True, auto_m)
-    schedule = sim.canonical_schedule_name(schedule)
+    try:
+        schedule = sim.canonical_schedule_name(schedule)
+    except ValueError as e:  # the planner also takes "auto": say so beside torch's names
+        raise ValueError(f"{e}, or 'auto' to compare them all") from None
     if stages_per_rank is None:
         stages_per_rank = 2 if schedule in ("ZBVZeroBubble", "DualPipeV") else 1
     stages_per_rank = _check_int("stages_per_rank", stages_per_rank)
