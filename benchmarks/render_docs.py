@@ -88,7 +88,7 @@ def render_split_quality(d: dict[str, Any], behind: list[str]) -> str:
     out = []
     sched = f"{d['schedule']} × {d['n_microbatches']} micro-batches"
     scan = "every legal split point" if d.get("exhaustive") else \
-        f"every legal split point, walking out from autopipe's (a side stops once its growing stage exceeds {d.get('prune_slack')}× the best twice running)"
+        f"every legal split point, walking out from autopipe's (a side stops once its growing stage exceeds {d.get('prune_slack')}× the best three times running)"
     out.append(f"2 stages, {sched}. Stage times: each stage's forward + backward measured in one process "
                f"(median of interleaved repeats); the exhaustive best is the lowest measured bottleneck over {scan}. "
                "Step: median of a real 2-rank `autopipe.Pipeline` step (gloo, 127.0.0.1), all splits of a model "
@@ -272,6 +272,39 @@ def render_runtime_overhead(d: dict[str, Any], behind: list[str]) -> str:
     return render_generic(d, behind)
 
 
+def render_codegen_experiment(name: str, base: dict[str, Any], exp: dict[str, Any], fname: str) -> str:
+    """Side by side: the same benchmark with torch's stage modules running generated code (``--codegen-stages``)."""
+    intro = (f"**Experiment: stage modules as generated code** (`{fname}`, run with `--codegen-stages`). "
+             "torch's `pipeline()` rebuilds each stage's modules as `InterpreterModule`s that execute their graph "
+             "node by node through `torch.fx.Interpreter`; autopipe's profiler runs each segment as generated "
+             "code and never sees that Python cost. Here every stage module was switched to generated code "
+             "(`_run_with_interpreter = False`), in the stage timing and in the real runs. Separate runs, so "
+             "compare ratios, not milliseconds across the two.")
+    if name == "split_quality":
+        by_model = {r["model"]: r for r in exp.get("rows", [])}
+        rows = []
+        for r in base.get("rows", []):
+            e = by_model.get(r["model"])
+            if e is None:
+                continue
+            a, ea = r["methods"]["autopipe"], e["methods"]["autopipe"]
+            rows.append([r["model"], f"`{a['split_point']}` / `{ea['split_point']}`",
+                         f"{ratio(a['bottleneck_vs_best'])} / {ratio(ea['bottleneck_vs_best'])}",
+                         f"{ratio(a.get('step_vs_best'))} / {ratio(ea.get('step_vs_best'))}",
+                         f"{ms(a.get('step_s'))} / {ms(ea.get('step_s'))}"])
+        return intro + "\n\n" + table(["model", "autopipe cut (Interpreter / codegen)", "bottleneck ÷ best",
+                                        "step ÷ best", "autopipe step ms"], rows)
+    if name == "prediction_accuracy":
+        sb, se = base.get("summary", {}), exp.get("summary", {})
+        keys = [k for k in sb.get("columns", {}) if f"median_abs_error:{k}" in se]
+        rows = [[k.replace("_step_s", ""), pct(sb.get(f"median_abs_error:{k}")).lstrip("+"),
+                 pct(se.get(f"median_abs_error:{k}")).lstrip("+")] for k in keys]
+        rows.append(["stage compute ÷ profile", ratio(sb.get("median_measured_stage_over_profile")),
+                     ratio(se.get("median_measured_stage_over_profile"))])
+        return intro + "\n\n" + table(["median |error|", "Interpreter (as shipped)", "generated code"], rows)
+    return ""
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any], list[str]], str]] = {
     "runtime_overhead": render_runtime_overhead,
     "split_quality": render_split_quality,
@@ -322,6 +355,16 @@ def render(results_dir: Path) -> str:
                 body.append("\n" + RENDERERS.get(name, render_generic)(data, behind))
             except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:  # a format this renderer does not know
                 body.append(f"\n(could not render {fname}: {type(e).__name__}: {e})\n\n" + render_generic(data, behind))
+        for extra in ("results_codegen.json", "results_codegen_quick.json"):
+            path = results_dir / name / extra
+            if path.exists() and "error" not in data:
+                try:
+                    text = render_codegen_experiment(name, data, json.loads(path.read_text()), extra)
+                except (KeyError, TypeError, ValueError, json.JSONDecodeError) as e:
+                    text = f"(could not render {extra}: {e})"
+                if text:
+                    body.append("\n" + text)
+                break
         sections.append("\n".join(body))
     missing = [n for n in ORDER if n not in results]
     head = [

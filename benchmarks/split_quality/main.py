@@ -10,8 +10,8 @@ For each zoo model with uneven layers this script
    backward in one process (stage 0's output feeds stage 1; stage 1's input gradient flows
    back). The measured bottleneck of a split is the slower stage. The scan starts at
    autopipe's split and walks outwards; a side is abandoned once the stage that grows in
-   that direction alone measured more than ``--prune-slack`` x the best bottleneck so far
-   twice running (it only grows further, so nothing beyond can win). ``--exhaustive``
+   that direction alone measured more than ``--prune-slack`` (1.5) x the best bottleneck so
+   far on three split points running (it only grows further, so nothing beyond can win). ``--exhaustive``
    measures every candidate instead;
 3. **re-measures** the finalists (autopipe, each baseline, the scan's best three)
    interleaved (A B C A B C ...), so the minimum of a noisy scan does not flatter the best;
@@ -57,7 +57,7 @@ def scan_splits(model: torch.nn.Module, args: tuple, target: torch.Tensor, candi
 
     Returns ``{split point: {"stage_s": [s0, s1], "fwd_s": [...], "bwd_s": [...], "bottleneck_s": max}}``.
     With ``prune_slack`` a side stops once its growing stage exceeded slack x the best
-    bottleneck on two candidates in a row (stage 0 only grows to the right, stage 1 to the left).
+    bottleneck on three candidates in a row (stage 0 only grows to the right, stage 1 to the left).
     """
     table: dict[str, dict[str, Any]] = {}
     best = float("inf")
@@ -82,7 +82,7 @@ def scan_splits(model: torch.nn.Module, args: tuple, target: torch.Tensor, candi
             row = measure(candidates[i])
             if prune_slack is not None:
                 over = over + 1 if row["stage_s"][growing] > prune_slack * best else 0
-                if over >= 2:
+                if over >= 3:  # three in a row: one noisy measurement cannot end the search
                     break
             i += step
     log(f"    scanned {len(table)}/{len(candidates)} split points")
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--codegen-stages", action="store_true",
                     help="experiment: run torch's stage modules as generated code, not through the fx Interpreter")
     ap.add_argument("--exhaustive", action="store_true", help="measure every split point (no pruning)")
-    ap.add_argument("--prune-slack", type=float, default=1.3)
+    ap.add_argument("--prune-slack", type=float, default=1.5)
     ap.add_argument("--finalists", type=int, default=3, help="best scanned splits re-measured with the methods' splits")
     ap.add_argument("--profile-repeats", type=int, default=None)
     ap.add_argument("--scan-repeats", type=int, default=None)
