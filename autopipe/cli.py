@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages-per-rank", type=_positive_int, help="stages per rank for interleaved/V schedules")
     p.add_argument("--memory", help="memory per device: 16GiB, or one per device: 8GiB,16GiB")
     p.add_argument("--optimizer", default="adam", help="optimizer whose state counts toward memory (adam, sgd, ...)")
-    p.add_argument("--bandwidth", help="bytes/s between neighbouring devices, e.g. 10GB (default: 1 GB/s CPU, "
+    p.add_argument("--bandwidth", help="bytes/s between neighbouring devices, e.g. 10GB (default: 2 GB/s CPU, "
                                        "10 GB/s CUDA)")
     p.add_argument("--latency-us", type=float, help="microseconds per message between devices")
     p.add_argument("--objective", choices=("step", "bottleneck"), default="step",

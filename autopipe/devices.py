@@ -54,9 +54,10 @@ def parse_bytes(value: int | float | str, *, name: str = "memory") -> int:
 
 
 #: Default link between neighbouring devices, per device type: (bytes/s, seconds per message).
-#: CPU: gloo over loopback TCP, as measured on small hosts (~1 GB/s, tens of microseconds).
+#: CPU: gloo over loopback TCP, measured with `python -m autopipe.measure` on a 2-core host
+#: (1.9-2.4 GB/s, 136-144 us per message; docs/costs-and-measurement.md).
 #: CUDA: a conservative PCIe-class peer link (NVLink is 10x faster: pass bandwidth= to say so).
-_DEFAULT_LINKS = {"cpu": (1e9, 50e-6), "cuda": (10e9, 20e-6)}
+_DEFAULT_LINKS = {"cpu": (2e9, 100e-6), "cuda": (10e9, 20e-6)}
 
 
 def default_link(device_type: str) -> tuple[float, float]:

@@ -510,9 +510,9 @@ def partition(
             ``torch.optim`` class).
         cost: ``"measured"`` (default), ``"flops"`` or ``"params"``.
         device: Device to profile on; default CUDA when present, else CPU.
-        bandwidth: Bytes/s between neighbouring devices (default: 1 GB/s on CPU,
+        bandwidth: Bytes/s between neighbouring devices (default: 2 GB/s on CPU,
             10 GB/s on CUDA).
-        latency_s: Seconds per message between devices (default 50 us CPU, 20 us CUDA).
+        latency_s: Seconds per message between devices (default 100 us CPU, 20 us CUDA).
         warmup: Untimed runs per segment before measuring.
         repeats: Timed runs per segment; the median is kept.
         costs: A profile to reuse (``plan.extras`` or :func:`autopipe.profile.profile_segments`

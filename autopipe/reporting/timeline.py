@@ -35,7 +35,7 @@ def cut_comm_s(plan: "Plan") -> list[float]:
     Bytes come from the stages (activations sent forward) and, when the plan carries its
     profile, from ``plan.extras["segments"]`` (gradients sent backward); bandwidth and
     latency from ``plan.extras["links"]``, or torch-free defaults for the plan's device
-    type (1 GB/s and 50 us on CPU, 10 GB/s and 20 us on CUDA) for plans without them.
+    type (2 GB/s and 100 us on CPU, 10 GB/s and 20 us on CUDA) for plans without them.
 
     Args:
         plan: a :class:`~autopipe.plan.Plan`.
