@@ -40,7 +40,7 @@ from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..plan import Plan, StagePlan
-from ..simulate import SCHEDULES, canonical_schedule_name, schedule_class, stage_ranks, validate_schedule
+from ..simulate import canonical_schedule_name, schedule_class, stage_ranks, validate_schedule
 from .checkpointing import checkpoint_stage, resolve_checkpoint_stages
 from .distributed import DEFAULT_TIMEOUT_S, broadcast_object, default_device, init_distributed
 from .relay import relay_skip_connections
@@ -137,7 +137,10 @@ class Pipeline:
 
         # ---- 2. the job: rank, world size, device
         self.rank, self.world_size = init_distributed(timeout_s=timeout_s)
-        self.device = torch.device(device) if device is not None else default_device()
+        if device is not None:
+            self.device = torch.device(device)
+        else:  # gloo cannot send CUDA tensors point to point: a gloo job runs on the CPU
+            self.device = default_device() if dist.get_backend() == "nccl" else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL collectives use the current device
 
@@ -320,6 +323,8 @@ class Pipeline:
             if self.rank in ranks:
                 self._shared.append((names, group))
 
+        # Whether torch can run this schedule forward-only (schedule.eval), for inference.
+        self._forward_only = self.schedule not in _V_SCHEDULES and hasattr(schedule_class(self.schedule), "eval")
         self._train_schedule = None
         if self._loss_fn is not None:
             self._train_schedule = self._make_schedule(self._train_stages, _MicrobatchMeanLoss(self._loss_fn, self.n_microbatches))
@@ -347,33 +352,34 @@ class Pipeline:
             modules = self._train_modules if self.training else self._eval_modules
             if self.schedule in _V_SCHEDULES:
                 stages = [self._manual_stage(s, modules[s]) for s in self.stage_indices]
-                # See _run_inference: V schedules always run their backward actions.
-                loss = _MicrobatchMeanLoss(self._loss_fn, self.n_microbatches) if with_loss else _zero_loss
             else:
                 # Fresh stage objects: a schedule keeps per-stage communication state that
                 # a forward-only run would overwrite for the training schedule.
                 stages = [_rewrap_stage(st, modules[st.stage_index]) for st in self._train_stages]
-                loss = _MicrobatchMeanLoss(self._loss_fn, self.n_microbatches) if with_loss else None
+            if with_loss:
+                loss = _MicrobatchMeanLoss(self._loss_fn, self.n_microbatches)
+            else:  # see _run_inference: without forward-only support a backward runs too
+                loss = None if self._forward_only else _zero_loss
             self._inference[key] = self._make_schedule(stages, loss)
         return self._inference[key]
 
     def _run_inference(self, args: tuple, kwargs: dict, target: Any, *, with_loss: bool) -> tuple[Any, list]:
         """Forward every micro-batch without training; return the merged output and the losses."""
         schedule = self._inference_schedule(with_loss=with_loss)
-        if target is None and self.schedule in _V_SCHEDULES:
+        if target is None and not self._forward_only:
             target = torch.zeros(self.n_microbatches)  # what _zero_loss ignores, one per micro-batch
         stage_args, stage_kwargs, stage_target = self._place(args, kwargs, target)
         losses: list[torch.Tensor] = []
-        if self.schedule not in _V_SCHEDULES:
+        if self._forward_only:
             with torch.no_grad():
                 # torch insists on a full list of losses whenever one is asked for.
                 output = schedule.eval(*stage_args, target=stage_target, losses=losses if with_loss else None,
                                        **stage_kwargs)
             return output, losses
         # torch's ZBVZeroBubble and DualPipeV run their backward actions even in eval() and
-        # fail there, and no forward-only torch schedule places stages in a V. So inference
-        # runs a training step of the same schedule and puts every gradient back as it was:
-        # correct, at the price of a backward pass.
+        # fail there, and no forward-only torch schedule places stages in a V (older torch
+        # has no eval() at all). So inference runs a training step of the same schedule and
+        # puts every gradient back as it was: correct, at the price of a backward pass.
         params = {id(p): p for m in (*self._train_modules.values(), *self._eval_modules.values())
                   for p in m.parameters()}
         saved = [(p, p.grad) for p in params.values()]
@@ -867,6 +873,3 @@ def _check_split_points(model: nn.Module, split_points: Any, arg: str) -> list[s
         raise ValueError(f"{arg}={list(split_points)!r} names a module twice")
     return list(split_points)
 
-
-# Names users can pass as schedule=, for error messages and docs.
-SCHEDULE_NAMES: tuple[str, ...] = SCHEDULES

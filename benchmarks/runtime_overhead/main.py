@@ -3,9 +3,10 @@
 Both variants run the same model, split, schedule and micro-batches on 2 ranks; the hand
 variant is the seed tutorial's code (``pipeline()``, ``build_stage``, torch's schedule
 class, inputs on the first rank, targets on the last). They are built side by side in one
-world and stepped in interleaved rounds (A B A B ...); the first round is a warm-up. Each
-step is timed between two barriers, so a step time is the whole pipeline's. The overhead is
-``median(autopipe) / median(hand) - 1``.
+world and stepped alternately, one step each per round (A B, B A, A B, ...); the first two
+rounds warm up. Each step is timed between two barriers, so a step time is the whole
+pipeline's. The overhead is ``median(autopipe) / median(hand) - 1``, and, less sensitive to
+the machine's load drifting, the median of the per-round ratios (``paired_overhead_pct``).
 
     python benchmarks/runtime_overhead/main.py            # full: GPipe, 1F1B, Interleaved1F1B
     python benchmarks/runtime_overhead/main.py --quick    # 1F1B, a small model, a minute or so
@@ -96,21 +97,26 @@ def worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         variants = {"autopipe": (auto.zero_grad, lambda: auto.step(x, target=y)),
                     "hand": (hand.zero_grad, lambda: hand.step(x, y))}
         times: dict[str, list[float]] = {name: [] for name in variants}
-        for round_ in range(job["rounds"] + 1):  # round 0 warms up
-            for name, (zero_grad, step) in variants.items():
-                for _ in range(job["steps"]):
-                    zero_grad()
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    step()
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    dist.barrier()
-                    if round_ > 0:
-                        times[name].append(time.perf_counter() - t0)
+        names = list(variants)
+        for round_ in range(job["rounds"] + 2):  # rounds 0 and 1 warm up (each variant goes first once)
+            # One step of each per round, the order alternating (A B, B A, ...): a change in the
+            # machine's load hits both variants alike, and neither always runs first.
+            for name in names if round_ % 2 == 0 else names[::-1]:
+                zero_grad, step = variants[name]
+                zero_grad()
+                dist.barrier()
+                t0 = time.perf_counter()
+                step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                dist.barrier()
+                if round_ > 1:
+                    times[name].append(time.perf_counter() - t0)
         a, h = median(times["autopipe"]), median(times["hand"])
+        paired = median([x / y for x, y in zip(times["autopipe"], times["hand"])])
         rows.append({"schedule": schedule, "stages_per_rank": spr, "autopipe_step_s": a, "hand_step_s": h,
-                     "overhead_pct": 100.0 * (a / h - 1.0), "steps_each": len(times["autopipe"]),
+                     "overhead_pct": 100.0 * (a / h - 1.0), "paired_overhead_pct": 100.0 * (paired - 1.0),
+                     "steps_each": len(times["autopipe"]),
                      "autopipe_steps_s": times["autopipe"], "hand_steps_s": times["hand"]})
     return {"rows": rows}
 
@@ -121,16 +127,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--smoke", action="store_true", help="a tiny run that only checks the script works")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: one GPU per rank, NCCL")
     ap.add_argument("--schedules", nargs="*", default=None, help="default: GPipe 1F1B Interleaved1F1B")
-    ap.add_argument("--rounds", type=int, default=None, help="timed rounds (A then B each round)")
-    ap.add_argument("--steps", type=int, default=None, help="steps per variant per round")
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds, one step of each variant per round")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
     size = "smoke" if args.smoke else "quick" if args.quick else "full"
     schedules = args.schedules or (["1F1B"] if args.quick or args.smoke else ["GPipe", "1F1B", "Interleaved1F1B"])
-    rounds = args.rounds or {"smoke": 1, "quick": 5, "full": 10}[size]
-    steps = args.steps or {"smoke": 1, "quick": 4, "full": 5}[size]
-    job = {"device": args.device, "size": size, "schedules": schedules, "rounds": rounds, "steps": steps}
+    rounds = args.rounds or {"smoke": 1, "quick": 20, "full": 40}[size]
+    job = {"device": args.device, "size": size, "schedules": schedules, "rounds": rounds}
     ranks = run_world(worker, 2, job, device=args.device, timeout_s=3000)
     rows = ranks[0]["rows"]  # every rank times the same barrier-to-barrier steps; rank 0 reports
     vocab, d, h, ff, layers, seq, mb, m = SIZES[size]
@@ -141,13 +145,13 @@ def main(argv: list[str] | None = None) -> None:
         "device": args.device, "ranks": 2, "size": size,
         "model": f"SeedTransformer(vocab={vocab}, d_model={d}, heads={h}, d_ff={ff}, layers={layers})",
         "batch": f"{m} micro-batches x {mb} sequences x {seq} tokens",
-        "rounds": rounds, "steps_per_round": steps, "host": host_info(),
+        "rounds": rounds, "host": host_info(),
         "rows": rows,
     }
     path = write_result(out, payload)
     for r in rows:
         print(f"{r['schedule']:>16}: autopipe {r['autopipe_step_s'] * 1e3:8.2f} ms  hand {r['hand_step_s'] * 1e3:8.2f} ms"
-              f"  overhead {r['overhead_pct']:+.1f}%  ({r['steps_each']} steps each)")
+              f"  overhead {r['overhead_pct']:+.1f}% (paired {r['paired_overhead_pct']:+.1f}%, {r['steps_each']} steps each)")
     print(f"wrote {path}")
 
 
