@@ -270,40 +270,19 @@ class Pipeline:
         all_states = [stage_state(train_pipe.get_stage_module(s), self._names) for s in range(self.num_stages)]
         held = set().union(*all_states)
         # Tensors no stage reads (unused modules) still belong in a full checkpoint.
-        self._unheld_state = {
-            canon: tensor.detach().cpu().clone()
-            for key in self._names.state_dict_keys
-            if (canon := self._names.canonical.get(key, key)) not in held
-            for tensor in [local_model.get_parameter(canon) if canon in self._names.parameter_names
-                           else local_model.get_buffer(canon)]
-        }
+        self._unheld_state: dict[str, torch.Tensor] = {}
+        for key in self._names.state_dict_keys:
+            canon = self._names.canonical.get(key, key)
+            if canon not in held:
+                tensor = (local_model.get_parameter(canon) if canon in self._names.parameter_names
+                          else local_model.get_buffer(canon))
+                self._unheld_state[canon] = tensor.detach().cpu().clone()
 
-        # This rank's stages, on its device; build_stage also rewrites device constants.
-        self._train_modules: dict[int, nn.Module] = {}
-        self._train_stages = []
-        for s in self.stage_indices:
-            built = train_pipe.build_stage(s, self.device)
-            self._train_modules[s] = built.submod
-            self._train_stages.append(built)
-        # One tensor per original name on this rank: a tied parameter used by two local
-        # stages (V schedules put the first and last stage on rank 0) becomes one Parameter.
-        self._state: dict[str, torch.Tensor] = {}
-        for s in self.stage_indices:
-            for canon, (local_name, _) in stage_state(self._train_modules[s], self._names).items():
-                if canon in self._state:
-                    _set_tensor(self._train_modules[s], local_name, self._state[canon])
-                else:
-                    self._state[canon] = self._train_modules[s].get_parameter(local_name) \
-                        if canon in self._names.parameter_names else self._train_modules[s].get_buffer(local_name)
+        self._train_modules, self._train_stages = self._build_local_stages(train_pipe)
+        self._state = self._share_local_replicas()
         self._eval_modules = self._train_modules
         if eval_pipe is not None:
-            self._eval_modules = {}
-            for s in self.stage_indices:
-                module = eval_pipe.build_stage(s, self.device).submod
-                for canon, (local_name, _) in stage_state(module, self._names).items():
-                    _set_tensor(module, local_name, self._state[canon])
-                module.eval()
-                self._eval_modules[s] = module
+            self._eval_modules = self._build_eval_modules(eval_pipe)
         for s in checkpointed:
             if s in self._train_modules:
                 checkpoint_stage(self._train_modules[s])
@@ -329,6 +308,45 @@ class Pipeline:
         if self._loss_fn is not None:
             self._train_schedule = self._make_schedule(self._train_stages, _MicrobatchMeanLoss(self._loss_fn, self.n_microbatches))
         self._inference: dict[tuple[bool, bool], Any] = {}  # (training, with_loss) -> schedule
+
+    def _build_local_stages(self, pipe) -> tuple[dict[int, nn.Module], list]:
+        """This rank's stage modules, on its device (build_stage also rewrites device constants)."""
+        modules: dict[int, nn.Module] = {}
+        stages = []
+        for s in self.stage_indices:
+            built = pipe.build_stage(s, self.device)
+            modules[s] = built.submod
+            stages.append(built)
+        return modules, stages
+
+    def _share_local_replicas(self) -> dict[str, torch.Tensor]:
+        """One tensor per original name on this rank, by canonical name.
+
+        A tied parameter used by two local stages (V schedules put the first and the last
+        stage on rank 0) arrives as two copies; the second stage is pointed at the first's
+        Parameter, so its gradients accumulate in one place and the optimizer sees it once.
+        """
+        state: dict[str, torch.Tensor] = {}
+        for s in self.stage_indices:
+            module = self._train_modules[s]
+            for canon, (local_name, _) in stage_state(module, self._names).items():
+                if canon in state:
+                    _set_tensor(module, local_name, state[canon])
+                elif canon in self._names.parameter_names:
+                    state[canon] = module.get_parameter(local_name)
+                else:
+                    state[canon] = module.get_buffer(local_name)
+        return state
+
+    def _build_eval_modules(self, eval_pipe) -> dict[int, nn.Module]:
+        """The eval-mode trace of this rank's stages, reading the training stages' tensors."""
+        modules: dict[int, nn.Module] = {}
+        for s in self.stage_indices:
+            module = eval_pipe.build_stage(s, self.device).submod
+            for canon, (local_name, _) in stage_state(module, self._names).items():
+                _set_tensor(module, local_name, self._state[canon])
+            modules[s] = module.eval()
+        return modules
 
     def _manual_stage(self, stage_index: int, module: nn.Module) -> PipelineStage:
         # PipelineStage asks its schedule which rank runs each neighbour, so V placement works.
