@@ -17,9 +17,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture
 def script(tmp_path):
     path = tmp_path / "hello.py"
-    path.write_text(textwrap.dedent("""
+    # Each rank writes its own file: the ranks' stdout would interleave.
+    path.write_text(textwrap.dedent(f"""
         import os, sys
-        print("rank", os.environ["RANK"], "of", os.environ["WORLD_SIZE"], "args", sys.argv[1:], flush=True)
+        with open(os.path.join({str(tmp_path)!r}, "rank" + os.environ["RANK"] + ".txt"), "w") as f:
+            f.write(f"rank {{os.environ['RANK']}} of {{os.environ['WORLD_SIZE']}} args {{sys.argv[1:]}}")
         if "--fail-on-rank-1" in sys.argv and os.environ["RANK"] == "1":
             sys.exit(3)
     """))
@@ -66,8 +68,9 @@ def _autopipe_run(*args: str) -> subprocess.CompletedProcess:
 def test_run_starts_nproc_ranks_with_the_scripts_arguments(script):
     done = _autopipe_run(script, "--nproc", "2", "--steps", "5")
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = sorted(line for line in done.stdout.splitlines() if line.startswith("rank"))
-    assert lines == ["rank 0 of 2 args ['--steps', '5']", "rank 1 of 2 args ['--steps', '5']"], done.stdout
+    folder = os.path.dirname(script)
+    lines = [open(os.path.join(folder, f"rank{r}.txt")).read() for r in range(2)]
+    assert lines == ["rank 0 of 2 args ['--steps', '5']", "rank 1 of 2 args ['--steps', '5']"]
 
 
 @pytest.mark.distributed
