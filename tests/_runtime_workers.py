@@ -303,4 +303,10 @@ def errors_run(rank: int, world_size: int, plan_path: str) -> dict:
     result["planner_calls"] = len(calls)
     result["planned_split"] = planned.plan.split_points
     result["planned_step"] = planned.step(x, target=y).item()
+
+    # The same plan, saved and loaded from a file, builds the same pipeline.
+    path = plan_path.replace(".json", f"_saved_by_rank{rank}.json")
+    planned.plan.save(path)
+    reloaded = Pipeline(model, example_args=example_args(), loss_fn=loss_fn, plan=path)
+    result["plan_file_step"] = reloaded.step(x, target=y).item()
     return result

@@ -257,6 +257,10 @@ def test_plan_is_computed_once_on_rank_0(errors):
     assert [r["planner_calls"] for r in errors] == [1, 0]
 
 
+def test_a_saved_plan_file_builds_the_same_pipeline(errors):
+    assert all(r["plan_file_step"] == r["planned_step"] for r in errors)
+
+
 def test_every_rank_builds_the_broadcast_plan(errors):
     assert errors[0]["planned_split"] == errors[1]["planned_split"]
     assert errors[0]["planned_step"] == errors[1]["planned_step"]
