@@ -47,7 +47,8 @@ from autopipe.profile import Timer
 
 __all__ = [
     "BenchModel", "MODELS", "host_info", "make_model", "ce_loss", "make_target", "stack_microbatches",
-    "StageChain", "use_codegen", "interpreter_modules", "LiveBytes", "run_world", "pipeline_worker", "WorldFailed", "median",
+    "StageChain", "use_codegen", "interpreter_modules", "LiveBytes", "run_world", "run_variants",
+    "pipeline_worker", "parallel_efficiency", "WorldFailed", "median",
 ]
 
 
@@ -409,12 +410,13 @@ def _world_entry(fn: Callable, rank: int, world: int, port: int, backend: str, t
 
 
 def run_world(fn: Callable, world: int, job: Any, *, device: str = "cpu", threads: int = 1,
-              timeout_s: float = 300.0, pg_timeout_s: float = 120.0) -> list[Any]:
+              timeout_s: float = 300.0, pg_timeout_s: float = 60.0, allow_errors: bool = False) -> list[Any]:
     """Run ``fn(rank, world, job)`` on ``world`` spawned processes; return each rank's result.
 
     gloo on 127.0.0.1 for CPU, NCCL for CUDA (one GPU per rank). Every collective times out
     after ``pg_timeout_s`` and the whole world is killed after ``timeout_s``: a benchmark
-    can fail, never hang.
+    can fail, never hang. With ``allow_errors`` a failed rank's entry is a
+    :class:`WorldFailed` instead of raising.
     """
     import torch.multiprocessing as mp
 
@@ -439,15 +441,90 @@ def run_world(fn: Callable, world: int, job: Any, *, device: str = "cpu", thread
             path = os.path.join(out_dir, f"rank{r}.pkl")
             if not os.path.exists(path):
                 errors[r] = f"no result (exit code {procs[r].exitcode}; killed after {timeout_s:.0f} s?)"
+                results.append(WorldFailed(errors[r]))
                 continue
             with open(path, "rb") as f:
                 status, value = pickle.load(f)
             if status != "ok":
                 errors[r] = value
+                value = WorldFailed(value)
             results.append(value)
-    if errors:
+    if errors and not allow_errors:
         raise WorldFailed("\n".join(f"--- rank {r}:\n{msg}" for r, msg in sorted(errors.items())))
     return results
+
+
+def parallel_probe_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, float]:
+    """Time a fixed compute alone on each rank and on all ranks at once (see :func:`parallel_efficiency`)."""
+    import torch.distributed as dist
+
+    g = torch.Generator().manual_seed(rank)
+    a, b = torch.randn(384, 384, generator=g), torch.randn(384, 384, generator=g)
+
+    def work() -> float:
+        t0 = time.perf_counter()
+        for _ in range(job.get("matmuls", 60)):
+            torch.mm(a, b)
+        return time.perf_counter() - t0
+
+    work()
+    alone: list[float] = []
+    together: list[float] = []
+    for _ in range(job.get("rounds", 5)):
+        for r in range(world):  # each rank alone while the others wait at the barrier
+            dist.barrier()
+            if rank == r:
+                alone.append(work())
+            dist.barrier()
+        dist.barrier()
+        together.append(work())
+    return {"alone_s": median(alone), "together_s": median(together)}
+
+
+def parallel_efficiency(*, threads: int = 1, timeout_s: float = 120.0) -> dict[str, Any]:
+    """How much two ranks computing at once slow each other down on this machine.
+
+    Each of 2 processes runs the same matmuls alone (the other idle) and then both at once,
+    interleaved over several rounds. ``together_over_alone`` near 1.0 means the ranks run
+    truly in parallel (what the planner's simulation assumes); 2.0 means they share one
+    core's worth of compute (hyperthreads, a busy machine), so a pipeline cannot speed up.
+    """
+    results = run_world(parallel_probe_worker, 2, {}, threads=threads, timeout_s=timeout_s)
+    ratios = [r["together_s"] / r["alone_s"] for r in results]
+    return {"per_rank": results, "together_over_alone": median(ratios), "load_avg": host_info()["load_avg"]}
+
+
+def run_variants(job: dict[str, Any], *, device: str = "cpu", threads: int = 1, timeout_s: float = 300.0,
+                 log: Callable[[str], None] = print) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """Run :func:`pipeline_worker` on 2 ranks; a variant that fails is dropped and the rest re-run.
+
+    Returns each rank's result (as :func:`pipeline_worker` returns it) and ``{label: error}``
+    for the variants that could not run. A world that fails without naming a variant
+    (a crash, a timeout) is reported as an error of every variant still pending.
+    """
+    pending = list(job["variants"])
+    failed: dict[str, str] = {}
+    while pending:
+        results = run_world(pipeline_worker, 2, {**job, "variants": pending}, device=device, threads=threads,
+                            timeout_s=timeout_s, allow_errors=True)
+        named = [r for r in results if isinstance(r, dict) and "failed_variant" in r]
+        if named:
+            label, error = named[0]["failed_variant"], named[0]["error"]
+            failed[label] = error
+            log(f"    {label}: not run ({error[:120]}); re-running the others in a fresh world")
+            pending = [v for v in pending if v["label"] != label]
+            continue
+        broken = [r for r in results if not isinstance(r, dict)]
+        if broken:
+            msg = str(broken[0]).strip().splitlines()
+            error = f"the 2-rank world failed: {msg[-1] if msg else broken[0]!r}"
+            for v in pending:
+                failed[v["label"]] = error
+            return [], failed
+        for r in results:
+            r["errors"] = dict(failed)
+        return results, failed
+    return [], failed
 
 
 def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
@@ -461,7 +538,9 @@ def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
 
     Returns, per variant label: the step times this rank saw (seconds, between a barrier
     and the end of ``step``, which ends with the loss broadcast, so every rank has
-    finished), and optionally memory figures; plus the link probe.
+    finished), and optionally memory figures; plus the link probe. If a variant cannot be
+    built or stepped, returns ``{"failed_variant": label, "error": ...}`` at once
+    (:func:`run_variants` runs the others again without it).
     """
     import torch.distributed as dist
 
@@ -481,7 +560,7 @@ def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
             torch.cuda.synchronize(device)
         return time.perf_counter() - t0
 
-    pipes, errors = [], {}
+    pipes = []
     for v in job["variants"]:
         m = v["n_microbatches"]
         kw = dict(example_args=args, loss_fn=ce_loss, schedule=v["schedule"], n_microbatches=m,
@@ -491,7 +570,6 @@ def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
         else:
             kw["split_points"] = v["split_points"]
         batch, target = stack_microbatches(args, m), torch.cat([target_mb] * m)
-        error = None
         try:
             pipe = Pipeline(model, **kw)
             if job.get("codegen"):
@@ -499,14 +577,10 @@ def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
                     use_codegen(module)
             for _ in range(job.get("warmup_steps", 1)):  # first steps set up buffers and communication
                 one_step(pipe, batch, target)
-        except Exception as e:  # noqa: BLE001 - a variant torch cannot run is reported, not fatal
-            error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
-        # Drop the variant on every rank if it failed on any (torch's checks fail on all ranks alike).
-        flags: list[str | None] = [None] * world
-        dist.all_gather_object(flags, error)
-        if any(flags):
-            errors[v["label"]] = next(f for f in flags if f)
-            continue
+        except Exception as e:  # noqa: BLE001 - reported to the parent, which runs the rest without it
+            # After a failed step, sends and receives may be left unmatched between the ranks,
+            # so nothing more is run in this world: the parent starts a fresh one without it.
+            return {"failed_variant": v["label"], "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0]}"}
         pipes.append((v["label"], pipe, batch, target))
 
     times: dict[str, list[float]] = {label: [] for label, *_ in pipes}
@@ -514,7 +588,7 @@ def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
         for label, pipe, batch, target in pipes:
             for _ in range(job["steps"]):
                 times[label].append(one_step(pipe, batch, target))
-    out: dict[str, Any] = {"times": times, "errors": errors,
+    out: dict[str, Any] = {"times": times, "errors": {},
                            "interpreter_modules": {label: [interpreter_modules(m) for m in pipe.stage_modules.values()]
                                                    for label, pipe, *_ in pipes}}
 

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from _common import write_result  # noqa: E402
 from _pipebench import (  # noqa: E402
-    MODELS, StageChain, host_info, make_model, make_target, median, pipeline_worker, run_world,
+    MODELS, StageChain, host_info, make_model, make_target, median, parallel_efficiency, run_variants,
 )
 
 import autopipe  # noqa: E402
@@ -106,8 +106,8 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, *, memory: 
            "variants": [{"label": c["label"], "plan": c["plan"].to_dict(), "schedule": c["schedule"],
                          "n_microbatches": c["n_microbatches"], "stages_per_rank": c["stages_per_rank"]}
                         for c in cases]}
-    results = run_world(pipeline_worker, 2, job, device=device, threads=opts.threads, timeout_s=opts.world_timeout)
-    link = results[0].get("link")  # rank 0's view of the ping-pong (rank 1 times the same round trips)
+    results, failed = run_variants(job, device=device, threads=opts.threads, timeout_s=opts.world_timeout, log=log)
+    link = results[0].get("link") if results else None  # rank 0's view of the ping-pong
     rows = []
     for c in cases:
         plan: autopipe.Plan = c["plan"]
@@ -115,8 +115,8 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, *, memory: 
         row: dict[str, Any] = {k: c[k] for k in ("model", "schedule", "stages_per_rank", "n_microbatches")}
         row["split_points"] = plan.split_points
         row["predicted_step_s"] = plan.predicted_step_s
-        if label in results[0]["errors"]:
-            row["not_run"] = results[0]["errors"][label]
+        if label in failed:
+            row["not_run"] = failed[label]
             log(f"  {label:24s} not run: {row['not_run'][:110]}")
             rows.append(row)
             continue
@@ -145,7 +145,7 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, *, memory: 
             row["measured_link_step_s"] = autopipe.simulate(row["predicted_stage_fwd_s"], row["predicted_stage_bwd_s"],
                                                             **sim).step_s
             row["calibrated_measured_link_step_s"] = autopipe.simulate(fwd, bwd, **sim).step_s
-        if "in_run" in results[0] and link is not None:
+        if link is not None and "in_run" in results[0]:
             # Stage compute timed inside the running pipeline (both ranks busy at once), then
             # simulated with the measured link: what is left is the schedule's own overhead.
             acts: dict[int, dict[str, float]] = {}
@@ -273,6 +273,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(msg, flush=True)
 
     t0, host_start = time.perf_counter(), host_info()
+    # How much two ranks computing at once slow each other down here (1.0 = truly parallel).
+    parallel = parallel_efficiency(threads=opts.threads) if opts.device == "cpu" else None
+    if parallel:
+        log(f"two processes computing at once take {parallel['together_over_alone']:.2f}x as long as one alone")
     log(f"prediction accuracy: {names} x {[s for s, _ in opts.schedule_list]} x m={opts.microbatches}, "
         f"device {opts.device}, {opts.threads} thread(s) per process")
     # The schedule's fixed cost per step (Python per action, message latency the link fit
@@ -299,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "benchmark": "prediction_accuracy", "size": size, "device": opts.device, "threads_per_process": opts.threads,
         "codegen_stages": opts.codegen_stages,
         "repeats": {k: getattr(opts, k) for k in ("profile_repeats", "stage_repeats", "rounds", "steps")},
-        "host_start": host_start, "host_end": host_info(),
+        "host_start": host_start, "host_end": host_info(), "parallel_efficiency": parallel,
         "summary": summary, "rows": rows, "links": links, "overhead_s": overhead,
         "overhead_probe": {"rows": probe_rows, "link": probe_link}, "wall_s": time.perf_counter() - t0,
     }

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from _common import write_result  # noqa: E402
 from _pipebench import (  # noqa: E402
-    MODELS, StageChain, host_info, make_model, make_target, median, pipeline_worker, run_world,
+    MODELS, StageChain, host_info, make_model, make_target, median, parallel_efficiency, run_variants,
 )
 
 import autopipe  # noqa: E402
@@ -157,19 +157,24 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log) -> dict[str
                "warmup_steps": 1,
                "variants": [{"label": s, "split_points": [s], "schedule": opts.schedule,
                              "n_microbatches": opts.microbatches, "stages_per_rank": 1} for s in contenders]}
-        results = run_world(pipeline_worker, 2, job, device=device, threads=opts.threads, timeout_s=opts.world_timeout)
+        results, failed = run_variants(job, device=device, threads=opts.threads, timeout_s=opts.world_timeout, log=log)
         for s in contenders:
+            if s in failed:
+                for m in methods.values():
+                    if m["split_point"] == s:
+                        m["not_run"] = failed[s]
+                continue
             # A step ends for both ranks with the loss broadcast; take the slower rank's view of each step.
             per_step = [max(ts) for ts in zip(*(r["times"][s] for r in results))]
             for m in methods.values():
                 if m["split_point"] == s:
                     m["step_s"] = median(per_step)
                     m["step_samples"] = per_step
-        real = {"ran": True, "rounds": opts.rounds, "steps_per_round": opts.steps}
+        real = {"ran": bool(results), "rounds": opts.rounds, "steps_per_round": opts.steps, "not_run": failed}
     best = methods["exhaustive_best"]
     for m in methods.values():
         m["bottleneck_vs_best"] = m["bottleneck_s"] / best["bottleneck_s"]
-        if "step_s" in m:
+        if "step_s" in m and "step_s" in best:
             m["step_vs_best"] = m["step_s"] / best["step_s"]
     row = {
         "model": name, "why": MODELS[name].why, "size": getattr(MODELS[name], size),
@@ -228,6 +233,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(msg, flush=True)
 
     t0, host_start = time.perf_counter(), host_info()
+    # How much two ranks computing at once slow each other down here (1.0 = truly parallel).
+    parallel = parallel_efficiency(threads=opts.threads) if opts.device == "cpu" else None
+    if parallel:
+        log(f"two processes computing at once take {parallel['together_over_alone']:.2f}x as long as one alone")
     log(f"split quality: {len(names)} models, {size} sizes, {opts.schedule} x{opts.microbatches}, device {opts.device}, "
         f"{opts.threads} thread(s) per process")
     rows = [bench_model(n, size, opts, log) for n in names]
@@ -237,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "codegen_stages": opts.codegen_stages,
         "prune_slack": None if opts.exhaustive else opts.prune_slack,
         "repeats": {k: getattr(opts, k) for k in ("profile_repeats", "scan_repeats", "remeasure_rounds", "rounds", "steps")},
-        "host_start": host_start, "host_end": host_info(), "rows": rows, "wall_s": time.perf_counter() - t0,
+        "host_start": host_start, "host_end": host_info(), "parallel_efficiency": parallel, "rows": rows, "wall_s": time.perf_counter() - t0,
     }
     path = write_result(out, payload)
     log(f"wrote {path} ({payload['wall_s']:.0f} s)")
