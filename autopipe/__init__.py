@@ -15,32 +15,62 @@ torch's schedules (``pipe.step(x, target=y)``); launch with ``torchrun`` or
 
 The data flow (one module each): :mod:`autopipe.trace` -> :mod:`autopipe.profile` ->
 :mod:`autopipe.costgraph` -> :mod:`autopipe.partitioner` -> :mod:`autopipe.plan`, with
-:mod:`autopipe.simulate` for schedule timings and :mod:`autopipe.baselines` for the splits
+:mod:`autopipe.schedules` for schedule timings and :mod:`autopipe.baselines` for the splits
 other tools would choose.
 """
 
-from .devices import Device, parse_bytes
-from .errors import AutopipeError, InfeasibleMemoryError, MissingExampleInputsError, ModelExportError
-from .plan import Plan, StagePlan, BaselinePlan
-from .planner import partition
-from .runtime import Pipeline
-from .simulate import SCHEDULES, Timeline, simulate
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "partition",
-    "Pipeline",
-    "Plan",
-    "StagePlan",
-    "BaselinePlan",
-    "Device",
-    "parse_bytes",
-    "simulate",
-    "Timeline",
-    "SCHEDULES",
-    "AutopipeError",
-    "InfeasibleMemoryError",
-    "MissingExampleInputsError",
-    "ModelExportError",
-]
+# Public name -> the module that defines it. Loaded on first use (PEP 562), so that
+# `import autopipe` and the command line start without importing torch.
+_PUBLIC = {
+    "partition": "planner",
+    "Pipeline": "runtime",
+    "Plan": "plan",
+    "StagePlan": "plan",
+    "BaselinePlan": "plan",
+    "Device": "devices",
+    "parse_bytes": "devices",
+    "simulate": "schedules",
+    "Timeline": "schedules",
+    "SCHEDULES": "schedules",
+    "profile_scaling": "scaling",
+    "ScaledProfile": "scaling",
+    "measure_link": "measure",
+    "measure_devices": "measure",
+    "AutopipeError": "errors",
+    "InfeasibleMemoryError": "errors",
+    "MissingExampleInputsError": "errors",
+    "ModelExportError": "errors",
+}
+
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'autopipe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))
+
+
+if TYPE_CHECKING:  # for editors and type checkers: the same names, imported eagerly
+    from .devices import Device, parse_bytes
+    from .errors import AutopipeError, InfeasibleMemoryError, MissingExampleInputsError, ModelExportError
+    from .measure import measure_devices, measure_link
+    from .plan import BaselinePlan, Plan, StagePlan
+    from .planner import partition
+    from .runtime import Pipeline
+    from .scaling import ScaledProfile, profile_scaling
+    from .schedules import SCHEDULES, Timeline, simulate

@@ -177,7 +177,7 @@ class Plan:
         """
         import copy as _copy
 
-        from .simulate import simulate
+        from .schedules import simulate
 
         p = self.num_stages
         if isinstance(measured, Mapping) and "step_s" in measured:

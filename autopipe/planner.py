@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import simulate as sim
+from . import schedules as sim
 from .baselines import BASELINES, evaluate_baselines, layer_units
 from .costgraph import CostGraph, SegmentCost, build_cost_graph
 from .devices import Device, default_link, optimizer_state_factor, parse_bytes

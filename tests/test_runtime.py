@@ -15,7 +15,7 @@ import torch
 
 from autopipe.plan import Plan, StagePlan
 from autopipe.runtime import Pipeline
-from autopipe.simulate import SCHEDULES
+from autopipe.schedules import SCHEDULES
 
 import _runtime_workers as workers
 from _dist_utils import run_world

@@ -1,7 +1,7 @@
 """Chrome trace JSON (chrome://tracing, https://ui.perfetto.dev) of simulated and measured steps.
 
 - :func:`simulated_trace`: the plan's simulated step, one track per rank (from
-  :meth:`autopipe.simulate.Timeline.to_chrome_trace`), with the plan's headline numbers
+  :meth:`autopipe.schedules.Timeline.to_chrome_trace`), with the plan's headline numbers
   in the trace's metadata.
 - :func:`merge_rank_traces`: the ``torch.profiler`` traces that each rank of a real run
   exported, merged into one file where process ``r`` is rank ``r``, so the measured step
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..plan import Plan
-    from ..simulate import Timeline
+    from ..schedules import Timeline
 
 __all__ = ["simulated_trace", "merge_rank_traces", "trace_ranks"]
 

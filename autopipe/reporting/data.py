@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..costgraph import SegmentCost
     from ..plan import Plan
-    from ..simulate import Timeline
+    from ..schedules import Timeline
     from ..trace import TracedModel
 
 __all__ = ["REPORT_FORMAT_VERSION", "report_data", "timeline_data", "layer_rows", "sort_layer_rows", "LAYER_SORT_KEYS",
@@ -50,7 +50,7 @@ LAYER_SORT_KEYS = {
 
 def stage_ranks_of(plan: "Plan") -> list[int]:
     """The rank that runs each stage of ``plan`` (stage ``s`` -> ``ranks[s]``)."""
-    from ..simulate import stage_ranks
+    from ..schedules import stage_ranks
 
     return stage_ranks(plan.schedule, plan.num_stages // plan.stages_per_rank, plan.stages_per_rank)
 
@@ -168,7 +168,7 @@ def timeline_data(timeline: "Timeline") -> dict[str, Any]:
         ``busy_s`` and ``events`` (rank, stage, microbatch, kind, start_s, end_s).
 
     Example:
-        >>> from autopipe.simulate import simulate
+        >>> from autopipe.schedules import simulate
         >>> timeline_data(simulate([1.0], [2.0], schedule="GPipe", n_microbatches=1))["step_s"]
         3.0
     """

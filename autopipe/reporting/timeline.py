@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ..plan import Plan
-    from ..simulate import Timeline
+    from ..schedules import Timeline
 
 __all__ = ["cut_comm_s", "plan_timeline", "split_timeline"]
 
@@ -72,7 +72,7 @@ def plan_timeline(plan: "Plan") -> "Timeline":
         plan: a :class:`~autopipe.plan.Plan` (from :func:`autopipe.partition` or ``Plan.load``).
 
     Returns:
-        A :class:`~autopipe.simulate.Timeline`; ``to_chrome_trace()`` gives the Chrome trace,
+        A :class:`~autopipe.schedules.Timeline`; ``to_chrome_trace()`` gives the Chrome trace,
         ``to_text()`` a text Gantt chart.
 
     Raises:
@@ -82,7 +82,7 @@ def plan_timeline(plan: "Plan") -> "Timeline":
     Example:
         >>> print(plan_timeline(plan).to_text())  # doctest: +SKIP
     """
-    from ..simulate import simulate
+    from ..schedules import simulate
 
     return simulate(
         [s.fwd_s for s in plan.stages],
@@ -107,7 +107,7 @@ def split_timeline(plan: "Plan", split_points: "list[str]") -> "Timeline":
         split_points: segment names to cut before, in order, as many as the plan's cuts.
 
     Returns:
-        The simulated :class:`~autopipe.simulate.Timeline`.
+        The simulated :class:`~autopipe.schedules.Timeline`.
 
     Raises:
         ValueError: the plan has no profile, or a split point is not a segment name, or
@@ -119,7 +119,7 @@ def split_timeline(plan: "Plan", split_points: "list[str]") -> "Timeline":
         True
     """
     from ..devices import default_link
-    from ..simulate import simulate
+    from ..schedules import simulate
 
     segments = plan.extras.get("segments") or []
     if not segments:

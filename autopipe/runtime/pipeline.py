@@ -40,7 +40,7 @@ from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..plan import Plan, StagePlan
-from ..simulate import canonical_schedule_name, schedule_class, stage_ranks, validate_schedule
+from ..schedules import canonical_schedule_name, schedule_class, stage_ranks, validate_schedule
 from .checkpointing import checkpoint_stage, resolve_checkpoint_stages
 from .distributed import DEFAULT_TIMEOUT_S, broadcast_object, default_device, init_distributed
 from .relay import relay_skip_connections

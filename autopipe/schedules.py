@@ -4,7 +4,7 @@ The simulator answers "how long does one training step take if stage ``s`` needs
 ``fwd_s[s]`` seconds forward and ``bwd_s[s]`` seconds backward per micro-batch?" for every
 schedule in ``torch.distributed.pipelining``::
 
-    >>> from autopipe.simulate import simulate
+    >>> from autopipe.schedules import simulate
     >>> timeline = simulate([1.0, 1.0], [2.0, 2.0], schedule="1F1B", n_microbatches=4)
     >>> timeline.step_s, round(timeline.bubble_fraction, 3), timeline.peak_inflight
     (15.0, 0.2, [2, 1])
