@@ -509,7 +509,11 @@ def run_variants(job: dict[str, Any], *, device: str = "cpu", threads: int = 1, 
                             timeout_s=timeout_s, allow_errors=True)
         named = [r for r in results if isinstance(r, dict) and "failed_variant" in r]
         if named:
-            label, error = named[0]["failed_variant"], named[0]["error"]
+            # A rank whose peer failed first sees only "connection closed" or a timeout: the
+            # other rank's error is the cause, so it comes first.
+            named.sort(key=lambda r: any(k in r["error"] for k in ("Connection closed", "Timed out", "timeout")))
+            label = named[0]["failed_variant"]
+            error = " | ".join(dict.fromkeys(r["error"] for r in named))
             failed[label] = error
             log(f"    {label}: not run ({error[:120]}); re-running the others in a fresh world")
             pending = [v for v in pending if v["label"] != label]

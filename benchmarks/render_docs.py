@@ -75,6 +75,10 @@ def machine_line(data: dict[str, Any]) -> str:
              if isinstance(h, dict) and h.get("load_avg")]
     if loads:
         parts.append("load average (1/5/15 min) " + " → ".join("/".join(f"{x:.1f}" for x in la) for la in loads))
+    par = data.get("parallel_efficiency")
+    if isinstance(par, dict) and par.get("together_over_alone"):
+        parts.append(f"two processes computing at once each took {par['together_over_alone']:.2f}× as long as one "
+                     "alone (1.00 = truly parallel)")
     parts.append(f"run {m.get('date')}")
     if data.get("wall_s"):
         parts.append(f"took {data['wall_s']:.0f} s")
