@@ -109,3 +109,20 @@ def test_checkpoint_stages_accepts_all_none_or_indices():
 def test_checkpoint_stage_index_out_of_range_is_a_clear_error():
     with pytest.raises(ValueError, match="stages 0..2"):
         resolve_checkpoint_stages([3], 3)
+
+
+def test_stage_modules_run_generated_code_not_the_fx_interpreter():
+    from torch.distributed.pipelining import SplitPoint
+
+    from autopipe.models import seed_transformer
+    from autopipe.runtime.pipeline import _split
+
+    model, args = seed_transformer(vocab_size=50, d_model=16, num_heads=2, d_ff=32, num_layers=2, batch=2, seq_len=4)
+    pipe = _split(model, {"layers.1": SplitPoint.BEGINNING}, (args, {}), training=True, expected=2)
+    # Modules with a graph to run; containers such as a ModuleList have none and never run.
+    inner = [m for s in range(2) for m in pipe.get_stage_module(s).modules()
+             if hasattr(m, "_run_with_interpreter") and getattr(m, "graph_module", None) is not None]
+    assert inner, "torch built no InterpreterModules: nothing to check"
+    assert not any(m._run_with_interpreter for m in inner)
+    out = pipe(*args)
+    torch.testing.assert_close(out[0] if isinstance(out, tuple) else out, model(*args))

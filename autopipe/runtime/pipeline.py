@@ -752,7 +752,27 @@ def _split(model: nn.Module, split_spec: dict, example: tuple[tuple, dict], *, t
     relay_skip_connections(pipe)
     for s in range(pipe.num_stages):
         _make_boundary_tensors_contiguous(pipe.get_stage_module(s))
+        _run_generated_code(pipe.get_stage_module(s))
     return pipe
+
+
+def _run_generated_code(stage_module: nn.Module) -> int:
+    """Run torch's unflattened submodules as generated Python code, not through the fx Interpreter.
+
+    ``pipeline()`` rebuilds each stage's module tree as ``torch.export.unflatten.
+    InterpreterModule`` objects, which by default execute their graph one node at a time
+    through ``torch.fx.Interpreter`` (for readable stack traces). That Python cost per node
+    made blocks of many small ops ~1.5x slower than the same graph as generated code - the
+    form autopipe profiles - so plans cut late (docs/benchmarks.md, "What the measurements
+    found"). The generated code is what ``InterpreterModule`` itself runs under
+    ``torch.compile``. Returns how many modules were switched (0 on a torch without the switch).
+    """
+    switched = 0
+    for module in stage_module.modules():
+        if hasattr(module, "_run_with_interpreter") and hasattr(module, "graph_module"):
+            module._run_with_interpreter = False
+            switched += 1
+    return switched
 
 
 def _outputs_never_views(stage_module: nn.Module) -> None:
