@@ -21,15 +21,14 @@ Run (needs ``pip install transformers``; CPU is fine)::
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import warnings
+from pathlib import Path
 
-import torch
-from torch.distributed.pipelining import pipeline
-
-import autopipe
 from autopipe.models import hf
+
+sys.path.insert(0, str(Path(__file__).parent))
+from plan_seed_transformer import plan_and_check  # noqa: E402  (same check for every model)
 
 MODELS = {
     "gpt2_tied": lambda: hf.gpt2_from_config(tie_word_embeddings=True),
@@ -39,20 +38,6 @@ MODELS = {
 
 # torch 2.13's pipeline() trips a deprecation inside its own pytree code; not ours to fix.
 warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
-
-
-def plan_and_check(model: torch.nn.Module, args: tuple, n_gpus: int, *, repeats: int = 5) -> autopipe.Plan:
-    """Plans ``model`` for ``n_gpus``, prints the report, checks torch builds those stages."""
-    plan = autopipe.partition(model, n_gpus=n_gpus, example_args=args, repeats=repeats, progress=False)
-    print(plan.report())
-    pipe = pipeline(copy.deepcopy(model), args, split_spec=plan.split_spec)
-    if pipe.num_stages != plan.num_stages:
-        raise RuntimeError(f"plan has {plan.num_stages} stages but pipeline() built {pipe.num_stages}")
-    with torch.no_grad():
-        (staged,) = pipe(*args)  # the stages run one after another on this process
-        torch.testing.assert_close(staged, model(*args), atol=1e-5, rtol=1e-5)
-    print(f"pipeline() built {pipe.num_stages} stages at {plan.split_points}; their output matches.\n")
-    return plan
 
 
 def main(argv: list[str] | None = None) -> None:
