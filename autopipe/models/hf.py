@@ -179,6 +179,14 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def _seeded(model_class: type, config: Any, *, batch: int, seq_len: int, seed: int) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """Build ``model_class(config)`` with weights from ``seed`` (caller's RNG untouched) and one micro-batch."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config)
+    return model, (model.example_input(batch, seq_len, seed=seed),)
+
+
 def gpt2_from_config(
     *,
     n_layer: int = 4,
@@ -238,10 +246,7 @@ def gpt2_from_config(
         eos_token_id=0,
         attn_implementation=attn_implementation,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_class(config)
-    return model, (model.example_input(batch, seq_len, seed=seed),)
+    return _seeded(model_class, config, batch=batch, seq_len=seq_len, seed=seed)
 
 
 def llama_from_config(
@@ -307,7 +312,4 @@ def llama_from_config(
         eos_token_id=0,
         attn_implementation=attn_implementation,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = model_class(config)
-    return model, (model.example_input(batch, seq_len, seed=seed),)
+    return _seeded(model_class, config, batch=batch, seq_len=seq_len, seed=seed)
