@@ -66,11 +66,11 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for editors and type checkers: the same names, imported eagerly
-    from .devices import Device, parse_bytes
-    from .errors import AutopipeError, InfeasibleMemoryError, MissingExampleInputsError, ModelExportError
-    from .measure import measure_devices, measure_link
-    from .plan import BaselinePlan, Plan, StagePlan
-    from .planner import partition
-    from .runtime import Pipeline
-    from .scaling import ScaledProfile, profile_scaling
-    from .schedules import SCHEDULES, Timeline, simulate
+    from .devices import Device, parse_bytes  # noqa: F401
+    from .errors import AutopipeError, InfeasibleMemoryError, MissingExampleInputsError, ModelExportError  # noqa: F401
+    from .measure import measure_devices, measure_link  # noqa: F401
+    from .plan import BaselinePlan, Plan, StagePlan  # noqa: F401
+    from .planner import partition  # noqa: F401
+    from .runtime import Pipeline  # noqa: F401
+    from .scaling import ScaledProfile, profile_scaling  # noqa: F401
+    from .schedules import SCHEDULES, Timeline, simulate  # noqa: F401

@@ -444,9 +444,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     loaded = _load_model(args)
     import autopipe
 
-    from .reporting.data import report_data
-    from .reporting.terminal import print_plan
-    from .reporting.timeline import plan_timeline
 
     _status(f"tracing and profiling {type(loaded.model).__name__} ...")
     plan = autopipe.partition(
@@ -457,6 +454,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         latency_s=None if args.latency_us is None else args.latency_us * 1e-6,
         warmup=args.warmup, repeats=args.repeats, progress=not args.no_progress,
     )
+    return _show_plan(plan, args)
+
+
+def _show_plan(plan: Any, args: argparse.Namespace) -> int:
+    """Print a plan with its simulated timeline, and write the files the options ask for."""
+    from .reporting.data import report_data
+    from .reporting.terminal import print_plan
+    from .reporting.timeline import plan_timeline
+
     timeline = plan_timeline(plan)
     data = report_data(plan, timeline=timeline)
     print_plan(data, gantt=timeline.to_text())
@@ -471,19 +477,12 @@ def _cmd_report(args: argparse.Namespace) -> int:
                        else f"PLAN_JSON {args.plan_file!r} is not a file")
     _check_outputs(args)
     from .plan import Plan
-    from .reporting.data import report_data
-    from .reporting.terminal import print_plan
-    from .reporting.timeline import plan_timeline
 
     try:
         plan = Plan.load(path)
     except (KeyError, TypeError) as e:  # a JSON file, but not of a plan
         raise CliError(f"PLAN_JSON {args.plan_file!r} is not an autopipe plan (missing or unexpected field: {e})") from e
-    timeline = plan_timeline(plan)
-    data = report_data(plan, timeline=timeline)
-    print_plan(data, gantt=timeline.to_text())
-    _print_written(_write_plan_outputs(plan, args, data, timeline))
-    return 0
+    return _show_plan(plan, args)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -226,7 +226,6 @@ def run_demo(
 
     from .models import seed_transformer
     from .profile import profile_segments
-    from .reporting.charts import save_pngs
     from .reporting.chrome import merge_rank_traces, simulated_trace
     from .reporting.data import layer_rows, report_data, sort_layer_rows
     from .reporting.files import write_json, write_report

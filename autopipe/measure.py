@@ -25,11 +25,7 @@ from __future__ import annotations
 import datetime
 import math
 import numbers
-import os
-import pickle
-import socket
 import statistics
-import tempfile
 import time
 import traceback
 from collections.abc import Sequence
@@ -39,8 +35,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from ._spawn import finish_rank, spawn_ranks
 from .devices import Device, parse_bytes
 from .profile import measure_device_flops, resolve_device
 
@@ -292,12 +288,6 @@ def measure_link_in_group(
 # --------------------------------------------------------------------------- two spawned processes
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _link_worker(rank: int, port: int, backend: str, devices: tuple[str, str], sizes: list[int],
                  repeats: int, warmup: int, timeout_s: float, out_dir: str) -> None:
     """One end of :func:`measure_link`; writes ("ok", measurement) or ("error", text) to a file."""
@@ -312,11 +302,7 @@ def _link_worker(rank: int, port: int, backend: str, devices: tuple[str, str], s
         result: tuple[str, Any] = ("ok", link)
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
-    if result[0] == "ok":
-        dist.destroy_process_group()
-    os._exit(0 if result[0] == "ok" else 1)  # skip interpreter teardown: a dead peer cannot block it
+    finish_rank(out_dir, rank, result)
 
 
 def _link_devices(device: Any) -> tuple[torch.device, torch.device]:
@@ -408,31 +394,11 @@ def measure_link(
 def _spawn_pair(backend: str, devices: tuple[str, str], sizes: list[int], repeats: int, warmup: int,
                 timeout_s: float) -> list[LinkMeasurement]:
     """Run :func:`_link_worker` on two spawned processes; their results in rank order."""
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    with tempfile.TemporaryDirectory(prefix="autopipe-link-") as out_dir:
-        procs = [
-            ctx.Process(target=_link_worker, daemon=True,
-                        args=(rank, port, backend, devices, sizes, repeats, warmup, timeout_s, out_dir))
-            for rank in range(2)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        late = [rank for rank, p in enumerate(procs) if p.is_alive()]
-        for rank in late:
-            procs[rank].kill()
-            procs[rank].join(10)
-        outcomes: list[tuple[str, Any]] = []
-        for rank in range(2):
-            path = os.path.join(out_dir, f"rank{rank}.pkl")
-            if os.path.exists(path):
-                with open(path, "rb") as f:
-                    outcomes.append(pickle.load(f))
-            else:
-                outcomes.append(("error", f"exited with code {procs[rank].exitcode} and no result"))
+    outcomes, late, _ = spawn_ranks(
+        _link_worker, 2,
+        lambda rank, port, out_dir: (rank, port, backend, devices, sizes, repeats, warmup, timeout_s, out_dir),
+        timeout_s=timeout_s, prefix="autopipe-link-",
+    )
     if late:
         raise TimeoutError(f"the link measurement was not done after timeout_s={timeout_s}; ranks {late} "
                            "were killed. Raise timeout_s, or use fewer or smaller sizes_bytes.")

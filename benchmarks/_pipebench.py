@@ -23,10 +23,7 @@ from __future__ import annotations
 import copy
 import datetime
 import os
-import pickle
-import socket
 import statistics
-import tempfile
 import time
 import traceback
 import weakref
@@ -42,6 +39,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
+from autopipe._spawn import finish_rank, spawn_ranks
 from autopipe.models.zoo import build
 from autopipe.profile import Timer
 
@@ -382,12 +380,6 @@ class WorldFailed(RuntimeError):
     """A rank raised, died or ran past the deadline; the message has each rank's traceback."""
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _world_entry(fn: Callable, rank: int, world: int, port: int, backend: str, threads: int,
                  pg_timeout_s: float, out_dir: str, job: Any) -> None:
     import torch.distributed as dist
@@ -402,11 +394,7 @@ def _world_entry(fn: Callable, rank: int, world: int, port: int, backend: str, t
         result = ("ok", fn(rank, world, job))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
-    if result[0] == "ok" and dist.is_initialized():
-        dist.destroy_process_group()
-    os._exit(0 if result[0] == "ok" else 1)  # no teardown that could block on a dead peer
+    finish_rank(out_dir, rank, result)
 
 
 def run_world(fn: Callable, world: int, job: Any, *, device: str = "cpu", threads: int = 1,
@@ -418,37 +406,18 @@ def run_world(fn: Callable, world: int, job: Any, *, device: str = "cpu", thread
     can fail, never hang. With ``allow_errors`` a failed rank's entry is a
     :class:`WorldFailed` instead of raising.
     """
-    import torch.multiprocessing as mp
-
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    with tempfile.TemporaryDirectory(prefix="autopipe-bench-") as out_dir:
-        procs = [ctx.Process(target=_world_entry, daemon=True,
-                             args=(fn, r, world, port, backend, threads, pg_timeout_s, out_dir, job))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
-        results, errors = [], {}
-        for r in range(world):
-            path = os.path.join(out_dir, f"rank{r}.pkl")
-            if not os.path.exists(path):
-                errors[r] = f"no result (exit code {procs[r].exitcode}; killed after {timeout_s:.0f} s?)"
-                results.append(WorldFailed(errors[r]))
-                continue
-            with open(path, "rb") as f:
-                status, value = pickle.load(f)
-            if status != "ok":
-                errors[r] = value
-                value = WorldFailed(value)
-            results.append(value)
+    outcomes, _, _ = spawn_ranks(
+        _world_entry, world,
+        lambda rank, port, out_dir: (fn, rank, world, port, backend, threads, pg_timeout_s, out_dir, job),
+        timeout_s=timeout_s, prefix="autopipe-bench-",
+    )
+    results, errors = [], {}
+    for r, (status, value) in enumerate(outcomes):
+        if status != "ok":
+            errors[r] = value
+            value = WorldFailed(value)
+        results.append(value)
     if errors and not allow_errors:
         raise WorldFailed("\n".join(f"--- rank {r}:\n{msg}" for r, msg in sorted(errors.items())))
     return results

@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import datetime
 import os
-import pickle
-import socket
-import tempfile
-import time
 import traceback
 from typing import Any, Callable
 
-import torch.multiprocessing as mp
 
-__all__ = ["WorldFailed", "free_port", "run_world"]
+from autopipe._spawn import finish_rank, spawn_ranks
+
+__all__ = ["WorldFailed", "run_world"]
 
 
 class WorldFailed(RuntimeError):
@@ -35,13 +32,6 @@ class WorldFailed(RuntimeError):
         super().__init__("distributed run failed:\n" + "\n".join(lines))
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(fn: Callable, rank: int, world_size: int, port: int, pg_timeout_s: float,
             out_dir: str, args: tuple) -> None:
     import torch
@@ -50,19 +40,13 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, pg_timeout_s: f
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)  # the test machine has few cores, shared by every rank
-    path = os.path.join(out_dir, f"rank{rank}.pkl")
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=pg_timeout_s))
         result = ("ok", fn(rank, world_size, *args))
     except BaseException as e:  # noqa: BLE001 - report everything to the parent
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
-    with open(path, "wb") as f:
-        pickle.dump(result, f)
-    # No destroy_process_group on error: a peer may be gone and the teardown could block.
-    if result[0] == "ok" and dist.is_initialized():
-        dist.destroy_process_group()
-    os._exit(0 if result[0] == "ok" else 1)
+    finish_rank(out_dir, rank, result)
 
 
 def run_world(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0,
@@ -82,35 +66,14 @@ def run_world(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
     Raises:
         WorldFailed: a rank raised, died or overran ``timeout_s`` (unless ``allow_errors``).
     """
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="autopipe-world-") as out_dir:
-        procs = [
-            ctx.Process(target=_worker, args=(fn, r, world_size, port, pg_timeout_s, out_dir, args), daemon=True)
-            for r in range(world_size)
-        ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout_s
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        overran = [r for r, p in enumerate(procs) if p.is_alive()]
-        for r in overran:  # kill stragglers: a test may fail, never hang
-            procs[r].kill()
-            procs[r].join(10)
-        results: dict[int, tuple[str, Any]] = {}
-        for r in range(world_size):
-            path = os.path.join(out_dir, f"rank{r}.pkl")
-            if os.path.exists(path):
-                with open(path, "rb") as f:
-                    results[r] = pickle.load(f)
-            elif r in overran:
-                results[r] = ("error", f"still running after timeout_s={timeout_s}; killed")
-            else:
-                results[r] = ("error", f"died without a result (exit code {procs[r].exitcode})")
+    outcomes, _, exit_codes = spawn_ranks(
+        _worker, world_size, lambda rank, port, out_dir: (fn, rank, world_size, port, pg_timeout_s, out_dir, args),
+        timeout_s=timeout_s, prefix="autopipe-world-",
+    )
+    results = dict(enumerate(outcomes))
     if allow_errors:
         return [results[r] for r in range(world_size)]
     errors = {r: msg for r, (status, msg) in results.items() if status != "ok"}
     if errors:
-        raise WorldFailed(errors, {r: p.exitcode for r, p in enumerate(procs)})
+        raise WorldFailed(errors, dict(enumerate(exit_codes)))
     return [results[r][1] for r in range(world_size)]
