@@ -176,13 +176,13 @@ def build_split(model: nn.Module, args: tuple[Any, ...], split_points: Sequence[
     spec = {name: SplitPoint.BEGINNING for name in split_points}
     expected = len(split_points) + 1
     try:
-        from autopipe.runtime.pipeline import _outputs_never_views, _split
+        from autopipe.runtime.pipeline import _guard_stage_boundaries, _split
     except ImportError:  # pragma: no cover - only if the runtime is reorganised
         pipe = pipeline(copy.deepcopy(model), args, split_spec=spec)
     else:
         pipe = _split(copy.deepcopy(model), spec, (tuple(args), {}), training=True, expected=expected)
         for k in range(pipe.num_stages):
-            _outputs_never_views(pipe.get_stage_module(k))
+            _guard_stage_boundaries(pipe.get_stage_module(k))
     if pipe.num_stages != expected:
         raise ValueError(f"split at {list(split_points)} gave {pipe.num_stages} stages, not {expected}")
     return pipe

@@ -128,20 +128,59 @@ def gpt2_run(rank: int, world_size: int, schedules: list[str]) -> dict[str, dict
     return {schedule: _gpt2_case(schedule, world_size) for schedule in schedules}
 
 
-def _gpt2_case(schedule: str, world_size: int) -> dict:
+def _gpt2_case(schedule: str, world_size: int, split_points: list[str] | None = None) -> dict:
     from autopipe.models.hf import gpt2_from_config
 
     vocab = 64
     model, (x_mb,) = gpt2_from_config(n_layer=4, n_embd=16, n_head=2, vocab_size=vocab, seq_len=8, batch=2)
     stages_per_rank = 1 if schedule in ("GPipe", "1F1B") else 2
     pipe = Pipeline(model, example_args=(x_mb,), schedule=schedule, n_microbatches=N_MICROBATCHES,
-                    split_points=GPT2_SPLITS[world_size * stages_per_rank],
+                    split_points=split_points or GPT2_SPLITS[world_size * stages_per_rank],
                     loss_fn=lambda out, y: nn.functional.cross_entropy(out.reshape(-1, vocab), y.reshape(-1)))
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, vocab, (2 * N_MICROBATCHES, 8), generator=g)
     y = torch.randint(0, vocab, (2 * N_MICROBATCHES, 8), generator=g)
     loss = pipe.step(x, target=y)
     ref = nn.functional.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
+    ref.backward()
+    ref_grads = dict(model.named_parameters())
+    return {
+        "loss": loss.item(), "ref_loss": ref.item(),
+        "grad_diff": {n: (p.grad - ref_grads[n].grad).abs().max().item() for n, p in pipe.named_parameters()},
+        "all_param_names": sorted(n for n, _ in model.named_parameters()),
+    }
+
+
+# A V-schedule split of GPT-2 whose first cut sends the integer position ids
+# (``transformer.wpe`` reads them), and one of the U-Net whose cuts carry the encoder's
+# skip connections, so gradients come back through ``torch.cat`` as strided slices.
+GPT2_INTEGER_CUT = ["transformer.wpe", "transformer.h.1", "transformer.h.3"]
+UNET_SKIP_CUTS = ["down.1", "mid", "up.1"]
+
+
+def v_boundaries_run(rank: int, world_size: int, schedules: list[str]) -> dict[str, dict]:
+    """V schedules across integer tensors and non-contiguous gradients, against the unsplit models."""
+    results = {}
+    for schedule in schedules:
+        results[f"gpt2-{schedule}"] = _gpt2_case(schedule, world_size, GPT2_INTEGER_CUT)
+        results[f"unet-{schedule}"] = _unet_case(schedule)
+    return results
+
+
+def _unet_case(schedule: str) -> dict:
+    from autopipe.models.zoo import unet
+
+    model, (x_mb,) = unet(base_width=4, depth=3, image_size=16, batch=2)
+    pipe = Pipeline(model, example_args=(x_mb,), schedule=schedule, n_microbatches=N_MICROBATCHES,
+                    split_points=UNET_SKIP_CUTS, loss_fn=nn.functional.mse_loss)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2 * N_MICROBATCHES, *x_mb.shape[1:], generator=g)
+    y = torch.randn(2 * N_MICROBATCHES, 2, 16, 16, generator=g)
+    loss = pipe.step(x, target=y)
+    # Batch norm normalises each micro-batch by its own statistics in the pipeline, so the
+    # reference runs the unsplit model micro-batch by micro-batch too.
+    ref = sum(nn.functional.mse_loss(model(xi), yi) for xi, yi in zip(x.chunk(N_MICROBATCHES), y.chunk(N_MICROBATCHES)))
+    ref = ref / N_MICROBATCHES
     ref.backward()
     ref_grads = dict(model.named_parameters())
     return {

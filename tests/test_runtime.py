@@ -48,6 +48,15 @@ def gpt2_results() -> dict[str, list[dict]]:
     return {s: [rank_results[s] for rank_results in per_rank] for s in GPT2_SCHEDULES}
 
 
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
+@functools.lru_cache(maxsize=None)
+def v_boundary_results() -> dict[str, list[dict]]:
+    per_rank = run_world(workers.v_boundaries_run, 2, list(V_SCHEDULES), timeout_s=300)
+    return {case: [rank_results[case] for rank_results in per_rank] for case in per_rank[0]}
+
+
 def assert_matches_unsplit(results: list[dict]) -> None:
     """Loss within TOL on every rank; every parameter covered once or more, within TOL."""
     assert set().union(*(r["grad_diff"] for r in results)) == set(results[0]["all_param_names"])
@@ -148,6 +157,20 @@ def test_cut_where_a_strided_tensor_crosses_trains_exactly():
 def test_gpt2_with_tied_embeddings_and_a_mask_read_by_every_block_trains_exactly(schedule):
     pytest.importorskip("transformers")
     assert_matches_unsplit(gpt2_results()[schedule])
+
+
+@pytest.mark.parametrize("schedule", V_SCHEDULES)
+def test_v_schedule_cut_that_sends_integer_position_ids_trains_exactly(schedule):
+    # torch infers a V stage's input shapes by running it on uninitialised tensors unless
+    # told them; integer ids filled with garbage then index out of range.
+    pytest.importorskip("transformers")
+    assert_matches_unsplit(v_boundary_results()[f"gpt2-{schedule}"])
+
+
+@pytest.mark.parametrize("schedule", V_SCHEDULES)
+def test_v_schedule_gradients_through_skip_concatenations_are_sent_contiguous(schedule):
+    # The gradient of a torch.cat input is a strided slice, which gloo refuses to send.
+    assert_matches_unsplit(v_boundary_results()[f"unet-{schedule}"])
 
 
 # ---------------------------------------------------------------------- tied weights, state dicts

@@ -287,7 +287,7 @@ class Pipeline:
             if s in self._train_modules:
                 checkpoint_stage(self._train_modules[s])
         for module in {id(m): m for m in (*self._train_modules.values(), *self._eval_modules.values())}.values():
-            _outputs_never_views(module)
+            _guard_stage_boundaries(module)
         if self.schedule in _V_SCHEDULES:
             self._train_stages = [self._manual_stage(s, self._train_modules[s]) for s in self.stage_indices]
         for module in self._train_modules.values():
@@ -350,7 +350,12 @@ class Pipeline:
 
     def _manual_stage(self, stage_index: int, module: nn.Module) -> PipelineStage:
         # PipelineStage asks its schedule which rank runs each neighbour, so V placement works.
-        return PipelineStage(module, stage_index, self.num_stages, self.device)
+        # It is given the traced shapes of what it receives and sends: without them torch
+        # infers them by running the stage on uninitialised tensors, and an integer input
+        # (token or position ids crossing a cut) then indexes out of range.
+        inputs, outputs = _static_stage_meta(module, self._example[0] if stage_index == 0 else None)
+        return PipelineStage(module, stage_index, self.num_stages, self.device,
+                             input_args=inputs, output_args=outputs)
 
     def _make_schedule(self, stages: list, loss_fn: Callable | None):
         cls = schedule_class(self.schedule)
@@ -775,19 +780,78 @@ def _run_generated_code(stage_module: nn.Module) -> int:
     return switched
 
 
-def _outputs_never_views(stage_module: nn.Module) -> None:
-    """Copy any stage output that is a view of another tensor (e.g. the result of ``.view``).
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity forward; the gradient flowing back through it is made contiguous.
 
-    torch's zero-bubble backward detaches each stage output in place, which a view does
-    not allow ("Can't detach views in-place"); a cut right after a reshape makes one.
+    Placed on every stage input, so the input gradient a stage sends back is contiguous
+    whatever the backward produced (the gradient of a ``torch.cat`` input is a strided
+    slice, of a transposed input a transposed tensor). gloo and NCCL send only contiguous
+    tensors, and torch's V schedules size the receiving buffer from the gradient's strides.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return grad.contiguous()
+
+
+def _guard_stage_boundaries(stage_module: nn.Module) -> None:
+    """Make what crosses a stage boundary sendable, in both directions, at run time.
+
+    * Outputs are never views (a view is copied): torch's zero-bubble backward detaches each
+      stage output in place, which a view does not allow ("Can't detach views in-place"); a
+      cut right after a reshape makes one. Outputs are also made contiguous, in case the
+      run's strides differ from the traced ones (see :func:`_make_boundary_tensors_contiguous`).
+    * Inputs that will receive a gradient pass through :class:`_ContiguousGrad`, so the
+      gradient sent back to the previous stage is contiguous.
     """
     inner = stage_module.forward
 
+    def sendable(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        return t.clone(memory_format=torch.contiguous_format) if t._is_view() else t.contiguous()
+
+    def guarded(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
+            return _ContiguousGrad.apply(t)
+        return t
+
     def forward(*args, **kwargs):
-        out = inner(*args, **kwargs)
-        return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) and t._is_view() else t, out)
+        out = inner(*tree_map(guarded, args), **tree_map(guarded, kwargs))
+        return tree_map(sendable, out)
 
     stage_module.forward = forward
+
+
+def _static_stage_meta(stage_module: nn.Module, first_stage_args: tuple | None
+                       ) -> tuple[tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...] | None]:
+    """What a stage receives and sends, as meta tensors from its traced graph (one micro-batch).
+
+    Received floating-point tensors require grad, as torch's traced stages assume; integer
+    ones (ids, masks) do not. ``first_stage_args`` are the model's example inputs for stage 0.
+    Returns ``(None, None)`` when some boundary value is not a tensor, leaving torch to infer.
+    """
+    def meta(val: Any, requires_grad: bool) -> torch.Tensor | None:
+        if not isinstance(val, torch.Tensor):
+            return None
+        t = torch.empty(val.shape, dtype=val.dtype, device="meta")
+        return t.requires_grad_(requires_grad and t.is_floating_point())
+
+    graph = stage_module.graph
+    if first_stage_args is not None:
+        inputs = [meta(a, a.requires_grad) if isinstance(a, torch.Tensor) else None for a in first_stage_args]
+    else:
+        inputs = [meta(p.meta.get("val"), True) for p in graph.nodes if p.op == "placeholder"]
+    output = next(n for n in graph.nodes if n.op == "output")
+    values, _ = tree_flatten(output.args[0])
+    outputs = [meta(v.meta.get("val") if isinstance(v, torch.fx.Node) else v, True) for v in values]
+    if any(t is None for t in inputs) or not outputs or any(t is None for t in outputs):
+        return None, None
+    return tuple(inputs), tuple(outputs)
 
 
 def _make_boundary_tensors_contiguous(stage_module: nn.Module) -> None:
