@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import sys
 import warnings
@@ -256,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bandwidth", help="bytes/s between neighbouring devices, e.g. 10GB (default: 2 GB/s CPU, "
                                        "10 GB/s CUDA)")
     p.add_argument("--latency-us", type=float, help="microseconds per message between devices")
+    p.add_argument("--action-overhead-ms", type=float,
+                   help="milliseconds each pipeline action costs beyond its compute (default: 1.5 on CPU, "
+                        "0 on CUDA; measure with python -m autopipe.measure --overhead)")
     p.add_argument("--objective", choices=("step", "bottleneck"), default="step",
                    help="minimise the simulated step, or only the heaviest stage")
     p.add_argument("--out", metavar="FILE", help="save the plan as JSON")
@@ -441,6 +445,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     bandwidth = _bandwidth(args.bandwidth)
     if args.latency_us is not None and args.latency_us < 0:
         raise CliError(f"--latency-us {args.latency_us} must be >= 0 microseconds")
+    if args.action_overhead_ms is not None and not 0 <= args.action_overhead_ms < math.inf:
+        raise CliError(f"--action-overhead-ms {args.action_overhead_ms} must be a finite time >= 0 milliseconds")
     loaded = _load_model(args)
     import autopipe
 
@@ -452,6 +458,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         stages_per_rank=args.stages_per_rank, objective=args.objective, memory=_memory(args.memory),
         optimizer=args.optimizer, cost=args.cost, device=args.device, bandwidth=bandwidth,
         latency_s=None if args.latency_us is None else args.latency_us * 1e-6,
+        action_overhead_s=None if args.action_overhead_ms is None else args.action_overhead_ms * 1e-3,
         warmup=args.warmup, repeats=args.repeats, progress=not args.no_progress,
     )
     return _show_plan(plan, args)

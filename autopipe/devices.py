@@ -19,7 +19,7 @@ import math
 import re
 from dataclasses import dataclass
 
-__all__ = ["Device", "parse_bytes", "default_link", "OPTIMIZER_STATE_FACTORS", "optimizer_state_factor"]
+__all__ = ["Device", "parse_bytes", "default_link", "default_action_overhead_s", "OPTIMIZER_STATE_FACTORS", "optimizer_state_factor"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -65,6 +65,19 @@ def default_link(device_type: str) -> tuple[float, float]:
     return _DEFAULT_LINKS.get(device_type, _DEFAULT_LINKS["cuda"])
 
 
+#: Default seconds each pipeline action (F, B, I, W) costs beyond its compute, per device type.
+#: CPU: gloo processes on a shared 2-core host, measured with
+#: `python -m autopipe.measure --overhead` (docs/costs-and-measurement.md).
+#: CUDA: not measured (no GPU was available to the project yet), so none is assumed; measure
+#: it on your GPUs with autopipe.measure.measure_action_overhead and pass action_overhead_s=.
+_DEFAULT_ACTION_OVERHEAD_S = {"cpu": 1.5e-3, "cuda": 0.0}
+
+
+def default_action_overhead_s(device_type: str) -> float:
+    """Seconds per pipeline action assumed beyond compute when none is given."""
+    return _DEFAULT_ACTION_OVERHEAD_S.get(device_type, _DEFAULT_ACTION_OVERHEAD_S["cuda"])
+
+
 @dataclass
 class Device:
     """One pipeline device: relative speed, memory, and its link to the next device.
@@ -74,6 +87,8 @@ class Device:
         memory: Capacity in bytes or as a string ("16GiB"); None = unlimited.
         bandwidth: Bytes/s of the link to the next device; None = the default for the type.
         latency_s: Seconds per message on that link; None = the default.
+        action_overhead_s: Seconds each pipeline action on this device costs beyond its
+            compute (the runtime's own work); None = the default for the type.
         name: Shown in reports.
     """
 
@@ -82,6 +97,7 @@ class Device:
     bandwidth: float | None = None
     latency_s: float | None = None
     name: str = ""
+    action_overhead_s: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.speed, bool) or not isinstance(self.speed, (int, float)) or not self.speed > 0 or not math.isfinite(self.speed):
@@ -92,6 +108,8 @@ class Device:
             raise ValueError(f"Device bandwidth={self.bandwidth!r} must be > 0 bytes/s")
         if self.latency_s is not None and not (self.latency_s >= 0):
             raise ValueError(f"Device latency_s={self.latency_s!r} must be >= 0 seconds")
+        if self.action_overhead_s is not None and not (0 <= self.action_overhead_s < math.inf):
+            raise ValueError(f"Device action_overhead_s={self.action_overhead_s!r} must be a finite time >= 0 seconds")
 
     @property
     def memory_bytes(self) -> float:

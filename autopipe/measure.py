@@ -11,7 +11,11 @@ This module measures them:
   already exists (under ``torchrun``, across nodes);
 * :func:`measure_device_speed` compares a device's matmul throughput with the device the
   profile was measured on;
-* :func:`measure_devices` builds the ``devices=[...]`` list for :func:`autopipe.partition`.
+* :func:`measure_devices` builds the ``devices=[...]`` list for :func:`autopipe.partition`;
+* :func:`measure_action_overhead` runs a pipeline of a tiny model under each schedule and
+  finds the seconds every action costs beyond its compute (the runtime's bookkeeping,
+  posting and waiting on sends and receives), and how much slower the ranks compute when
+  all of them compute at once: ``partition(action_overhead_s=..., devices=[Device(speed=...)])``.
 
 Example:
     >>> from autopipe.measure import fit_link
@@ -37,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ._spawn import finish_rank, spawn_ranks
-from .devices import Device, parse_bytes
+from .devices import Device, default_link, parse_bytes
 from .profile import measure_device_flops, resolve_device
 
 __all__ = [
@@ -47,6 +51,8 @@ __all__ = [
     "measure_link_in_group",
     "measure_device_speed",
     "measure_devices",
+    "measure_action_overhead",
+    "OverheadMeasurement",
     "DEFAULT_SIZES_BYTES",
 ]
 
@@ -539,11 +545,236 @@ def measure_devices(
     return out
 
 
+# --------------------------------------------------------------------------- runtime overhead
+
+#: Schedules the overhead probe runs by default, with their stages per rank.
+OVERHEAD_SCHEDULES = (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2))
+_PROBE_WIDTH = 16  # the probe model's layers are this wide: compute is negligible next to overhead
+_PROBE_LAYERS = 8
+
+
+@dataclass
+class OverheadMeasurement:
+    """What running a pipeline costs beyond the stages' compute and the link's transfers.
+
+    Use ``partition(..., action_overhead_s=m.action_overhead_s)`` and, where the ranks share
+    a machine, ``Device(speed=1 / m.concurrent_slowdown)`` for every rank.
+    """
+
+    action_overhead_s: float  # median over the schedules of the per-action overhead
+    per_schedule_s: dict[str, float]  # "schedule-stages per rank" -> seconds per action
+    step_s: dict[str, float]  # the probe's median measured step per schedule
+    n_microbatches: int
+    concurrent_slowdown: float  # a rank's compute time with every rank computing / alone
+    n_ranks: int
+    backend: str
+    device: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict of every field."""
+        return asdict(self)
+
+    def summary(self) -> str:
+        """One line: the overhead per action and the slowdown of ranks computing together."""
+        parts = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in self.per_schedule_s.items())
+        return (f"{self.action_overhead_s * 1e3:.2f} ms per action (median; {parts}); ranks computing at once "
+                f"take {self.concurrent_slowdown:.2f}x as long as alone ({self.n_ranks} x {self.device}, {self.backend})")
+
+
+def _fit_action_overhead(step_s: float, schedule: str, stages_per_rank: int, n_ranks: int,
+                         n_microbatches: int, comm_s: float) -> float:
+    """The per-action overhead o with which the simulated step of a compute-free pipeline is ``step_s``."""
+    from .schedules import simulate
+
+    n_stages = n_ranks * stages_per_rank
+
+    def simulated(o: float) -> float:
+        return simulate([0.0] * n_stages, [0.0] * n_stages, schedule=schedule, n_microbatches=n_microbatches,
+                        stages_per_rank=stages_per_rank, comm_s=comm_s, action_overhead_s=o).step_s
+
+    if simulated(0.0) >= step_s:
+        return 0.0
+    lo, hi = 0.0, step_s  # the step grows with o; at o = step_s it is at least step_s
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if simulated(mid) < step_s else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _compute_probe_s(device: torch.device, repeats: int) -> list[float]:
+    """Seconds of a fixed burst of matmuls and element-wise work, ``repeats`` times."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(192, 192, generator=g).to(device)
+    b = torch.randn(192, 192, generator=g).to(device)
+    out = []
+    for _ in range(repeats):
+        _synchronize(device)
+        t0 = time.perf_counter()
+        x = a
+        for _ in range(40):
+            x = torch.tanh(x @ b) + a
+        _synchronize(device)
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _overhead_worker(rank: int, port: int, n_ranks: int, backend: str, device_type: str,
+                     schedules: list[tuple[str, int]], n_microbatches: int, steps: int, timeout_s: float,
+                     out_dir: str) -> None:
+    """One rank of :func:`measure_action_overhead`: step times per schedule, compute alone and together."""
+    import os
+
+    import torch.nn as nn
+
+    torch.set_num_threads(1)  # the ranks share the host's cores, as in a CPU pipeline
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n_ranks),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n_ranks))
+    try:
+        dev = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n_ranks,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        from .runtime import Pipeline
+
+        g = torch.Generator().manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(_PROBE_WIDTH, _PROBE_WIDTH) for _ in range(_PROBE_LAYERS)])
+        x = torch.randn(2 * n_microbatches, _PROBE_WIDTH, generator=g)
+        y = torch.randn(2 * n_microbatches, _PROBE_WIDTH, generator=g)
+        steps_s: dict[str, list[float]] = {}
+        for schedule, v in schedules:
+            n_stages = n_ranks * v
+            splits = [str(_PROBE_LAYERS * k // n_stages) for k in range(1, n_stages)]
+            pipe = Pipeline(model, example_args=(x[:2],), loss_fn=nn.functional.mse_loss, split_points=splits,
+                            schedule=schedule, n_microbatches=n_microbatches, stages_per_rank=v, device=dev)
+            times = []
+            for i in range(steps + 2):  # two warm-up steps
+                dist.barrier()
+                t0 = time.perf_counter()
+                pipe.step(x, target=y)
+                _synchronize(dev)
+                elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # a step ends when its last rank ends
+                if i >= 2:
+                    times.append(float(elapsed))
+            steps_s[f"{schedule}-{v}"] = times
+
+        # The same compute burst on each rank alone, then on every rank at once.
+        alone: list[float] = []
+        for turn in range(n_ranks):
+            dist.barrier()
+            if turn == rank:
+                alone = _compute_probe_s(dev, 7)
+        dist.barrier()
+        together = _compute_probe_s(dev, 7)
+        result: tuple[str, Any] = ("ok", {"steps_s": steps_s, "alone_s": alone, "together_s": together})
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+        result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
+    finish_rank(out_dir, rank, result)
+
+
+def measure_action_overhead(
+    *,
+    device: str | None = None,
+    n_ranks: int = 2,
+    schedules: Sequence[tuple[str, int]] = OVERHEAD_SCHEDULES,
+    n_microbatches: int = 4,
+    steps: int = 10,
+    timeout_s: float = 300.0,
+) -> OverheadMeasurement:
+    """Measure the runtime's cost per pipeline action and the slowdown of ranks computing together.
+
+    Starts ``n_ranks`` processes on loopback (gloo on CPU, NCCL on GPUs), runs
+    :class:`autopipe.Pipeline` on a tiny model (eight 16-wide linear layers, so the compute
+    is negligible) under each schedule, and finds for each the seconds per action that
+    make the simulated step equal the measured median step. The same processes then time a
+    fixed burst of matmuls on each rank alone and on all ranks at once: their ratio is how
+    much slower stages compute when their devices share a host (about 1.0 on separate GPUs,
+    above 1 for CPU processes sharing cores and memory bandwidth).
+
+    Keyword Args:
+        device: "cpu" or "cuda" (one GPU per rank); default CUDA when ``n_ranks`` GPUs are
+            visible, else the CPU.
+        n_ranks: Processes, >= 2.
+        schedules: (schedule, stages per rank) pairs to run.
+        n_microbatches: Micro-batches per step; every schedule must accept it.
+        steps: Timed steps per schedule (after two warm-up steps).
+        timeout_s: The whole measurement is stopped after this many seconds.
+
+    Returns:
+        An :class:`OverheadMeasurement`.
+
+    Raises:
+        ValueError: bad counts, an unknown schedule or device, too few GPUs.
+        TimeoutError: the measurement did not finish in ``timeout_s``.
+        RuntimeError: a rank failed (the message holds its traceback).
+
+    Example:
+        >>> m = measure_action_overhead(schedules=[("1F1B", 1)], steps=3)  # doctest: +SKIP
+        >>> plan = autopipe.partition(model, 2, example_args=(x,),  # doctest: +SKIP
+        ...                           action_overhead_s=m.action_overhead_s)
+    """
+    from .schedules import canonical_schedule_name, validate_schedule
+
+    n_ranks = _check_count("n_ranks", n_ranks, 2)
+    n_microbatches = _check_count("n_microbatches", n_microbatches, 1)
+    steps = _check_count("steps", steps, 1)
+    timeout_s = _check_timeout(timeout_s)
+    if isinstance(schedules, (str, bytes)) or not schedules:
+        raise ValueError(f"schedules={schedules!r} must be a non-empty list of (schedule, stages_per_rank) pairs")
+    pairs = []
+    for item in schedules:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2):
+            raise ValueError(f"schedules entry {item!r} must be a (schedule, stages_per_rank) pair, e.g. ('1F1B', 1)")
+        name, v = canonical_schedule_name(item[0]), _check_count("stages_per_rank", item[1], 1)
+        if n_ranks * v > _PROBE_LAYERS:
+            raise ValueError(f"schedules entry {item!r}: {n_ranks * v} stages, but the probe model has {_PROBE_LAYERS} layers")
+        validate_schedule(name, n_ranks, n_microbatches, v)
+        pairs.append((name, v))
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= n_ranks else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} must be 'cpu' or 'cuda'")
+    if device == "cuda" and torch.cuda.device_count() < n_ranks:
+        raise ValueError(f"device='cuda' needs {n_ranks} GPUs (one per rank); {torch.cuda.device_count()} visible")
+    backend = "nccl" if device == "cuda" else "gloo"
+    outcomes, late, _ = spawn_ranks(
+        _overhead_worker, n_ranks,
+        lambda rank, port, out_dir: (rank, port, n_ranks, backend, device, pairs, n_microbatches, steps,
+                                     timeout_s, out_dir),
+        timeout_s=timeout_s, prefix="autopipe-overhead-",
+    )
+    if late:
+        raise TimeoutError(f"the overhead measurement was not done after timeout_s={timeout_s}; ranks {late} "
+                           "were killed. Raise timeout_s, or run fewer schedules or steps.")
+    errors = [f"--- rank {rank} ---\n{text}" for rank, (status, text) in enumerate(outcomes) if status != "ok"]
+    if errors:
+        raise RuntimeError("the overhead measurement failed:\n" + "\n".join(errors))
+    results = [value for _, value in outcomes]
+    latency = default_link(device)[1]
+    step_s, per_schedule = {}, {}
+    for name, v in pairs:
+        key = f"{name}-{v}"
+        step_s[key] = statistics.median(results[0]["steps_s"][key])
+        per_schedule[key] = _fit_action_overhead(step_s[key], name, v, n_ranks, n_microbatches, latency)
+    slowdown = statistics.median(
+        statistics.median(r["together_s"]) / statistics.median(r["alone_s"]) for r in results)
+    return OverheadMeasurement(
+        action_overhead_s=statistics.median(per_schedule.values()), per_schedule_s=per_schedule, step_s=step_s,
+        n_microbatches=n_microbatches, concurrent_slowdown=slowdown, n_ranks=n_ranks, backend=backend,
+        device=device,
+    )
+
+
 # --------------------------------------------------------------------------- command line
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m autopipe.measure``: measure the loopback link a few times, print the medians."""
+    """``python -m autopipe.measure``: measure the loopback link a few times, print the medians.
+
+    With ``--overhead``, also the runtime's cost per pipeline action (see
+    :func:`measure_action_overhead`).
+    """
     import argparse
     import json
 
@@ -552,6 +783,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=5, help="independent measurements (fresh processes each)")
     parser.add_argument("--repeats", type=int, default=10, help="timed round trips per size and run")
     parser.add_argument("--json", action="store_true", help="print every run as JSON as well")
+    parser.add_argument("--overhead", action="store_true",
+                        help="also measure the runtime's cost per pipeline action and the slowdown of ranks "
+                             "computing at once (partition(action_overhead_s=...), Device(speed=...))")
     args = parser.parse_args(argv)
     runs = []
     for i in range(_check_count("runs", args.runs, 1)):
@@ -563,6 +797,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"median of {len(runs)} runs: {bandwidth / 1e9:.3g} GB/s, latency {latency_s * 1e6:.3g} us")
     if args.json:
         print(json.dumps([r.to_dict() for r in runs]))
+    if args.overhead:
+        overhead = measure_action_overhead(device=args.device)
+        print(f"runtime overhead: {overhead.summary()}")
+        if args.json:
+            print(json.dumps(overhead.to_dict()))
     return 0
 
 

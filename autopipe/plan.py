@@ -153,6 +153,46 @@ class Plan:
             for d in segs
         ]
 
+    def action_overhead_s(self) -> list[float]:
+        """Seconds each action of each stage costs beyond its compute, as the planner charged it.
+
+        From ``extras["action_overhead_s"]``; zeros for plans made before autopipe charged it.
+
+        Example:
+            >>> len(plan.action_overhead_s()) == plan.num_stages  # doctest: +SKIP
+            True
+        """
+        values = self.extras.get("action_overhead_s") or []
+        return [float(x) for x in values] if len(values) == self.num_stages else [0.0] * self.num_stages
+
+    def _simulated_step_s(self, compute_factor: float) -> float:
+        """The plan's simulated step with every stage's compute scaled by ``compute_factor``."""
+        from .schedules import simulate
+
+        return simulate(
+            [st.fwd_s * compute_factor for st in self.stages], [st.bwd_s * compute_factor for st in self.stages],
+            schedule=self.schedule, n_microbatches=self.n_microbatches, comm_s=self.extras.get("cut_comm_s") or 0.0,
+            stages_per_rank=self.stages_per_rank, action_overhead_s=self.action_overhead_s(),
+        ).step_s
+
+    def _compute_factor_for_step(self, step_s: float) -> float:
+        """The factor on every stage's compute that makes the simulated step ``step_s``.
+
+        Communication and per-action overhead stay as they are, so only compute scales; a
+        step at or below what they alone take gives the smallest factor, 0.
+        """
+        if self.predicted_step_s <= 0:
+            return 1.0
+        if not any(self.action_overhead_s()) and not self.extras.get("cut_comm_s"):
+            return step_s / self.predicted_step_s  # the step is proportional to compute alone
+        lo, hi = 0.0, 1.0
+        while self._simulated_step_s(hi) < step_s:  # the simulated step grows with the factor
+            hi *= 2.0
+        for _ in range(50):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if self._simulated_step_s(mid) < step_s else (lo, mid)
+        return (lo + hi) / 2
+
     def calibrate(self, measured: "Sequence[float] | Mapping[str, Any]") -> "Plan":
         """A copy of the plan with measured stage times folded in.
 
@@ -177,14 +217,12 @@ class Plan:
         """
         import copy as _copy
 
-        from .schedules import simulate
-
         p = self.num_stages
         if isinstance(measured, Mapping) and "step_s" in measured:
             step = float(measured["step_s"])
             if not step > 0:
                 raise ValueError(f"measured step_s={measured['step_s']!r} must be > 0 seconds")
-            factor = step / self.predicted_step_s if self.predicted_step_s > 0 else 1.0
+            factor = self._compute_factor_for_step(step)
             fwd_f = bwd_f = [factor] * p
         else:
             if isinstance(measured, Mapping):
@@ -210,11 +248,7 @@ class Plan:
                 seg["fwd_s"] *= ff
                 seg["bwd_s"] *= bf
         new.bottleneck_s = max(st.time_s for st in new.stages)
-        comm = new.extras.get("cut_comm_s") or 0.0
-        new.predicted_step_s = simulate(
-            [st.fwd_s for st in new.stages], [st.bwd_s for st in new.stages], schedule=new.schedule,
-            n_microbatches=new.n_microbatches, comm_s=comm, stages_per_rank=new.stages_per_rank,
-        ).step_s
+        new.predicted_step_s = new._simulated_step_s(1.0)
         new.extras["calibration"] = {"fwd_factor": list(fwd_f), "bwd_factor": list(bwd_f)}
         return new
 

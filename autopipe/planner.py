@@ -26,7 +26,7 @@ import math
 import numbers
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -35,7 +35,7 @@ import torch
 from . import schedules as sim
 from .baselines import BASELINES, evaluate_baselines, layer_units
 from .costgraph import CostGraph, SegmentCost, build_cost_graph
-from .devices import Device, default_link, optimizer_state_factor, parse_bytes
+from .devices import Device, default_action_overhead_s, default_link, optimizer_state_factor, parse_bytes
 from .errors import InfeasibleMemoryError
 from .partitioner import PartitionProblem, PartitionResult, candidate_partitions, solve_bottleneck
 from .plan import BaselinePlan, Plan, StagePlan
@@ -62,9 +62,14 @@ def _check_int(name: str, value: Any, minimum: int = 1) -> int:
 
 
 def _devices_for(
-    n_gpus: int, devices: Sequence[Device] | None, memory: Any, bandwidth: float | None, latency_s: float | None
+    n_gpus: int, devices: Sequence[Device] | None, memory: Any, bandwidth: float | None, latency_s: float | None,
+    action_overhead_s: float | None = None,
 ) -> list[Device]:
     """One Device per pipeline rank, from ``devices`` or from the scalar options."""
+    if action_overhead_s is not None and (isinstance(action_overhead_s, bool)
+                                          or not isinstance(action_overhead_s, (int, float))
+                                          or not 0 <= action_overhead_s < math.inf):
+        raise ValueError(f"action_overhead_s={action_overhead_s!r} must be a finite time >= 0 seconds")
     if devices is not None:
         devices = list(devices)
         if len(devices) != n_gpus:
@@ -74,6 +79,9 @@ def _devices_for(
                 raise TypeError(f"devices[{i}]={d!r} is not an autopipe.Device")
         if memory is not None:
             raise ValueError("give memory either per device (Device(memory=...)) or as memory=, not both")
+        if action_overhead_s is not None:
+            devices = [d if d.action_overhead_s is not None else replace(d, action_overhead_s=action_overhead_s)
+                       for d in devices]
         return devices
     if bandwidth is not None and not (isinstance(bandwidth, (int, float)) and bandwidth > 0):
         raise ValueError(f"bandwidth={bandwidth!r} must be > 0 bytes/s")
@@ -85,7 +93,8 @@ def _devices_for(
         mems = [parse_bytes(m, name=f"memory[{i}]") for i, m in enumerate(memory)]
     else:
         mems = [None if memory is None else parse_bytes(memory, name="memory")] * n_gpus
-    return [Device(memory=m, bandwidth=bandwidth, latency_s=latency_s) for m in mems]
+    return [Device(memory=m, bandwidth=bandwidth, latency_s=latency_s, action_overhead_s=action_overhead_s)
+            for m in mems]
 
 
 # --------------------------------------------------------------------------- schedule facts
@@ -105,11 +114,12 @@ def inflight_per_stage(schedule: str, n_ranks: int, n_microbatches: int, stages_
 
 def predict_step_s(
     fwd_s: Sequence[float], bwd_s: Sequence[float], comm_s: Sequence[float], *,
-    schedule: str, n_microbatches: int, stages_per_rank: int,
+    schedule: str, n_microbatches: int, stages_per_rank: int, action_overhead_s: float | Sequence[float] = 0.0,
 ) -> float:
     """Predicted time of one step: the simulated makespan of ``schedule`` with these stages."""
     return sim.simulate(list(fwd_s), list(bwd_s), schedule=schedule, n_microbatches=n_microbatches,
-                        comm_s=list(comm_s) if len(comm_s) else 0.0, stages_per_rank=stages_per_rank).step_s
+                        comm_s=list(comm_s) if len(comm_s) else 0.0, stages_per_rank=stages_per_rank,
+                        action_overhead_s=action_overhead_s).step_s
 
 
 # --------------------------------------------------------------------------- problem
@@ -248,10 +258,10 @@ def _stage_fwd_bwd(problem: PartitionProblem, result: PartitionResult, costs: li
 
 
 def _predict(problem: PartitionProblem, result: PartitionResult, costs: list[SegmentCost], *,
-             schedule: str, m: int, stages_per_rank: int) -> float:
+             schedule: str, m: int, stages_per_rank: int, action_overhead_s: Sequence[float]) -> float:
     fwd, bwd = _stage_fwd_bwd(problem, result, costs)
     return predict_step_s(fwd, bwd, _cut_comm_s(problem, result.cuts), schedule=schedule,
-                          n_microbatches=m, stages_per_rank=stages_per_rank)
+                          n_microbatches=m, stages_per_rank=stages_per_rank, action_overhead_s=action_overhead_s)
 
 
 @dataclass
@@ -269,6 +279,7 @@ class ScheduleOption:
     fits: bool = False
     candidates: int = 0
     step_lower_bound_s: float = 0.0
+    action_overhead_s: list[float] = field(default_factory=list)  # per stage, seconds per action
     reason: str = ""  # why it was not usable, when it was not
 
     def summary(self) -> dict[str, Any]:
@@ -299,12 +310,15 @@ def _rank_peak_bytes(problem: PartitionProblem, result: PartitionResult, ranks: 
 def _cost_option(
     option: ScheduleOption, *, traced: TracedModel, cost_graph: CostGraph, n_gpus: int,
     rank_devices: Sequence[Device], optimizer_factor: float, link_default: tuple[float, float], objective: str,
+    overhead_default: float = 0.0,
 ) -> ScheduleOption:
     """Find the best split for one schedule option and predict its step time and memory."""
     sched, v, m = option.schedule, option.stages_per_rank, option.n_microbatches
     costs = cost_graph.costs or []
     ranks = sim.stage_ranks(sched, n_gpus, v)
     stage_devices = [rank_devices[r] for r in ranks]
+    option.action_overhead_s = [d.action_overhead_s if d.action_overhead_s is not None else overhead_default
+                                for d in stage_devices]
     option.inflight = inflight_per_stage(sched, n_gpus, m, v)
     problem = build_problem(
         cost_graph, traced, num_stages=n_gpus * v, stage_devices=stage_devices, inflight=option.inflight,
@@ -315,14 +329,16 @@ def _cost_option(
     option.candidates = len(results)
     best = None
     for r in results:
-        step = _predict(problem, r, costs, schedule=sched, m=m, stages_per_rank=v)
+        step = _predict(problem, r, costs, schedule=sched, m=m, stages_per_rank=v,
+                        action_overhead_s=option.action_overhead_s)
         if best is None or (step, r.bottleneck_s) < (best[0], best[1].bottleneck_s):
             best = (step, r)
     option.predicted_step_s, option.result = best
     # Memory per rank from the simulated timeline (stages on one rank peak at different times).
     fwd, bwd = _stage_fwd_bwd(problem, option.result, costs)
     timeline = sim.simulate(fwd, bwd, schedule=sched, n_microbatches=m, stages_per_rank=v,
-                            comm_s=_cut_comm_s(problem, option.result.cuts) or 0.0)
+                            comm_s=_cut_comm_s(problem, option.result.cuts) or 0.0,
+                            action_overhead_s=option.action_overhead_s)
     A = np.concatenate([[0.0], np.cumsum(problem.act_bytes)])
     edges = [0, *option.result.cuts, problem.num_segments]
     act = [int(A[edges[s + 1]] - A[edges[s]]) for s in range(problem.num_stages)]
@@ -333,7 +349,10 @@ def _cost_option(
                                "cut_bwd_bytes": np.zeros_like(problem.cut_bwd_bytes),
                                "capacity_bytes": np.full_like(problem.capacity_bytes, np.inf)})
     per_rank = solve_bottleneck(free).bottleneck_s if v == 1 else float(problem.compute_s.sum() / sum(d.speed for d in rank_devices))
-    option.step_lower_bound_s = float(max(m * per_rank, problem.compute_s.sum() / max(problem.speed)))
+    # Every action of a rank also pays the runtime's overhead, one action after another.
+    actions_overhead = min(sum(option.action_overhead_s[e.stage] for e in timeline.per_rank(r))
+                           for r in range(n_gpus))
+    option.step_lower_bound_s = float(max(m * per_rank + actions_overhead, problem.compute_s.sum() / max(problem.speed)))
     return option
 
 
@@ -396,7 +415,8 @@ def make_plan(
             description=BASELINES[name],
             split_points=[traced.candidates[c - 1].name for c in r.cuts],
             bottleneck_s=r.bottleneck_s,
-            predicted_step_s=_predict(problem, r, costs, schedule=sched, m=m, stages_per_rank=v),
+            predicted_step_s=_predict(problem, r, costs, schedule=sched, m=m, stages_per_rank=v,
+                                      action_overhead_s=chosen.action_overhead_s),
             peak_bytes=int(max(r.stage_mem_bytes)),
             fits_memory=r.fits_memory,
         ))
@@ -418,6 +438,7 @@ def make_plan(
         "stage_ranks": ranks,
         "cut_comm_s": _cut_comm_s(problem, result.cuts),
         "links": {"bandwidth": problem.bandwidth.tolist(), "latency_s": problem.latency_s.tolist()},
+        "action_overhead_s": list(chosen.action_overhead_s),
     }
     if alternatives:
         extras["alternatives"] = [a.summary() for a in alternatives]
@@ -465,6 +486,7 @@ def partition(
     device: str | torch.device | None = None,
     bandwidth: float | None = None,
     latency_s: float | None = None,
+    action_overhead_s: float | None = None,
     warmup: int = 2,
     repeats: int = 5,
     costs: Sequence[SegmentCost] | None = None,
@@ -513,6 +535,11 @@ def partition(
         bandwidth: Bytes/s between neighbouring devices (default: 2 GB/s on CPU,
             10 GB/s on CUDA).
         latency_s: Seconds per message between devices (default 100 us CPU, 20 us CUDA).
+        action_overhead_s: Seconds every pipeline action (a stage's forward or backward of
+            one micro-batch) costs beyond its compute: the runtime's own work, which the
+            profile does not see. Default 1.5 ms on CPU (gloo processes, measured on a
+            2-core host), 0 on CUDA (not measured there yet). Measure yours with
+            :func:`autopipe.measure.measure_action_overhead`.
         warmup: Untimed runs per segment before measuring.
         repeats: Timed runs per segment; the median is kept.
         costs: A profile to reuse (``plan.extras`` or :func:`autopipe.profile.profile_segments`
@@ -552,7 +579,7 @@ def partition(
     if cost not in COST_SOURCES:
         raise ValueError(f"cost={cost!r} is not a cost source; use one of {list(COST_SOURCES)}")
     opt_name, opt_factor = optimizer_state_factor(optimizer)
-    rank_devices = _devices_for(n_gpus, devices, memory, bandwidth, latency_s)
+    rank_devices = _devices_for(n_gpus, devices, memory, bandwidth, latency_s, action_overhead_s)
     dev = resolve_device(device)
     _check_int("warmup", warmup, 0)
     _check_int("repeats", repeats, 1)
@@ -588,7 +615,8 @@ def partition(
             option = ScheduleOption(schedule=sched, stages_per_rank=v, n_microbatches=mm)
             try:
                 _cost_option(option, traced=traced, cost_graph=graph, n_gpus=n_gpus, rank_devices=rank_devices,
-                             optimizer_factor=opt_factor, link_default=default_link(dev.type), objective=objective)
+                             optimizer_factor=opt_factor, link_default=default_link(dev.type), objective=objective,
+                             overhead_default=default_action_overhead_s(dev.type))
             except InfeasibleMemoryError as e:
                 if not wanted.several:
                     raise

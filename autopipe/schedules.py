@@ -526,7 +526,7 @@ def _order_and_source(
     # A dry run with unit times finds orders that wait on each other forever.
     n_stages = len(ranks)
     _place_in_time(frozen, ranks, [1.0] * n_stages, [1.0] * n_stages, [0.5] * n_stages,
-                   [0.0] * max(0, n_stages - 1), schedule=schedule)
+                   [0.0] * max(0, n_stages - 1), [0.0] * n_stages, schedule=schedule)
     return frozen, source
 
 
@@ -622,6 +622,7 @@ def simulate(
     comm_s: float | Sequence[float] = 0.0,
     stages_per_rank: int | None = None,
     wgrad_s: Sequence[float] | None = None,
+    action_overhead_s: float | Sequence[float] = 0.0,
 ) -> Timeline:
     """Simulate one training step of a pipeline schedule and return its timeline.
 
@@ -654,6 +655,12 @@ def simulate(
             schedule splits the backward into I (``bwd_s - wgrad_s``) and W (``wgrad_s``).
             Default: half of ``bwd_s``, the split zero-bubble papers assume for a layer
             whose input-grad and weight-grad matmuls are the same size.
+        action_overhead_s: seconds every action (F, B, I or W) costs on top of its compute:
+            the runtime's own work per action (the schedule's bookkeeping, posting and
+            waiting on its sends and receives, the autograd calls). One value for every
+            stage, or one per stage. It is why schedules with more, shorter actions
+            (interleaved, zero-bubble) gain less in practice than on paper;
+            :func:`autopipe.measure.measure_action_overhead` measures it.
 
     Returns:
         A :class:`Timeline` with the step time, bubble fraction, per-rank busy time and
@@ -700,12 +707,18 @@ def simulate(
         comm = [float(comm_s)] * (n_stages - 1)
     else:
         comm = _times("comm_s", comm_s, length=n_stages - 1, length_of="the cuts (n_stages - 1)")
+    if isinstance(action_overhead_s, numbers.Real) and not isinstance(action_overhead_s, bool):
+        if not math.isfinite(action_overhead_s) or action_overhead_s < 0:
+            raise ValueError(f"action_overhead_s must be a finite time >= 0 seconds, got {action_overhead_s!r}")
+        overhead = [float(action_overhead_s)] * n_stages
+    else:
+        overhead = _times("action_overhead_s", action_overhead_s, length=n_stages, length_of="stage")
     n_ranks = n_stages // stages_per_rank
     validate_schedule(schedule, n_ranks, n_microbatches, stages_per_rank)
 
     order, source = _order_and_source(schedule, n_ranks, n_microbatches, stages_per_rank)
     ranks = stage_ranks(schedule, n_ranks, stages_per_rank)
-    events = _place_in_time(order, ranks, fwd, bwd, wgrad, comm, schedule=schedule)
+    events = _place_in_time(order, ranks, fwd, bwd, wgrad, comm, overhead, schedule=schedule)
 
     step_s = max((e.end_s for e in events), default=0.0)
     busy = [0.0] * n_ranks
@@ -756,6 +769,7 @@ def _place_in_time(
     bwd: list[float],
     wgrad: list[float],
     comm: list[float],
+    overhead: list[float],
     *,
     schedule: str,
 ) -> list[Event]:
@@ -766,12 +780,13 @@ def _place_in_time(
     a full pass in which no rank can advance means the order deadlocks.
     """
     last = len(ranks) - 1
-    duration = {
+    compute = {
         FORWARD: fwd,
         FULL_BACKWARD: bwd,
         INPUT_GRAD: [b - w for b, w in zip(bwd, wgrad)],
         WEIGHT_GRAD: wgrad,
     }
+    duration = {kind: [t + o for t, o in zip(times, overhead)] for kind, times in compute.items()}
 
     def cut_s(a: int, b: int) -> float:
         # Two stages on one rank (the turn of a V, or a single rank) share memory.

@@ -183,6 +183,12 @@ def test_plan_chrome_trace_has_one_track_per_rank(planned):
     assert trace_ranks(trace) == {0, 1}
 
 
+def test_plan_charges_the_action_overhead_given_on_the_command_line(workdir, tmp_path):
+    assert main(["plan", str(workdir / "tiny.py") + ":make", "--gpus", "2", *FAST, "--action-overhead-ms", "3",
+                 "--out", str(tmp_path / "p.json")]) == 0
+    assert Plan.load(tmp_path / "p.json").action_overhead_s() == [3e-3, 3e-3]
+
+
 def test_plan_accepts_a_factory_with_keyword_inputs(workdir, capsys):
     assert main(["plan", str(workdir / "tiny.py") + ":with_kwargs", "--gpus", "2", *FAST]) == 0
     assert "split_spec" in capsys.readouterr().out
@@ -294,6 +300,7 @@ def test_unwritable_output_path_is_one_line_before_any_work(workdir):
     (["plan", "tiny.py:make", "--gpus", "2", "--schedule", "fast"], ["schedule 'fast' is not known"]),
     (["plan", "tiny.py:make", "--gpus", "2", "--memory", "lots"], ["memory='lots'"]),
     (["plan", "tiny.py:make", "--gpus", "2", "--bandwidth", "fast"], ["--bandwidth 'fast' is not a rate"]),
+    (["plan", "tiny.py:make", "--gpus", "2", "--action-overhead-ms", "-1"], ["--action-overhead-ms -1.0 must be"]),
     (["plan", "tiny.py:make", "--gpus", "2", "--memory", "1KiB", *FAST], ["smallest per-device memory that fits"]),
 ])
 def test_user_mistakes_are_one_line_on_stderr(workdir, monkeypatch, capsys, argv, fragments):

@@ -165,3 +165,53 @@ def test_each_rank_but_the_last_gets_its_link_measured_once_per_pair(monkeypatch
 def test_a_memory_list_of_the_wrong_length_raises():
     with pytest.raises(ValueError, match="memory has 3 entries"):
         measure_devices(["cpu", "cpu"], memory=["1GiB"] * 3, measure_links=False)
+
+
+# --------------------------------------------------------------------------- runtime overhead
+
+
+@pytest.mark.parametrize("schedule, v", [("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)])
+def test_the_fit_recovers_the_overhead_a_simulated_step_was_made_with(schedule, v):
+    from autopipe.schedules import simulate
+
+    p = 2 * v
+    step = simulate([0.0] * p, [0.0] * p, schedule=schedule, n_microbatches=4, stages_per_rank=v,
+                    comm_s=1e-4, action_overhead_s=2.5e-3).step_s
+    fitted = measure._fit_action_overhead(step, schedule, v, 2, 4, 1e-4)
+    assert fitted == pytest.approx(2.5e-3, rel=1e-9)
+
+
+def test_a_step_no_longer_than_its_transfers_fits_no_overhead():
+    assert measure._fit_action_overhead(1e-6, "1F1B", 1, 2, 4, 1e-3) == 0.0
+
+
+@pytest.mark.distributed
+def test_overhead_of_a_real_two_rank_pipeline_is_positive_and_usable():
+    m = measure.measure_action_overhead(schedules=[("1F1B", 1)], steps=2, timeout_s=180)
+    assert m.backend == "gloo" and m.n_ranks == 2 and list(m.per_schedule_s) == ["1F1B-1"]
+    assert 0 < m.action_overhead_s < m.step_s["1F1B-1"]
+    assert 0 < m.concurrent_slowdown < math.inf
+    assert "ms per action" in m.summary()
+    assert Device(speed=1 / m.concurrent_slowdown, action_overhead_s=m.action_overhead_s).speed > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"n_ranks": 1}, "n_ranks="),
+        ({"steps": 0}, "steps="),
+        ({"schedules": []}, "schedules="),
+        ({"schedules": ["1F1B"]}, "schedules entry"),
+        ({"schedules": [("Nope", 1)]}, "Nope"),
+        ({"schedules": [("Interleaved1F1B", 8)]}, "the probe model has 8 layers"),
+        ({"device": "tpu"}, "device="),
+        ({"timeout_s": 0}, "timeout_s="),
+    ],
+)
+def test_bad_overhead_arguments_raise_before_any_process_starts(monkeypatch, kwargs, name):
+    def no_spawn(*args, **kw):
+        raise AssertionError("processes were started for bad arguments")
+
+    monkeypatch.setattr(measure, "spawn_ranks", no_spawn)
+    with pytest.raises(ValueError, match=name):
+        measure.measure_action_overhead(**kwargs)

@@ -77,3 +77,20 @@ def test_calibrate_rejects_the_wrong_number_of_stages():
 def test_calibrate_rejects_non_positive_times():
     with pytest.raises(ValueError, match="must all be > 0"):
         _plan().calibrate([1.0, 0.0])
+
+
+def test_calibrate_with_a_step_time_leaves_the_per_action_overhead_alone():
+    # Only compute scales: the calibrated plan's simulated step is the measured one.
+    plan = _plan()
+    plan.extras["action_overhead_s"] = [5e-4, 5e-4]
+    plan.predicted_step_s = plan._simulated_step_s(1.0)
+    cal = plan.calibrate({"step_s": 1.5 * plan.predicted_step_s})
+    assert cal.predicted_step_s == pytest.approx(1.5 * plan.predicted_step_s, rel=1e-9)
+    assert cal.extras["calibration"]["fwd_factor"][0] > 1.5  # compute grows more than the step
+    assert cal.action_overhead_s() == [5e-4, 5e-4]
+
+
+def test_a_plan_without_an_overhead_record_charges_none():
+    plan = _plan()
+    plan.extras.pop("action_overhead_s", None)
+    assert plan.action_overhead_s() == [0.0, 0.0]

@@ -72,6 +72,7 @@ def test_each_device_memory_is_respected(small_transformer, costs):
     (dict(speed=-1.0), "speed=-1.0 must be"),
     (dict(memory="-3GiB"), "Device memory='-3GiB' is not a memory size"),
     (dict(bandwidth=0), "bandwidth=0 must be > 0"),
+    (dict(action_overhead_s=-1e-3), "action_overhead_s=-0.001 must be a finite time >= 0"),
 ])
 def test_bad_device_values_are_rejected(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -134,3 +135,42 @@ def test_micro_batch_count_must_divide_the_global_batch(small_transformer):
     model, args = small_transformer
     with pytest.raises(ValueError, match=r"n_microbatches=3 does not divide global_batch=8; use one of \[1, 2, 4, 8\]"):
         autopipe.partition(model, 2, example_args=args, n_microbatches=3, global_batch=8)
+
+
+# --------------------------------------------------------------------------- per-action overhead
+def test_the_runtime_overhead_per_action_is_charged_and_recorded(small_transformer, costs):
+    model, args = small_transformer
+    kw = dict(example_args=args, costs=costs, progress=False, n_microbatches=4, schedule="1F1B")
+    free = autopipe.partition(model, 2, action_overhead_s=0.0, **kw)
+    paid = autopipe.partition(model, 2, action_overhead_s=2e-3, **kw)
+    assert free.action_overhead_s() == [0.0, 0.0] and paid.action_overhead_s() == [2e-3, 2e-3]
+    # 1F1B, 2 ranks, 4 micro-batches: 8 actions per rank, all on the critical path's rank or more.
+    assert paid.predicted_step_s >= free.predicted_step_s + 8 * 2e-3 - 1e-12
+    assert paid.extras["step_lower_bound_s"] >= free.extras["step_lower_bound_s"] + 8 * 2e-3 - 1e-12
+    assert paid.extras["step_lower_bound_s"] <= paid.predicted_step_s
+    from autopipe.reporting.timeline import plan_timeline
+    assert plan_timeline(paid).step_s == pytest.approx(paid.predicted_step_s)
+
+
+def test_cpu_plans_charge_the_measured_default_overhead(small_transformer, costs):
+    from autopipe.devices import default_action_overhead_s
+
+    model, args = small_transformer
+    plan = autopipe.partition(model, 2, example_args=args, costs=costs, progress=False, device="cpu")
+    assert plan.action_overhead_s() == [default_action_overhead_s("cpu")] * 2
+    assert default_action_overhead_s("cpu") > 0
+
+
+def test_a_device_keeps_its_own_overhead_over_the_call_wide_one(small_transformer, costs):
+    model, args = small_transformer
+    devices = [autopipe.Device(action_overhead_s=1e-3), autopipe.Device()]
+    plan = autopipe.partition(model, 2, example_args=args, costs=costs, progress=False, devices=devices,
+                              action_overhead_s=4e-3)
+    assert plan.action_overhead_s() == [1e-3, 4e-3]
+
+
+@pytest.mark.parametrize("value", [-1e-3, float("inf"), "1ms", True])
+def test_a_bad_action_overhead_is_named_before_any_work(small_transformer, value):
+    model, args = small_transformer
+    with pytest.raises(ValueError, match="action_overhead_s"):
+        autopipe.partition(model, 2, example_args=args, progress=False, action_overhead_s=value)

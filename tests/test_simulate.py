@@ -249,7 +249,7 @@ def test_an_order_that_waits_on_itself_is_reported_as_a_deadlock():
     # Rank 0 wants stage 0's backward before its forward; rank 1 waits for that forward.
     order = [[Action(0, "B", 0), Action(0, "F", 0)], [Action(1, "F", 0), Action(1, "B", 0)]]
     with pytest.raises(ValueError, match=r"deadlocks: rank 0 waits at 0B0, rank 1 waits at 1F0"):
-        simulate_module._place_in_time(order, [0, 1], [1.0] * 2, [1.0] * 2, [0.5] * 2, [0.0],
+        simulate_module._place_in_time(order, [0, 1], [1.0] * 2, [1.0] * 2, [0.5] * 2, [0.0], [0.0] * 2,
                                        schedule="custom")
 
 
@@ -480,3 +480,33 @@ def test_examples_in_docs_simulator_md_print_what_they_show():
     runner.run(test)
     results = runner.summarize(verbose=False)
     assert results.attempted > 0 and results.failed == 0
+
+
+# --------------------------------------------------------------------------- per-action overhead
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_per_action_overhead_adds_to_every_forward_and_backward(schedule):
+    # Uniform stages: (m + p - 1)(F + B) becomes (m + p - 1)(F + o + B + o).
+    p, m, f, b, o = 4, 8, 1.0, 2.0, 0.25
+    t = simulate([f] * p, [b] * p, schedule=schedule, n_microbatches=m, action_overhead_s=o)
+    assert t.step_s == pytest.approx((m + p - 1) * (f + b + 2 * o))
+
+
+def test_zero_bubble_schedules_pay_the_overhead_on_input_and_weight_grads_separately():
+    # ZBV runs F, I and W per micro-batch and stage: three actions, three overheads.
+    kw = dict(schedule="ZBVZeroBubble", n_microbatches=4)
+    free = simulate([1.0] * 4, [2.0] * 4, **kw)
+    paid = simulate([1.0] * 4, [2.0] * 4, action_overhead_s=0.1, **kw)
+    per_rank = [len(paid.per_rank(r)) for r in range(paid.n_ranks)]
+    assert per_rank == [4 * 2 * 3] * 2
+    assert paid.busy_s == pytest.approx([b + 0.1 * n for b, n in zip(free.busy_s, per_rank)])
+
+
+def test_per_stage_overhead_charges_each_stage_its_own():
+    t = simulate([1.0, 1.0], [1.0, 1.0], schedule="GPipe", n_microbatches=1, action_overhead_s=[0.0, 0.5])
+    assert t.step_s == pytest.approx(1.0 + 1.5 + 1.5 + 1.0)
+
+
+@pytest.mark.parametrize("bad", [-1e-3, float("nan"), [0.0], [0.0, -1.0]])
+def test_a_bad_action_overhead_is_refused(bad):
+    with pytest.raises(ValueError, match="action_overhead_s"):
+        simulate([1.0, 1.0], [1.0, 1.0], schedule="GPipe", n_microbatches=2, action_overhead_s=bad)
