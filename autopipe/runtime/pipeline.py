@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..plan import Plan, StagePlan
 from ..schedules import canonical_schedule_name, schedule_class, stage_ranks, validate_schedule
@@ -354,8 +354,7 @@ class Pipeline:
         # infers them by running the stage on uninitialised tensors, and an integer input
         # (token or position ids crossing a cut) then indexes out of range.
         inputs, outputs = _static_stage_meta(module, self._example[0] if stage_index == 0 else None)
-        return PipelineStage(module, stage_index, self.num_stages, self.device,
-                             input_args=inputs, output_args=outputs)
+        return _VStage(module, stage_index, self.num_stages, self.device, input_args=inputs, output_args=outputs)
 
     def _make_schedule(self, stages: list, loss_fn: Callable | None):
         cls = schedule_class(self.schedule)
@@ -539,9 +538,14 @@ class Pipeline:
                     )
 
     def _place(self, args: tuple, kwargs: dict, target: Any) -> tuple[tuple, dict, Any]:
-        """Inputs go to the first stage's rank, targets to the last's, on their device."""
+        """Inputs go to the first stage's rank, targets to the last's, on their device.
+
+        Tensors are made contiguous: ``torch.export`` records contiguous strides for the
+        stage inputs, and some torch releases (2.11) check a micro-batch's strides against
+        them (a batch sliced from a wider tensor, ``data[:, :-1]``, would fail there).
+        """
         def to_device(t):
-            return t.to(self.device, non_blocking=True) if isinstance(t, torch.Tensor) else t
+            return t.to(self.device, non_blocking=True).contiguous() if isinstance(t, torch.Tensor) else t
         stage_args, stage_kwargs = ((), {})
         if self.has_first_stage:
             stage_args, stage_kwargs = tree_map(to_device, (tuple(args), dict(kwargs)))
@@ -756,7 +760,7 @@ def _split(model: nn.Module, split_spec: dict, example: tuple[tuple, dict], *, t
     # torch's schedules and stages only pass tensors between neighbouring stages.
     relay_skip_connections(pipe)
     for s in range(pipe.num_stages):
-        _make_boundary_tensors_contiguous(pipe.get_stage_module(s))
+        _make_boundary_tensors_sendable(pipe.get_stage_module(s), first=s == 0, last=s == pipe.num_stages - 1)
         _run_generated_code(pipe.get_stage_module(s))
     return pipe
 
@@ -804,11 +808,12 @@ def _guard_stage_boundaries(stage_module: nn.Module) -> None:
     * Outputs are never views (a view is copied): torch's zero-bubble backward detaches each
       stage output in place, which a view does not allow ("Can't detach views in-place"); a
       cut right after a reshape makes one. Outputs are also made contiguous, in case the
-      run's strides differ from the traced ones (see :func:`_make_boundary_tensors_contiguous`).
+      run's strides differ from the traced ones (see :func:`_make_boundary_tensors_sendable`).
     * Inputs that will receive a gradient pass through :class:`_ContiguousGrad`, so the
       gradient sent back to the previous stage is contiguous.
     """
     inner = stage_module.forward
+    wire = getattr(stage_module, "_autopipe_wire", {"inputs": {}, "outputs": {}})
 
     def sendable(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
@@ -821,10 +826,49 @@ def _guard_stage_boundaries(stage_module: nn.Module) -> None:
         return t
 
     def forward(*args, **kwargs):
-        out = inner(*tree_map(guarded, args), **tree_map(guarded, kwargs))
-        return tree_map(sendable, out)
+        args = list(args)
+        encoded = []  # received integers, as floats: decoded here, tied to an output below
+        for i, dtype in wire["inputs"].items():
+            if i < len(args) and isinstance(args[i], torch.Tensor) and args[i].dtype != dtype:
+                encoded.append(args[i])
+                args[i] = args[i].detach().to(dtype)
+        out = inner(*tree_map(guarded, tuple(args)), **tree_map(guarded, kwargs))
+        flat, spec = tree_flatten(out)
+        # A float output in the autograd graph: sent integers and received ones hang off it.
+        anchor = next((j for j, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.requires_grad
+                       and j not in wire["outputs"]), None) if torch.is_grad_enabled() else None
+        for j, value in enumerate(flat):
+            if j in wire["outputs"] and isinstance(value, torch.Tensor):
+                flat[j] = value.to(WIRE_DTYPE)
+                if anchor is not None:  # torch's backward wants every sent tensor in the graph
+                    flat[j] = _Attached.apply(flat[j], flat[anchor])
+        tied = [t for t in encoded if t.requires_grad]
+        if tied and anchor is not None:
+            flat[anchor] = _TieZeroGrad.apply(flat[anchor], *tied)
+        return tree_map(sendable, tree_unflatten(flat, spec))
 
     stage_module.forward = forward
+
+
+class _VStage(PipelineStage):
+    """A manual stage whose first step never sends to its own rank.
+
+    Before the first step torch exchanges a dummy tensor with each neighbouring stage to set
+    up the communicators. In a V the two middle stages share a rank, and some torch releases
+    (2.11) send that dummy to the rank itself, which gloo refuses ("Pair is not connected");
+    NCCL allows it, and torch 2.13 skips it. The ops with this rank as peer are dropped
+    here, in pairs (the send and the matching receive both name this rank).
+    """
+
+    def _get_init_p2p_neighbors_ops(self) -> list:
+        ops = super()._get_init_p2p_neighbors_ops()
+        me_in_group, me = dist.get_rank(self.group), dist.get_rank()
+
+        def peer_is_me(op) -> bool:
+            group_peer = getattr(op, "group_peer", None)
+            return group_peer == me_in_group if group_peer is not None else getattr(op, "peer", None) == me
+
+        return [op for op in ops if not peer_is_me(op)]
 
 
 def _static_stage_meta(stage_module: nn.Module, first_stage_args: tuple | None
@@ -854,22 +898,42 @@ def _static_stage_meta(stage_module: nn.Module, first_stage_args: tuple | None
     return tuple(inputs), tuple(outputs)
 
 
-def _make_boundary_tensors_contiguous(stage_module: nn.Module) -> None:
-    """Make every tensor a stage sends or receives contiguous, in its graph.
+#: The dtype integer and boolean tensors travel in between stages (exact for |x| < 2**53).
+WIRE_DTYPE = torch.float64
 
-    A cut inside a module can fall where a tensor is a strided view (``k.transpose(...)``).
-    torch's stage sends the output as it is and allocates receive buffers with the traced
-    strides, and gloo (like NCCL) only sends and receives contiguous tensors. So each
-    non-contiguous stage output gets a ``clone(memory_format=contiguous_format)`` and each
-    stage input is described as contiguous; contiguous boundaries are left untouched.
+
+def _make_boundary_tensors_sendable(stage_module: nn.Module, *, first: bool, last: bool) -> None:
+    """Describe every tensor a stage sends or receives as one torch can send, in its graph.
+
+    * Contiguous: a cut inside a module can fall where a tensor is a strided view
+      (``k.transpose(...)``). torch's stage sends the output as it is and allocates receive
+      buffers with the traced strides, and gloo (like NCCL) only sends and receives
+      contiguous tensors. So each non-contiguous stage output gets a
+      ``clone(memory_format=contiguous_format)`` and each stage input is described as
+      contiguous; contiguous boundaries are left untouched.
+    * Floating point: integer and boolean tensors (token or position ids, masks) crossing a
+      cut are described as :data:`WIRE_DTYPE`, because torch's stages make every received
+      tensor require grad and some releases (2.11) do so on the receive buffer itself, which
+      fails for integers. :func:`_guard_stage_boundaries` converts them at run time (to
+      float after the sending stage, back before the receiving stage runs) and gives them a
+      zero gradient, so every received tensor has one, as those releases also demand.
+      The positions and original dtypes are kept in ``stage_module._autopipe_wire``.
+
+    The model's own inputs (first stage) and outputs (last stage) are left alone.
     """
     graph = stage_module.graph
+    wire: dict[str, dict[int, torch.dtype]] = {"inputs": {}, "outputs": {}}
     changed = False
-    for node in graph.nodes:
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for i, node in enumerate(placeholders):
         val = node.meta.get("val")
-        if node.op == "placeholder" and isinstance(val, torch.Tensor) and not val.is_contiguous():
-            node.meta["val"] = val.clone(memory_format=torch.contiguous_format)
-            changed = True
+        if not isinstance(val, torch.Tensor):
+            continue
+        if not val.is_contiguous():
+            node.meta["val"] = val = val.clone(memory_format=torch.contiguous_format)
+        if not first and not (val.is_floating_point() or val.is_complex()):
+            wire["inputs"][i] = val.dtype
+            node.meta["val"] = val.to(WIRE_DTYPE)
     output = next(n for n in graph.nodes if n.op == "output")
 
     def contiguous(arg):
@@ -887,6 +951,48 @@ def _make_boundary_tensors_contiguous(stage_module: nn.Module) -> None:
     output.args = torch.fx.node.map_arg(output.args, contiguous)
     if changed:
         stage_module.recompile()
+    if not last:
+        values, _ = tree_flatten(output.args[0])
+        for j, node in enumerate(values):
+            val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+            if isinstance(val, torch.Tensor) and not (val.is_floating_point() or val.is_complex()):
+                wire["outputs"][j] = val.dtype
+                node.meta["val"] = val.to(WIRE_DTYPE)  # what torch checks the sent value against
+    stage_module._autopipe_wire = wire
+
+
+class _Attached(torch.autograd.Function):
+    """``value`` unchanged but part of ``anchor``'s autograd graph, contributing no gradient.
+
+    A float-encoded integer a stage sends has no autograd history; torch's input-gradient
+    backward (``stage_backward_input``) fails on such an output in some releases (2.11).
+    """
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        return None, None
+
+
+class _TieZeroGrad(torch.autograd.Function):
+    """``out`` unchanged; in backward, ``out``'s gradient and a zero gradient for each tied input.
+
+    Ties the float-encoded integer inputs of a stage (see
+    :func:`_make_boundary_tensors_sendable`) to one of its outputs, so torch computes a
+    gradient, zero, for every received tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, *tied: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        ctx.tied_meta = [(t.shape, t.dtype, t.device) for t in tied]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        return (grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.tied_meta))
 
 
 def _rewrap_stage(stage, module: nn.Module):

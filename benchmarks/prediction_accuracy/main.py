@@ -1,20 +1,22 @@
 """Prediction accuracy: the plan's predicted step time and per-rank peak memory vs real pipelines.
 
-For each model x schedule x micro-batch count this script
+First the machine is measured once, as a user would with ``python -m autopipe.measure
+--overhead``: the link between two ranks (``autopipe.measure.measure_link``) and the runtime's
+cost per pipeline action plus the slowdown of ranks computing at once
+(``autopipe.measure.measure_action_overhead``). Then for each model x schedule x micro-batch
+count this script
 
 1. profiles the model once (one thread on CPU, as each rank will run) and plans it for 2
-   ranks with ``autopipe.partition(..., schedule=, n_microbatches=, costs=profile)``;
+   ranks with ``autopipe.partition(..., costs=profile, devices=[Device(speed=1 / slowdown,
+   bandwidth=, latency_s=, action_overhead_s=)] * 2)``: the plan's own prediction;
 2. runs every plan of the model as a real 2-rank :class:`autopipe.Pipeline` (gloo on
    127.0.0.1), all plans side by side in interleaved rounds, and takes the median step;
    then measures each rank's peak memory during one steady-state step with Adam
-   (``_pipebench.LiveBytes``: parameters, buffers and Adam state alive before the step,
-   plus the high-water mark of tensor storage the step allocates);
-3. times every stage of each plan in one process (``_pipebench.StageChain``) and folds
-   those times into the plan with ``plan.calibrate({"fwd_s": ..., "bwd_s": ...})``, to show
-   how much of the error is the per-segment profile and how much is everything else;
-4. measures the link (send/recv of each cut's size between the two ranks) and simulates
-   the schedule again with measured stage times *and* measured link times - what is left
-   is what the simulator does not model (per-action overhead of the schedule, contention).
+   (``_pipebench.LiveBytes``);
+3. simulates the same split again with less or more measured: autopipe's defaults only, the
+   measured link without the overhead terms (the cost model before they existed), stage
+   times measured in one process (``plan.calibrate``'s input), and stage compute timed inside
+   the running pipeline.
 
 Signed error = (predicted - measured) / measured. Nothing is asserted.
 
@@ -40,6 +42,8 @@ from _pipebench import (  # noqa: E402
 )
 
 import autopipe  # noqa: E402
+from autopipe.devices import default_action_overhead_s, default_link  # noqa: E402
+from autopipe.measure import measure_action_overhead, measure_link  # noqa: E402
 from autopipe.profile import profile_segments  # noqa: E402
 from autopipe.trace import trace  # noqa: E402
 
@@ -56,8 +60,34 @@ def _cut_bytes(plan: autopipe.Plan) -> list[int]:
             for st in plan.stages[1:]]
 
 
-def bench_model(name: str, size: str, opts: argparse.Namespace, log, *, memory: bool = True
-                ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+def measure_machine(opts: argparse.Namespace, log) -> dict[str, Any]:
+    """The link and the runtime overhead, measured once, as ``python -m autopipe.measure --overhead`` does."""
+    smoke = opts.size == "smoke"
+    link = measure_link(device=opts.device, repeats=3 if smoke else 10)
+    overhead = measure_action_overhead(
+        device=opts.device, schedules=[("1F1B", 1)] if smoke else [(s, v) for s, v in opts.schedule_list],
+        steps=2 if smoke else 10)
+    log(f"machine: link {link.summary()}")
+    log(f"machine: runtime overhead {overhead.summary()}")
+    return {"link": link.to_dict(), "overhead": overhead.to_dict()}
+
+
+def _measured_devices(machine: dict[str, Any]) -> list[autopipe.Device]:
+    link, overhead = machine["link"], machine["overhead"]
+    return [autopipe.Device(speed=1.0 / overhead["concurrent_slowdown"], bandwidth=link["bandwidth_bytes_per_s"],
+                            latency_s=link["latency_s"], action_overhead_s=overhead["action_overhead_s"])] * 2
+
+
+def _profiled_stage_times(plan: autopipe.Plan) -> tuple[list[float], list[float]]:
+    """Per stage, the profile's own forward and backward sums (no device speed applied)."""
+    segs = plan.extras["segments"]
+    fwd = [sum(g["fwd_s"] for g in segs[st.first_segment: st.last_segment + 1]) for st in plan.stages]
+    bwd = [sum(g["bwd_s"] for g in segs[st.first_segment: st.last_segment + 1]) for st in plan.stages]
+    return fwd, bwd
+
+
+def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: dict[str, Any], *,
+                memory: bool = True) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Plan ``name`` for every schedule x micro-batch count, run the plans on 2 ranks; rows + the link measured."""
     model, args = make_model(name, size)
     with torch.no_grad():
@@ -69,7 +99,8 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, *, memory: 
         for m in opts.microbatches:
             try:
                 plan = autopipe.partition(model, 2, example_args=args, schedule=sched, n_microbatches=m,
-                                          stages_per_rank=v, costs=costs, device=device, progress=False)
+                                          stages_per_rank=v, costs=costs, device=device, progress=False,
+                                          devices=_measured_devices(machine))
             except ValueError as e:  # a combination torch cannot run (e.g. too few micro-batches)
                 log(f"  {name} {sched} x{m}: not planned: {e}")
                 continue
@@ -123,38 +154,45 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, *, memory: 
         per_step = [max(ts) for ts in zip(*(r["times"][label] for r in results))]
         measured = median(per_step)
         fwd, bwd = stage_times[tuple(plan.split_points)]
-        calibrated = plan.calibrate({"fwd_s": fwd, "bwd_s": bwd})
         cut_bytes = _cut_bytes(plan)
+        slowdown = machine["overhead"]["concurrent_slowdown"]
+        overhead = plan.action_overhead_s()
+        sim = dict(schedule=plan.schedule, n_microbatches=plan.n_microbatches, stages_per_rank=plan.stages_per_rank)
+        prof_fwd, prof_bwd = _profiled_stage_times(plan)
+        bw, lat = default_link(device.split(":")[0])
         row.update({
             "measured_step_s": measured, "step_samples": per_step,
-            "calibrated_step_s": calibrated.predicted_step_s,
+            # The same split with nothing measured but the profile: autopipe's defaults.
+            "defaults_step_s": autopipe.simulate(
+                prof_fwd, prof_bwd, comm_s=[b / bw + lat for b in cut_bytes] or 0.0,
+                action_overhead_s=default_action_overhead_s(device.split(":")[0]), **sim).step_s,
+            # The cost model before the overhead terms: profile + measured link only.
+            "no_overhead_step_s": autopipe.simulate(prof_fwd, prof_bwd, comm_s=plan.extras["cut_comm_s"] or 0.0,
+                                                    **sim).step_s,
+            # Stage times measured alone in one process instead of the profile's sums.
+            "calibrated_step_s": plan.calibrate({"fwd_s": [f * slowdown for f in fwd],
+                                                 "bwd_s": [b * slowdown for b in bwd]}).predicted_step_s,
             "predicted_stage_fwd_s": [st.fwd_s for st in plan.stages],
             "predicted_stage_bwd_s": [st.bwd_s for st in plan.stages],
+            "profiled_stage_fwd_s": prof_fwd, "profiled_stage_bwd_s": prof_bwd,
             "measured_stage_fwd_s": fwd, "measured_stage_bwd_s": bwd,
             "codegen_stage_fwd_s": codegen_times[tuple(plan.split_points)][0],
             "codegen_stage_bwd_s": codegen_times[tuple(plan.split_points)][1],
             "cut_bytes": cut_bytes, "predicted_cut_s": plan.extras.get("cut_comm_s"),
         })
         if link is not None:
-            # The same plan, simulated with the link measured between the two ranks
-            # (what partition(..., bandwidth=, latency_s=) from autopipe.measure would use).
-            cut_s = [link["by_size"][str(max(1, b))] for b in cut_bytes]
-            row["measured_cut_s"] = cut_s
-            sim = dict(schedule=plan.schedule, n_microbatches=plan.n_microbatches, comm_s=cut_s,
-                       stages_per_rank=plan.stages_per_rank)
-            row["measured_link_step_s"] = autopipe.simulate(row["predicted_stage_fwd_s"], row["predicted_stage_bwd_s"],
-                                                            **sim).step_s
-            row["calibrated_measured_link_step_s"] = autopipe.simulate(fwd, bwd, **sim).step_s
+            row["measured_cut_s"] = [link["by_size"][str(max(1, b))] for b in cut_bytes]
         if link is not None and "in_run" in results[0]:
-            # Stage compute timed inside the running pipeline (both ranks busy at once), then
-            # simulated with the measured link: what is left is the schedule's own overhead.
+            # Stage compute timed inside the running pipeline (both ranks busy at once), with
+            # each cut's one-way time measured right after the run and the measured overhead.
             acts: dict[int, dict[str, float]] = {}
             for r in results:
                 acts.update({int(k): v for k, v in r["in_run"][label].items()})
             run_fwd = [acts[s]["F"] for s in range(plan.num_stages)]
             run_bwd = [acts[s]["B"] + acts[s]["W"] for s in range(plan.num_stages)]
             row["in_run_stage_fwd_s"], row["in_run_stage_bwd_s"] = run_fwd, run_bwd
-            row["in_run_step_s"] = autopipe.simulate(run_fwd, run_bwd, **sim).step_s
+            row["in_run_step_s"] = autopipe.simulate(run_fwd, run_bwd, comm_s=row["measured_cut_s"] or 0.0,
+                                                     action_overhead_s=overhead, **sim).step_s
             row["contention_factor"] = (sum(run_fwd) + sum(run_bwd)) / (sum(fwd) + sum(bwd))
         if "memory" in results[0]:
             mem = [r["memory"][label] for r in results]
@@ -167,26 +205,24 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, *, memory: 
     return rows, link
 
 
-#: Prediction columns: JSON key of the predicted step -> what it adds to the plan's own prediction.
+#: Prediction columns: JSON key of the predicted step -> what it is.
 PREDICTIONS = {
-    "predicted_step_s": "the plan as made (profiled segments, default link)",
-    "measured_link_step_s": "the plan's stages, each cut's one-way time measured between the ranks",
-    "calibrated_step_s": "plan.calibrate(stage times measured in one process), default link",
-    "calibrated_measured_link_step_s": "measured stage times and measured link",
-    "overhead_step_s": "measured stages and link + the schedule's fixed cost per step, measured on a tiny model",
-    "in_run_step_s": "stage compute timed inside the running pipeline (both ranks busy) and measured link",
+    "predicted_step_s": "the plan as made, with the machine measured once (link, per-action overhead, "
+                        "slowdown of ranks computing together)",
+    "defaults_step_s": "the same split with autopipe's defaults (profile only, nothing measured)",
+    "no_overhead_step_s": "profile + measured link, without the per-action overhead and the slowdown "
+                          "(the cost model before they existed)",
+    "calibrated_step_s": "stage times measured alone in one process (plan.calibrate's input) instead of the "
+                         "profile's sums, with the measured machine",
+    "in_run_step_s": "stage compute timed inside the running pipeline, measured link and overhead",
 }
 
 
-def add_errors(rows: list[dict[str, Any]], overhead: dict[str, float]) -> None:
-    """Signed error of every prediction column; the overhead-corrected column where a probe exists."""
+def add_errors(rows: list[dict[str, Any]]) -> None:
+    """Signed error of every prediction column."""
     for r in rows:
-        if "measured_step_s" not in r:
-            continue
-        key = f"{r['schedule']}-{r['stages_per_rank']}-{r['n_microbatches']}"
-        if key in overhead and "calibrated_measured_link_step_s" in r:
-            r["overhead_step_s"] = r["calibrated_measured_link_step_s"] + overhead[key]
-        r["errors"] = {k: (r[k] - r["measured_step_s"]) / r["measured_step_s"] for k in PREDICTIONS if k in r}
+        if "measured_step_s" in r:
+            r["errors"] = {k: (r[k] - r["measured_step_s"]) / r["measured_step_s"] for k in PREDICTIONS if k in r}
 
 
 def log_rows(rows: list[dict[str, Any]], log) -> None:
@@ -209,13 +245,13 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
         out[f"max_abs_error:{key}"] = max(vals) if vals else None
     # Stage compute: what the profile says vs what torch's stage modules take in one process.
     def ratio(r: dict[str, Any], key: str) -> float:
-        return (sum(r[f"{key}_fwd_s"]) + sum(r[f"{key}_bwd_s"])) / (sum(r["predicted_stage_fwd_s"]) + sum(r["predicted_stage_bwd_s"]))
+        return (sum(r[f"{key}_fwd_s"]) + sum(r[f"{key}_bwd_s"])) / (sum(r["profiled_stage_fwd_s"]) + sum(r["profiled_stage_bwd_s"]))
 
     for key in ("measured_stage", "codegen_stage"):
         vals = [ratio(r, key) for r in ok if f"{key}_fwd_s" in r]
         out[f"median_{key}_over_profile"] = median(vals) if vals else None
-    fwd = [sum(r["measured_stage_fwd_s"]) / sum(r["predicted_stage_fwd_s"]) for r in ok]
-    bwd = [sum(r["measured_stage_bwd_s"]) / sum(r["predicted_stage_bwd_s"]) for r in ok]
+    fwd = [sum(r["measured_stage_fwd_s"]) / sum(r["profiled_stage_fwd_s"]) for r in ok]
+    bwd = [sum(r["measured_stage_bwd_s"]) / sum(r["profiled_stage_bwd_s"]) for r in ok]
     out["median_stage_fwd_over_profile"] = median(fwd) if fwd else None
     out["median_stage_bwd_over_profile"] = median(bwd) if bwd else None
     contention = [r["contention_factor"] for r in ok if "contention_factor" in r]
@@ -262,6 +298,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                 else [s for s, _ in SCHEDULES])
     opts.schedule_list = [(s, v) for s, v in SCHEDULES if s in wanted]
     opts.microbatches = opts.microbatches or ([4] if size != "full" else [4, 8])
+    opts.size = size
     out = opts.out or str(Path(__file__).parent / ("results.json" if size == "full" else f"results_{size}.json"))
     if opts.device == "cpu":
         torch.set_num_threads(opts.threads)
@@ -279,20 +316,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         log(f"two processes computing at once take {parallel['together_over_alone']:.2f}x as long as one alone")
     log(f"prediction accuracy: {names} x {[s for s, _ in opts.schedule_list]} x m={opts.microbatches}, "
         f"device {opts.device}, {opts.threads} thread(s) per process")
-    # The schedule's fixed cost per step (Python per action, message latency the link fit
-    # misses): the same schedules on a model whose compute is negligible.
-    probe_rows, probe_link = [], None
-    if not opts.smoke:  # the smoke model is the probe model: nothing to learn, twice the time
-        log("  overhead probe: a tiny MLP through the same schedules")
-        probe_rows, probe_link = bench_model("mlp", "smoke", opts, log, memory=False)
-    overhead = {f"{r['schedule']}-{r['stages_per_rank']}-{r['n_microbatches']}":
-                r["measured_step_s"] - r["calibrated_measured_link_step_s"]
-                for r in probe_rows if "calibrated_measured_link_step_s" in r}
-    add_errors(probe_rows, {})
+    machine = measure_machine(opts, log)
     rows, links = [], {}
     for n in names:
-        model_rows, links[n] = bench_model(n, size, opts, log)
-        add_errors(model_rows, overhead)
+        model_rows, links[n] = bench_model(n, size, opts, log, machine)
+        add_errors(model_rows)
         log_rows(model_rows, log)
         rows += model_rows
     summary = summarise(rows)
@@ -304,8 +332,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "codegen_stages": opts.codegen_stages,
         "repeats": {k: getattr(opts, k) for k in ("profile_repeats", "stage_repeats", "rounds", "steps")},
         "host_start": host_start, "host_end": host_info(), "parallel_efficiency": parallel,
-        "summary": summary, "rows": rows, "links": links, "overhead_s": overhead,
-        "overhead_probe": {"rows": probe_rows, "link": probe_link}, "wall_s": time.perf_counter() - t0,
+        "summary": summary, "rows": rows, "links": links, "machine": machine, "wall_s": time.perf_counter() - t0,
     }
     path = write_result(out, payload)
     log(f"wrote {path} ({payload['wall_s']:.0f} s)")
