@@ -228,10 +228,17 @@ def render_prediction_accuracy(d: dict[str, Any], behind: list[str]) -> str:
     out.append("Every case:\n\n" + table(
         ["model", "schedule", "m", "predicted ms", "measured ms", *(f"error: {c.replace('_step_s', '')}" for c in cols),
          "predicted peak MiB (rank 0 / 1)", "measured peak MiB", "memory error"], rows))
-    if d.get("overhead_s"):
-        per = [[k, ms(v, 1)] for k, v in d["overhead_s"].items()]
-        out.append("Fixed cost of each schedule per step, measured on a tiny MLP (its measured step minus its "
-                   "simulation with measured stage and link times):\n\n" + table(["schedule-stages per rank-m", "ms"], per))
+    machine = d.get("measured_machine") or {}
+    if machine:
+        link, ov = machine["link"], machine["overhead"]
+        per = [[k, ms(v, 2), ms(ov["step_s"][k], 1)] for k, v in ov["per_schedule_s"].items()]
+        out.append(
+            f"The machine, measured once before the runs (what `python -m autopipe.measure --overhead` prints): link "
+            f"{link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, {link['latency_s'] * 1e6:.0f} µs per message; ranks "
+            f"computing at once take {ov['concurrent_slowdown']:.2f}× as long as alone; runtime overhead per action "
+            f"{ov['action_overhead_s'] * 1e3:.2f} ms (median over the schedules below, fitted to a tiny model's "
+            f"{ov['n_microbatches']}-micro-batch steps):\n\n"
+            + table(["schedule-stages per rank", "ms per action", "probe step ms"], per))
     links = d.get("links") or {}
     if links:
         def one_way(v: dict[str, Any], n: int) -> str:

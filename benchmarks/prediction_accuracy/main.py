@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "codegen_stages": opts.codegen_stages,
         "repeats": {k: getattr(opts, k) for k in ("profile_repeats", "stage_repeats", "rounds", "steps")},
         "host_start": host_start, "host_end": host_info(), "parallel_efficiency": parallel,
-        "summary": summary, "rows": rows, "links": links, "machine": machine, "wall_s": time.perf_counter() - t0,
+        "summary": summary, "rows": rows, "links": links, "measured_machine": machine, "wall_s": time.perf_counter() - t0,
     }
     path = write_result(out, payload)
     log(f"wrote {path} ({payload['wall_s']:.0f} s)")
