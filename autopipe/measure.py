@@ -549,8 +549,11 @@ def measure_devices(
 
 #: Schedules the overhead probe runs by default, with their stages per rank.
 OVERHEAD_SCHEDULES = (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2))
-_PROBE_WIDTH = 16  # the probe model's layers are this wide: compute is negligible next to overhead
+# The probe model: linear layers wide enough that every rank really computes while it waits
+# on its peers (a rank's wake-up after a message is slower when the other core is busy).
+_PROBE_WIDTH = 256
 _PROBE_LAYERS = 8
+_PROBE_ROWS = 64  # rows per micro-batch
 
 
 @dataclass
@@ -582,14 +585,20 @@ class OverheadMeasurement:
 
 
 def _fit_action_overhead(step_s: float, schedule: str, stages_per_rank: int, n_ranks: int,
-                         n_microbatches: int, comm_s: float) -> float:
-    """The per-action overhead o with which the simulated step of a compute-free pipeline is ``step_s``."""
+                         n_microbatches: int, comm_s: float, fwd_s: Sequence[float] | None = None,
+                         bwd_s: Sequence[float] | None = None) -> float:
+    """The per-action overhead o with which the simulated step is ``step_s``.
+
+    ``fwd_s`` / ``bwd_s`` are the stages' compute per micro-batch (default: none at all).
+    """
     from .schedules import simulate
 
     n_stages = n_ranks * stages_per_rank
+    fwd = list(fwd_s) if fwd_s is not None else [0.0] * n_stages
+    bwd = list(bwd_s) if bwd_s is not None else [0.0] * n_stages
 
     def simulated(o: float) -> float:
-        return simulate([0.0] * n_stages, [0.0] * n_stages, schedule=schedule, n_microbatches=n_microbatches,
+        return simulate(fwd, bwd, schedule=schedule, n_microbatches=n_microbatches,
                         stages_per_rank=stages_per_rank, comm_s=comm_s, action_overhead_s=o).step_s
 
     if simulated(0.0) >= step_s:
@@ -602,20 +611,48 @@ def _fit_action_overhead(step_s: float, schedule: str, stages_per_rank: int, n_r
 
 
 def _compute_probe_s(device: torch.device, repeats: int) -> list[float]:
-    """Seconds of a fixed burst of matmuls and element-wise work, ``repeats`` times."""
+    """Seconds of a fixed burst of matmuls and element-wise work, ``repeats`` times.
+
+    The matrices (1 MiB each) outgrow a core's private cache, as a real layer's weights and
+    activations do, so ranks sharing a host compete for the shared cache and memory
+    bandwidth here as they do in a pipeline (small cache-resident matmuls hardly slow down).
+    """
     g = torch.Generator().manual_seed(0)
-    a = torch.randn(192, 192, generator=g).to(device)
-    b = torch.randn(192, 192, generator=g).to(device)
+    a = torch.randn(512, 512, generator=g).to(device)
+    b = torch.randn(512, 512, generator=g).to(device)
     out = []
     for _ in range(repeats):
         _synchronize(device)
         t0 = time.perf_counter()
         x = a
-        for _ in range(40):
+        for _ in range(6):
             x = torch.tanh(x @ b) + a
         _synchronize(device)
         out.append(time.perf_counter() - t0)
     return out
+
+
+def _stage_compute_s(layers: list, device: torch.device, repeats: int = 7) -> tuple[float, float]:
+    """Median forward and backward seconds of one probe stage (``layers``) on one micro-batch, alone."""
+    import torch.nn as nn
+
+    stage = nn.Sequential(*layers)
+    x = torch.randn(_PROBE_ROWS, _PROBE_WIDTH, device=device, requires_grad=True)
+    params = list(stage.parameters())
+    fwd, bwd = [], []
+    for i in range(repeats + 2):
+        _synchronize(device)
+        t0 = time.perf_counter()
+        out = stage(x)
+        _synchronize(device)
+        t1 = time.perf_counter()
+        torch.autograd.grad(out, [x, *params], torch.ones_like(out))
+        _synchronize(device)
+        t2 = time.perf_counter()
+        if i >= 2:
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    return statistics.median(fwd), statistics.median(bwd)
 
 
 def _overhead_worker(rank: int, port: int, n_ranks: int, backend: str, device_type: str,
@@ -638,15 +675,31 @@ def _overhead_worker(rank: int, port: int, n_ranks: int, backend: str, device_ty
         from .runtime import Pipeline
 
         g = torch.Generator().manual_seed(0)
-        model = nn.Sequential(*[nn.Linear(_PROBE_WIDTH, _PROBE_WIDTH) for _ in range(_PROBE_LAYERS)])
-        x = torch.randn(2 * n_microbatches, _PROBE_WIDTH, generator=g)
-        y = torch.randn(2 * n_microbatches, _PROBE_WIDTH, generator=g)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            model = nn.Sequential(*[nn.Linear(_PROBE_WIDTH, _PROBE_WIDTH) for _ in range(_PROBE_LAYERS)])
+        x = torch.randn(_PROBE_ROWS * n_microbatches, _PROBE_WIDTH, generator=g)
+        y = torch.randn(_PROBE_ROWS * n_microbatches, _PROBE_WIDTH, generator=g)
+        # The same compute burst on each rank alone, then on every rank at once.
+        alone: list[float] = []
+        for turn in range(n_ranks):
+            dist.barrier()
+            if turn == rank:
+                alone = _compute_probe_s(dev, 7)
+        dist.barrier()
+        together = _compute_probe_s(dev, 7)
         steps_s: dict[str, list[float]] = {}
+        compute_s: dict[str, tuple[list[float], list[float]]] = {}
         for schedule, v in schedules:
             n_stages = n_ranks * v
-            splits = [str(_PROBE_LAYERS * k // n_stages) for k in range(1, n_stages)]
-            pipe = Pipeline(model, example_args=(x[:2],), loss_fn=nn.functional.mse_loss, split_points=splits,
-                            schedule=schedule, n_microbatches=n_microbatches, stages_per_rank=v, device=dev)
+            edges = [_PROBE_LAYERS * k // n_stages for k in range(n_stages + 1)]
+            splits = [str(e) for e in edges[1:-1]]
+            # Each stage's compute alone, in this process: what the simulation is given.
+            per_stage = [_stage_compute_s(list(model)[a:b], dev) for a, b in zip(edges, edges[1:])]
+            compute_s[f"{schedule}-{v}"] = ([f for f, _ in per_stage], [b for _, b in per_stage])
+            pipe = Pipeline(model, example_args=(x[:_PROBE_ROWS],), loss_fn=nn.functional.mse_loss,
+                            split_points=splits, schedule=schedule, n_microbatches=n_microbatches,
+                            stages_per_rank=v, device=dev)
             times = []
             for i in range(steps + 2):  # two warm-up steps
                 dist.barrier()
@@ -659,15 +712,8 @@ def _overhead_worker(rank: int, port: int, n_ranks: int, backend: str, device_ty
                     times.append(float(elapsed))
             steps_s[f"{schedule}-{v}"] = times
 
-        # The same compute burst on each rank alone, then on every rank at once.
-        alone: list[float] = []
-        for turn in range(n_ranks):
-            dist.barrier()
-            if turn == rank:
-                alone = _compute_probe_s(dev, 7)
-        dist.barrier()
-        together = _compute_probe_s(dev, 7)
-        result: tuple[str, Any] = ("ok", {"steps_s": steps_s, "alone_s": alone, "together_s": together})
+        result: tuple[str, Any] = ("ok", {"steps_s": steps_s, "compute_s": compute_s, "alone_s": alone,
+                                          "together_s": together})
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
     finish_rank(out_dir, rank, result)
@@ -684,13 +730,16 @@ def measure_action_overhead(
 ) -> OverheadMeasurement:
     """Measure the runtime's cost per pipeline action and the slowdown of ranks computing together.
 
-    Starts ``n_ranks`` processes on loopback (gloo on CPU, NCCL on GPUs), runs
-    :class:`autopipe.Pipeline` on a tiny model (eight 16-wide linear layers, so the compute
-    is negligible) under each schedule, and finds for each the seconds per action that
-    make the simulated step equal the measured median step. The same processes then time a
-    fixed burst of matmuls on each rank alone and on all ranks at once: their ratio is how
-    much slower stages compute when their devices share a host (about 1.0 on separate GPUs,
-    above 1 for CPU processes sharing cores and memory bandwidth).
+    Starts ``n_ranks`` processes on loopback (gloo on CPU, NCCL on GPUs). They time a fixed
+    burst of matmuls on each rank alone and on all ranks at once: the ratio is how much
+    slower stages compute when their devices share a host (about 1.0 on separate GPUs, above
+    1 for CPU processes sharing cores and memory bandwidth). Then they run
+    :class:`autopipe.Pipeline` on a probe model (eight 256-wide linear layers, 64 rows per
+    micro-batch) under each schedule, time each of its stages alone, and find for each
+    schedule the seconds per action that make the simulated step (stage times x slowdown,
+    the default link) equal the measured median step. The probe computes for real, so what
+    is left is the runtime's cost as it is when the ranks are busy: waking a rank whose
+    peer's message arrived while the other cores compute costs more than on an idle host.
 
     Keyword Args:
         device: "cpu" or "cuda" (one GPU per rank); default CUDA when ``n_ranks`` GPUs are
@@ -751,14 +800,18 @@ def measure_action_overhead(
     if errors:
         raise RuntimeError("the overhead measurement failed:\n" + "\n".join(errors))
     results = [value for _, value in outcomes]
-    latency = default_link(device)[1]
+    bandwidth, latency = default_link(device)
+    comm_s = latency + _PROBE_ROWS * _PROBE_WIDTH * 4 / bandwidth  # one micro-batch's activation
+    slowdown = statistics.median(
+        statistics.median(r["together_s"]) / statistics.median(r["alone_s"]) for r in results)
     step_s, per_schedule = {}, {}
     for name, v in pairs:
         key = f"{name}-{v}"
         step_s[key] = statistics.median(results[0]["steps_s"][key])
-        per_schedule[key] = _fit_action_overhead(step_s[key], name, v, n_ranks, n_microbatches, latency)
-    slowdown = statistics.median(
-        statistics.median(r["together_s"]) / statistics.median(r["alone_s"]) for r in results)
+        # Stage compute: the median over ranks of each stage timed alone, slowed as when all compute.
+        fwd = [statistics.median(r["compute_s"][key][0][s] for r in results) * slowdown for s in range(n_ranks * v)]
+        bwd = [statistics.median(r["compute_s"][key][1][s] for r in results) * slowdown for s in range(n_ranks * v)]
+        per_schedule[key] = _fit_action_overhead(step_s[key], name, v, n_ranks, n_microbatches, comm_s, fwd, bwd)
     return OverheadMeasurement(
         action_overhead_s=statistics.median(per_schedule.values()), per_schedule_s=per_schedule, step_s=step_s,
         n_microbatches=n_microbatches, concurrent_slowdown=slowdown, n_ranks=n_ranks, backend=backend,

@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field, fields
 from collections.abc import Mapping, Sequence
@@ -229,9 +230,15 @@ class Plan:
                 fwd, bwd = list(measured.get("fwd_s", [])), list(measured.get("bwd_s", []))
                 if len(fwd) != p or len(bwd) != p:
                     raise ValueError(f"measured fwd_s and bwd_s must each have {p} entries (one per stage)")
+                # One direction of a tiny stage may time at 0 (the clock's resolution); the
+                # stage as a whole may not.
+                if any(not (math.isfinite(x) and x >= 0) for x in fwd + bwd) or any(
+                        not (f + b > 0) for f, b in zip(fwd, bwd)):
+                    raise ValueError(f"measured fwd_s and bwd_s must be finite and >= 0, with each stage's sum "
+                                     f"> 0 seconds; got fwd_s={fwd}, bwd_s={bwd}")
                 fwd_f = [f / s.fwd_s if s.fwd_s > 0 else 1.0 for f, s in zip(fwd, self.stages)]
                 bwd_f = [b / s.bwd_s if s.bwd_s > 0 else 1.0 for b, s in zip(bwd, self.stages)]
-                values = fwd + bwd
+                values = [f + b for f, b in zip(fwd, bwd)]
             else:
                 values = [float(x) for x in measured]
                 if len(values) != p:

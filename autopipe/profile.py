@@ -232,6 +232,52 @@ def _forward_backward(
     return fwd_s, bwd_s, out
 
 
+def _time_in_rounds(
+    segments: list[tuple[fx.GraphModule, Callable[[], list[Any]], list[torch.Tensor]]], timer: Timer,
+    warmup: int, repeats: int,
+) -> list[tuple[float, float]]:
+    """Median forward and backward seconds of each segment, timed in rounds over the model.
+
+    A round runs every segment's forward in graph order, then every segment's backward in
+    reverse order, each timed on its own (each segment keeps its own autograd graph, so its
+    backward is its own). ``segments`` holds ``(module, make_inputs, trainable)`` per segment.
+    """
+    fwd_times: list[list[float]] = [[] for _ in segments]
+    bwd_times: list[list[float]] = [[] for _ in segments]
+    call_s = _backward_call_s(timer)
+    for i in range(warmup + repeats):
+        runs = []
+        for module, make_inputs, _ in segments:
+            inputs = make_inputs()
+            f, out = timer.time(lambda m=module, a=inputs: _as_tuple(m.forward(*a)))
+            runs.append((inputs, out, f))
+        for k in reversed(range(len(segments))):
+            inputs, out, f = runs[k]
+            outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+            wrt = [v for v in inputs if isinstance(v, torch.Tensor) and v.requires_grad] + segments[k][2]
+            b = 0.0
+            if outs and wrt:
+                grads = [torch.ones_like(o) for o in outs]
+                b, _ = timer.time(lambda: torch.autograd.grad(outs, wrt, grads, allow_unused=True))
+            runs[k] = None  # free this segment's graph and activations, as training would
+            if i >= warmup:
+                fwd_times[k].append(f)
+                # Each segment here starts a backward of its own; a stage starts one for all
+                # its segments, so the fixed cost of starting one is not the segment's.
+                bwd_times[k].append(max(0.0, b - call_s) if b else 0.0)
+    return [(statistics.median(f), statistics.median(b)) for f, b in zip(fwd_times, bwd_times)]
+
+
+def _backward_call_s(timer: Timer, repeats: int = 21) -> float:
+    """Median seconds of ``torch.autograd.grad`` through one tiny operation: the cost of starting a backward."""
+    x = torch.ones(1, device=timer.device, requires_grad=True)
+    times = []
+    for _ in range(repeats):
+        y = x * 2.0
+        times.append(timer.time(lambda: torch.autograd.grad(y, x, torch.ones_like(y)))[0])
+    return statistics.median(times)
+
+
 def profile_segments(
     traced: TracedModel,
     *,
@@ -251,9 +297,15 @@ def profile_segments(
         cost: ``"measured"`` (time it), ``"flops"`` or ``"params"`` (estimate it); see the
             module docstring.
         device: Where to run: ``"cpu"``, ``"cuda"``, ``"cuda:1"``; default CUDA if present.
-            Each segment is copied there in turn, so the model need not fit on it whole.
+            When the model lives elsewhere, each segment is copied there in turn, so the
+            model need not fit on it whole.
         warmup: Untimed runs before timing (measured source only).
-        repeats: Timed runs; the median is kept (measured source only).
+        repeats: Timed runs; the median is kept (measured source only). When the model
+            already lives on ``device``, each run is a round over the whole model - every
+            segment's forward in order, then every backward in reverse, as in training -
+            rather than one segment run again and again: a segment repeated back to back
+            finds its weights and inputs still in the cache, which in training it does not,
+            and was measured up to 1.5x too fast that way on a CPU.
         device_flops: FLOP/s used to turn FLOPs into seconds; measured when omitted.
         progress: Show a progress bar.
 
@@ -298,6 +350,9 @@ def profile_segments(
 
     params_seen: set[int] = set()
     costs: list[SegmentCost] = []
+    # Time whole rounds over the model when no segment has to be copied to the device.
+    in_rounds = cost == "measured" and all(t.device == dev for t in (*gm.parameters(), *gm.buffers()))
+    rounds: list[tuple[fx.GraphModule, Callable[[], list[Any]], list[torch.Tensor]]] = []
     with _model_state_preserved(gm):
         for k, sm in enumerate(progress_iter(seg_mods, "profiling segments", enabled=progress)):
             module = sm.module
@@ -320,11 +375,10 @@ def profile_segments(
                         trainable_bytes += t.numel() * t.element_size()
             trainable = [p for _, p in module.named_parameters() if p.requires_grad]
 
-            def make_inputs(sm: _SegmentModule = sm) -> list[Any]:
+            def make_inputs(sm: _SegmentModule = sm, held: list[Any] = [env[n] for n in sm.inputs]) -> list[Any]:
                 # Fresh leaves each run: inputs that carry a gradient in training get one here.
                 vals = []
-                for name in sm.inputs:
-                    v = env[name]
+                for name, v in zip(sm.inputs, held):
                     if isinstance(v, torch.Tensor) and needs_grad.get(name, False):
                         v = v.detach().requires_grad_(True)
                     vals.append(v)
@@ -335,7 +389,9 @@ def profile_segments(
                 _, _, out = _forward_backward(module, make_inputs(), trainable, timer, counter)
             flops = float(flop_counter.get_total_flops())
             fwd_times, bwd_times = [], []
-            if cost == "measured":
+            if in_rounds:
+                rounds.append((module, make_inputs, trainable))
+            elif cost == "measured":
                 for i in range(warmup + repeats):
                     f, b, _ = _forward_backward(module, make_inputs(), trainable, timer)
                     if i >= warmup:
@@ -359,6 +415,9 @@ def profile_segments(
             for name in [n for n, last in last_use.items() if last == k]:
                 env.pop(name, None)
             del module
+        if in_rounds:
+            for cost_k, (fwd_s, bwd_s) in zip(costs, _time_in_rounds(rounds, timer, warmup, repeats)):
+                cost_k.fwd_s, cost_k.bwd_s = fwd_s, bwd_s
 
     if cost != "measured":
         _estimate_times(costs, cost, device_flops if device_flops else measure_device_flops(dev))

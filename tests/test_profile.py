@@ -74,3 +74,37 @@ def test_bad_repeat_counts_are_rejected(small_traced, kw):
 
 def test_device_flops_is_measured():
     assert measure_device_flops("cpu", size=128, repeats=1) > 1e6
+
+
+def test_a_model_on_the_profiling_device_is_timed_in_rounds_over_all_segments(small_traced, monkeypatch):
+    # Rounds (every forward in order, then every backward in reverse) instead of one segment
+    # repeated back to back, whose warm cache made it look up to 1.5x faster than in training.
+    import autopipe.profile as profile
+
+    seen = {}
+    real = profile._time_in_rounds
+
+    def spy(segments, timer, warmup, repeats):
+        seen["segments"], seen["runs"] = len(segments), (warmup, repeats)
+        seen["times"] = real(segments, timer, warmup, repeats)
+        return seen["times"]
+
+    monkeypatch.setattr(profile, "_time_in_rounds", spy)
+    costs = profile_segments(small_traced, device="cpu", warmup=1, repeats=2, progress=False)
+    assert seen["segments"] == small_traced.num_segments and seen["runs"] == (1, 2)
+    assert [(c.fwd_s, c.bwd_s) for c in costs] == seen["times"]
+    assert all(c.fwd_s > 0 for c in costs)
+
+
+def test_the_fixed_cost_of_starting_a_backward_is_not_charged_to_every_segment(small_traced, monkeypatch):
+    # A stage starts one backward for all its segments: the profile charges a segment its
+    # backward minus the cost of starting one (never below zero).
+    import autopipe.profile as profile
+
+    monkeypatch.setattr(profile, "_backward_call_s", lambda timer: 0.0)
+    plain = profile_segments(small_traced, device="cpu", warmup=0, repeats=1, progress=False)
+    monkeypatch.setattr(profile, "_backward_call_s", lambda timer: 1e3)  # longer than any backward
+    charged = profile_segments(small_traced, device="cpu", warmup=0, repeats=1, progress=False)
+    assert any(c.bwd_s > 0 for c in plain)
+    assert all(c.bwd_s == 0.0 for c in charged)
+    assert 0 < profile._backward_call_s(profile.Timer(torch.device("cpu"))) < 0.1
