@@ -101,10 +101,10 @@ def test_the_fixed_cost_of_starting_a_backward_is_not_charged_to_every_segment(s
     # backward minus the cost of starting one (never below zero).
     import autopipe.profile as profile
 
+    assert 0 < profile._backward_call_s(profile.Timer(torch.device("cpu"))) < 0.1
     monkeypatch.setattr(profile, "_backward_call_s", lambda timer: 0.0)
     plain = profile_segments(small_traced, device="cpu", warmup=0, repeats=1, progress=False)
     monkeypatch.setattr(profile, "_backward_call_s", lambda timer: 1e3)  # longer than any backward
     charged = profile_segments(small_traced, device="cpu", warmup=0, repeats=1, progress=False)
     assert any(c.bwd_s > 0 for c in plain)
     assert all(c.bwd_s == 0.0 for c in charged)
-    assert 0 < profile._backward_call_s(profile.Timer(torch.device("cpu"))) < 0.1
