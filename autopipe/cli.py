@@ -258,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "10 GB/s CUDA)")
     p.add_argument("--latency-us", type=float, help="microseconds per message between devices")
     p.add_argument("--action-overhead-ms", type=float,
-                   help="milliseconds each pipeline action costs beyond its compute (default: 1.5 on CPU, "
+                   help="milliseconds each pipeline action costs beyond its compute (default: 0.7 on CPU, "
                         "0 on CUDA; measure with python -m autopipe.measure --overhead)")
     p.add_argument("--objective", choices=("step", "bottleneck"), default="step",
                    help="minimise the simulated step, or only the heaviest stage")

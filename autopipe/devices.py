@@ -70,7 +70,7 @@ def default_link(device_type: str) -> tuple[float, float]:
 #: `python -m autopipe.measure --overhead` (docs/costs-and-measurement.md).
 #: CUDA: not measured (no GPU was available to the project yet), so none is assumed; measure
 #: it on your GPUs with autopipe.measure.measure_action_overhead and pass action_overhead_s=.
-_DEFAULT_ACTION_OVERHEAD_S = {"cpu": 1.5e-3, "cuda": 0.0}
+_DEFAULT_ACTION_OVERHEAD_S = {"cpu": 0.7e-3, "cuda": 0.0}
 
 
 def default_action_overhead_s(device_type: str) -> float:

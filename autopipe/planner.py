@@ -537,7 +537,7 @@ def partition(
         latency_s: Seconds per message between devices (default 100 us CPU, 20 us CUDA).
         action_overhead_s: Seconds every pipeline action (a stage's forward or backward of
             one micro-batch) costs beyond its compute: the runtime's own work, which the
-            profile does not see. Default 1.5 ms on CPU (gloo processes, measured on a
+            profile does not see. Default 0.7 ms on CPU (gloo processes, measured on a
             2-core host), 0 on CUDA (not measured there yet). Measure yours with
             :func:`autopipe.measure.measure_action_overhead`.
         warmup: Untimed runs per segment before measuring.
