@@ -156,6 +156,8 @@ def _gpt2_case(schedule: str, world_size: int, split_points: list[str] | None = 
 # skip connections, so gradients come back through ``torch.cat`` as strided slices.
 GPT2_INTEGER_CUT = ["transformer.wpe", "transformer.h.1", "transformer.h.3"]
 UNET_SKIP_CUTS = ["down.1", "mid", "up.1"]
+# Cuts whose first stages send the residual stream that their own layer norms saved for backward.
+GPT2_RESIDUAL_CUTS = ["transformer.h.1.attn.c_proj", "transformer.h.2.mlp.c_proj", "lm_head"]
 
 
 def v_boundaries_run(rank: int, world_size: int, schedules: list[str]) -> dict[str, dict]:
@@ -163,6 +165,7 @@ def v_boundaries_run(rank: int, world_size: int, schedules: list[str]) -> dict[s
     results = {}
     for schedule in schedules:
         results[f"gpt2-{schedule}"] = _gpt2_case(schedule, world_size, GPT2_INTEGER_CUT)
+        results[f"gpt2-residual-{schedule}"] = _gpt2_case(schedule, world_size, GPT2_RESIDUAL_CUTS)
         results[f"unet-{schedule}"] = _unet_case(schedule)
     return results
 

@@ -168,6 +168,14 @@ def test_v_schedule_cut_that_sends_integer_position_ids_trains_exactly(schedule)
 
 
 @pytest.mark.parametrize("schedule", V_SCHEDULES)
+def test_split_backward_keeps_outputs_the_stage_saved_for_its_own_backward(schedule):
+    # torch detaches stage outputs in place when the backward is split into I and W; the
+    # residual stream a stage sends is also saved by its layer norm.
+    pytest.importorskip("transformers")
+    assert_matches_unsplit(v_boundary_results()[f"gpt2-residual-{schedule}"])
+
+
+@pytest.mark.parametrize("schedule", V_SCHEDULES)
 def test_v_schedule_gradients_through_skip_concatenations_are_sent_contiguous(schedule):
     # The gradient of a torch.cat input is a strided slice, which gloo refuses to send.
     assert_matches_unsplit(v_boundary_results()[f"unet-{schedule}"])

@@ -54,6 +54,9 @@ _SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 # torch's Pipe.build_stage wires each stage's peers for the looped placement, so these get
 # a manual PipelineStage, which learns its peers from the schedule.
 _V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+# Schedules that split the backward into input-grad and weight-grad actions; torch then
+# detaches each stage output in place (see _guard_stage_boundaries).
+_SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 class Pipeline:
@@ -287,7 +290,7 @@ class Pipeline:
             if s in self._train_modules:
                 checkpoint_stage(self._train_modules[s])
         for module in {id(m): m for m in (*self._train_modules.values(), *self._eval_modules.values())}.values():
-            _guard_stage_boundaries(module)
+            _guard_stage_boundaries(module, fresh_outputs=self.schedule in _SPLIT_BACKWARD_SCHEDULES)
         if self.schedule in _V_SCHEDULES:
             self._train_stages = [self._manual_stage(s, self._train_modules[s]) for s in self.stage_indices]
         for module in self._train_modules.values():
@@ -802,13 +805,16 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def _guard_stage_boundaries(stage_module: nn.Module) -> None:
+def _guard_stage_boundaries(stage_module: nn.Module, *, fresh_outputs: bool = False) -> None:
     """Make what crosses a stage boundary sendable, in both directions, at run time.
 
     * Outputs are never views (a view is copied): torch's zero-bubble backward detaches each
       stage output in place, which a view does not allow ("Can't detach views in-place"); a
       cut right after a reshape makes one. Outputs are also made contiguous, in case the
       run's strides differ from the traced ones (see :func:`_make_boundary_tensors_sendable`).
+    * With ``fresh_outputs`` (schedules that split the backward), every output is a copy:
+      torch detaches the outputs in place, and an output the stage's own backward still
+      needs (the residual stream a layer norm in the stage saved) would be lost with it.
     * Inputs that will receive a gradient pass through :class:`_ContiguousGrad`, so the
       gradient sent back to the previous stage is contiguous.
     """
@@ -818,7 +824,9 @@ def _guard_stage_boundaries(stage_module: nn.Module) -> None:
     def sendable(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
-        return t.clone(memory_format=torch.contiguous_format) if t._is_view() else t.contiguous()
+        if fresh_outputs or t._is_view():
+            return t.clone(memory_format=torch.contiguous_format)
+        return t.contiguous()
 
     def guarded(t: Any) -> Any:
         if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
