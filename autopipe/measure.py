@@ -400,17 +400,22 @@ def measure_link(
 def _spawn_pair(backend: str, devices: tuple[str, str], sizes: list[int], repeats: int, warmup: int,
                 timeout_s: float) -> list[LinkMeasurement]:
     """Run :func:`_link_worker` on two spawned processes; their results in rank order."""
-    outcomes, late, _ = spawn_ranks(
+    return _run_ranks(
         _link_worker, 2,
         lambda rank, port, out_dir: (rank, port, backend, devices, sizes, repeats, warmup, timeout_s, out_dir),
-        timeout_s=timeout_s, prefix="autopipe-link-",
+        timeout_s=timeout_s, what="link", advice="use fewer or smaller sizes_bytes",
     )
+
+
+def _run_ranks(worker: Any, n_ranks: int, make_args: Any, *, timeout_s: float, what: str, advice: str) -> list[Any]:
+    """Spawn ``n_ranks`` measuring processes; their results in rank order, or a clear error."""
+    outcomes, late, _ = spawn_ranks(worker, n_ranks, make_args, timeout_s=timeout_s, prefix=f"autopipe-{what}-")
     if late:
-        raise TimeoutError(f"the link measurement was not done after timeout_s={timeout_s}; ranks {late} "
-                           "were killed. Raise timeout_s, or use fewer or smaller sizes_bytes.")
+        raise TimeoutError(f"the {what} measurement was not done after timeout_s={timeout_s}; ranks {late} "
+                           f"were killed. Raise timeout_s, or {advice}.")
     errors = [f"--- rank {rank} ---\n{text}" for rank, (status, text) in enumerate(outcomes) if status != "ok"]
     if errors:
-        raise RuntimeError("the link measurement failed:\n" + "\n".join(errors))
+        raise RuntimeError(f"the {what} measurement failed:\n" + "\n".join(errors))
     return [value for _, value in outcomes]
 
 
@@ -787,19 +792,12 @@ def measure_action_overhead(
     if device == "cuda" and torch.cuda.device_count() < n_ranks:
         raise ValueError(f"device='cuda' needs {n_ranks} GPUs (one per rank); {torch.cuda.device_count()} visible")
     backend = "nccl" if device == "cuda" else "gloo"
-    outcomes, late, _ = spawn_ranks(
+    results = _run_ranks(
         _overhead_worker, n_ranks,
         lambda rank, port, out_dir: (rank, port, n_ranks, backend, device, pairs, n_microbatches, steps,
                                      timeout_s, out_dir),
-        timeout_s=timeout_s, prefix="autopipe-overhead-",
+        timeout_s=timeout_s, what="overhead", advice="run fewer schedules or steps",
     )
-    if late:
-        raise TimeoutError(f"the overhead measurement was not done after timeout_s={timeout_s}; ranks {late} "
-                           "were killed. Raise timeout_s, or run fewer schedules or steps.")
-    errors = [f"--- rank {rank} ---\n{text}" for rank, (status, text) in enumerate(outcomes) if status != "ok"]
-    if errors:
-        raise RuntimeError("the overhead measurement failed:\n" + "\n".join(errors))
-    results = [value for _, value in outcomes]
     bandwidth, latency = default_link(device)
     comm_s = latency + _PROBE_ROWS * _PROBE_WIDTH * 4 / bandwidth  # one micro-batch's activation
     slowdown = statistics.median(
