@@ -26,7 +26,7 @@ import math
 import numbers
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -39,7 +39,7 @@ from .devices import Device, default_action_overhead_s, default_link, optimizer_
 from .errors import InfeasibleMemoryError
 from .partitioner import PartitionProblem, PartitionResult, candidate_partitions, solve_bottleneck
 from .plan import BaselinePlan, Plan, StagePlan
-from .profile import COST_SOURCES, profile_segments, resolve_device
+from .profile import COST_SOURCES, LossCost, profile_loss, profile_segments, resolve_device
 from .scaling import ScaledProfile, profile_scaling
 from .trace import TracedModel, _module_spans, trace
 
@@ -491,6 +491,8 @@ def partition(
     repeats: int = 5,
     costs: Sequence[SegmentCost] | None = None,
     scaling: ScaledProfile | None = None,
+    loss_fn: Any = None,
+    example_target: Any = None,
     progress: bool = True,
 ) -> Plan:
     """Find where to cut ``model`` into pipeline stages so the schedule runs fastest.
@@ -547,6 +549,11 @@ def partition(
             and the same costs always give the same plan.
         scaling: A :class:`~autopipe.scaling.ScaledProfile` to reuse with
             ``n_microbatches="auto"`` (from :func:`autopipe.scaling.profile_scaling`).
+        loss_fn, example_target: The training loss ``loss_fn(output, target)`` and one
+            micro-batch's target. The last stage computes the loss of every micro-batch and
+            holds what it saves (for a language model, the log-softmax over the vocabulary)
+            until that micro-batch's backward; with both given, its time and saved bytes
+            (:func:`autopipe.profile.profile_loss`) are charged to the last stage.
         progress: Show progress bars while profiling.
 
     Returns:
@@ -580,6 +587,12 @@ def partition(
         raise ValueError(f"cost={cost!r} is not a cost source; use one of {list(COST_SOURCES)}")
     opt_name, opt_factor = optimizer_state_factor(optimizer)
     rank_devices = _devices_for(n_gpus, devices, memory, bandwidth, latency_s, action_overhead_s)
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn={loss_fn!r} must be callable as loss_fn(output, target)")
+    if (loss_fn is None) != (example_target is None):
+        raise ValueError("give loss_fn and example_target together (the loss is measured on one micro-batch's "
+                         f"target), got loss_fn={'set' if loss_fn is not None else None}, "
+                         f"example_target={'set' if example_target is not None else None}")
     dev = resolve_device(device)
     _check_int("warmup", warmup, 0)
     _check_int("repeats", repeats, 1)
@@ -604,8 +617,14 @@ def partition(
                                   cost=cost, device=dev, warmup=warmup, repeats=repeats, progress=progress)
     if not wanted.auto_microbatches and costs is None:
         costs = profile_segments(traced, cost=cost, device=dev, warmup=warmup, repeats=repeats, progress=progress)
+    loss = None
+    if loss_fn is not None:
+        loss = profile_loss(model, traced.example_args, traced.example_kwargs, loss_fn, example_target,
+                            device=dev, warmup=warmup, repeats=repeats)
+        if cost != "measured":  # estimated segment times: the loss adds its memory, not a measured time
+            loss = replace(loss, fwd_s=0.0, bwd_s=0.0)
     graphs = _cost_graphs(traced, wanted.n_microbatches, global_batch, costs=costs,
-                          scaling=scaling if wanted.auto_microbatches else None)
+                          scaling=scaling if wanted.auto_microbatches else None, loss=loss)
 
     # ---- search: the best split for each (micro-batches, schedule) option, then the fastest that fits
     t0 = time.perf_counter()
@@ -641,6 +660,8 @@ def partition(
         cost_source=cost, objective=objective, device=str(dev), planner_s=planner_s,
         memory_limit_bytes=limits, alternatives=options if wanted.several else (),
     )
+    if loss is not None:
+        plan.extras["loss"] = asdict(loss)
     if global_batch is not None:
         plan.extras["global_batch"] = global_batch
         plan.extras["microbatch_size"] = global_batch // chosen.n_microbatches
@@ -710,9 +731,19 @@ def _resolve_options(
     return _Wanted(schedule, stages_per_rank, runnable, False, auto_m)
 
 
+def _with_loss(costs: Sequence[SegmentCost], loss: LossCost | None, scale: float = 1.0) -> list[SegmentCost]:
+    """``costs`` with the loss (scaled to the micro-batch size) charged to the last segment."""
+    costs = list(costs)
+    if loss is not None and costs:
+        last = costs[-1]
+        costs[-1] = replace(last, fwd_s=last.fwd_s + loss.fwd_s * scale, bwd_s=last.bwd_s + loss.bwd_s * scale,
+                            act_bytes=last.act_bytes + int(loss.act_bytes * scale))
+    return costs
+
+
 def _cost_graphs(
     traced: TracedModel, m_options: Sequence[int], global_batch: int | None, *,
-    costs: Sequence[SegmentCost] | None, scaling: ScaledProfile | None,
+    costs: Sequence[SegmentCost] | None, scaling: ScaledProfile | None, loss: LossCost | None = None,
 ) -> dict[int, CostGraph]:
     """One cost graph per micro-batch count: from ``costs`` (one size) or from the size fits."""
     if scaling is None:
@@ -722,13 +753,14 @@ def _cost_graphs(
                 f"costs has {len(costs)} entries but {traced.model_name} traces to {traced.num_segments} "
                 "segments; pass the profile of this model with these example inputs"
             )
-        return {m_options[0]: build_cost_graph(traced, list(costs))}
+        return {m_options[0]: build_cost_graph(traced, _with_loss(costs, loss))}
     if scaling.segment_names != [sg.name for sg in traced.segments]:
         raise ValueError("scaling= was profiled on a different model or inputs: its segments do not match")
     graphs = {}
     for mm in m_options:
         b = global_batch // mm
-        graph = build_cost_graph(traced, scaling.costs_at(b))
+        # The loss is element-wise over the micro-batch: it scales with its size.
+        graph = build_cost_graph(traced, _with_loss(scaling.costs_at(b), loss, b / loss.batch if loss else 1.0))
         graph.cut_fwd_bytes, graph.cut_bwd_bytes = (list(x) for x in scaling.cut_bytes_at(b))
         graphs[mm] = graph
     return graphs

@@ -35,21 +35,21 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from ._progress import progress_iter
 from .costgraph import SegmentCost, requires_grad_map, tensor_bytes
 from .trace import TracedModel
 
-__all__ = ["COST_SOURCES", "profile_segments", "measure_device_flops", "resolve_device", "Timer"]
+__all__ = ["COST_SOURCES", "profile_segments", "profile_loss", "LossCost", "measure_device_flops", "resolve_device", "Timer"]
 
 #: Accepted values of the ``cost`` argument.
 COST_SOURCES = ("measured", "flops", "params")
@@ -422,6 +422,92 @@ def profile_segments(
     if cost != "measured":
         _estimate_times(costs, cost, device_flops if device_flops else measure_device_flops(dev))
     return costs
+
+
+@dataclass
+class LossCost:
+    """What the loss adds to the last stage, per micro-batch: its forward and backward, saved bytes."""
+
+    fwd_s: float
+    bwd_s: float
+    act_bytes: int  # bytes the loss saves for its backward (e.g. the log-softmax of the logits)
+    batch: int  # the micro-batch size it was measured at (its first input's first dimension)
+
+
+def profile_loss(
+    model: torch.nn.Module,
+    example_args: Sequence[Any],
+    example_kwargs: Mapping[str, Any] | None,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    target: Any,
+    *,
+    device: str | torch.device | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+) -> LossCost:
+    """Measure ``loss_fn(model output, target)``: forward, backward and saved bytes per micro-batch.
+
+    The last pipeline stage computes the loss of every micro-batch and keeps what it saves
+    for backward until that micro-batch's backward; for a language model (log-softmax over
+    the vocabulary) that is as much as the stage's own activations. The model runs once
+    (no grad) where it lives to get the output; the loss is timed on ``device`` on that
+    output as a fresh leaf.
+
+    Args:
+        model: The model; left unchanged.
+        example_args, example_kwargs: One micro-batch of inputs.
+        loss_fn: ``loss_fn(output, target) -> scalar tensor``.
+        target: The micro-batch's target.
+
+    Keyword Args:
+        device, warmup, repeats: As for :func:`profile_segments`.
+
+    Returns:
+        A :class:`LossCost`.
+
+    Raises:
+        ValueError: the loss is not a tensor that can be differentiated.
+
+    Example:
+        >>> import torch.nn.functional as F
+        >>> model = torch.nn.Linear(4, 3)
+        >>> cost = profile_loss(model, (torch.randn(2, 4),), None, F.cross_entropy, torch.tensor([0, 2]),
+        ...                     device="cpu", warmup=0, repeats=1)
+        >>> cost.batch, cost.act_bytes > 0
+        (2, True)
+    """
+    dev = resolve_device(device)
+    timer = Timer(dev)
+    with torch.no_grad(), _model_state_preserved(model):
+        output = model(*example_args, **dict(example_kwargs or {}))
+    output = tree_map(lambda t: t.detach().to(dev) if isinstance(t, torch.Tensor) else t, output)
+    target = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, target)
+    first = next((t for t in tree_leaves((tuple(example_args), dict(example_kwargs or {})))
+                  if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+    batch = int(first.shape[0]) if first is not None else 1
+
+    def leaves() -> tuple[Any, list[torch.Tensor]]:
+        out = tree_map(lambda t: t.detach().requires_grad_(True)
+                       if isinstance(t, torch.Tensor) and t.is_floating_point() else t, output)
+        return out, [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    counter = _SavedBytes(set())
+    out, wrt = leaves()
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+        loss = loss_fn(out, target)
+    if not isinstance(loss, torch.Tensor) or not loss.requires_grad or not wrt:
+        raise ValueError(f"loss_fn(output, target) must return a tensor that depends on the model output; "
+                         f"got {type(loss).__name__}")
+    fwd, bwd = [], []
+    for i in range(warmup + repeats):
+        out, wrt = leaves()
+        f, loss = timer.time(lambda: loss_fn(out, target))
+        b, _ = timer.time(lambda: torch.autograd.grad(loss, wrt, allow_unused=True))
+        if i >= warmup:
+            fwd.append(f)
+            bwd.append(b)
+    return LossCost(fwd_s=statistics.median(fwd), bwd_s=statistics.median(bwd), act_bytes=counter.total,
+                    batch=batch)
 
 
 def _estimate_times(costs: list[SegmentCost], cost: str, device_flops: float) -> None:

@@ -174,3 +174,51 @@ def test_a_bad_action_overhead_is_named_before_any_work(small_transformer, value
     model, args = small_transformer
     with pytest.raises(ValueError, match="action_overhead_s"):
         autopipe.partition(model, 2, example_args=args, progress=False, action_overhead_s=value)
+
+
+# --------------------------------------------------------------------------- the loss
+def _lm_loss(output, target):
+    import torch.nn.functional as F
+
+    return F.cross_entropy(output.flatten(0, 1), target.flatten())
+
+
+def test_the_loss_is_charged_to_the_last_stage_in_time_and_memory(small_transformer, costs):
+    import torch
+
+    model, args = small_transformer
+    target = torch.randint(0, 500, args[0].shape)
+    kw = dict(example_args=args, costs=costs, progress=False, n_microbatches=4, schedule="GPipe")
+    without = autopipe.partition(model, 2, **kw)
+    charged = autopipe.partition(model, 2, loss_fn=_lm_loss, example_target=target, **kw)
+    loss = charged.extras["loss"]
+    # log-softmax over the 500-word vocabulary for 2 x 8 tokens, float32, at least once
+    assert loss["act_bytes"] >= 2 * 8 * 500 * 4 and loss["fwd_s"] > 0 and loss["bwd_s"] > 0
+    assert loss["batch"] == 2
+    if charged.split_points == without.split_points:
+        last = charged.stages[-1]
+        assert last.act_bytes == without.stages[-1].act_bytes + loss["act_bytes"]
+        assert last.fwd_s == pytest.approx(without.stages[-1].fwd_s + loss["fwd_s"])
+    assert sum(s.act_bytes for s in charged.stages) == sum(s.act_bytes for s in without.stages) + loss["act_bytes"]
+
+
+def test_a_loss_without_its_target_is_refused_before_any_work(small_transformer):
+    model, args = small_transformer
+    with pytest.raises(ValueError, match="give loss_fn and example_target together"):
+        autopipe.partition(model, 2, example_args=args, progress=False, loss_fn=_lm_loss)
+    with pytest.raises(TypeError, match="loss_fn=3 must be callable"):
+        autopipe.partition(model, 2, example_args=args, progress=False, loss_fn=3, example_target=0)
+
+
+def test_profile_loss_leaves_the_model_unchanged(small_transformer):
+    import torch
+
+    from autopipe.profile import profile_loss
+
+    model, args = small_transformer
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cost = profile_loss(model, args, None, _lm_loss, torch.randint(0, 500, args[0].shape), device="cpu",
+                        warmup=0, repeats=1)
+    assert cost.act_bytes > 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())

@@ -91,7 +91,9 @@ class Pipeline:
             stage indices; a checkpointed stage recomputes its forward during backward.
         device: where this rank runs; default CUDA ``LOCAL_RANK`` when present, else CPU.
         timeout_s: collective timeout when the pipeline creates the process group itself.
-        planner_options: extra keyword arguments for :func:`autopipe.planner.partition`.
+        planner_options: extra keyword arguments for :func:`autopipe.planner.partition`;
+            with ``example_target`` (one micro-batch's target) the planner also charges
+            ``loss_fn``'s time and saved bytes to the last stage.
 
     Raises:
         TypeError / ValueError: for a bad argument (named in the message), a schedule name
@@ -188,8 +190,11 @@ class Pipeline:
 
         # ---- 4. one plan for all ranks
         if plan is None:
+            options = dict(planner_options or {})
+            if "example_target" in options and loss_fn is not None:  # the loss is charged to the last stage
+                options.setdefault("loss_fn", loss_fn)
             plan = self._plan_on_rank0(model, example_args, example_kwargs, n_ranks, schedule,
-                                       n_microbatches, stages_per_rank, dict(planner_options or {}))
+                                       n_microbatches, stages_per_rank, options)
             n_microbatches = n_microbatches or plan.n_microbatches
             validate_schedule(schedule, n_ranks, n_microbatches, plan.stages_per_rank)
             if plan.num_stages != n_ranks * stages_per_rank:

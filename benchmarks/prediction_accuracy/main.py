@@ -8,7 +8,8 @@ count this script
 
 1. profiles the model once (one thread on CPU, as each rank will run) and plans it for 2
    ranks with ``autopipe.partition(..., costs=profile, devices=[Device(speed=1 / slowdown,
-   bandwidth=, latency_s=, action_overhead_s=)] * 2)``: the plan's own prediction;
+   bandwidth=, latency_s=, action_overhead_s=)] * 2, loss_fn=, example_target=)``: the plan's
+   own prediction, the loss (cross-entropy) charged to the last stage;
 2. runs every plan of the model as a real 2-rank :class:`autopipe.Pipeline` (gloo on
    127.0.0.1), all plans side by side in interleaved rounds, and takes the median step;
    then measures each rank's peak memory during one steady-state step with Adam
@@ -38,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from _common import write_result  # noqa: E402
 from _pipebench import (  # noqa: E402
-    MODELS, StageChain, host_info, make_model, make_target, median, parallel_efficiency, run_variants,
+    MODELS, StageChain, ce_loss, host_info, make_model, make_target, median, parallel_efficiency, run_variants,
 )
 
 import autopipe  # noqa: E402
@@ -100,7 +101,8 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
             try:
                 plan = autopipe.partition(model, 2, example_args=args, schedule=sched, n_microbatches=m,
                                           stages_per_rank=v, costs=costs, device=device, progress=False,
-                                          devices=_measured_devices(machine))
+                                          devices=_measured_devices(machine), loss_fn=ce_loss,
+                                          example_target=target)
             except ValueError as e:  # a combination torch cannot run (e.g. too few micro-batches)
                 log(f"  {name} {sched} x{m}: not planned: {e}")
                 continue
