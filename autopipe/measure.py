@@ -685,14 +685,17 @@ def _overhead_worker(rank: int, port: int, n_ranks: int, backend: str, device_ty
             model = nn.Sequential(*[nn.Linear(_PROBE_WIDTH, _PROBE_WIDTH) for _ in range(_PROBE_LAYERS)])
         x = torch.randn(_PROBE_ROWS * n_microbatches, _PROBE_WIDTH, generator=g)
         y = torch.randn(_PROBE_ROWS * n_microbatches, _PROBE_WIDTH, generator=g)
-        # The same compute burst on each rank alone, then on every rank at once.
+        # The same compute burst on each rank alone, then on every rank at once, in several
+        # rounds: a round disturbed by another job on the host is outvoted by the others.
         alone: list[float] = []
-        for turn in range(n_ranks):
+        together: list[float] = []
+        for _ in range(5):
+            for turn in range(n_ranks):
+                dist.barrier()
+                if turn == rank:
+                    alone.append(statistics.median(_compute_probe_s(dev, 3)))
             dist.barrier()
-            if turn == rank:
-                alone = _compute_probe_s(dev, 7)
-        dist.barrier()
-        together = _compute_probe_s(dev, 7)
+            together.append(statistics.median(_compute_probe_s(dev, 3)))
         steps_s: dict[str, list[float]] = {}
         compute_s: dict[str, tuple[list[float], list[float]]] = {}
         for schedule, v in schedules:
@@ -800,8 +803,8 @@ def measure_action_overhead(
     )
     bandwidth, latency = default_link(device)
     comm_s = latency + _PROBE_ROWS * _PROBE_WIDTH * 4 / bandwidth  # one micro-batch's activation
-    slowdown = statistics.median(
-        statistics.median(r["together_s"]) / statistics.median(r["alone_s"]) for r in results)
+    # Per rank and round, together / alone; the median over all of them.
+    slowdown = statistics.median(t / a for r in results for t, a in zip(r["together_s"], r["alone_s"]))
     step_s, per_schedule = {}, {}
     for name, v in pairs:
         key = f"{name}-{v}"

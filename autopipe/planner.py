@@ -135,11 +135,13 @@ def build_problem(
     optimizer_factor: float,
     link_default: tuple[float, float],
     stages_per_rank: int = 1,
+    n_microbatches: int = 0,
 ) -> PartitionProblem:
     """Turn the cost graph into the partitioner's numbers for ``num_stages`` stages.
 
     Static bytes of a segment = its parameters and buffers + gradients and optimizer state of
-    its trainable parameters. A parameter read by several segments (tied embeddings) is
+    its trainable parameters; the last segment also holds the model's output of every one of
+    the ``n_microbatches`` micro-batches, which torch's last stage keeps for the step's result. A parameter read by several segments (tied embeddings) is
     replicated by torch into every stage that reads it, so the search charges it at every
     segment that reads it (never less than the truth); the Plan's figures are exact.
     """
@@ -154,6 +156,10 @@ def build_problem(
             nbytes, trainable = sizes.get(name, (0, False))
             b += nbytes + (nbytes * (1.0 + optimizer_factor) if trainable else 0.0)
         static.append(b)
+    # torch's last stage keeps every micro-batch's output until the step ends (it returns
+    # them merged), so the model's output is held n_microbatches times on that stage.
+    if static:
+        static[-1] += n_microbatches * costs[-1].out_bytes
     bw, lat = [], []
     for s in range(num_stages - 1):
         d = stage_devices[s]
@@ -322,7 +328,7 @@ def _cost_option(
     option.inflight = inflight_per_stage(sched, n_gpus, m, v)
     problem = build_problem(
         cost_graph, traced, num_stages=n_gpus * v, stage_devices=stage_devices, inflight=option.inflight,
-        optimizer_factor=optimizer_factor, link_default=link_default, stages_per_rank=v,
+        optimizer_factor=optimizer_factor, link_default=link_default, stages_per_rank=v, n_microbatches=m,
     )
     option.problem = problem
     results = [solve_bottleneck(problem)] if objective == "bottleneck" else candidate_partitions(problem)
