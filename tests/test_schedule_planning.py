@@ -222,3 +222,18 @@ def test_profile_loss_leaves_the_model_unchanged(small_transformer):
     assert cost.act_bytes > 0
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_last_stage_holds_every_micro_batch_output_until_the_step_ends(small_traced, costs):
+    # torch's last stage keeps each micro-batch's output to return them merged.
+    from autopipe.costgraph import build_cost_graph
+    from autopipe.planner import build_problem
+
+    graph = build_cost_graph(small_traced, list(costs))
+    kw = dict(num_stages=2, stage_devices=[autopipe.Device()] * 2, inflight=[1, 1], optimizer_factor=2.0,
+              link_default=(1e9, 0.0))
+    none = build_problem(graph, small_traced, n_microbatches=0, **kw)
+    eight = build_problem(graph, small_traced, n_microbatches=8, **kw)
+    assert costs[-1].out_bytes > 0
+    assert eight.static_bytes[-1] - none.static_bytes[-1] == 8 * costs[-1].out_bytes
+    assert list(eight.static_bytes[:-1]) == list(none.static_bytes[:-1])
