@@ -12,7 +12,7 @@ This module measures them:
 * :func:`measure_device_speed` compares a device's matmul throughput with the device the
   profile was measured on;
 * :func:`measure_devices` builds the ``devices=[...]`` list for :func:`autopipe.partition`;
-* :func:`measure_action_overhead` runs a pipeline of a tiny model under each schedule and
+* :func:`measure_action_overhead` runs a pipeline of a small probe model under each schedule and
   finds the seconds every action costs beyond its compute (the runtime's bookkeeping,
   posting and waiting on sends and receives), and how much slower the ranks compute when
   all of them compute at once: ``partition(action_overhead_s=..., devices=[Device(speed=...)])``.
@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from ._spawn import finish_rank, spawn_ranks
 from .devices import Device, default_link, parse_bytes
-from .profile import measure_device_flops, resolve_device
+from .profile import Timer, _forward_backward, measure_device_flops, resolve_device
 
 __all__ = [
     "LinkMeasurement",
@@ -638,25 +638,22 @@ def _compute_probe_s(device: torch.device, repeats: int) -> list[float]:
 
 
 def _stage_compute_s(layers: list, device: torch.device, repeats: int = 7) -> tuple[float, float]:
-    """Median forward and backward seconds of one probe stage (``layers``) on one micro-batch, alone."""
+    """Median forward and backward seconds of one probe stage (``layers``) on one micro-batch, alone.
+
+    Timed as the profiler times a segment (:func:`autopipe.profile._forward_backward`).
+    """
     import torch.nn as nn
 
     stage = nn.Sequential(*layers)
-    x = torch.randn(_PROBE_ROWS, _PROBE_WIDTH, device=device, requires_grad=True)
+    timer = Timer(device)
     params = list(stage.parameters())
     fwd, bwd = [], []
-    for i in range(repeats + 2):
-        _synchronize(device)
-        t0 = time.perf_counter()
-        out = stage(x)
-        _synchronize(device)
-        t1 = time.perf_counter()
-        torch.autograd.grad(out, [x, *params], torch.ones_like(out))
-        _synchronize(device)
-        t2 = time.perf_counter()
+    for i in range(repeats + 2):  # two warm-up runs
+        x = torch.randn(_PROBE_ROWS, _PROBE_WIDTH, device=device, requires_grad=True)
+        f, b, _ = _forward_backward(stage, [x], params, timer)
         if i >= 2:
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
+            fwd.append(f)
+            bwd.append(b)
     return statistics.median(fwd), statistics.median(bwd)
 
 

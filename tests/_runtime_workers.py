@@ -65,14 +65,22 @@ def compare_with_unsplit(pipe: Pipeline, model: nn.Module, x: torch.Tensor, y: t
     """One pipeline step and one unsplit step on the same batch: losses and gradient differences."""
     loss = pipe.step(x, target=y)
     model.zero_grad()
-    ref = loss_fn(model(x), y)
+    return against_reference(pipe, model, loss, loss_fn(model(x), y))
+
+
+def against_reference(pipe: Pipeline, model: nn.Module, loss: torch.Tensor, ref: torch.Tensor) -> dict:
+    """Backward the unsplit model's loss ``ref``; the pipeline's loss and gradients next to it.
+
+    ``grad_diff`` maps each parameter the pipeline holds to its largest absolute difference
+    from the unsplit model's gradient (inf when the pipeline computed none).
+    """
     ref.backward()
     ref_grads = {n: p.grad for n, p in model.named_parameters()}
     grad_diff = {
         n: float("inf") if p.grad is None else (p.grad - ref_grads[n]).abs().max().item()
         for n, p in pipe.named_parameters()
     }
-    return {"loss": loss.item(), "ref_loss": ref.item(), "grad_diff": grad_diff}
+    return {"loss": loss.item(), "ref_loss": ref.item(), "grad_diff": grad_diff, "all_param_names": sorted(ref_grads)}
 
 
 # ---------------------------------------------------------------------- workers
@@ -87,7 +95,6 @@ def schedule_run(rank: int, world_size: int, schedule: str, n_steps: int) -> dic
         and not any("forward" in m.__dict__ for m in model.modules()),
         "stage_indices": pipe.stage_indices,
         "has_last_stage": pipe.has_last_stage,
-        "all_param_names": sorted(n for n, _ in model.named_parameters()),
     }
     x, y = tutorial_batch(0)
     result.update(compare_with_unsplit(pipe, model, x, y))
@@ -115,9 +122,7 @@ def _gradients_case(world_size: int, schedule: str, stages_per_rank: int, split_
     model = tutorial_model(num_layers=6 if n_stages == 8 else 2)
     pipe = build(model, schedule, n_stages, stages_per_rank=stages_per_rank,
                  split_points=list(split_points) or SPLITS[n_stages])
-    result = compare_with_unsplit(pipe, model, *tutorial_batch(0))
-    result["all_param_names"] = sorted(n for n, _ in model.named_parameters())
-    return result
+    return compare_with_unsplit(pipe, model, *tutorial_batch(0))
 
 
 GPT2_SPLITS = {2: ["transformer.h.1"], 4: ["transformer.h.1", "transformer.h.2", "transformer.h.3"]}
@@ -141,14 +146,7 @@ def _gpt2_case(schedule: str, world_size: int, split_points: list[str] | None = 
     x = torch.randint(0, vocab, (2 * N_MICROBATCHES, 8), generator=g)
     y = torch.randint(0, vocab, (2 * N_MICROBATCHES, 8), generator=g)
     loss = pipe.step(x, target=y)
-    ref = nn.functional.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1))
-    ref.backward()
-    ref_grads = dict(model.named_parameters())
-    return {
-        "loss": loss.item(), "ref_loss": ref.item(),
-        "grad_diff": {n: (p.grad - ref_grads[n].grad).abs().max().item() for n, p in pipe.named_parameters()},
-        "all_param_names": sorted(n for n, _ in model.named_parameters()),
-    }
+    return against_reference(pipe, model, loss, nn.functional.cross_entropy(model(x).reshape(-1, vocab), y.reshape(-1)))
 
 
 # A V-schedule split of GPT-2 whose first cut sends the integer position ids
@@ -183,14 +181,7 @@ def _unet_case(schedule: str) -> dict:
     # Batch norm normalises each micro-batch by its own statistics in the pipeline, so the
     # reference runs the unsplit model micro-batch by micro-batch too.
     ref = sum(nn.functional.mse_loss(model(xi), yi) for xi, yi in zip(x.chunk(N_MICROBATCHES), y.chunk(N_MICROBATCHES)))
-    ref = ref / N_MICROBATCHES
-    ref.backward()
-    ref_grads = dict(model.named_parameters())
-    return {
-        "loss": loss.item(), "ref_loss": ref.item(),
-        "grad_diff": {n: (p.grad - ref_grads[n].grad).abs().max().item() for n, p in pipe.named_parameters()},
-        "all_param_names": sorted(n for n, _ in model.named_parameters()),
-    }
+    return against_reference(pipe, model, loss, ref / N_MICROBATCHES)
 
 
 def _gather(t: torch.Tensor) -> list[torch.Tensor]:

@@ -915,6 +915,11 @@ def _static_stage_meta(stage_module: nn.Module, first_stage_args: tuple | None
 WIRE_DTYPE = torch.float64
 
 
+def _travels_as_float(val: torch.Tensor) -> bool:
+    """An integer or boolean boundary tensor: it crosses a cut as :data:`WIRE_DTYPE`."""
+    return not (val.is_floating_point() or val.is_complex())
+
+
 def _make_boundary_tensors_sendable(stage_module: nn.Module, *, first: bool, last: bool) -> None:
     """Describe every tensor a stage sends or receives as one torch can send, in its graph.
 
@@ -944,7 +949,7 @@ def _make_boundary_tensors_sendable(stage_module: nn.Module, *, first: bool, las
             continue
         if not val.is_contiguous():
             node.meta["val"] = val = val.clone(memory_format=torch.contiguous_format)
-        if not first and not (val.is_floating_point() or val.is_complex()):
+        if not first and _travels_as_float(val):
             wire["inputs"][i] = val.dtype
             node.meta["val"] = val.to(WIRE_DTYPE)
     output = next(n for n in graph.nodes if n.op == "output")
@@ -968,7 +973,7 @@ def _make_boundary_tensors_sendable(stage_module: nn.Module, *, first: bool, las
         values, _ = tree_flatten(output.args[0])
         for j, node in enumerate(values):
             val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-            if isinstance(val, torch.Tensor) and not (val.is_floating_point() or val.is_complex()):
+            if isinstance(val, torch.Tensor) and _travels_as_float(val):
                 wire["outputs"][j] = val.dtype
                 node.meta["val"] = val.to(WIRE_DTYPE)  # what torch checks the sent value against
     stage_module._autopipe_wire = wire
