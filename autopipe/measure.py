@@ -596,7 +596,7 @@ def _fit_action_overhead(step_s: float, schedule: str, stages_per_rank: int, n_r
 
     ``fwd_s`` / ``bwd_s`` are the stages' compute per micro-batch (default: none at all).
     """
-    from .schedules import simulate
+    from .schedules import simulate, solve_increasing
 
     n_stages = n_ranks * stages_per_rank
     fwd = list(fwd_s) if fwd_s is not None else [0.0] * n_stages
@@ -606,13 +606,7 @@ def _fit_action_overhead(step_s: float, schedule: str, stages_per_rank: int, n_r
         return simulate(fwd, bwd, schedule=schedule, n_microbatches=n_microbatches,
                         stages_per_rank=stages_per_rank, comm_s=comm_s, action_overhead_s=o).step_s
 
-    if simulated(0.0) >= step_s:
-        return 0.0
-    lo, hi = 0.0, step_s  # the step grows with o; at o = step_s it is at least step_s
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if simulated(mid) < step_s else (lo, mid)
-    return (lo + hi) / 2
+    return solve_increasing(simulated, step_s, hi=step_s)  # the step grows with o; at o = step_s it is >= step_s
 
 
 def _compute_probe_s(device: torch.device, repeats: int) -> list[float]:

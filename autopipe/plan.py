@@ -186,13 +186,9 @@ class Plan:
             return 1.0
         if not any(self.action_overhead_s()) and not self.extras.get("cut_comm_s"):
             return step_s / self.predicted_step_s  # the step is proportional to compute alone
-        lo, hi = 0.0, 1.0
-        while self._simulated_step_s(hi) < step_s:  # the simulated step grows with the factor
-            hi *= 2.0
-        for _ in range(50):
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if self._simulated_step_s(mid) < step_s else (lo, mid)
-        return (lo + hi) / 2
+        from .schedules import solve_increasing
+
+        return solve_increasing(self._simulated_step_s, step_s)  # the simulated step grows with the factor
 
     def calibrate(self, measured: "Sequence[float] | Mapping[str, Any]") -> "Plan":
         """A copy of the plan with measured stage times folded in.

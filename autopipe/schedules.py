@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 from unittest import mock
@@ -738,6 +738,33 @@ def simulate(
         events=events,
         order_source=source,
     )
+
+
+def solve_increasing(fn: Callable[[float], float], target: float, *, hi: float = 1.0,
+                     iterations: int = 60) -> float:
+    """The x >= 0 at which a non-decreasing ``fn`` reaches ``target``, by doubling then bisection.
+
+    Used to fit one unknown of a simulation to a measured step (a per-action overhead, a
+    factor on compute). Returns 0.0 when ``fn(0)`` already reaches ``target``, and the
+    largest x tried when ``fn`` never does within ``iterations`` doublings of ``hi``.
+
+    Example:
+        >>> round(solve_increasing(lambda x: 3 * x + 1, 7.0), 9)
+        2.0
+    """
+    if fn(0.0) >= target:
+        return 0.0
+    for _ in range(iterations):
+        if fn(hi) >= target:
+            break
+        hi *= 2.0
+    else:
+        return hi
+    lo = 0.0
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if fn(mid) < target else (lo, mid)
+    return (lo + hi) / 2
 
 
 def _times(

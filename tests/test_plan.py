@@ -94,3 +94,22 @@ def test_a_plan_without_an_overhead_record_charges_none():
     plan = _plan()
     plan.extras.pop("action_overhead_s", None)
     assert plan.action_overhead_s() == [0.0, 0.0]
+
+
+def test_calibrating_a_plan_with_no_compute_to_scale_ends():
+    # A step longer than its overhead alone, and no compute to scale: the search stops.
+    plan = _plan()
+    for st in plan.stages:
+        st.fwd_s = st.bwd_s = 0.0
+    plan.extras["action_overhead_s"] = [1e-3, 1e-3]
+    plan.predicted_step_s = plan._simulated_step_s(1.0)
+    cal = plan.calibrate({"step_s": 10 * plan.predicted_step_s})
+    assert cal.predicted_step_s == pytest.approx(plan.predicted_step_s)
+
+
+def test_solve_increasing_finds_the_crossing_and_stops_when_there_is_none():
+    from autopipe.schedules import solve_increasing
+
+    assert solve_increasing(lambda x: 2 * x, 5.0) == pytest.approx(2.5, rel=1e-12)
+    assert solve_increasing(lambda x: 1.0 + x, 0.5) == 0.0
+    assert solve_increasing(lambda x: 1.0, 2.0, iterations=10) == 2.0 ** 10
