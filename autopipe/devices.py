@@ -19,7 +19,7 @@ import math
 import re
 from dataclasses import dataclass
 
-__all__ = ["Device", "parse_bytes", "default_link", "default_action_overhead_s", "OPTIMIZER_STATE_FACTORS", "optimizer_state_factor"]
+__all__ = ["Device", "parse_bytes", "default_link", "default_action_overhead_s", "sends_are_lazy", "OPTIMIZER_STATE_FACTORS", "optimizer_state_factor"]
 
 _UNITS = {
     "": 1, "b": 1,
@@ -76,6 +76,17 @@ _DEFAULT_ACTION_OVERHEAD_S = {"cpu": 0.7e-3, "cuda": 0.0}
 def default_action_overhead_s(device_type: str) -> float:
     """Seconds per pipeline action assumed beyond compute when none is given."""
     return _DEFAULT_ACTION_OVERHEAD_S.get(device_type, _DEFAULT_ACTION_OVERHEAD_S["cuda"])
+
+
+def sends_are_lazy(device_type: str) -> bool:
+    """Whether the backend used on this device type moves a send only when its sender calls in.
+
+    autopipe runs CPU stages on gloo, whose point-to-point sends, posted before the receiver
+    asks, are delivered only once the sending rank next calls into gloo (measured in
+    docs/costs-and-measurement.md); NCCL (CUDA) moves data on the GPU by itself. The
+    planner passes this to :func:`autopipe.simulate` as ``lazy_sends``.
+    """
+    return device_type == "cpu"
 
 
 @dataclass

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from ._spawn import finish_rank, spawn_ranks
-from .devices import Device, default_link, parse_bytes
+from .devices import Device, default_link, parse_bytes, sends_are_lazy
 from .profile import Timer, _forward_backward, measure_device_flops, resolve_device
 
 __all__ = [
@@ -591,10 +591,12 @@ class OverheadMeasurement:
 
 def _fit_action_overhead(step_s: float, schedule: str, stages_per_rank: int, n_ranks: int,
                          n_microbatches: int, comm_s: float, fwd_s: Sequence[float] | None = None,
-                         bwd_s: Sequence[float] | None = None) -> float:
+                         bwd_s: Sequence[float] | None = None, lazy_sends: bool = False) -> float:
     """The per-action overhead o with which the simulated step is ``step_s``.
 
-    ``fwd_s`` / ``bwd_s`` are the stages' compute per micro-batch (default: none at all).
+    ``fwd_s`` / ``bwd_s`` are the stages' compute per micro-batch (default: none at all);
+    ``lazy_sends`` as the planner will simulate this backend (so the overhead fitted here
+    is not also charged for late deliveries the plans model on their own).
     """
     from .schedules import simulate, solve_increasing
 
@@ -604,7 +606,8 @@ def _fit_action_overhead(step_s: float, schedule: str, stages_per_rank: int, n_r
 
     def simulated(o: float) -> float:
         return simulate(fwd, bwd, schedule=schedule, n_microbatches=n_microbatches,
-                        stages_per_rank=stages_per_rank, comm_s=comm_s, action_overhead_s=o).step_s
+                        stages_per_rank=stages_per_rank, comm_s=comm_s, action_overhead_s=o,
+                        lazy_sends=lazy_sends).step_s
 
     return solve_increasing(simulated, step_s, hi=step_s)  # the step grows with o; at o = step_s it is >= step_s
 
@@ -803,7 +806,8 @@ def measure_action_overhead(
         # Stage compute: the median over ranks of each stage timed alone, slowed as when all compute.
         fwd = [statistics.median(r["compute_s"][key][0][s] for r in results) * slowdown for s in range(n_ranks * v)]
         bwd = [statistics.median(r["compute_s"][key][1][s] for r in results) * slowdown for s in range(n_ranks * v)]
-        per_schedule[key] = _fit_action_overhead(step_s[key], name, v, n_ranks, n_microbatches, comm_s, fwd, bwd)
+        per_schedule[key] = _fit_action_overhead(step_s[key], name, v, n_ranks, n_microbatches, comm_s, fwd, bwd,
+                                                 lazy_sends=sends_are_lazy(device))
     return OverheadMeasurement(
         action_overhead_s=statistics.median(per_schedule.values()), per_schedule_s=per_schedule, step_s=step_s,
         n_microbatches=n_microbatches, concurrent_slowdown=slowdown, n_ranks=n_ranks, backend=backend,

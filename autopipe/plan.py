@@ -166,14 +166,27 @@ class Plan:
         values = self.extras.get("action_overhead_s") or []
         return [float(x) for x in values] if len(values) == self.num_stages else [0.0] * self.num_stages
 
+    def simulation_options(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`autopipe.simulate` that describe how this plan runs.
+
+        Its schedule, micro-batches, stages per rank, per-action overhead and whether its
+        backend's sends are lazy (``extras["lazy_sends"]``, False for plans made before
+        autopipe modelled them); the stage and cut times are the caller's.
+
+        Example:
+            >>> autopipe.simulate(fwd, bwd, comm_s=0.0, **plan.simulation_options())  # doctest: +SKIP
+        """
+        return {"schedule": self.schedule, "n_microbatches": self.n_microbatches,
+                "stages_per_rank": self.stages_per_rank, "action_overhead_s": self.action_overhead_s(),
+                "lazy_sends": bool(self.extras.get("lazy_sends", False))}
+
     def _simulated_step_s(self, compute_factor: float) -> float:
         """The plan's simulated step with every stage's compute scaled by ``compute_factor``."""
         from .schedules import simulate
 
         return simulate(
             [st.fwd_s * compute_factor for st in self.stages], [st.bwd_s * compute_factor for st in self.stages],
-            schedule=self.schedule, n_microbatches=self.n_microbatches, comm_s=self.extras.get("cut_comm_s") or 0.0,
-            stages_per_rank=self.stages_per_rank, action_overhead_s=self.action_overhead_s(),
+            comm_s=self.extras.get("cut_comm_s") or 0.0, **self.simulation_options(),
         ).step_s
 
     def _compute_factor_for_step(self, step_s: float) -> float:

@@ -35,7 +35,8 @@ import torch
 from . import schedules as sim
 from .baselines import BASELINES, evaluate_baselines, layer_units
 from .costgraph import CostGraph, SegmentCost, build_cost_graph
-from .devices import Device, default_action_overhead_s, default_link, optimizer_state_factor, parse_bytes
+from .devices import (Device, default_action_overhead_s, default_link, optimizer_state_factor, parse_bytes,
+                      sends_are_lazy)
 from .errors import InfeasibleMemoryError
 from .partitioner import PartitionProblem, PartitionResult, candidate_partitions, solve_bottleneck
 from .plan import BaselinePlan, Plan, StagePlan
@@ -115,11 +116,12 @@ def inflight_per_stage(schedule: str, n_ranks: int, n_microbatches: int, stages_
 def predict_step_s(
     fwd_s: Sequence[float], bwd_s: Sequence[float], comm_s: Sequence[float], *,
     schedule: str, n_microbatches: int, stages_per_rank: int, action_overhead_s: float | Sequence[float] = 0.0,
+    lazy_sends: bool = False,
 ) -> float:
     """Predicted time of one step: the simulated makespan of ``schedule`` with these stages."""
     return sim.simulate(list(fwd_s), list(bwd_s), schedule=schedule, n_microbatches=n_microbatches,
                         comm_s=list(comm_s) if len(comm_s) else 0.0, stages_per_rank=stages_per_rank,
-                        action_overhead_s=action_overhead_s).step_s
+                        action_overhead_s=action_overhead_s, lazy_sends=lazy_sends).step_s
 
 
 # --------------------------------------------------------------------------- problem
@@ -264,10 +266,12 @@ def _stage_fwd_bwd(problem: PartitionProblem, result: PartitionResult, costs: li
 
 
 def _predict(problem: PartitionProblem, result: PartitionResult, costs: list[SegmentCost], *,
-             schedule: str, m: int, stages_per_rank: int, action_overhead_s: Sequence[float]) -> float:
+             schedule: str, m: int, stages_per_rank: int, action_overhead_s: Sequence[float],
+             lazy_sends: bool) -> float:
     fwd, bwd = _stage_fwd_bwd(problem, result, costs)
     return predict_step_s(fwd, bwd, _cut_comm_s(problem, result.cuts), schedule=schedule,
-                          n_microbatches=m, stages_per_rank=stages_per_rank, action_overhead_s=action_overhead_s)
+                          n_microbatches=m, stages_per_rank=stages_per_rank, action_overhead_s=action_overhead_s,
+                          lazy_sends=lazy_sends)
 
 
 @dataclass
@@ -286,6 +290,7 @@ class ScheduleOption:
     candidates: int = 0
     step_lower_bound_s: float = 0.0
     action_overhead_s: list[float] = field(default_factory=list)  # per stage, seconds per action
+    lazy_sends: bool = False  # the backend delivers a send when its sender next calls in (gloo)
     reason: str = ""  # why it was not usable, when it was not
 
     def summary(self) -> dict[str, Any]:
@@ -316,7 +321,7 @@ def _rank_peak_bytes(problem: PartitionProblem, result: PartitionResult, ranks: 
 def _cost_option(
     option: ScheduleOption, *, traced: TracedModel, cost_graph: CostGraph, n_gpus: int,
     rank_devices: Sequence[Device], optimizer_factor: float, link_default: tuple[float, float], objective: str,
-    overhead_default: float = 0.0,
+    overhead_default: float = 0.0, lazy_sends: bool = False,
 ) -> ScheduleOption:
     """Find the best split for one schedule option and predict its step time and memory."""
     sched, v, m = option.schedule, option.stages_per_rank, option.n_microbatches
@@ -325,6 +330,7 @@ def _cost_option(
     stage_devices = [rank_devices[r] for r in ranks]
     option.action_overhead_s = [d.action_overhead_s if d.action_overhead_s is not None else overhead_default
                                 for d in stage_devices]
+    option.lazy_sends = lazy_sends
     option.inflight = inflight_per_stage(sched, n_gpus, m, v)
     problem = build_problem(
         cost_graph, traced, num_stages=n_gpus * v, stage_devices=stage_devices, inflight=option.inflight,
@@ -336,7 +342,7 @@ def _cost_option(
     best = None
     for r in results:
         step = _predict(problem, r, costs, schedule=sched, m=m, stages_per_rank=v,
-                        action_overhead_s=option.action_overhead_s)
+                        action_overhead_s=option.action_overhead_s, lazy_sends=lazy_sends)
         if best is None or (step, r.bottleneck_s) < (best[0], best[1].bottleneck_s):
             best = (step, r)
     option.predicted_step_s, option.result = best
@@ -344,7 +350,7 @@ def _cost_option(
     fwd, bwd = _stage_fwd_bwd(problem, option.result, costs)
     timeline = sim.simulate(fwd, bwd, schedule=sched, n_microbatches=m, stages_per_rank=v,
                             comm_s=_cut_comm_s(problem, option.result.cuts) or 0.0,
-                            action_overhead_s=option.action_overhead_s)
+                            action_overhead_s=option.action_overhead_s, lazy_sends=lazy_sends)
     A = np.concatenate([[0.0], np.cumsum(problem.act_bytes)])
     edges = [0, *option.result.cuts, problem.num_segments]
     act = [int(A[edges[s + 1]] - A[edges[s]]) for s in range(problem.num_stages)]
@@ -422,7 +428,7 @@ def make_plan(
             split_points=[traced.candidates[c - 1].name for c in r.cuts],
             bottleneck_s=r.bottleneck_s,
             predicted_step_s=_predict(problem, r, costs, schedule=sched, m=m, stages_per_rank=v,
-                                      action_overhead_s=chosen.action_overhead_s),
+                                      action_overhead_s=chosen.action_overhead_s, lazy_sends=chosen.lazy_sends),
             peak_bytes=int(max(r.stage_mem_bytes)),
             fits_memory=r.fits_memory,
         ))
@@ -445,6 +451,7 @@ def make_plan(
         "cut_comm_s": _cut_comm_s(problem, result.cuts),
         "links": {"bandwidth": problem.bandwidth.tolist(), "latency_s": problem.latency_s.tolist()},
         "action_overhead_s": list(chosen.action_overhead_s),
+        "lazy_sends": chosen.lazy_sends,
     }
     if alternatives:
         extras["alternatives"] = [a.summary() for a in alternatives]
@@ -641,7 +648,8 @@ def partition(
             try:
                 _cost_option(option, traced=traced, cost_graph=graph, n_gpus=n_gpus, rank_devices=rank_devices,
                              optimizer_factor=opt_factor, link_default=default_link(dev.type), objective=objective,
-                             overhead_default=default_action_overhead_s(dev.type))
+                             overhead_default=default_action_overhead_s(dev.type),
+                             lazy_sends=sends_are_lazy(dev.type))
             except InfeasibleMemoryError as e:
                 if not wanted.several:
                     raise

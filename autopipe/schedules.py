@@ -21,6 +21,7 @@ The planner calls :func:`simulate` to cost a split, the runtime calls
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 import numbers
@@ -623,6 +624,7 @@ def simulate(
     stages_per_rank: int | None = None,
     wgrad_s: Sequence[float] | None = None,
     action_overhead_s: float | Sequence[float] = 0.0,
+    lazy_sends: bool = False,
 ) -> Timeline:
     """Simulate one training step of a pipeline schedule and return its timeline.
 
@@ -661,6 +663,13 @@ def simulate(
             stage, or one per stage. It is why schedules with more, shorter actions
             (interleaved, zero-bubble) gain less in practice than on paper;
             :func:`autopipe.measure.measure_action_overhead` measures it.
+        lazy_sends: model a communication library whose sends move only when the sending
+            rank calls into it, as gloo (CPU) does: a tensor sent before its receiver has
+            posted the receive is delivered when the sender's action running at that
+            moment ends (it then posts its next sends and receives), not at once. NCCL
+            moves data on the GPU by itself (False, the default). Placing sends lazily
+            needs the sender's timeline, so the step is solved by repeating the placement
+            until it no longer changes (at most :data:`LAZY_SEND_ROUNDS` times).
 
     Returns:
         A :class:`Timeline` with the step time, bubble fraction, per-rank busy time and
@@ -713,12 +722,16 @@ def simulate(
         overhead = [float(action_overhead_s)] * n_stages
     else:
         overhead = _times("action_overhead_s", action_overhead_s, length=n_stages, length_of="stage")
+    if not isinstance(lazy_sends, bool):
+        raise TypeError(f"lazy_sends must be True or False, got {lazy_sends!r}")
     n_ranks = n_stages // stages_per_rank
     validate_schedule(schedule, n_ranks, n_microbatches, stages_per_rank)
 
     order, source = _order_and_source(schedule, n_ranks, n_microbatches, stages_per_rank)
     ranks = stage_ranks(schedule, n_ranks, stages_per_rank)
     events = _place_in_time(order, ranks, fwd, bwd, wgrad, comm, overhead, schedule=schedule)
+    if lazy_sends:
+        events = _place_with_lazy_sends(events, order, ranks, fwd, bwd, wgrad, comm, overhead, schedule=schedule)
 
     step_s = max((e.end_s for e in events), default=0.0)
     busy = [0.0] * n_ranks
@@ -799,12 +812,16 @@ def _place_in_time(
     overhead: list[float],
     *,
     schedule: str,
+    sender_busy: list[list[tuple[float, float]]] | None = None,
 ) -> list[Event]:
     """Discrete-event simulation: give every action a start and end time.
 
     Each rank runs its actions in order. Start times depend only on the rank's previous
     action and on finished dependencies, so ranks can be advanced in any interleaving;
     a full pass in which no rank can advance means the order deadlocks.
+
+    ``sender_busy`` (per rank, its actions' sorted (start, end) intervals, from an earlier
+    placement) turns on lazy sends: see :func:`_place_with_lazy_sends`.
     """
     last = len(ranks) - 1
     compute = {
@@ -819,6 +836,24 @@ def _place_in_time(
         # Two stages on one rank (the turn of a V, or a single rank) share memory.
         return 0.0 if ranks[a] == ranks[b] else comm[min(a, b)]
 
+    free_s = [0.0] * len(order)
+
+    def arrival_s(sent_s: float, src: int, dst: int) -> float:
+        """When a tensor stage ``src`` finished at ``sent_s`` is usable by stage ``dst``."""
+        wire = cut_s(src, dst)
+        if ranks[src] == ranks[dst] or sender_busy is None:
+            return sent_s + wire
+        posted = free_s[ranks[dst]]  # the receiver posts its receive once it is free
+        if posted <= sent_s:  # the receive was waiting: the data moves at once
+            return sent_s + wire
+        # Sent first: it moves when the sender next calls into the library, i.e. when the
+        # action it is running at ``posted`` ends (at once if it is idle, i.e. waiting).
+        busy = sender_busy[ranks[src]]
+        j = bisect.bisect_right(busy, (posted, math.inf)) - 1
+        if j >= 0 and busy[j][0] <= posted < busy[j][1]:
+            return busy[j][1] + wire
+        return posted + wire
+
     fwd_end: dict[tuple[int, int], float] = {}  # (stage, mb) -> forward end
     grad_end: dict[tuple[int, int], float] = {}  # (stage, mb) -> input-grad ready (B or I end)
 
@@ -829,7 +864,7 @@ def _place_in_time(
             if s == 0:
                 return 0.0
             t = fwd_end.get((s - 1, i))
-            return None if t is None else t + cut_s(s - 1, s)
+            return None if t is None else arrival_s(t, s - 1, s)
         if a.kind == WEIGHT_GRAD:
             return grad_end.get((s, i))
         own = fwd_end.get((s, i))  # B or I: needs this stage's forward ...
@@ -838,11 +873,10 @@ def _place_in_time(
         if s == last:
             return own
         t = grad_end.get((s + 1, i))  # ... and the gradient from the next stage
-        return None if t is None else max(own, t + cut_s(s, s + 1))
+        return None if t is None else max(own, arrival_s(t, s + 1, s))
 
     events: list[Event] = []
     next_index = [0] * len(order)
-    free_s = [0.0] * len(order)
     remaining = sum(len(r) for r in order)
     while remaining:
         advanced = False
@@ -873,6 +907,49 @@ def _place_in_time(
     # Stable sort: a rank's zero-length actions at one instant keep their execution order.
     events.sort(key=lambda e: (e.start_s, e.rank))
     return events
+
+
+#: Most placements :func:`simulate` repeats to settle a timeline with lazy sends.
+LAZY_SEND_ROUNDS = 16
+
+
+def _place_with_lazy_sends(
+    events: list[Event],
+    order: Sequence[Sequence[Action]],
+    ranks: list[int],
+    fwd: list[float],
+    bwd: list[float],
+    wgrad: list[float],
+    comm: list[float],
+    overhead: list[float],
+    *,
+    schedule: str,
+) -> list[Event]:
+    """Re-place ``events`` (an eager placement) until lazy deliveries stop moving them.
+
+    When a send is delivered depends on what its sender is doing at the moment the
+    receiver asks, which depends on the deliveries before it; each round re-places every
+    action with the previous round's sender timelines. Deliveries only get later than
+    eager ones, and most timelines settle in a few rounds. One that still changes after
+    :data:`LAZY_SEND_ROUNDS` rounds (long interleaved pipelines can alternate between two
+    close placements) keeps the later of its last two steps.
+    """
+    def step_s(evs: list[Event]) -> float:
+        return max((e.end_s for e in evs), default=0.0)
+
+    previous = events
+    for _ in range(LAZY_SEND_ROUNDS):
+        busy: list[list[tuple[float, float]]] = [[] for _ in order]
+        for e in events:
+            busy[e.rank].append((e.start_s, e.end_s))
+        for b in busy:
+            b.sort()
+        placed = _place_in_time(order, ranks, fwd, bwd, wgrad, comm, overhead, schedule=schedule,
+                                sender_busy=busy)
+        if [(e.start_s, e.end_s) for e in placed] == [(e.start_s, e.end_s) for e in events]:
+            return placed
+        previous, events = events, placed
+    return events if step_s(events) >= step_s(previous) else previous
 
 
 def _walk_inflight(

@@ -87,11 +87,8 @@ def plan_timeline(plan: "Plan") -> "Timeline":
     return simulate(
         [s.fwd_s for s in plan.stages],
         [s.bwd_s for s in plan.stages],
-        schedule=plan.schedule,
-        n_microbatches=plan.n_microbatches,
         comm_s=cut_comm_s(plan) if plan.num_stages > 1 else 0.0,
-        stages_per_rank=plan.stages_per_rank,
-        action_overhead_s=plan.action_overhead_s(),
+        **plan.simulation_options(),
     )
 
 
@@ -143,6 +140,4 @@ def split_timeline(plan: "Plan", split_points: "list[str]") -> "Timeline":
     for c, k in enumerate(edges[1:-1]):
         nbytes = max(segments[k]["cut_fwd_bytes"], segments[k]["cut_bwd_bytes"])
         comm.append(nbytes / bandwidth[c] + (latency[c] if nbytes else 0.0))
-    return simulate(fwd, bwd, schedule=plan.schedule, n_microbatches=plan.n_microbatches,
-                    comm_s=comm if comm else 0.0, stages_per_rank=plan.stages_per_rank,
-                    action_overhead_s=plan.action_overhead_s())
+    return simulate(fwd, bwd, comm_s=comm if comm else 0.0, **plan.simulation_options())

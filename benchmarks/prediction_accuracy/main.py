@@ -159,7 +159,8 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
         cut_bytes = _cut_bytes(plan)
         slowdown = machine["overhead"]["concurrent_slowdown"]
         overhead = plan.action_overhead_s()
-        sim = dict(schedule=plan.schedule, n_microbatches=plan.n_microbatches, stages_per_rank=plan.stages_per_rank)
+        sim = dict(schedule=plan.schedule, n_microbatches=plan.n_microbatches, stages_per_rank=plan.stages_per_rank,
+                   lazy_sends=plan.simulation_options()["lazy_sends"])
         prof_fwd, prof_bwd = _profiled_stage_times(plan)
         bw, lat = default_link(device.split(":")[0])
         row.update({
@@ -170,7 +171,11 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
                 action_overhead_s=default_action_overhead_s(device.split(":")[0]), **sim).step_s,
             # The cost model before the overhead terms: profile + measured link only.
             "no_overhead_step_s": autopipe.simulate(prof_fwd, prof_bwd, comm_s=plan.extras["cut_comm_s"] or 0.0,
-                                                    **sim).step_s,
+                                                    **{**sim, "lazy_sends": False}).step_s,
+            # The plan as made but with sends delivered at once (gloo's lazy sends not modelled).
+            "eager_sends_step_s": autopipe.simulate(
+                [st.fwd_s for st in plan.stages], [st.bwd_s for st in plan.stages],
+                comm_s=plan.extras["cut_comm_s"] or 0.0, **{**plan.simulation_options(), "lazy_sends": False}).step_s,
             # Stage times measured alone in one process instead of the profile's sums.
             "calibrated_step_s": plan.calibrate({"fwd_s": [f * slowdown for f in fwd],
                                                  "bwd_s": [b * slowdown for b in bwd]}).predicted_step_s,
@@ -212,8 +217,9 @@ PREDICTIONS = {
     "predicted_step_s": "the plan as made, with the machine measured once (link, per-action overhead, "
                         "slowdown of ranks computing together)",
     "defaults_step_s": "the same split with autopipe's defaults (profile only, nothing measured)",
-    "no_overhead_step_s": "profile + measured link, without the per-action overhead and the slowdown "
-                          "(the cost model before they existed)",
+    "no_overhead_step_s": "profile + measured link, without the per-action overhead, the slowdown and lazy "
+                          "sends (the cost model before they existed)",
+    "eager_sends_step_s": "the plan as made, but every send delivered at once (gloo's lazy sends not modelled)",
     "calibrated_step_s": "stage times measured alone in one process (plan.calibrate's input) instead of the "
                          "profile's sums, with the measured machine",
     "in_run_step_s": "stage compute timed inside the running pipeline, measured link and overhead",
