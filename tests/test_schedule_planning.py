@@ -161,6 +161,25 @@ def test_cpu_plans_charge_the_measured_default_overhead(small_transformer, costs
     assert default_action_overhead_s("cpu") > 0
 
 
+def test_cpu_plans_model_gloos_lazy_sends_and_report_them(small_transformer, costs):
+    from autopipe.devices import sends_are_lazy
+    from autopipe.reporting.timeline import plan_timeline
+
+    model, args = small_transformer
+    plan = autopipe.partition(model, 2, example_args=args, costs=costs, progress=False, device="cpu",
+                              schedule="1F1B", n_microbatches=4)
+    assert sends_are_lazy("cpu") and not sends_are_lazy("cuda")
+    assert plan.extras["lazy_sends"] is True and plan.simulation_options()["lazy_sends"] is True
+    # The prediction, the report's timeline and calibrate all simulate the same way.
+    assert plan_timeline(plan).step_s == pytest.approx(plan.predicted_step_s)
+    assert plan._simulated_step_s(1.0) == pytest.approx(plan.predicted_step_s)
+    eager = autopipe.simulate([s.fwd_s for s in plan.stages], [s.bwd_s for s in plan.stages],
+                              comm_s=plan.extras["cut_comm_s"], **{**plan.simulation_options(), "lazy_sends": False})
+    assert plan.predicted_step_s >= eager.step_s - 1e-12
+    plan.extras.pop("lazy_sends")  # a plan saved before autopipe modelled them simulates eagerly
+    assert plan.simulation_options()["lazy_sends"] is False
+
+
 def test_a_device_keeps_its_own_overhead_over_the_call_wide_one(small_transformer, costs):
     model, args = small_transformer
     devices = [autopipe.Device(action_overhead_s=1e-3), autopipe.Device()]

@@ -177,6 +177,45 @@ def test_the_turn_of_a_v_costs_no_communication():
     assert turn_only.step_s == no_comm.step_s
 
 
+# --- lazy sends (gloo) ------------------------------------------------------------------
+
+
+def test_a_lazy_send_waits_for_the_senders_running_action_to_end():
+    # GPipe, 2 stages, 3 micro-batches, F = (2, 3), B = (4, 6). Eagerly, stage 1 takes micro-batch 1
+    # at t = 5, when it is free. But stage 0 sent it at t = 4 and was then busy with micro-batch 2
+    # (4-6), and gloo moves a send posted before its receive only when the sender next calls in:
+    # stage 1 starts it at 6, and the step ends one second later (33 -> 34).
+    kw = dict(schedule="GPipe", n_microbatches=3)
+    eager = simulate([2.0, 3.0], [4.0, 6.0], **kw)
+    lazy = simulate([2.0, 3.0], [4.0, 6.0], lazy_sends=True, **kw)
+    start = {(e.stage, e.kind, e.microbatch): e.start_s for e in lazy.events}
+    assert [start[(1, "F", i)] for i in range(3)] == [2.0, 6.0, 9.0]
+    assert (eager.step_s, lazy.step_s) == (33.0, 34.0)
+
+
+def test_a_receive_posted_first_gets_its_data_at_once_even_with_lazy_sends():
+    # GPipe, stage 1 faster forward and slower backward: it always waits for its next input,
+    # and stage 0 for its next gradient, so every receive is posted before its send.
+    kw = dict(schedule="GPipe", n_microbatches=4, comm_s=0.25)
+    assert simulate([2.0, 1.0], [2.0, 4.0], lazy_sends=True, **kw).step_s == simulate(
+        [2.0, 1.0], [2.0, 4.0], **kw).step_s == 2 + 3 * 2 + 0.25 + 1 + 4 * 4 + 0.25 + 2
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from(COMBOS), st.lists(st.floats(0.1, 3.0), min_size=24, max_size=24), st.floats(0.0, 1.0))
+def test_lazy_sends_never_shorten_a_step(combo, times, comm):
+    schedule, p, m, v = combo
+    n = p * v
+    fwd, bwd = times[:n], [2 * t for t in times[n:2 * n]]
+    kw = dict(schedule=schedule, n_microbatches=m, stages_per_rank=v, comm_s=comm)
+    assert simulate(fwd, bwd, lazy_sends=True, **kw).step_s >= simulate(fwd, bwd, **kw).step_s - 1e-9
+
+
+def test_lazy_sends_must_be_a_bool():
+    with pytest.raises(TypeError, match="lazy_sends must be True or False, got 'yes'"):
+        simulate([1.0], [2.0], n_microbatches=1, lazy_sends="yes")
+
+
 # --- the order comes from torch --------------------------------------------------------
 
 
