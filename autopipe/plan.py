@@ -180,14 +180,28 @@ class Plan:
                 "stages_per_rank": self.stages_per_rank, "action_overhead_s": self.action_overhead_s(),
                 "lazy_sends": bool(self.extras.get("lazy_sends", False))}
 
+    def step_tail_s(self) -> float:
+        """Seconds of the once-per-step work around the schedule's actions, as the planner charged it.
+
+        The sum of ``extras["step_tail_s"]`` (merging the last stage's outputs, the loss
+        broadcast, summing tied gradients across ranks; see
+        :func:`autopipe.planner.step_tail_s`); 0 for plans made before autopipe charged it.
+        ``predicted_step_s`` = the simulated schedule + this.
+
+        Example:
+            >>> plan.step_tail_s() <= plan.predicted_step_s  # doctest: +SKIP
+            True
+        """
+        return float(sum((self.extras.get("step_tail_s") or {}).values()))
+
     def _simulated_step_s(self, compute_factor: float) -> float:
-        """The plan's simulated step with every stage's compute scaled by ``compute_factor``."""
+        """The plan's predicted step with every stage's compute scaled by ``compute_factor``."""
         from .schedules import simulate
 
         return simulate(
             [st.fwd_s * compute_factor for st in self.stages], [st.bwd_s * compute_factor for st in self.stages],
             comm_s=self.extras.get("cut_comm_s") or 0.0, **self.simulation_options(),
-        ).step_s
+        ).step_s + self.step_tail_s()
 
     def _compute_factor_for_step(self, step_s: float) -> float:
         """The factor on every stage's compute that makes the simulated step ``step_s``.
@@ -197,7 +211,7 @@ class Plan:
         """
         if self.predicted_step_s <= 0:
             return 1.0
-        if not any(self.action_overhead_s()) and not self.extras.get("cut_comm_s"):
+        if not any(self.action_overhead_s()) and not self.extras.get("cut_comm_s") and not self.step_tail_s():
             return step_s / self.predicted_step_s  # the step is proportional to compute alone
         from .schedules import solve_increasing
 

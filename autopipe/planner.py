@@ -35,8 +35,8 @@ import torch
 from . import schedules as sim
 from .baselines import BASELINES, evaluate_baselines, layer_units
 from .costgraph import CostGraph, SegmentCost, build_cost_graph
-from .devices import (Device, default_action_overhead_s, default_link, optimizer_state_factor, parse_bytes,
-                      sends_are_lazy)
+from .devices import (Device, default_action_overhead_s, default_copy_bandwidth, default_link,
+                      optimizer_state_factor, parse_bytes, sends_are_lazy)
 from .errors import InfeasibleMemoryError
 from .partitioner import PartitionProblem, PartitionResult, candidate_partitions, solve_bottleneck
 from .plan import BaselinePlan, Plan, StagePlan
@@ -265,6 +265,45 @@ def _stage_fwd_bwd(problem: PartitionProblem, result: PartitionResult, costs: li
     return fwd, bwd
 
 
+def _tied_parameter_groups(traced: TracedModel) -> list[tuple[int, set[str]]]:
+    """(bytes, names) of every trainable parameter known under several names (tied weights)."""
+    groups: dict[int, tuple[int, set[str]]] = {}
+    for name, p in traced.graph_module.named_parameters(remove_duplicate=False):
+        if p.requires_grad:
+            groups.setdefault(id(p), (p.numel() * p.element_size(), set()))[1].add(name)
+    return [(nbytes, names) for nbytes, names in groups.values() if len(names) > 1]
+
+
+def step_tail_s(traced: TracedModel, problem: PartitionProblem, result: PartitionResult,
+                costs: list[SegmentCost], ranks: Sequence[int], n_microbatches: int,
+                copy_bandwidth: float) -> dict[str, float]:
+    """Seconds of the work a training step does once, around the schedule's actions.
+
+    The simulator times the actions; the step also ends with work the runtime does once:
+
+    - ``merge_outputs_s``: torch's last stage concatenates the outputs of all
+      ``n_microbatches`` micro-batches into the step's result (a copy into fresh memory);
+    - ``loss_broadcast_s``: autopipe broadcasts the mean loss from the last rank (one
+      latency), so every rank returns it;
+    - ``shared_grads_s``: a tied parameter (GPT-2's embedding and head) whose readers landed
+      on different ranks has its gradient summed across them (pack, ring all-reduce, unpack).
+    """
+    n_ranks = max(ranks) + 1 if len(ranks) else 1
+    merge = n_microbatches * costs[-1].out_bytes / copy_bandwidth if costs else 0.0
+    bandwidth = float(problem.bandwidth[0]) if len(problem.bandwidth) else math.inf
+    latency = float(problem.latency_s[0]) if len(problem.latency_s) else 0.0
+    loss = latency if n_ranks > 1 else 0.0
+    edges = [0, *result.cuts, problem.num_segments]
+    segment_rank = {k: ranks[s] for s in range(problem.num_stages) for k in range(edges[s], edges[s + 1])}
+    shared = 0.0
+    for nbytes, names in _tied_parameter_groups(traced):
+        holders = {segment_rank[k] for k, seg in enumerate(traced.segments) if names & set(seg.param_names)}
+        h = len(holders)
+        if h > 1:  # ring all-reduce: 2(h-1)/h of the bytes each way, 2(h-1) hops
+            shared += 2 * nbytes / copy_bandwidth + 2 * (h - 1) / h * nbytes / bandwidth + 2 * (h - 1) * latency
+    return {"merge_outputs_s": float(merge), "loss_broadcast_s": float(loss), "shared_grads_s": float(shared)}
+
+
 def _predict(problem: PartitionProblem, result: PartitionResult, costs: list[SegmentCost], *,
              schedule: str, m: int, stages_per_rank: int, action_overhead_s: Sequence[float],
              lazy_sends: bool) -> float:
@@ -291,6 +330,8 @@ class ScheduleOption:
     step_lower_bound_s: float = 0.0
     action_overhead_s: list[float] = field(default_factory=list)  # per stage, seconds per action
     lazy_sends: bool = False  # the backend delivers a send when its sender next calls in (gloo)
+    copy_bandwidth: float = math.inf  # bytes/s into fresh memory (merging outputs, packing gradients)
+    step_tail_s: dict[str, float] = field(default_factory=dict)  # once-per-step work (step_tail_s())
     reason: str = ""  # why it was not usable, when it was not
 
     def summary(self) -> dict[str, Any]:
@@ -321,7 +362,7 @@ def _rank_peak_bytes(problem: PartitionProblem, result: PartitionResult, ranks: 
 def _cost_option(
     option: ScheduleOption, *, traced: TracedModel, cost_graph: CostGraph, n_gpus: int,
     rank_devices: Sequence[Device], optimizer_factor: float, link_default: tuple[float, float], objective: str,
-    overhead_default: float = 0.0, lazy_sends: bool = False,
+    overhead_default: float = 0.0, lazy_sends: bool = False, copy_bandwidth: float = math.inf,
 ) -> ScheduleOption:
     """Find the best split for one schedule option and predict its step time and memory."""
     sched, v, m = option.schedule, option.stages_per_rank, option.n_microbatches
@@ -330,7 +371,7 @@ def _cost_option(
     stage_devices = [rank_devices[r] for r in ranks]
     option.action_overhead_s = [d.action_overhead_s if d.action_overhead_s is not None else overhead_default
                                 for d in stage_devices]
-    option.lazy_sends = lazy_sends
+    option.lazy_sends, option.copy_bandwidth = lazy_sends, copy_bandwidth
     option.inflight = inflight_per_stage(sched, n_gpus, m, v)
     problem = build_problem(
         cost_graph, traced, num_stages=n_gpus * v, stage_devices=stage_devices, inflight=option.inflight,
@@ -343,9 +384,11 @@ def _cost_option(
     for r in results:
         step = _predict(problem, r, costs, schedule=sched, m=m, stages_per_rank=v,
                         action_overhead_s=option.action_overhead_s, lazy_sends=lazy_sends)
+        step += sum(step_tail_s(traced, problem, r, costs, ranks, m, copy_bandwidth).values())
         if best is None or (step, r.bottleneck_s) < (best[0], best[1].bottleneck_s):
             best = (step, r)
     option.predicted_step_s, option.result = best
+    option.step_tail_s = step_tail_s(traced, problem, option.result, costs, ranks, m, copy_bandwidth)
     # Memory per rank from the simulated timeline (stages on one rank peak at different times).
     fwd, bwd = _stage_fwd_bwd(problem, option.result, costs)
     timeline = sim.simulate(fwd, bwd, schedule=sched, n_microbatches=m, stages_per_rank=v,
@@ -364,7 +407,10 @@ def _cost_option(
     # Every action of a rank also pays the runtime's overhead, one action after another.
     actions_overhead = min(sum(option.action_overhead_s[e.stage] for e in timeline.per_rank(r))
                            for r in range(n_gpus))
-    option.step_lower_bound_s = float(max(m * per_rank + actions_overhead, problem.compute_s.sum() / max(problem.speed)))
+    # The merge and the loss broadcast happen whatever the split (tied gradients may not).
+    once = option.step_tail_s["merge_outputs_s"] + option.step_tail_s["loss_broadcast_s"]
+    option.step_lower_bound_s = float(max(m * per_rank + actions_overhead, problem.compute_s.sum() / max(problem.speed))
+                                      + once)
     return option
 
 
@@ -428,7 +474,8 @@ def make_plan(
             split_points=[traced.candidates[c - 1].name for c in r.cuts],
             bottleneck_s=r.bottleneck_s,
             predicted_step_s=_predict(problem, r, costs, schedule=sched, m=m, stages_per_rank=v,
-                                      action_overhead_s=chosen.action_overhead_s, lazy_sends=chosen.lazy_sends),
+                                      action_overhead_s=chosen.action_overhead_s, lazy_sends=chosen.lazy_sends)
+            + sum(step_tail_s(traced, problem, r, costs, ranks, m, chosen.copy_bandwidth).values()),
             peak_bytes=int(max(r.stage_mem_bytes)),
             fits_memory=r.fits_memory,
         ))
@@ -452,6 +499,7 @@ def make_plan(
         "links": {"bandwidth": problem.bandwidth.tolist(), "latency_s": problem.latency_s.tolist()},
         "action_overhead_s": list(chosen.action_overhead_s),
         "lazy_sends": chosen.lazy_sends,
+        "step_tail_s": dict(chosen.step_tail_s),
     }
     if alternatives:
         extras["alternatives"] = [a.summary() for a in alternatives]
@@ -649,7 +697,7 @@ def partition(
                 _cost_option(option, traced=traced, cost_graph=graph, n_gpus=n_gpus, rank_devices=rank_devices,
                              optimizer_factor=opt_factor, link_default=default_link(dev.type), objective=objective,
                              overhead_default=default_action_overhead_s(dev.type),
-                             lazy_sends=sends_are_lazy(dev.type))
+                             lazy_sends=sends_are_lazy(dev.type), copy_bandwidth=default_copy_bandwidth(dev.type))
             except InfeasibleMemoryError as e:
                 if not wanted.several:
                     raise

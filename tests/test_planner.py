@@ -227,3 +227,24 @@ def test_hugging_face_plans_build_in_torch_and_reproduce_output(name, factory, n
     plan = autopipe.partition(model, n_gpus, example_args=args, cost="flops", progress=False)
     assert plan.num_stages == n_gpus
     assert_plan_builds_and_matches(model, args, plan)
+
+
+def test_the_step_tail_charges_the_merge_the_loss_broadcast_and_tied_gradients_across_ranks():
+    from autopipe.devices import default_copy_bandwidth
+    from autopipe.models.hf import gpt2_from_config
+
+    model, args = gpt2_from_config(n_layer=2, n_embd=32, n_head=4, vocab_size=2000, seq_len=8)
+    wte_bytes = model.transformer.wte.weight.numel() * 4
+    m = 4
+    split = autopipe.partition(model, 2, example_args=args, n_microbatches=m, schedule="1F1B", **FAST)
+    tail = split.extras["step_tail_s"]
+    logits_bytes = split.extras["segments"][-1]["out_bytes"]
+    assert tail["merge_outputs_s"] == pytest.approx(m * logits_bytes / default_copy_bandwidth("cpu"))
+    assert tail["loss_broadcast_s"] == pytest.approx(split.extras["links"]["latency_s"][0])
+    # The embedding and the tied head are on different ranks: their gradients are summed.
+    assert tail["shared_grads_s"] > wte_bytes / split.extras["links"]["bandwidth"][0]
+    assert split.predicted_step_s == pytest.approx(split._simulated_step_s(1.0))
+    # ZBV puts the first and the last stage on rank 0: the tied weight never leaves it.
+    v_plan = autopipe.partition(model, 2, example_args=args, n_microbatches=m, schedule="ZBVZeroBubble", **FAST)
+    assert v_plan.extras["step_tail_s"]["shared_grads_s"] == 0.0
+    assert v_plan.step_tail_s() == pytest.approx(tail["merge_outputs_s"] + tail["loss_broadcast_s"])

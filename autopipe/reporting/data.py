@@ -112,6 +112,8 @@ def report_data(
         "n_microbatches": plan.n_microbatches,
         "split_points": list(plan.split_points),
         "predicted_step_s": step,
+        # Once-per-step work around the schedule's actions (not drawn in the timeline).
+        "step_tail_s": dict(plan.extras.get("step_tail_s") or {}),
         "bottleneck_s": plan.bottleneck_s,
         "lower_bound_s": plan.lower_bound_s,
         "balance": plan.balance,

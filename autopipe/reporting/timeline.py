@@ -4,7 +4,8 @@ A plan stores its stages' times, not the timeline, so reports rebuild it with th
 simulator and the same numbers the planner used: stage ``s`` runs ``fwd_s`` / ``bwd_s``
 per micro-batch, and cut ``c`` (between stages ``c`` and ``c + 1``) delays each tensor by
 ``max(activation bytes, gradient bytes) / bandwidth + latency``, one way. The result's
-``step_s`` is the plan's ``predicted_step_s``.
+``step_s`` plus ``plan.step_tail_s()`` (the once-per-step work after the schedule's last
+action: merging outputs, the loss broadcast, tied gradients) is the plan's ``predicted_step_s``.
 
 Example:
     >>> from autopipe.plan import Plan, StagePlan

@@ -163,19 +163,23 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
                    lazy_sends=plan.simulation_options()["lazy_sends"])
         prof_fwd, prof_bwd = _profiled_stage_times(plan)
         bw, lat = default_link(device.split(":")[0])
+        tail = plan.step_tail_s()
         row.update({
             "measured_step_s": measured, "step_samples": per_step,
             # The same split with nothing measured but the profile: autopipe's defaults.
             "defaults_step_s": autopipe.simulate(
                 prof_fwd, prof_bwd, comm_s=[b / bw + lat for b in cut_bytes] or 0.0,
-                action_overhead_s=default_action_overhead_s(device.split(":")[0]), **sim).step_s,
+                action_overhead_s=default_action_overhead_s(device.split(":")[0]), **sim).step_s + tail,
             # The cost model before the overhead terms: profile + measured link only.
             "no_overhead_step_s": autopipe.simulate(prof_fwd, prof_bwd, comm_s=plan.extras["cut_comm_s"] or 0.0,
                                                     **{**sim, "lazy_sends": False}).step_s,
             # The plan as made but with sends delivered at once (gloo's lazy sends not modelled).
             "eager_sends_step_s": autopipe.simulate(
                 [st.fwd_s for st in plan.stages], [st.bwd_s for st in plan.stages],
-                comm_s=plan.extras["cut_comm_s"] or 0.0, **{**plan.simulation_options(), "lazy_sends": False}).step_s,
+                comm_s=plan.extras["cut_comm_s"] or 0.0, **{**plan.simulation_options(), "lazy_sends": False}).step_s
+            + tail,
+            # The plan as made without its once-per-step tail (merge, loss broadcast, tied gradients).
+            "no_tail_step_s": plan.predicted_step_s - tail, "step_tail_s": plan.extras.get("step_tail_s"),
             # Stage times measured alone in one process instead of the profile's sums.
             "calibrated_step_s": plan.calibrate({"fwd_s": [f * slowdown for f in fwd],
                                                  "bwd_s": [b * slowdown for b in bwd]}).predicted_step_s,
@@ -199,7 +203,7 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
             run_bwd = [acts[s]["B"] + acts[s]["W"] for s in range(plan.num_stages)]
             row["in_run_stage_fwd_s"], row["in_run_stage_bwd_s"] = run_fwd, run_bwd
             row["in_run_step_s"] = autopipe.simulate(run_fwd, run_bwd, comm_s=row["measured_cut_s"] or 0.0,
-                                                     action_overhead_s=overhead, **sim).step_s
+                                                     action_overhead_s=overhead, **sim).step_s + tail
             row["contention_factor"] = (sum(run_fwd) + sum(run_bwd)) / (sum(fwd) + sum(bwd))
         if "memory" in results[0]:
             mem = [r["memory"][label] for r in results]
@@ -220,9 +224,12 @@ PREDICTIONS = {
     "no_overhead_step_s": "profile + measured link, without the per-action overhead, the slowdown and lazy "
                           "sends (the cost model before they existed)",
     "eager_sends_step_s": "the plan as made, but every send delivered at once (gloo's lazy sends not modelled)",
+    "no_tail_step_s": "the plan as made, without the once-per-step tail (merging outputs, loss broadcast, "
+                      "tied gradients)",
     "calibrated_step_s": "stage times measured alone in one process (plan.calibrate's input) instead of the "
                          "profile's sums, with the measured machine",
-    "in_run_step_s": "stage compute timed inside the running pipeline, measured link and overhead",
+    "in_run_step_s": "stage compute timed inside the running pipeline, measured link and overhead, the plan's "
+                     "lazy sends and step tail",
 }
 
 
