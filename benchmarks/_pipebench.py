@@ -557,11 +557,27 @@ def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
         pipes.append((v["label"], pipe, batch, target))
 
     times: dict[str, list[float]] = {label: [] for label, *_ in pipes}
+    profiles: list[dict[str, list[float]]] = []
+    traced = None
+    if job.get("profile_between_rounds") and rank == 0:
+        from autopipe.trace import trace
+
+        traced = trace(model, args)
     for _ in range(job["rounds"]):
         for label, pipe, batch, target in pipes:
             for _ in range(job["steps"]):
                 times[label].append(one_step(pipe, batch, target))
-    out: dict[str, Any] = {"times": times, "errors": {},
+        if job.get("profile_between_rounds"):
+            # The model profiled in one process (rank 0; the others wait) between two rounds of
+            # steps: a profile taken while the host runs as fast, or as slow, as during the steps.
+            if traced is not None:
+                from autopipe.profile import profile_segments
+
+                costs = profile_segments(traced, device=device, warmup=1,
+                                         repeats=job.get("profile_repeats", 5), progress=False)
+                profiles.append({"fwd_s": [c.fwd_s for c in costs], "bwd_s": [c.bwd_s for c in costs]})
+            dist.barrier()
+    out: dict[str, Any] = {"times": times, "errors": {}, "profiles": profiles,
                            "interpreter_modules": {label: [interpreter_modules(m) for m in pipe.stage_modules.values()]
                                                    for label, pipe, *_ in pipes}}
 

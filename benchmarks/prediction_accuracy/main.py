@@ -87,6 +87,16 @@ def _profiled_stage_times(plan: autopipe.Plan) -> tuple[list[float], list[float]
     return fwd, bwd
 
 
+def _same_time_prediction(plan: autopipe.Plan, profile: tuple[list[float], list[float]], slowdown: float) -> float:
+    """The plan's step predicted from another profile of its segments (and the loss the plan measured)."""
+    loss = plan.extras.get("loss") or {}
+    fwd = [sum(profile[0][st.first_segment: st.last_segment + 1]) * slowdown for st in plan.stages]
+    bwd = [sum(profile[1][st.first_segment: st.last_segment + 1]) * slowdown for st in plan.stages]
+    fwd[-1] += loss.get("fwd_s", 0.0) * slowdown
+    bwd[-1] += loss.get("bwd_s", 0.0) * slowdown
+    return plan.calibrate({"fwd_s": fwd, "bwd_s": bwd}).predicted_step_s
+
+
 def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: dict[str, Any], *,
                 memory: bool = True) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Plan ``name`` for every schedule x micro-batch count, run the plans on 2 ranks; rows + the link measured."""
@@ -134,6 +144,7 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
     sizes = sorted({b for c in cases for b in _cut_bytes(c["plan"])})
     job = {"model": name, "size": size, "device": device, "codegen": opts.codegen_stages,
            "rounds": opts.rounds, "steps": opts.steps,
+           "profile_between_rounds": True, "profile_repeats": opts.profile_repeats,
            "warmup_steps": 1, "memory": memory and not opts.no_memory, "link_bytes": sizes,
            "instrument": opts.instrument_steps,
            "variants": [{"label": c["label"], "plan": c["plan"].to_dict(), "schedule": c["schedule"],
@@ -141,6 +152,12 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
                         for c in cases]}
     results, failed = run_variants(job, device=device, threads=opts.threads, timeout_s=opts.world_timeout, log=log)
     link = results[0].get("link") if results else None  # rank 0's view of the ping-pong
+    # The profile rank 0 took between rounds of steps: per segment, the median over rounds.
+    between = results[0].get("profiles") if results else None
+    same_time = None
+    if between:
+        same_time = ([median([p["fwd_s"][k] for p in between]) for k in range(len(between[0]["fwd_s"]))],
+                     [median([p["bwd_s"][k] for p in between]) for k in range(len(between[0]["bwd_s"]))])
     rows = []
     for c in cases:
         plan: autopipe.Plan = c["plan"]
@@ -180,6 +197,9 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
             + tail,
             # The plan as made without its once-per-step tail (merge, loss broadcast, tied gradients).
             "no_tail_step_s": plan.predicted_step_s - tail, "step_tail_s": plan.extras.get("step_tail_s"),
+            # The same prediction from the profile taken between the rounds of steps (so on a
+            # host running as fast as during them), with the loss the plan measured.
+            **({"same_time_step_s": _same_time_prediction(plan, same_time, slowdown)} if same_time else {}),
             # Stage times measured alone in one process instead of the profile's sums.
             "calibrated_step_s": plan.calibrate({"fwd_s": [f * slowdown for f in fwd],
                                                  "bwd_s": [b * slowdown for b in bwd]}).predicted_step_s,
@@ -226,6 +246,8 @@ PREDICTIONS = {
     "eager_sends_step_s": "the plan as made, but every send delivered at once (gloo's lazy sends not modelled)",
     "no_tail_step_s": "the plan as made, without the once-per-step tail (merging outputs, loss broadcast, "
                       "tied gradients)",
+    "same_time_step_s": "the plan's prediction from a profile taken between the rounds of steps (the host as "
+                        "fast as during them) instead of before them",
     "calibrated_step_s": "stage times measured alone in one process (plan.calibrate's input) instead of the "
                          "profile's sums, with the measured machine",
     "in_run_step_s": "stage compute timed inside the running pipeline, measured link and overhead, the plan's "
