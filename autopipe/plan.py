@@ -230,7 +230,9 @@ class Plan:
         Returns:
             A new Plan whose stage times, segment costs (scaled by their stage's factor),
             bottleneck and simulated step time agree with the measurement;
-            ``extras["calibration"]`` keeps the factors. Pass ``plan.segment_costs()`` of the
+            ``extras["calibration"]`` keeps the factors (None for a stage direction the
+            plan had no time for, e.g. a plan made from split points alone: it takes the
+            measured time as it is). Pass ``plan.segment_costs()`` of the
             result to :func:`autopipe.partition` to re-plan with the corrected costs.
 
         Raises:
@@ -247,36 +249,40 @@ class Plan:
             if not step > 0:
                 raise ValueError(f"measured step_s={measured['step_s']!r} must be > 0 seconds")
             factor = self._compute_factor_for_step(step)
-            fwd_f = bwd_f = [factor] * p
+            fwd = [st.fwd_s * factor for st in self.stages]
+            bwd = [st.bwd_s * factor for st in self.stages]
+        elif isinstance(measured, Mapping):
+            fwd, bwd = list(measured.get("fwd_s", [])), list(measured.get("bwd_s", []))
+            if len(fwd) != p or len(bwd) != p:
+                raise ValueError(f"measured fwd_s and bwd_s must each have {p} entries (one per stage)")
+            # One direction of a tiny stage may time at 0 (the clock's resolution); the
+            # stage as a whole may not.
+            if any(not (math.isfinite(x) and x >= 0) for x in fwd + bwd) or any(
+                    not (f + b > 0) for f, b in zip(fwd, bwd)):
+                raise ValueError(f"measured fwd_s and bwd_s must be finite and >= 0, with each stage's sum "
+                                 f"> 0 seconds; got fwd_s={fwd}, bwd_s={bwd}")
         else:
-            if isinstance(measured, Mapping):
-                fwd, bwd = list(measured.get("fwd_s", [])), list(measured.get("bwd_s", []))
-                if len(fwd) != p or len(bwd) != p:
-                    raise ValueError(f"measured fwd_s and bwd_s must each have {p} entries (one per stage)")
-                # One direction of a tiny stage may time at 0 (the clock's resolution); the
-                # stage as a whole may not.
-                if any(not (math.isfinite(x) and x >= 0) for x in fwd + bwd) or any(
-                        not (f + b > 0) for f, b in zip(fwd, bwd)):
-                    raise ValueError(f"measured fwd_s and bwd_s must be finite and >= 0, with each stage's sum "
-                                     f"> 0 seconds; got fwd_s={fwd}, bwd_s={bwd}")
-                fwd_f = [f / s.fwd_s if s.fwd_s > 0 else 1.0 for f, s in zip(fwd, self.stages)]
-                bwd_f = [b / s.bwd_s if s.bwd_s > 0 else 1.0 for b, s in zip(bwd, self.stages)]
-                values = [f + b for f, b in zip(fwd, bwd)]
-            else:
-                values = [float(x) for x in measured]
-                if len(values) != p:
-                    raise ValueError(f"measured has {len(values)} stage times but the plan has {p} stages")
-                fwd_f = bwd_f = [x / (s.fwd_s + s.bwd_s) if s.fwd_s + s.bwd_s > 0 else 1.0
-                                 for x, s in zip(values, self.stages)]
+            values = [float(x) for x in measured]
+            if len(values) != p:
+                raise ValueError(f"measured has {len(values)} stage times but the plan has {p} stages")
             if any(not (x > 0) for x in values):
                 raise ValueError(f"measured times must all be > 0 seconds, got {values}")
+            # Split each total as the plan splits it; a stage the plan has no time for (a
+            # plan made from split points alone) gets the usual backward = 2 x forward.
+            shares = [st.fwd_s / (st.fwd_s + st.bwd_s) if st.fwd_s + st.bwd_s > 0 else 1 / 3 for st in self.stages]
+            fwd = [x * sh for x, sh in zip(values, shares)]
+            bwd = [x - f for x, f in zip(values, fwd)]
         new = _copy.deepcopy(self)
-        for st, ff, bf in zip(new.stages, fwd_f, bwd_f):
-            st.fwd_s *= ff
-            st.bwd_s *= bf
-            for seg in new.extras.get("segments", [])[st.first_segment : st.last_segment + 1]:
-                seg["fwd_s"] *= ff
-                seg["bwd_s"] *= bf
+        fwd_f, bwd_f = [], []
+        for st, f, b in zip(new.stages, fwd, bwd):
+            fwd_f.append(f / st.fwd_s if st.fwd_s > 0 else None)  # None: nothing planned to scale
+            bwd_f.append(b / st.bwd_s if st.bwd_s > 0 else None)
+            segments = new.extras.get("segments", [])[st.first_segment: st.last_segment + 1]
+            for key, factor, value in (("fwd_s", fwd_f[-1], f), ("bwd_s", bwd_f[-1], b)):
+                for k, seg in enumerate(segments):
+                    # Scale the profile's segments, or charge an unprofiled stage to its first one.
+                    seg[key] = seg[key] * factor if factor is not None else (value if k == 0 else 0.0)
+            st.fwd_s, st.bwd_s = f, b
         new.bottleneck_s = max(st.time_s for st in new.stages)
         new.predicted_step_s = new._simulated_step_s(1.0)
         new.extras["calibration"] = {"fwd_factor": list(fwd_f), "bwd_factor": list(bwd_f)}

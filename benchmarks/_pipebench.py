@@ -582,7 +582,8 @@ def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
                                                    for label, pipe, *_ in pipes}}
 
     if job.get("instrument"):
-        out["in_run"] = {label: _time_actions_in_run(pipe, lambda: one_step(pipe, batch, target), job["instrument"])
+        # Stage compute timed inside running steps, by the library (what Plan.calibrate takes).
+        out["in_run"] = {label: pipe.measure_stage_times(*batch, target=target, steps=job["instrument"])
                          for label, pipe, batch, target in pipes}
     if job.get("memory"):
         out["memory"] = {label: _measure_step_memory(pipe, batch, target, device)
@@ -591,44 +592,6 @@ def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
         out["link"] = link_probe(rank, job["link_bytes"], device, repeats=job.get("link_repeats", 10))
     dist.barrier()
     return out
-
-
-def _time_actions_in_run(pipe: Any, step: Callable[[], float], steps: int) -> dict[int, dict[str, float]]:
-    """Median seconds of each compute action of this rank's stages, timed inside running steps.
-
-    Wraps the forward / backward / weight-gradient calls torch's schedules make on each
-    stage object (``forward_one_chunk``, ``backward_one_chunk``,
-    ``backward_weight_one_chunk``) for ``steps`` steps, then unwraps them. The stage
-    compute seen here runs while the other rank computes too, so comparing it with the
-    same stage timed alone in one process shows how much the ranks slow each other down
-    (shared cores, memory bandwidth, the communication threads).
-    """
-    stages = getattr(pipe, "_train_stages", [])  # Pipeline keeps torch's stage objects here
-    record: dict[int, dict[str, list[float]]] = {}
-    patched = []
-    for st in stages:
-        rec = record.setdefault(st.stage_index, {"F": [], "B": [], "W": []})
-        for meth, key in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W")):
-            orig = getattr(st, meth, None)
-            if orig is None:
-                continue
-
-            def timed(*a: Any, _orig: Callable = orig, _rec: list = rec[key], **k: Any) -> Any:
-                t0 = time.perf_counter()
-                try:
-                    return _orig(*a, **k)
-                finally:
-                    _rec.append(time.perf_counter() - t0)
-
-            setattr(st, meth, timed)
-            patched.append((st, meth))
-    try:
-        for _ in range(steps):
-            step()
-    finally:
-        for st, meth in patched:
-            delattr(st, meth)  # the instance attribute goes; the class method shows through again
-    return {s: {k: median(v) if v else 0.0 for k, v in rec.items()} for s, rec in record.items()}
 
 
 def _measure_step_memory(pipe: Any, batch: tuple, target: torch.Tensor, device: torch.device) -> dict[str, int]:

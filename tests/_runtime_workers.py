@@ -273,6 +273,16 @@ def checkpointing_and_modes_run(rank: int, world_size: int) -> dict:
         result["step_in_eval_mode"] = str(e)
     pipe.train()
     result["train_mode_loss"] = pipe.step(x, target=y).item()  # runs: dropout on, finite loss
+
+    # Stage times inside running steps (ZBV: two stages per rank, the backward split in B and W).
+    pipe = build(tutorial_model(), "ZBVZeroBubble", 4)
+    pipe.step(x, target=y)
+    grads = [p.grad.clone() for p in pipe.parameters()]
+    measured = pipe.measure_stage_times(x, target=y, steps=2)
+    result["stage_times"] = measured
+    result["grads_left_alone"] = all(torch.equal(g, p.grad) for g, p in zip(grads, pipe.parameters()))
+    result["calibrated_fwd_s"] = [st.fwd_s for st in pipe.plan.calibrate(measured).stages]
+    result["bad_steps"] = _error(lambda: pipe.measure_stage_times(x, target=y, steps=0))
     return result
 
 

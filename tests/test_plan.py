@@ -113,3 +113,18 @@ def test_solve_increasing_finds_the_crossing_and_stops_when_there_is_none():
     assert solve_increasing(lambda x: 2 * x, 5.0) == pytest.approx(2.5, rel=1e-12)
     assert solve_increasing(lambda x: 1.0 + x, 0.5) == 0.0
     assert solve_increasing(lambda x: 1.0, 2.0, iterations=10) == 2.0 ** 10
+
+
+def test_calibrating_a_plan_without_stage_times_takes_the_measured_ones():
+    # A plan made from split points alone has no profile: every stage time is 0.
+    plan = _plan()
+    for st in plan.stages:
+        st.fwd_s = st.bwd_s = 0.0
+    for seg in plan.extras.get("segments", []):
+        seg["fwd_s"] = seg["bwd_s"] = 0.0
+    cal = plan.calibrate({"fwd_s": [1e-3, 2e-3], "bwd_s": [3e-3, 4e-3]})
+    assert [(st.fwd_s, st.bwd_s) for st in cal.stages] == [(1e-3, 3e-3), (2e-3, 4e-3)]
+    assert cal.extras["calibration"]["fwd_factor"] == [None, None]
+    assert cal.predicted_step_s > 0
+    totals = plan.calibrate([3e-3, 6e-3])  # totals: backward = 2 x forward when nothing was planned
+    assert [st.fwd_s for st in totals.stages] == pytest.approx([1e-3, 2e-3])

@@ -340,3 +340,14 @@ def test_without_a_job_the_error_says_how_to_launch(model_and_args, monkeypatch)
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(RuntimeError, match="autopipe run"):
         Pipeline(model, example_args=args, split_points=["layers.1"])
+
+
+def test_stage_times_measured_inside_running_steps_feed_calibrate():
+    first, second = checkpointing_results()
+    measured = first["stage_times"]
+    assert measured == second["stage_times"]  # every rank gets every stage's times
+    assert len(measured["fwd_s"]) == len(measured["bwd_s"]) == 4
+    assert all(t > 0 for t in measured["fwd_s"] + measured["bwd_s"])
+    assert first["calibrated_fwd_s"] == pytest.approx(measured["fwd_s"])
+    assert first["grads_left_alone"] and second["grads_left_alone"]
+    assert "steps=0 must be an integer >= 1" in first["bad_steps"]

@@ -30,6 +30,7 @@ import copy
 import hashlib
 import inspect
 import os
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -464,6 +465,84 @@ class Pipeline:
         loss = self._share_loss(losses)
         self._sum_shared_grads(before)
         return loss
+
+    def measure_stage_times(self, *args: Any, target: Any, steps: int = 3, **kwargs: Any) -> dict[str, list[float]]:
+        """Time every stage's forward and backward inside running training steps, for ``Plan.calibrate``.
+
+        A profile times each piece of the model alone in one process; inside a running
+        pipeline the same stage can take longer (the other ranks compute, the communication
+        threads and the kernel take their share of the cores), by 10-35% on a busy CPU host
+        (docs/costs-and-measurement.md). This runs ``steps`` training steps on the batch,
+        times the calls torch's schedule makes on each stage (forward, backward, and the
+        weight-gradient part where the schedule splits it), and returns the median per
+        micro-batch. Every rank must call it with the same batch (it is collective), and
+        every rank gets every stage's times. The parameters' gradients are left as they were.
+
+        Args:
+            *args, **kwargs: the model's inputs for the whole batch, as for :meth:`step`.
+            target: what ``loss_fn`` compares the output with.
+            steps: training steps to time, >= 1 (one more runs first, untimed).
+
+        Returns:
+            ``{"fwd_s": [...], "bwd_s": [...]}``, one value per stage, in seconds: the
+            input :meth:`autopipe.Plan.calibrate` takes.
+
+        Raises:
+            ValueError: ``steps`` is not a positive integer, or the batch does not split
+                into the micro-batches (before any communication).
+
+        Example:
+            >>> measured = pipe.measure_stage_times(x, target=y)  # doctest: +SKIP
+            >>> print(pipe.plan.calibrate(measured).predicted_step_s)  # doctest: +SKIP
+        """
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps={steps!r} must be an integer >= 1 (training steps to time)")
+        if self._train_schedule is None:
+            raise RuntimeError("measure_stage_times() trains and needs a loss; construct the Pipeline with loss_fn=...")
+        self._check_batch(args, kwargs, target, need_target=True)
+        from ..profile import Timer
+
+        timer = Timer(self.device)
+        saved = [(p, p.grad) for p in self.parameters()]
+        times: dict[int, dict[str, list[float]]] = {}
+        patched = []
+        for stage in self._train_stages:
+            rec = times.setdefault(stage.stage_index, {"F": [], "B": [], "W": []})
+            for method, key in (("forward_one_chunk", "F"), ("backward_one_chunk", "B"),
+                                ("backward_weight_one_chunk", "W")):
+                original = getattr(stage, method, None)
+                if original is None:
+                    continue
+
+                def timed(*a: Any, _original: Any = original, _into: list = rec[key], **k: Any) -> Any:
+                    seconds, result = timer.time(lambda: _original(*a, **k))  # GPU: the work, not its launch
+                    _into.append(seconds)
+                    return result
+
+                setattr(stage, method, timed)  # an instance attribute shadows the method
+                patched.append((stage, method))
+        try:
+            for p, _ in saved:
+                p.grad = None
+            self.step(*args, target=target, **kwargs)  # the first step sets up buffers: untimed
+            for rec in times.values():
+                for values in rec.values():
+                    values.clear()
+            for _ in range(steps):
+                self.step(*args, target=target, **kwargs)
+        finally:
+            for stage, method in patched:
+                delattr(stage, method)
+            for p, grad in saved:
+                p.grad = grad
+        local = {s: (statistics.median(r["F"]) if r["F"] else 0.0,
+                     (statistics.median(r["B"]) if r["B"] else 0.0) + (statistics.median(r["W"]) if r["W"] else 0.0))
+                 for s, r in times.items()}
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, local)
+        every = {s: v for part in gathered for s, v in part.items()}
+        n_stages = len(self.stage_ranks)
+        return {"fwd_s": [every[s][0] for s in range(n_stages)], "bwd_s": [every[s][1] for s in range(n_stages)]}
 
     def evaluate(self, *args: Any, target: Any, **kwargs: Any) -> torch.Tensor:
         """Forward only, in the current mode; return the mean loss on every rank.

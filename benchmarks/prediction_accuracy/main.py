@@ -216,11 +216,8 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
         if link is not None and "in_run" in results[0]:
             # Stage compute timed inside the running pipeline (both ranks busy at once), with
             # each cut's one-way time measured right after the run and the measured overhead.
-            acts: dict[int, dict[str, float]] = {}
-            for r in results:
-                acts.update({int(k): v for k, v in r["in_run"][label].items()})
-            run_fwd = [acts[s]["F"] for s in range(plan.num_stages)]
-            run_bwd = [acts[s]["B"] + acts[s]["W"] for s in range(plan.num_stages)]
+            in_run = results[0]["in_run"][label]  # every rank has every stage's times
+            run_fwd, run_bwd = in_run["fwd_s"], in_run["bwd_s"]
             row["in_run_stage_fwd_s"], row["in_run_stage_bwd_s"] = run_fwd, run_bwd
             row["in_run_step_s"] = autopipe.simulate(run_fwd, run_bwd, comm_s=row["measured_cut_s"] or 0.0,
                                                      action_overhead_s=overhead, **sim).step_s + tail
