@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))  # the checkout's autopipe, for its defaults
 
 # Order of the page; anything else found is appended.
 ORDER = ("split_quality", "split_quality_sim", "planner_scaling", "runtime_overhead", "prediction_accuracy",
@@ -202,7 +204,7 @@ def render_prediction_accuracy(d: dict[str, Any], behind: list[str]) -> str:
         ("… backward only", s.get("median_stage_bwd_over_profile")),
         ("the same stages running generated code instead of the fx Interpreter ÷ the profile's",
          s.get("median_codegen_stage_over_profile")),
-        ("stage compute inside the running pipeline ÷ timed alone (the ranks slowing each other down)",
+        ("stage compute inside the running pipeline (`Pipeline.measure_stage_times`) ÷ timed alone",
          s.get("median_contention_factor")),
     ]
     if any(v is not None for _, v in diag):
@@ -249,9 +251,14 @@ def render_prediction_accuracy(d: dict[str, Any], behind: list[str]) -> str:
                  "–" if v.get("latency_s") is None else f"{v['latency_s'] * 1e6:.0f}",
                  "–" if v.get("bandwidth_bytes_per_s") is None else f"{v['bandwidth_bytes_per_s'] / 1e9:.2f}"]
                 for k, v in links.items() if v]
+        from autopipe.devices import default_link
+
+        bw, lat = default_link("cpu")
         out.append("Link measured between the two ranks after each model's run (isend/irecv ping-pong, median "
                    "one-way time; the fit is `autopipe.measure.fit_link`, – where the times did not grow with size). "
-                   "The planner's CPU default is 50 µs + bytes / (1 GB/s), i.e. 51 µs, 1.1 ms and 8.4 ms:\n\n"
+                   f"The planner's CPU default is {lat * 1e6:.0f} µs + bytes / ({bw / 1e9:.0f} GB/s), i.e. "
+                   f"{(lat + 2**10 / bw) * 1e6:.0f} µs, {(lat + 2**20 / bw) * 1e3:.2f} ms and "
+                   f"{(lat + 2**23 / bw) * 1e3:.1f} ms:\n\n"
                    + table(["model run", "1 KiB µs", "1 MiB µs", "8 MiB µs", "fitted latency µs", "fitted GB/s"], rows))
     return "\n\n".join(out)
 
