@@ -347,16 +347,27 @@ class ScheduleOption:
         }
 
 
-def _rank_peak_bytes(problem: PartitionProblem, result: PartitionResult, ranks: list[int], timeline_act: list[int]) -> list[float]:
-    """Per rank: static bytes of its stages + the simulated peak of their saved activations."""
+def _rank_peak_bytes(problem: PartitionProblem, result: PartitionResult, ranks: list[int], timeline_act: list[int],
+                     merge_bytes: float = 0.0) -> list[float]:
+    """Per rank: static bytes of its stages + the simulated peak of their saved activations.
+
+    ``merge_bytes`` (the outputs torch's last stage keeps, already in its static bytes) is
+    counted once more on the last stage's rank at the step's end: torch then concatenates
+    the kept outputs into one more tensor of their size, after every activation is freed.
+    Under 1F1B with many micro-batches that moment, not the activations', is the peak.
+    """
     n_ranks = max(ranks) + 1
     A = np.concatenate([[0.0], np.cumsum(problem.act_bytes)])
     edges = [0, *result.cuts, problem.num_segments]
     peak = [float(x) for x in timeline_act]
+    static = [0.0] * n_ranks
     for s, r in enumerate(ranks):
         act = A[edges[s + 1]] - A[edges[s]]
-        peak[r] += result.stage_mem_bytes[s] - problem.inflight[s] * act  # static part of the stage
-    return peak[:n_ranks]
+        static[r] += result.stage_mem_bytes[s] - problem.inflight[s] * act  # static part of the stage
+    peak = [p + st for p, st in zip(peak[:n_ranks], static)]
+    last = ranks[-1]
+    peak[last] = max(peak[last], static[last] + merge_bytes)
+    return peak
 
 
 def _cost_option(
@@ -397,7 +408,8 @@ def _cost_option(
     A = np.concatenate([[0.0], np.cumsum(problem.act_bytes)])
     edges = [0, *option.result.cuts, problem.num_segments]
     act = [int(A[edges[s + 1]] - A[edges[s]]) for s in range(problem.num_stages)]
-    option.rank_peak_bytes = _rank_peak_bytes(problem, option.result, ranks, timeline.peak_activation_bytes(act))
+    option.rank_peak_bytes = _rank_peak_bytes(problem, option.result, ranks, timeline.peak_activation_bytes(act),
+                                              merge_bytes=m * costs[-1].out_bytes if costs else 0.0)
     option.fits = all(pk <= d.memory_bytes for pk, d in zip(option.rank_peak_bytes, rank_devices))
     # A bound no split can beat under this schedule: each rank does m micro-batches of its work.
     free = PartitionProblem(**{**problem.__dict__, "cut_fwd_bytes": np.zeros_like(problem.cut_fwd_bytes),

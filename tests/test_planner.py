@@ -248,3 +248,19 @@ def test_the_step_tail_charges_the_merge_the_loss_broadcast_and_tied_gradients_a
     v_plan = autopipe.partition(model, 2, example_args=args, n_microbatches=m, schedule="ZBVZeroBubble", **FAST)
     assert v_plan.extras["step_tail_s"]["shared_grads_s"] == 0.0
     assert v_plan.step_tail_s() == pytest.approx(tail["merge_outputs_s"] + tail["loss_broadcast_s"])
+
+
+def test_the_last_ranks_peak_counts_torchs_merge_of_the_kept_outputs():
+    # At the step's end torch's last stage concatenates the outputs it kept into one more
+    # tensor, after every activation is freed: under 1F1B (one micro-batch in flight) with
+    # many micro-batches that is the last rank's peak: its parameters, gradients and
+    # optimizer state + two copies of every micro-batch's output (benchmarks/NOTES.md, finding 3).
+    from autopipe.models.hf import gpt2_from_config
+
+    model, args = gpt2_from_config(n_layer=2, n_embd=32, n_head=4, vocab_size=2000, seq_len=8)
+    m = 64
+    plan = autopipe.partition(model, 2, example_args=args, schedule="1F1B", n_microbatches=m, **FAST)
+    out_bytes = plan.extras["segments"][-1]["out_bytes"]
+    last = plan.stages[-1]
+    static = last.peak_bytes - last.inflight_microbatches * last.act_bytes  # parameters, grads, Adam
+    assert plan.extras["rank_peak_bytes"][plan.extras["stage_ranks"][-1]] == pytest.approx(static + 2 * m * out_bytes)
