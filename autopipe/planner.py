@@ -408,7 +408,12 @@ def _cost_option(
     A = np.concatenate([[0.0], np.cumsum(problem.act_bytes)])
     edges = [0, *option.result.cuts, problem.num_segments]
     act = [int(A[edges[s + 1]] - A[edges[s]]) for s in range(problem.num_stages)]
-    option.rank_peak_bytes = _rank_peak_bytes(problem, option.result, ranks, timeline.peak_activation_bytes(act),
+    # torch keeps each sent tensor until it waits on the send (per schedule class).
+    sent_fwd, sent_bwd = [0] * problem.num_stages, [0] * problem.num_stages
+    for s, k in enumerate(option.result.cuts):
+        sent_fwd[s], sent_bwd[s + 1] = int(problem.cut_fwd_bytes[k]), int(problem.cut_bwd_bytes[k])
+    held = timeline.peak_activation_bytes(act, send_bytes=(sent_fwd, sent_bwd))
+    option.rank_peak_bytes = _rank_peak_bytes(problem, option.result, ranks, held,
                                               merge_bytes=m * costs[-1].out_bytes if costs else 0.0)
     option.fits = all(pk <= d.memory_bytes for pk, d in zip(option.rank_peak_bytes, rank_devices))
     # A bound no split can beat under this schedule: each rank does m micro-batches of its work.

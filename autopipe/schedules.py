@@ -160,20 +160,34 @@ class Timeline:
             raise ValueError(f"rank must be an int in [0, {self.n_ranks}), got {rank!r}")
         return sorted((e for e in self.events if e.rank == rank), key=lambda e: e.start_s)
 
-    def peak_activation_bytes(self, act_bytes: Sequence[int]) -> list[int]:
+    def peak_activation_bytes(self, act_bytes: Sequence[int],
+                              send_bytes: tuple[Sequence[int], Sequence[int]] | None = None) -> list[int]:
         """Peak bytes of saved activations per rank, weighting each stage by its own size.
 
         With several stages per rank the stages' in-flight counts peak at different times,
         so ``peak_inflight * act_bytes`` would overstate memory; this walks the timeline.
 
+        torch also keeps every tensor a rank has sent alive until it waits on the send, and
+        when it waits depends on the schedule class (:data:`SEND_RETENTION`): the
+        multi-stage schedules (``_PipelineScheduleRuntime``) wait on all of a step's sends
+        only at its end, GPipe on its forward sends after the last forward and on its
+        backward sends at the end, 1F1B at its next send. Pass ``send_bytes`` to add what
+        is kept that way.
+
         Args:
             act_bytes: per stage, activation bytes saved for backward per micro-batch.
+            send_bytes: optional ``(fwd, bwd)``, per stage: the bytes stage ``s`` sends on
+                to stage ``s + 1`` per micro-batch (its output; 0 for the last stage) and
+                the bytes it sends back to ``s - 1`` (its input's gradient; 0 for stage 0).
+                Sends between two stages of one rank move nothing and are not counted.
 
         Returns:
-            Per rank, the largest sum of ``act_bytes[s]`` over in-flight micro-batches.
+            Per rank, the largest sum of ``act_bytes[s]`` over in-flight micro-batches (plus
+            the sent tensors still kept at that moment).
 
         Raises:
-            ValueError: if ``act_bytes`` has the wrong length or a negative entry.
+            ValueError: if ``act_bytes`` or ``send_bytes`` has the wrong length or a
+                negative entry.
 
         Example:
             >>> t = simulate([1.0, 1.0], [2.0, 2.0], schedule="1F1B", n_microbatches=4)
@@ -185,7 +199,14 @@ class Timeline:
                 f"act_bytes must hold {self.n_stages} non-negative numbers (one per stage), "
                 f"got {list(act_bytes)!r}"
             )
-        peaks = _walk_inflight(self.events, self.stage_ranks, weights=act_bytes)[0]
+        sends = None
+        if send_bytes is not None:
+            fwd, bwd = (list(x) for x in send_bytes)
+            if len(fwd) != self.n_stages or len(bwd) != self.n_stages or any(b < 0 for b in fwd + bwd):
+                raise ValueError(f"send_bytes must be (fwd, bwd), each {self.n_stages} non-negative numbers "
+                                 f"(one per stage), got {send_bytes!r}")
+            sends = (fwd, bwd, SEND_RETENTION.get(self.schedule, "step"))
+        peaks = _walk_inflight(self.events, self.stage_ranks, weights=act_bytes, sends=sends)[0]
         return [int(p) for p in peaks]
 
     def to_text(self, *, s_per_char: float | None = None, max_width: int = 160) -> str:
@@ -952,8 +973,15 @@ def _place_with_lazy_sends(
     return events if step_s(events) >= step_s(previous) else previous
 
 
+#: When torch waits on a sent tensor (and so frees it), per schedule: "next" (1F1B: at its
+#: next send), "gpipe" (forward sends after the last forward, backward sends at the end of
+#: the step); every other schedule (``_PipelineScheduleRuntime``) at the end of the step.
+SEND_RETENTION: dict[str, str] = {"1F1B": "next", "GPipe": "gpipe"}
+
+
 def _walk_inflight(
-    events: list[Event], ranks: list[int], *, weights: Sequence[float]
+    events: list[Event], ranks: list[int], *, weights: Sequence[float],
+    sends: tuple[list[int], list[int], str] | None = None,
 ) -> tuple[list[float], list[float]]:
     """Peak weighted in-flight micro-batches per rank and per stage.
 
@@ -967,13 +995,27 @@ def _walk_inflight(
     rank_peak = [0.0] * n_ranks
     stage_now = [0] * len(ranks)
     stage_peak = [0] * len(ranks)
+    kept_fwd = [0.0] * n_ranks  # sent tensors torch still holds, per rank
+    kept_bwd = [0.0] * n_ranks
+    last = len(ranks) - 1
     for e in sorted(events, key=lambda e: (e.rank, e.start_s)):  # stable: keeps run order
+        s = e.stage
         if e.kind == FORWARD:
-            stage_now[e.stage] += 1
-            rank_now[e.rank] += weights[e.stage]
+            stage_now[s] += 1
+            rank_now[e.rank] += weights[s]
         elif e.kind in (FULL_BACKWARD, INPUT_GRAD):
-            stage_now[e.stage] -= 1
-            rank_now[e.rank] -= weights[e.stage]
-        stage_peak[e.stage] = max(stage_peak[e.stage], stage_now[e.stage])
-        rank_peak[e.rank] = max(rank_peak[e.rank], rank_now[e.rank])
+            stage_now[s] -= 1
+            rank_now[e.rank] -= weights[s]
+        if sends is not None:
+            fwd, bwd, retention = sends
+            if retention == "gpipe" and e.kind != FORWARD:
+                kept_fwd[e.rank] = 0.0  # GPipe waits on its forward sends before its backwards
+            if retention == "next":  # 1F1B: one send in flight, waited before the next
+                kept_fwd[e.rank] = kept_bwd[e.rank] = 0.0
+            if e.kind == FORWARD and s < last and ranks[s + 1] != ranks[s]:
+                kept_fwd[e.rank] += fwd[s]
+            elif e.kind in (FULL_BACKWARD, INPUT_GRAD) and s > 0 and ranks[s - 1] != ranks[s]:
+                kept_bwd[e.rank] += bwd[s]
+        stage_peak[s] = max(stage_peak[s], stage_now[s])
+        rank_peak[e.rank] = max(rank_peak[e.rank], rank_now[e.rank] + kept_fwd[e.rank] + kept_bwd[e.rank])
     return rank_peak, [float(p) for p in stage_peak]

@@ -417,6 +417,35 @@ def test_peak_activation_bytes_weights_each_stage_by_its_own_size():
     assert timeline.peak_inflight[0] < weighted[0] <= 10 * timeline.peak_inflight[0]
 
 
+def test_multi_stage_schedules_keep_every_sent_tensor_until_the_step_ends():
+    # torch's _PipelineScheduleRuntime waits on a step's sends only at its end. Interleaved,
+    # 2 ranks x 2 stages, 4 micro-batches, 1 byte per send: rank 0 sends forward from stages 0
+    # and 2 and back from stage 2, 12 sends kept by the end; so does rank 1.
+    timeline = uniform("Interleaved1F1B", 2, 4, 2)
+    assert timeline.peak_activation_bytes([0] * 4, send_bytes=([1, 1, 1, 0], [0, 1, 1, 1])) == [12, 12]
+
+
+def test_gpipe_frees_its_forward_sends_before_its_backwards_and_1f1b_keeps_one_send():
+    # GPipe, 2 ranks, 4 micro-batches, 10 bytes of activations each, 1 byte per send: rank 0
+    # peaks after its 4th forward (40 + 4 kept sends); rank 1 sends 4 gradients back, kept to the end.
+    gpipe = uniform("GPipe", 2, 4)
+    assert gpipe.peak_activation_bytes([10, 10], send_bytes=([1, 0], [0, 1])) == [44, 40]
+    one_f_one_b = uniform("1F1B", 2, 4)
+    assert one_f_one_b.peak_activation_bytes([0, 0], send_bytes=([1, 0], [0, 1])) == [1, 1]
+
+
+def test_the_turn_of_a_v_sends_nothing_to_keep():
+    # ZBV on 2 ranks: stages 1 and 2 share rank 1, so only cuts 0 and 2 move tensors.
+    timeline = uniform("ZBVZeroBubble", 2, 4, 2)
+    turn_only = timeline.peak_activation_bytes([0] * 4, send_bytes=([0, 5, 0, 0], [0, 0, 5, 0]))
+    assert turn_only == [0, 0]
+
+
+def test_send_bytes_of_the_wrong_shape_are_refused():
+    with pytest.raises(ValueError, match="send_bytes must be"):
+        uniform("1F1B", 2, 2).peak_activation_bytes([1, 1], send_bytes=([1], [0, 1]))
+
+
 def test_chrome_trace_has_one_complete_event_per_action_on_its_rank_track_in_us():
     timeline = uniform("1F1B", 2, 2)
     trace = json.loads(json.dumps(timeline.to_chrome_trace()))  # must be JSON-serialisable
