@@ -170,9 +170,10 @@ class Timeline:
         torch also keeps every tensor a rank has sent alive until it waits on the send, and
         when it waits depends on the schedule class (:data:`SEND_RETENTION`): the
         multi-stage schedules (``_PipelineScheduleRuntime``) wait on all of a step's sends
-        only at its end, GPipe on its forward sends after the last forward and on its
-        backward sends at the end, 1F1B at its next send. Pass ``send_bytes`` to add what
-        is kept that way.
+        only at its end, GPipe on its backward sends at the end, 1F1B at its next send. A
+        sent output is the stage's own output, which the stage keeps until that
+        micro-batch's backward anyway, so it counts from then on. Pass ``send_bytes`` to
+        add what is kept that way.
 
         Args:
             act_bytes: per stage, activation bytes saved for backward per micro-batch.
@@ -974,8 +975,10 @@ def _place_with_lazy_sends(
 
 
 #: When torch waits on a sent tensor (and so frees it), per schedule: "next" (1F1B: at its
-#: next send), "gpipe" (forward sends after the last forward, backward sends at the end of
-#: the step); every other schedule (``_PipelineScheduleRuntime``) at the end of the step.
+#: next send), "gpipe" (backward sends at the end of the step; forward sends after the last
+#: forward, before the backward that frees those outputs anyway, so they cost nothing
+#: extra); every other schedule (``_PipelineScheduleRuntime``: "step") at the end of the
+#: step. Read from torch's ``_step_microbatches`` of each class.
 SEND_RETENTION: dict[str, str] = {"1F1B": "next", "GPipe": "gpipe"}
 
 
@@ -1008,14 +1011,19 @@ def _walk_inflight(
             rank_now[e.rank] -= weights[s]
         if sends is not None:
             fwd, bwd, retention = sends
-            if retention == "gpipe" and e.kind != FORWARD:
-                kept_fwd[e.rank] = 0.0  # GPipe waits on its forward sends before its backwards
             if retention == "next":  # 1F1B: one send in flight, waited before the next
                 kept_fwd[e.rank] = kept_bwd[e.rank] = 0.0
-            if e.kind == FORWARD and s < last and ranks[s + 1] != ranks[s]:
-                kept_fwd[e.rank] += fwd[s]
-            elif e.kind in (FULL_BACKWARD, INPUT_GRAD) and s > 0 and ranks[s - 1] != ranks[s]:
-                kept_bwd[e.rank] += bwd[s]
+                if e.kind == FORWARD and s < last and ranks[s + 1] != ranks[s]:
+                    kept_fwd[e.rank] = fwd[s]
+            if e.kind in (FULL_BACKWARD, INPUT_GRAD):
+                # A sent output is the stage's own output, which it keeps for this backward
+                # anyway; from here on only the unwaited send holds it (multi-stage schedules).
+                if retention == "step" and s < last and ranks[s + 1] != ranks[s]:
+                    kept_fwd[e.rank] += fwd[s]
+                if retention != "next" and s > 0 and ranks[s - 1] != ranks[s]:
+                    kept_bwd[e.rank] += bwd[s]
+                elif retention == "next" and s > 0 and ranks[s - 1] != ranks[s]:
+                    kept_bwd[e.rank] = bwd[s]
         stage_peak[s] = max(stage_peak[s], stage_now[s])
         rank_peak[e.rank] = max(rank_peak[e.rank], rank_now[e.rank] + kept_fwd[e.rank] + kept_bwd[e.rank])
     return rank_peak, [float(p) for p in stage_peak]

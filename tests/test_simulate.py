@@ -425,11 +425,12 @@ def test_multi_stage_schedules_keep_every_sent_tensor_until_the_step_ends():
     assert timeline.peak_activation_bytes([0] * 4, send_bytes=([1, 1, 1, 0], [0, 1, 1, 1])) == [12, 12]
 
 
-def test_gpipe_frees_its_forward_sends_before_its_backwards_and_1f1b_keeps_one_send():
-    # GPipe, 2 ranks, 4 micro-batches, 10 bytes of activations each, 1 byte per send: rank 0
-    # peaks after its 4th forward (40 + 4 kept sends); rank 1 sends 4 gradients back, kept to the end.
+def test_gpipe_keeps_its_backward_sends_to_the_end_and_1f1b_keeps_one_send():
+    # GPipe, 2 ranks, 4 micro-batches, 1 byte per send: rank 1 sends 4 gradients back, all
+    # kept to the end; rank 0's forward sends are outputs its stage keeps for its backward anyway.
     gpipe = uniform("GPipe", 2, 4)
-    assert gpipe.peak_activation_bytes([10, 10], send_bytes=([1, 0], [0, 1])) == [44, 40]
+    assert gpipe.peak_activation_bytes([0, 0], send_bytes=([1, 0], [0, 1])) == [0, 4]
+    assert gpipe.peak_activation_bytes([10, 10], send_bytes=([1, 0], [0, 1])) == [40, 40]
     one_f_one_b = uniform("1F1B", 2, 4)
     assert one_f_one_b.peak_activation_bytes([0, 0], send_bytes=([1, 0], [0, 1])) == [1, 1]
 
