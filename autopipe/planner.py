@@ -412,6 +412,8 @@ def _cost_option(
     sent_fwd, sent_bwd = [0] * problem.num_stages, [0] * problem.num_stages
     for s, k in enumerate(option.result.cuts):
         sent_fwd[s], sent_bwd[s + 1] = int(problem.cut_fwd_bytes[k]), int(problem.cut_bwd_bytes[k])
+    if sched in sim.SPLIT_BACKWARD_SCHEDULES:  # each stage output is a copy, kept to its input-grad
+        act = [a + f for a, f in zip(act, sent_fwd)]
     held = timeline.peak_activation_bytes(act, send_bytes=(sent_fwd, sent_bwd))
     option.rank_peak_bytes = _rank_peak_bytes(problem, option.result, ranks, held,
                                               merge_bytes=m * costs[-1].out_bytes if costs else 0.0)

@@ -974,6 +974,11 @@ def _place_with_lazy_sends(
     return events if step_s(events) >= step_s(previous) else previous
 
 
+#: Schedules whose backward is two actions, input-grad (I) and weight-grad (W). torch then
+#: detaches each stage's output in place, so autopipe's runtime sends a copy of it
+#: (``autopipe.runtime.pipeline._guard_stage_boundaries``), one more tensor per micro-batch.
+SPLIT_BACKWARD_SCHEDULES: tuple[str, ...] = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
 #: When torch waits on a sent tensor (and so frees it), per schedule: "next" (1F1B: at its
 #: next send), "gpipe" (backward sends at the end of the step; forward sends after the last
 #: forward, before the backward that frees those outputs anyway, so they cost nothing

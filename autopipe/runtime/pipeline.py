@@ -41,7 +41,8 @@ from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from ..plan import Plan, StagePlan
-from ..schedules import canonical_schedule_name, schedule_class, stage_ranks, validate_schedule
+from ..schedules import (SPLIT_BACKWARD_SCHEDULES, canonical_schedule_name, schedule_class, stage_ranks,
+                         validate_schedule)
 from .checkpointing import checkpoint_stage, resolve_checkpoint_stages
 from .distributed import DEFAULT_TIMEOUT_S, broadcast_object, default_device, init_distributed
 from .relay import relay_skip_connections
@@ -55,9 +56,6 @@ _SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 # torch's Pipe.build_stage wires each stage's peers for the looped placement, so these get
 # a manual PipelineStage, which learns its peers from the schedule.
 _V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
-# Schedules that split the backward into input-grad and weight-grad actions; torch then
-# detaches each stage output in place (see _guard_stage_boundaries).
-_SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
 class Pipeline:
@@ -296,7 +294,7 @@ class Pipeline:
             if s in self._train_modules:
                 checkpoint_stage(self._train_modules[s])
         for module in {id(m): m for m in (*self._train_modules.values(), *self._eval_modules.values())}.values():
-            _guard_stage_boundaries(module, fresh_outputs=self.schedule in _SPLIT_BACKWARD_SCHEDULES)
+            _guard_stage_boundaries(module, fresh_outputs=self.schedule in SPLIT_BACKWARD_SCHEDULES)
         if self.schedule in _V_SCHEDULES:
             self._train_stages = [self._manual_stage(s, self._train_modules[s]) for s in self.stage_indices]
         for module in self._train_modules.values():
