@@ -264,3 +264,26 @@ def test_the_last_ranks_peak_counts_torchs_merge_of_the_kept_outputs():
     last = plan.stages[-1]
     static = last.peak_bytes - last.inflight_microbatches * last.act_bytes  # parameters, grads, Adam
     assert plan.extras["rank_peak_bytes"][plan.extras["stage_ranks"][-1]] == pytest.approx(static + 2 * m * out_bytes)
+
+
+def test_split_backward_schedules_charge_the_copy_of_each_stage_output(monkeypatch):
+    # Under ZBV autopipe's runtime sends a copy of every stage output (torch detaches the
+    # original in place), kept until the micro-batch's input-grad: one more tensor per
+    # micro-batch in flight on every stage that has a successor.
+    from autopipe import schedules
+    from autopipe.models.hf import gpt2_from_config
+    from autopipe.profile import profile_segments
+    from autopipe.trace import trace
+
+    model, args = gpt2_from_config(n_layer=2, n_embd=32, n_head=4, vocab_size=2000, seq_len=8)
+    costs = profile_segments(trace(model, args), warmup=0, repeats=1, progress=False)
+    kw = dict(example_args=args, costs=costs, schedule="ZBVZeroBubble", n_microbatches=4, progress=False)
+    with_copies = autopipe.partition(model, 2, **kw)
+    monkeypatch.setattr(schedules, "SPLIT_BACKWARD_SCHEDULES", ())
+    without = autopipe.partition(model, 2, **kw)
+    assert with_copies.split_points == without.split_points
+    smallest_cut = min(st.send_bytes for st in with_copies.stages[:-1])
+    extra = [a - b for a, b in zip(with_copies.extras["rank_peak_bytes"], without.extras["rank_peak_bytes"])]
+    # Rank 0 (stages 0 and 3) peaks when torch merges the outputs, after the copies are gone;
+    # rank 1 (stages 1 and 2) holds copies of both its stages' outputs at its peak.
+    assert extra[0] >= 0 and extra[1] >= 2 * smallest_cut > 0
