@@ -751,9 +751,14 @@ def simulate(
 
     order, source = _order_and_source(schedule, n_ranks, n_microbatches, stages_per_rank)
     ranks = stage_ranks(schedule, n_ranks, stages_per_rank)
-    events = _place_in_time(order, ranks, fwd, bwd, wgrad, comm, overhead, schedule=schedule)
+
+    def place(sender_busy: list[list[tuple[float, float]]] | None = None) -> list[Event]:
+        return _place_in_time(order, ranks, fwd, bwd, wgrad, comm, overhead, schedule=schedule,
+                              sender_busy=sender_busy)
+
+    events = place()
     if lazy_sends:
-        events = _place_with_lazy_sends(events, order, ranks, fwd, bwd, wgrad, comm, overhead, schedule=schedule)
+        events = _place_with_lazy_sends(events, place, n_ranks)
 
     step_s = max((e.end_s for e in events), default=0.0)
     busy = [0.0] * n_ranks
@@ -936,16 +941,7 @@ LAZY_SEND_ROUNDS = 16
 
 
 def _place_with_lazy_sends(
-    events: list[Event],
-    order: Sequence[Sequence[Action]],
-    ranks: list[int],
-    fwd: list[float],
-    bwd: list[float],
-    wgrad: list[float],
-    comm: list[float],
-    overhead: list[float],
-    *,
-    schedule: str,
+    events: list[Event], place: Callable[[list[list[tuple[float, float]]]], list[Event]], n_ranks: int,
 ) -> list[Event]:
     """Re-place ``events`` (an eager placement) until lazy deliveries stop moving them.
 
@@ -961,13 +957,12 @@ def _place_with_lazy_sends(
 
     previous = events
     for _ in range(LAZY_SEND_ROUNDS):
-        busy: list[list[tuple[float, float]]] = [[] for _ in order]
+        busy: list[list[tuple[float, float]]] = [[] for _ in range(n_ranks)]
         for e in events:
             busy[e.rank].append((e.start_s, e.end_s))
         for b in busy:
             b.sort()
-        placed = _place_in_time(order, ranks, fwd, bwd, wgrad, comm, overhead, schedule=schedule,
-                                sender_busy=busy)
+        placed = place(busy)
         if [(e.start_s, e.end_s) for e in placed] == [(e.start_s, e.end_s) for e in events]:
             return placed
         previous, events = events, placed

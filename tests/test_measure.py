@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 import autopipe.measure as measure
 from autopipe.devices import Device

@@ -272,8 +272,6 @@ def test_split_backward_schedules_charge_the_copy_of_each_stage_output(monkeypat
     # micro-batch in flight on every stage that has a successor.
     from autopipe import schedules
     from autopipe.models.hf import gpt2_from_config
-    from autopipe.profile import profile_segments
-    from autopipe.trace import trace
 
     model, args = gpt2_from_config(n_layer=2, n_embd=32, n_head=4, vocab_size=2000, seq_len=8)
     costs = profile_segments(trace(model, args), warmup=0, repeats=1, progress=False)

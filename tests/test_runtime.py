@@ -11,7 +11,6 @@ import functools
 import math
 
 import pytest
-import torch
 
 from autopipe.plan import Plan, StagePlan
 from autopipe.runtime import Pipeline
