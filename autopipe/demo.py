@@ -294,7 +294,10 @@ def run_demo(
         for name, run in result["runs"].items():
             timed = run["step_s"][1:] or run["step_s"]  # the first step warms up caches and allocators
             runs.append({
-                "name": name, "split_points": splits[name], "predicted_step_s": simulated[name].step_s,
+                # The step's once-per-step tail (merging outputs, the loss broadcast) is the
+                # same for both splits: the demo model has no tied weights.
+                "name": name, "split_points": splits[name],
+                "predicted_step_s": simulated[name].step_s + plan.step_tail_s(),
                 "best_step_s": min(timed), "median_step_s": statistics.median(timed),
                 "rank_compute_s": [statistics.median(cpu[1:] or cpu) for cpu in run["rank_cpu_s"]],
                 "predicted_rank_compute_s": list(simulated[name].busy_s),

@@ -309,3 +309,13 @@ def test_merge_rank_traces_puts_each_rank_in_its_own_process_from_time_zero(tmp_
 def test_merge_rank_traces_refuses_something_that_is_not_a_trace():
     with pytest.raises(ValueError, match=r"traces\[0\] has no 'traceEvents'"):
         merge_rank_traces([{"events": []}])
+
+
+def test_reports_say_what_the_step_spends_after_its_last_action(plan):
+    from autopipe.reporting.data import report_data
+    from autopipe.reporting.markdown import plan_to_markdown
+
+    data = report_data(plan)
+    assert data["summary"]["step_tail_s"] == plan.extras["step_tail_s"]
+    text = plan_to_markdown(data)
+    assert f"spends {plan.step_tail_s() * 1e3:.2f} ms once" in text and "merge outputs" in text

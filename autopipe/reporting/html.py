@@ -16,7 +16,7 @@ from html import escape
 from typing import Any
 
 from .tables import (Table, alternatives_table, baseline_table, layer_table, measured_table, split_spec_code,
-                     stage_table, summary_lines)
+                     stage_table, summary_lines, tail_note)
 
 __all__ = ["plan_to_html"]
 
@@ -114,7 +114,8 @@ def plan_to_html(data: dict[str, Any], *, figures: bool = True) -> str:
         _figure_html(svgs.get("timeline"), "Simulated schedule: one row per rank, one box per forward or backward "
                      "of a micro-batch; white space is the bubble."),
         f'<p class="note">Simulated with torch\'s own action order for {escape(s["schedule"])}; '
-        f"step {data['timeline']['step_s'] * 1e3:.2f} ms, bubble {data['timeline']['bubble_fraction']:.1%}.</p>",
+        f"step {data['timeline']['step_s'] * 1e3:.2f} ms, bubble {data['timeline']['bubble_fraction']:.1%}."
+        f"{escape(tail_note(data))}</p>",
     ]
     alt = alternatives_table(data)
     if alt is not None:

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .tables import (Table, alternatives_table, baseline_table, layer_table, measured_table, split_spec_code,
-                     stage_table, summary_lines)
+                     stage_table, summary_lines, tail_note)
 
 __all__ = ["plan_to_markdown", "table_to_markdown"]
 
@@ -80,7 +80,7 @@ def plan_to_markdown(data: dict[str, Any], *, images: Mapping[str, str] | None =
     out += ["## Timeline of one step", ""]
     out += image("timeline", "Gantt chart of one simulated step")
     out += [f"Simulated {s['schedule']}: step {data['timeline']['step_s'] * 1e3:.2f} ms, "
-            f"bubble {data['timeline']['bubble_fraction']:.1%}.", ""]
+            f"bubble {data['timeline']['bubble_fraction']:.1%}.{tail_note(data)}", ""]
     alt = alternatives_table(data)
     if alt is not None:
         out += ["## Alternatives considered", "", table_to_markdown(alt), ""]

@@ -23,6 +23,7 @@ from .text import format_bytes, format_seconds
 
 __all__ = [
     "Table",
+    "tail_note",
     "summary_lines",
     "split_spec_code",
     "stage_table",
@@ -211,3 +212,19 @@ def measured_table(data: dict[str, Any]) -> Table | None:
                  rows, [False, False, True, True, True, True, True, False],
                  notes=["compute per rank: CPU time of each rank's compute thread per step (median); time spent "
                         "waiting for a core does not count"] + list(m.get("notes", [])))
+
+
+def tail_note(data: dict[str, Any]) -> str:
+    """A sentence on the step's once-per-step tail, which the timeline does not draw ('' if none).
+
+    Example:
+        >>> tail_note({"summary": {"step_tail_s": {"merge_outputs_s": 0.002}}})
+        ' After the last action the step also spends 2.00 ms once (merge outputs 2.00 ms), included in the predicted step.'
+    """
+    tail = data.get("summary", {}).get("step_tail_s") or {}
+    total = sum(tail.values())
+    if total <= 0:
+        return ""
+    parts = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v * 1e3:.2f} ms" for k, v in tail.items() if v > 0)
+    return (f" After the last action the step also spends {total * 1e3:.2f} ms once ({parts}), "
+            "included in the predicted step.")
