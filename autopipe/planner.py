@@ -202,6 +202,32 @@ def _state_sizes(traced: TracedModel) -> dict[str, tuple[int, bool]]:
 # --------------------------------------------------------------------------- plan
 
 
+def _rank_overcount_bytes(traced: TracedModel, cuts: Sequence[int], ranks: Sequence[int],
+                          optimizer_factor: float) -> list[float]:
+    """Per rank, the static bytes the per-segment charge counts more than once.
+
+    The search charges a parameter (with its gradient and optimizer state) at every segment
+    that reads it, since torch replicates shared parameters into every stage that reads them.
+    On one rank there is one copy: autopipe's runtime keeps one tensor per parameter per
+    rank (a tied embedding and head on the same rank, as under ZBV, are one weight there).
+    """
+    gm = traced.graph_module
+    tensor_of = {name: id(t) for name, t in gm.named_parameters(remove_duplicate=False)}
+    tensor_of.update({name: id(t) for name, t in gm.named_buffers(remove_duplicate=False)})
+    sizes = _state_sizes(traced)
+    edges = [0, *cuts, len(traced.segments)]
+    reads: list[dict[int, int]] = [{} for _ in range(max(ranks) + 1)]
+    copy_bytes: dict[int, float] = {}
+    for s, r in enumerate(ranks):
+        for seg in traced.segments[edges[s]:edges[s + 1]]:
+            for ident in {tensor_of[n] for n in seg.param_names if n in tensor_of}:
+                reads[r][ident] = reads[r].get(ident, 0) + 1
+    for name, ident in tensor_of.items():
+        nbytes, trainable = sizes.get(name, (0, False))
+        copy_bytes[ident] = nbytes + (nbytes * (1.0 + optimizer_factor) if trainable else 0.0)
+    return [sum((k - 1) * copy_bytes[i] for i, k in per_rank.items() if k > 1) for per_rank in reads]
+
+
 def _stage_fqns(traced: TracedModel, start_seg: int, end_seg: int) -> list[str]:
     """Top-most modules whose graph nodes all lie inside segments [start_seg, end_seg)."""
     lo, hi = traced.segments[start_seg].start, traced.segments[end_seg - 1].end
@@ -348,13 +374,14 @@ class ScheduleOption:
 
 
 def _rank_peak_bytes(problem: PartitionProblem, result: PartitionResult, ranks: list[int], timeline_act: list[int],
-                     merge_bytes: float = 0.0) -> list[float]:
+                     merge_bytes: float = 0.0, overcount: Sequence[float] | None = None) -> list[float]:
     """Per rank: static bytes of its stages + the simulated peak of their saved activations.
 
     ``merge_bytes`` (the outputs torch's last stage keeps, already in its static bytes) is
     counted once more on the last stage's rank at the step's end: torch then concatenates
     the kept outputs into one more tensor of their size, after every activation is freed.
     Under 1F1B with many micro-batches that moment, not the activations', is the peak.
+    ``overcount`` (per rank, see :func:`_rank_overcount_bytes`) is taken off the static bytes.
     """
     n_ranks = max(ranks) + 1
     A = np.concatenate([[0.0], np.cumsum(problem.act_bytes)])
@@ -364,6 +391,8 @@ def _rank_peak_bytes(problem: PartitionProblem, result: PartitionResult, ranks: 
     for s, r in enumerate(ranks):
         act = A[edges[s + 1]] - A[edges[s]]
         static[r] += result.stage_mem_bytes[s] - problem.inflight[s] * act  # static part of the stage
+    if overcount is not None:
+        static = [st - o for st, o in zip(static, overcount)]
     peak = [p + st for p, st in zip(peak[:n_ranks], static)]
     last = ranks[-1]
     peak[last] = max(peak[last], static[last] + merge_bytes)
@@ -415,8 +444,9 @@ def _cost_option(
     if sched in sim.SPLIT_BACKWARD_SCHEDULES:  # each stage output is a copy, kept to its input-grad
         act = [a + f for a, f in zip(act, sent_fwd)]
     held = timeline.peak_activation_bytes(act, send_bytes=(sent_fwd, sent_bwd))
-    option.rank_peak_bytes = _rank_peak_bytes(problem, option.result, ranks, held,
-                                              merge_bytes=m * costs[-1].out_bytes if costs else 0.0)
+    option.rank_peak_bytes = _rank_peak_bytes(
+        problem, option.result, ranks, held, merge_bytes=m * costs[-1].out_bytes if costs else 0.0,
+        overcount=_rank_overcount_bytes(traced, option.result.cuts, ranks, optimizer_factor))
     option.fits = all(pk <= d.memory_bytes for pk, d in zip(option.rank_peak_bytes, rank_devices))
     # A bound no split can beat under this schedule: each rank does m micro-batches of its work.
     free = PartitionProblem(**{**problem.__dict__, "cut_fwd_bytes": np.zeros_like(problem.cut_fwd_bytes),

@@ -285,3 +285,24 @@ def test_split_backward_schedules_charge_the_copy_of_each_stage_output(monkeypat
     # Rank 0 (stages 0 and 3) peaks when torch merges the outputs, after the copies are gone;
     # rank 1 (stages 1 and 2) holds copies of both its stages' outputs at its peak.
     assert extra[0] >= 0 and extra[1] >= 2 * smallest_cut > 0
+
+
+def test_a_tied_weight_on_one_rank_is_counted_once_in_its_memory():
+    # ZBV puts stage 0 (the embedding) and stage 3 (the tied head) on rank 0: the runtime keeps
+    # one tensor there, so the weight, its gradient and its Adam state count once on that rank.
+    from autopipe.models.hf import gpt2_from_config
+    from autopipe.planner import _rank_overcount_bytes
+    from autopipe.schedules import stage_ranks
+
+    model, args = gpt2_from_config(n_layer=2, n_embd=32, n_head=4, vocab_size=2000, seq_len=8)
+    wte_bytes = model.transformer.wte.weight.numel() * 4
+    traced = trace(model, args)
+    v_plan = autopipe.partition(model, 2, example_args=args, schedule="ZBVZeroBubble", n_microbatches=4, **FAST)
+    cuts = [traced.split_point_names.index(p) + 1 for p in v_plan.split_points]
+    adam = 2.0  # two state tensors per parameter
+    assert _rank_overcount_bytes(traced, cuts, stage_ranks("ZBVZeroBubble", 2, 2), adam) == [
+        wte_bytes * (2 + adam), 0.0]
+    # 1F1B on 2 ranks: embedding and head on different ranks, each holds its own copy.
+    plan = autopipe.partition(model, 2, example_args=args, schedule="1F1B", n_microbatches=4, **FAST)
+    cuts = [traced.split_point_names.index(p) + 1 for p in plan.split_points]
+    assert _rank_overcount_bytes(traced, cuts, [0, 1], adam) == [0.0, 0.0]
