@@ -989,9 +989,10 @@ def _walk_inflight(
     """Peak weighted in-flight micro-batches per rank and per stage.
 
     A micro-batch is in flight on a stage from the end of its forward to the end of its
-    backward (B, or the input-grad I, after which torch frees the saved activations that
-    only the input-grad needs). Each rank's actions run one at a time, so walking them in
-    start order visits every state the rank passes through.
+    backward: B, or the weight-grad W when the backward is split, since W still needs the
+    layers' saved inputs after the input-grad I (measured: a stage's live bytes barely fall
+    at I and fall at W). Each rank's actions run one at a time, so walking them in start
+    order visits every state the rank passes through.
     """
     n_ranks = max(ranks) + 1
     rank_now = [0.0] * n_ranks
@@ -1006,7 +1007,9 @@ def _walk_inflight(
         if e.kind == FORWARD:
             stage_now[s] += 1
             rank_now[e.rank] += weights[s]
-        elif e.kind in (FULL_BACKWARD, INPUT_GRAD):
+        # The saved tensors go with the backward that uses them last: B, or W when the
+        # backward is split (the weight-grad still needs the layers' inputs after I).
+        elif e.kind in (FULL_BACKWARD, WEIGHT_GRAD):
             stage_now[s] -= 1
             rank_now[e.rank] -= weights[s]
         if sends is not None:

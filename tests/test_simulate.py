@@ -579,3 +579,22 @@ def test_per_stage_overhead_charges_each_stage_its_own():
 def test_a_bad_action_overhead_is_refused(bad):
     with pytest.raises(ValueError, match="action_overhead_s"):
         simulate([1.0, 1.0], [1.0, 1.0], schedule="GPipe", n_microbatches=2, action_overhead_s=bad)
+
+
+def test_split_backward_schedules_hold_activations_until_the_weight_grad():
+    # InterleavedZeroBubble splits the backward into I and W; W still needs the layers' saved
+    # inputs, so a micro-batch's activations are held until its W (measured with LiveBytes on
+    # the MLP under ZBV). Released at I instead, rank r would peak at 8 - r micro-batches.
+    timeline = simulate([0.5] * 8, [1.0] * 8, schedule="InterleavedZeroBubble", n_microbatches=8,
+                        stages_per_rank=2)
+
+    def walk(release: str) -> list[int]:
+        now, peak = [0] * 4, [0] * 4
+        for e in sorted(timeline.events, key=lambda e: (e.rank, e.start_s)):
+            now[e.rank] += 1 if e.kind == "F" else -1 if e.kind == release else 0
+            peak[e.rank] = max(peak[e.rank], now[e.rank])
+        return peak
+
+    assert walk("I") == [8, 7, 6, 5]
+    assert timeline.peak_inflight == walk("W") == [8, 8, 8, 8]
+    assert uniform("1F1B", 2, 4).peak_inflight == [2, 1]  # no W: B frees them, as before
