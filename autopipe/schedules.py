@@ -999,8 +999,7 @@ def _walk_inflight(
     rank_peak = [0.0] * n_ranks
     stage_now = [0] * len(ranks)
     stage_peak = [0] * len(ranks)
-    kept_fwd = [0.0] * n_ranks  # sent tensors torch still holds, per rank
-    kept_bwd = [0.0] * n_ranks
+    kept = [0.0] * n_ranks  # bytes of sent tensors torch still holds, per rank
     last = len(ranks) - 1
     for e in sorted(events, key=lambda e: (e.rank, e.start_s)):  # stable: keeps run order
         s = e.stage
@@ -1014,19 +1013,17 @@ def _walk_inflight(
             rank_now[e.rank] -= weights[s]
         if sends is not None:
             fwd, bwd, retention = sends
-            if retention == "next":  # 1F1B: one send in flight, waited before the next
-                kept_fwd[e.rank] = kept_bwd[e.rank] = 0.0
-                if e.kind == FORWARD and s < last and ranks[s + 1] != ranks[s]:
-                    kept_fwd[e.rank] = fwd[s]
-            if e.kind in (FULL_BACKWARD, INPUT_GRAD):
+            sends_on = s < last and ranks[s + 1] != ranks[s]
+            sends_back = s > 0 and ranks[s - 1] != ranks[s]
+            sent = 0.0  # what this action adds to the kept tensors
+            if e.kind == FORWARD and sends_on and retention == "next":
+                sent = fwd[s]
+            elif e.kind in (FULL_BACKWARD, INPUT_GRAD):
                 # A sent output is the stage's own output, which it keeps for this backward
                 # anyway; from here on only the unwaited send holds it (multi-stage schedules).
-                if retention == "step" and s < last and ranks[s + 1] != ranks[s]:
-                    kept_fwd[e.rank] += fwd[s]
-                if retention != "next" and s > 0 and ranks[s - 1] != ranks[s]:
-                    kept_bwd[e.rank] += bwd[s]
-                elif retention == "next" and s > 0 and ranks[s - 1] != ranks[s]:
-                    kept_bwd[e.rank] = bwd[s]
+                sent = (fwd[s] if sends_on and retention == "step" else 0.0) + (bwd[s] if sends_back else 0.0)
+            # 1F1B waits on each send before its next action's: it keeps at most the last one.
+            kept[e.rank] = sent if retention == "next" else kept[e.rank] + sent
         stage_peak[s] = max(stage_peak[s], stage_now[s])
-        rank_peak[e.rank] = max(rank_peak[e.rank], rank_now[e.rank] + kept_fwd[e.rank] + kept_bwd[e.rank])
+        rank_peak[e.rank] = max(rank_peak[e.rank], rank_now[e.rank] + kept[e.rank])
     return rank_peak, [float(p) for p in stage_peak]
