@@ -202,6 +202,33 @@ def _state_sizes(traced: TracedModel) -> dict[str, tuple[int, bool]]:
 # --------------------------------------------------------------------------- plan
 
 
+def _state_tensors(traced: TracedModel) -> dict[int, tuple[set[str], int, bool]]:
+    """Every parameter and buffer tensor, by identity: (its names, bytes, trainable).
+
+    A tied weight (GPT-2's embedding and head) is one tensor under several names.
+    """
+    out: dict[int, tuple[set[str], int, bool]] = {}
+    gm = traced.graph_module
+    for named in (gm.named_parameters(remove_duplicate=False), gm.named_buffers(remove_duplicate=False)):
+        for name, t in named:
+            out.setdefault(id(t), (set(), t.numel() * t.element_size(), t.requires_grad))[0].add(name)
+    return out
+
+
+def _tensor_reads(traced: TracedModel, tensors: Mapping[int, tuple[set[str], int, bool]],
+                  cuts: Sequence[int], ranks: Sequence[int]) -> dict[int, dict[int, int]]:
+    """Per tensor of ``tensors`` (by identity): rank -> how many of its segments read it."""
+    tensor_of = {name: ident for ident, (names, _, _) in tensors.items() for name in names}
+    edges = [0, *cuts, len(traced.segments)]
+    reads: dict[int, dict[int, int]] = {}
+    for s, r in enumerate(ranks):
+        for seg in traced.segments[edges[s]:edges[s + 1]]:
+            for ident in {tensor_of[n] for n in seg.param_names if n in tensor_of}:
+                per_rank = reads.setdefault(ident, {})
+                per_rank[r] = per_rank.get(r, 0) + 1
+    return reads
+
+
 def _rank_overcount_bytes(traced: TracedModel, cuts: Sequence[int], ranks: Sequence[int],
                           optimizer_factor: float) -> list[float]:
     """Per rank, the static bytes the per-segment charge counts more than once.
@@ -211,21 +238,14 @@ def _rank_overcount_bytes(traced: TracedModel, cuts: Sequence[int], ranks: Seque
     On one rank there is one copy: autopipe's runtime keeps one tensor per parameter per
     rank (a tied embedding and head on the same rank, as under ZBV, are one weight there).
     """
-    gm = traced.graph_module
-    tensor_of = {name: id(t) for name, t in gm.named_parameters(remove_duplicate=False)}
-    tensor_of.update({name: id(t) for name, t in gm.named_buffers(remove_duplicate=False)})
-    sizes = _state_sizes(traced)
-    edges = [0, *cuts, len(traced.segments)]
-    reads: list[dict[int, int]] = [{} for _ in range(max(ranks) + 1)]
-    copy_bytes: dict[int, float] = {}
-    for s, r in enumerate(ranks):
-        for seg in traced.segments[edges[s]:edges[s + 1]]:
-            for ident in {tensor_of[n] for n in seg.param_names if n in tensor_of}:
-                reads[r][ident] = reads[r].get(ident, 0) + 1
-    for name, ident in tensor_of.items():
-        nbytes, trainable = sizes.get(name, (0, False))
-        copy_bytes[ident] = nbytes + (nbytes * (1.0 + optimizer_factor) if trainable else 0.0)
-    return [sum((k - 1) * copy_bytes[i] for i, k in per_rank.items() if k > 1) for per_rank in reads]
+    tensors = _state_tensors(traced)
+    out = [0.0] * (max(ranks) + 1)
+    for ident, per_rank in _tensor_reads(traced, tensors, cuts, ranks).items():
+        _, nbytes, trainable = tensors[ident]
+        copy_bytes = nbytes + (nbytes * (1.0 + optimizer_factor) if trainable else 0.0)
+        for r, k in per_rank.items():
+            out[r] += (k - 1) * copy_bytes
+    return out
 
 
 def _stage_fqns(traced: TracedModel, start_seg: int, end_seg: int) -> list[str]:
@@ -291,15 +311,6 @@ def _stage_fwd_bwd(problem: PartitionProblem, result: PartitionResult, costs: li
     return fwd, bwd
 
 
-def _tied_parameter_groups(traced: TracedModel) -> list[tuple[int, set[str]]]:
-    """(bytes, names) of every trainable parameter known under several names (tied weights)."""
-    groups: dict[int, tuple[int, set[str]]] = {}
-    for name, p in traced.graph_module.named_parameters(remove_duplicate=False):
-        if p.requires_grad:
-            groups.setdefault(id(p), (p.numel() * p.element_size(), set()))[1].add(name)
-    return [(nbytes, names) for nbytes, names in groups.values() if len(names) > 1]
-
-
 def step_tail_s(traced: TracedModel, problem: PartitionProblem, result: PartitionResult,
                 costs: list[SegmentCost], ranks: Sequence[int], n_microbatches: int,
                 copy_bandwidth: float) -> dict[str, float]:
@@ -319,24 +330,25 @@ def step_tail_s(traced: TracedModel, problem: PartitionProblem, result: Partitio
     bandwidth = float(problem.bandwidth[0]) if len(problem.bandwidth) else math.inf
     latency = float(problem.latency_s[0]) if len(problem.latency_s) else 0.0
     loss = latency if n_ranks > 1 else 0.0
-    edges = [0, *result.cuts, problem.num_segments]
-    segment_rank = {k: ranks[s] for s in range(problem.num_stages) for k in range(edges[s], edges[s + 1])}
+    tensors = _state_tensors(traced)
     shared = 0.0
-    for nbytes, names in _tied_parameter_groups(traced):
-        holders = {segment_rank[k] for k, seg in enumerate(traced.segments) if names & set(seg.param_names)}
-        h = len(holders)
-        if h > 1:  # ring all-reduce: 2(h-1)/h of the bytes each way, 2(h-1) hops
+    for ident, per_rank in _tensor_reads(traced, tensors, result.cuts, ranks).items():
+        names, nbytes, trainable = tensors[ident]
+        h = len(per_rank)  # ranks holding a copy
+        if trainable and len(names) > 1 and h > 1:  # ring all-reduce: 2(h-1)/h of the bytes each way, 2(h-1) hops
             shared += 2 * nbytes / copy_bandwidth + 2 * (h - 1) / h * nbytes / bandwidth + 2 * (h - 1) * latency
     return {"merge_outputs_s": float(merge), "loss_broadcast_s": float(loss), "shared_grads_s": float(shared)}
 
 
-def _predict(problem: PartitionProblem, result: PartitionResult, costs: list[SegmentCost], *,
-             schedule: str, m: int, stages_per_rank: int, action_overhead_s: Sequence[float],
-             lazy_sends: bool) -> float:
+def _predict(problem: PartitionProblem, result: PartitionResult, costs: list[SegmentCost],
+             option: "ScheduleOption", traced: TracedModel, ranks: Sequence[int]) -> float:
+    """Predicted step of the split ``result`` under ``option``: the simulated schedule + the step's tail."""
     fwd, bwd = _stage_fwd_bwd(problem, result, costs)
-    return predict_step_s(fwd, bwd, _cut_comm_s(problem, result.cuts), schedule=schedule,
-                          n_microbatches=m, stages_per_rank=stages_per_rank, action_overhead_s=action_overhead_s,
-                          lazy_sends=lazy_sends)
+    m = option.n_microbatches
+    step = predict_step_s(fwd, bwd, _cut_comm_s(problem, result.cuts), schedule=option.schedule,
+                          n_microbatches=m, stages_per_rank=option.stages_per_rank,
+                          action_overhead_s=option.action_overhead_s, lazy_sends=option.lazy_sends)
+    return step + sum(step_tail_s(traced, problem, result, costs, ranks, m, option.copy_bandwidth).values())
 
 
 @dataclass
@@ -422,9 +434,7 @@ def _cost_option(
     option.candidates = len(results)
     best = None
     for r in results:
-        step = _predict(problem, r, costs, schedule=sched, m=m, stages_per_rank=v,
-                        action_overhead_s=option.action_overhead_s, lazy_sends=lazy_sends)
-        step += sum(step_tail_s(traced, problem, r, costs, ranks, m, copy_bandwidth).values())
+        step = _predict(problem, r, costs, option, traced, ranks)
         if best is None or (step, r.bottleneck_s) < (best[0], best[1].bottleneck_s):
             best = (step, r)
     option.predicted_step_s, option.result = best
@@ -522,9 +532,7 @@ def make_plan(
             description=BASELINES[name],
             split_points=[traced.candidates[c - 1].name for c in r.cuts],
             bottleneck_s=r.bottleneck_s,
-            predicted_step_s=_predict(problem, r, costs, schedule=sched, m=m, stages_per_rank=v,
-                                      action_overhead_s=chosen.action_overhead_s, lazy_sends=chosen.lazy_sends)
-            + sum(step_tail_s(traced, problem, r, costs, ranks, m, chosen.copy_bandwidth).values()),
+            predicted_step_s=_predict(problem, r, costs, chosen, traced, ranks),
             peak_bytes=int(max(r.stage_mem_bytes)),
             fits_memory=r.fits_memory,
         ))
