@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "finish_rank", "spawn_ranks"]
+__all__ = ["free_port", "join_loopback_world", "finish_rank", "spawn_ranks"]
 
 
 def free_port() -> int:
@@ -27,6 +27,25 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def join_loopback_world(rank: int, world_size: int, port: int, *, backend: str = "gloo",
+                        timeout_s: float) -> None:
+    """In a spawned rank: join the process group of ``world_size`` ranks on 127.0.0.1:``port``.
+
+    Sets the torchrun variables first (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), which
+    :class:`autopipe.Pipeline` reads, then starts the group; every collective in it times
+    out after ``timeout_s``.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    dist.init_process_group(backend, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _outcome_path(out_dir: str, rank: int) -> str:

@@ -24,7 +24,6 @@ Example:
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import socket
@@ -72,8 +71,6 @@ def _lm_loss(logits: Any, target: Any) -> Any:
 def _train_worker(rank: int, world_size: int, port: int, config: dict[str, Any], plan_dict: dict[str, Any],
                   hand_split: list[str], steps: int, work_dir: str) -> None:
     """One rank: build both pipelines, alternate their training steps, time them, save results."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     # Results travel back in a file; the profiler's C++ chatter on stdout/stderr would only
     # interleave with the parent's tables.
     devnull = os.open(os.devnull, os.O_WRONLY)
@@ -87,13 +84,13 @@ def _train_worker(rank: int, world_size: int, port: int, config: dict[str, Any],
         import torch
         import torch.distributed as dist
 
+        from ._spawn import join_loopback_world
         from .models import seed_transformer
         from .plan import Plan
         from .runtime import Pipeline
 
         torch.set_num_threads(1)  # one core per rank: the profile was taken the same way
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=_WORKER_TIMEOUT_S))
+        join_loopback_world(rank, world_size, port, timeout_s=_WORKER_TIMEOUT_S)
         model, (x_mb,) = seed_transformer(**config)
         pipes = {
             "autopipe": Pipeline(model, example_args=(x_mb,), loss_fn=_lm_loss, plan=Plan.from_dict(plan_dict),

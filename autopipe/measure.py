@@ -26,7 +26,6 @@ Example:
 
 from __future__ import annotations
 
-import datetime
 import math
 import numbers
 import statistics
@@ -40,7 +39,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ._spawn import finish_rank, spawn_ranks
+from ._spawn import finish_rank, join_loopback_world, spawn_ranks
 from .devices import Device, default_link, parse_bytes, sends_are_lazy
 from .profile import Timer, _forward_backward, measure_device_flops, resolve_device
 
@@ -302,8 +301,7 @@ def _link_worker(rank: int, port: int, backend: str, devices: tuple[str, str], s
     try:
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        join_loopback_world(rank, 2, port, backend=backend, timeout_s=timeout_s)
         link = measure_link_in_group(0, 1, sizes_bytes=sizes, repeats=repeats, warmup=warmup, device=dev)
         result: tuple[str, Any] = ("ok", link)
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
@@ -658,19 +656,14 @@ def _overhead_worker(rank: int, port: int, n_ranks: int, backend: str, device_ty
                      schedules: list[tuple[str, int]], n_microbatches: int, steps: int, timeout_s: float,
                      out_dir: str) -> None:
     """One rank of :func:`measure_action_overhead`: step times per schedule, compute alone and together."""
-    import os
-
     import torch.nn as nn
 
     torch.set_num_threads(1)  # the ranks share the host's cores, as in a CPU pipeline
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n_ranks),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n_ranks))
     try:
         dev = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n_ranks,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        join_loopback_world(rank, n_ranks, port, backend=backend, timeout_s=timeout_s)
         from .runtime import Pipeline
 
         g = torch.Generator().manual_seed(0)

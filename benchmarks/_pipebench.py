@@ -21,7 +21,6 @@ Nothing here asserts on a time: the scripts report medians and ratios.
 from __future__ import annotations
 
 import copy
-import datetime
 import os
 import statistics
 import time
@@ -39,7 +38,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from autopipe._spawn import finish_rank, spawn_ranks
+from autopipe._spawn import finish_rank, join_loopback_world, spawn_ranks
 from autopipe.models.zoo import build
 from autopipe.profile import Timer
 
@@ -382,15 +381,10 @@ class WorldFailed(RuntimeError):
 
 def _world_entry(fn: Callable, rank: int, world: int, port: int, backend: str, threads: int,
                  pg_timeout_s: float, out_dir: str, job: Any) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     # Each rank gets its share of the cores, and the planner profiled with the same count.
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        join_loopback_world(rank, world, port, backend=backend, timeout_s=pg_timeout_s)
         result = ("ok", fn(rank, world, job))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")

@@ -11,13 +11,11 @@ them into a gloo process group whose collectives time out after ``pg_timeout_s``
 
 from __future__ import annotations
 
-import datetime
-import os
 import traceback
 from typing import Any, Callable
 
 
-from autopipe._spawn import finish_rank, spawn_ranks
+from autopipe._spawn import finish_rank, join_loopback_world, spawn_ranks
 
 __all__ = ["WorldFailed", "run_world"]
 
@@ -35,14 +33,10 @@ class WorldFailed(RuntimeError):
 def _worker(fn: Callable, rank: int, world_size: int, port: int, pg_timeout_s: float,
             out_dir: str, args: tuple) -> None:
     import torch
-    import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)  # the test machine has few cores, shared by every rank
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        join_loopback_world(rank, world_size, port, timeout_s=pg_timeout_s)
         result = ("ok", fn(rank, world_size, *args))
     except BaseException as e:  # noqa: BLE001 - report everything to the parent
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
