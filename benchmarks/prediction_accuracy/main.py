@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -79,19 +80,22 @@ def _measured_devices(machine: dict[str, Any]) -> list[autopipe.Device]:
                             latency_s=link["latency_s"], action_overhead_s=overhead["action_overhead_s"])] * 2
 
 
+def _stage_sums(plan: autopipe.Plan, per_segment: Sequence[float]) -> list[float]:
+    """Per stage of ``plan``, the sum of a per-segment time over its segments."""
+    return [sum(per_segment[st.first_segment: st.last_segment + 1]) for st in plan.stages]
+
+
 def _profiled_stage_times(plan: autopipe.Plan) -> tuple[list[float], list[float]]:
     """Per stage, the profile's own forward and backward sums (no device speed applied)."""
     segs = plan.extras["segments"]
-    fwd = [sum(g["fwd_s"] for g in segs[st.first_segment: st.last_segment + 1]) for st in plan.stages]
-    bwd = [sum(g["bwd_s"] for g in segs[st.first_segment: st.last_segment + 1]) for st in plan.stages]
-    return fwd, bwd
+    return _stage_sums(plan, [g["fwd_s"] for g in segs]), _stage_sums(plan, [g["bwd_s"] for g in segs])
 
 
 def _same_time_prediction(plan: autopipe.Plan, profile: tuple[list[float], list[float]], slowdown: float) -> float:
     """The plan's step predicted from another profile of its segments (and the loss the plan measured)."""
     loss = plan.extras.get("loss") or {}
-    fwd = [sum(profile[0][st.first_segment: st.last_segment + 1]) * slowdown for st in plan.stages]
-    bwd = [sum(profile[1][st.first_segment: st.last_segment + 1]) * slowdown for st in plan.stages]
+    fwd = [t * slowdown for t in _stage_sums(plan, profile[0])]
+    bwd = [t * slowdown for t in _stage_sums(plan, profile[1])]
     fwd[-1] += loss.get("fwd_s", 0.0) * slowdown
     bwd[-1] += loss.get("bwd_s", 0.0) * slowdown
     return plan.calibrate({"fwd_s": fwd, "bwd_s": bwd}).predicted_step_s
