@@ -197,7 +197,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="device to profile on: cpu, cuda, cuda:1 (default: cuda when present, else cpu)")
     p.add_argument("--cost", choices=("measured", "flops", "params"), default="measured",
                    help="measure each layer, or estimate from FLOPs or parameter counts")
-    p.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per layer; the median is kept")
+    p.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per layer; their mean is kept")
     p.add_argument("--warmup", type=_nonneg_int, default=2, help="untimed runs per layer before timing")
     p.add_argument("--threads", type=_positive_int,
                    help="CPU threads torch may use while profiling (match what each rank will get)")

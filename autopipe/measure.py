@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ._spawn import finish_rank, join_loopback_world, spawn_ranks
 from .devices import Device, default_link, parse_bytes, sends_are_lazy
-from .profile import Timer, _forward_backward, measure_device_flops, resolve_device
+from .profile import Timer, _forward_backward, measure_device_flops, per_run_s, resolve_device
 
 __all__ = [
     "LinkMeasurement",
@@ -633,7 +633,7 @@ def _compute_probe_s(device: torch.device, repeats: int) -> list[float]:
 
 
 def _stage_compute_s(layers: list, device: torch.device, repeats: int = 7) -> tuple[float, float]:
-    """Median forward and backward seconds of one probe stage (``layers``) on one micro-batch, alone.
+    """Forward and backward seconds (:func:`autopipe.profile.per_run_s`) of one probe stage on one micro-batch, alone.
 
     Timed as the profiler times a segment (:func:`autopipe.profile._forward_backward`).
     """
@@ -649,7 +649,7 @@ def _stage_compute_s(layers: list, device: torch.device, repeats: int = 7) -> tu
         if i >= 2:
             fwd.append(f)
             bwd.append(b)
-    return statistics.median(fwd), statistics.median(bwd)
+    return per_run_s(fwd), per_run_s(bwd)
 
 
 def _overhead_worker(rank: int, port: int, n_ranks: int, backend: str, device_type: str,

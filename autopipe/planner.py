@@ -661,7 +661,7 @@ def partition(
             2-core host), 0 on CUDA (not measured there yet). Measure yours with
             :func:`autopipe.measure.measure_action_overhead`.
         warmup: Untimed runs per segment before measuring.
-        repeats: Timed runs per segment; the median is kept.
+        repeats: Timed runs per segment; their mean is kept (:func:`autopipe.profile.per_run_s`).
         costs: A profile to reuse (``plan.extras`` or :func:`autopipe.profile.profile_segments`
             output, one :class:`~autopipe.costgraph.SegmentCost` per segment): skips measuring,
             and the same costs always give the same plan.

@@ -4,8 +4,9 @@ Third step of the data flow. :func:`profile_segments` runs each segment of a
 :class:`~autopipe.trace.TracedModel` on its own, on the target device, with the real
 tensors the previous segments produce for the example micro-batch:
 
-* forward seconds and backward seconds are *measured* (warm-up, then the median of
-  ``repeats`` runs; CUDA timings use events after a synchronisation), never guessed as 2x;
+* forward seconds and backward seconds are *measured* (warm-up, then the mean of
+  ``repeats`` runs, see :func:`per_run_s`; CUDA timings use events after a
+  synchronisation), never guessed as 2x;
 * activation bytes are the tensors autograd saves for backward (counted with
   ``torch.autograd.graph.saved_tensors_hooks``), parameters excluded;
 * FLOPs come from ``torch.utils.flop_counter.FlopCounterMode`` on one run.
@@ -49,7 +50,8 @@ from ._progress import progress_iter
 from .costgraph import SegmentCost, requires_grad_map, tensor_bytes
 from .trace import TracedModel
 
-__all__ = ["COST_SOURCES", "profile_segments", "profile_loss", "LossCost", "measure_device_flops", "resolve_device", "Timer"]
+__all__ = ["COST_SOURCES", "profile_segments", "profile_loss", "LossCost", "measure_device_flops", "per_run_s",
+           "resolve_device", "Timer"]
 
 #: Accepted values of the ``cost`` argument.
 COST_SOURCES = ("measured", "flops", "params")
@@ -71,6 +73,33 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} but CUDA is not available here; use device='cpu'")
     return dev
+
+
+def per_run_s(samples: Sequence[float]) -> float:
+    """The seconds one run of a piece of work is charged, from its timed runs: their mean.
+
+    Not the median, on purpose. A pipeline step runs each stage's forward and backward once
+    per micro-batch, one after another, so its length is a *sum* of many such runs, and the
+    expected sum is the sum of the means. On a quiet GPU the two are the same; on a shared CPU
+    the times are skewed to the right (a run now and then is preempted or takes page faults),
+    and the median left out what those runs add: on GPT-2's segments the sum of the means was
+    1.08-1.10x the sum of the medians, and inside a running 2-rank pipeline the mean forward or
+    backward was 1.06-1.14x the median (docs/costs-and-measurement.md section 1).
+
+    Args:
+        samples: seconds of each timed run, at least one.
+
+    Raises:
+        ValueError: ``samples`` is empty.
+
+    Example:
+        >>> round(per_run_s([0.010, 0.010, 0.013]), 6)
+        0.011
+    """
+    values = [float(x) for x in samples]
+    if not values:
+        raise ValueError("samples=[] is empty; per_run_s needs at least one timed run")
+    return statistics.fmean(values)
 
 
 class Timer:
@@ -236,7 +265,7 @@ def _time_in_rounds(
     segments: list[tuple[fx.GraphModule, Callable[[], list[Any]], list[torch.Tensor]]], timer: Timer,
     warmup: int, repeats: int,
 ) -> list[tuple[float, float]]:
-    """Median forward and backward seconds of each segment, timed in rounds over the model.
+    """Forward and backward seconds of each segment (:func:`per_run_s`), timed in rounds over the model.
 
     A round runs every segment's forward in graph order, then every segment's backward in
     reverse order, each timed on its own (each segment keeps its own autograd graph, so its
@@ -265,7 +294,7 @@ def _time_in_rounds(
                 # Each segment here starts a backward of its own; a stage starts one for all
                 # its segments, so the fixed cost of starting one is not the segment's.
                 bwd_times[k].append(max(0.0, b - call_s) if b else 0.0)
-    return [(statistics.median(f), statistics.median(b)) for f, b in zip(fwd_times, bwd_times)]
+    return [(per_run_s(f), per_run_s(b)) for f, b in zip(fwd_times, bwd_times)]
 
 
 def _backward_call_s(timer: Timer, repeats: int = 21) -> float:
@@ -300,7 +329,7 @@ def profile_segments(
             When the model lives elsewhere, each segment is copied there in turn, so the
             model need not fit on it whole.
         warmup: Untimed runs before timing (measured source only).
-        repeats: Timed runs; the median is kept (measured source only). When the model
+        repeats: Timed runs; their mean is kept (:func:`per_run_s`; measured source only). When the model
             already lives on ``device``, each run is a round over the whole model - every
             segment's forward in order, then every backward in reverse, as in training -
             rather than one segment run again and again: a segment repeated back to back
@@ -400,8 +429,8 @@ def profile_segments(
             out_vals = [o.detach() if isinstance(o, torch.Tensor) else o for o in out]
             costs.append(
                 SegmentCost(
-                    fwd_s=statistics.median(fwd_times) if fwd_times else 0.0,
-                    bwd_s=statistics.median(bwd_times) if bwd_times else 0.0,
+                    fwd_s=per_run_s(fwd_times) if fwd_times else 0.0,
+                    bwd_s=per_run_s(bwd_times) if bwd_times else 0.0,
                     param_bytes=param_bytes,
                     act_bytes=counter.total,
                     out_bytes=tensor_bytes(out_vals),
@@ -506,7 +535,7 @@ def profile_loss(
         if i >= warmup:
             fwd.append(f)
             bwd.append(b)
-    return LossCost(fwd_s=statistics.median(fwd), bwd_s=statistics.median(bwd), act_bytes=counter.total,
+    return LossCost(fwd_s=per_run_s(fwd), bwd_s=per_run_s(bwd), act_bytes=counter.total,
                     batch=batch)
 
 

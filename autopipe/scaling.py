@@ -503,7 +503,7 @@ def profile_scaling(
         cost: ``"measured"``, ``"flops"`` or ``"params"`` (as in ``profile_segments``).
         device: Where to profile; default CUDA when present, else CPU.
         warmup: Untimed runs per segment and size.
-        repeats: Timed runs per segment and size; the median is kept.
+        repeats: Timed runs per segment and size; their mean is kept (:func:`autopipe.profile.per_run_s`).
         device_flops: FLOP/s for the estimated sources; measured once when omitted.
         progress: Show progress bars.
 

@@ -40,7 +40,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from autopipe._spawn import finish_rank, join_loopback_world, spawn_ranks
 from autopipe.models.zoo import build
-from autopipe.profile import Timer
+from autopipe.profile import Timer, per_run_s
 
 __all__ = [
     "BenchModel", "MODELS", "host_info", "make_model", "ce_loss", "make_target", "stack_microbatches",
@@ -275,13 +275,13 @@ class StageChain:
         return fwd, bwd
 
     def time(self, target: torch.Tensor, *, warmup: int = 1, repeats: int = 5) -> tuple[list[float], list[float]]:
-        """Median per-stage (fwd_s, bwd_s) over ``repeats`` runs after ``warmup`` untimed runs."""
+        """Per-stage (fwd_s, bwd_s): the mean of ``repeats`` runs (as the profile keeps) after ``warmup`` untimed runs."""
         target = target.to(self.device)
         for _ in range(warmup):
             self.run_once(target)
         runs = [self.run_once(target) for _ in range(repeats)]
-        fwd = [median([r[0][k] for r in runs]) for k in range(self.num_stages)]
-        bwd = [median([r[1][k] for r in runs]) for k in range(self.num_stages)]
+        fwd = [per_run_s([r[0][k] for r in runs]) for k in range(self.num_stages)]
+        bwd = [per_run_s([r[1][k] for r in runs]) for k in range(self.num_stages)]
         return fwd, bwd
 
 

@@ -108,3 +108,33 @@ def test_the_fixed_cost_of_starting_a_backward_is_not_charged_to_every_segment(s
     charged = profile_segments(small_traced, device="cpu", warmup=0, repeats=1, progress=False)
     assert any(c.bwd_s > 0 for c in plain)
     assert all(c.bwd_s == 0.0 for c in charged)
+
+
+def test_a_segment_is_charged_the_mean_of_its_timed_runs_not_the_median(monkeypatch):
+    # A step adds every micro-batch's forward and backward up, so the run that is now and then
+    # slow counts: the profile keeps the mean (profile.per_run_s), which a median would hide.
+    import autopipe.profile as profile
+
+    class ScriptedTimer:  # runs the work, reports the scripted seconds
+        def __init__(self, seconds):
+            self.seconds, self.device = iter(seconds), torch.device("cpu")
+
+        def time(self, fn):
+            return next(self.seconds), fn()
+
+    layer = nn.Linear(4, 4)
+    segment = (torch.fx.symbolic_trace(layer), lambda: [torch.randn(2, 4)], list(layer.parameters()))
+    monkeypatch.setattr(profile, "_backward_call_s", lambda timer: 0.0)
+    # Three rounds of (forward, backward): the third round is four times as slow.
+    timer = ScriptedTimer([1.0, 2.0, 1.0, 2.0, 4.0, 8.0])
+    [(fwd_s, bwd_s)] = profile._time_in_rounds([segment], timer, warmup=0, repeats=3)
+    assert (fwd_s, bwd_s) == (2.0, 4.0)  # the medians would be 1.0 and 2.0
+
+
+def test_per_run_s_is_the_mean_and_refuses_no_samples():
+    from autopipe.profile import per_run_s
+
+    assert per_run_s([0.001, 0.001, 0.004]) == pytest.approx(0.002)
+    assert per_run_s([0.5]) == 0.5
+    with pytest.raises(ValueError, match=r"samples=\[\] is empty"):
+        per_run_s([])

@@ -30,7 +30,6 @@ import copy
 import hashlib
 import inspect
 import os
-import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -472,7 +471,7 @@ class Pipeline:
         threads and the kernel take their share of the cores), by 10-35% on a busy CPU host
         (docs/costs-and-measurement.md). This runs ``steps`` training steps on the batch,
         times the calls torch's schedule makes on each stage (forward, backward, and the
-        weight-gradient part where the schedule splits it), and returns the median per
+        weight-gradient part where the schedule splits it), and returns the mean per
         micro-batch. Every rank must call it with the same batch (it is collective), and
         every rank gets every stage's times. The parameters' gradients are left as they were.
 
@@ -498,7 +497,7 @@ class Pipeline:
         if self._train_schedule is None:
             raise RuntimeError("measure_stage_times() trains and needs a loss; construct the Pipeline with loss_fn=...")
         self._check_batch(args, kwargs, target, need_target=True)
-        from ..profile import Timer
+        from ..profile import Timer, per_run_s
 
         timer = Timer(self.device)
         saved = [(p, p.grad) for p in self.parameters()]
@@ -533,8 +532,9 @@ class Pipeline:
                 delattr(stage, method)
             for p, grad in saved:
                 p.grad = grad
-        local = {s: (statistics.median(r["F"]) if r["F"] else 0.0,
-                     (statistics.median(r["B"]) if r["B"] else 0.0) + (statistics.median(r["W"]) if r["W"] else 0.0))
+        # The mean per call, as the profile keeps (a step adds the calls up; profile.per_run_s).
+        local = {s: (per_run_s(r["F"]) if r["F"] else 0.0,
+                     (per_run_s(r["B"]) if r["B"] else 0.0) + (per_run_s(r["W"]) if r["W"] else 0.0))
                  for s, r in times.items()}
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, local)
