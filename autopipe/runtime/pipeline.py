@@ -468,7 +468,7 @@ class Pipeline:
 
         A profile times each piece of the model alone in one process; inside a running
         pipeline the same stage can take longer (the other ranks compute, the communication
-        threads and the kernel take their share of the cores), by 10-35% on a busy CPU host
+        threads and the kernel take their share of the cores), by 10-15% on a shared CPU host
         (docs/costs-and-measurement.md). This runs ``steps`` training steps on the batch,
         times the calls torch's schedule makes on each stage (forward, backward, and the
         weight-gradient part where the schedule splits it), and returns the mean per
