@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ._spawn import finish_rank, join_loopback_world, spawn_ranks
 from .devices import Device, default_link, parse_bytes, sends_are_lazy
-from .profile import Timer, _forward_backward, measure_device_flops, per_run_s, resolve_device
+from .profile import Timer, _time_alone, measure_device_flops, resolve_device
 
 __all__ = [
     "LinkMeasurement",
@@ -635,21 +635,13 @@ def _compute_probe_s(device: torch.device, repeats: int) -> list[float]:
 def _stage_compute_s(layers: list, device: torch.device, repeats: int = 7) -> tuple[float, float]:
     """Forward and backward seconds (:func:`autopipe.profile.per_run_s`) of one probe stage on one micro-batch, alone.
 
-    Timed as the profiler times a segment (:func:`autopipe.profile._forward_backward`).
+    Timed as the profiler times a segment it cannot time in rounds (two warm-up runs first).
     """
     import torch.nn as nn
 
     stage = nn.Sequential(*layers)
-    timer = Timer(device)
-    params = list(stage.parameters())
-    fwd, bwd = [], []
-    for i in range(repeats + 2):  # two warm-up runs
-        x = torch.randn(_PROBE_ROWS, _PROBE_WIDTH, device=device, requires_grad=True)
-        f, b, _ = _forward_backward(stage, [x], params, timer)
-        if i >= 2:
-            fwd.append(f)
-            bwd.append(b)
-    return per_run_s(fwd), per_run_s(bwd)
+    return _time_alone(stage, lambda: [torch.randn(_PROBE_ROWS, _PROBE_WIDTH, device=device, requires_grad=True)],
+                       list(stage.parameters()), Timer(device), warmup=2, repeats=repeats)
 
 
 def _overhead_worker(rank: int, port: int, n_ranks: int, backend: str, device_type: str,

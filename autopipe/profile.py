@@ -261,6 +261,24 @@ def _forward_backward(
     return fwd_s, bwd_s, out
 
 
+def _time_alone(
+    module: torch.nn.Module, make_inputs: Callable[[], list[Any]], trainable: list[torch.Tensor], timer: Timer,
+    warmup: int, repeats: int,
+) -> tuple[float, float]:
+    """Forward and backward seconds (:func:`per_run_s`) of one module run again and again on its own.
+
+    ``make_inputs`` gives fresh inputs for each run; ``warmup`` runs are not timed.
+    """
+    fwd_times: list[float] = []
+    bwd_times: list[float] = []
+    for i in range(warmup + repeats):
+        f, b, _ = _forward_backward(module, make_inputs(), trainable, timer)
+        if i >= warmup:
+            fwd_times.append(f)
+            bwd_times.append(b)
+    return per_run_s(fwd_times), per_run_s(bwd_times)
+
+
 def _time_in_rounds(
     segments: list[tuple[fx.GraphModule, Callable[[], list[Any]], list[torch.Tensor]]], timer: Timer,
     warmup: int, repeats: int,
@@ -417,20 +435,16 @@ def profile_segments(
             with FlopCounterMode(display=False) as flop_counter:
                 _, _, out = _forward_backward(module, make_inputs(), trainable, timer, counter)
             flops = float(flop_counter.get_total_flops())
-            fwd_times, bwd_times = [], []
+            fwd_s = bwd_s = 0.0  # timed in rounds below, or estimated, unless timed here
             if in_rounds:
                 rounds.append((module, make_inputs, trainable))
             elif cost == "measured":
-                for i in range(warmup + repeats):
-                    f, b, _ = _forward_backward(module, make_inputs(), trainable, timer)
-                    if i >= warmup:
-                        fwd_times.append(f)
-                        bwd_times.append(b)
+                fwd_s, bwd_s = _time_alone(module, make_inputs, trainable, timer, warmup, repeats)
             out_vals = [o.detach() if isinstance(o, torch.Tensor) else o for o in out]
             costs.append(
                 SegmentCost(
-                    fwd_s=per_run_s(fwd_times) if fwd_times else 0.0,
-                    bwd_s=per_run_s(bwd_times) if bwd_times else 0.0,
+                    fwd_s=fwd_s,
+                    bwd_s=bwd_s,
                     param_bytes=param_bytes,
                     act_bytes=counter.total,
                     out_bytes=tensor_bytes(out_vals),
