@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,7 +52,7 @@ from .costgraph import SegmentCost, requires_grad_map, tensor_bytes
 from .trace import TracedModel
 
 __all__ = ["COST_SOURCES", "profile_segments", "profile_loss", "LossCost", "measure_device_flops", "per_run_s",
-           "resolve_device", "Timer"]
+           "resolve_device", "Timer", "CacheFlusher", "last_level_cache_bytes"]
 
 #: Accepted values of the ``cost`` argument.
 COST_SOURCES = ("measured", "flops", "params")
@@ -121,6 +122,66 @@ class Timer:
         t0 = time.perf_counter()
         result = fn()
         return time.perf_counter() - t0, result
+
+
+#: Last-level cache size assumed where the device does not say (bytes).
+_DEFAULT_LLC_BYTES = 32 << 20
+
+
+def last_level_cache_bytes(device: torch.device) -> int:
+    """The size of ``device``'s largest cache in bytes: the GPU's L2, the CPU's last level.
+
+    Read from ``torch.cuda.get_device_properties`` on CUDA and from
+    ``/sys/devices/system/cpu/cpu0/cache`` on a Linux CPU; 32 MiB where neither says.
+
+    Example:
+        >>> last_level_cache_bytes(torch.device("cpu")) > 0
+        True
+    """
+    if device.type == "cuda":
+        size = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0)
+        return size if size > 0 else _DEFAULT_LLC_BYTES
+    if device.type == "cpu":
+        sizes = []
+        for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+            try:
+                text = (entry / "size").read_text().strip().upper()
+            except OSError:
+                continue
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            digits = text.rstrip("KMG")
+            if digits.isdigit():
+                sizes.append(int(digits) * scale)
+        if sizes:
+            return max(sizes)
+    return _DEFAULT_LLC_BYTES
+
+
+class CacheFlusher:
+    """Empties a device's caches between timed runs, by writing a buffer twice their size.
+
+    A pipeline action does not find its stage's weights and inputs in the cache: since the
+    stage last ran, other micro-batches and (on a shared host) other stages have been through
+    it. Work timed again and again in a loop does find them there, and is measured too fast;
+    benchmark tools flush for the same reason (Triton's ``do_bench`` clears the L2 before
+    every timed run). The profiler calls this before each pass of a round (the forwards, then
+    the backwards), as a stage's action starts cold and then runs its segments back to back.
+
+    Example:
+        >>> flush = CacheFlusher(torch.device("cpu"))
+        >>> flush()
+        >>> flush.nbytes >= 2 * (1 << 20)
+        True
+    """
+
+    def __init__(self, device: torch.device, nbytes: int | None = None) -> None:
+        self.nbytes = int(nbytes) if nbytes is not None else 2 * last_level_cache_bytes(device)
+        self._buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        self._value = 0
+
+    def __call__(self) -> None:
+        self._value ^= 1  # a different value each time: every line is written, none skipped
+        self._buffer.fill_(self._value)
 
 
 def measure_device_flops(device: str | torch.device | None = None, *, size: int = 1024, repeats: int = 5) -> float:
@@ -240,16 +301,19 @@ def _as_tuple(out: Any) -> tuple[Any, ...]:
 
 def _forward_backward(
     module: fx.GraphModule, inputs: list[Any], trainable: list[torch.Tensor], timer: Timer,
-    counter: _SavedBytes | None = None,
+    counter: _SavedBytes | None = None, flush: Callable[[], None] | None = None,
 ) -> tuple[float, float, tuple[Any, ...]]:
     """One timed forward and one timed backward of a segment: (fwd_s, bwd_s, outputs).
 
     ``module.forward`` is called directly, not ``module(...)``: the FLOP counter's module
     tracker hooks ``Module.__call__`` and does not support ``torch.autograd.grad``.
     Backward uses ``torch.autograd.grad`` so nothing accumulates into any ``.grad``.
+    ``flush`` (a :class:`CacheFlusher`) runs, untimed, before the forward and before the backward.
     """
     hooks = (torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t)
              if counter is not None else nullcontext())
+    if flush is not None:
+        flush()
     with hooks:
         fwd_s, out = timer.time(lambda: _as_tuple(module.forward(*inputs)))
     outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -257,22 +321,26 @@ def _forward_backward(
     if not outs or not wrt:
         return fwd_s, 0.0, out
     grads = [torch.ones_like(o) for o in outs]
+    if flush is not None:
+        flush()
     bwd_s, _ = timer.time(lambda: torch.autograd.grad(outs, wrt, grads, allow_unused=True))
     return fwd_s, bwd_s, out
 
 
 def _time_alone(
     module: torch.nn.Module, make_inputs: Callable[[], list[Any]], trainable: list[torch.Tensor], timer: Timer,
-    warmup: int, repeats: int,
+    warmup: int, repeats: int, flush: Callable[[], None] | None = None,
 ) -> tuple[float, float]:
     """Forward and backward seconds (:func:`per_run_s`) of one module run again and again on its own.
 
-    ``make_inputs`` gives fresh inputs for each run; ``warmup`` runs are not timed.
+    ``make_inputs`` gives fresh inputs for each run; ``warmup`` runs are not timed. ``flush``
+    (a :class:`CacheFlusher`) empties the caches before each forward and each backward, so
+    that no run finds what the one before it left in the cache.
     """
     fwd_times: list[float] = []
     bwd_times: list[float] = []
     for i in range(warmup + repeats):
-        f, b, _ = _forward_backward(module, make_inputs(), trainable, timer)
+        f, b, _ = _forward_backward(module, make_inputs(), trainable, timer, flush=flush)
         if i >= warmup:
             fwd_times.append(f)
             bwd_times.append(b)
@@ -281,23 +349,30 @@ def _time_alone(
 
 def _time_in_rounds(
     segments: list[tuple[fx.GraphModule, Callable[[], list[Any]], list[torch.Tensor]]], timer: Timer,
-    warmup: int, repeats: int,
+    warmup: int, repeats: int, flush: Callable[[], None] | None = None,
 ) -> list[tuple[float, float]]:
     """Forward and backward seconds of each segment (:func:`per_run_s`), timed in rounds over the model.
 
     A round runs every segment's forward in graph order, then every segment's backward in
     reverse order, each timed on its own (each segment keeps its own autograd graph, so its
     backward is its own). ``segments`` holds ``(module, make_inputs, trainable)`` per segment.
+    ``flush`` (a :class:`CacheFlusher`) runs, untimed, before each round's forwards and before
+    its backwards: a pipeline action starts with the caches holding other work, then runs its
+    segments one after another, each finding the previous one's output still there.
     """
     fwd_times: list[list[float]] = [[] for _ in segments]
     bwd_times: list[list[float]] = [[] for _ in segments]
     call_s = _backward_call_s(timer)
     for i in range(warmup + repeats):
         runs = []
+        if flush is not None:
+            flush()
         for module, make_inputs, _ in segments:
             inputs = make_inputs()
             f, out = timer.time(lambda m=module, a=inputs: _as_tuple(m.forward(*a)))
             runs.append((inputs, out, f))
+        if flush is not None:
+            flush()
         for k in reversed(range(len(segments))):
             inputs, out, f = runs[k]
             outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -334,6 +409,7 @@ def profile_segments(
     repeats: int = 5,
     device_flops: float | None = None,
     progress: bool = True,
+    flush_cache: bool = True,
 ) -> list[SegmentCost]:
     """Measure (or estimate) every segment's cost per micro-batch.
 
@@ -355,6 +431,13 @@ def profile_segments(
             and was measured up to 1.5x too fast that way on a CPU.
         device_flops: FLOP/s used to turn FLOPs into seconds; measured when omitted.
         progress: Show a progress bar.
+        flush_cache: Empty the device's caches (:class:`CacheFlusher`) before each round's
+            forwards and before its backwards (measured source, when the model lives on
+            ``device`` and is timed in rounds). In a pipeline every
+            action starts with its stage's weights out of the cache, as other micro-batches
+            and stages ran since; timed with the caches still warm from the previous round,
+            the model's stages took 1.03-1.08x longer on this project's CPU host than profiled
+            (docs/costs-and-measurement.md section 1). ``False`` keeps them warm.
 
     Returns:
         One :class:`~autopipe.costgraph.SegmentCost` per segment, in graph order. Attach
@@ -377,8 +460,11 @@ def profile_segments(
         raise ValueError(f"warmup={warmup!r} must be an integer >= 0")
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1")
+    if not isinstance(flush_cache, bool):
+        raise ValueError(f"flush_cache={flush_cache!r} must be True or False")
     dev = resolve_device(device)
     timer = Timer(dev)
+    flush = CacheFlusher(dev) if flush_cache and cost == "measured" else None
     gm = traced.graph_module
     seg_mods = _segment_modules(traced)
     rg_ep = requires_grad_map(traced)
@@ -439,6 +525,8 @@ def profile_segments(
             if in_rounds:
                 rounds.append((module, make_inputs, trainable))
             elif cost == "measured":
+                # No flush here: emptying the caches before every segment would charge each
+                # one a cold start that a stage pays once per action (measured 1.24-1.49x).
                 fwd_s, bwd_s = _time_alone(module, make_inputs, trainable, timer, warmup, repeats)
             out_vals = [o.detach() if isinstance(o, torch.Tensor) else o for o in out]
             costs.append(
@@ -459,7 +547,7 @@ def profile_segments(
                 env.pop(name, None)
             del module
         if in_rounds:
-            for cost_k, (fwd_s, bwd_s) in zip(costs, _time_in_rounds(rounds, timer, warmup, repeats)):
+            for cost_k, (fwd_s, bwd_s) in zip(costs, _time_in_rounds(rounds, timer, warmup, repeats, flush)):
                 cost_k.fwd_s, cost_k.bwd_s = fwd_s, bwd_s
 
     if cost != "measured":

@@ -89,9 +89,9 @@ def test_a_model_on_the_profiling_device_is_timed_in_rounds_over_all_segments(sm
     seen = {}
     real = profile._time_in_rounds
 
-    def spy(segments, timer, warmup, repeats):
-        seen["segments"], seen["runs"] = len(segments), (warmup, repeats)
-        seen["times"] = real(segments, timer, warmup, repeats)
+    def spy(segments, timer, warmup, repeats, flush=None):
+        seen["segments"], seen["runs"], seen["flush"] = len(segments), (warmup, repeats), flush
+        seen["times"] = real(segments, timer, warmup, repeats, flush)
         return seen["times"]
 
     monkeypatch.setattr(profile, "_time_in_rounds", spy)
@@ -99,6 +99,70 @@ def test_a_model_on_the_profiling_device_is_timed_in_rounds_over_all_segments(sm
     assert seen["segments"] == small_traced.num_segments and seen["runs"] == (1, 2)
     assert [(c.fwd_s, c.bwd_s) for c in costs] == seen["times"]
     assert all(c.fwd_s > 0 for c in costs)
+    assert isinstance(seen["flush"], profile.CacheFlusher)  # the default empties the caches
+    profile_segments(small_traced, device="cpu", warmup=0, repeats=1, progress=False, flush_cache=False)
+    assert seen["flush"] is None
+
+
+class _EventLog:
+    """A timer and a cache flush that write what happened, in order, into one list."""
+
+    def __init__(self):
+        self.events, self.device = [], torch.device("cpu")
+
+    def time(self, fn):
+        self.events.append("timed")
+        return 1.0, fn()
+
+    def flush(self):
+        self.events.append("flush")
+
+
+def test_each_pass_of_a_round_starts_with_the_caches_emptied(monkeypatch):
+    # A pipeline action starts with its stage's weights out of the cache and then runs the
+    # stage's segments back to back: one flush before the forwards, one before the backwards.
+    import autopipe.profile as profile
+
+    monkeypatch.setattr(profile, "_backward_call_s", lambda timer: 0.0)
+    layers = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    segments = [(torch.fx.symbolic_trace(m), lambda: [torch.randn(2, 4)], list(m.parameters())) for m in layers]
+    log = _EventLog()
+    profile._time_in_rounds(segments, log, warmup=1, repeats=1, flush=log.flush)
+    one_round = ["flush", "timed", "timed", "flush", "timed", "timed"]
+    assert log.events == one_round * 2
+    log.events.clear()
+    profile._time_in_rounds(segments, log, warmup=0, repeats=1)  # no flush given: none run
+    assert log.events == ["timed"] * 4
+
+
+def test_a_module_timed_alone_is_flushed_before_its_forward_and_its_backward():
+    import autopipe.profile as profile
+
+    layer = nn.Linear(4, 4)
+    log = _EventLog()
+    profile._time_alone(layer, lambda: [torch.randn(2, 4)], list(layer.parameters()), log, warmup=0, repeats=2,
+                        flush=log.flush)
+    assert log.events == ["flush", "timed", "flush", "timed"] * 2
+
+
+def test_the_cache_flusher_writes_a_buffer_twice_the_last_level_cache():
+    import autopipe.profile as profile
+
+    cpu = torch.device("cpu")
+    llc = profile.last_level_cache_bytes(cpu)
+    assert llc >= 1 << 20  # every CPU this runs on has at least 1 MiB of last-level cache
+    flush = profile.CacheFlusher(cpu)
+    assert flush.nbytes == 2 * llc
+    flush()
+    first = int(flush._buffer[-1])
+    flush()
+    assert int(flush._buffer[0]) == int(flush._buffer[-1]) != first  # every byte rewritten, new value
+    assert profile.CacheFlusher(cpu, nbytes=4096).nbytes == 4096
+
+
+def test_flush_cache_must_be_a_bool(small_traced):
+    with pytest.raises(ValueError, match="flush_cache='yes' must be True or False"):
+        profile_segments(small_traced, device="cpu", progress=False, flush_cache="yes")
 
 
 def test_the_fixed_cost_of_starting_a_backward_is_not_charged_to_every_segment(small_traced, monkeypatch):
