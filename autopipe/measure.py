@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ._spawn import finish_rank, join_loopback_world, spawn_ranks
 from .devices import Device, default_link, parse_bytes, sends_are_lazy
-from .profile import CacheFlusher, Timer, _time_alone, measure_device_flops, resolve_device
+from .profile import Timer, _time_alone, measure_device_flops, resolve_device
 
 __all__ = [
     "LinkMeasurement",
@@ -635,15 +635,17 @@ def _compute_probe_s(device: torch.device, repeats: int) -> list[float]:
 def _stage_compute_s(layers: list, device: torch.device, repeats: int = 7) -> tuple[float, float]:
     """Forward and backward seconds (:func:`autopipe.profile.per_run_s`) of one probe stage on one micro-batch, alone.
 
-    Two warm-up runs first; the caches are emptied before each forward and each backward,
-    as a pipeline action finds them and as the profiler charges each pass of a round.
+    Two warm-up runs first. The caches are not emptied between runs (as the profiler does
+    before each pass of a round, :class:`autopipe.profile.CacheFlusher`): a probe stage's
+    weights (1 MiB) stay in the cache between its actions inside the running pipeline, so
+    timed cold it would look slower than it runs there, and the overhead fitted on top of it
+    would come out too small (0.36 ms instead of 0.56 ms in one run).
     """
     import torch.nn as nn
 
     stage = nn.Sequential(*layers)
     return _time_alone(stage, lambda: [torch.randn(_PROBE_ROWS, _PROBE_WIDTH, device=device, requires_grad=True)],
-                       list(stage.parameters()), Timer(device), warmup=2, repeats=repeats,
-                       flush=CacheFlusher(device))
+                       list(stage.parameters()), Timer(device), warmup=2, repeats=repeats)
 
 
 def _overhead_worker(rank: int, port: int, n_ranks: int, backend: str, device_type: str,
