@@ -301,19 +301,16 @@ def _as_tuple(out: Any) -> tuple[Any, ...]:
 
 def _forward_backward(
     module: fx.GraphModule, inputs: list[Any], trainable: list[torch.Tensor], timer: Timer,
-    counter: _SavedBytes | None = None, flush: Callable[[], None] | None = None,
+    counter: _SavedBytes | None = None,
 ) -> tuple[float, float, tuple[Any, ...]]:
     """One timed forward and one timed backward of a segment: (fwd_s, bwd_s, outputs).
 
     ``module.forward`` is called directly, not ``module(...)``: the FLOP counter's module
     tracker hooks ``Module.__call__`` and does not support ``torch.autograd.grad``.
     Backward uses ``torch.autograd.grad`` so nothing accumulates into any ``.grad``.
-    ``flush`` (a :class:`CacheFlusher`) runs, untimed, before the forward and before the backward.
     """
     hooks = (torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t)
              if counter is not None else nullcontext())
-    if flush is not None:
-        flush()
     with hooks:
         fwd_s, out = timer.time(lambda: _as_tuple(module.forward(*inputs)))
     outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -321,26 +318,25 @@ def _forward_backward(
     if not outs or not wrt:
         return fwd_s, 0.0, out
     grads = [torch.ones_like(o) for o in outs]
-    if flush is not None:
-        flush()
     bwd_s, _ = timer.time(lambda: torch.autograd.grad(outs, wrt, grads, allow_unused=True))
     return fwd_s, bwd_s, out
 
 
 def _time_alone(
     module: torch.nn.Module, make_inputs: Callable[[], list[Any]], trainable: list[torch.Tensor], timer: Timer,
-    warmup: int, repeats: int, flush: Callable[[], None] | None = None,
+    warmup: int, repeats: int,
 ) -> tuple[float, float]:
     """Forward and backward seconds (:func:`per_run_s`) of one module run again and again on its own.
 
-    ``make_inputs`` gives fresh inputs for each run; ``warmup`` runs are not timed. ``flush``
-    (a :class:`CacheFlusher`) empties the caches before each forward and each backward, so
-    that no run finds what the one before it left in the cache.
+    ``make_inputs`` gives fresh inputs for each run; ``warmup`` runs are not timed. The
+    caches are not emptied between runs: its callers time a whole probe stage that stays
+    cached in its own pipeline, or one segment, which a flush would charge a whole action's
+    cold start (see :func:`profile_segments`).
     """
     fwd_times: list[float] = []
     bwd_times: list[float] = []
     for i in range(warmup + repeats):
-        f, b, _ = _forward_backward(module, make_inputs(), trainable, timer, flush=flush)
+        f, b, _ = _forward_backward(module, make_inputs(), trainable, timer)
         if i >= warmup:
             fwd_times.append(f)
             bwd_times.append(b)
@@ -464,7 +460,6 @@ def profile_segments(
         raise ValueError(f"flush_cache={flush_cache!r} must be True or False")
     dev = resolve_device(device)
     timer = Timer(dev)
-    flush = CacheFlusher(dev) if flush_cache and cost == "measured" else None
     gm = traced.graph_module
     seg_mods = _segment_modules(traced)
     rg_ep = requires_grad_map(traced)
@@ -547,6 +542,8 @@ def profile_segments(
                 env.pop(name, None)
             del module
         if in_rounds:
+            # The flush buffer (twice the last-level cache) is allocated only when rounds are timed.
+            flush = CacheFlusher(dev) if flush_cache else None
             for cost_k, (fwd_s, bwd_s) in zip(costs, _time_in_rounds(rounds, timer, warmup, repeats, flush)):
                 cost_k.fwd_s, cost_k.bwd_s = fwd_s, bwd_s
 

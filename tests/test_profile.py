@@ -135,16 +135,6 @@ def test_each_pass_of_a_round_starts_with_the_caches_emptied(monkeypatch):
     assert log.events == ["timed"] * 4
 
 
-def test_a_module_timed_alone_is_flushed_before_its_forward_and_its_backward():
-    import autopipe.profile as profile
-
-    layer = nn.Linear(4, 4)
-    log = _EventLog()
-    profile._time_alone(layer, lambda: [torch.randn(2, 4)], list(layer.parameters()), log, warmup=0, repeats=2,
-                        flush=log.flush)
-    assert log.events == ["flush", "timed", "flush", "timed"] * 2
-
-
 def test_the_cache_flusher_writes_a_buffer_twice_the_last_level_cache():
     import autopipe.profile as profile
 
