@@ -49,10 +49,26 @@ class SegmentCost:
     out_bytes: int  # bytes of the tensors it produces that later segments read
     flops: float = 0.0  # forward + backward floating point operations, when counted
     trainable_param_bytes: int = 0  # the part of param_bytes that gets gradients and optimizer state
+    # Adding one micro-batch's weight gradients into the gradients accumulated so far: torch's
+    # pipeline stages do it for every micro-batch after the first (an in-place add per
+    # parameter), which a profile that takes the gradients with autograd.grad never pays.
+    accum_s: float = 0.0
 
     @property
     def time_s(self) -> float:
         return self.fwd_s + self.bwd_s
+
+    def step_bwd_s(self, n_microbatches: int) -> float:
+        """Backward seconds per micro-batch inside a step of ``n_microbatches``: ``bwd_s`` plus
+        the gradient accumulation that all but the first micro-batch pay, spread evenly.
+
+        Example:
+            >>> SegmentCost(fwd_s=1.0, bwd_s=2.0, param_bytes=0, act_bytes=0, out_bytes=0,
+            ...             accum_s=0.5).step_bwd_s(4)
+            2.375
+        """
+        m = max(int(n_microbatches), 1)
+        return self.bwd_s + self.accum_s * (m - 1) / m
 
 
 @dataclass
@@ -91,7 +107,7 @@ class CostGraph:
         self.costs = list(costs)
         for i, c in enumerate(costs):
             self.graph.nodes[i].update(
-                fwd_s=c.fwd_s, bwd_s=c.bwd_s, param_bytes=c.param_bytes,
+                fwd_s=c.fwd_s, bwd_s=c.bwd_s, accum_s=c.accum_s, param_bytes=c.param_bytes,
                 act_bytes=c.act_bytes, out_bytes=c.out_bytes, flops=c.flops,
             )
         return self

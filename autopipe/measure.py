@@ -668,20 +668,27 @@ def _overhead_worker(rank: int, port: int, n_ranks: int, backend: str, device_ty
             model = nn.Sequential(*[nn.Linear(_PROBE_WIDTH, _PROBE_WIDTH) for _ in range(_PROBE_LAYERS)])
         x = torch.randn(_PROBE_ROWS * n_microbatches, _PROBE_WIDTH, generator=g)
         y = torch.randn(_PROBE_ROWS * n_microbatches, _PROBE_WIDTH, generator=g)
-        # The same compute burst on each rank alone, then on every rank at once, in several
-        # rounds: a round disturbed by another job on the host is outvoted by the others.
+        # The same compute burst on each rank alone, then on every rank at once, in rounds
+        # spread over the whole measurement (two before each schedule's probe, two at the
+        # end): a round disturbed by another job on the host is outvoted by the others, and a
+        # disturbance lasting a few seconds no longer falls on every round (one did, once:
+        # 1.65x on a host where ranks computing together are 1.0-1.03x as slow).
         alone: list[float] = []
         together: list[float] = []
-        for _ in range(5):
-            for turn in range(n_ranks):
+
+        def compare_rounds(count: int = 2) -> None:
+            for _ in range(count):
+                for turn in range(n_ranks):
+                    dist.barrier()
+                    if turn == rank:
+                        alone.append(statistics.median(_compute_probe_s(dev, 3)))
                 dist.barrier()
-                if turn == rank:
-                    alone.append(statistics.median(_compute_probe_s(dev, 3)))
-            dist.barrier()
-            together.append(statistics.median(_compute_probe_s(dev, 3)))
+                together.append(statistics.median(_compute_probe_s(dev, 3)))
+
         steps_s: dict[str, list[float]] = {}
         compute_s: dict[str, tuple[list[float], list[float]]] = {}
         for schedule, v in schedules:
+            compare_rounds()
             n_stages = n_ranks * v
             edges = [_PROBE_LAYERS * k // n_stages for k in range(n_stages + 1)]
             splits = [str(e) for e in edges[1:-1]]
@@ -702,6 +709,7 @@ def _overhead_worker(rank: int, port: int, n_ranks: int, backend: str, device_ty
                 if i >= 2:
                     times.append(float(elapsed))
             steps_s[f"{schedule}-{v}"] = times
+        compare_rounds()
 
         result: tuple[str, Any] = ("ok", {"steps_s": steps_s, "compute_s": compute_s, "alone_s": alone,
                                           "together_s": together})
@@ -722,7 +730,8 @@ def measure_action_overhead(
     """Measure the runtime's cost per pipeline action and the slowdown of ranks computing together.
 
     Starts ``n_ranks`` processes on loopback (gloo on CPU, NCCL on GPUs). They time a fixed
-    burst of matmuls on each rank alone and on all ranks at once: the ratio is how much
+    burst of matmuls on each rank alone and on all ranks at once, in rounds spread over the
+    whole measurement (before each schedule's probe and at the end): the ratio is how much
     slower stages compute when their devices share a host (about 1.0 on separate GPUs, above
     1 for CPU processes sharing cores and memory bandwidth). Then they run
     :class:`autopipe.Pipeline` on a probe model (eight 256-wide linear layers, 64 rows per

@@ -150,7 +150,7 @@ class Plan:
         return [
             SegmentCost(fwd_s=d["fwd_s"], bwd_s=d["bwd_s"], param_bytes=d["param_bytes"],
                         act_bytes=d["act_bytes"], out_bytes=d["out_bytes"], flops=d.get("flops", 0.0),
-                        trainable_param_bytes=d.get("trainable_param_bytes", 0))
+                        trainable_param_bytes=d.get("trainable_param_bytes", 0), accum_s=d.get("accum_s", 0.0))
             for d in segs
         ]
 

@@ -168,7 +168,7 @@ def build_problem(
         bw.append(d.bandwidth if d.bandwidth is not None else link_default[0])
         lat.append(d.latency_s if d.latency_s is not None else link_default[1])
     return PartitionProblem(
-        compute_s=np.array([c.fwd_s + c.bwd_s for c in costs]),
+        compute_s=np.array([c.fwd_s + c.step_bwd_s(n_microbatches) for c in costs]),
         static_bytes=np.array(static),
         act_bytes=np.array([c.act_bytes for c in costs], dtype=float),
         cut_fwd_bytes=np.array(cost_graph.cut_fwd_bytes, dtype=float),
@@ -260,7 +260,7 @@ def _stage_fqns(traced: TracedModel, start_seg: int, end_seg: int) -> list[str]:
 
 def _stage_records(
     traced: TracedModel, cost_graph: CostGraph, problem: PartitionProblem, result: PartitionResult,
-    optimizer_factor: float, stage_devices: Sequence[Device], inflight: Sequence[int],
+    optimizer_factor: float, stage_devices: Sequence[Device], inflight: Sequence[int], n_microbatches: int,
 ) -> list[StagePlan]:
     costs = cost_graph.costs or []
     sizes = _state_sizes(traced)
@@ -282,7 +282,7 @@ def _stage_records(
             first_segment=i,
             last_segment=j - 1,
             fwd_s=float(sum(c.fwd_s for c in costs[i:j]) / speed),
-            bwd_s=float(sum(c.bwd_s for c in costs[i:j]) / speed),
+            bwd_s=float(sum(c.step_bwd_s(n_microbatches) for c in costs[i:j]) / speed),
             comm_s=float(result.stage_comm_s[s]),
             param_bytes=int(param_bytes),
             act_bytes=act,
@@ -304,10 +304,13 @@ def _cut_comm_s(problem: PartitionProblem, cuts: Sequence[int]) -> list[float]:
     return out
 
 
-def _stage_fwd_bwd(problem: PartitionProblem, result: PartitionResult, costs: list[SegmentCost]) -> tuple[list[float], list[float]]:
+def _stage_fwd_bwd(problem: PartitionProblem, result: PartitionResult, costs: list[SegmentCost],
+                   n_microbatches: int) -> tuple[list[float], list[float]]:
+    """Per stage, forward and backward seconds per micro-batch (gradient accumulation included)."""
     edges = [0, *result.cuts, problem.num_segments]
     fwd = [sum(c.fwd_s for c in costs[edges[s]:edges[s + 1]]) / problem.speed[s] for s in range(problem.num_stages)]
-    bwd = [sum(c.bwd_s for c in costs[edges[s]:edges[s + 1]]) / problem.speed[s] for s in range(problem.num_stages)]
+    bwd = [sum(c.step_bwd_s(n_microbatches) for c in costs[edges[s]:edges[s + 1]]) / problem.speed[s]
+           for s in range(problem.num_stages)]
     return fwd, bwd
 
 
@@ -343,8 +346,8 @@ def step_tail_s(traced: TracedModel, problem: PartitionProblem, result: Partitio
 def _predict(problem: PartitionProblem, result: PartitionResult, costs: list[SegmentCost],
              option: "ScheduleOption", traced: TracedModel, ranks: Sequence[int]) -> float:
     """Predicted step of the split ``result`` under ``option``: the simulated schedule + the step's tail."""
-    fwd, bwd = _stage_fwd_bwd(problem, result, costs)
     m = option.n_microbatches
+    fwd, bwd = _stage_fwd_bwd(problem, result, costs, m)
     step = predict_step_s(fwd, bwd, _cut_comm_s(problem, result.cuts), schedule=option.schedule,
                           n_microbatches=m, stages_per_rank=option.stages_per_rank,
                           action_overhead_s=option.action_overhead_s, lazy_sends=option.lazy_sends)
@@ -440,7 +443,7 @@ def _cost_option(
     option.predicted_step_s, option.result = best
     option.step_tail_s = step_tail_s(traced, problem, option.result, costs, ranks, m, copy_bandwidth)
     # Memory per rank from the simulated timeline (stages on one rank peak at different times).
-    fwd, bwd = _stage_fwd_bwd(problem, option.result, costs)
+    fwd, bwd = _stage_fwd_bwd(problem, option.result, costs, m)
     timeline = sim.simulate(fwd, bwd, schedule=sched, n_microbatches=m, stages_per_rank=v,
                             comm_s=_cut_comm_s(problem, option.result.cuts) or 0.0,
                             action_overhead_s=option.action_overhead_s, lazy_sends=lazy_sends)
@@ -519,7 +522,8 @@ def make_plan(
     ranks = sim.stage_ranks(sched, len(rank_devices), v)
     stage_devices = [rank_devices[r] for r in ranks]
     split_points = [traced.candidates[c - 1].name for c in result.cuts]
-    stages = _stage_records(traced, cost_graph, problem, result, optimizer_factor, stage_devices, chosen.inflight)
+    stages = _stage_records(traced, cost_graph, problem, result, optimizer_factor, stage_devices, chosen.inflight,
+                            chosen.n_microbatches)
     compute = problem.compute_s
     lower = max(float(compute.sum() / problem.speed.sum()), float((compute / problem.speed.max()).max()))
 
@@ -541,7 +545,7 @@ def make_plan(
             {
                 "name": seg.name, "modules": seg.modules, "fwd_s": c.fwd_s, "bwd_s": c.bwd_s,
                 "param_bytes": c.param_bytes, "act_bytes": c.act_bytes, "out_bytes": c.out_bytes,
-                "flops": c.flops, "trainable_param_bytes": c.trainable_param_bytes,
+                "flops": c.flops, "trainable_param_bytes": c.trainable_param_bytes, "accum_s": c.accum_s,
                 "cut_fwd_bytes": cost_graph.cut_fwd_bytes[seg.index],
                 "cut_bwd_bytes": cost_graph.cut_bwd_bytes[seg.index],
             }

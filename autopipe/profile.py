@@ -7,6 +7,9 @@ tensors the previous segments produce for the example micro-batch:
 * forward seconds and backward seconds are *measured* (warm-up, then the mean of
   ``repeats`` runs, see :func:`per_run_s`; CUDA timings use events after a
   synchronisation), never guessed as 2x;
+* gradient accumulation seconds (``accum_s``) are measured too: adding a backward's weight
+  gradients into buffers of the segment's own, which a pipeline stage does into ``.grad``
+  for every micro-batch after the first (the estimated sources below leave it at 0);
 * activation bytes are the tensors autograd saves for backward (counted with
   ``torch.autograd.graph.saved_tensors_hooks``), parameters excluded;
 * FLOPs come from ``torch.utils.flop_counter.FlopCounterMode`` on one run.
@@ -343,11 +346,18 @@ def _time_alone(
     return per_run_s(fwd_times), per_run_s(bwd_times)
 
 
+def _accumulate(accumulated: list[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """Add ``grads`` into ``accumulated`` in place, as autograd's AccumulateGrad does into ``.grad``."""
+    for acc, g in zip(accumulated, grads):
+        if g is not None:
+            acc.add_(g)
+
+
 def _time_in_rounds(
     segments: list[tuple[fx.GraphModule, Callable[[], list[Any]], list[torch.Tensor]]], timer: Timer,
     warmup: int, repeats: int, flush: Callable[[], None] | None = None,
-) -> list[tuple[float, float]]:
-    """Forward and backward seconds of each segment (:func:`per_run_s`), timed in rounds over the model.
+) -> list[tuple[float, float, float]]:
+    """Forward, backward and accumulation seconds of each segment (:func:`per_run_s`), timed in rounds.
 
     A round runs every segment's forward in graph order, then every segment's backward in
     reverse order, each timed on its own (each segment keeps its own autograd graph, so its
@@ -355,9 +365,16 @@ def _time_in_rounds(
     ``flush`` (a :class:`CacheFlusher`) runs, untimed, before each round's forwards and before
     its backwards: a pipeline action starts with the caches holding other work, then runs its
     segments one after another, each finding the previous one's output still there.
+
+    After each backward, the weight gradients it produced are added into a gradient buffer
+    of the segment's own, timed on their own (:attr:`SegmentCost.accum_s`): in a pipeline
+    step every micro-batch after the first adds its gradients into ``.grad`` this way, the
+    new gradients fresh from the backward, the accumulated ones last touched a micro-batch ago.
     """
     fwd_times: list[list[float]] = [[] for _ in segments]
     bwd_times: list[list[float]] = [[] for _ in segments]
+    acc_times: list[list[float]] = [[] for _ in segments]
+    accumulated = [[torch.zeros_like(p) for p in trainable] for _, _, trainable in segments]
     call_s = _backward_call_s(timer)
     for i in range(warmup + repeats):
         runs = []
@@ -373,17 +390,40 @@ def _time_in_rounds(
             inputs, out, f = runs[k]
             outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
             wrt = [v for v in inputs if isinstance(v, torch.Tensor) and v.requires_grad] + segments[k][2]
-            b = 0.0
+            b = a = 0.0
             if outs and wrt:
                 grads = [torch.ones_like(o) for o in outs]
-                b, _ = timer.time(lambda: torch.autograd.grad(outs, wrt, grads, allow_unused=True))
+                b, got = timer.time(lambda: torch.autograd.grad(outs, wrt, grads, allow_unused=True))
+                weight_grads = got[len(got) - len(segments[k][2]):] if segments[k][2] else ()
+                if weight_grads:
+                    a, _ = timer.time(lambda: _accumulate(accumulated[k], weight_grads))
+                del got, weight_grads
             runs[k] = None  # free this segment's graph and activations, as training would
             if i >= warmup:
                 fwd_times[k].append(f)
                 # Each segment here starts a backward of its own; a stage starts one for all
                 # its segments, so the fixed cost of starting one is not the segment's.
                 bwd_times[k].append(max(0.0, b - call_s) if b else 0.0)
-    return [(per_run_s(f), per_run_s(b)) for f, b in zip(fwd_times, bwd_times)]
+                acc_times[k].append(a)
+    return [(per_run_s(f), per_run_s(b), per_run_s(a)) for f, b, a in zip(fwd_times, bwd_times, acc_times)]
+
+
+def _time_accumulation(trainable: list[torch.Tensor], timer: Timer, warmup: int, repeats: int) -> float:
+    """Seconds (:func:`per_run_s`) to add one gradient into an accumulated one for each of ``trainable``.
+
+    For a segment timed alone (copied to the device): like its forward and backward there,
+    timed again and again without emptying the caches.
+    """
+    if not trainable:
+        return 0.0
+    accumulated = [torch.zeros_like(p) for p in trainable]
+    grads = [torch.ones_like(p) for p in trainable]
+    times = []
+    for i in range(warmup + repeats):
+        t, _ = timer.time(lambda: _accumulate(accumulated, grads))
+        if i >= warmup:
+            times.append(t)
+    return per_run_s(times)
 
 
 def _backward_call_s(timer: Timer, repeats: int = 21) -> float:
@@ -516,13 +556,14 @@ def profile_segments(
             with FlopCounterMode(display=False) as flop_counter:
                 _, _, out = _forward_backward(module, make_inputs(), trainable, timer, counter)
             flops = float(flop_counter.get_total_flops())
-            fwd_s = bwd_s = 0.0  # timed in rounds below, or estimated, unless timed here
+            fwd_s = bwd_s = accum_s = 0.0  # timed in rounds below, or estimated, unless timed here
             if in_rounds:
                 rounds.append((module, make_inputs, trainable))
             elif cost == "measured":
                 # No flush here: emptying the caches before every segment would charge each
                 # one a cold start that a stage pays once per action (measured 1.24-1.49x).
                 fwd_s, bwd_s = _time_alone(module, make_inputs, trainable, timer, warmup, repeats)
+                accum_s = _time_accumulation(trainable, timer, warmup, repeats)
             out_vals = [o.detach() if isinstance(o, torch.Tensor) else o for o in out]
             costs.append(
                 SegmentCost(
@@ -533,6 +574,7 @@ def profile_segments(
                     out_bytes=tensor_bytes(out_vals),
                     flops=flops,
                     trainable_param_bytes=trainable_bytes,
+                    accum_s=accum_s,
                 )
             )
             # Hand this segment's outputs to later segments; drop values nobody needs any more.
@@ -544,8 +586,8 @@ def profile_segments(
         if in_rounds:
             # The flush buffer (twice the last-level cache) is allocated only when rounds are timed.
             flush = CacheFlusher(dev) if flush_cache else None
-            for cost_k, (fwd_s, bwd_s) in zip(costs, _time_in_rounds(rounds, timer, warmup, repeats, flush)):
-                cost_k.fwd_s, cost_k.bwd_s = fwd_s, bwd_s
+            for cost_k, timed in zip(costs, _time_in_rounds(rounds, timer, warmup, repeats, flush)):
+                cost_k.fwd_s, cost_k.bwd_s, cost_k.accum_s = timed
 
     if cost != "measured":
         _estimate_times(costs, cost, device_flops if device_flops else measure_device_flops(dev))

@@ -193,6 +193,7 @@ class SegmentScaling:
     flops: sympy.Expr  # forward + backward FLOPs
     param_bytes: int  # independent of b
     trainable_param_bytes: int  # independent of b
+    accum_s: float = 0.0  # gradient accumulation seconds: the parameters' size, so independent of b
 
     def cost_at(self, b: int) -> SegmentCost:
         """The segment's :class:`~autopipe.costgraph.SegmentCost` at micro-batch size ``b``."""
@@ -204,6 +205,7 @@ class SegmentScaling:
             out_bytes=int(round(_evaluate(self.out_bytes, b))),
             flops=_evaluate(self.flops, b),
             trainable_param_bytes=self.trainable_param_bytes,
+            accum_s=self.accum_s,
         )
 
 
@@ -344,6 +346,7 @@ class ScaledProfile:
                     **{q: str(getattr(s, q)) for q in _SEGMENT_QUANTITIES},
                     "param_bytes": s.param_bytes,
                     "trainable_param_bytes": s.trainable_param_bytes,
+                    "accum_s": s.accum_s,
                 }
                 for s in self.segments
             ],
@@ -380,6 +383,7 @@ class ScaledProfile:
                     **{q: _parse_expr(s[q], q) for q in _SEGMENT_QUANTITIES},
                     param_bytes=int(s["param_bytes"]),
                     trainable_param_bytes=int(s["trainable_param_bytes"]),
+                    accum_s=float(s.get("accum_s", 0.0)),
                 )
                 for s in data["segments"]
             ],
@@ -572,8 +576,10 @@ def profile_scaling(
             fit_error[quantity].append(fit.rel_error)
             if fit.clamped:
                 clamped.append(f"{quantity}[{name}]")
+        # Accumulation adds gradients of the parameters' size whatever b is: the mean of its timings.
+        accum_s = float(np.mean([measured[b][k].accum_s for b in sizes]))
         segments.append(SegmentScaling(name=name, **exprs, param_bytes=first[k].param_bytes,
-                                       trainable_param_bytes=first[k].trainable_param_bytes))
+                                       trainable_param_bytes=first[k].trainable_param_bytes, accum_s=accum_s))
     cut_exprs: dict[str, list[sympy.Expr]] = {}
     for j, quantity in enumerate(_CUT_QUANTITIES):
         cut_exprs[quantity] = []

@@ -569,7 +569,8 @@ def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
 
                 costs = profile_segments(traced, device=device, warmup=1,
                                          repeats=job.get("profile_repeats", 5), progress=False)
-                profiles.append({"fwd_s": [c.fwd_s for c in costs], "bwd_s": [c.bwd_s for c in costs]})
+                profiles.append({"fwd_s": [c.fwd_s for c in costs], "bwd_s": [c.bwd_s for c in costs],
+                                 "accum_s": [c.accum_s for c in costs]})
             dist.barrier()
     out: dict[str, Any] = {"times": times, "errors": {}, "profiles": profiles,
                            "interpreter_modules": {label: [interpreter_modules(m) for m in pipe.stage_modules.values()]

@@ -97,7 +97,7 @@ def test_a_model_on_the_profiling_device_is_timed_in_rounds_over_all_segments(sm
     monkeypatch.setattr(profile, "_time_in_rounds", spy)
     costs = profile_segments(small_traced, device="cpu", warmup=1, repeats=2, progress=False)
     assert seen["segments"] == small_traced.num_segments and seen["runs"] == (1, 2)
-    assert [(c.fwd_s, c.bwd_s) for c in costs] == seen["times"]
+    assert [(c.fwd_s, c.bwd_s, c.accum_s) for c in costs] == seen["times"]
     assert all(c.fwd_s > 0 for c in costs)
     assert isinstance(seen["flush"], profile.CacheFlusher)  # the default empties the caches
     profile_segments(small_traced, device="cpu", warmup=0, repeats=1, progress=False, flush_cache=False)
@@ -128,11 +128,12 @@ def test_each_pass_of_a_round_starts_with_the_caches_emptied(monkeypatch):
     segments = [(torch.fx.symbolic_trace(m), lambda: [torch.randn(2, 4)], list(m.parameters())) for m in layers]
     log = _EventLog()
     profile._time_in_rounds(segments, log, warmup=1, repeats=1, flush=log.flush)
-    one_round = ["flush", "timed", "timed", "flush", "timed", "timed"]
+    # Two forwards; then each backward, followed by the accumulation of its weight gradients.
+    one_round = ["flush", "timed", "timed", "flush", "timed", "timed", "timed", "timed"]
     assert log.events == one_round * 2
     log.events.clear()
     profile._time_in_rounds(segments, log, warmup=0, repeats=1)  # no flush given: none run
-    assert log.events == ["timed"] * 4
+    assert log.events == ["timed"] * 6
 
 
 def test_the_cache_flusher_writes_a_buffer_twice_the_last_level_cache():
@@ -184,10 +185,38 @@ def test_a_segment_is_charged_the_mean_of_its_timed_runs_not_the_median(monkeypa
     layer = nn.Linear(4, 4)
     segment = (torch.fx.symbolic_trace(layer), lambda: [torch.randn(2, 4)], list(layer.parameters()))
     monkeypatch.setattr(profile, "_backward_call_s", lambda timer: 0.0)
-    # Three rounds of (forward, backward): the third round is four times as slow.
-    timer = ScriptedTimer([1.0, 2.0, 1.0, 2.0, 4.0, 8.0])
-    [(fwd_s, bwd_s)] = profile._time_in_rounds([segment], timer, warmup=0, repeats=3)
-    assert (fwd_s, bwd_s) == (2.0, 4.0)  # the medians would be 1.0 and 2.0
+    # Three rounds of (forward, backward, accumulation): the third round is four times as slow.
+    timer = ScriptedTimer([1.0, 2.0, 0.5, 1.0, 2.0, 0.5, 4.0, 8.0, 2.0])
+    [(fwd_s, bwd_s, accum_s)] = profile._time_in_rounds([segment], timer, warmup=0, repeats=3)
+    assert (fwd_s, bwd_s, accum_s) == (2.0, 4.0, 1.0)  # the medians would be 1.0, 2.0 and 0.5
+
+
+def test_the_profile_times_adding_each_backward_s_weight_gradients_into_accumulated_ones(monkeypatch):
+    # torch's pipeline stages accumulate every micro-batch's weight gradients into .grad (an
+    # in-place add per parameter for all but the first micro-batch); autograd.grad does not.
+    import autopipe.profile as profile
+
+    added = []
+    real = profile._accumulate
+
+    def spy(accumulated, grads):
+        added.append([tuple(g.shape) for g in grads if g is not None])
+        real(accumulated, grads)
+
+    monkeypatch.setattr(profile, "_accumulate", spy)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    costs = profile_segments(trace(model, (torch.randn(3, 8),)), device="cpu", warmup=0, repeats=2,
+                             progress=False, flush_cache=False)
+    with_weights = [c for c in costs if c.trainable_param_bytes]
+    assert with_weights and all(c.accum_s > 0 for c in with_weights)
+    assert all(c.accum_s == 0.0 for c in costs if not c.trainable_param_bytes)
+    # Each round added exactly the parameters' gradients, last segment first.
+    shapes = sorted(s for call in added for s in call)
+    assert shapes == sorted([(4, 16), (4,), (16, 8), (16,)] * 2)
+    # The accumulation itself: an in-place add, leaving None gradients (unused parameters) alone.
+    acc = [torch.zeros(2), torch.ones(2)]
+    real(acc, [torch.full((2,), 3.0), None])
+    assert acc[0].tolist() == [3.0, 3.0] and acc[1].tolist() == [1.0, 1.0]
 
 
 def test_per_run_s_is_the_mean_and_refuses_no_samples():

@@ -207,6 +207,8 @@ def test_json_round_trip_keeps_every_prediction(scaled_measured):
         assert got.act_bytes == want.act_bytes
         assert got.fwd_s == pytest.approx(want.fwd_s, rel=1e-12)
         assert got.bwd_s == pytest.approx(want.bwd_s, rel=1e-12)
+        assert got.accum_s == want.accum_s  # the gradients' size, whatever the micro-batch
+    assert any(c.accum_s > 0 for c in scaled_measured.costs_at(5))
     assert back.fit_error == scaled_measured.fit_error
     assert back.measured[2] == scaled_measured.measured[2]
 

@@ -256,3 +256,26 @@ def test_the_last_stage_holds_every_micro_batch_output_until_the_step_ends(small
     assert costs[-1].out_bytes > 0
     assert eight.static_bytes[-1] - none.static_bytes[-1] == 8 * costs[-1].out_bytes
     assert list(eight.static_bytes[:-1]) == list(none.static_bytes[:-1])
+
+
+def test_each_stage_s_backward_carries_its_gradient_accumulation_spread_over_the_micro_batches(small_transformer,
+                                                                                              costs):
+    # All but the first micro-batch add their weight gradients into .grad: a stage's backward
+    # per micro-batch is its segments' bwd_s + accum_s x (m - 1) / m, and the step grows with it.
+    from dataclasses import replace
+
+    model, args = small_transformer
+    kw = dict(example_args=args, schedule="1F1B", n_microbatches=4, progress=False)
+    none = [replace(c, accum_s=0.0) for c in costs]
+    some = [replace(c, accum_s=0.25 * c.bwd_s) for c in costs]
+    base = autopipe.partition(model, 2, costs=none, **kw)
+    plan = autopipe.partition(model, 2, costs=some, **kw)
+    for st in plan.stages:
+        segs = some[st.first_segment: st.last_segment + 1]
+        assert st.bwd_s == pytest.approx(sum(c.bwd_s + c.accum_s * 3 / 4 for c in segs))
+    assert plan.predicted_step_s > base.predicted_step_s
+    # The plan keeps the raw per-segment figures, so it can be re-made for another m.
+    assert [c.accum_s for c in plan.segment_costs()] == pytest.approx([c.accum_s for c in some])
+    one = autopipe.partition(model, 2, costs=some, **{**kw, "n_microbatches": 1, "schedule": "GPipe"})
+    for st in one.stages:  # a single micro-batch accumulates nothing
+        assert st.bwd_s == pytest.approx(sum(c.bwd_s for c in some[st.first_segment: st.last_segment + 1]))

@@ -86,16 +86,30 @@ def _stage_sums(plan: autopipe.Plan, per_segment: Sequence[float]) -> list[float
 
 
 def _profiled_stage_times(plan: autopipe.Plan) -> tuple[list[float], list[float]]:
-    """Per stage, the profile's own forward and backward sums (no device speed applied)."""
-    segs = plan.extras["segments"]
-    return _stage_sums(plan, [g["fwd_s"] for g in segs]), _stage_sums(plan, [g["bwd_s"] for g in segs])
+    """Per stage, the profile's own forward and backward sums (no device speed applied).
+
+    The backward includes the gradient accumulation the plan charges (``SegmentCost.step_bwd_s``).
+    """
+    costs = plan.segment_costs()
+    return (_stage_sums(plan, [c.fwd_s for c in costs]),
+            _stage_sums(plan, [c.step_bwd_s(plan.n_microbatches) for c in costs]))
 
 
-def _same_time_prediction(plan: autopipe.Plan, profile: tuple[list[float], list[float]], slowdown: float) -> float:
-    """The plan's step predicted from another profile of its segments (and the loss the plan measured)."""
+def _step_bwd(plan: autopipe.Plan, bwd: Sequence[float], accum: Sequence[float]) -> list[float]:
+    """Per segment, backward + gradient accumulation spread over the plan's micro-batches."""
+    m = plan.n_microbatches
+    return [b + a * (m - 1) / m for b, a in zip(bwd, accum)]
+
+
+def _same_time_prediction(plan: autopipe.Plan, profile: tuple[list[float], list[float], list[float]],
+                          slowdown: float) -> float:
+    """The plan's step predicted from another profile of its segments (and the loss the plan measured).
+
+    ``profile``: per segment, forward, backward and gradient-accumulation seconds.
+    """
     loss = plan.extras.get("loss") or {}
     fwd = [t * slowdown for t in _stage_sums(plan, profile[0])]
-    bwd = [t * slowdown for t in _stage_sums(plan, profile[1])]
+    bwd = [t * slowdown for t in _stage_sums(plan, _step_bwd(plan, profile[1], profile[2]))]
     fwd[-1] += loss.get("fwd_s", 0.0) * slowdown
     bwd[-1] += loss.get("bwd_s", 0.0) * slowdown
     return plan.calibrate({"fwd_s": fwd, "bwd_s": bwd}).predicted_step_s
@@ -114,7 +128,7 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
     # after the first: what the plans would predict had the profiler not emptied them.
     warm = profile_segments(traced, device=device, warmup=1, repeats=opts.profile_repeats, progress=False,
                             flush_cache=False)
-    warm_cache = ([c.fwd_s for c in warm], [c.bwd_s for c in warm])
+    warm_cache = ([c.fwd_s for c in warm], [c.bwd_s for c in warm], [c.accum_s for c in warm])
     cases = []
     for sched, v in opts.schedule_list:
         for m in opts.microbatches:
@@ -166,8 +180,8 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
     between = results[0].get("profiles") if results else None
     same_time = None
     if between:
-        same_time = ([median([p["fwd_s"][k] for p in between]) for k in range(len(between[0]["fwd_s"]))],
-                     [median([p["bwd_s"][k] for p in between]) for k in range(len(between[0]["bwd_s"]))])
+        same_time = tuple([median([p[q][k] for p in between]) for k in range(len(between[0][q]))]
+                          for q in ("fwd_s", "bwd_s", "accum_s"))
     rows = []
     for c in cases:
         plan: autopipe.Plan = c["plan"]
