@@ -475,6 +475,10 @@ def profile_segments(
             the model's stages took 1.03-1.08x longer on this project's CPU host than profiled
             (docs/costs-and-measurement.md section 1). ``False`` keeps them warm.
 
+    Timing in rounds also times each segment's gradient accumulation (``accum_s``) into
+    buffers of its own: one gradient's worth of the trainable parameters is allocated on
+    ``device`` for the profile's duration, as ``.grad`` would be in training.
+
     Returns:
         One :class:`~autopipe.costgraph.SegmentCost` per segment, in graph order. Attach
         them with ``build_cost_graph(traced, costs)``.
