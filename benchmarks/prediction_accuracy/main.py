@@ -31,6 +31,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from _pipebench import (  # noqa: E402
 )
 
 import autopipe  # noqa: E402
+from autopipe.costgraph import SegmentCost  # noqa: E402
 from autopipe.devices import default_action_overhead_s, default_link  # noqa: E402
 from autopipe.measure import measure_action_overhead, measure_link  # noqa: E402
 from autopipe.profile import profile_segments  # noqa: E402
@@ -85,20 +87,18 @@ def _stage_sums(plan: autopipe.Plan, per_segment: Sequence[float]) -> list[float
     return [sum(per_segment[st.first_segment: st.last_segment + 1]) for st in plan.stages]
 
 
-def _profiled_stage_times(plan: autopipe.Plan) -> tuple[list[float], list[float]]:
-    """Per stage, the profile's own forward and backward sums (no device speed applied).
+def _stage_times(plan: autopipe.Plan, costs: Sequence[SegmentCost]) -> tuple[list[float], list[float]]:
+    """Per stage of ``plan``, forward and backward sums of ``costs`` (no device speed applied).
 
     The backward includes the gradient accumulation the plan charges (``SegmentCost.step_bwd_s``).
     """
-    costs = plan.segment_costs()
     return (_stage_sums(plan, [c.fwd_s for c in costs]),
             _stage_sums(plan, [c.step_bwd_s(plan.n_microbatches) for c in costs]))
 
 
-def _step_bwd(plan: autopipe.Plan, bwd: Sequence[float], accum: Sequence[float]) -> list[float]:
-    """Per segment, backward + gradient accumulation spread over the plan's micro-batches."""
-    m = plan.n_microbatches
-    return [b + a * (m - 1) / m for b, a in zip(bwd, accum)]
+def _profiled_stage_times(plan: autopipe.Plan) -> tuple[list[float], list[float]]:
+    """Per stage, the sums of the profile the plan was made from."""
+    return _stage_times(plan, plan.segment_costs())
 
 
 def _same_time_prediction(plan: autopipe.Plan, profile: tuple[list[float], list[float], list[float]],
@@ -108,8 +108,9 @@ def _same_time_prediction(plan: autopipe.Plan, profile: tuple[list[float], list[
     ``profile``: per segment, forward, backward and gradient-accumulation seconds.
     """
     loss = plan.extras.get("loss") or {}
-    fwd = [t * slowdown for t in _stage_sums(plan, profile[0])]
-    bwd = [t * slowdown for t in _stage_sums(plan, _step_bwd(plan, profile[1], profile[2]))]
+    costs = [replace(c, fwd_s=f, bwd_s=b, accum_s=a) for c, f, b, a in zip(plan.segment_costs(), *profile)]
+    fwd, bwd = _stage_times(plan, costs)
+    fwd, bwd = [t * slowdown for t in fwd], [t * slowdown for t in bwd]
     fwd[-1] += loss.get("fwd_s", 0.0) * slowdown
     bwd[-1] += loss.get("bwd_s", 0.0) * slowdown
     return plan.calibrate({"fwd_s": fwd, "bwd_s": bwd}).predicted_step_s
