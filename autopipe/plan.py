@@ -282,6 +282,12 @@ class Plan:
                 for k, seg in enumerate(segments):
                     # Scale the profile's segments, or charge an unprofiled stage to its first one.
                     seg[key] = seg[key] * factor if factor is not None else (value if k == 0 else 0.0)
+                if key == "bwd_s":
+                    # The stage's backward includes its segments' gradient accumulation
+                    # (SegmentCost.step_bwd_s), so it scales with it; a stage charged its
+                    # measured time as it is has it inside that time already.
+                    for seg in segments:
+                        seg["accum_s"] = seg.get("accum_s", 0.0) * factor if factor is not None else 0.0
             st.fwd_s, st.bwd_s = f, b
         new.bottleneck_s = max(st.time_s for st in new.stages)
         new.predicted_step_s = new._simulated_step_s(1.0)

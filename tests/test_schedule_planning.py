@@ -279,3 +279,22 @@ def test_each_stage_s_backward_carries_its_gradient_accumulation_spread_over_the
     one = autopipe.partition(model, 2, costs=some, **{**kw, "n_microbatches": 1, "schedule": "GPipe"})
     for st in one.stages:  # a single micro-batch accumulates nothing
         assert st.bwd_s == pytest.approx(sum(c.bwd_s for c in some[st.first_segment: st.last_segment + 1]))
+
+
+def test_calibration_scales_the_gradient_accumulation_with_the_rest_of_the_backward(small_transformer, costs):
+    # A stage's backward includes its segments' accumulation; calibrated segment costs must
+    # add up to the calibrated stage again, or re-planning from them would drift.
+    from dataclasses import replace
+
+    model, args = small_transformer
+    some = [replace(c, accum_s=0.25 * c.bwd_s) for c in costs]
+    plan = autopipe.partition(model, 2, example_args=args, costs=some, schedule="1F1B", n_microbatches=4,
+                              progress=False)
+    measured = {"fwd_s": [st.fwd_s * 1.5 for st in plan.stages], "bwd_s": [st.bwd_s * 2.0 for st in plan.stages]}
+    new = plan.calibrate(measured)
+    segs = new.segment_costs()
+    for st, b in zip(new.stages, measured["bwd_s"]):
+        part = segs[st.first_segment: st.last_segment + 1]
+        assert sum(c.step_bwd_s(4) for c in part) == pytest.approx(b)
+        old = some[st.first_segment: st.last_segment + 1]
+        assert [c.accum_s for c in part] == pytest.approx([2.0 * c.accum_s for c in old])

@@ -519,13 +519,15 @@ class Pipeline:
                 setattr(stage, method, timed)  # an instance attribute shadows the method
                 patched.append((stage, method))
         try:
-            for p, _ in saved:
-                p.grad = None
+            self.zero_grad()
             self.step(*args, target=target, **kwargs)  # the first step sets up buffers: untimed
             for rec in times.values():
                 for values in rec.values():
                     values.clear()
             for _ in range(steps):
+                # As a training loop does: the first micro-batch's backward then creates each
+                # .grad and the others add into it, as the plan charges (SegmentCost.step_bwd_s).
+                self.zero_grad()
                 self.step(*args, target=target, **kwargs)
         finally:
             for stage, method in patched:
