@@ -254,7 +254,7 @@ def run_demo(
 
     console.rule(f"[bold]2. Plan[/bold]: {DEMO_RANKS} stages, {DEMO_SCHEDULE}, {DEMO_MICROBATCHES} micro-batches")
     plan = autopipe.partition(model, DEMO_RANKS, args, schedule=DEMO_SCHEDULE, n_microbatches=DEMO_MICROBATCHES,
-                              costs=costs, progress=False)
+                              costs=costs, device="cpu", progress=False)  # CPU defaults, also beside a GPU
     timeline = plan_timeline(plan)
     data = report_data(plan, timeline=timeline)
     print_plan(data, console=console, gantt=timeline.to_text())

@@ -655,7 +655,9 @@ def partition(
         optimizer: Optimizer whose state counts toward memory ("adam", "sgd", ... or a
             ``torch.optim`` class).
         cost: ``"measured"`` (default), ``"flops"`` or ``"params"``.
-        device: Device to profile on; default CUDA when present, else CPU.
+        device: Device to profile on; default CUDA when present, else CPU. Its type also
+            picks the defaults below (link, action overhead, copy bandwidth), so with
+            ``costs`` name the device they were measured on.
         bandwidth: Bytes/s between neighbouring devices (default: 2 GB/s on CPU,
             10 GB/s on CUDA).
         latency_s: Seconds per message between devices (default 100 us CPU, 20 us CUDA).

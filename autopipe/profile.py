@@ -257,6 +257,58 @@ def _segment_modules(traced: TracedModel) -> list[_SegmentModule]:
     return result
 
 
+def _retarget(value: Any, dev: torch.device) -> Any:
+    """``dev`` in place of a device other than ``dev`` (a ``torch.device`` or its name), else ``value``."""
+    if isinstance(value, (torch.device, str)):
+        try:
+            if torch.device(value) != dev:
+                return dev
+        except RuntimeError:  # a string that names no device
+            pass
+    return value
+
+
+def copy_to_device(module: fx.GraphModule, device: str | torch.device) -> fx.GraphModule:
+    """A copy of a traced (segment) module on ``device``, with the devices its graph names moved too.
+
+    ``.to(device)`` moves parameters and buffers only. An exported graph also names devices
+    itself: a tensor the model creates in ``forward`` (GPT-2's position ids,
+    ``torch.arange(n, device=x.device)``) is traced as ``arange(..., device=cpu)``, and
+    torch.export adds ``_assert_tensor_metadata(..., device=cpu)`` checks. Left alone they
+    would build tensors on the CPU and fail against the weights on the GPU. Every device a
+    node names is set to ``device`` (as torch's own ``move_to_device_pass`` does for a whole
+    ``ExportedProgram``), and plain tensor constants the graph reads are moved with the weights.
+    The given module is not changed.
+
+    Example:
+        >>> from autopipe.models import seed_transformer
+        >>> from autopipe.trace import trace
+        >>> model, args = seed_transformer(vocab_size=100, num_layers=1, seq_len=8)
+        >>> moved = copy_to_device(trace(model, args).graph_module, "meta")
+        >>> {p.device.type for p in moved.parameters()}
+        {'meta'}
+    """
+    dev = torch.device(device)
+    moved = copy.deepcopy(module).to(dev)
+    for gm in moved.modules():
+        if not isinstance(gm, fx.GraphModule):
+            continue
+        for node in gm.graph.nodes:
+            if "device" in node.kwargs:
+                node.kwargs = {**node.kwargs, "device": _retarget(node.kwargs["device"], dev)}
+            if node.op == "call_function" and node.target is torch.ops.aten.to.device:
+                node.args = (node.args[0], _retarget(node.args[1], dev), *node.args[2:])
+            elif node.op == "get_attr":
+                owner, _, name = node.target.rpartition(".")
+                holder = gm.get_submodule(owner) if owner else gm
+                value = getattr(holder, name)
+                if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) \
+                        and name not in holder._buffers and value.device != dev:
+                    setattr(holder, name, value.to(dev))
+        gm.recompile()
+    return moved
+
+
 # --------------------------------------------------------------------------- state keeping
 
 
@@ -532,7 +584,7 @@ def profile_segments(
                 b.device == dev for b in module.buffers()
             )
             if not on_device:
-                module = copy.deepcopy(module).to(dev)  # a copy: never move the user's tensors
+                module = copy_to_device(module, dev)  # a copy: never move the user's tensors
             state = list(module.named_parameters()) + list(module.named_buffers())
             # Parameters are charged where first used, so the segments add up to the model.
             param_bytes = trainable_bytes = 0

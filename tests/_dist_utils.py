@@ -30,13 +30,13 @@ class WorldFailed(RuntimeError):
         super().__init__("distributed run failed:\n" + "\n".join(lines))
 
 
-def _worker(fn: Callable, rank: int, world_size: int, port: int, pg_timeout_s: float,
+def _worker(fn: Callable, rank: int, world_size: int, port: int, pg_timeout_s: float, backend: str,
             out_dir: str, args: tuple) -> None:
     import torch
 
     torch.set_num_threads(1)  # the test machine has few cores, shared by every rank
     try:
-        join_loopback_world(rank, world_size, port, timeout_s=pg_timeout_s)
+        join_loopback_world(rank, world_size, port, backend=backend, timeout_s=pg_timeout_s)
         result = ("ok", fn(rank, world_size, *args))
     except BaseException as e:  # noqa: BLE001 - report everything to the parent
         result = ("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
@@ -44,8 +44,8 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, pg_timeout_s: f
 
 
 def run_world(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.0,
-              pg_timeout_s: float = 60.0, allow_errors: bool = False) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return the results.
+              pg_timeout_s: float = 60.0, allow_errors: bool = False, backend: str = "gloo") -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the results.
 
     Args:
         fn: module-level function; its return value must pickle.
@@ -53,6 +53,7 @@ def run_world(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
         timeout_s: the whole world is killed after this many seconds.
         pg_timeout_s: timeout of every collective / point-to-point transfer.
         allow_errors: return ``("error", text)`` / ``("ok", value)`` pairs instead of raising.
+        backend: ``"gloo"`` (CPU, every test but the CUDA ones) or ``"nccl"`` (one GPU per rank).
 
     Returns:
         The return value of each rank, in rank order.
@@ -61,7 +62,7 @@ def run_world(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
         WorldFailed: a rank raised, died or overran ``timeout_s`` (unless ``allow_errors``).
     """
     outcomes, _, exit_codes = spawn_ranks(
-        _worker, world_size, lambda rank, port, out_dir: (fn, rank, world_size, port, pg_timeout_s, out_dir, args),
+        _worker, world_size, lambda rank, port, out_dir: (fn, rank, world_size, port, pg_timeout_s, backend, out_dir, args),
         timeout_s=timeout_s, prefix="autopipe-world-",
     )
     results = dict(enumerate(outcomes))

@@ -56,7 +56,8 @@ def example_args() -> tuple[torch.Tensor]:
 
 
 def build(model: nn.Module, schedule: str, total_stages: int, **options) -> Pipeline:
-    options.setdefault("split_points", SPLITS[total_stages])
+    if "split_points" not in options:
+        options["split_points"] = SPLITS[total_stages]
     options.setdefault("n_microbatches", N_MICROBATCHES)
     return Pipeline(model, example_args=example_args(), loss_fn=loss_fn, schedule=schedule, **options)
 

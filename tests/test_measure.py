@@ -19,7 +19,9 @@ from autopipe.measure import (
 
 from _dist_utils import run_world
 
-SMALL_SIZES = (1 << 10, 1 << 23)  # 1 KiB for the latency, 8 MiB for the bandwidth
+# 1 KiB for the latency, 32 MiB for the bandwidth: large enough that a scheduling delay of a
+# few ms on a busy machine (seen under pytest-xdist) cannot make it look faster than 1 KiB
+SMALL_SIZES = (1 << 10, 1 << 25)
 
 
 # --------------------------------------------------------------------------- fit_link

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autopipe.profile import measure_device_flops, profile_segments
+from autopipe.profile import copy_to_device, measure_device_flops, profile_segments
 from autopipe.trace import trace
 
 
@@ -226,3 +226,33 @@ def test_per_run_s_is_the_mean_and_refuses_no_samples():
     assert per_run_s([0.5]) == 0.5
     with pytest.raises(ValueError, match=r"samples=\[\] is empty"):
         per_run_s([])
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_segment_copied_to_another_device_names_only_that_device(family):
+    """GPT-2 builds its position ids with arange(device=cpu) and Llama's export checks its
+    rotary table's device: a copy for the GPU must name the GPU there, or the first profile
+    on a GPU of a model living on the CPU fails. Checked here with the meta device."""
+    from autopipe.models import hf
+    from autopipe.profile import _segment_modules
+
+    make = hf.gpt2_from_config if family == "gpt2" else hf.llama_from_config
+    model, args = make(n_layer=1, n_embd=32, n_head=4, vocab_size=64, seq_len=8) if family == "gpt2" \
+        else make(num_hidden_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64, seq_len=8)
+    traced = trace(model, args)
+    graph = traced.graph_module
+    named_cpu = [n for n in graph.graph.nodes if isinstance(n.kwargs.get("device"), torch.device)]
+    assert named_cpu, "the traced graph names no device: this test checks nothing"
+    moved = copy_to_device(graph, "meta")
+    devices = {str(n.kwargs["device"]) for n in moved.graph.nodes if "device" in n.kwargs}
+    assert devices == {"meta"}
+    assert {t.device.type for t in (*moved.parameters(), *moved.buffers())} == {"meta"}
+    # The user's model and its graph are untouched.
+    assert {str(n.kwargs["device"]) for n in named_cpu} == {"cpu"}
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    # Each segment runs on the new device from inputs there.
+    out = moved(*[a.to("meta") for a in args])
+    assert all(t.device.type == "meta" for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+    for sm in _segment_modules(traced):
+        seg = copy_to_device(sm.module, "meta")
+        assert all(str(n.kwargs["device"]) == "meta" for n in seg.graph.nodes if "device" in n.kwargs)

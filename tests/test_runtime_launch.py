@@ -59,7 +59,8 @@ def test_script_that_is_not_a_file_is_a_clear_error(tmp_path):
 
 
 def _autopipe_run(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # CPU ranks on gloo, also where GPUs are present (a one-GPU machine refuses --nproc 2)
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run([sys.executable, "-m", "autopipe", "run", *args], capture_output=True, text=True,
                           timeout=120, env=env, cwd=REPO)
 
