@@ -55,7 +55,7 @@ from .costgraph import SegmentCost, requires_grad_map, tensor_bytes
 from .trace import TracedModel
 
 __all__ = ["COST_SOURCES", "profile_segments", "profile_loss", "LossCost", "measure_device_flops", "per_run_s",
-           "resolve_device", "Timer", "CacheFlusher", "last_level_cache_bytes"]
+           "resolve_device", "Timer", "CacheFlusher", "last_level_cache_bytes", "copy_to_device"]
 
 #: Accepted values of the ``cost`` argument.
 COST_SOURCES = ("measured", "flops", "params")

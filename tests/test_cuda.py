@@ -53,7 +53,7 @@ def test_profile_in_rounds_on_the_gpu() -> None:
     costs = profile_segments(trace(model, args), device="cuda", repeats=3, progress=False)
     assert all(c.fwd_s > 0 and c.bwd_s > 0 for c in costs)
     assert all((c.accum_s > 0) == (c.trainable_param_bytes > 0) for c in costs)
-    # The profile allocates its flush buffer and gradient buffers only for its duration.
+    # The profile accumulates gradients into buffers of its own, never into .grad.
     assert all(p.grad is None for p in model.parameters())
 
 
