@@ -69,8 +69,10 @@ def default_link(device_type: str) -> tuple[float, float]:
 #: Default seconds each pipeline action (F, B, I, W) costs beyond its compute, per device type.
 #: CPU: gloo processes on a shared 2-core host, measured with
 #: `python -m autopipe.measure --overhead` (docs/costs-and-measurement.md).
-#: CUDA: not measured (no GPU was available to the project yet), so none is assumed; measure
-#: it on your GPUs with autopipe.measure.measure_action_overhead and pass action_overhead_s=.
+#: CUDA: none is assumed. The one GPU lent so far (an H100) could not run the two-rank probe
+#: (NCCL refuses two ranks on one device); one-rank pipelines there took less than even the
+#: profiled compute alone (benchmarks/gpu_one_rank), so no positive figure was justified.
+#: Measure it on your GPUs with autopipe.measure.measure_action_overhead and pass action_overhead_s=.
 _DEFAULT_ACTION_OVERHEAD_S = {"cpu": 0.7e-3, "cuda": 0.0}
 
 

@@ -664,7 +664,8 @@ def partition(
         action_overhead_s: Seconds every pipeline action (a stage's forward or backward of
             one micro-batch) costs beyond its compute: the runtime's own work, which the
             profile does not see. Default 0.7 ms on CPU (gloo processes, measured on a
-            2-core host), 0 on CUDA (not measured there yet). Measure yours with
+            2-core host), 0 on CUDA (on one H100 the profiled compute alone already came
+            out longer than torch's runtime took: benchmarks/gpu_one_rank). Measure yours with
             :func:`autopipe.measure.measure_action_overhead`.
         warmup: Untimed runs per segment before measuring.
         repeats: Timed runs per segment; their mean is kept (:func:`autopipe.profile.per_run_s`).

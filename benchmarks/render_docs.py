@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))  # the checkout's autopipe, for its defaults
 
 # Order of the page; anything else found is appended.
 ORDER = ("split_quality", "split_quality_sim", "planner_scaling", "runtime_overhead", "prediction_accuracy",
-         "schedule_memory", "trace_profile")
+         "schedule_memory", "trace_profile", "gpu_one_rank")
 TITLES = {
     "split_quality": "1. Split quality, measured (2 stages, real pipelines)",
     "split_quality_sim": "2. Split quality at scale, simulated from measured segment costs",
@@ -35,7 +35,9 @@ TITLES = {
     "prediction_accuracy": "5. Prediction accuracy: predicted vs measured step time and memory",
     "schedule_memory": "6. Schedule memory",
     "trace_profile": "7. Trace and profile time",
+    "gpu_one_rank": "8. One GPU: the plan's step against torch's runtime on a single rank",
 }
+RERUN_OPTIONS = {"gpu_one_rank": "needs one GPU; `--device cpu` runs it on the CPU"}
 BASELINES = ("equal_layers", "balanced_params", "block_partition")
 BEHIND_TOL = 0.03  # a ratio within 3% counts as a tie: the issue's target and about the run-to-run noise
 
@@ -73,6 +75,8 @@ def machine_line(data: dict[str, Any]) -> str:
              f"CUDA: {m['cuda']}" if m.get("cuda") else "no GPU",
              f"torch {m.get('torch')}", f"Python {m.get('python')}",
              f"{data.get('threads_per_process', data.get('threads', m.get('torch_threads')))} torch thread(s) per process"]
+    if parts[-1].startswith("None "):  # not recorded
+        parts.pop()
     loads = [h.get("load_avg") for h in (data.get("host_start"), data.get("host_end"), data.get("host"))
              if isinstance(h, dict) and h.get("load_avg")]
     if loads:
@@ -280,6 +284,24 @@ def render_generic(d: dict[str, Any], behind: list[str]) -> str:
     return "\n\n".join(out) or "(no tabular results)"
 
 
+def render_gpu_one_rank(d: dict[str, Any], behind: list[str]) -> str:
+    """Per case: measured and predicted step on one GPU, the error, and the overhead per action it implies."""
+    s = d["summary"]
+    rows = [[r["model"], r["schedule"], r["m"], ms(r["measured_s"], 2), ms(r["predicted_s"], 2),
+             pct(r["predicted_s"] / r["measured_s"] - 1), f"{r['implied_overhead_s'] * 1e6:.0f} us"]
+            for r in d["rows"]]
+    err = s["median_abs_error_no_overhead"]
+    if err > 0.10:
+        behind.append(f"one GPU ({s['device']}): the plan's step is off by {err * 100:.0f}% (median |error|, "
+                      f"m = {s['check_m']}; target 10%); section 8.")
+    return "\n\n".join([
+        table(["model", "schedule", "m", "measured", "predicted", "error", "implied overhead per action"], rows),
+        f"Median |error| at m = {s['check_m']}: {err * 100:.1f}% as planned (CUDA's default overhead, 0), "
+        f"{s['median_abs_error_fitted'] * 100:.1f}% with one overhead per action fitted on m = {s['fit_m']} "
+        f"({s['overhead_fitted_s'] * 1e6:.0f} us; negative: the profile's compute is already too long).",
+    ])
+
+
 def render_runtime_overhead(d: dict[str, Any], behind: list[str]) -> str:
     """The runtime engineer's table, plus a 'behind' line wherever autopipe.Pipeline is slower than by hand."""
     for r in d.get("rows", []):
@@ -334,6 +356,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any], list[str]], str]] = {
     "planner_scaling": render_planner_scaling,
     "trace_profile": render_trace_profile,
     "prediction_accuracy": render_prediction_accuracy,
+    "gpu_one_rank": render_gpu_one_rank,
 }
 
 
@@ -365,8 +388,9 @@ def render(results_dir: Path) -> str:
         title = TITLES.get(name, name.replace("_", " ").capitalize())
         body = [f"## {title}", ""]
         readme = f"../benchmarks/{name}/README.md"
+        options = RERUN_OPTIONS.get(name, "`--quick` for a short run, `--device cuda` on a GPU")
         body.append(f"What it measures and how: [{readme.removeprefix('../')}]({readme}). Rerun: "
-                    f"`python benchmarks/{name}/main.py` (`--quick` for a short run, `--device cuda` on a GPU).")
+                    f"`python benchmarks/{name}/main.py` ({options}).")
         if fname != "results.json":
             body.append(f"\n> These are **`--quick`** results ({fname}); no full run has been recorded yet.")
         if "error" in data and len(data) == 1:

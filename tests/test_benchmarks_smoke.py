@@ -68,6 +68,20 @@ def test_prediction_accuracy_reports_signed_errors_and_memory_per_rank(tmp_path)
     assert data["summary"]["run"] == 1
 
 
+def test_gpu_one_rank_compares_the_plan_with_a_one_rank_pipeline(tmp_path):
+    # On the CPU here (gloo, 1F1B only); on a GPU it also runs two stages on the one rank.
+    data = _run("gpu_one_rank", tmp_path / "g.json", "--device", "cpu")
+    assert [(r["schedule"], r["m"]) for r in data["rows"]] == [("1F1B", 2), ("1F1B", 4)]
+    for r in data["rows"]:
+        assert _finite_positive(r["measured_s"]) and _finite_positive(r["predicted_s"])
+        assert len(r["steps_s"]) == 2 and r["actions"] == 2 * r["m"]
+        assert r["implied_overhead_s"] == (r["measured_s"] - r["predicted_s"]) / r["actions"]
+    s = data["summary"]
+    assert (s["fit_m"], s["check_m"]) == (2, 4) and s["device"] == "cpu"
+    (checked,) = [r for r in data["rows"] if r["m"] == 4]
+    assert s["median_abs_error_no_overhead"] == abs(checked["predicted_s"] / checked["measured_s"] - 1)
+
+
 def test_render_docs_writes_markdown_from_results(tmp_path):
     _run("split_quality_sim", tmp_path / "split_quality_sim" / "results.json")
     out = tmp_path / "benchmarks.md"

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import autopipe
+from autopipe.measure import measure_device_speed
 from autopipe.models import seed_transformer
 from autopipe.profile import profile_segments
 from autopipe.trace import trace
@@ -64,7 +65,7 @@ def test_partition_on_the_gpu() -> None:
     assert plan.predicted_step_s > 0
     assert all(st.fwd_s > 0 and st.peak_bytes > 0 for st in plan.stages)
     assert "stage" in plan.report()
-    assert autopipe.measure.measure_device_speed("cuda", reference="cpu") > 0
+    assert measure_device_speed("cuda", reference="cpu") > 0
 
 
 # ------------------------------------------------------------------ pipelines on GPUs

@@ -15,17 +15,17 @@ x schedule x micro-batch count:
    ``(measured - predicted with no overhead) / actions``, fit one figure on the m = 4 cases
    and predict the m = 8 cases with it (out of sample).
 
-Nothing is asserted; the table and ``--out`` JSON are the result.
+Nothing is asserted; the table and the JSON (``results.json`` here, or ``--out``) are the result.
 
     python benchmarks/gpu_one_rank/main.py                  # needs CUDA
     python benchmarks/gpu_one_rank/main.py --device cpu     # the same on the CPU (gloo, 1F1B only)
+    python benchmarks/gpu_one_rank/main.py --device cpu --smoke --out /tmp/r.json   # seconds
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -38,7 +38,8 @@ import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
-from _pipebench import MODELS, ce_loss, make_target, stack_microbatches  # noqa: E402
+from _common import write_result  # noqa: E402
+from _pipebench import MODELS, ce_loss, host_info, make_target, stack_microbatches  # noqa: E402
 
 import autopipe  # noqa: E402
 from autopipe._spawn import free_port  # noqa: E402
@@ -56,9 +57,9 @@ GPU_SIZES = {
 SCHEDULES = (("1F1B", 1), ("Interleaved1F1B", 2))
 
 
-def _model(name: str, device: torch.device) -> tuple[torch.nn.Module, tuple[Any, ...]]:
+def _model(name: str, device: torch.device, smoke: bool = False) -> tuple[torch.nn.Module, tuple[Any, ...]]:
     spec = MODELS[name]
-    size = GPU_SIZES.get(name, spec.full) if device.type == "cuda" else spec.full
+    size = spec.smoke if smoke else GPU_SIZES.get(name, spec.full) if device.type == "cuda" else spec.full
     model, args = build(spec.zoo, **size)
     return model.to(device), tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
 
@@ -69,7 +70,7 @@ def _sync(device: torch.device) -> None:
 
 
 def bench_model(name: str, opts: argparse.Namespace, device: torch.device, log) -> list[dict[str, Any]]:
-    model, args = _model(name, device)
+    model, args = _model(name, device, opts.smoke)
     with torch.no_grad():
         target = make_target(model(*args).float().cpu()).to(device)
     costs = profile_segments(trace(model, args), device=device, warmup=2, repeats=opts.profile_repeats,
@@ -121,8 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--microbatches", nargs="*", type=int, default=[4, 8])
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--profile-repeats", type=int, default=10)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--smoke", action="store_true", help="the MLP at its smallest, m = 2 and 4, two rounds (for the test suite)")
+    ap.add_argument("--out", default=None, help="JSON file (default: results.json beside this script)")
     opts = ap.parse_args(argv)
+    if opts.smoke:
+        opts.models, opts.microbatches, opts.rounds, opts.profile_repeats = ["mlp"], [2, 4], 2, 1
     device = torch.device("cuda", 0) if opts.device == "cuda" else torch.device("cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but CUDA is not available; use --device cpu")
@@ -156,10 +160,13 @@ def main(argv: list[str] | None = None) -> int:
         "median_abs_error_fitted": statistics.median(abs(e) for e in errors_fit),
         "took_s": time.perf_counter() - started,
     }
-    print(f"m={check_m}: median |error| {summary['median_abs_error_no_overhead'] * 100:.1f}% with no overhead "
-          f"(autopipe's CUDA default), {summary['median_abs_error_fitted'] * 100:.1f}% with the overhead fitted on m={fit_m}")
-    if opts.out:
-        Path(opts.out).write_text(json.dumps({"summary": summary, "rows": rows}, indent=1))
+    default = " (autopipe's CUDA default)" if device.type == "cuda" else ""
+    print(f"m={check_m}: median |error| {summary['median_abs_error_no_overhead'] * 100:.1f}% with no overhead"
+          f"{default}, {summary['median_abs_error_fitted'] * 100:.1f}% with the overhead fitted on m={fit_m}")
+    out = Path(opts.out) if opts.out else Path(__file__).parent / "results.json"
+    write_result(out, {"benchmark": "gpu_one_rank", "host": host_info(), "summary": summary, "rows": rows,
+                       "wall_s": summary["took_s"]})
+    print(f"wrote {out}")
     dist.destroy_process_group()
     return 0
 
