@@ -15,8 +15,8 @@ from autopipe.measure import measure_device_speed
 from autopipe.models import seed_transformer
 from autopipe.profile import profile_segments
 from autopipe.trace import trace
-from tests._dist_utils import run_world
-from tests._runtime_workers import SPLITS, build, loss_fn, tutorial_batch, tutorial_model
+from _dist_utils import run_world
+from _runtime_workers import SPLITS, build, loss_fn, tutorial_batch, tutorial_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
