@@ -201,6 +201,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=_nonneg_int, default=2, help="untimed runs per layer before timing")
     p.add_argument("--threads", type=_positive_int,
                    help="CPU threads torch may use while profiling (match what each rank will get)")
+    p.add_argument("--no-flush-cache", action="store_true",
+                   help="keep the caches warm between the profile's passes (default: empty them, as a "
+                        "pipeline action finds them)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -411,7 +414,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     with _spinner(f"tracing {type(loaded.model).__name__} with torch.export ..."):
         traced = trace(loaded.model, loaded.example_args, loaded.example_kwargs)
     costs = profile_segments(traced, cost=args.cost, device=args.device, warmup=args.warmup,
-                             repeats=args.repeats, progress=not args.no_progress)
+                             repeats=args.repeats, progress=not args.no_progress,
+                             flush_cache=not args.no_flush_cache)
     rows = layer_rows(traced, costs)
     shown = sort_layer_rows(rows, args.sort)[: args.top]
     order = "graph order" if args.sort == "graph" else f"largest {args.sort} first"
@@ -460,6 +464,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         latency_s=None if args.latency_us is None else args.latency_us * 1e-6,
         action_overhead_s=None if args.action_overhead_ms is None else args.action_overhead_ms * 1e-3,
         warmup=args.warmup, repeats=args.repeats, progress=not args.no_progress,
+        flush_cache=not args.no_flush_cache,
     )
     return _show_plan(plan, args)
 

@@ -616,6 +616,7 @@ def partition(
     loss_fn: Any = None,
     example_target: Any = None,
     progress: bool = True,
+    flush_cache: bool = True,
 ) -> Plan:
     """Find where to cut ``model`` into pipeline stages so the schedule runs fastest.
 
@@ -669,6 +670,10 @@ def partition(
             :func:`autopipe.measure.measure_action_overhead`.
         warmup: Untimed runs per segment before measuring.
         repeats: Timed runs per segment; their mean is kept (:func:`autopipe.profile.per_run_s`).
+        flush_cache: Empty the device's caches before each pass of the profile, as a
+            pipeline action finds them (:func:`autopipe.profile.profile_segments`); ``False``
+            keeps them warm, for hosts whose last-level cache holds a whole stage (compare the
+            two with ``benchmarks/prediction_accuracy``'s ``warm_cache`` column).
         costs: A profile to reuse (``plan.extras`` or :func:`autopipe.profile.profile_segments`
             output, one :class:`~autopipe.costgraph.SegmentCost` per segment): skips measuring,
             and the same costs always give the same plan.
@@ -721,6 +726,8 @@ def partition(
     dev = resolve_device(device)
     _check_int("warmup", warmup, 0)
     _check_int("repeats", repeats, 1)
+    if not isinstance(flush_cache, bool):
+        raise ValueError(f"flush_cache={flush_cache!r} must be True or False")
 
     # ---- trace, profile, cost graph (one per micro-batch count)
     traced = trace(model, example_args, example_kwargs)
@@ -739,9 +746,11 @@ def partition(
     if wanted.auto_microbatches and scaling is None:
         scaling = profile_scaling(model, example_args, example_kwargs,
                                   sizes=_scaling_sizes(global_batch, wanted.n_microbatches),
-                                  cost=cost, device=dev, warmup=warmup, repeats=repeats, progress=progress)
+                                  cost=cost, device=dev, warmup=warmup, repeats=repeats, progress=progress,
+                                  flush_cache=flush_cache)
     if not wanted.auto_microbatches and costs is None:
-        costs = profile_segments(traced, cost=cost, device=dev, warmup=warmup, repeats=repeats, progress=progress)
+        costs = profile_segments(traced, cost=cost, device=dev, warmup=warmup, repeats=repeats, progress=progress,
+                                 flush_cache=flush_cache)
     loss = None
     if loss_fn is not None:
         loss = profile_loss(model, traced.example_args, traced.example_kwargs, loss_fn, example_target,

@@ -483,6 +483,7 @@ def profile_scaling(
     repeats: int = 5,
     device_flops: float | None = None,
     progress: bool = True,
+    flush_cache: bool = True,
 ) -> ScaledProfile:
     """Profile ``model`` at several micro-batch sizes and fit each cost as ``a + c*b``.
 
@@ -510,6 +511,8 @@ def profile_scaling(
         repeats: Timed runs per segment and size; their mean is kept (:func:`autopipe.profile.per_run_s`).
         device_flops: FLOP/s for the estimated sources; measured once when omitted.
         progress: Show progress bars.
+        flush_cache: Empty the device's caches between the profile's passes, as
+            :func:`autopipe.profile.profile_segments` does by default; ``False`` keeps them warm.
 
     Returns:
         A :class:`ScaledProfile`; evaluate it with ``costs_at(b)`` / ``cut_bytes_at(b)``.
@@ -537,6 +540,8 @@ def profile_scaling(
         raise ValueError(f"warmup={warmup!r} must be an integer >= 0")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1")
+    if not isinstance(flush_cache, bool):
+        raise ValueError(f"flush_cache={flush_cache!r} must be True or False")
     if device_flops is not None and not (isinstance(device_flops, (int, float)) and device_flops > 0):
         raise ValueError(f"device_flops={device_flops!r} must be > 0 FLOP/s")
     args, kwargs = resolve_example_inputs(model, example_args, example_kwargs)
@@ -559,7 +564,7 @@ def profile_scaling(
         elif seg_names != names:
             raise ValueError(_mismatch_message(sizes[0], names, b, seg_names))
         measured[b] = profile_segments(traced, cost=cost, device=dev, warmup=warmup, repeats=repeats,
-                                       device_flops=device_flops, progress=progress)
+                                       device_flops=device_flops, progress=progress, flush_cache=flush_cache)
         cost_graph = build_cost_graph(traced)
         measured_cuts[b] = (list(cost_graph.cut_fwd_bytes), list(cost_graph.cut_bwd_bytes))
 

@@ -360,3 +360,24 @@ def test_model_spec_refuses_an_unknown_name_saying_nothing_is_downloaded():
     pytest.importorskip("transformers")
     with pytest.raises(ModelSpecError, match="never downloads"):
         load_model_spec("surely-not-a-model-name-xyz")
+
+
+def test_no_flush_cache_keeps_the_caches_warm_while_profiling(workdir, monkeypatch, capsys):
+    import autopipe.profile as profile
+
+    built = []
+
+    class CountingFlusher(profile.CacheFlusher):
+        def __init__(self, *a, **k):
+            built.append(1)
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(profile, "CacheFlusher", CountingFlusher)
+    spec = str(workdir / "tiny.py") + ":make"
+    assert main(["profile", spec, *FAST, "--device", "cpu", "--set", "num_layers=1"]) == 0
+    assert built == [1]  # the default empties the caches between passes
+    assert main(["profile", spec, *FAST, "--device", "cpu", "--set", "num_layers=1", "--no-flush-cache"]) == 0
+    assert main(["plan", spec, "--gpus", "2", *FAST, "--device", "cpu", "--set", "num_layers=1",
+                 "--no-flush-cache"]) == 0
+    assert built == [1]  # neither profile nor plan built a flusher with --no-flush-cache
+    capsys.readouterr()

@@ -308,3 +308,25 @@ def test_a_tied_weight_on_one_rank_is_counted_once_in_its_memory():
     plan = autopipe.partition(model, 2, example_args=args, schedule="1F1B", n_microbatches=4, **FAST)
     cuts = [traced.split_point_names.index(p) + 1 for p in plan.split_points]
     assert _rank_overcount_bytes(traced, cuts, [0, 1], adam) == [0.0, 0.0]
+
+
+def test_flush_cache_reaches_the_profile_and_is_checked_first(monkeypatch):
+    import autopipe.profile as profile
+    from autopipe.models import seed_transformer
+
+    built = []
+
+    class CountingFlusher(profile.CacheFlusher):
+        def __init__(self, *a, **k):
+            built.append(1)
+            super().__init__(*a, **k)
+
+    monkeypatch.setattr(profile, "CacheFlusher", CountingFlusher)
+    model, args = seed_transformer(vocab_size=100, num_layers=1, seq_len=8)
+    with pytest.raises(ValueError, match=r"flush_cache='no' must be True or False"):
+        autopipe.partition(model, 2, example_args=args, flush_cache="no", **FAST)
+    assert built == []  # refused before any profiling
+    autopipe.partition(model, 2, example_args=args, device="cpu", flush_cache=False, **FAST)
+    assert built == []
+    autopipe.partition(model, 2, example_args=args, device="cpu", **FAST)
+    assert built == [1]

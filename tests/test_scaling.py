@@ -188,6 +188,15 @@ def test_bad_sizes_raise_before_tracing(monkeypatch, sizes):
         profile_scaling(nn.Linear(4, 4), (torch.randn(2, 4),), sizes=sizes, cost="flops", device_flops=FLOPS)
 
 
+def test_a_flush_cache_that_is_not_a_bool_raises_before_tracing(monkeypatch):
+    def no_trace(*args, **kwargs):
+        raise AssertionError("the model was traced for a bad flush_cache")
+
+    monkeypatch.setattr(scaling, "trace", no_trace)
+    with pytest.raises(ValueError, match="flush_cache=1 must be True or False"):
+        profile_scaling(nn.Linear(4, 4), (torch.randn(2, 4),), flush_cache=1)
+
+
 def test_a_batch_dim_no_input_has_raises():
     with pytest.raises(ValueError, match="batch_dim=3"):
         profile_scaling(nn.Linear(4, 4), (torch.randn(2, 4),), batch_dim=3, cost="flops", device_flops=FLOPS)
