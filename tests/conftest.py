@@ -25,3 +25,20 @@ def small_traced(small_transformer):
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def flushers_built(monkeypatch):
+    """A list that gets one entry per ``CacheFlusher`` the profiler builds (it builds one per
+    profile that empties the caches)."""
+    import autopipe.profile as profile
+
+    built: list[int] = []
+
+    class CountingFlusher(profile.CacheFlusher):
+        def __init__(self, *args, **kwargs):
+            built.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(profile, "CacheFlusher", CountingFlusher)
+    return built

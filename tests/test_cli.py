@@ -362,17 +362,8 @@ def test_model_spec_refuses_an_unknown_name_saying_nothing_is_downloaded():
         load_model_spec("surely-not-a-model-name-xyz")
 
 
-def test_no_flush_cache_keeps_the_caches_warm_while_profiling(workdir, monkeypatch, capsys):
-    import autopipe.profile as profile
-
-    built = []
-
-    class CountingFlusher(profile.CacheFlusher):
-        def __init__(self, *a, **k):
-            built.append(1)
-            super().__init__(*a, **k)
-
-    monkeypatch.setattr(profile, "CacheFlusher", CountingFlusher)
+def test_no_flush_cache_keeps_the_caches_warm_while_profiling(workdir, flushers_built, capsys):
+    built = flushers_built
     spec = str(workdir / "tiny.py") + ":make"
     assert main(["profile", spec, *FAST, "--device", "cpu", "--set", "num_layers=1"]) == 0
     assert built == [1]  # the default empties the caches between passes

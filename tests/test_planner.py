@@ -310,18 +310,10 @@ def test_a_tied_weight_on_one_rank_is_counted_once_in_its_memory():
     assert _rank_overcount_bytes(traced, cuts, [0, 1], adam) == [0.0, 0.0]
 
 
-def test_flush_cache_reaches_the_profile_and_is_checked_first(monkeypatch):
-    import autopipe.profile as profile
+def test_flush_cache_reaches_the_profile_and_is_checked_first(flushers_built):
     from autopipe.models import seed_transformer
 
-    built = []
-
-    class CountingFlusher(profile.CacheFlusher):
-        def __init__(self, *a, **k):
-            built.append(1)
-            super().__init__(*a, **k)
-
-    monkeypatch.setattr(profile, "CacheFlusher", CountingFlusher)
+    built = flushers_built
     model, args = seed_transformer(vocab_size=100, num_layers=1, seq_len=8)
     with pytest.raises(ValueError, match=r"flush_cache='no' must be True or False"):
         autopipe.partition(model, 2, example_args=args, flush_cache="no", **FAST)
