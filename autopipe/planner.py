@@ -40,7 +40,7 @@ from .devices import (Device, default_action_overhead_s, default_copy_bandwidth,
 from .errors import InfeasibleMemoryError
 from .partitioner import PartitionProblem, PartitionResult, candidate_partitions, solve_bottleneck
 from .plan import BaselinePlan, Plan, StagePlan
-from .profile import COST_SOURCES, LossCost, profile_loss, profile_segments, resolve_device
+from .profile import COST_SOURCES, LossCost, check_flush_cache, profile_loss, profile_segments, resolve_device
 from .scaling import ScaledProfile, profile_scaling
 from .trace import TracedModel, _module_spans, trace
 
@@ -265,10 +265,10 @@ def _stage_records(
     costs = cost_graph.costs or []
     sizes = _state_sizes(traced)
     edges = [0, *result.cuts, problem.num_segments]
+    fwd, bwd = _stage_fwd_bwd(problem, result, costs, n_microbatches)
     records = []
     for s in range(problem.num_stages):
         i, j = edges[s], edges[s + 1]
-        speed = problem.speed[s]
         names = []
         for seg in traced.segments[i:j]:
             names.extend(n for n in seg.param_names if n not in names)
@@ -281,8 +281,8 @@ def _stage_records(
             fqns=_stage_fqns(traced, i, j),
             first_segment=i,
             last_segment=j - 1,
-            fwd_s=float(sum(c.fwd_s for c in costs[i:j]) / speed),
-            bwd_s=float(sum(c.step_bwd_s(n_microbatches) for c in costs[i:j]) / speed),
+            fwd_s=float(fwd[s]),
+            bwd_s=float(bwd[s]),
             comm_s=float(result.stage_comm_s[s]),
             param_bytes=int(param_bytes),
             act_bytes=act,
@@ -726,8 +726,7 @@ def partition(
     dev = resolve_device(device)
     _check_int("warmup", warmup, 0)
     _check_int("repeats", repeats, 1)
-    if not isinstance(flush_cache, bool):
-        raise ValueError(f"flush_cache={flush_cache!r} must be True or False")
+    check_flush_cache(flush_cache)
 
     # ---- trace, profile, cost graph (one per micro-batch count)
     traced = trace(model, example_args, example_kwargs)

@@ -79,6 +79,12 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+def check_flush_cache(flush_cache: Any) -> None:
+    """Raise ``ValueError`` unless ``flush_cache`` is True or False (every entry point that profiles checks it first)."""
+    if not isinstance(flush_cache, bool):
+        raise ValueError(f"flush_cache={flush_cache!r} must be True or False")
+
+
 def per_run_s(samples: Sequence[float]) -> float:
     """The seconds one run of a piece of work is charged, from its timed runs: their mean.
 
@@ -302,8 +308,7 @@ def copy_to_device(module: fx.GraphModule, device: str | torch.device) -> fx.Gra
                 owner, _, name = node.target.rpartition(".")
                 holder = gm.get_submodule(owner) if owner else gm
                 value = getattr(holder, name)
-                if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) \
-                        and name not in holder._buffers and value.device != dev:
+                if isinstance(value, torch.Tensor) and value.device != dev:  # .to() moved weights and buffers
                     setattr(holder, name, value.to(dev))
         gm.recompile()
     return moved
@@ -552,8 +557,7 @@ def profile_segments(
         raise ValueError(f"warmup={warmup!r} must be an integer >= 0")
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1")
-    if not isinstance(flush_cache, bool):
-        raise ValueError(f"flush_cache={flush_cache!r} must be True or False")
+    check_flush_cache(flush_cache)
     dev = resolve_device(device)
     timer = Timer(dev)
     gm = traced.graph_module

@@ -50,7 +50,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .costgraph import SegmentCost, build_cost_graph, requires_grad_map, tensor_bytes
-from .profile import COST_SOURCES, measure_device_flops, profile_segments, resolve_device
+from .profile import COST_SOURCES, check_flush_cache, measure_device_flops, profile_segments, resolve_device
 from .trace import resolve_example_inputs, trace
 
 __all__ = [
@@ -540,8 +540,7 @@ def profile_scaling(
         raise ValueError(f"warmup={warmup!r} must be an integer >= 0")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1")
-    if not isinstance(flush_cache, bool):
-        raise ValueError(f"flush_cache={flush_cache!r} must be True or False")
+    check_flush_cache(flush_cache)
     if device_flops is not None and not (isinstance(device_flops, (int, float)) and device_flops > 0):
         raise ValueError(f"device_flops={device_flops!r} must be > 0 FLOP/s")
     args, kwargs = resolve_example_inputs(model, example_args, example_kwargs)

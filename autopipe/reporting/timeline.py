@@ -131,8 +131,8 @@ def split_timeline(plan: "Plan", split_points: "list[str]") -> "Timeline":
             f"({', '.join(names[1:6])}, ...); unknown: {unknown}"
         )
     edges = [0, *sorted(names.index(p) for p in split_points), len(segments)]
-    fwd = [sum(s["fwd_s"] for s in segments[a:b]) for a, b in zip(edges, edges[1:])]
     costs = plan.segment_costs()  # backward with its gradient accumulation, as the plan's own stages
+    fwd = [sum(c.fwd_s for c in costs[a:b]) for a, b in zip(edges, edges[1:])]
     bwd = [sum(c.step_bwd_s(plan.n_microbatches) for c in costs[a:b]) for a, b in zip(edges, edges[1:])]
     links = plan.extras.get("links") or {}
     default_bw, default_lat = default_link(str(plan.device).split(":")[0])
