@@ -39,6 +39,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from ._progress import progress_iter
@@ -55,7 +56,8 @@ from .costgraph import SegmentCost, requires_grad_map, tensor_bytes
 from .trace import TracedModel
 
 __all__ = ["COST_SOURCES", "profile_segments", "profile_loss", "LossCost", "measure_device_flops", "per_run_s",
-           "resolve_device", "Timer", "CacheFlusher", "last_level_cache_bytes", "copy_to_device"]
+           "resolve_device", "Timer", "CacheFlusher", "last_level_cache_bytes", "copy_to_device",
+           "SegmentCosts", "WholePass"]
 
 #: Accepted values of the ``cost`` argument.
 COST_SOURCES = ("measured", "flops", "params")
@@ -64,18 +66,28 @@ COST_SOURCES = ("measured", "flops", "params")
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """The device to profile on: the given one, else CUDA when present, else CPU.
 
+    A CUDA device without an index (``"cuda"``) gets the current one (``cuda:0``), as
+    ``tensor.device`` always carries it: ``torch.device("cuda") != torch.device("cuda:0")``,
+    and the profiler compares the two to decide whether the model already lives there.
+
     Raises:
         ValueError: the device string is not one torch understands, or CUDA is asked for
             but not available.
+
+    Example:
+        >>> resolve_device("cpu")
+        device(type='cpu')
     """
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"device={device!r} is not a torch device; use 'cpu', 'cuda' or 'cuda:N'") from e
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} but CUDA is not available here; use device='cpu'")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 
@@ -410,10 +422,29 @@ def _accumulate(accumulated: list[torch.Tensor], grads: Sequence[torch.Tensor | 
             acc.add_(g)
 
 
+#: One module's timed work in rounds: ``(module, make_inputs, trainable)``.
+_RoundEntry = tuple[torch.nn.Module, Callable[[], list[Any]], list[torch.Tensor]]
+
+
+def _backward_and_accumulate(
+    inputs: list[Any], out: Any, trainable: list[torch.Tensor], accumulated: list[torch.Tensor], timer: Timer,
+) -> tuple[float, float]:
+    """Time one backward (``autograd.grad``, ones as output gradients), then the add of its weight gradients."""
+    outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+    wrt = [v for v in inputs if isinstance(v, torch.Tensor) and v.requires_grad] + trainable
+    if not outs or not wrt:
+        return 0.0, 0.0
+    grads = [torch.ones_like(o) for o in outs]
+    b, got = timer.time(lambda: torch.autograd.grad(outs, wrt, grads, allow_unused=True))
+    weight_grads = got[len(got) - len(trainable):] if trainable else ()
+    a = timer.time(lambda: _accumulate(accumulated, weight_grads))[0] if weight_grads else 0.0
+    return b, a
+
+
 def _time_in_rounds(
-    segments: list[tuple[fx.GraphModule, Callable[[], list[Any]], list[torch.Tensor]]], timer: Timer,
-    warmup: int, repeats: int, flush: Callable[[], None] | None = None,
-) -> list[tuple[float, float, float]]:
+    segments: list[_RoundEntry], timer: Timer, warmup: int, repeats: int, flush: Callable[[], None] | None = None,
+    whole: _RoundEntry | None = None,
+) -> tuple[list[tuple[float, float, float]], WholePass | None]:
     """Forward, backward and accumulation seconds of each segment (:func:`per_run_s`), timed in rounds.
 
     A round runs every segment's forward in graph order, then every segment's backward in
@@ -427,42 +458,56 @@ def _time_in_rounds(
     of the segment's own, timed on their own (:attr:`SegmentCost.accum_s`): in a pipeline
     step every micro-batch after the first adds its gradients into ``.grad`` this way, the
     new gradients fresh from the backward, the accumulated ones last touched a micro-batch ago.
+
+    ``whole`` (the model's whole graph, same form) is then timed in every round as well, as
+    one forward, one backward and one accumulation, each pass after a flush: what the
+    segments add up to when they run as one graph. Returns the segments' times and a
+    :class:`WholePass` (``fitted`` False; ``None`` when ``whole`` is not given).
     """
-    fwd_times: list[list[float]] = [[] for _ in segments]
-    bwd_times: list[list[float]] = [[] for _ in segments]
-    acc_times: list[list[float]] = [[] for _ in segments]
-    accumulated = [[torch.zeros_like(p) for p in trainable] for _, _, trainable in segments]
+    entries = segments + ([whole] if whole is not None else [])
+    fwd_times: list[list[float]] = [[] for _ in entries]
+    bwd_times: list[list[float]] = [[] for _ in entries]
+    acc_times: list[list[float]] = [[] for _ in entries]
+    accumulated = [[torch.zeros_like(p) for p in trainable] for _, _, trainable in entries]
     call_s = _backward_call_s(timer)
+    passes = [list(range(len(segments)))] + ([[len(segments)]] if whole is not None else [])
     for i in range(warmup + repeats):
-        runs = []
-        if flush is not None:
-            flush()
-        for module, make_inputs, _ in segments:
-            inputs = make_inputs()
-            f, out = timer.time(lambda m=module, a=inputs: _as_tuple(m.forward(*a)))
-            runs.append((inputs, out, f))
-        if flush is not None:
-            flush()
-        for k in reversed(range(len(segments))):
-            inputs, out, f = runs[k]
-            outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
-            wrt = [v for v in inputs if isinstance(v, torch.Tensor) and v.requires_grad] + segments[k][2]
-            b = a = 0.0
-            if outs and wrt:
-                grads = [torch.ones_like(o) for o in outs]
-                b, got = timer.time(lambda: torch.autograd.grad(outs, wrt, grads, allow_unused=True))
-                weight_grads = got[len(got) - len(segments[k][2]):] if segments[k][2] else ()
-                if weight_grads:
-                    a, _ = timer.time(lambda: _accumulate(accumulated[k], weight_grads))
-                del got, weight_grads
-            runs[k] = None  # free this segment's graph and activations, as training would
-            if i >= warmup:
-                fwd_times[k].append(f)
-                # Each segment here starts a backward of its own; a stage starts one for all
-                # its segments, so the fixed cost of starting one is not the segment's.
-                bwd_times[k].append(max(0.0, b - call_s) if b else 0.0)
-                acc_times[k].append(a)
-    return [(per_run_s(f), per_run_s(b), per_run_s(a)) for f, b, a in zip(fwd_times, bwd_times, acc_times)]
+        for group in passes:  # the segments one by one, then the whole graph as one
+            runs: dict[int, tuple[list[Any], Any, float]] = {}
+            if flush is not None:
+                flush()
+            for k in group:
+                module, make_inputs, _ = entries[k]
+                inputs = make_inputs()
+                f, out = timer.time(lambda m=module, a=inputs: _as_tuple(m.forward(*a)))
+                runs[k] = (inputs, out, f)
+            if flush is not None:
+                flush()
+            for k in reversed(group):
+                inputs, out, f = runs.pop(k)  # dropped after its backward, as training frees them
+                b, a = _backward_and_accumulate(inputs, out, entries[k][2], accumulated[k], timer)
+                del inputs, out
+                if i >= warmup:
+                    fwd_times[k].append(f)
+                    # Each segment here starts a backward of its own; a stage starts one for all
+                    # its segments, so the fixed cost of starting one is not the segment's.
+                    bwd_times[k].append(max(0.0, b - call_s) if b else 0.0)
+                    acc_times[k].append(a)
+    timed = [(per_run_s(f), per_run_s(b), per_run_s(a)) for f, b, a in zip(fwd_times, bwd_times, acc_times)]
+    if whole is None:
+        return timed, None
+    n = len(segments)
+
+    def round_ratio(samples: list[list[float]]) -> float:
+        # whole / segments within each round, then the median over rounds: a round that a
+        # disturbance slowed down in one part only (seen on a GPU host) moves it little.
+        ratios = [w / s for w, s in zip(samples[n], map(sum, zip(*samples[:n]))) if s > 0]
+        return statistics.median(ratios) if ratios else 1.0
+
+    return timed[:n], WholePass(
+        *timed[n], segments_fwd_s=sum(t[0] for t in timed[:n]), segments_bwd_s=sum(t[1] for t in timed[:n]),
+        segments_accum_s=sum(t[2] for t in timed[:n]),
+        scales=(round_ratio(fwd_times), round_ratio(bwd_times), round_ratio(acc_times)), fitted=False)
 
 
 def _time_accumulation(trainable: list[torch.Tensor], timer: Timer, warmup: int, repeats: int) -> float:
@@ -493,6 +538,87 @@ def _backward_call_s(timer: Timer, repeats: int = 21) -> float:
     return statistics.median(times)
 
 
+@dataclass
+class WholePass:
+    """The model's whole graph timed as one, beside the segments timed one by one.
+
+    A stage runs its segments as one graph, with no pause between them. The profile times
+    each segment on its own, and on a GPU that costs every segment a start from an idle
+    device: the host synchronises, then launches the segment's kernels while the GPU waits
+    for the first of them, where inside one graph the host launches ahead of the GPU. On one
+    H100 (torch 2.11) the seed Transformer's 67 segments summed to 13.8 ms forward and
+    23.8 ms backward against 8.5 ms and 12.4 ms for the whole graph; the kernels' own time
+    was the same both ways (docs/costs-and-measurement.md section 1). So the profile also
+    times the whole graph in every round and, when ``fitted``, multiplies each segment's
+    forward, backward and accumulation by the ``scales`` of its pass: the segments then add
+    up to the whole model, and keep their measured shares of it.
+
+    Times are per micro-batch, :func:`per_run_s` of the rounds, and the ``segments_*`` fields
+    are the sums before any scaling. ``scales`` are ``whole / segments`` per round, the median
+    over the rounds (1.0 for a pass the segments took no time in).
+
+    Example:
+        >>> w = WholePass(fwd_s=1.0, bwd_s=2.0, accum_s=0.5, segments_fwd_s=2.0, segments_bwd_s=2.0,
+        ...               segments_accum_s=1.0, scales=(0.5, 1.0, 0.5), fitted=False)
+        >>> w.fitted
+        False
+    """
+
+    fwd_s: float
+    bwd_s: float
+    accum_s: float
+    segments_fwd_s: float
+    segments_bwd_s: float
+    segments_accum_s: float
+    scales: tuple[float, float, float]
+    fitted: bool
+
+
+class SegmentCosts(list):
+    """What :func:`profile_segments` returns: a list of :class:`SegmentCost`, plus ``whole``.
+
+    ``whole`` is the :class:`WholePass` measured beside the segments when the profile was
+    timed in rounds, else ``None``. Any list of ``SegmentCost`` works where this does.
+    """
+
+    whole: WholePass | None = None
+
+
+class _WholeGraph(torch.nn.Module):
+    """The traced model's whole graph, called with the flat inputs the segments are fed."""
+
+    def __init__(self, graph_module: torch.nn.Module, spec: Any) -> None:
+        super().__init__()
+        self.graph_module = graph_module
+        self.spec = spec
+
+    def forward(self, *flat: Any) -> Any:
+        args, kwargs = tree_unflatten(list(flat), self.spec)
+        return self.graph_module(*args, **kwargs)
+
+
+def _fit_to_whole(costs: Sequence[SegmentCost], whole: WholePass) -> None:
+    """Scale every segment's forward, backward and accumulation by ``whole.scales``; mark it fitted."""
+    f, b, a = whole.scales
+    for c in costs:
+        c.fwd_s, c.bwd_s, c.accum_s = c.fwd_s * f, c.bwd_s * b, c.accum_s * a
+    whole.fitted = True
+
+
+def fit_to_whole_default(device: torch.device) -> bool:
+    """Whether :func:`profile_segments` scales segments to the whole graph by default on ``device``.
+
+    On CUDA: yes, the segments timed one by one add up to 1.4-1.9x the whole graph there.
+    On the CPU: no; a segment's start costs little there and the sums were within
+    0.89-1.19x of the whole, either way by model (docs/costs-and-measurement.md section 1).
+
+    Example:
+        >>> fit_to_whole_default(torch.device("cpu"))
+        False
+    """
+    return torch.device(device).type == "cuda"
+
+
 def profile_segments(
     traced: TracedModel,
     *,
@@ -503,7 +629,8 @@ def profile_segments(
     device_flops: float | None = None,
     progress: bool = True,
     flush_cache: bool = True,
-) -> list[SegmentCost]:
+    fit_to_whole: bool | None = None,
+) -> SegmentCosts:
     """Measure (or estimate) every segment's cost per micro-batch.
 
     Args:
@@ -531,17 +658,24 @@ def profile_segments(
             and stages ran since; timed with the caches still warm from the previous round,
             the model's stages took 1.03-1.08x longer on this project's CPU host than profiled
             (docs/costs-and-measurement.md section 1). ``False`` keeps them warm.
+        fit_to_whole: When timed in rounds, the whole graph is timed in every round too
+            (:class:`WholePass`, kept as the result's ``whole``); ``True`` scales the segments'
+            times so that each pass adds up to it. ``None`` (default): on CUDA only
+            (:func:`fit_to_whole_default`), where a segment timed on its own pays a start
+            from an idle GPU that a stage does not.
 
     Timing in rounds also times each segment's gradient accumulation (``accum_s``) into
     buffers of its own: one gradient's worth of the trainable parameters is allocated on
     ``device`` for the profile's duration, as ``.grad`` would be in training.
 
     Returns:
-        One :class:`~autopipe.costgraph.SegmentCost` per segment, in graph order. Attach
+        One :class:`~autopipe.costgraph.SegmentCost` per segment, in graph order, as a
+        :class:`SegmentCosts` list (its ``whole`` says what the whole graph took). Attach
         them with ``build_cost_graph(traced, costs)``.
 
     Raises:
-        ValueError: unknown ``cost``, or ``warmup``/``repeats`` out of range.
+        ValueError: unknown ``cost``, or ``warmup``/``repeats``/``flush_cache``/``fit_to_whole``
+            out of range.
 
     Example:
         >>> from autopipe.models import seed_transformer
@@ -558,7 +692,10 @@ def profile_segments(
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1")
     check_flush_cache(flush_cache)
+    if fit_to_whole not in (None, True, False):
+        raise ValueError(f"fit_to_whole={fit_to_whole!r} must be True, False or None (None: on CUDA only)")
     dev = resolve_device(device)
+    fit = fit_to_whole_default(dev) if fit_to_whole is None else fit_to_whole
     timer = Timer(dev)
     gm = traced.graph_module
     seg_mods = _segment_modules(traced)
@@ -567,20 +704,33 @@ def profile_segments(
 
     # Model inputs, by placeholder name (the exported graph's flat user inputs).
     user_names = list(traced.exported.graph_signature.user_inputs)
-    flat_inputs, _ = tree_flatten((traced.example_args, traced.example_kwargs))
+    flat_inputs, input_spec = tree_flatten((traced.example_args, traced.example_kwargs))
     env: dict[str, Any] = {}
     for name, val in zip(user_names, flat_inputs):
         env[name] = val.to(dev) if isinstance(val, torch.Tensor) else val
+    model_inputs = [(name, env[name]) for name in user_names]  # env drops them once read
     last_use: dict[str, int] = {}
     for k, sm in enumerate(seg_mods):
         for name in sm.inputs:
             last_use[name] = k
 
+    def fresh_leaves(named: list[tuple[str, Any]]) -> list[Any]:
+        # Fresh leaves each run: inputs that carry a gradient in training get one here.
+        return [v.detach().requires_grad_(True) if isinstance(v, torch.Tensor) and needs_grad.get(name, False)
+                else v for name, v in named]
+
     params_seen: set[int] = set()
-    costs: list[SegmentCost] = []
+    costs = SegmentCosts()
     # Time whole rounds over the model when no segment has to be copied to the device.
     in_rounds = cost == "measured" and all(t.device == dev for t in (*gm.parameters(), *gm.buffers()))
     rounds: list[tuple[fx.GraphModule, Callable[[], list[Any]], list[torch.Tensor]]] = []
+    if cost == "measured" and not in_rounds and dev.type == "cuda":
+        warnings.warn(
+            f"profiling on {dev} a model that lives elsewhere: each segment is copied there and timed "
+            "on its own, and on a GPU such times add up to well over the model's (1.4-2.3x on one H100, "
+            "docs/costs-and-measurement.md section 1). Move the model to the GPU first, if it fits, so "
+            "that the profile also times it whole and fits the segments to it (fit_to_whole)",
+            stacklevel=2)
     with _model_state_preserved(gm):
         for k, sm in enumerate(progress_iter(seg_mods, "profiling segments", enabled=progress)):
             module = sm.module
@@ -603,14 +753,8 @@ def profile_segments(
                         trainable_bytes += t.numel() * t.element_size()
             trainable = [p for _, p in module.named_parameters() if p.requires_grad]
 
-            def make_inputs(sm: _SegmentModule = sm, held: list[Any] = [env[n] for n in sm.inputs]) -> list[Any]:
-                # Fresh leaves each run: inputs that carry a gradient in training get one here.
-                vals = []
-                for name, v in zip(sm.inputs, held):
-                    if isinstance(v, torch.Tensor) and needs_grad.get(name, False):
-                        v = v.detach().requires_grad_(True)
-                    vals.append(v)
-                return vals
+            def make_inputs(named: list[tuple[str, Any]] = [(n, env[n]) for n in sm.inputs]) -> list[Any]:
+                return fresh_leaves(named)
 
             counter = _SavedBytes({p.data_ptr() for _, p in state})
             with FlopCounterMode(display=False) as flop_counter:
@@ -646,8 +790,13 @@ def profile_segments(
         if in_rounds:
             # The flush buffer (twice the last-level cache) is allocated only when rounds are timed.
             flush = CacheFlusher(dev) if flush_cache else None
-            for cost_k, timed in zip(costs, _time_in_rounds(rounds, timer, warmup, repeats, flush)):
+            whole = (_WholeGraph(gm, input_spec), lambda: fresh_leaves(model_inputs),
+                     [p for p in gm.parameters() if p.requires_grad])
+            per_segment, costs.whole = _time_in_rounds(rounds, timer, warmup, repeats, flush, whole)
+            for cost_k, timed in zip(costs, per_segment):
                 cost_k.fwd_s, cost_k.bwd_s, cost_k.accum_s = timed
+            if fit:
+                _fit_to_whole(costs, costs.whole)
 
     if cost != "measured":
         _estimate_times(costs, cost, device_flops if device_flops else measure_device_flops(dev))

@@ -30,7 +30,9 @@ def test_profile_copies_segments_to_the_gpu_and_leaves_the_model_alone() -> None
     before = {k: v.clone() for k, v in model.state_dict().items()}
     traced = trace(model, args)
     on_cpu = profile_segments(traced, device="cpu", repeats=2, progress=False)
-    on_gpu = profile_segments(traced, device="cuda", repeats=2, progress=False)
+    # Segments timed one by one on a GPU add up to far more than the model: the user is told.
+    with pytest.warns(UserWarning, match="Move the model to the GPU first"):
+        on_gpu = profile_segments(traced, device="cuda", repeats=2, progress=False)
     # The model stayed on the CPU, unchanged: each segment was copied to the GPU.
     assert all(p.device.type == "cpu" for p in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -53,6 +55,10 @@ def test_profile_in_rounds_on_the_gpu() -> None:
     args = tuple(a.cuda() for a in args)
     costs = profile_segments(trace(model, args), device="cuda", repeats=3, progress=False)
     assert all(c.fwd_s > 0 and c.bwd_s > 0 for c in costs)
+    # "cuda" names the device the model is on (cuda:0), so the whole graph is timed beside the
+    # segments, and on CUDA they are fitted to it by default.
+    assert costs.whole is not None and costs.whole.fitted
+    assert sum(c.fwd_s for c in costs) == pytest.approx(costs.whole.segments_fwd_s * costs.whole.scales[0])
     assert all((c.accum_s > 0) == (c.trainable_param_bytes > 0) for c in costs)
     # The profile accumulates gradients into buffers of its own, never into .grad.
     assert all(p.grad is None for p in model.parameters())

@@ -89,15 +89,15 @@ def test_a_model_on_the_profiling_device_is_timed_in_rounds_over_all_segments(sm
     seen = {}
     real = profile._time_in_rounds
 
-    def spy(segments, timer, warmup, repeats, flush=None):
+    def spy(segments, timer, warmup, repeats, flush=None, whole=None):
         seen["segments"], seen["runs"], seen["flush"] = len(segments), (warmup, repeats), flush
-        seen["times"] = real(segments, timer, warmup, repeats, flush)
-        return seen["times"]
+        seen["times"], whole_pass = real(segments, timer, warmup, repeats, flush, whole)
+        return seen["times"], whole_pass
 
     monkeypatch.setattr(profile, "_time_in_rounds", spy)
     costs = profile_segments(small_traced, device="cpu", warmup=1, repeats=2, progress=False)
     assert seen["segments"] == small_traced.num_segments and seen["runs"] == (1, 2)
-    assert [(c.fwd_s, c.bwd_s, c.accum_s) for c in costs] == seen["times"]
+    assert [(c.fwd_s, c.bwd_s, c.accum_s) for c in costs] == seen["times"]  # not scaled on the CPU by default
     assert all(c.fwd_s > 0 for c in costs)
     assert isinstance(seen["flush"], profile.CacheFlusher)  # the default empties the caches
     profile_segments(small_traced, device="cpu", warmup=0, repeats=1, progress=False, flush_cache=False)
@@ -134,6 +134,12 @@ def test_each_pass_of_a_round_starts_with_the_caches_emptied(monkeypatch):
     log.events.clear()
     profile._time_in_rounds(segments, log, warmup=0, repeats=1)  # no flush given: none run
     assert log.events == ["timed"] * 6
+    # The whole graph, when given, is timed after the segments in each round, with flushes of its own.
+    log.events.clear()
+    whole = (torch.fx.symbolic_trace(nn.Sequential(*layers)), lambda: [torch.randn(2, 4)],
+             [p for m in layers for p in m.parameters()])
+    profile._time_in_rounds(segments, log, warmup=0, repeats=1, flush=log.flush, whole=whole)
+    assert log.events == one_round + ["flush", "timed", "flush", "timed", "timed"]
 
 
 def test_the_cache_flusher_writes_a_buffer_twice_the_last_level_cache():
@@ -187,7 +193,7 @@ def test_a_segment_is_charged_the_mean_of_its_timed_runs_not_the_median(monkeypa
     monkeypatch.setattr(profile, "_backward_call_s", lambda timer: 0.0)
     # Three rounds of (forward, backward, accumulation): the third round is four times as slow.
     timer = ScriptedTimer([1.0, 2.0, 0.5, 1.0, 2.0, 0.5, 4.0, 8.0, 2.0])
-    [(fwd_s, bwd_s, accum_s)] = profile._time_in_rounds([segment], timer, warmup=0, repeats=3)
+    [(fwd_s, bwd_s, accum_s)], _ = profile._time_in_rounds([segment], timer, warmup=0, repeats=3)
     assert (fwd_s, bwd_s, accum_s) == (2.0, 4.0, 1.0)  # the medians would be 1.0, 2.0 and 0.5
 
 
@@ -210,9 +216,10 @@ def test_the_profile_times_adding_each_backward_s_weight_gradients_into_accumula
     with_weights = [c for c in costs if c.trainable_param_bytes]
     assert with_weights and all(c.accum_s > 0 for c in with_weights)
     assert all(c.accum_s == 0.0 for c in costs if not c.trainable_param_bytes)
-    # Each round added exactly the parameters' gradients, last segment first.
+    # Each round added exactly the parameters' gradients: once segment by segment, once for
+    # the whole graph timed beside them (two rounds).
     shapes = sorted(s for call in added for s in call)
-    assert shapes == sorted([(4, 16), (4,), (16, 8), (16,)] * 2)
+    assert shapes == sorted([(4, 16), (4,), (16, 8), (16,)] * 4)
     # The accumulation itself: an in-place add, leaving None gradients (unused parameters) alone.
     acc = [torch.zeros(2), torch.ones(2)]
     real(acc, [torch.full((2,), 3.0), None])
@@ -256,3 +263,99 @@ def test_a_segment_copied_to_another_device_names_only_that_device(family):
     for sm in _segment_modules(traced):
         seg = copy_to_device(sm.module, "meta")
         assert all(str(n.kwargs["device"]) == "meta" for n in seg.graph.nodes if "device" in n.kwargs)
+
+
+def test_the_whole_graph_is_timed_beside_the_segments_and_recorded(small_traced):
+    # Every profile in rounds also times the whole graph as one (a stage runs its segments
+    # that way); on the CPU it is recorded, and the segments keep their own times.
+    costs = profile_segments(small_traced, device="cpu", warmup=0, repeats=2, progress=False)
+    whole = costs.whole
+    assert whole is not None and not whole.fitted
+    assert whole.fwd_s > 0 and whole.bwd_s > 0 and whole.accum_s > 0
+    assert whole.segments_fwd_s == pytest.approx(sum(c.fwd_s for c in costs))
+    assert whole.segments_bwd_s == pytest.approx(sum(c.bwd_s for c in costs))
+    # Estimated sources and copied segments time no rounds: nothing to record.
+    assert profile_segments(small_traced, cost="flops", device_flops=1e9, progress=False).whole is None
+
+
+def test_fit_to_whole_scales_each_pass_so_the_segments_add_up_to_the_whole(small_traced, monkeypatch):
+    import autopipe.profile as profile
+
+    n = small_traced.num_segments
+    scripted = [(0.001 * (k + 1), 0.002 * (k + 1), 0.0005) for k in range(n)]
+    sums = [sum(t[i] for t in scripted) for i in range(3)]
+    whole = profile.WholePass(sums[0] / 2, sums[1], sums[2] * 4, *sums, scales=(0.5, 1.0, 4.0), fitted=False)
+
+    def scripted_rounds(segments, timer, warmup, repeats, flush=None, whole_graph=None):
+        return list(scripted), whole
+
+    monkeypatch.setattr(profile, "_time_in_rounds", scripted_rounds)
+    costs = profile_segments(small_traced, device="cpu", warmup=0, repeats=1, progress=False, fit_to_whole=True)
+    assert costs.whole is whole and whole.fitted
+    assert [c.fwd_s for c in costs] == pytest.approx([f / 2 for f, _, _ in scripted])  # shares kept
+    assert [c.bwd_s for c in costs] == pytest.approx([b for _, b, _ in scripted])
+    assert [c.accum_s for c in costs] == pytest.approx([0.002] * n)
+    assert sum(c.fwd_s for c in costs) == pytest.approx(whole.fwd_s)
+    assert whole.segments_fwd_s == pytest.approx(sums[0])  # the sums before scaling are kept
+
+
+def test_the_scales_are_the_median_over_rounds_of_whole_over_segments(monkeypatch):
+    # One round in which only the whole graph was slowed down (a disturbance on the host)
+    # must not drag the segments' times with it.
+    import autopipe.profile as profile
+
+    class ScriptedTimer:
+        def __init__(self, seconds):
+            self.seconds, self.device = iter(seconds), torch.device("cpu")
+
+        def time(self, fn):
+            return next(self.seconds), fn()
+
+    layers = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    segments = [(torch.fx.symbolic_trace(m), lambda: [torch.randn(2, 4)], list(m.parameters())) for m in layers]
+    whole = (torch.fx.symbolic_trace(nn.Sequential(*layers)), lambda: [torch.randn(2, 4)],
+             [p for m in layers for p in m.parameters()])
+    monkeypatch.setattr(profile, "_backward_call_s", lambda timer: 0.0)
+    # Per round: segment forwards (1, 1), their backward+accumulation (2, 0.5) x2, then the whole
+    # graph's forward, backward, accumulation. The whole forward takes 1.0 (ratio 0.5), once 10.0.
+    one = [1.0, 1.0, 2.0, 0.5, 2.0, 0.5]
+    rounds = [one + [1.0, 2.0, 1.0], one + [10.0, 2.0, 1.0], one + [1.0, 2.0, 1.0]]
+    timer = ScriptedTimer([x for r in rounds for x in r])
+    _, wp = profile._time_in_rounds(segments, timer, warmup=0, repeats=3, whole=whole)
+    assert wp.scales == pytest.approx((0.5, 0.5, 1.0))
+    assert wp.fwd_s == pytest.approx(4.0) and wp.segments_fwd_s == pytest.approx(2.0)  # the means
+
+
+def test_fit_to_whole_defaults_to_cuda_only_and_rejects_other_values(small_traced):
+    from autopipe.profile import fit_to_whole_default
+
+    assert fit_to_whole_default(torch.device("cuda", 0)) and not fit_to_whole_default(torch.device("cpu"))
+    with pytest.raises(ValueError, match="fit_to_whole='yes' must be True, False or None"):
+        profile_segments(small_traced, device="cpu", progress=False, fit_to_whole="yes")
+
+
+def test_the_whole_graph_gets_keyword_inputs_as_the_model_does():
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x, *, shift):
+            return self.b(torch.relu(self.a(x) + shift))
+
+    traced = trace(Scaled(), (torch.randn(3, 4),), {"shift": torch.randn(3, 4)})
+    costs = profile_segments(traced, device="cpu", warmup=0, repeats=1, progress=False, flush_cache=False)
+    assert costs.whole.fwd_s > 0 and costs.whole.bwd_s > 0
+
+
+def test_a_cuda_device_without_an_index_resolves_to_the_current_one(monkeypatch):
+    # tensor.device always carries an index, and torch.device("cuda") != torch.device("cuda:0"):
+    # unresolved, a model already on the GPU looked elsewhere and was profiled as copies.
+    from autopipe.profile import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert resolve_device("cuda") == torch.device("cuda", 1)
+    assert resolve_device(None) == torch.device("cuda", 1)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    assert resolve_device("cpu") == torch.device("cpu")

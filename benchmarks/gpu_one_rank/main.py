@@ -30,6 +30,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,11 @@ def bench_model(name: str, opts: argparse.Namespace, device: torch.device, log) 
         target = make_target(model(*args).float().cpu()).to(device)
     costs = profile_segments(trace(model, args), device=device, warmup=2, repeats=opts.profile_repeats,
                              progress=False)
+    whole = asdict(costs.whole) if costs.whole is not None else None
+    if whole is not None:
+        log(f"  {name}: segments one by one {whole['segments_fwd_s'] * 1e3:.2f} ms forward, "
+            f"{whole['segments_bwd_s'] * 1e3:.2f} ms backward; the whole graph {whole['fwd_s'] * 1e3:.2f} ms and "
+            f"{whole['bwd_s'] * 1e3:.2f} ms ({'fitted to it' if whole['fitted'] else 'not fitted'})")
     cases = []
     for schedule, v in opts.schedule_list:
         for m in opts.microbatches:
@@ -103,7 +109,7 @@ def bench_model(name: str, opts: argparse.Namespace, device: torch.device, log) 
         plan, m, v = case["plan"], case["m"], case["stages_per_rank"]
         measured = statistics.median(case["steps"])
         actions = 2 * m * v  # one forward and one backward per micro-batch per stage
-        row = dict(model=name, schedule=case["schedule"], stages_per_rank=v, m=m, measured_s=measured,
+        row = dict(model=name, schedule=case["schedule"], stages_per_rank=v, m=m, measured_s=measured, profile_whole=whole,
                    predicted_s=plan.predicted_step_s, implied_overhead_s=(measured - plan.predicted_step_s) / actions,
                    actions=actions, steps_s=case["steps"])
         log(f"  {name:16s} {case['schedule']:15s} x{m}  measured {measured * 1e3:8.2f} ms  predicted "
