@@ -443,7 +443,7 @@ def _backward_and_accumulate(
 
 def _time_in_rounds(
     segments: list[_RoundEntry], timer: Timer, warmup: int, repeats: int, flush: Callable[[], None] | None = None,
-    whole: _RoundEntry | None = None,
+    whole: _RoundEntry | None = None, fit: bool = False,
 ) -> tuple[list[tuple[float, float, float]], WholePass | None]:
     """Forward, backward and accumulation seconds of each segment (:func:`per_run_s`), timed in rounds.
 
@@ -462,15 +462,18 @@ def _time_in_rounds(
     ``whole`` (the model's whole graph, same form) is then timed in every round as well, as
     one forward, one backward and one accumulation, each pass after a flush: what the
     segments add up to when they run as one graph. Returns the segments' times and a
-    :class:`WholePass` (``fitted`` False; ``None`` when ``whole`` is not given).
+    :class:`WholePass` (``None`` when ``whole`` is not given). With ``fit``, each segment's
+    times are its means multiplied by the pass's scale, else its means with the fixed cost
+    of starting a backward taken off each backward.
     """
     entries = segments + ([whole] if whole is not None else [])
     fwd_times: list[list[float]] = [[] for _ in entries]
-    bwd_times: list[list[float]] = [[] for _ in entries]
+    bwd_times: list[list[float]] = [[] for _ in entries]  # as timed, each with its own start
     acc_times: list[list[float]] = [[] for _ in entries]
     accumulated = [[torch.zeros_like(p) for p in trainable] for _, _, trainable in entries]
     call_s = _backward_call_s(timer)
-    passes = [list(range(len(segments)))] + ([[len(segments)]] if whole is not None else [])
+    n = len(segments)
+    passes = [list(range(n))] + ([[n]] if whole is not None else [])
     for i in range(warmup + repeats):
         for group in passes:  # the segments one by one, then the whole graph as one
             runs: dict[int, tuple[list[Any], Any, float]] = {}
@@ -489,25 +492,28 @@ def _time_in_rounds(
                 del inputs, out
                 if i >= warmup:
                     fwd_times[k].append(f)
-                    # Each segment here starts a backward of its own; a stage starts one for all
-                    # its segments, so the fixed cost of starting one is not the segment's.
-                    bwd_times[k].append(max(0.0, b - call_s) if b else 0.0)
+                    bwd_times[k].append(b)
                     acc_times[k].append(a)
-    timed = [(per_run_s(f), per_run_s(b), per_run_s(a)) for f, b, a in zip(fwd_times, bwd_times, acc_times)]
-    if whole is None:
-        return timed, None
-    n = len(segments)
+    means = [(per_run_s(f), per_run_s(b), per_run_s(a)) for f, b, a in zip(fwd_times, bwd_times, acc_times)]
+    whole_pass = None
+    if whole is not None:
+        def round_ratio(samples: list[list[float]]) -> float:
+            # whole / segments within each round, then the median over the rounds: a round
+            # that a disturbance slowed down in one part only (seen on a GPU host) moves it little.
+            ratios = [w / s for w, s in zip(samples[n], map(sum, zip(*samples[:n]))) if s > 0]
+            return statistics.median(ratios) if ratios else 1.0
 
-    def round_ratio(samples: list[list[float]]) -> float:
-        # whole / segments within each round, then the median over rounds: a round that a
-        # disturbance slowed down in one part only (seen on a GPU host) moves it little.
-        ratios = [w / s for w, s in zip(samples[n], map(sum, zip(*samples[:n]))) if s > 0]
-        return statistics.median(ratios) if ratios else 1.0
-
-    return timed[:n], WholePass(
-        *timed[n], segments_fwd_s=sum(t[0] for t in timed[:n]), segments_bwd_s=sum(t[1] for t in timed[:n]),
-        segments_accum_s=sum(t[2] for t in timed[:n]),
-        scales=(round_ratio(fwd_times), round_ratio(bwd_times), round_ratio(acc_times)), fitted=False)
+        whole_pass = WholePass(*means[n], *(sum(t[j] for t in means[:n]) for j in range(3)),
+                               scales=(round_ratio(fwd_times), round_ratio(bwd_times), round_ratio(acc_times)),
+                               fitted=fit)
+    if fit and whole_pass is not None:
+        # The whole graph pays every fixed cost once, as a stage does: no start to take off.
+        sf, sb, sa = whole_pass.scales
+        return [(f * sf, b * sb, a * sa) for f, b, a in means[:n]], whole_pass
+    # Each segment here starts a backward of its own; a stage starts one for all its
+    # segments, so the fixed cost of starting one is not the segment's.
+    return [(f, per_run_s([max(0.0, x - call_s) if x else 0.0 for x in bwd_times[k]]), a)
+            for k, (f, _, a) in enumerate(means[:n])], whole_pass
 
 
 def _time_accumulation(trainable: list[torch.Tensor], timer: Timer, warmup: int, repeats: int) -> float:
@@ -553,9 +559,12 @@ class WholePass:
     forward, backward and accumulation by the ``scales`` of its pass: the segments then add
     up to the whole model, and keep their measured shares of it.
 
-    Times are per micro-batch, :func:`per_run_s` of the rounds, and the ``segments_*`` fields
-    are the sums before any scaling. ``scales`` are ``whole / segments`` per round, the median
-    over the rounds (1.0 for a pass the segments took no time in).
+    Times are per micro-batch, :func:`per_run_s` of the rounds. The ``segments_*`` fields are
+    the segments' sums as timed, before any scaling and with each backward's own start
+    included. ``scales`` are ``whole / segments`` per round, the median over the rounds (1.0
+    for a pass the segments took no time in). Fitted, a segment's backward is its timed one
+    times the scale; not fitted, its timed one less the cost of starting a backward, which
+    a stage pays once (:func:`profile_segments`).
 
     Example:
         >>> w = WholePass(fwd_s=1.0, bwd_s=2.0, accum_s=0.5, segments_fwd_s=2.0, segments_bwd_s=2.0,
@@ -595,14 +604,6 @@ class _WholeGraph(torch.nn.Module):
     def forward(self, *flat: Any) -> Any:
         args, kwargs = tree_unflatten(list(flat), self.spec)
         return self.graph_module(*args, **kwargs)
-
-
-def _fit_to_whole(costs: Sequence[SegmentCost], whole: WholePass) -> None:
-    """Scale every segment's forward, backward and accumulation by ``whole.scales``; mark it fitted."""
-    f, b, a = whole.scales
-    for c in costs:
-        c.fwd_s, c.bwd_s, c.accum_s = c.fwd_s * f, c.bwd_s * b, c.accum_s * a
-    whole.fitted = True
 
 
 def fit_to_whole_default(device: torch.device) -> bool:
@@ -792,11 +793,9 @@ def profile_segments(
             flush = CacheFlusher(dev) if flush_cache else None
             whole = (_WholeGraph(gm, input_spec), lambda: fresh_leaves(model_inputs),
                      [p for p in gm.parameters() if p.requires_grad])
-            per_segment, costs.whole = _time_in_rounds(rounds, timer, warmup, repeats, flush, whole)
+            per_segment, costs.whole = _time_in_rounds(rounds, timer, warmup, repeats, flush, whole, fit)
             for cost_k, timed in zip(costs, per_segment):
                 cost_k.fwd_s, cost_k.bwd_s, cost_k.accum_s = timed
-            if fit:
-                _fit_to_whole(costs, costs.whole)
 
     if cost != "measured":
         _estimate_times(costs, cost, device_flops if device_flops else measure_device_flops(dev))

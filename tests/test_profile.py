@@ -89,9 +89,9 @@ def test_a_model_on_the_profiling_device_is_timed_in_rounds_over_all_segments(sm
     seen = {}
     real = profile._time_in_rounds
 
-    def spy(segments, timer, warmup, repeats, flush=None, whole=None):
+    def spy(segments, timer, warmup, repeats, flush=None, whole=None, fit=False):
         seen["segments"], seen["runs"], seen["flush"] = len(segments), (warmup, repeats), flush
-        seen["times"], whole_pass = real(segments, timer, warmup, repeats, flush, whole)
+        seen["times"], whole_pass = real(segments, timer, warmup, repeats, flush, whole, fit)
         return seen["times"], whole_pass
 
     monkeypatch.setattr(profile, "_time_in_rounds", spy)
@@ -181,18 +181,11 @@ def test_a_segment_is_charged_the_mean_of_its_timed_runs_not_the_median(monkeypa
     # slow counts: the profile keeps the mean (profile.per_run_s), which a median would hide.
     import autopipe.profile as profile
 
-    class ScriptedTimer:  # runs the work, reports the scripted seconds
-        def __init__(self, seconds):
-            self.seconds, self.device = iter(seconds), torch.device("cpu")
-
-        def time(self, fn):
-            return next(self.seconds), fn()
-
     layer = nn.Linear(4, 4)
     segment = (torch.fx.symbolic_trace(layer), lambda: [torch.randn(2, 4)], list(layer.parameters()))
     monkeypatch.setattr(profile, "_backward_call_s", lambda timer: 0.0)
     # Three rounds of (forward, backward, accumulation): the third round is four times as slow.
-    timer = ScriptedTimer([1.0, 2.0, 0.5, 1.0, 2.0, 0.5, 4.0, 8.0, 2.0])
+    timer = _ScriptedTimer([1.0, 2.0, 0.5, 1.0, 2.0, 0.5, 4.0, 8.0, 2.0])
     [(fwd_s, bwd_s, accum_s)], _ = profile._time_in_rounds([segment], timer, warmup=0, repeats=3)
     assert (fwd_s, bwd_s, accum_s) == (2.0, 4.0, 1.0)  # the medians would be 1.0, 2.0 and 0.5
 
@@ -273,30 +266,50 @@ def test_the_whole_graph_is_timed_beside_the_segments_and_recorded(small_traced)
     assert whole is not None and not whole.fitted
     assert whole.fwd_s > 0 and whole.bwd_s > 0 and whole.accum_s > 0
     assert whole.segments_fwd_s == pytest.approx(sum(c.fwd_s for c in costs))
-    assert whole.segments_bwd_s == pytest.approx(sum(c.bwd_s for c in costs))
+    # The segments' backwards as timed, each with its own start, which the costs leave out.
+    assert whole.segments_bwd_s > sum(c.bwd_s for c in costs) > 0
     # Estimated sources and copied segments time no rounds: nothing to record.
     assert profile_segments(small_traced, cost="flops", device_flops=1e9, progress=False).whole is None
 
 
-def test_fit_to_whole_scales_each_pass_so_the_segments_add_up_to_the_whole(small_traced, monkeypatch):
+class _ScriptedTimer:
+    """Runs the work, reports the scripted seconds in order."""
+
+    def __init__(self, seconds):
+        self.seconds, self.device = iter(seconds), torch.device("cpu")
+
+    def time(self, fn):
+        return next(self.seconds), fn()
+
+
+def _two_linear_segments_and_whole():
+    layers = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    segments = [(torch.fx.symbolic_trace(m), lambda: [torch.randn(2, 4)], list(m.parameters())) for m in layers]
+    whole = (torch.fx.symbolic_trace(nn.Sequential(*layers)), lambda: [torch.randn(2, 4)],
+             [p for m in layers for p in m.parameters()])
+    return segments, whole
+
+
+# Per round: the two segments' forwards, their backward + accumulation each (last segment
+# first), then the whole graph's forward, backward and accumulation.
+_ROUND = [1.0, 3.0, 2.0, 0.5, 4.0, 0.5]
+
+
+def test_fit_scales_each_pass_so_the_segments_add_up_to_the_whole(monkeypatch):
     import autopipe.profile as profile
 
-    n = small_traced.num_segments
-    scripted = [(0.001 * (k + 1), 0.002 * (k + 1), 0.0005) for k in range(n)]
-    sums = [sum(t[i] for t in scripted) for i in range(3)]
-    whole = profile.WholePass(sums[0] / 2, sums[1], sums[2] * 4, *sums, scales=(0.5, 1.0, 4.0), fitted=False)
-
-    def scripted_rounds(segments, timer, warmup, repeats, flush=None, whole_graph=None):
-        return list(scripted), whole
-
-    monkeypatch.setattr(profile, "_time_in_rounds", scripted_rounds)
-    costs = profile_segments(small_traced, device="cpu", warmup=0, repeats=1, progress=False, fit_to_whole=True)
-    assert costs.whole is whole and whole.fitted
-    assert [c.fwd_s for c in costs] == pytest.approx([f / 2 for f, _, _ in scripted])  # shares kept
-    assert [c.bwd_s for c in costs] == pytest.approx([b for _, b, _ in scripted])
-    assert [c.accum_s for c in costs] == pytest.approx([0.002] * n)
-    assert sum(c.fwd_s for c in costs) == pytest.approx(whole.fwd_s)
-    assert whole.segments_fwd_s == pytest.approx(sums[0])  # the sums before scaling are kept
+    monkeypatch.setattr(profile, "_backward_call_s", lambda timer: 0.25)
+    segments, whole = _two_linear_segments_and_whole()
+    timer = _ScriptedTimer((_ROUND + [2.0, 9.0, 4.0]) * 2)
+    fitted, wp = profile._time_in_rounds(segments, timer, warmup=0, repeats=2, whole=whole, fit=True)
+    assert wp.fitted and wp.scales == pytest.approx((0.5, 1.5, 4.0))
+    assert (wp.segments_fwd_s, wp.segments_bwd_s, wp.segments_accum_s) == pytest.approx((4.0, 6.0, 1.0))
+    # Shares kept, totals those of the whole graph; no backward start taken off (the whole pays one).
+    assert fitted == [pytest.approx((0.5, 6.0, 2.0)), pytest.approx((1.5, 3.0, 2.0))]
+    # Not fitted: the segments' own means, each backward less the start it paid on its own.
+    timer = _ScriptedTimer((_ROUND + [2.0, 9.0, 4.0]) * 2)
+    plain, wp = profile._time_in_rounds(segments, timer, warmup=0, repeats=2, whole=whole)
+    assert not wp.fitted and plain == [pytest.approx((1.0, 3.75, 0.5)), pytest.approx((3.0, 1.75, 0.5))]
 
 
 def test_the_scales_are_the_median_over_rounds_of_whole_over_segments(monkeypatch):
@@ -304,26 +317,31 @@ def test_the_scales_are_the_median_over_rounds_of_whole_over_segments(monkeypatc
     # must not drag the segments' times with it.
     import autopipe.profile as profile
 
-    class ScriptedTimer:
-        def __init__(self, seconds):
-            self.seconds, self.device = iter(seconds), torch.device("cpu")
-
-        def time(self, fn):
-            return next(self.seconds), fn()
-
-    layers = [nn.Linear(4, 4), nn.Linear(4, 4)]
-    segments = [(torch.fx.symbolic_trace(m), lambda: [torch.randn(2, 4)], list(m.parameters())) for m in layers]
-    whole = (torch.fx.symbolic_trace(nn.Sequential(*layers)), lambda: [torch.randn(2, 4)],
-             [p for m in layers for p in m.parameters()])
     monkeypatch.setattr(profile, "_backward_call_s", lambda timer: 0.0)
-    # Per round: segment forwards (1, 1), their backward+accumulation (2, 0.5) x2, then the whole
-    # graph's forward, backward, accumulation. The whole forward takes 1.0 (ratio 0.5), once 10.0.
-    one = [1.0, 1.0, 2.0, 0.5, 2.0, 0.5]
-    rounds = [one + [1.0, 2.0, 1.0], one + [10.0, 2.0, 1.0], one + [1.0, 2.0, 1.0]]
-    timer = ScriptedTimer([x for r in rounds for x in r])
-    _, wp = profile._time_in_rounds(segments, timer, warmup=0, repeats=3, whole=whole)
-    assert wp.scales == pytest.approx((0.5, 0.5, 1.0))
-    assert wp.fwd_s == pytest.approx(4.0) and wp.segments_fwd_s == pytest.approx(2.0)  # the means
+    segments, whole = _two_linear_segments_and_whole()
+    rounds = [_ROUND + [2.0, 6.0, 1.0], _ROUND + [20.0, 6.0, 1.0], _ROUND + [2.0, 6.0, 1.0]]
+    _, wp = profile._time_in_rounds(segments, _ScriptedTimer([x for r in rounds for x in r]), warmup=0, repeats=3,
+                                    whole=whole)
+    assert wp.scales == pytest.approx((0.5, 1.0, 1.0))
+    assert wp.fwd_s == pytest.approx(8.0) and wp.segments_fwd_s == pytest.approx(4.0)  # the means
+
+
+def test_profile_segments_hands_the_whole_graph_and_the_fit_to_the_rounds(small_traced, monkeypatch):
+    import autopipe.profile as profile
+
+    seen = []
+    real = profile._time_in_rounds
+
+    def spy(segments, timer, warmup, repeats, flush=None, whole=None, fit=False):
+        seen.append((whole is not None, fit))
+        return real(segments, timer, warmup, repeats, flush, whole, fit)
+
+    monkeypatch.setattr(profile, "_time_in_rounds", spy)
+    fitted = profile_segments(small_traced, device="cpu", warmup=0, repeats=1, progress=False, fit_to_whole=True)
+    profile_segments(small_traced, device="cpu", warmup=0, repeats=1, progress=False)
+    assert seen == [(True, True), (True, False)]  # the CPU's default: not fitted
+    assert fitted.whole.fitted
+    assert sum(c.fwd_s for c in fitted) == pytest.approx(fitted.whole.segments_fwd_s * fitted.whole.scales[0])
 
 
 def test_fit_to_whole_defaults_to_cuda_only_and_rejects_other_values(small_traced):
