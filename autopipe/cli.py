@@ -204,7 +204,13 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-flush-cache", action="store_true",
                    help="keep the caches warm between the profile's passes (default: empty them, as a "
                         "pipeline action finds them)")
+    p.add_argument("--fit-to-whole", choices=("auto", "yes", "no"), default="auto",
+                   help="scale the segments' times to the whole graph timed beside them (auto: on CUDA only)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _fit_to_whole(args: argparse.Namespace) -> bool | None:
+    return {"auto": None, "yes": True, "no": False}[args.fit_to_whole]
 
 
 def _add_output_options(p: argparse.ArgumentParser) -> None:
@@ -415,7 +421,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
         traced = trace(loaded.model, loaded.example_args, loaded.example_kwargs)
     costs = profile_segments(traced, cost=args.cost, device=args.device, warmup=args.warmup,
                              repeats=args.repeats, progress=not args.no_progress,
-                             flush_cache=not args.no_flush_cache)
+                             flush_cache=not args.no_flush_cache, fit_to_whole=_fit_to_whole(args))
     rows = layer_rows(traced, costs)
     shown = sort_layer_rows(rows, args.sort)[: args.top]
     order = "graph order" if args.sort == "graph" else f"largest {args.sort} first"
@@ -464,7 +470,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         latency_s=None if args.latency_us is None else args.latency_us * 1e-6,
         action_overhead_s=None if args.action_overhead_ms is None else args.action_overhead_ms * 1e-3,
         warmup=args.warmup, repeats=args.repeats, progress=not args.no_progress,
-        flush_cache=not args.no_flush_cache,
+        flush_cache=not args.no_flush_cache, fit_to_whole=_fit_to_whole(args),
     )
     return _show_plan(plan, args)
 

@@ -40,7 +40,8 @@ from .devices import (Device, default_action_overhead_s, default_copy_bandwidth,
 from .errors import InfeasibleMemoryError
 from .partitioner import PartitionProblem, PartitionResult, candidate_partitions, solve_bottleneck
 from .plan import BaselinePlan, Plan, StagePlan
-from .profile import COST_SOURCES, LossCost, check_flush_cache, profile_loss, profile_segments, resolve_device
+from .profile import (COST_SOURCES, LossCost, check_fit_to_whole, check_flush_cache, profile_loss, profile_segments,
+                      resolve_device)
 from .scaling import ScaledProfile, profile_scaling
 from .trace import TracedModel, _module_spans, trace
 
@@ -617,6 +618,7 @@ def partition(
     example_target: Any = None,
     progress: bool = True,
     flush_cache: bool = True,
+    fit_to_whole: bool | None = None,
 ) -> Plan:
     """Find where to cut ``model`` into pipeline stages so the schedule runs fastest.
 
@@ -674,6 +676,10 @@ def partition(
             pipeline action finds them (:func:`autopipe.profile.profile_segments`); ``False``
             keeps them warm, for hosts whose last-level cache holds a whole stage (compare the
             two with ``benchmarks/prediction_accuracy``'s ``warm_cache`` column).
+        fit_to_whole: Scale the segments' times so that they add up to the whole graph
+            timed as one beside them (:class:`autopipe.profile.WholePass`). ``None``
+            (default): on CUDA only, where segments timed one by one add up to 1.4-1.9x the
+            model (:func:`autopipe.profile.profile_segments`).
         costs: A profile to reuse (``plan.extras`` or :func:`autopipe.profile.profile_segments`
             output, one :class:`~autopipe.costgraph.SegmentCost` per segment): skips measuring,
             and the same costs always give the same plan.
@@ -727,6 +733,7 @@ def partition(
     _check_int("warmup", warmup, 0)
     _check_int("repeats", repeats, 1)
     check_flush_cache(flush_cache)
+    check_fit_to_whole(fit_to_whole)
 
     # ---- trace, profile, cost graph (one per micro-batch count)
     traced = trace(model, example_args, example_kwargs)
@@ -746,10 +753,10 @@ def partition(
         scaling = profile_scaling(model, example_args, example_kwargs,
                                   sizes=_scaling_sizes(global_batch, wanted.n_microbatches),
                                   cost=cost, device=dev, warmup=warmup, repeats=repeats, progress=progress,
-                                  flush_cache=flush_cache)
+                                  flush_cache=flush_cache, fit_to_whole=fit_to_whole)
     if not wanted.auto_microbatches and costs is None:
         costs = profile_segments(traced, cost=cost, device=dev, warmup=warmup, repeats=repeats, progress=progress,
-                                 flush_cache=flush_cache)
+                                 flush_cache=flush_cache, fit_to_whole=fit_to_whole)
     loss = None
     if loss_fn is not None:
         loss = profile_loss(model, traced.example_args, traced.example_kwargs, loss_fn, example_target,
@@ -796,6 +803,8 @@ def partition(
     )
     if loss is not None:
         plan.extras["loss"] = asdict(loss)
+    if getattr(costs, "whole", None) is not None:  # what the whole graph took beside the segments
+        plan.extras["whole_pass"] = asdict(costs.whole)
     if global_batch is not None:
         plan.extras["global_batch"] = global_batch
         plan.extras["microbatch_size"] = global_batch // chosen.n_microbatches

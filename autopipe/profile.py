@@ -97,6 +97,12 @@ def check_flush_cache(flush_cache: Any) -> None:
         raise ValueError(f"flush_cache={flush_cache!r} must be True or False")
 
 
+def check_fit_to_whole(fit_to_whole: Any) -> None:
+    """Raise ``ValueError`` unless ``fit_to_whole`` is True, False or None (every entry point that profiles checks it first)."""
+    if not (fit_to_whole is None or isinstance(fit_to_whole, bool)):
+        raise ValueError(f"fit_to_whole={fit_to_whole!r} must be True, False or None (None: on CUDA only)")
+
+
 def per_run_s(samples: Sequence[float]) -> float:
     """The seconds one run of a piece of work is charged, from its timed runs: their mean.
 
@@ -233,9 +239,10 @@ class _SegmentModule:
     outputs: list[str]  # graph value names later segments (or the model output) read
 
 
-def _segment_modules(traced: TracedModel) -> list[_SegmentModule]:
-    """One small GraphModule per segment, over the shared root (parameters are not copied)."""
-    gm = traced.graph_module
+def _segment_modules(traced: TracedModel, gm: fx.GraphModule | None = None) -> list[_SegmentModule]:
+    """One small GraphModule per segment, over the shared root ``gm`` (default the traced model's
+    graph, else a copy of it); parameters are not copied."""
+    gm = traced.graph_module if gm is None else gm
     by_name = {n.name: n for n in gm.graph.nodes}
     # Unlifting may rename the model's input placeholders (input -> input_1); they keep their
     # order, so map them back to the exported program's names, which the profiler feeds.
@@ -641,11 +648,13 @@ def profile_segments(
         cost: ``"measured"`` (time it), ``"flops"`` or ``"params"`` (estimate it); see the
             module docstring.
         device: Where to run: ``"cpu"``, ``"cuda"``, ``"cuda:1"``; default CUDA if present.
-            When the model lives elsewhere, each segment is copied there in turn, so the
-            model need not fit on it whole.
+            When the model lives elsewhere, a copy of it is profiled there (the model is
+            left where it is); only when the copy does not fit, each segment is copied
+            there in turn and timed on its own (with a warning on CUDA: such times add up to
+            more than the model's, and nothing is fitted to the whole graph).
         warmup: Untimed runs before timing (measured source only).
         repeats: Timed runs; their mean is kept (:func:`per_run_s`; measured source only). When the model
-            already lives on ``device``, each run is a round over the whole model - every
+            (or its copy) is on ``device``, each run is a round over the whole model - every
             segment's forward in order, then every backward in reverse, as in training -
             rather than one segment run again and again: a segment repeated back to back
             finds its weights and inputs still in the cache, which in training it does not,
@@ -653,8 +662,8 @@ def profile_segments(
         device_flops: FLOP/s used to turn FLOPs into seconds; measured when omitted.
         progress: Show a progress bar.
         flush_cache: Empty the device's caches (:class:`CacheFlusher`) before each round's
-            forwards and before its backwards (measured source, when the model lives on
-            ``device`` and is timed in rounds). In a pipeline every
+            forwards and before its backwards (measured source, when timed in rounds). In a
+            pipeline every
             action starts with its stage's weights out of the cache, as other micro-batches
             and stages ran since; timed with the caches still warm from the previous round,
             the model's stages took 1.03-1.08x longer on this project's CPU host than profiled
@@ -693,13 +702,42 @@ def profile_segments(
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1")
     check_flush_cache(flush_cache)
-    if fit_to_whole not in (None, True, False):
-        raise ValueError(f"fit_to_whole={fit_to_whole!r} must be True, False or None (None: on CUDA only)")
+    check_fit_to_whole(fit_to_whole)
     dev = resolve_device(device)
     fit = fit_to_whole_default(dev) if fit_to_whole is None else fit_to_whole
-    timer = Timer(dev)
     gm = traced.graph_module
-    seg_mods = _segment_modules(traced)
+    if cost == "measured" and not _lives_on(gm, dev):
+        # Time a copy of the whole model on the device when it fits: then the segments are
+        # timed in rounds beside the whole graph. Only when it does not, one segment at a time.
+        try:
+            return _profile(traced, copy_to_device(gm, dev), dev, cost=cost, warmup=warmup, repeats=repeats,
+                            progress=progress, flush_cache=flush_cache, fit=fit)
+        except torch.cuda.OutOfMemoryError:
+            pass  # the copy and what it held go with the exception
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+            warnings.warn(
+                f"{traced.model_name} does not fit on {dev} whole for profiling: each segment is copied "
+                "there and timed on its own, and on a GPU such times add up to well over the model's "
+                "(1.4-2.3x on one H100, docs/costs-and-measurement.md section 1). Profile on a GPU with "
+                "room for the model and one micro-batch's activations to have the segments fitted to the "
+                "whole graph", stacklevel=2)
+    return _profile(traced, gm, dev, cost=cost, warmup=warmup, repeats=repeats, progress=progress,
+                    flush_cache=flush_cache, fit=fit, device_flops=device_flops)
+
+
+def _lives_on(module: torch.nn.Module, dev: torch.device) -> bool:
+    """Whether every parameter and buffer of ``module`` is on ``dev``."""
+    return all(t.device == dev for t in (*module.parameters(), *module.buffers()))
+
+
+def _profile(
+    traced: TracedModel, gm: fx.GraphModule, dev: torch.device, *, cost: str, warmup: int, repeats: int,
+    progress: bool, flush_cache: bool, fit: bool, device_flops: float | None = None,
+) -> SegmentCosts:
+    """:func:`profile_segments` on the graph ``gm`` (the traced model's own, or a copy on ``dev``)."""
+    timer = Timer(dev)
+    seg_mods = _segment_modules(traced, gm)
     rg_ep = requires_grad_map(traced)
     needs_grad = {n.name: v for n, v in rg_ep.items()}
 
@@ -723,15 +761,8 @@ def profile_segments(
     params_seen: set[int] = set()
     costs = SegmentCosts()
     # Time whole rounds over the model when no segment has to be copied to the device.
-    in_rounds = cost == "measured" and all(t.device == dev for t in (*gm.parameters(), *gm.buffers()))
+    in_rounds = cost == "measured" and _lives_on(gm, dev)
     rounds: list[tuple[fx.GraphModule, Callable[[], list[Any]], list[torch.Tensor]]] = []
-    if cost == "measured" and not in_rounds and dev.type == "cuda":
-        warnings.warn(
-            f"profiling on {dev} a model that lives elsewhere: each segment is copied there and timed "
-            "on its own, and on a GPU such times add up to well over the model's (1.4-2.3x on one H100, "
-            "docs/costs-and-measurement.md section 1). Move the model to the GPU first, if it fits, so "
-            "that the profile also times it whole and fits the segments to it (fit_to_whole)",
-            stacklevel=2)
     with _model_state_preserved(gm):
         for k, sm in enumerate(progress_iter(seg_mods, "profiling segments", enabled=progress)):
             module = sm.module

@@ -50,7 +50,7 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .costgraph import SegmentCost, build_cost_graph, requires_grad_map, tensor_bytes
-from .profile import COST_SOURCES, check_flush_cache, measure_device_flops, profile_segments, resolve_device
+from .profile import COST_SOURCES, check_fit_to_whole, check_flush_cache, measure_device_flops, profile_segments, resolve_device
 from .trace import resolve_example_inputs, trace
 
 __all__ = [
@@ -484,6 +484,7 @@ def profile_scaling(
     device_flops: float | None = None,
     progress: bool = True,
     flush_cache: bool = True,
+    fit_to_whole: bool | None = None,
 ) -> ScaledProfile:
     """Profile ``model`` at several micro-batch sizes and fit each cost as ``a + c*b``.
 
@@ -513,6 +514,8 @@ def profile_scaling(
         progress: Show progress bars.
         flush_cache: Empty the device's caches between the profile's passes, as
             :func:`autopipe.profile.profile_segments` does by default; ``False`` keeps them warm.
+        fit_to_whole: Scale each size's segments to its whole graph, as
+            :func:`autopipe.profile.profile_segments` does (default: on CUDA only).
 
     Returns:
         A :class:`ScaledProfile`; evaluate it with ``costs_at(b)`` / ``cut_bytes_at(b)``.
@@ -541,6 +544,7 @@ def profile_scaling(
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r} must be an integer >= 1")
     check_flush_cache(flush_cache)
+    check_fit_to_whole(fit_to_whole)
     if device_flops is not None and not (isinstance(device_flops, (int, float)) and device_flops > 0):
         raise ValueError(f"device_flops={device_flops!r} must be > 0 FLOP/s")
     args, kwargs = resolve_example_inputs(model, example_args, example_kwargs)
@@ -563,7 +567,8 @@ def profile_scaling(
         elif seg_names != names:
             raise ValueError(_mismatch_message(sizes[0], names, b, seg_names))
         measured[b] = profile_segments(traced, cost=cost, device=dev, warmup=warmup, repeats=repeats,
-                                       device_flops=device_flops, progress=progress, flush_cache=flush_cache)
+                                       device_flops=device_flops, progress=progress, flush_cache=flush_cache,
+                                       fit_to_whole=fit_to_whole)
         cost_graph = build_cost_graph(traced)
         measured_cuts[b] = (list(cost_graph.cut_fwd_bytes), list(cost_graph.cut_bwd_bytes))
 

@@ -294,12 +294,23 @@ def render_gpu_one_rank(d: dict[str, Any], behind: list[str]) -> str:
     if err > 0.10:
         behind.append(f"one GPU ({s['device']}): the plan's step is off by {err * 100:.0f}% (median |error|, "
                       f"m = {s['check_m']}; target 10%); section 8.")
-    return "\n\n".join([
+    sign = " (negative: the profile's compute is already too long)" if s["overhead_fitted_s"] < 0 else ""
+    parts = [
         table(["model", "schedule", "m", "measured", "predicted", "error", "implied overhead per action"], rows),
         f"Median |error| at m = {s['check_m']}: {err * 100:.1f}% as planned (CUDA's default overhead, 0), "
         f"{s['median_abs_error_fitted'] * 100:.1f}% with one overhead per action fitted on m = {s['fit_m']} "
-        f"({s['overhead_fitted_s'] * 1e6:.0f} us; negative: the profile's compute is already too long).",
-    ])
+        f"({s['overhead_fitted_s'] * 1e6:.0f} us{sign}).",
+    ]
+    wholes = {r["model"]: r["profile_whole"] for r in d["rows"] if r.get("profile_whole")}
+    if wholes:  # runs since the profile times the whole graph beside its segments
+        parts.append("The profile's segments timed one by one against the whole graph (forward / backward, "
+                     "per micro-batch; the segments are scaled to the whole when fitted):\n\n" + table(
+                         ["model", "segments", "whole graph", "scales", "fitted"],
+                         [[m, f"{ms(w['segments_fwd_s'], 2)} / {ms(w['segments_bwd_s'], 2)}",
+                           f"{ms(w['fwd_s'], 2)} / {ms(w['bwd_s'], 2)}",
+                           " / ".join(f"{x:.2f}" for x in w["scales"][:2]), "yes" if w["fitted"] else "no"]
+                          for m, w in wholes.items()]))
+    return "\n\n".join(parts)
 
 
 def render_runtime_overhead(d: dict[str, Any], behind: list[str]) -> str:

@@ -377,3 +377,48 @@ def test_a_cuda_device_without_an_index_resolves_to_the_current_one(monkeypatch)
     assert resolve_device(None) == torch.device("cuda", 1)
     assert resolve_device("cuda:0") == torch.device("cuda", 0)
     assert resolve_device("cpu") == torch.device("cpu")
+
+
+def test_a_model_living_elsewhere_is_profiled_as_a_whole_copy_when_it_fits(small_traced, monkeypatch):
+    # As on a GPU for a model kept on the CPU: a copy of the whole model goes to the device
+    # and is timed in rounds beside its whole graph; the user's model is not touched.
+    import autopipe.profile as profile
+
+    user_graph = small_traced.graph_module
+    real_lives_on = profile._lives_on
+    monkeypatch.setattr(profile, "_lives_on", lambda m, dev: m is not user_graph and real_lives_on(m, dev))
+    copies = []
+    real_copy = profile.copy_to_device
+
+    def counting_copy(module, device):
+        copies.append(module is user_graph)
+        return real_copy(module, device)
+
+    monkeypatch.setattr(profile, "copy_to_device", counting_copy)
+    before = {n: p.detach().clone() for n, p in user_graph.named_parameters()}
+    costs = profile_segments(small_traced, device="cpu", warmup=0, repeats=1, progress=False)
+    assert copies == [True]  # one copy, of the whole graph; no segment copied on its own
+    assert costs.whole is not None and all(c.fwd_s > 0 for c in costs)
+    assert all(torch.equal(p, before[n]) and p.grad is None for n, p in user_graph.named_parameters())
+
+
+def test_a_model_too_big_for_the_device_is_profiled_one_segment_at_a_time(small_traced, monkeypatch):
+    import autopipe.profile as profile
+
+    user_graph = small_traced.graph_module
+    real_lives_on = profile._lives_on
+    monkeypatch.setattr(profile, "_lives_on", lambda m, dev: m is not user_graph and real_lives_on(m, dev))
+    real_copy = profile.copy_to_device
+
+    def copy_or_oom(module, device):
+        if module is user_graph:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_copy(module, device)
+
+    monkeypatch.setattr(profile, "copy_to_device", copy_or_oom)
+    timed_alone = []
+    real_alone = profile._time_alone
+    monkeypatch.setattr(profile, "_time_alone", lambda *a: timed_alone.append(1) or real_alone(*a))
+    costs = profile_segments(small_traced, device="cpu", warmup=0, repeats=1, progress=False)
+    assert costs.whole is None and len(timed_alone) == small_traced.num_segments
+    assert all(c.fwd_s > 0 for c in costs)

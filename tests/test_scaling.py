@@ -195,6 +195,8 @@ def test_a_flush_cache_that_is_not_a_bool_raises_before_tracing(monkeypatch):
     monkeypatch.setattr(scaling, "trace", no_trace)
     with pytest.raises(ValueError, match="flush_cache=1 must be True or False"):
         profile_scaling(nn.Linear(4, 4), (torch.randn(2, 4),), flush_cache=1)
+    with pytest.raises(ValueError, match="fit_to_whole=1 must be True, False or None"):
+        profile_scaling(nn.Linear(4, 4), (torch.randn(2, 4),), fit_to_whole=1)
 
 
 def test_a_batch_dim_no_input_has_raises():

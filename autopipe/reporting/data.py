@@ -122,6 +122,7 @@ def report_data(
         "device": plan.device,
         "optimizer": plan.optimizer,
         "planner_s": plan.planner_s,
+        "whole_pass": dict(plan.extras["whole_pass"]) if plan.extras.get("whole_pass") else None,
         "best_baseline": best_baseline.name if best_baseline else None,
         "speedup_over_best_baseline": (best_baseline.predicted_step_s / step) if best_baseline and step > 0 else None,
     }

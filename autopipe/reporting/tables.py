@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .text import format_bytes, format_seconds
+from .text import format_bytes, format_seconds, whole_pass_line
 
 __all__ = [
     "Table",
@@ -83,6 +83,8 @@ def summary_lines(data: dict[str, Any]) -> list[str]:
         f"Costs {s['cost_source']} on {s['device']}; memory includes {s['optimizer']} optimizer state; "
         f"exact search took {format_seconds(s['planner_s'])}."
     )
+    if s.get("whole_pass"):
+        lines.append(whole_pass_line(s["whole_pass"]))
     return lines
 
 

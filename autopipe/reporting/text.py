@@ -8,12 +8,12 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..plan import Plan
 
-__all__ = ["plan_to_text", "format_bytes", "format_seconds"]
+__all__ = ["plan_to_text", "format_bytes", "format_seconds", "whole_pass_line"]
 
 
 def format_bytes(n: float) -> str:
@@ -75,6 +75,8 @@ def plan_to_text(plan: "Plan") -> str:
         f"predicted step: {format_seconds(plan.predicted_step_s)} (simulated {plan.schedule}, "
         f"bubble {plan.bubble_fraction:.1%})",
     ]
+    if plan.extras.get("whole_pass"):
+        out.append(whole_pass_line(plan.extras["whole_pass"]))
     if "step_lower_bound_s" in plan.extras:
         out.append(
             f"search: objective '{plan.objective}', {plan.extras.get('search', {}).get('candidates', 1)} candidate "
@@ -109,3 +111,19 @@ def plan_to_text(plan: "Plan") -> str:
         out += _table(["baseline", "split points", "bottleneck", "step", "autopipe faster by", "peak mem", "fits"], rows)
         out += [f"  {b.name}: {b.description}" for b in plan.baselines]
     return "\n".join(out)
+
+
+def whole_pass_line(whole: dict[str, Any]) -> str:
+    """One sentence on the profile's segments against the whole graph timed beside them (``WholePass`` as a dict).
+
+    Example:
+        >>> whole_pass_line(dict(segments_fwd_s=0.012, segments_bwd_s=0.02, fwd_s=0.008, bwd_s=0.01,
+        ...                      scales=(0.67, 0.5, 0.4), fitted=True))  # doctest: +NORMALIZE_WHITESPACE
+        'Profile: the segments timed one by one came to 12.00 ms forward and 20.00 ms backward, the whole graph
+        timed as one to 8.00 ms and 10.00 ms; segments scaled x0.67 and x0.50 to it.'
+    """
+    scaled = (f"segments scaled x{whole['scales'][0]:.2f} and x{whole['scales'][1]:.2f} to it" if whole["fitted"]
+              else "segments not scaled to it")
+    return (f"Profile: the segments timed one by one came to {format_seconds(whole['segments_fwd_s'])} forward "
+            f"and {format_seconds(whole['segments_bwd_s'])} backward, the whole graph timed as one to "
+            f"{format_seconds(whole['fwd_s'])} and {format_seconds(whole['bwd_s'])}; {scaled}.")
