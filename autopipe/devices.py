@@ -69,9 +69,12 @@ def default_link(device_type: str) -> tuple[float, float]:
 #: Default seconds each pipeline action (F, B, I, W) costs beyond its compute, per device type.
 #: CPU: gloo processes on a shared 2-core host, measured with
 #: `python -m autopipe.measure --overhead` (docs/costs-and-measurement.md).
-#: CUDA: none is assumed. The one GPU lent so far (an H100) could not run the two-rank probe
-#: (NCCL refuses two ranks on one device); one-rank pipelines there took less than even the
-#: profiled compute alone (benchmarks/gpu_one_rank), so no positive figure was justified.
+#: CUDA: none is assumed. The GPUs lent so far (one H100 at a time) could not run the
+#: two-rank probe (NCCL refuses two ranks on one device). One-stage pipelines on one H100
+#: implied -0.9 to +0.2 ms per action for four of five models (GPT-2: -1.8 to -1.4 ms) once the
+#: profile was fitted to the whole graph
+#: (benchmarks/gpu_one_rank), so 0; two stages on that rank, sending to itself through NCCL,
+#: implied 0.27-0.34 ms, the sends' cost, which between two GPUs is unmeasured.
 #: Measure it on your GPUs with autopipe.measure.measure_action_overhead and pass action_overhead_s=.
 _DEFAULT_ACTION_OVERHEAD_S = {"cpu": 0.7e-3, "cuda": 0.0}
 

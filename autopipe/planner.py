@@ -667,8 +667,8 @@ def partition(
         action_overhead_s: Seconds every pipeline action (a stage's forward or backward of
             one micro-batch) costs beyond its compute: the runtime's own work, which the
             profile does not see. Default 0.7 ms on CPU (gloo processes, measured on a
-            2-core host), 0 on CUDA (on one H100 the profiled compute alone already came
-            out longer than torch's runtime took: benchmarks/gpu_one_rank). Measure yours with
+            2-core host), 0 on CUDA (one-stage pipelines on one H100 implied about 0:
+            benchmarks/gpu_one_rank; a send between GPUs is not in it). Measure yours with
             :func:`autopipe.measure.measure_action_overhead`.
         warmup: Untimed runs per segment before measuring.
         repeats: Timed runs per segment; their mean is kept (:func:`autopipe.profile.per_run_s`).
@@ -678,7 +678,7 @@ def partition(
             two with ``benchmarks/prediction_accuracy``'s ``warm_cache`` column).
         fit_to_whole: Scale the segments' times so that they add up to the whole graph
             timed as one beside them (:class:`autopipe.profile.WholePass`). ``None``
-            (default): on CUDA only, where segments timed one by one add up to 1.4-1.9x the
+            (default): on CUDA only, where segments timed one by one add up to 1.2-3x the
             model (:func:`autopipe.profile.profile_segments`).
         costs: A profile to reuse (``plan.extras`` or :func:`autopipe.profile.profile_segments`
             output, one :class:`~autopipe.costgraph.SegmentCost` per segment): skips measuring,

@@ -616,7 +616,8 @@ class _WholeGraph(torch.nn.Module):
 def fit_to_whole_default(device: torch.device) -> bool:
     """Whether :func:`profile_segments` scales segments to the whole graph by default on ``device``.
 
-    On CUDA: yes, the segments timed one by one add up to 1.4-1.9x the whole graph there.
+    On CUDA: yes, the segments timed one by one added up to 1.2-1.5x the whole graph's forward and
+    2.2-3x its backward on one H100.
     On the CPU: no; a segment's start costs little there and the sums were within
     0.89-1.19x of the whole, either way by model (docs/costs-and-measurement.md section 1).
 
@@ -719,7 +720,7 @@ def profile_segments(
             warnings.warn(
                 f"{traced.model_name} does not fit on {dev} whole for profiling: each segment is copied "
                 "there and timed on its own, and on a GPU such times add up to well over the model's "
-                "(1.4-2.3x on one H100, docs/costs-and-measurement.md section 1). Profile on a GPU with "
+                "(1.4-2.4x on one H100, docs/costs-and-measurement.md section 1). Profile on a GPU with "
                 "room for the model and one micro-batch's activations to have the segments fitted to the "
                 "whole graph", stacklevel=2)
     return _profile(traced, gm, dev, cost=cost, warmup=warmup, repeats=repeats, progress=progress,

@@ -30,10 +30,10 @@ def test_profile_copies_segments_to_the_gpu_and_leaves_the_model_alone() -> None
     before = {k: v.clone() for k, v in model.state_dict().items()}
     traced = trace(model, args)
     on_cpu = profile_segments(traced, device="cpu", repeats=2, progress=False)
-    # Segments timed one by one on a GPU add up to far more than the model: the user is told.
-    with pytest.warns(UserWarning, match="Move the model to the GPU first"):
-        on_gpu = profile_segments(traced, device="cuda", repeats=2, progress=False)
-    # The model stayed on the CPU, unchanged: each segment was copied to the GPU.
+    on_gpu = profile_segments(traced, device="cuda", repeats=2, progress=False)
+    # A copy of the whole model was timed on the GPU, beside its whole graph, and fitted to it.
+    assert on_gpu.whole is not None and on_gpu.whole.fitted
+    # The model stayed on the CPU, unchanged.
     assert all(p.device.type == "cpu" for p in model.parameters())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert len(on_gpu) == len(on_cpu)
@@ -46,6 +46,25 @@ def test_profile_copies_segments_to_the_gpu_and_leaves_the_model_alone() -> None
     # not by much in total.
     cpu_act, gpu_act = sum(c.act_bytes for c in on_cpu), sum(g.act_bytes for g in on_gpu)
     assert 0.5 < gpu_act / cpu_act < 2.0, (cpu_act, gpu_act)
+
+
+def test_a_model_too_big_for_the_gpu_is_profiled_one_segment_at_a_time_with_a_warning(monkeypatch) -> None:
+    import autopipe.profile as profile
+
+    model, args = _small_model()
+    traced = trace(model, args)
+    real_copy = profile.copy_to_device
+
+    def copy_or_oom(module, device):
+        if module is traced.graph_module:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real_copy(module, device)
+
+    monkeypatch.setattr(profile, "copy_to_device", copy_or_oom)
+    # Segments timed one by one on a GPU add up to far more than the model: the user is told.
+    with pytest.warns(UserWarning, match="does not fit on cuda:0 whole"):
+        costs = profile_segments(traced, device="cuda", repeats=2, progress=False)
+    assert costs.whole is None and all(c.fwd_s > 0 for c in costs)
 
 
 def test_profile_in_rounds_on_the_gpu() -> None:
@@ -68,6 +87,8 @@ def test_partition_on_the_gpu() -> None:
     model, args = _small_model()
     plan = autopipe.partition(model, 2, args, device="cuda", n_microbatches=4, progress=False)
     assert plan.num_stages == 2
+    # The CPU-resident model was profiled as a whole copy on the GPU, fitted to its whole graph.
+    assert plan.extras["whole_pass"]["fitted"] and "segments scaled x" in plan.report()
     assert plan.predicted_step_s > 0
     assert all(st.fwd_s > 0 and st.peak_bytes > 0 for st in plan.stages)
     assert "stage" in plan.report()
