@@ -63,7 +63,8 @@ def test_prediction_accuracy_reports_signed_errors_and_memory_per_rank(tmp_path)
     assert data["benchmark"] == "prediction_accuracy"
     (row,) = data["rows"]
     assert _finite_positive(row["measured_step_s"])
-    assert set(row["errors"]) >= {"predicted_step_s", "calibrated_step_s"}
+    assert set(row["errors"]) >= {"predicted_step_s", "calibrated_step_s", "whole_fit_step_s"}
+    assert row["profile_whole"]["fwd_s"] > 0 and not row["profile_whole"]["fitted"]  # the CPU default
     assert len(row["measured_peak_bytes"]) == 2 and all(b > 0 for b in row["measured_peak_bytes"])
     assert data["summary"]["run"] == 1
 
@@ -76,6 +77,7 @@ def test_gpu_one_rank_compares_the_plan_with_a_one_rank_pipeline(tmp_path):
         assert _finite_positive(r["measured_s"]) and _finite_positive(r["predicted_s"])
         assert len(r["steps_s"]) == 2 and r["actions"] == 2 * r["m"]
         assert r["implied_overhead_s"] == (r["measured_s"] - r["predicted_s"]) / r["actions"]
+        assert r["profile_whole"]["bwd_s"] > 0  # the whole graph timed beside the segments
     s = data["summary"]
     assert (s["fit_m"], s["check_m"]) == (2, 4) and s["device"] == "cpu"
     (checked,) = [r for r in data["rows"] if r["m"] == 4]

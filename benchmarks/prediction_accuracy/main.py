@@ -31,7 +31,7 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +130,12 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
     warm = profile_segments(traced, device=device, warmup=1, repeats=opts.profile_repeats, progress=False,
                             flush_cache=False)
     warm_cache = ([c.fwd_s for c in warm], [c.bwd_s for c in warm], [c.accum_s for c in warm])
+    # And fitted to the whole graph timed beside the segments (fit_to_whole=True; the default
+    # on CUDA only): what the plans would predict had the CPU profile been fitted too.
+    fitted = profile_segments(traced, device=device, warmup=1, repeats=opts.profile_repeats, progress=False,
+                              fit_to_whole=True)
+    whole_fit = ([c.fwd_s for c in fitted], [c.bwd_s for c in fitted], [c.accum_s for c in fitted])
+    profile_whole = asdict(costs.whole) if costs.whole is not None else None
     cases = []
     for sched, v in opts.schedule_list:
         for m in opts.microbatches:
@@ -226,6 +232,8 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
             # host running as fast as during them), with the loss the plan measured.
             **({"same_time_step_s": _same_time_prediction(plan, same_time, slowdown)} if same_time else {}),
             "warm_cache_step_s": _same_time_prediction(plan, warm_cache, slowdown),
+            "whole_fit_step_s": _same_time_prediction(plan, whole_fit, slowdown),
+            "profile_whole": profile_whole, "whole_fit_scales": fitted.whole.scales if fitted.whole else None,
             # Stage times measured alone in one process instead of the profile's sums.
             "calibrated_step_s": plan.calibrate({"fwd_s": [f * slowdown for f in fwd],
                                                  "bwd_s": [b * slowdown for b in bwd]}).predicted_step_s,
@@ -273,6 +281,8 @@ PREDICTIONS = {
                         "fast as during them) instead of before them",
     "warm_cache_step_s": "the plan's prediction from a profile with the caches left warm between its rounds "
                          "(profile_segments(flush_cache=False)), taken right after the plan's own",
+    "whole_fit_step_s": "the plan's prediction from a profile fitted to the whole graph timed beside its "
+                        "segments (profile_segments(fit_to_whole=True)), taken right after the plan's own",
     "calibrated_step_s": "stage times measured alone in one process (plan.calibrate's input) instead of the "
                          "profile's sums, with the measured machine",
     "in_run_step_s": "stage compute timed inside the running pipeline, measured link and overhead, the plan's "
