@@ -619,7 +619,8 @@ def fit_to_whole_default(device: torch.device) -> bool:
     On CUDA: yes, the segments timed one by one added up to 1.2-1.5x the whole graph's forward and
     2.2-3x its backward on one H100.
     On the CPU: no; a segment's start costs little there and the sums were within
-    0.89-1.19x of the whole, either way by model (docs/costs-and-measurement.md section 1).
+    0.89-1.19x of the whole, either way by model, and a fitted profile predicted the 2-rank
+    steps no better (docs/costs-and-measurement.md section 1).
 
     Example:
         >>> fit_to_whole_default(torch.device("cpu"))
