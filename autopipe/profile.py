@@ -711,11 +711,12 @@ def profile_segments(
     if cost == "measured" and not _lives_on(gm, dev):
         # Time a copy of the whole model on the device when it fits: then the segments are
         # timed in rounds beside the whole graph. Only when it does not, one segment at a time.
-        try:
-            return _profile(traced, copy_to_device(gm, dev), dev, cost=cost, warmup=warmup, repeats=repeats,
-                            progress=progress, flush_cache=flush_cache, fit=fit)
-        except torch.cuda.OutOfMemoryError:
-            pass  # the copy and what it held go with the exception
+        if _room_for_whole(gm, dev):
+            try:
+                return _profile(traced, copy_to_device(gm, dev), dev, cost=cost, warmup=warmup, repeats=repeats,
+                                progress=progress, flush_cache=flush_cache, fit=fit)
+            except torch.cuda.OutOfMemoryError:
+                pass  # the copy and what it held go with the exception
         if dev.type == "cuda":
             torch.cuda.empty_cache()
             warnings.warn(
@@ -726,6 +727,22 @@ def profile_segments(
                 "whole graph", stacklevel=2)
     return _profile(traced, gm, dev, cost=cost, warmup=warmup, repeats=repeats, progress=progress,
                     flush_cache=flush_cache, fit=fit, device_flops=device_flops)
+
+
+def _room_for_whole(module: torch.nn.Module, dev: torch.device) -> bool:
+    """Whether a CUDA device has free memory for a copy of ``module`` to profile in rounds.
+
+    Three times its parameters and buffers: the weights, their gradients and the profile's
+    accumulation buffers; the activations are not known before profiling, so a copy that
+    passes this can still run out of memory (the caller then falls back). Checked first so
+    that a model far too big is not copied on the host only to fail on the device. Other
+    devices: True.
+    """
+    if dev.type != "cuda":
+        return True
+    state_bytes = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+    free_bytes, _ = torch.cuda.mem_get_info(dev)
+    return 3 * state_bytes < free_bytes
 
 
 def _lives_on(module: torch.nn.Module, dev: torch.device) -> bool:

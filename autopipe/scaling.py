@@ -50,7 +50,8 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .costgraph import SegmentCost, build_cost_graph, requires_grad_map, tensor_bytes
-from .profile import COST_SOURCES, check_fit_to_whole, check_flush_cache, measure_device_flops, profile_segments, resolve_device
+from .profile import (COST_SOURCES, check_fit_to_whole, check_flush_cache, measure_device_flops, profile_segments,
+                      resolve_device)
 from .trace import resolve_example_inputs, trace
 
 __all__ = [

@@ -422,3 +422,19 @@ def test_a_model_too_big_for_the_device_is_profiled_one_segment_at_a_time(small_
     costs = profile_segments(small_traced, device="cpu", warmup=0, repeats=1, progress=False)
     assert costs.whole is None and len(timed_alone) == small_traced.num_segments
     assert all(c.fwd_s > 0 for c in costs)
+
+
+def test_no_room_on_the_device_skips_the_whole_copy(small_traced, monkeypatch):
+    import autopipe.profile as profile
+
+    user_graph = small_traced.graph_module
+    real_lives_on = profile._lives_on
+    monkeypatch.setattr(profile, "_lives_on", lambda m, dev: m is not user_graph and real_lives_on(m, dev))
+    real_room = profile._room_for_whole
+    monkeypatch.setattr(profile, "_room_for_whole", lambda m, dev: False)
+    copied = []
+    real_copy = profile.copy_to_device
+    monkeypatch.setattr(profile, "copy_to_device", lambda m, d: copied.append(m is user_graph) or real_copy(m, d))
+    costs = profile_segments(small_traced, device="cpu", warmup=0, repeats=1, progress=False)
+    assert True not in copied and costs.whole is None  # never copied whole; timed one segment at a time
+    assert real_room(user_graph, torch.device("cpu"))  # only CUDA's free memory is checked
