@@ -45,7 +45,7 @@ from autopipe.profile import Timer, per_run_s
 __all__ = [
     "BenchModel", "MODELS", "host_info", "make_model", "ce_loss", "make_target", "stack_microbatches",
     "StageChain", "use_codegen", "interpreter_modules", "LiveBytes", "run_world", "run_variants",
-    "pipeline_worker", "parallel_efficiency", "WorldFailed", "median",
+    "pipeline_worker", "parallel_efficiency", "WorldFailed", "median", "world_of_one",
 ]
 
 
@@ -69,6 +69,26 @@ def host_info() -> dict[str, Any]:
     except OSError:
         pass
     return info
+
+
+def world_of_one(device: torch.device, timeout_s: float = 120.0) -> None:
+    """A process group of this process alone on 127.0.0.1: NCCL for a GPU, gloo (one torch thread) for the CPU.
+
+    For the one-rank benchmarks (``gpu_one_rank`` and its probe): torch's pipeline runtime
+    needs a process group even when every stage is on one rank.
+    """
+    import datetime
+
+    import torch.distributed as dist
+
+    from autopipe._spawn import free_port
+
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=timeout_s))
 
 
 # --------------------------------------------------------------------------- models

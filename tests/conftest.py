@@ -42,3 +42,19 @@ def flushers_built(monkeypatch):
 
     monkeypatch.setattr(profile, "CacheFlusher", CountingFlusher)
     return built
+
+
+@pytest.fixture
+def rounds_seen(monkeypatch):
+    """A list that gets ``(whole graph given, fit)`` for every profile timed in rounds."""
+    import autopipe.profile as profile
+
+    seen: list[tuple[bool, bool]] = []
+    real = profile._time_in_rounds
+
+    def spy(segments, timer, warmup, repeats, flush=None, whole=None, fit=False):
+        seen.append((whole is not None, fit))
+        return real(segments, timer, warmup, repeats, flush, whole, fit)
+
+    monkeypatch.setattr(profile, "_time_in_rounds", spy)
+    return seen

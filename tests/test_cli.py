@@ -374,19 +374,9 @@ def test_no_flush_cache_keeps_the_caches_warm_while_profiling(workdir, flushers_
     capsys.readouterr()
 
 
-def test_fit_to_whole_reaches_the_profile_from_the_command_line(workdir, monkeypatch, capsys):
-    import autopipe.profile as profile
-
-    seen = []
-    real = profile._time_in_rounds
-
-    def spy(segments, timer, warmup, repeats, flush=None, whole=None, fit=False):
-        seen.append(fit)
-        return real(segments, timer, warmup, repeats, flush, whole, fit)
-
-    monkeypatch.setattr(profile, "_time_in_rounds", spy)
+def test_fit_to_whole_reaches_the_profile_from_the_command_line(workdir, rounds_seen, capsys):
     spec = str(workdir / "tiny.py") + ":make"
     assert main(["profile", spec, *FAST, "--device", "cpu", "--set", "num_layers=1", "--fit-to-whole", "yes"]) == 0
     assert main(["plan", spec, "--gpus", "2", *FAST, "--device", "cpu", "--set", "num_layers=1"]) == 0
-    assert seen == [True, False]  # the default on the CPU: not fitted
+    assert rounds_seen == [(True, True), (True, False)]  # the default on the CPU: not fitted
     assert "segments not scaled to it" in capsys.readouterr().out

@@ -324,23 +324,15 @@ def test_flush_cache_reaches_the_profile_and_is_checked_first(flushers_built):
     assert built == [1]
 
 
-def test_fit_to_whole_reaches_the_profile_is_checked_first_and_is_reported(monkeypatch):
-    import autopipe.profile as profile
+def test_fit_to_whole_reaches_the_profile_is_checked_first_and_is_reported(rounds_seen):
     from autopipe.models import seed_transformer
 
     model, args = seed_transformer(vocab_size=100, num_layers=1, seq_len=8)
     with pytest.raises(ValueError, match=r"fit_to_whole='on' must be True, False or None"):
         autopipe.partition(model, 2, example_args=args, fit_to_whole="on", **FAST)
-    seen = []
-    real = profile._time_in_rounds
-
-    def spy(segments, timer, warmup, repeats, flush=None, whole=None, fit=False):
-        seen.append(fit)
-        return real(segments, timer, warmup, repeats, flush, whole, fit)
-
-    monkeypatch.setattr(profile, "_time_in_rounds", spy)
+    assert rounds_seen == []  # refused before any profiling
     plan = autopipe.partition(model, 2, example_args=args, device="cpu", fit_to_whole=True, **FAST)
-    assert seen == [True] and plan.extras["whole_pass"]["fitted"]
+    assert rounds_seen == [(True, True)] and plan.extras["whole_pass"]["fitted"]
     assert "segments scaled x" in plan.report()
     plan = autopipe.partition(model, 2, example_args=args, device="cpu", **FAST)
-    assert seen == [True, False] and "segments not scaled to it" in plan.report()
+    assert rounds_seen[-1] == (True, False) and "segments not scaled to it" in plan.report()

@@ -326,20 +326,10 @@ def test_the_scales_are_the_median_over_rounds_of_whole_over_segments(monkeypatc
     assert wp.fwd_s == pytest.approx(8.0) and wp.segments_fwd_s == pytest.approx(4.0)  # the means
 
 
-def test_profile_segments_hands_the_whole_graph_and_the_fit_to_the_rounds(small_traced, monkeypatch):
-    import autopipe.profile as profile
-
-    seen = []
-    real = profile._time_in_rounds
-
-    def spy(segments, timer, warmup, repeats, flush=None, whole=None, fit=False):
-        seen.append((whole is not None, fit))
-        return real(segments, timer, warmup, repeats, flush, whole, fit)
-
-    monkeypatch.setattr(profile, "_time_in_rounds", spy)
+def test_profile_segments_hands_the_whole_graph_and_the_fit_to_the_rounds(small_traced, rounds_seen):
     fitted = profile_segments(small_traced, device="cpu", warmup=0, repeats=1, progress=False, fit_to_whole=True)
     profile_segments(small_traced, device="cpu", warmup=0, repeats=1, progress=False)
-    assert seen == [(True, True), (True, False)]  # the CPU's default: not fitted
+    assert rounds_seen == [(True, True), (True, False)]  # the CPU's default: not fitted
     assert fitted.whole.fitted
     assert sum(c.fwd_s for c in fitted) == pytest.approx(fitted.whole.segments_fwd_s * fitted.whole.scales[0])
 

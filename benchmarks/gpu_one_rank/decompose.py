@@ -13,7 +13,7 @@ For each model at the GPU sizes of benchmarks/gpu_one_rank, on one device, inter
 then: profile_segments sums (flush on / off), profile_loss, a one-stage 1F1B pipeline step at m=4
 against the plan, and torch.profiler kernel time of eager vs a synced round.
 """
-import argparse, json, os, statistics, subprocess, sys, time, datetime
+import argparse, json, os, statistics, subprocess, sys, time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 import torch
@@ -21,8 +21,7 @@ import torch.distributed as dist
 import autopipe
 import autopipe.profile as P
 from autopipe.trace import trace
-from autopipe._spawn import free_port
-from _pipebench import MODELS, ce_loss, make_target, stack_microbatches, StageChain
+from _pipebench import MODELS, ce_loss, make_target, stack_microbatches, StageChain, world_of_one
 from autopipe.models.zoo import build
 
 GPU_SIZES = {
@@ -225,12 +224,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "decompose.json"))
     opts = ap.parse_args()
     dev = torch.device(opts.device)
-    if dev.type == "cpu":
-        torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=120))
+    world_of_one(dev)
     log = lambda s: print(s, flush=True)
     log(f"torch {torch.__version__}; smi before: {smi()}")
     out = []

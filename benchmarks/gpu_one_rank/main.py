@@ -25,8 +25,6 @@ Nothing is asserted; the table and the JSON (``results.json`` here, or ``--out``
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import statistics
 import sys
 import time
@@ -40,10 +38,9 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from _common import write_result  # noqa: E402
-from _pipebench import MODELS, ce_loss, host_info, make_target, stack_microbatches  # noqa: E402
+from _pipebench import MODELS, ce_loss, host_info, make_target, stack_microbatches, world_of_one  # noqa: E402
 
 import autopipe  # noqa: E402
-from autopipe._spawn import free_port  # noqa: E402
 from autopipe.models.zoo import build  # noqa: E402
 from autopipe.profile import profile_segments  # noqa: E402
 from autopipe.trace import trace  # noqa: E402
@@ -137,12 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda but CUDA is not available; use --device cpu")
     opts.schedule_list = [s for s in SCHEDULES if device.type == "cuda" or s[1] == 1]
-    if device.type == "cpu":
-        torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                      LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=120))
+    world_of_one(device)
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for name in opts.models:
