@@ -572,27 +572,33 @@ def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
 
     times: dict[str, list[float]] = {label: [] for label, *_ in pipes}
     profiles: list[dict[str, list[float]]] = []
+    paired_profiles: list[dict[str, list[float]]] = []
     traced = None
-    if job.get("profile_between_rounds") and rank == 0:
+    if job.get("profile_between_rounds"):
         from autopipe.trace import trace
 
         traced = trace(model, args)
-    for _ in range(job["rounds"]):
+    for r in range(job["rounds"]):
         for label, pipe, batch, target in pipes:
             for _ in range(job["steps"]):
                 times[label].append(one_step(pipe, batch, target))
         if job.get("profile_between_rounds"):
-            # The model profiled in one process (rank 0; the others wait) between two rounds of
-            # steps: a profile taken while the host runs as fast, or as slow, as during the steps.
-            if traced is not None:
-                from autopipe.profile import profile_segments
+            from autopipe.profile import profile_segments
 
+            # The model profiled between two rounds of steps: a profile taken while the host
+            # runs as fast, or as slow, as during the steps. Alternately in one process (rank 0;
+            # the others wait) and in every rank at once, each rank's profile competing with the
+            # others for the host's memory bandwidth and caches as their stages do (rank 0's kept).
+            paired = r % 2 == 1
+            if rank == 0 or paired:
                 costs = profile_segments(traced, device=device, warmup=1,
                                          repeats=job.get("profile_repeats", 5), progress=False)
-                profiles.append({"fwd_s": [c.fwd_s for c in costs], "bwd_s": [c.bwd_s for c in costs],
-                                 "accum_s": [c.accum_s for c in costs]})
+                if rank == 0:
+                    (paired_profiles if paired else profiles).append(
+                        {"fwd_s": [c.fwd_s for c in costs], "bwd_s": [c.bwd_s for c in costs],
+                         "accum_s": [c.accum_s for c in costs]})
             dist.barrier()
-    out: dict[str, Any] = {"times": times, "errors": {}, "profiles": profiles,
+    out: dict[str, Any] = {"times": times, "errors": {}, "profiles": profiles, "paired_profiles": paired_profiles,
                            "interpreter_modules": {label: [interpreter_modules(m) for m in pipe.stage_modules.values()]
                                                    for label, pipe, *_ in pipes}}
 

@@ -185,10 +185,15 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
     link = results[0].get("link") if results else None  # rank 0's view of the ping-pong
     # The profile rank 0 took between rounds of steps: per segment, the median over rounds.
     between = results[0].get("profiles") if results else None
-    same_time = None
-    if between:
-        same_time = tuple([median([p[q][k] for p in between]) for k in range(len(between[0][q]))]
-                          for q in ("fwd_s", "bwd_s", "accum_s"))
+    def per_segment_median(profiles: list[dict[str, list[float]]] | None) -> tuple[list[float], ...] | None:
+        if not profiles:
+            return None
+        return tuple([median([p[q][k] for p in profiles]) for k in range(len(profiles[0][q]))]
+                     for q in ("fwd_s", "bwd_s", "accum_s"))
+
+    same_time = per_segment_median(between)
+    # Profiles every rank took at once between other rounds (rank 0's): contended as the stages are.
+    paired = per_segment_median(results[0].get("paired_profiles") if results else None)
     rows = []
     for c in cases:
         plan: autopipe.Plan = c["plan"]
@@ -231,6 +236,7 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
             # The same prediction from the profile taken between the rounds of steps (so on a
             # host running as fast as during them), with the loss the plan measured.
             **({"same_time_step_s": _same_time_prediction(plan, same_time, slowdown)} if same_time else {}),
+            **({"paired_profile_step_s": _same_time_prediction(plan, paired, slowdown)} if paired else {}),
             "warm_cache_step_s": _same_time_prediction(plan, warm_cache, slowdown),
             "whole_fit_step_s": _same_time_prediction(plan, whole_fit, slowdown),
             "profile_whole": profile_whole, "whole_fit_scales": fitted.whole.scales if fitted.whole else None,
@@ -279,6 +285,8 @@ PREDICTIONS = {
                       "tied gradients)",
     "same_time_step_s": "the plan's prediction from a profile taken between the rounds of steps (the host as "
                         "fast as during them) instead of before them",
+    "paired_profile_step_s": "the same, from profiles every rank took at once between other rounds (each rank's "
+                             "profile competing with the others for the host, as the stages do; rank 0's)",
     "warm_cache_step_s": "the plan's prediction from a profile with the caches left warm between its rounds "
                          "(profile_segments(flush_cache=False)), taken right after the plan's own",
     "whole_fit_step_s": "the plan's prediction from a profile fitted to the whole graph timed beside its "
