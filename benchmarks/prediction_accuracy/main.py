@@ -116,6 +116,51 @@ def _same_time_prediction(plan: autopipe.Plan, profile: tuple[list[float], list[
     return plan.calibrate({"fwd_s": fwd, "bwd_s": bwd}).predicted_step_s
 
 
+def _overlap_by_stage(timeline: Any, n_stages: int) -> tuple[list[float], list[float]]:
+    """Per stage, forward and backward: the share of its actions' time during which another rank computes."""
+    by_rank: dict[int, list[Any]] = {}
+    for e in timeline.events:
+        by_rank.setdefault(e.rank, []).append(e)
+    covered = {"F": [0.0] * n_stages, "B": [0.0] * n_stages}
+    total = {"F": [0.0] * n_stages, "B": [0.0] * n_stages}
+    for e in timeline.events:
+        busy = sum(max(0.0, min(e.end_s, o.end_s) - max(e.start_s, o.start_s))
+                   for r, evs in by_rank.items() if r != e.rank for o in evs)
+        kind = "F" if e.kind == "F" else "B"
+        covered[kind][e.stage] += min(busy, e.duration_s)
+        total[kind][e.stage] += e.duration_s
+    return tuple([c / t if t > 0 else 0.0 for c, t in zip(covered[k], total[k])] for k in ("F", "B"))
+
+
+def _contention_prediction(plan: autopipe.Plan, alone: tuple[list[float], ...],
+                           together: tuple[list[float], ...]) -> float:
+    """The plan's step with each stage's compute between its time alone and its time with every rank computing.
+
+    ``alone`` / ``together``: per segment forward, backward and accumulation seconds, from
+    profiles taken by rank 0 alone and by every rank at once. A stage action is charged
+    ``alone x (1 + (together / alone - 1) x overlap)``, its overlap the share of its time
+    another rank computes in the simulated step; overlap and times are iterated to a fixed point.
+    """
+    loss = plan.extras.get("loss") or {}
+
+    def stage_times(profile: tuple[list[float], ...]) -> tuple[list[float], list[float]]:
+        costs = [replace(c, fwd_s=f, bwd_s=b, accum_s=a) for c, f, b, a in zip(plan.segment_costs(), *profile)]
+        fwd, bwd = _stage_times(plan, costs)
+        fwd[-1] += loss.get("fwd_s", 0.0)
+        bwd[-1] += loss.get("bwd_s", 0.0)
+        return fwd, bwd
+
+    (fa, ba), (ft, bt) = stage_times(alone), stage_times(together)
+    fwd, bwd = fa, ba
+    for _ in range(4):
+        timeline = autopipe.simulate(fwd, bwd, comm_s=plan.extras.get("cut_comm_s") or 0.0,
+                                     **plan.simulation_options())
+        uf, ub = _overlap_by_stage(timeline, plan.num_stages)
+        fwd = [a * (1 + (t / a - 1) * u) if a > 0 else t for a, t, u in zip(fa, ft, uf)]
+        bwd = [a * (1 + (t / a - 1) * u) if a > 0 else t for a, t, u in zip(ba, bt, ub)]
+    return plan.calibrate({"fwd_s": fwd, "bwd_s": bwd}).predicted_step_s
+
+
 def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: dict[str, Any], *,
                 memory: bool = True) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """Plan ``name`` for every schedule x micro-batch count, run the plans on 2 ranks; rows + the link measured."""
@@ -237,6 +282,8 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
             # host running as fast as during them), with the loss the plan measured.
             **({"same_time_step_s": _same_time_prediction(plan, same_time, slowdown)} if same_time else {}),
             **({"paired_profile_step_s": _same_time_prediction(plan, paired, slowdown)} if paired else {}),
+            **({"contention_step_s": _contention_prediction(plan, same_time, paired)} if paired and same_time
+               else {}),
             "warm_cache_step_s": _same_time_prediction(plan, warm_cache, slowdown),
             "whole_fit_step_s": _same_time_prediction(plan, whole_fit, slowdown),
             "profile_whole": profile_whole, "whole_fit_scales": fitted.whole.scales if fitted.whole else None,
@@ -287,6 +334,9 @@ PREDICTIONS = {
                         "fast as during them) instead of before them",
     "paired_profile_step_s": "the same, from profiles every rank took at once between other rounds (each rank's "
                              "profile competing with the others for the host, as the stages do; rank 0's)",
+    "contention_step_s": "each stage between its time in rank 0's profile alone and in the profile every rank "
+                         "took at once, by the share of its actions' time another rank computes in the simulated "
+                         "step (no concurrent_slowdown on top)",
     "warm_cache_step_s": "the plan's prediction from a profile with the caches left warm between its rounds "
                          "(profile_segments(flush_cache=False)), taken right after the plan's own",
     "whole_fit_step_s": "the plan's prediction from a profile fitted to the whole graph timed beside its "
