@@ -640,7 +640,6 @@ def profile_segments(
     progress: bool = True,
     flush_cache: bool = True,
     fit_to_whole: bool | None = None,
-    alongside: int = 0,
 ) -> SegmentCosts:
     """Measure (or estimate) every segment's cost per micro-batch.
 
@@ -676,10 +675,6 @@ def profile_segments(
             times so that each pass adds up to it. ``None`` (default): on CUDA only
             (:func:`fit_to_whole_default`), where a segment timed on its own pays a start
             from an idle GPU that a stage does not.
-        alongside: Profile while this many other processes profile the same model on the
-            same CPU (:func:`autopipe.contention.ranks_alongside`): for ranks that will
-            share this host, each stage competing with the others for memory bandwidth and
-            caches (give ``n_ranks - 1``). 0 (default): this process alone. CPU only.
 
     Timing in rounds also times each segment's gradient accumulation (``accum_s``) into
     buffers of its own: one gradient's worth of the trainable parameters is allocated on
@@ -691,9 +686,8 @@ def profile_segments(
         them with ``build_cost_graph(traced, costs)``.
 
     Raises:
-        ValueError: unknown ``cost``, or ``warmup``/``repeats``/``flush_cache``/``fit_to_whole``/
-            ``alongside`` out of range.
-        RuntimeError: a process profiling alongside failed.
+        ValueError: unknown ``cost``, or ``warmup``/``repeats``/``flush_cache``/``fit_to_whole``
+            out of range.
 
     Example:
         >>> from autopipe.models import seed_transformer
@@ -712,20 +706,7 @@ def profile_segments(
     check_flush_cache(flush_cache)
     check_fit_to_whole(fit_to_whole)
     dev = resolve_device(device)
-    from .contention import check_alongside, ranks_alongside  # it imports this module
-
-    check_alongside(alongside, dev)
     fit = fit_to_whole_default(dev) if fit_to_whole is None else fit_to_whole
-    with ranks_alongside(traced, alongside, device=dev, flush_cache=flush_cache):
-        return _profile_where_it_fits(traced, dev, cost=cost, warmup=warmup, repeats=repeats, progress=progress,
-                                      flush_cache=flush_cache, fit=fit, device_flops=device_flops)
-
-
-def _profile_where_it_fits(
-    traced: TracedModel, dev: torch.device, *, cost: str, warmup: int, repeats: int, progress: bool,
-    flush_cache: bool, fit: bool, device_flops: float | None,
-) -> SegmentCosts:
-    """The model's graph profiled on ``dev``: as a whole copy when it lives elsewhere and fits, else as it is."""
     gm = traced.graph_module
     if cost == "measured" and not _lives_on(gm, dev):
         # Time a copy of the whole model on the device when it fits: then the segments are
@@ -743,7 +724,7 @@ def _profile_where_it_fits(
                 "there and timed on its own, and on a GPU such times add up to well over the model's "
                 "(1.4-2.4x on one H100, docs/costs-and-measurement.md section 1). Profile on a GPU with "
                 "room for the model and one micro-batch's activations to have the segments fitted to the "
-                "whole graph", stacklevel=3)
+                "whole graph", stacklevel=2)
     return _profile(traced, gm, dev, cost=cost, warmup=warmup, repeats=repeats, progress=progress,
                     flush_cache=flush_cache, fit=fit, device_flops=device_flops)
 

@@ -181,11 +181,6 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
                               fit_to_whole=True)
     whole_fit = ([c.fwd_s for c in fitted], [c.bwd_s for c in fitted], [c.accum_s for c in fitted])
     profile_whole = asdict(costs.whole) if costs.whole is not None else None
-    # And with one more process training the model alongside (profile_segments(alongside=1)):
-    # the other rank's load on this host while the profile is taken.
-    along = profile_segments(traced, device=device, warmup=1, repeats=opts.profile_repeats, progress=False,
-                             alongside=1) if device == "cpu" else None
-    alongside = ([c.fwd_s for c in along], [c.bwd_s for c in along], [c.accum_s for c in along]) if along else None
     cases = []
     for sched, v in opts.schedule_list:
         for m in opts.microbatches:
@@ -291,7 +286,6 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
                else {}),
             "warm_cache_step_s": _same_time_prediction(plan, warm_cache, slowdown),
             "whole_fit_step_s": _same_time_prediction(plan, whole_fit, slowdown),
-            **({"alongside_step_s": _same_time_prediction(plan, alongside, 1.0)} if alongside else {}),
             "profile_whole": profile_whole, "whole_fit_scales": fitted.whole.scales if fitted.whole else None,
             # Stage times measured alone in one process instead of the profile's sums.
             "calibrated_step_s": plan.calibrate({"fwd_s": [f * slowdown for f in fwd],
@@ -340,9 +334,6 @@ PREDICTIONS = {
                         "fast as during them) instead of before them",
     "paired_profile_step_s": "the same, from profiles every rank took at once between other rounds (each rank's "
                              "profile competing with the others for the host, as the stages do; rank 0's)",
-    "alongside_step_s": "the plan's prediction from a profile taken with one more process training the model "
-                        "alongside (profile_segments(alongside=1)), right after the plan's own; no "
-                        "concurrent_slowdown on top",
     "contention_step_s": "each stage between its time in rank 0's profile alone and in the profile every rank "
                          "took at once, by the share of its actions' time another rank computes in the simulated "
                          "step (no concurrent_slowdown on top)",
