@@ -43,6 +43,7 @@ _PUBLIC = {
     "ScaledProfile": "scaling",
     "measure_link": "measure",
     "measure_devices": "measure",
+    "profile_in_ranks": "rank_profile",
     "AutopipeError": "errors",
     "InfeasibleMemoryError": "errors",
     "MissingExampleInputsError": "errors",
@@ -70,6 +71,7 @@ if TYPE_CHECKING:  # for editors and type checkers: the same names, imported eag
     from .errors import AutopipeError, InfeasibleMemoryError, MissingExampleInputsError, ModelExportError  # noqa: F401
     from .measure import measure_devices, measure_link  # noqa: F401
     from .plan import BaselinePlan, Plan, StagePlan  # noqa: F401
+    from .rank_profile import profile_in_ranks  # noqa: F401
     from .planner import partition  # noqa: F401
     from .runtime import Pipeline  # noqa: F401
     from .scaling import ScaledProfile, profile_scaling  # noqa: F401

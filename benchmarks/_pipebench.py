@@ -587,16 +587,22 @@ def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
 
             # The model profiled between two rounds of steps: a profile taken while the host
             # runs as fast, or as slow, as during the steps. Alternately in one process (rank 0;
-            # the others wait) and in every rank at once, each rank's profile competing with the
-            # others for the host's memory bandwidth and caches as their stages do (rank 0's kept).
-            paired = r % 2 == 1
-            if rank == 0 or paired:
+            # the others wait) and in every rank at once with autopipe.profile_in_ranks, each
+            # rank's profile competing with the others for the host as their stages do.
+            in_ranks = r % 2 == 1
+            costs = None
+            if in_ranks:
+                from autopipe import profile_in_ranks
+
+                costs = profile_in_ranks(model, args, device=device, warmup=1,
+                                         repeats=job.get("profile_repeats", 5))
+            elif rank == 0:
                 costs = profile_segments(traced, device=device, warmup=1,
                                          repeats=job.get("profile_repeats", 5), progress=False)
-                if rank == 0:
-                    (paired_profiles if paired else profiles).append(
-                        {"fwd_s": [c.fwd_s for c in costs], "bwd_s": [c.bwd_s for c in costs],
-                         "accum_s": [c.accum_s for c in costs]})
+            if rank == 0:
+                (paired_profiles if in_ranks else profiles).append(
+                    {"fwd_s": [c.fwd_s for c in costs], "bwd_s": [c.bwd_s for c in costs],
+                     "accum_s": [c.accum_s for c in costs]})
             dist.barrier()
     out: dict[str, Any] = {"times": times, "errors": {}, "profiles": profiles, "paired_profiles": paired_profiles,
                            "interpreter_modules": {label: [interpreter_modules(m) for m in pipe.stage_modules.values()]

@@ -237,7 +237,8 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
                      for q in ("fwd_s", "bwd_s", "accum_s"))
 
     same_time = per_segment_median(between)
-    # Profiles every rank took at once between other rounds (rank 0's): contended as the stages are.
+    # Profiles every rank took at once between other rounds (autopipe.profile_in_ranks):
+    # contended as the stages are.
     paired = per_segment_median(results[0].get("paired_profiles") if results else None)
     rows = []
     for c in cases:
@@ -281,7 +282,7 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
             # The same prediction from the profile taken between the rounds of steps (so on a
             # host running as fast as during them), with the loss the plan measured.
             **({"same_time_step_s": _same_time_prediction(plan, same_time, slowdown)} if same_time else {}),
-            **({"paired_profile_step_s": _same_time_prediction(plan, paired, slowdown)} if paired else {}),
+            **({"in_ranks_step_s": _same_time_prediction(plan, paired, slowdown)} if paired else {}),
             **({"contention_step_s": _contention_prediction(plan, same_time, paired)} if paired and same_time
                else {}),
             "warm_cache_step_s": _same_time_prediction(plan, warm_cache, slowdown),
@@ -332,8 +333,9 @@ PREDICTIONS = {
                       "tied gradients)",
     "same_time_step_s": "the plan's prediction from a profile taken between the rounds of steps (the host as "
                         "fast as during them) instead of before them",
-    "paired_profile_step_s": "the same, from profiles every rank took at once between other rounds (each rank's "
-                             "profile competing with the others for the host, as the stages do; rank 0's)",
+    "in_ranks_step_s": "the same, from profiles every rank took at once between other rounds "
+                       "(autopipe.profile_in_ranks: each rank's profile competing with the others for the host, "
+                       "as the stages do; the mean over the ranks)",
     "contention_step_s": "each stage between its time in rank 0's profile alone and in the profile every rank "
                          "took at once, by the share of its actions' time another rank computes in the simulated "
                          "step (no concurrent_slowdown on top)",

@@ -1,0 +1,98 @@
+"""Profile the model in every rank at once: the costs as the ranks will see them.
+
+Part of the profiling step of the data flow, for a job that is already running (every rank
+has joined the process group). :func:`autopipe.partition` profiles in the process that
+calls it, with the machine otherwise idle. When the ranks share a host (CPU ranks, the
+benchmarks and tests here), each rank's stage then competes with the others for memory
+bandwidth and caches, which that profile does not see. :func:`profile_in_ranks` has every
+rank profile the whole model at the same moment and averages their profiles, so the
+contention is in the times.
+
+Measured with ``benchmarks/prediction_accuracy`` on this project's 2-core host (40 cases
+per run, 2 ranks): profiles every rank took at once, between rounds of steps, predicted the
+steps to 8.0%, 4.8%, 9.7% and 8.0% median |error| in four runs, against 11.3%, 11.4%,
+12.0% and 16.4% for profiles rank 0 took alone at the same points, and 9.6-15.8% for the
+plan's own profile (docs/costs-and-measurement.md section 1).
+
+Example:
+    >>> costs = profile_in_ranks(model, (x_microbatch,), device="cpu")            # doctest: +SKIP
+    >>> plan = autopipe.partition(model, dist.get_world_size(), (x_microbatch,),  # doctest: +SKIP
+    ...                           costs=costs, device="cpu")
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .profile import SegmentCosts, check_fit_to_whole, check_flush_cache, per_run_s, profile_segments, resolve_device
+from .trace import trace
+
+__all__ = ["profile_in_ranks"]
+
+
+def profile_in_ranks(
+    model: torch.nn.Module,
+    example_args: Sequence[Any] | Any | None = None,
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    device: str | torch.device | None = None,
+    warmup: int = 1,
+    repeats: int = 15,
+    flush_cache: bool = True,
+    fit_to_whole: bool | None = None,
+) -> SegmentCosts:
+    """Profile ``model`` in every rank at the same time; every rank gets the mean of their profiles.
+
+    Collective: every rank of the default process group calls it, with the same model and
+    one micro-batch of inputs. After a barrier each rank traces the model and runs
+    :func:`autopipe.profile.profile_segments` on its device, all at once; each segment's
+    forward, backward and accumulation seconds are then the mean over the ranks (the sizes
+    and bytes are the same everywhere). Pass the result to ``autopipe.partition(...,
+    costs=)``: the same costs give the same plan on every rank.
+
+    Args:
+        model: The whole model (every rank has it before it is split); left unchanged.
+        example_args, example_kwargs: One micro-batch of inputs, as for :func:`autopipe.partition`.
+
+    Keyword Args:
+        device: Where each rank profiles (default: CUDA when present, else the CPU).
+        warmup, repeats, flush_cache, fit_to_whole: As for :func:`autopipe.profile.profile_segments`.
+
+    Returns:
+        Per segment, the ranks' mean costs, as :func:`autopipe.profile.profile_segments` returns them.
+
+    Raises:
+        RuntimeError: no process group has been started.
+        ValueError: as :func:`autopipe.profile.profile_segments`, on every rank, before any profiling.
+
+    Example:
+        >>> costs = profile_in_ranks(model, (x,), device="cpu")  # doctest: +SKIP
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("profile_in_ranks() is collective: start the process group first "
+                           "(torch.distributed.init_process_group, or run under torchrun / autopipe run)")
+    # Every rank checks what it was given before any rank waits on the others.
+    dev = resolve_device(device)
+    for name, value, least in (("warmup", warmup, 0), ("repeats", repeats, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name}={value!r} must be an integer >= {least}")
+    check_flush_cache(flush_cache)
+    check_fit_to_whole(fit_to_whole)
+    traced = trace(model, example_args, example_kwargs)
+    dist.barrier()  # every rank starts profiling at the same moment, as their stages will run
+    mine = profile_segments(traced, device=dev, warmup=warmup, repeats=repeats, progress=False,
+                            flush_cache=flush_cache, fit_to_whole=fit_to_whole)
+    times = [(c.fwd_s, c.bwd_s, c.accum_s) for c in mine]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, times)
+    merged = SegmentCosts(
+        replace(c, fwd_s=per_run_s([g[k][0] for g in gathered]), bwd_s=per_run_s([g[k][1] for g in gathered]),
+                accum_s=per_run_s([g[k][2] for g in gathered]))
+        for k, c in enumerate(mine))
+    merged.whole = mine.whole  # this rank's whole pass, for the report
+    return merged

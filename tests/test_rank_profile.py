@@ -1,0 +1,61 @@
+"""profile_in_ranks(): every rank profiles the model at once; all get the same mean costs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopipe
+from _dist_utils import run_world
+
+
+def _small_model():
+    from autopipe.models import seed_transformer
+
+    return seed_transformer(vocab_size=100, num_layers=2, seq_len=8, d_model=32, num_heads=4, d_ff=64, batch=2)
+
+
+def _profile_worker(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    model, args = _small_model()
+    costs = autopipe.profile_in_ranks(model, args, device="cpu", warmup=0, repeats=2)
+    own = autopipe.profile_in_ranks.__module__  # the public name reaches the implementation
+    times = [(c.fwd_s, c.bwd_s, c.accum_s) for c in costs]
+    plan = autopipe.partition(model, world_size, args, costs=costs, device="cpu", n_microbatches=4, progress=False)
+    mine = torch.tensor([t for row in times for t in row], dtype=torch.float64)
+    gathered = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine)
+    return {"module": own, "n": len(costs), "same_everywhere": all(torch.equal(g, gathered[0]) for g in gathered),
+            "positive": all(c.fwd_s > 0 for c in costs), "split": plan.split_points,
+            "bytes": [c.param_bytes for c in costs]}
+
+
+@pytest.mark.distributed
+def test_every_rank_gets_the_same_mean_profile_and_so_the_same_plan():
+    results = run_world(_profile_worker, 2, timeout_s=120, pg_timeout_s=60)
+    first = results[0]
+    assert first["module"] == "autopipe.rank_profile" and first["n"] > 2 and first["positive"]
+    assert all(r["same_everywhere"] for r in results)
+    assert all(r["split"] == first["split"] and r["bytes"] == first["bytes"] for r in results)
+
+
+def _bad_repeats_worker(rank: int, world_size: int) -> str:
+    model, args = _small_model()
+    try:
+        autopipe.profile_in_ranks(model, args, device="cpu", repeats=0)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.distributed
+def test_bad_arguments_fail_on_every_rank_before_anyone_waits():
+    results = run_world(_bad_repeats_worker, 2, timeout_s=60, pg_timeout_s=20)
+    assert results == ["repeats=0 must be an integer >= 1"] * 2
+
+
+def test_it_needs_a_process_group():
+    model, args = _small_model()
+    with pytest.raises(RuntimeError, match="profile_in_ranks\\(\\) is collective: start the process group first"):
+        autopipe.profile_in_ranks(model, args, device="cpu")
