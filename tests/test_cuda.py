@@ -95,6 +95,22 @@ def test_partition_on_the_gpu() -> None:
     assert measure_device_speed("cuda", reference="cpu") > 0
 
 
+def _profile_in_ranks_on_the_gpu(rank: int, world_size: int) -> dict:
+    model, args = _small_model()
+    costs = autopipe.profile_in_ranks(model, args, device="cuda", warmup=0, repeats=2)
+    return {"n": len(costs), "positive": all(c.fwd_s > 0 and c.bwd_s > 0 for c in costs),
+            "fitted": costs.whole is not None and costs.whole.fitted,
+            "model_on": sorted({p.device.type for p in model.parameters()})}
+
+
+@pytest.mark.distributed
+def test_profile_in_ranks_with_nccl() -> None:
+    """The collective profile on a GPU (one rank per GPU: a world of one on a one-GPU machine)."""
+    (result,) = run_world(_profile_in_ranks_on_the_gpu, 1, backend="nccl", timeout_s=180, pg_timeout_s=60)
+    assert result["n"] > 2 and result["positive"] and result["fitted"]
+    assert result["model_on"] == ["cpu"]  # profiled as a copy on the GPU; the model stays where it was
+
+
 # ------------------------------------------------------------------ pipelines on GPUs
 def _gpu_gradients_run(rank: int, world_size: int, schedule: str, stages_per_rank: int) -> dict:
     """One pipeline step on ``cuda:rank`` against the unsplit model on the same GPU."""
