@@ -51,8 +51,9 @@ def profile_in_ranks(
     """Profile ``model`` in every rank at the same time; every rank gets the mean of their profiles.
 
     Collective: every rank of the default process group calls it, with the same model and
-    one micro-batch of inputs. After a barrier each rank traces the model and runs
-    :func:`autopipe.profile.profile_segments` on its device, all at once; each segment's
+    one micro-batch of inputs. Each rank traces the model; then, after a barrier, all run
+    :func:`autopipe.profile.profile_segments` at once, each on its device (on CUDA the
+    current one: set it per rank first, as for training); each segment's
     forward, backward and accumulation seconds are then the mean over the ranks (the sizes
     and bytes are the same everywhere). Pass the result to ``autopipe.partition(...,
     costs=)``: the same costs give the same plan on every rank.
