@@ -12,9 +12,9 @@ Measured with ``benchmarks/prediction_accuracy`` on this project's 2-core host (
 per run, 2 ranks), profiles every rank took at once between rounds of steps against
 profiles rank 0 took alone at the same points (median |error| of the predicted steps):
 8.0% / 11.3%, 4.8% / 11.4%, 9.7% / 12.0% and 8.0% / 16.4% in four runs that kept rank 0's
-profile, then 12.1% / 8.6% in the first run of this function (the mean over the ranks), in
-which every profile taken alone did well (the plan's own 7.5%). Better in four runs of
-five, then, not always; docs/costs-and-measurement.md section 4.
+profile, then 12.1% / 8.6%, 6.7% / 7.0% and 6.3% / 9.4% in three runs of this function (the
+mean over the ranks). Better in six runs of seven, not always;
+docs/costs-and-measurement.md section 4.
 
 Example:
     >>> costs = profile_in_ranks(model, (x_microbatch,), device="cpu")            # doctest: +SKIP
