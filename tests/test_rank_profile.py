@@ -59,3 +59,45 @@ def test_it_needs_a_process_group():
     model, args = _small_model()
     with pytest.raises(RuntimeError, match="profile_in_ranks\\(\\) is collective: start the process group first"):
         autopipe.profile_in_ranks(model, args, device="cpu")
+
+
+def _pipeline_worker(rank: int, world_size: int) -> dict:
+    import torch.nn.functional as F
+
+    import autopipe.planner as planner
+
+    model, args = _small_model()
+    seen = []
+    real = planner.partition
+
+    def spy(*a, **k):
+        seen.append(type(k.get("costs")).__name__)
+        return real(*a, **k)
+
+    planner.partition = spy
+    try:
+        pipe = autopipe.Pipeline(model, example_args=args, loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
+                                 schedule="1F1B", n_microbatches=2, profile_in_ranks=True,
+                                 planner_options={"progress": False, "repeats": 2, "warmup": 0})
+    finally:
+        planner.partition = real
+    x = torch.cat([args[0]] * 2)
+    loss = pipe.step(x, target=torch.zeros_like(x))
+    return {"planner_got": seen, "split": pipe.plan.split_points, "loss_finite": loss is None or bool(torch.isfinite(loss))}
+
+
+@pytest.mark.distributed
+def test_a_pipeline_can_plan_from_a_profile_every_rank_takes():
+    results = run_world(_pipeline_worker, 2, timeout_s=180, pg_timeout_s=90)
+    assert results[0]["planner_got"] == ["SegmentCosts"] and results[1]["planner_got"] == []  # rank 0 plans
+    assert results[0]["split"] == results[1]["split"] and all(r["loss_finite"] for r in results)
+
+
+def test_profile_in_ranks_on_a_pipeline_is_checked_before_joining_a_job():
+    model, args = _small_model()
+    with pytest.raises(ValueError, match="profile_in_ranks='yes' must be True or False"):
+        autopipe.Pipeline(model, example_args=args, profile_in_ranks="yes")
+    with pytest.raises(ValueError, match="but a plan or split_points was given: there is nothing to plan"):
+        autopipe.Pipeline(model, example_args=args, split_points=["layers.1"], profile_in_ranks=True)
+    with pytest.raises(ValueError, match="planner_options has costs= already"):
+        autopipe.Pipeline(model, example_args=args, profile_in_ranks=True, planner_options={"costs": []})

@@ -92,6 +92,12 @@ class Pipeline:
         planner_options: extra keyword arguments for :func:`autopipe.planner.partition`;
             with ``example_target`` (one micro-batch's target) the planner also charges
             ``loss_fn``'s time and saved bytes to the last stage.
+        profile_in_ranks: when the pipeline plans (no ``plan`` or ``split_points``): every
+            rank profiles the model at once (:func:`autopipe.profile_in_ranks`) and rank 0
+            plans from the mean of their profiles, instead of profiling alone. For ranks
+            sharing a host, whose stages compete for memory bandwidth and caches
+            (docs/training.md section 3). ``warmup`` / ``repeats`` / ``flush_cache`` /
+            ``fit_to_whole`` in ``planner_options`` go to that profile.
 
     Raises:
         TypeError / ValueError: for a bad argument (named in the message), a schedule name
@@ -123,6 +129,7 @@ class Pipeline:
         device: torch.device | str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         planner_options: Mapping[str, Any] | None = None,
+        profile_in_ranks: bool = False,
     ) -> None:
         # ---- 1. everything that can be checked alone, before joining the job
         _check_model_and_inputs(model, example_args, example_kwargs, loss_fn)
@@ -137,6 +144,14 @@ class Pipeline:
             schedule = canonical_schedule_name(schedule)  # lists the valid names when unknown
         if planner_options is not None and not isinstance(planner_options, Mapping):
             raise TypeError(f"planner_options must be a dict of keyword arguments, got {planner_options!r}")
+        if not isinstance(profile_in_ranks, bool):
+            raise ValueError(f"profile_in_ranks={profile_in_ranks!r} must be True or False")
+        if profile_in_ranks and (plan is not None or split_points is not None):
+            raise ValueError("profile_in_ranks=True profiles for the planner, but a plan or split_points was "
+                             "given: there is nothing to plan; drop one of them")
+        if profile_in_ranks and planner_options and "costs" in planner_options:
+            raise ValueError("profile_in_ranks=True measures the costs; planner_options has costs= already: "
+                             "drop one of them")
 
         # ---- 2. the job: rank, world size, device
         self.rank, self.world_size = init_distributed(timeout_s=timeout_s)
@@ -191,6 +206,12 @@ class Pipeline:
             options = dict(planner_options or {})
             if "example_target" in options and loss_fn is not None:  # the loss is charged to the last stage
                 options.setdefault("loss_fn", loss_fn)
+            if profile_in_ranks:  # every rank at once, before rank 0 plans from their mean
+                from ..rank_profile import profile_in_ranks as profile_together
+
+                options["costs"] = profile_together(
+                    model, example_args, example_kwargs, device=options.get("device", self.device),
+                    **{k: options[k] for k in ("warmup", "repeats", "flush_cache", "fit_to_whole") if k in options})
             plan = self._plan_on_rank0(model, example_args, example_kwargs, n_ranks, schedule,
                                        n_microbatches, stages_per_rank, options)
             n_microbatches = n_microbatches or plan.n_microbatches
