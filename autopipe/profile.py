@@ -97,6 +97,13 @@ def check_flush_cache(flush_cache: Any) -> None:
         raise ValueError(f"flush_cache={flush_cache!r} must be True or False")
 
 
+def check_runs(warmup: Any, repeats: Any) -> None:
+    """Raise ``ValueError`` unless ``warmup`` is an integer >= 0 and ``repeats`` one >= 1 (booleans refused)."""
+    for name, value, least in (("warmup", warmup, 0), ("repeats", repeats, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name}={value!r} must be an integer >= {least}")
+
+
 def check_fit_to_whole(fit_to_whole: Any) -> None:
     """Raise ``ValueError`` unless ``fit_to_whole`` is True, False or None (every entry point that profiles checks it first)."""
     if not (fit_to_whole is None or isinstance(fit_to_whole, bool)):
@@ -392,13 +399,26 @@ def _forward_backward(
              if counter is not None else nullcontext())
     with hooks:
         fwd_s, out = timer.time(lambda: _as_tuple(module.forward(*inputs)))
+    bwd_s, _ = _timed_backward(inputs, out, trainable, timer)
+    return fwd_s, bwd_s, out
+
+
+def _timed_backward(
+    inputs: list[Any], out: Any, trainable: list[torch.Tensor], timer: Timer,
+) -> tuple[float, tuple[torch.Tensor | None, ...]]:
+    """Time one backward of ``out`` (ones as output gradients) with respect to the inputs that
+    carry a gradient and ``trainable``: (seconds, the weight gradients, last ``len(trainable)``).
+
+    ``torch.autograd.grad``, so nothing accumulates into any ``.grad``; (0.0, ()) when there
+    is nothing to differentiate.
+    """
     outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
     wrt = [v for v in inputs if isinstance(v, torch.Tensor) and v.requires_grad] + trainable
     if not outs or not wrt:
-        return fwd_s, 0.0, out
+        return 0.0, ()
     grads = [torch.ones_like(o) for o in outs]
-    bwd_s, _ = timer.time(lambda: torch.autograd.grad(outs, wrt, grads, allow_unused=True))
-    return fwd_s, bwd_s, out
+    seconds, got = timer.time(lambda: torch.autograd.grad(outs, wrt, grads, allow_unused=True))
+    return seconds, (got[len(got) - len(trainable):] if trainable else ())
 
 
 def _time_alone(
@@ -436,14 +456,8 @@ _RoundEntry = tuple[torch.nn.Module, Callable[[], list[Any]], list[torch.Tensor]
 def _backward_and_accumulate(
     inputs: list[Any], out: Any, trainable: list[torch.Tensor], accumulated: list[torch.Tensor], timer: Timer,
 ) -> tuple[float, float]:
-    """Time one backward (``autograd.grad``, ones as output gradients), then the add of its weight gradients."""
-    outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
-    wrt = [v for v in inputs if isinstance(v, torch.Tensor) and v.requires_grad] + trainable
-    if not outs or not wrt:
-        return 0.0, 0.0
-    grads = [torch.ones_like(o) for o in outs]
-    b, got = timer.time(lambda: torch.autograd.grad(outs, wrt, grads, allow_unused=True))
-    weight_grads = got[len(got) - len(trainable):] if trainable else ()
+    """Time one backward (:func:`_timed_backward`), then the add of its weight gradients."""
+    b, weight_grads = _timed_backward(inputs, out, trainable, timer)
     a = timer.time(lambda: _accumulate(accumulated, weight_grads))[0] if weight_grads else 0.0
     return b, a
 
@@ -785,10 +799,7 @@ def _profile(
     with _model_state_preserved(gm):
         for k, sm in enumerate(progress_iter(seg_mods, "profiling segments", enabled=progress)):
             module = sm.module
-            on_device = all(p.device == dev for p in module.parameters()) and all(
-                b.device == dev for b in module.buffers()
-            )
-            if not on_device:
+            if not _lives_on(module, dev):
                 module = copy_to_device(module, dev)  # a copy: never move the user's tensors
             state = list(module.named_parameters()) + list(module.named_buffers())
             # Parameters are charged where first used, so the segments add up to the model.

@@ -31,7 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .profile import SegmentCosts, check_fit_to_whole, check_flush_cache, per_run_s, profile_segments, resolve_device
+from .profile import (SegmentCosts, check_fit_to_whole, check_flush_cache, check_runs, per_run_s, profile_segments,
+                      resolve_device)
 from .trace import trace
 
 __all__ = ["profile_in_ranks"]
@@ -81,9 +82,7 @@ def profile_in_ranks(
                            "(torch.distributed.init_process_group, or run under torchrun / autopipe run)")
     # Every rank checks what it was given before any rank waits on the others.
     dev = resolve_device(device)
-    for name, value, least in (("warmup", warmup, 0), ("repeats", repeats, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
-            raise ValueError(f"{name}={value!r} must be an integer >= {least}")
+    check_runs(warmup, repeats)
     check_flush_cache(flush_cache)
     check_fit_to_whole(fit_to_whole)
     traced = trace(model, example_args, example_kwargs)

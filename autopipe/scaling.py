@@ -50,8 +50,8 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from .costgraph import SegmentCost, build_cost_graph, requires_grad_map, tensor_bytes
-from .profile import (COST_SOURCES, check_fit_to_whole, check_flush_cache, measure_device_flops, profile_segments,
-                      resolve_device)
+from .profile import (COST_SOURCES, check_fit_to_whole, check_flush_cache, check_runs, measure_device_flops,
+                      profile_segments, resolve_device)
 from .trace import resolve_example_inputs, trace
 
 __all__ = [
@@ -540,10 +540,7 @@ def profile_scaling(
         raise ValueError(f"batch_dim={batch_dim!r} must be an integer >= 0 (the input dimension that indexes samples)")
     if cost not in COST_SOURCES:
         raise ValueError(f"cost={cost!r} is not a cost source; use one of {list(COST_SOURCES)}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup={warmup!r} must be an integer >= 0")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats={repeats!r} must be an integer >= 1")
+    check_runs(warmup, repeats)
     check_flush_cache(flush_cache)
     check_fit_to_whole(fit_to_whole)
     if device_flops is not None and not (isinstance(device_flops, (int, float)) and device_flops > 0):

@@ -572,9 +572,9 @@ def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
 
     times: dict[str, list[float]] = {label: [] for label, *_ in pipes}
     profiles: list[dict[str, list[float]]] = []
-    paired_profiles: list[dict[str, list[float]]] = []
+    in_ranks_profiles: list[dict[str, list[float]]] = []
     traced = None
-    if job.get("profile_between_rounds"):
+    if job.get("profile_between_rounds") and rank == 0:  # profile_in_ranks traces for itself
         from autopipe.trace import trace
 
         traced = trace(model, args)
@@ -600,11 +600,11 @@ def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
                 costs = profile_segments(traced, device=device, warmup=1,
                                          repeats=job.get("profile_repeats", 5), progress=False)
             if rank == 0:
-                (paired_profiles if in_ranks else profiles).append(
+                (in_ranks_profiles if in_ranks else profiles).append(
                     {"fwd_s": [c.fwd_s for c in costs], "bwd_s": [c.bwd_s for c in costs],
                      "accum_s": [c.accum_s for c in costs]})
             dist.barrier()
-    out: dict[str, Any] = {"times": times, "errors": {}, "profiles": profiles, "paired_profiles": paired_profiles,
+    out: dict[str, Any] = {"times": times, "errors": {}, "profiles": profiles, "in_ranks_profiles": in_ranks_profiles,
                            "interpreter_modules": {label: [interpreter_modules(m) for m in pipe.stage_modules.values()]
                                                    for label, pipe, *_ in pipes}}
 

@@ -101,18 +101,25 @@ def _profiled_stage_times(plan: autopipe.Plan) -> tuple[list[float], list[float]
     return _stage_times(plan, plan.segment_costs())
 
 
-def _same_time_prediction(plan: autopipe.Plan, profile: tuple[list[float], list[float], list[float]],
-                          slowdown: float) -> float:
-    """The plan's step predicted from another profile of its segments (and the loss the plan measured).
+def _profile_stage_times(plan: autopipe.Plan, profile: tuple[list[float], ...],
+                         factor: float = 1.0) -> tuple[list[float], list[float]]:
+    """Per stage, forward and backward from another profile of the plan's segments, the loss the
+    plan measured on the last stage, all times ``factor``.
 
     ``profile``: per segment, forward, backward and gradient-accumulation seconds.
     """
     loss = plan.extras.get("loss") or {}
     costs = [replace(c, fwd_s=f, bwd_s=b, accum_s=a) for c, f, b, a in zip(plan.segment_costs(), *profile)]
     fwd, bwd = _stage_times(plan, costs)
-    fwd, bwd = [t * slowdown for t in fwd], [t * slowdown for t in bwd]
-    fwd[-1] += loss.get("fwd_s", 0.0) * slowdown
-    bwd[-1] += loss.get("bwd_s", 0.0) * slowdown
+    fwd[-1] += loss.get("fwd_s", 0.0)
+    bwd[-1] += loss.get("bwd_s", 0.0)
+    return [t * factor for t in fwd], [t * factor for t in bwd]
+
+
+def _same_time_prediction(plan: autopipe.Plan, profile: tuple[list[float], list[float], list[float]],
+                          slowdown: float) -> float:
+    """The plan's step predicted from another profile of its segments (and the loss the plan measured)."""
+    fwd, bwd = _profile_stage_times(plan, profile, slowdown)
     return plan.calibrate({"fwd_s": fwd, "bwd_s": bwd}).predicted_step_s
 
 
@@ -141,16 +148,7 @@ def _contention_prediction(plan: autopipe.Plan, alone: tuple[list[float], ...],
     ``alone x (1 + (together / alone - 1) x overlap)``, its overlap the share of its time
     another rank computes in the simulated step; overlap and times are iterated to a fixed point.
     """
-    loss = plan.extras.get("loss") or {}
-
-    def stage_times(profile: tuple[list[float], ...]) -> tuple[list[float], list[float]]:
-        costs = [replace(c, fwd_s=f, bwd_s=b, accum_s=a) for c, f, b, a in zip(plan.segment_costs(), *profile)]
-        fwd, bwd = _stage_times(plan, costs)
-        fwd[-1] += loss.get("fwd_s", 0.0)
-        bwd[-1] += loss.get("bwd_s", 0.0)
-        return fwd, bwd
-
-    (fa, ba), (ft, bt) = stage_times(alone), stage_times(together)
+    (fa, ba), (ft, bt) = _profile_stage_times(plan, alone), _profile_stage_times(plan, together)
     fwd, bwd = fa, ba
     for _ in range(4):
         timeline = autopipe.simulate(fwd, bwd, comm_s=plan.extras.get("cut_comm_s") or 0.0,
@@ -239,7 +237,7 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
     same_time = per_segment_median(between)
     # Profiles every rank took at once between other rounds (autopipe.profile_in_ranks):
     # contended as the stages are.
-    paired = per_segment_median(results[0].get("paired_profiles") if results else None)
+    in_ranks = per_segment_median(results[0].get("in_ranks_profiles") if results else None)
     rows = []
     for c in cases:
         plan: autopipe.Plan = c["plan"]
@@ -282,8 +280,8 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
             # The same prediction from the profile taken between the rounds of steps (so on a
             # host running as fast as during them), with the loss the plan measured.
             **({"same_time_step_s": _same_time_prediction(plan, same_time, slowdown)} if same_time else {}),
-            **({"in_ranks_step_s": _same_time_prediction(plan, paired, slowdown)} if paired else {}),
-            **({"contention_step_s": _contention_prediction(plan, same_time, paired)} if paired and same_time
+            **({"in_ranks_step_s": _same_time_prediction(plan, in_ranks, slowdown)} if in_ranks else {}),
+            **({"contention_step_s": _contention_prediction(plan, same_time, in_ranks)} if in_ranks and same_time
                else {}),
             "warm_cache_step_s": _same_time_prediction(plan, warm_cache, slowdown),
             "whole_fit_step_s": _same_time_prediction(plan, whole_fit, slowdown),
