@@ -187,10 +187,13 @@ def test_a_step_no_longer_than_its_transfers_fits_no_overhead():
 
 
 @pytest.mark.distributed
-def test_overhead_of_a_real_two_rank_pipeline_is_positive_and_usable():
+def test_overhead_of_a_real_two_rank_pipeline_is_usable():
     m = measure.measure_action_overhead(schedules=[("1F1B", 1)], steps=2, timeout_s=180)
     assert m.backend == "gloo" and m.n_ranks == 2 and list(m.per_schedule_s) == ["1F1B-1"]
-    assert 0 < m.action_overhead_s < m.step_s["1F1B-1"]
+    # The fit is clipped at zero: on a busy host the stages' compute times the slowdown (both
+    # measured at other moments than the steps) can already exceed the measured step.
+    assert 0 <= m.action_overhead_s < m.step_s["1F1B-1"]
+    assert m.action_overhead_s == m.per_schedule_s["1F1B-1"]
     assert 0 < m.concurrent_slowdown < math.inf
     assert "ms per action" in m.summary()
     assert Device(speed=1 / m.concurrent_slowdown, action_overhead_s=m.action_overhead_s).speed > 0
