@@ -45,7 +45,7 @@ from autopipe.profile import Timer, per_run_s
 __all__ = [
     "BenchModel", "MODELS", "host_info", "make_model", "ce_loss", "make_target", "stack_microbatches",
     "StageChain", "use_codegen", "interpreter_modules", "LiveBytes", "run_world", "run_variants",
-    "pipeline_worker", "parallel_efficiency", "WorldFailed", "median", "world_of_one",
+    "pipeline_worker", "parallel_efficiency", "WorldFailed", "median", "world_of_one", "profile_in_world",
 ]
 
 
@@ -512,6 +512,33 @@ def run_variants(job: dict[str, Any], *, device: str = "cpu", threads: int = 1, 
             r["errors"] = dict(failed)
         return results, failed
     return [], failed
+
+
+def _profile_worker(rank: int, world: int, job: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Every rank profiles the model at once (:func:`autopipe.profile_in_ranks`); rank 0 returns the mean."""
+    from dataclasses import asdict
+
+    from autopipe import profile_in_ranks
+
+    device = torch.device(f"cuda:{rank}") if job["device"].startswith("cuda") else torch.device("cpu")
+    model, args = make_model(job["model"], job["size"])
+    costs = profile_in_ranks(model, args, device=device, warmup=1, repeats=job["repeats"])
+    return [asdict(c) for c in costs] if rank == 0 else None
+
+
+def profile_in_world(name: str, size: str, *, world: int = 2, device: str = "cpu", threads: int = 1,
+                     repeats: int = 15, timeout_s: float = 300.0) -> list[Any]:
+    """The profile ``world`` ranks take together before a job, as ``Pipeline(profile_in_ranks=True)`` does.
+
+    Spawns the ranks (each with ``threads`` torch threads, as they will train), has every one
+    profile model ``name`` at once and returns the mean over the ranks as a list of
+    :class:`autopipe.costgraph.SegmentCost`: what ``partition(..., costs=)`` takes.
+    """
+    from autopipe.costgraph import SegmentCost
+
+    results = run_world(_profile_worker, world, {"model": name, "size": size, "device": device, "repeats": repeats},
+                        device=device, threads=threads, timeout_s=timeout_s)
+    return [SegmentCost(**d) for d in results[0]]
 
 
 def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:

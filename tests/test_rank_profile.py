@@ -61,7 +61,7 @@ def test_it_needs_a_process_group():
         autopipe.profile_in_ranks(model, args, device="cpu")
 
 
-def _pipeline_worker(rank: int, world_size: int) -> dict:
+def _pipeline_worker(rank: int, world_size: int, flag: bool | None) -> dict:
     import torch.nn.functional as F
 
     import autopipe.planner as planner
@@ -74,28 +74,44 @@ def _pipeline_worker(rank: int, world_size: int) -> dict:
         seen.append(type(k.get("costs")).__name__)
         return real(*a, **k)
 
+    options = {"progress": False, "repeats": 2, "warmup": 0}
     planner.partition = spy
     try:
         pipe = autopipe.Pipeline(model, example_args=args, loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
-                                 schedule="1F1B", n_microbatches=2, profile_in_ranks=True,
-                                 planner_options={"progress": False, "repeats": 2, "warmup": 0})
+                                 schedule="1F1B", n_microbatches=2, profile_in_ranks=flag, planner_options=options)
+        # Devices with their own speeds: the default leaves the profile to rank 0 alone.
+        with_devices = autopipe.Pipeline(model, example_args=args, schedule="1F1B", n_microbatches=2,
+                                         planner_options={**options, "devices": [autopipe.Device()] * 2})
     finally:
         planner.partition = real
     x = torch.cat([args[0]] * 2)
     loss = pipe.step(x, target=torch.zeros_like(x))
-    return {"planner_got": seen, "split": pipe.plan.split_points, "loss_finite": loss is None or bool(torch.isfinite(loss))}
+    return {"planner_got": seen, "split": pipe.plan.split_points, "loss_finite": loss is None or bool(torch.isfinite(loss)),
+            "with_devices_split": with_devices.plan.split_points}
 
 
 @pytest.mark.distributed
-def test_a_pipeline_can_plan_from_a_profile_every_rank_takes():
-    results = run_world(_pipeline_worker, 2, timeout_s=180, pg_timeout_s=90)
-    assert results[0]["planner_got"] == ["SegmentCosts"] and results[1]["planner_got"] == []  # rank 0 plans
+@pytest.mark.parametrize("flag", [True, None])
+def test_a_pipeline_plans_from_a_profile_every_rank_takes_by_default(flag):
+    results = run_world(_pipeline_worker, 2, flag, timeout_s=180, pg_timeout_s=90)
+    # Only rank 0 plans: from the ranks' profile (SegmentCosts), then with devices from its own (None).
+    assert results[0]["planner_got"] == ["SegmentCosts", "NoneType"] and results[1]["planner_got"] == []
     assert results[0]["split"] == results[1]["split"] and all(r["loss_finite"] for r in results)
+    assert results[0]["with_devices_split"] == results[1]["with_devices_split"]
+
+
+def test_the_default_profiles_in_the_ranks_only_when_nothing_else_gives_the_costs():
+    from autopipe.runtime.pipeline import _profile_in_ranks_by_default
+
+    assert _profile_in_ranks_by_default(2, {"repeats": 3, "memory": "1GiB"})
+    assert not _profile_in_ranks_by_default(1, {})  # one rank: its own profile is the ranks' profile
+    for option in ({"costs": []}, {"scaling": object()}, {"devices": []}, {"cost": "flops"}):
+        assert not _profile_in_ranks_by_default(4, option), option
 
 
 def test_profile_in_ranks_on_a_pipeline_is_checked_before_joining_a_job():
     model, args = _small_model()
-    with pytest.raises(ValueError, match="profile_in_ranks='yes' must be True or False"):
+    with pytest.raises(ValueError, match="profile_in_ranks='yes' must be True, False or None"):
         autopipe.Pipeline(model, example_args=args, profile_in_ranks="yes")
     with pytest.raises(ValueError, match="but a plan or split_points was given: there is nothing to plan"):
         autopipe.Pipeline(model, example_args=args, split_points=["layers.1"], profile_in_ranks=True)

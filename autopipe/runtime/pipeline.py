@@ -92,12 +92,15 @@ class Pipeline:
         planner_options: extra keyword arguments for :func:`autopipe.planner.partition`;
             with ``example_target`` (one micro-batch's target) the planner also charges
             ``loss_fn``'s time and saved bytes to the last stage.
-        profile_in_ranks: when the pipeline plans (no ``plan`` or ``split_points``): every
-            rank profiles the model at once (:func:`autopipe.profile_in_ranks`) and rank 0
-            plans from the mean of their profiles, instead of profiling alone. For ranks
-            sharing a host, whose stages compete for memory bandwidth and caches
-            (docs/training.md section 3). ``warmup`` / ``repeats`` / ``flush_cache`` /
-            ``fit_to_whole`` in ``planner_options`` go to that profile.
+        profile_in_ranks: when the pipeline plans (no ``plan`` or ``split_points``): True has
+            every rank profile the model at once (:func:`autopipe.profile_in_ranks`) and rank
+            0 plan from the mean of their profiles; False has rank 0 profile alone while the
+            others wait. The default (None) profiles in the ranks when the world has more
+            than one rank and ``planner_options`` bring no costs of their own (``costs``,
+            ``scaling``, ``devices`` with their speeds, or an estimated ``cost``). Ranks
+            sharing a host compete for memory bandwidth and caches, which a profile taken
+            alone does not see (docs/training.md section 3). ``warmup`` / ``repeats`` /
+            ``flush_cache`` / ``fit_to_whole`` in ``planner_options`` go to that profile.
 
     Raises:
         TypeError / ValueError: for a bad argument (named in the message), a schedule name
@@ -129,7 +132,7 @@ class Pipeline:
         device: torch.device | str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         planner_options: Mapping[str, Any] | None = None,
-        profile_in_ranks: bool = False,
+        profile_in_ranks: bool | None = None,
     ) -> None:
         # ---- 1. everything that can be checked alone, before joining the job
         _check_model_and_inputs(model, example_args, example_kwargs, loss_fn)
@@ -144,8 +147,9 @@ class Pipeline:
             schedule = canonical_schedule_name(schedule)  # lists the valid names when unknown
         if planner_options is not None and not isinstance(planner_options, Mapping):
             raise TypeError(f"planner_options must be a dict of keyword arguments, got {planner_options!r}")
-        if not isinstance(profile_in_ranks, bool):
-            raise ValueError(f"profile_in_ranks={profile_in_ranks!r} must be True or False")
+        if profile_in_ranks is not None and not isinstance(profile_in_ranks, bool):
+            raise ValueError(f"profile_in_ranks={profile_in_ranks!r} must be True, False or None (profile in the "
+                             f"ranks when the pipeline plans for several ranks)")
         if profile_in_ranks and (plan is not None or split_points is not None):
             raise ValueError("profile_in_ranks=True profiles for the planner, but a plan or split_points was "
                              "given: there is nothing to plan; drop one of them")
@@ -206,6 +210,8 @@ class Pipeline:
             options = dict(planner_options or {})
             if "example_target" in options and loss_fn is not None:  # the loss is charged to the last stage
                 options.setdefault("loss_fn", loss_fn)
+            if profile_in_ranks is None:
+                profile_in_ranks = _profile_in_ranks_by_default(self.world_size, options)
             if profile_in_ranks:  # every rank at once, before rank 0 plans from their mean
                 from ..rank_profile import profile_in_ranks as profile_together
 
@@ -1136,6 +1142,29 @@ def _has_mode_dependent_modules(model: nn.Module) -> bool:
         if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
             return True
     return False
+
+
+#: Planner options that bring costs of their own, so that the ranks have nothing to profile:
+#: ``costs`` / ``scaling`` are profiles already; ``devices`` carry speeds relative to the one
+#: device a profile was taken on (a mean over the ranks' devices would count them twice).
+_OWN_COSTS_OPTIONS = ("costs", "scaling", "devices")
+
+
+def _profile_in_ranks_by_default(world_size: int, options: Mapping[str, Any]) -> bool:
+    """``profile_in_ranks=None``: profile in every rank when there are several and nothing else gives the costs.
+
+    Profiles every rank took at once predicted two-rank CPU steps better than rank 0's alone
+    in eight runs of nine of ``benchmarks/prediction_accuracy`` (docs/costs-and-measurement.md
+    section 4); the other ranks would only wait meanwhile, so it costs no time.
+
+    Example:
+        >>> _profile_in_ranks_by_default(2, {"repeats": 3})
+        True
+        >>> _profile_in_ranks_by_default(2, {"cost": "flops"}), _profile_in_ranks_by_default(1, {})
+        (False, False)
+    """
+    return (world_size > 1 and not any(k in options for k in _OWN_COSTS_OPTIONS)
+            and options.get("cost", "measured") == "measured")
 
 
 def _plan_from_split_points(split_points: list[str], schedule: str, n_microbatches: int,

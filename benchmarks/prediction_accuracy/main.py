@@ -6,10 +6,13 @@ cost per pipeline action plus the slowdown of ranks computing at once
 (``autopipe.measure.measure_action_overhead``). Then for each model x schedule x micro-batch
 count this script
 
-1. profiles the model once (one thread on CPU, as each rank will run) and plans it for 2
-   ranks with ``autopipe.partition(..., costs=profile, devices=[Device(speed=1 / slowdown,
-   bandwidth=, latency_s=, action_overhead_s=)] * 2, loss_fn=, example_target=)``: the plan's
-   own prediction, the loss (cross-entropy) charged to the last stage;
+1. profiles the model in 2 spawned ranks at once (``autopipe.profile_in_ranks``, one thread
+   each, as ``Pipeline(profile_in_ranks=True)`` does before it plans) and plans it for 2 ranks
+   with ``autopipe.partition(..., costs=profile, devices=[Device(bandwidth=, latency_s=,
+   action_overhead_s=)] * 2, loss_fn=, example_target=)``: the plan's own prediction, the
+   loss (cross-entropy) charged to the last stage. With ``--plan-profile parent`` the plans
+   are made from a profile this process takes alone, slowed by the measured slowdown of
+   ranks computing together (``Device(speed=1 / slowdown)``), as up to session 8;
 2. runs every plan of the model as a real 2-rank :class:`autopipe.Pipeline` (gloo on
    127.0.0.1), all plans side by side in interleaved rounds, and takes the median step;
    then measures each rank's peak memory during one steady-state step with Adam
@@ -41,7 +44,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from _common import write_result  # noqa: E402
 from _pipebench import (  # noqa: E402
-    MODELS, StageChain, ce_loss, host_info, make_model, make_target, median, parallel_efficiency, run_variants,
+    MODELS, StageChain, ce_loss, host_info, make_model, make_target, median, parallel_efficiency, profile_in_world,
+    run_variants,
 )
 
 import autopipe  # noqa: E402
@@ -76,9 +80,12 @@ def measure_machine(opts: argparse.Namespace, log) -> dict[str, Any]:
     return {"link": link.to_dict(), "overhead": overhead.to_dict()}
 
 
-def _measured_devices(machine: dict[str, Any]) -> list[autopipe.Device]:
+def _measured_devices(machine: dict[str, Any], contended_profile: bool) -> list[autopipe.Device]:
+    """The two ranks as measured: link, overhead per action and, unless the profile was taken by
+    every rank at once (and so holds the contention already), the slowdown of ranks computing together."""
     link, overhead = machine["link"], machine["overhead"]
-    return [autopipe.Device(speed=1.0 / overhead["concurrent_slowdown"], bandwidth=link["bandwidth_bytes_per_s"],
+    speed = 1.0 if contended_profile else 1.0 / overhead["concurrent_slowdown"]
+    return [autopipe.Device(speed=speed, bandwidth=link["bandwidth_bytes_per_s"],
                             latency_s=link["latency_s"], action_overhead_s=overhead["action_overhead_s"])] * 2
 
 
@@ -179,13 +186,20 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
                               fit_to_whole=True)
     whole_fit = ([c.fwd_s for c in fitted], [c.bwd_s for c in fitted], [c.accum_s for c in fitted])
     profile_whole = asdict(costs.whole) if costs.whole is not None else None
+    parent = ([c.fwd_s for c in costs], [c.bwd_s for c in costs], [c.accum_s for c in costs])
+    # The profile the plans are made from: by default every rank's at once, before the run, as
+    # Pipeline(profile_in_ranks=True) takes it; with --plan-profile parent, this process's.
+    in_ranks_first = opts.plan_profile == "in-ranks"
+    if in_ranks_first:
+        costs = profile_in_world(name, size, device=device, threads=opts.threads, repeats=opts.profile_repeats,
+                                 timeout_s=opts.world_timeout)
     cases = []
     for sched, v in opts.schedule_list:
         for m in opts.microbatches:
             try:
                 plan = autopipe.partition(model, 2, example_args=args, schedule=sched, n_microbatches=m,
                                           stages_per_rank=v, costs=costs, device=device, progress=False,
-                                          devices=_measured_devices(machine), loss_fn=ce_loss,
+                                          devices=_measured_devices(machine, in_ranks_first), loss_fn=ce_loss,
                                           example_target=target)
             except ValueError as e:  # a combination torch cannot run (e.g. too few micro-batches)
                 log(f"  {name} {sched} x{m}: not planned: {e}")
@@ -280,9 +294,13 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
             # The same prediction from the profile taken between the rounds of steps (so on a
             # host running as fast as during them), with the loss the plan measured.
             **({"same_time_step_s": _same_time_prediction(plan, same_time, slowdown)} if same_time else {}),
-            **({"in_ranks_step_s": _same_time_prediction(plan, in_ranks, slowdown)} if in_ranks else {}),
+            # (Profiles every rank took at once hold the contention: no slowdown on top.)
+            **({"in_ranks_step_s": _same_time_prediction(plan, in_ranks, 1.0)} if in_ranks else {}),
             **({"contention_step_s": _contention_prediction(plan, same_time, in_ranks)} if in_ranks and same_time
                else {}),
+            # The same split from this process's profile taken alone before the run, slowed by the
+            # measured slowdown: what partition() in one process predicts for it.
+            "parent_profile_step_s": _same_time_prediction(plan, parent, slowdown),
             "warm_cache_step_s": _same_time_prediction(plan, warm_cache, slowdown),
             "whole_fit_step_s": _same_time_prediction(plan, whole_fit, slowdown),
             "profile_whole": profile_whole, "whole_fit_scales": fitted.whole.scales if fitted.whole else None,
@@ -321,8 +339,12 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
 
 #: Prediction columns: JSON key of the predicted step -> what it is.
 PREDICTIONS = {
-    "predicted_step_s": "the plan as made, with the machine measured once (link, per-action overhead, "
-                        "slowdown of ranks computing together)",
+    "predicted_step_s": "the plan as made (by default from the profile every rank took at once before the run, "
+                        "as Pipeline(profile_in_ranks=True) takes it), with the machine measured once (link, "
+                        "per-action overhead)",
+    "parent_profile_step_s": "the same split from a profile this process took alone before the run, slowed by the "
+                             "measured slowdown of ranks computing together (what partition() in one process "
+                             "predicts)",
     "defaults_step_s": "the same split with autopipe's defaults (profile only, nothing measured)",
     "no_overhead_step_s": "profile + measured link, without the per-action overhead, the slowdown and lazy "
                           "sends (the cost model before they existed)",
@@ -333,7 +355,7 @@ PREDICTIONS = {
                         "fast as during them) instead of before them",
     "in_ranks_step_s": "the same, from profiles every rank took at once between other rounds "
                        "(autopipe.profile_in_ranks: each rank's profile competing with the others for the host, "
-                       "as the stages do; the mean over the ranks)",
+                       "as the stages do; the mean over the ranks; no slowdown on top)",
     "contention_step_s": "each stage between its time in rank 0's profile alone and in the profile every rank "
                          "took at once, by the share of its actions' time another rank computes in the simulated "
                          "step (no concurrent_slowdown on top)",
@@ -416,6 +438,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--instrument-steps", type=int, default=2,
                     help="steps with every compute action timed inside the run (0: none)")
     ap.add_argument("--world-timeout", type=float, default=400.0)
+    ap.add_argument("--plan-profile", choices=("in-ranks", "parent"), default="in-ranks",
+                    help="what the plans are made from: the profile every rank takes at once before the run "
+                         "(default), or this process's profile with the measured slowdown")
     ap.add_argument("--out", default=None)
     opts = ap.parse_args(argv)
     size = "smoke" if opts.smoke else "quick" if opts.quick else "full"
@@ -461,7 +486,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if summary[f"median_abs_error:{k}"] is not None))
     payload = {
         "benchmark": "prediction_accuracy", "size": size, "device": opts.device, "threads_per_process": opts.threads,
-        "codegen_stages": opts.codegen_stages,
+        "codegen_stages": opts.codegen_stages, "plan_profile": opts.plan_profile,
         "repeats": {k: getattr(opts, k) for k in ("profile_repeats", "stage_repeats", "rounds", "steps")},
         "host_start": host_start, "host_end": host_info(), "parallel_efficiency": parallel,
         "summary": summary, "rows": rows, "links": links, "measured_machine": machine, "wall_s": time.perf_counter() - t0,
