@@ -9,12 +9,12 @@ rank profile the whole model at the same moment and averages their profiles, so 
 contention is in the times.
 
 Measured with ``benchmarks/prediction_accuracy`` on this project's 2-core host (40 cases
-per run, 2 ranks), profiles every rank took at once between rounds of steps against
-profiles rank 0 took alone at the same points (median |error| of the predicted steps):
-8.0% / 11.3%, 4.8% / 11.4%, 9.7% / 12.0% and 8.0% / 16.4% in four runs that kept rank 0's
-profile, then 12.1% / 8.6%, 6.7% / 7.0% and 6.3% / 9.4% in three runs of this function (the
-mean over the ranks). Better in six runs of seven, not always;
-docs/costs-and-measurement.md section 4.
+per run, 2 ranks): profiles every rank took at once, between rounds of steps, predicted the
+steps better than profiles rank 0 took alone at the same points in most runs, not all; plans
+made from them before the run predicted better than the same splits from a profile taken
+alone in the parent in most runs too. The figures of every run are in
+docs/costs-and-measurement.md section 4. :class:`autopipe.Pipeline` profiles this way by
+default when it plans for several ranks.
 
 Example:
     >>> costs = profile_in_ranks(model, (x_microbatch,), device="cpu")            # doctest: +SKIP

@@ -1153,9 +1153,10 @@ _OWN_COSTS_OPTIONS = ("costs", "scaling", "devices")
 def _profile_in_ranks_by_default(world_size: int, options: Mapping[str, Any]) -> bool:
     """``profile_in_ranks=None``: profile in every rank when there are several and nothing else gives the costs.
 
-    Profiles every rank took at once predicted two-rank CPU steps better than rank 0's alone
-    in eight runs of nine of ``benchmarks/prediction_accuracy`` (docs/costs-and-measurement.md
-    section 4); the other ranks would only wait meanwhile, so it costs no time.
+    Profiles every rank took at once predicted two-rank CPU steps better than a profile taken
+    alone in most runs of ``benchmarks/prediction_accuracy`` (docs/costs-and-measurement.md
+    section 4, every run's figures); the other ranks would only wait meanwhile, so it costs
+    no time.
 
     Example:
         >>> _profile_in_ranks_by_default(2, {"repeats": 3})
