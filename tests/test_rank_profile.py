@@ -117,3 +117,15 @@ def test_profile_in_ranks_on_a_pipeline_is_checked_before_joining_a_job():
         autopipe.Pipeline(model, example_args=args, split_points=["layers.1"], profile_in_ranks=True)
     with pytest.raises(ValueError, match="planner_options has costs= already"):
         autopipe.Pipeline(model, example_args=args, profile_in_ranks=True, planner_options={"costs": []})
+
+
+def test_the_ranks_profile_as_many_rounds_as_the_planner_would_unless_told():
+    import inspect
+
+    from autopipe.planner import partition
+    from autopipe.runtime.pipeline import _rank_profile_settings
+
+    planner = inspect.signature(partition).parameters
+    assert _rank_profile_settings({}) == {"warmup": planner["warmup"].default, "repeats": planner["repeats"].default}
+    assert _rank_profile_settings({"repeats": 9, "flush_cache": False, "memory": "1GiB"}) == {
+        "warmup": planner["warmup"].default, "repeats": 9, "flush_cache": False}

@@ -100,7 +100,8 @@ class Pipeline:
             ``scaling``, ``devices`` with their speeds, or an estimated ``cost``). Ranks
             sharing a host compete for memory bandwidth and caches, which a profile taken
             alone does not see (docs/training.md section 3). ``warmup`` / ``repeats`` /
-            ``flush_cache`` / ``fit_to_whole`` in ``planner_options`` go to that profile.
+            ``flush_cache`` / ``fit_to_whole`` in ``planner_options`` go to that profile
+            (default: the planner's, as many rounds as rank 0 alone would profile).
 
     Raises:
         TypeError / ValueError: for a bad argument (named in the message), a schedule name
@@ -215,9 +216,9 @@ class Pipeline:
             if profile_in_ranks:  # every rank at once, before rank 0 plans from their mean
                 from ..rank_profile import profile_in_ranks as profile_together
 
-                options["costs"] = profile_together(
-                    model, example_args, example_kwargs, device=options.get("device", self.device),
-                    **{k: options[k] for k in ("warmup", "repeats", "flush_cache", "fit_to_whole") if k in options})
+                options["costs"] = profile_together(model, example_args, example_kwargs,
+                                                    device=options.get("device", self.device),
+                                                    **_rank_profile_settings(options))
             plan = self._plan_on_rank0(model, example_args, example_kwargs, n_ranks, schedule,
                                        n_microbatches, stages_per_rank, options)
             n_microbatches = n_microbatches or plan.n_microbatches
@@ -1166,6 +1167,25 @@ def _profile_in_ranks_by_default(world_size: int, options: Mapping[str, Any]) ->
     """
     return (world_size > 1 and not any(k in options for k in _OWN_COSTS_OPTIONS)
             and options.get("cost", "measured") == "measured")
+
+
+def _rank_profile_settings(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings of the ranks' profile: ``planner_options``' own, else what the planner would use.
+
+    ``warmup`` / ``repeats`` default to ``profile_segments``' (the planner's too, not
+    ``profile_in_ranks``' longer 15 rounds), so the ranks profile as many rounds as rank 0
+    alone would have and planning takes no longer.
+
+    Example:
+        >>> _rank_profile_settings({"repeats": 3, "flush_cache": False})
+        {'warmup': 2, 'repeats': 3, 'flush_cache': False}
+    """
+    from ..profile import profile_segments
+
+    defaults = inspect.signature(profile_segments).parameters
+    settings = {k: options.get(k, defaults[k].default) for k in ("warmup", "repeats")}
+    settings.update({k: options[k] for k in ("flush_cache", "fit_to_whole") if k in options})
+    return settings
 
 
 def _plan_from_split_points(split_points: list[str], schedule: str, n_microbatches: int,
