@@ -514,13 +514,18 @@ def run_variants(job: dict[str, Any], *, device: str = "cpu", threads: int = 1, 
     return [], failed
 
 
+def _rank_device(device: str, rank: int) -> torch.device:
+    """The device of ``rank`` in a benchmark world on ``device`` ("cpu" or "cuda"): one GPU per rank."""
+    return torch.device("cuda", rank) if device.startswith("cuda") else torch.device("cpu")
+
+
 def _profile_worker(rank: int, world: int, job: dict[str, Any]) -> list[dict[str, Any]] | None:
     """Every rank profiles the model at once (:func:`autopipe.profile_in_ranks`); rank 0 returns the mean."""
     from dataclasses import asdict
 
     from autopipe import profile_in_ranks
 
-    device = torch.device(f"cuda:{rank}") if job["device"].startswith("cuda") else torch.device("cpu")
+    device = _rank_device(job["device"], rank)
     model, args = make_model(job["model"], job["size"])
     costs = profile_in_ranks(model, args, device=device, warmup=1, repeats=job["repeats"])
     return [asdict(c) for c in costs] if rank == 0 else None
@@ -561,7 +566,7 @@ def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
     from autopipe.runtime import Pipeline
     from autopipe.plan import Plan
 
-    device = torch.device(f"cuda:{rank}") if job["device"].startswith("cuda") else torch.device("cpu")
+    device = _rank_device(job["device"], rank)
     model, args = make_model(job["model"], job["size"])
     with torch.no_grad():
         target_mb = make_target(model(*args))

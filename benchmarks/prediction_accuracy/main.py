@@ -108,6 +108,12 @@ def _profiled_stage_times(plan: autopipe.Plan) -> tuple[list[float], list[float]
     return _stage_times(plan, plan.segment_costs())
 
 
+def _segment_times(costs: Sequence[SegmentCost]) -> tuple[list[float], list[float], list[float]]:
+    """Per segment, forward, backward and gradient-accumulation seconds: a profile as
+    :func:`_profile_stage_times` takes it."""
+    return [c.fwd_s for c in costs], [c.bwd_s for c in costs], [c.accum_s for c in costs]
+
+
 def _profile_stage_times(plan: autopipe.Plan, profile: tuple[list[float], ...],
                          factor: float = 1.0) -> tuple[list[float], list[float]]:
     """Per stage, forward and backward from another profile of the plan's segments, the loss the
@@ -179,14 +185,14 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
     # after the first: what the plans would predict had the profiler not emptied them.
     warm = profile_segments(traced, device=device, warmup=1, repeats=opts.profile_repeats, progress=False,
                             flush_cache=False)
-    warm_cache = ([c.fwd_s for c in warm], [c.bwd_s for c in warm], [c.accum_s for c in warm])
+    warm_cache = _segment_times(warm)
     # And fitted to the whole graph timed beside the segments (fit_to_whole=True; the default
     # on CUDA only): what the plans would predict had the CPU profile been fitted too.
     fitted = profile_segments(traced, device=device, warmup=1, repeats=opts.profile_repeats, progress=False,
                               fit_to_whole=True)
-    whole_fit = ([c.fwd_s for c in fitted], [c.bwd_s for c in fitted], [c.accum_s for c in fitted])
+    whole_fit = _segment_times(fitted)
     profile_whole = asdict(costs.whole) if costs.whole is not None else None
-    parent = ([c.fwd_s for c in costs], [c.bwd_s for c in costs], [c.accum_s for c in costs])
+    parent = _segment_times(costs)
     # The profile the plans are made from: by default every rank's at once, before the run, as
     # Pipeline(profile_in_ranks=True) takes it; with --plan-profile parent, this process's.
     in_ranks_first = opts.plan_profile == "in-ranks"
