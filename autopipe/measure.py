@@ -692,8 +692,15 @@ def _overhead_worker(rank: int, port: int, n_ranks: int, backend: str, device_ty
             n_stages = n_ranks * v
             edges = [_PROBE_LAYERS * k // n_stages for k in range(n_stages + 1)]
             splits = [str(e) for e in edges[1:-1]]
-            # Each stage's compute alone, in this process: what the simulation is given.
-            per_stage = [_stage_compute_s(list(model)[a:b], dev) for a, b in zip(edges, edges[1:])]
+            # Each stage's compute alone, what the simulation is given (times the slowdown):
+            # the ranks take turns, so no rank's timing competes with another's (it would
+            # then count the contention twice, once here and once in the slowdown).
+            per_stage: list[tuple[float, float]] = []
+            for turn in range(n_ranks):
+                dist.barrier()
+                if turn == rank:
+                    per_stage = [_stage_compute_s(list(model)[a:b], dev) for a, b in zip(edges, edges[1:])]
+            dist.barrier()
             compute_s[f"{schedule}-{v}"] = ([f for f, _ in per_stage], [b for _, b in per_stage])
             pipe = Pipeline(model, example_args=(x[:_PROBE_ROWS],), loss_fn=nn.functional.mse_loss,
                             split_points=splits, schedule=schedule, n_microbatches=n_microbatches,
