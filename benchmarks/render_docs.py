@@ -188,6 +188,27 @@ def render_trace_profile(d: dict[str, Any], behind: list[str]) -> str:
     return table(["", ""], rows)
 
 
+def render_prediction_runs(runs: dict[str, Any]) -> str:
+    """The prediction benchmark over several runs (``prediction_accuracy/runs.py``'s ``runs.json``)."""
+    shown = ("predicted_step_s", "parent_profile_step_s", "in_ranks_step_s", "same_time_step_s", "in_run_step_s")
+    def cells(columns: dict[str, Any]) -> list[str]:
+        return [f"{pct(columns[c]['median_abs_error']).lstrip('+')} ({pct(columns[c]['median_signed_error'])})"
+                if c in columns else "–" for c in shown]
+
+    rows = [[r["label"], str(r["run"]), *cells(r["columns"]),
+             pct(r.get("median_abs_memory_error")).lstrip("+")] for r in runs["runs"]]
+    pooled = runs["pooled"]
+    rows.append([f"**all {pooled['runs']} runs pooled**", str(pooled["columns"]["predicted_step_s"]["cases"]),
+                 *cells(pooled["columns"]), ""])
+    return (f"**Over {pooled['runs']} full runs** with the same code (`python benchmarks/prediction_accuracy/runs.py "
+            f"RESULTS...`; the table above is one of them): median |error| (median signed error) of the plan's own "
+            f"prediction and of the columns that locate its error. On this shared host the speed drifts between a "
+            f"model's profile and its steps, and all eight plans of a model share that drift, so one run's median "
+            f"moves by several points with nothing changed; the pooled figure is the typical error. Runs under the "
+            f"10% target: {pooled['runs_under_target']} of {pooled['runs']}.\n\n"
+            + table(["run", "cases", *(c.replace("_step_s", "") for c in shown), "memory"], rows))
+
+
 def render_prediction_accuracy(d: dict[str, Any], behind: list[str]) -> str:
     s = d["summary"]
     cols = list(s.get("columns", {}))
@@ -214,11 +235,23 @@ def render_prediction_accuracy(d: dict[str, Any], behind: list[str]) -> str:
     if any(v is not None for _, v in diag):
         out.append("Where the time goes (medians over the cases):\n\n"
                    + table(["ratio", "median"], [[k, ratio(v)] for k, v in diag]))
-    head = s.get("median_abs_error:predicted_step_s")
-    if head is not None and head > 0.10:
-        behind.append(f"prediction accuracy: the median |error| of the step-time prediction is {head:.1%} "
-                      f"(target: under 10%) over {s['run']} real 2-rank runs; median signed error "
-                      f"{s.get('median_signed_error', 0):+.1%}.")
+    runs_path = HERE / "prediction_accuracy" / "runs.json"
+    runs = json.loads(runs_path.read_text()) if runs_path.exists() else None
+    if runs is not None:
+        out.append(render_prediction_runs(runs))
+        pooled = runs["pooled"]
+        head = pooled["columns"]["predicted_step_s"]["median_abs_error"]
+        over = pooled["runs"] - pooled["runs_under_target"]
+        if head > 0.10 or over:
+            behind.append(f"prediction accuracy: the median |error| of the step-time prediction is {head:.1%} over "
+                          f"every case of {pooled['runs']} full runs (target: under 10%); {over} of those runs "
+                          f"had their own median above 10% (section 5).")
+    else:
+        head = s.get("median_abs_error:predicted_step_s")
+        if head is not None and head > 0.10:
+            behind.append(f"prediction accuracy: the median |error| of the step-time prediction is {head:.1%} "
+                          f"(target: under 10%) over {s['run']} real 2-rank runs; median signed error "
+                          f"{s.get('median_signed_error', 0):+.1%}.")
     rows = []
     for r in d["rows"]:
         if "errors" not in r:

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
@@ -94,3 +96,53 @@ def test_render_docs_writes_markdown_from_results(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = out.read_text()
     assert "# Benchmarks" in text and "Split quality at scale" in text
+
+
+def _load_runs_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pa_runs", BENCH / "prediction_accuracy" / "runs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fake_results(errors: list[float], memory: list[float]) -> dict:
+    """A prediction_accuracy results file with one case per error (plan's own column + one other)."""
+    columns = {"predicted_step_s": "the plan", "in_run_step_s": "in the run"}
+    rows = [{"model": f"m{i}", "schedule": "1F1B", "n_microbatches": 4,
+             "errors": {"predicted_step_s": e, "in_run_step_s": e / 2}, "memory_error": [memory[i]]}
+            for i, e in enumerate(errors)]
+    rows.append({"model": "broken", "schedule": "GPipe", "n_microbatches": 4, "not_run": "RuntimeError: x"})
+    return {"benchmark": "prediction_accuracy", "summary": {"columns": columns}, "rows": rows,
+            "machine": {"date": "2026-11-22"}, "plan_profile": "in-ranks"}
+
+
+def test_prediction_runs_pool_every_case_of_every_run(tmp_path):
+    runs = _load_runs_module()
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(_fake_results([0.05, -0.20, 0.08], [0.1, 0.2, 0.3])))
+    b.write_text(json.dumps(_fake_results([-0.02, 0.30, 0.12, -0.15], [0.0, 0.1, 0.0, 0.1])))
+    out = tmp_path / "runs.json"
+    payload = runs.main([str(a), str(b), "--out", str(out)])
+    assert json.loads(out.read_text()) == payload
+    first, second = payload["runs"]
+    assert (first["label"], first["run"], first["cases"]) == ("a", 3, 4)  # the case not run is counted, not pooled
+    assert first["columns"]["predicted_step_s"]["median_abs_error"] == 0.08
+    assert first["columns"]["predicted_step_s"]["median_signed_error"] == 0.05
+    assert math.isclose(second["columns"]["predicted_step_s"]["median_abs_error"], (0.12 + 0.15) / 2)
+    assert first["median_abs_memory_error"] == 0.2
+    pooled = payload["pooled"]
+    # The 7 cases together: |e| = .02 .05 .08 .12 .15 .20 .30 -> median .12; one run (a) is under 10%.
+    assert pooled["columns"]["predicted_step_s"] == {"median_abs_error": 0.12, "median_signed_error": 0.05, "cases": 7}
+    assert pooled["columns"]["in_run_step_s"]["median_abs_error"] == 0.06
+    assert (pooled["runs"], pooled["runs_under_target"]) == (2, 1)
+
+
+def test_prediction_runs_refuse_a_file_of_another_benchmark(tmp_path):
+    runs = _load_runs_module()
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"benchmark": "split_quality", "rows": []}))
+    with pytest.raises(SystemExit, match=r"is not from prediction_accuracy/main.py \(its 'benchmark' is 'split_quality'\)"):
+        runs.main([str(other), "--out", str(tmp_path / "runs.json")])
+    assert not (tmp_path / "runs.json").exists()
