@@ -188,8 +188,9 @@ def render_trace_profile(d: dict[str, Any], behind: list[str]) -> str:
     return table(["", ""], rows)
 
 
-def render_prediction_runs(runs: dict[str, Any]) -> str:
-    """The prediction benchmark over several runs (``prediction_accuracy/runs.py``'s ``runs.json``)."""
+def render_prediction_runs(runs: dict[str, Any], shown_is_one: bool) -> str:
+    """The prediction benchmark over several runs (``prediction_accuracy/runs.py``'s ``runs.json``);
+    ``shown_is_one``: the single run rendered above is one of them."""
     shown = ("predicted_step_s", "parent_profile_step_s", "in_ranks_step_s", "same_time_step_s", "in_run_step_s")
     def cells(columns: dict[str, Any]) -> list[str]:
         return [f"{pct(columns[c]['median_abs_error']).lstrip('+')} ({pct(columns[c]['median_signed_error'])})"
@@ -201,7 +202,8 @@ def render_prediction_runs(runs: dict[str, Any]) -> str:
     rows.append([f"**all {pooled['runs']} runs pooled**", str(pooled["columns"]["predicted_step_s"]["cases"]),
                  *cells(pooled["columns"]), ""])
     return (f"**Over {pooled['runs']} full runs** with the same code (`python benchmarks/prediction_accuracy/runs.py "
-            f"RESULTS...`; the table above is one of them): median |error| (median signed error) of the plan's own "
+            f"RESULTS...`; the table above is {'one of them' if shown_is_one else 'not among them'}): median |error| "
+            f"(median signed error) of the plan's own "
             f"prediction and of the columns that locate its error. On this shared host the speed drifts between a "
             f"model's profile and its steps, and all eight plans of a model share that drift, so one run's median "
             f"moves by several points with nothing changed; the pooled figure is the typical error. Runs under the "
@@ -235,10 +237,11 @@ def render_prediction_accuracy(d: dict[str, Any], behind: list[str]) -> str:
     if any(v is not None for _, v in diag):
         out.append("Where the time goes (medians over the cases):\n\n"
                    + table(["ratio", "median"], [[k, ratio(v)] for k, v in diag]))
-    runs_path = HERE / "prediction_accuracy" / "runs.json"
-    runs = json.loads(runs_path.read_text()) if runs_path.exists() else None
+    runs = d.get("pooled_runs")
     if runs is not None:
-        out.append(render_prediction_runs(runs))
+        shown = [{"model": r["model"], "schedule": r["schedule"], "n_microbatches": r["n_microbatches"],
+                  "errors": r["errors"]} for r in d["rows"] if "errors" in r]
+        out.append(render_prediction_runs(runs, shown_is_one=any(run["cases_errors"] == shown for run in runs["runs"])))
         pooled = runs["pooled"]
         head = pooled["columns"]["predicted_step_s"]["median_abs_error"]
         over = pooled["runs"] - pooled["runs_under_target"]
@@ -415,7 +418,11 @@ def load_results(results_dir: Path) -> dict[str, tuple[dict[str, Any], str]]:
             f = folder / fname
             if f.exists():
                 try:
-                    found[folder.name] = (json.loads(f.read_text()), fname)
+                    data = json.loads(f.read_text())
+                    runs = folder / "runs.json"  # several runs pooled (prediction_accuracy/runs.py)
+                    if runs.exists():
+                        data["pooled_runs"] = json.loads(runs.read_text())
+                    found[folder.name] = (data, fname)
                 except json.JSONDecodeError as e:
                     found[folder.name] = ({"error": f"unreadable {fname}: {e}"}, fname)
                 break

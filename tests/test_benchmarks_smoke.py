@@ -146,3 +146,28 @@ def test_prediction_runs_refuse_a_file_of_another_benchmark(tmp_path):
     with pytest.raises(SystemExit, match=r"is not from prediction_accuracy/main.py \(its 'benchmark' is 'split_quality'\)"):
         runs.main([str(other), "--out", str(tmp_path / "runs.json")])
     assert not (tmp_path / "runs.json").exists()
+
+
+def test_render_docs_shows_pooled_runs_and_judges_the_target_on_them(tmp_path):
+    runs = _load_runs_module()
+    folder = tmp_path / "prediction_accuracy"
+    folder.mkdir()
+    one = _fake_results([0.05, -0.20, 0.08], [0.1, 0.2, 0.3])
+    for row in one["rows"]:
+        row.update(predicted_step_s=0.1, measured_step_s=0.1)
+    one["summary"].update({"run": 3, "cases": 4, "median_abs_error:predicted_step_s": 0.08,
+                           "median_abs_error:in_run_step_s": 0.04})
+    (folder / "results.json").write_text(json.dumps(one))
+    (tmp_path / "b.json").write_text(json.dumps(_fake_results([-0.02, 0.30, 0.12, -0.15], [0.0] * 4)))
+    runs.main([str(folder / "results.json"), str(tmp_path / "b.json"), "--out", str(folder / "runs.json")])
+    out = tmp_path / "benchmarks.md"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "render_docs.py"), "--results", str(tmp_path), "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    assert "**Over 2 full runs**" in text and "the table above is one of them" in text
+    assert "| **all 2 runs pooled** | 7 | 12.0% (+5.0%) |" in text
+    # The single run shown met 10%, but the pooled figure did not: the page says so.
+    assert "the median |error| of the step-time prediction is 12.0% over every case of 2 full runs" in text
