@@ -31,7 +31,7 @@ import numbers
 import statistics
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -676,13 +676,19 @@ def _overhead_worker(rank: int, port: int, n_ranks: int, backend: str, device_ty
         alone: list[float] = []
         together: list[float] = []
 
+        def in_turn(work: Callable[[], Any]) -> Any:
+            """Run ``work`` on each rank in turn while the others wait; this rank's result."""
+            result = None
+            for turn in range(n_ranks):
+                dist.barrier()
+                if turn == rank:
+                    result = work()
+            dist.barrier()
+            return result
+
         def compare_rounds(count: int = 2) -> None:
             for _ in range(count):
-                for turn in range(n_ranks):
-                    dist.barrier()
-                    if turn == rank:
-                        alone.append(statistics.median(_compute_probe_s(dev, 3)))
-                dist.barrier()
+                alone.append(in_turn(lambda: statistics.median(_compute_probe_s(dev, 3))))
                 together.append(statistics.median(_compute_probe_s(dev, 3)))
 
         steps_s: dict[str, list[float]] = {}
@@ -695,12 +701,7 @@ def _overhead_worker(rank: int, port: int, n_ranks: int, backend: str, device_ty
             # Each stage's compute alone, what the simulation is given (times the slowdown):
             # the ranks take turns, so no rank's timing competes with another's (it would
             # then count the contention twice, once here and once in the slowdown).
-            per_stage: list[tuple[float, float]] = []
-            for turn in range(n_ranks):
-                dist.barrier()
-                if turn == rank:
-                    per_stage = [_stage_compute_s(list(model)[a:b], dev) for a, b in zip(edges, edges[1:])]
-            dist.barrier()
+            per_stage = in_turn(lambda: [_stage_compute_s(list(model)[a:b], dev) for a, b in zip(edges, edges[1:])])
             compute_s[f"{schedule}-{v}"] = ([f for f, _ in per_stage], [b for _, b in per_stage])
             pipe = Pipeline(model, example_args=(x[:_PROBE_ROWS],), loss_fn=nn.functional.mse_loss,
                             split_points=splits, schedule=schedule, n_microbatches=n_microbatches,

@@ -239,9 +239,9 @@ def render_prediction_accuracy(d: dict[str, Any], behind: list[str]) -> str:
                    + table(["ratio", "median"], [[k, ratio(v)] for k, v in diag]))
     runs = d.get("pooled_runs")
     if runs is not None:
-        shown = [{"model": r["model"], "schedule": r["schedule"], "n_microbatches": r["n_microbatches"],
-                  "errors": r["errors"]} for r in d["rows"] if "errors" in r]
-        out.append(render_prediction_runs(runs, shown_is_one=any(run["cases_errors"] == shown for run in runs["runs"])))
+        shown = [r["errors"] for r in d["rows"] if "errors" in r]
+        out.append(render_prediction_runs(runs, shown_is_one=any(
+            [c["errors"] for c in run["cases_errors"]] == shown for run in runs["runs"])))
         pooled = runs["pooled"]
         head = pooled["columns"]["predicted_step_s"]["median_abs_error"]
         over = pooled["runs"] - pooled["runs_under_target"]

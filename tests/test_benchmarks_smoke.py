@@ -86,15 +86,20 @@ def test_gpu_one_rank_compares_the_plan_with_a_one_rank_pipeline(tmp_path):
     assert s["median_abs_error_no_overhead"] == abs(checked["predicted_s"] / checked["measured_s"] - 1)
 
 
-def test_render_docs_writes_markdown_from_results(tmp_path):
-    _run("split_quality_sim", tmp_path / "split_quality_sim" / "results.json")
-    out = tmp_path / "benchmarks.md"
+def _render_docs(results_dir: Path) -> str:
+    """Run ``render_docs.py`` on the results under ``results_dir``, as a user would; the page it writes."""
+    out = results_dir / "benchmarks.md"
     proc = subprocess.run(
-        [sys.executable, str(BENCH / "render_docs.py"), "--results", str(tmp_path), "--out", str(out)],
+        [sys.executable, str(BENCH / "render_docs.py"), "--results", str(results_dir), "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    text = out.read_text()
+    return out.read_text()
+
+
+def test_render_docs_writes_markdown_from_results(tmp_path):
+    _run("split_quality_sim", tmp_path / "split_quality_sim" / "results.json")
+    text = _render_docs(tmp_path)
     assert "# Benchmarks" in text and "Split quality at scale" in text
 
 
@@ -160,13 +165,7 @@ def test_render_docs_shows_pooled_runs_and_judges_the_target_on_them(tmp_path):
     (folder / "results.json").write_text(json.dumps(one))
     (tmp_path / "b.json").write_text(json.dumps(_fake_results([-0.02, 0.30, 0.12, -0.15], [0.0] * 4)))
     runs.main([str(folder / "results.json"), str(tmp_path / "b.json"), "--out", str(folder / "runs.json")])
-    out = tmp_path / "benchmarks.md"
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "render_docs.py"), "--results", str(tmp_path), "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    text = out.read_text()
+    text = _render_docs(tmp_path)
     assert "**Over 2 full runs**" in text and "the table above is one of them" in text
     assert "| **all 2 runs pooled** | 7 | 12.0% (+5.0%) |" in text
     # The single run shown met 10%, but the pooled figure did not: the page says so.
