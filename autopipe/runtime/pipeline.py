@@ -39,11 +39,13 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from ..inplace import clone_inputs_written_in_place
 from ..plan import Plan, StagePlan
 from ..schedules import (SPLIT_BACKWARD_SCHEDULES, canonical_schedule_name, schedule_class, stage_ranks,
                          validate_schedule)
 from .checkpointing import checkpoint_stage, resolve_checkpoint_stages
 from .distributed import DEFAULT_TIMEOUT_S, broadcast_object, default_device, init_distributed
+from .model_io import ModelIO, capture_export
 from .relay import relay_skip_connections
 from .params import StateNames, model_state_names, shared_parameters, stage_state
 
@@ -293,6 +295,7 @@ class Pipeline:
         self._names: StateNames = model_state_names(local_model)
         split_spec = {name: SplitPoint.BEGINNING for name in self.plan.split_points}
         train_pipe = _split(local_model, split_spec, self._example, training=True, expected=self.num_stages)
+        self._io: ModelIO = train_pipe.autopipe_io
         eval_pipe = None
         if _has_mode_dependent_modules(local_model):
             # torch.export bakes train/eval behaviour (dropout, batch-norm statistics) into the
@@ -340,7 +343,7 @@ class Pipeline:
         self._forward_only = self.schedule not in _V_SCHEDULES and hasattr(schedule_class(self.schedule), "eval")
         self._train_schedule = None
         if self._loss_fn is not None:
-            self._train_schedule = self._make_schedule(self._train_stages, _MicrobatchMeanLoss(self._loss_fn, self.n_microbatches))
+            self._train_schedule = self._make_schedule(self._train_stages, _MicrobatchMeanLoss(self._loss_fn, self.n_microbatches, self._io))
         self._inference: dict[tuple[bool, bool], Any] = {}  # (training, with_loss) -> schedule
 
     def _build_local_stages(self, pipe) -> tuple[dict[int, nn.Module], list]:
@@ -387,7 +390,8 @@ class Pipeline:
         # It is given the traced shapes of what it receives and sends: without them torch
         # infers them by running the stage on uninitialised tensors, and an integer input
         # (token or position ids crossing a cut) then indexes out of range.
-        inputs, outputs = _static_stage_meta(module, self._example[0] if stage_index == 0 else None)
+        first_inputs = tuple(self._io.flatten_inputs(*self._example)) if stage_index == 0 else None
+        inputs, outputs = _static_stage_meta(module, first_inputs)
         return _VStage(module, stage_index, self.num_stages, self.device, input_args=inputs, output_args=outputs)
 
     def _make_schedule(self, stages: list, loss_fn: Callable | None):
@@ -413,7 +417,7 @@ class Pipeline:
                 # a forward-only run would overwrite for the training schedule.
                 stages = [_rewrap_stage(st, modules[st.stage_index]) for st in self._train_stages]
             if with_loss:
-                loss = _MicrobatchMeanLoss(self._loss_fn, self.n_microbatches)
+                loss = _MicrobatchMeanLoss(self._loss_fn, self.n_microbatches, self._io)
             else:  # see _run_inference: without forward-only support a backward runs too
                 loss = None if self._forward_only else _zero_loss
             self._inference[key] = self._make_schedule(stages, loss)
@@ -616,7 +620,7 @@ class Pipeline:
         """
         self._check_batch(args, kwargs, None, need_target=False)
         output, _ = self._run_inference(args, kwargs, None, with_loss=False)
-        return output if self.has_last_stage else None
+        return self._io.unflatten_output(output) if self.has_last_stage else None
 
     __call__ = forward
 
@@ -629,8 +633,9 @@ class Pipeline:
                 f"the batch has {len(args)} positional and keyword inputs {sorted(kwargs)}, but the "
                 f"pipeline was traced with {len(example_args)} positional and {sorted(example_kwargs)}"
             )
-        given, _ = tree_flatten((args, kwargs))
-        examples, _ = tree_flatten((example_args, example_kwargs))
+        # Both flattened the way the first stage takes them: keywords matched by name.
+        given = self._io.flatten_inputs(tuple(args), dict(kwargs))
+        examples = self._io.flatten_inputs(example_args, example_kwargs)
         for i, (x, ex) in enumerate(zip(given, examples)):
             if not isinstance(ex, torch.Tensor) or ex.dim() == 0:
                 continue
@@ -655,6 +660,10 @@ class Pipeline:
     def _place(self, args: tuple, kwargs: dict, target: Any) -> tuple[tuple, dict, Any]:
         """Inputs go to the first stage's rank, targets to the last's, on their device.
 
+        The first stage takes the model's inputs flat and positional, in the traced order
+        (:class:`~autopipe.runtime.model_io.ModelIO`): keyword inputs are matched by name,
+        never by position.
+
         Tensors are made contiguous: ``torch.export`` records contiguous strides for the
         stage inputs, and some torch releases (2.11) check a micro-batch's strides against
         them (a batch sliced from a wider tensor, ``data[:, :-1]``, would fail there).
@@ -663,7 +672,7 @@ class Pipeline:
             return t.to(self.device, non_blocking=True).contiguous() if isinstance(t, torch.Tensor) else t
         stage_args, stage_kwargs = ((), {})
         if self.has_first_stage:
-            stage_args, stage_kwargs = tree_map(to_device, (tuple(args), dict(kwargs)))
+            stage_args = tuple(to_device(t) for t in self._io.flatten_inputs(tuple(args), dict(kwargs)))
         stage_target = tree_map(to_device, target) if self.has_last_stage and target is not None else None
         return stage_args, stage_kwargs, stage_target
 
@@ -829,14 +838,20 @@ class _MicrobatchMeanLoss:
     """The user's per-micro-batch loss divided by the number of micro-batches.
 
     Summed over the micro-batches this is the batch's mean loss, and its gradients are
-    those of the batch mean - without torch rescaling gradients after the step.
+    those of the batch mean - without torch rescaling gradients after the step. The
+    user's ``loss_fn`` gets the micro-batch's output as the unsplit model returns it (a
+    ``ModelOutput``, dict or tuple rebuilt from the last stage's flat tensors), so the
+    same loss works split and unsplit.
     """
 
-    def __init__(self, loss_fn: Callable, n_microbatches: int) -> None:
+    def __init__(self, loss_fn: Callable, n_microbatches: int, io: ModelIO | None = None) -> None:
         self.loss_fn = loss_fn
         self.n_microbatches = n_microbatches
+        self.io = io
 
     def __call__(self, output: Any, target: Any, **kwargs: Any) -> torch.Tensor:
+        if self.io is not None:
+            output = self.io.unflatten_output(output)
         return self.loss_fn(output, target, **kwargs) / self.n_microbatches
 
 
@@ -859,7 +874,8 @@ def _split(model: nn.Module, split_spec: dict, example: tuple[tuple, dict], *, t
         saved[name] = {k: module.__dict__[k] for k in ("forward", "_orig_forward") if k in module.__dict__}
     model.train(training)
     try:
-        pipe = pipeline(model, tuple(example[0]), dict(example[1]) or None, split_spec=split_spec)
+        with capture_export() as exported:
+            pipe = pipeline(model, tuple(example[0]), dict(example[1]) or None, split_spec=split_spec)
     finally:
         model.train(was_training)
         for name, attrs in saved.items():
@@ -872,9 +888,15 @@ def _split(model: nn.Module, split_spec: dict, example: tuple[tuple, dict], *, t
             f"splitting at {list(split_spec)} gave {pipe.num_stages} stages, not {expected}: a split "
             f"point must be a module called exactly once per forward, in forward order"
         )
+    #: How a call's (args, kwargs) map to stage 0's flat inputs, and the last stage's
+    #: outputs back to what the model returns.
+    pipe.autopipe_io = ModelIO.from_example(tuple(example[0]), dict(example[1]), exported[0] if exported else None)
     # torch's schedules and stages only pass tensors between neighbouring stages.
     relay_skip_connections(pipe)
     for s in range(pipe.num_stages):
+        # A received input is a leaf that requires grad: one the stage (or a submodule it
+        # calls) writes in place, as ReLU(inplace=True) does, gets a copy (autopipe.inplace).
+        clone_inputs_written_in_place(pipe.get_stage_module(s).graph)
         _make_boundary_tensors_sendable(pipe.get_stage_module(s), first=s == 0, last=s == pipe.num_stages - 1)
         _run_generated_code(pipe.get_stage_module(s))
     return pipe

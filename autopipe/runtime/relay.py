@@ -42,6 +42,11 @@ def _producer(value: fx.Node, stage_of: dict[fx.Node, int]) -> int:
 def boundary_values(graph: fx.Graph) -> tuple[list[list[fx.Node]], dict[fx.Node, int]]:
     """The values live across each cut of a split graph, in a fixed order.
 
+    The first stage receives every model input (see :func:`relay_skip_connections`), so
+    a model input read by a later stage counts as produced by stage 0 and crosses every
+    cut up to its last reader. A model output computed before the last stage is carried
+    to the last stage, which returns every output.
+
     Args:
         graph: ``pipe.split_gm.graph``.
 
@@ -49,10 +54,6 @@ def boundary_values(graph: fx.Graph) -> tuple[list[list[fx.Node]], dict[fx.Node,
         ``(live, producer)``: ``live[b]`` lists the top-level values computed at or before
         stage ``b`` and read after it (the tensors cut ``b`` must carry), ordered by the
         stage that computes them, then graph order; ``producer[v]`` is that stage.
-
-    Raises:
-        NotImplementedError: a stage other than the first reads a model input directly,
-            or the model's output comes from a stage other than the last.
 
     Example:
         >>> live, _ = boundary_values(pipe.split_gm.graph)  # doctest: +SKIP
@@ -62,24 +63,19 @@ def boundary_values(graph: fx.Graph) -> tuple[list[list[fx.Node]], dict[fx.Node,
     position = {node: i for i, node in enumerate(graph.nodes)}
     last_reader: dict[fx.Node, int] = {}
     producer: dict[fx.Node, int] = {}
+
+    def read(value: fx.Node, reader: int) -> None:
+        p = max(_producer(value, stage_of), 0)  # a model input is held by stage 0
+        if reader > p:
+            producer[value] = p
+            last_reader[value] = max(last_reader.get(value, reader), reader)
+
     for k, node in enumerate(stages):
         for value in node.all_input_nodes:
-            p = _producer(value, stage_of)
-            if p < 0 and k > 0:
-                raise NotImplementedError(
-                    f"stage {k} reads the model input {value.name!r} directly; autopipe can only "
-                    f"run splits where the inputs are read by the first stage"
-                )
-            if p >= 0:
-                producer[value] = p
-                last_reader[value] = max(last_reader.get(value, k), k)
+            read(value, k)
     output = next(n for n in graph.nodes if n.op == "output")
     for value in output.all_input_nodes:
-        if _producer(value, stage_of) != len(stages) - 1:
-            raise NotImplementedError(
-                f"the model's output {value.name!r} is computed by stage "
-                f"{_producer(value, stage_of)}, not the last; autopipe needs every output from the last stage"
-            )
+        read(value, len(stages) - 1)  # the last stage returns every output of the model
     live = []
     for b in range(len(stages) - 1):
         crossing = [v for v, p in producer.items() if p <= b < last_reader[v]]
@@ -91,17 +87,21 @@ def relay_skip_connections(pipe: Any) -> int:
     """Make every stage of ``pipe`` receive exactly what the previous stage sends, in order.
 
     Changes ``pipe`` in place: the stage modules' graphs (new inputs and outputs) and the
-    top-level graph that wires them. A pipe without skip connections, whose stages already
-    pass their values in the order the next stage reads them, is rewired to the same thing.
+    top-level graph that wires them. Afterwards:
+
+    * the first stage takes every model input, in the order of the model's flattened
+      ``(args, kwargs)`` (torch orders them by first use, which a caller feeding inputs
+      by position would silently mismatch), and passes on those a later stage reads;
+    * stage ``k`` takes exactly the values cut ``k - 1`` carries (:func:`boundary_values`)
+      and sends exactly those of cut ``k``;
+    * the last stage returns every model output, in the model's flattened output order
+      (a single value alone, several as a tuple).
 
     Args:
         pipe: a ``torch.distributed.pipelining.Pipe`` from ``pipeline()``.
 
     Returns:
         How many (value, intermediate stage) relays were added.
-
-    Raises:
-        NotImplementedError: see :func:`boundary_values`.
 
     Example:
         >>> relay_skip_connections(pipe)  # doctest: +SKIP
@@ -111,6 +111,9 @@ def relay_skip_connections(pipe: Any) -> int:
     live, producer = boundary_values(top)
     stages = _stage_nodes(top)
     n = len(stages)
+    model_inputs = [node for node in top.nodes if node.op == "placeholder"]
+    top_output = next(o for o in top.nodes if o.op == "output")
+    output_leaves = [v for v in _flat(top_output.args[0]) if isinstance(v, fx.Node)]
     relays = 0
     # inside[k][v]: the node inside stage k's graph that holds top-level value v.
     inside: list[dict[fx.Node, fx.Node]] = []
@@ -121,24 +124,29 @@ def relay_skip_connections(pipe: Any) -> int:
         output = next(o for o in graph.nodes if o.op == "output")
         held: dict[fx.Node, fx.Node] = {}
 
-        if k > 0:
-            # Inputs: exactly live[k - 1], in order. Reuse a placeholder for a value the
-            # stage already read; add one for a value it only passes on.
-            wanted = live[k - 1]
-            old = dict(zip(call.args, placeholders))  # a value passed twice keeps one placeholder
-            for value, placeholder in zip(call.args, placeholders):
-                if old[value] is not placeholder:
-                    placeholder.replace_all_uses_with(old[value])
-            first = next(iter(graph.nodes))
-            for value in wanted:
-                with graph.inserting_before(first):
-                    new = graph.placeholder(f"from_stage_{producer[value]}_{value.name}")
-                new.meta["val"] = inside[producer[value]][value].meta.get("val")
-                if value in old:
-                    old[value].replace_all_uses_with(new)
-                held[value] = new
-            for placeholder in placeholders:
-                graph.erase_node(placeholder)
+        # Inputs: the model's inputs for stage 0, else exactly live[k - 1], in order. Reuse
+        # a placeholder for a value the stage already read; add one for a value it only
+        # passes on.
+        wanted = model_inputs if k == 0 else live[k - 1]
+        old = dict(zip(call.args, placeholders))  # a value passed twice keeps one placeholder
+        for value, placeholder in zip(call.args, placeholders):
+            if old[value] is not placeholder:
+                placeholder.replace_all_uses_with(old[value])
+        first = next(iter(graph.nodes))
+        for value in wanted:
+            with graph.inserting_before(first):
+                new = graph.placeholder(_placeholder_name(value, k, producer))
+            source = value if k == 0 else inside[producer[value]][value]
+            new.meta["val"] = source.meta.get("val")
+            if value in old:
+                old[value].replace_all_uses_with(new)
+            held[value] = new
+        for placeholder in placeholders:
+            graph.erase_node(placeholder)
+        if k == 0:
+            # torch gives stage 0 the model's pytree signature when the input counts match;
+            # the stage is now called with the flat inputs, in graph order.
+            graph._codegen = fx.graph.CodeGen()
 
         # Outputs this stage computes, as the top-level values that name them.
         results = output.args[0]
@@ -150,46 +158,44 @@ def relay_skip_connections(pipe: Any) -> int:
             held[call] = results
         inside.append(held)
 
-        if k < n - 1:
-            sent = []
-            for value in live[k]:
-                node = held[value]
-                if node.op == "placeholder":
-                    relays += 1
-                    # Passed on as a copy: torch's stages detach their outputs in place during
-                    # the zero-bubble backward, which neither an input nor a view survives.
-                    with graph.inserting_before(output):
-                        copy = graph.call_function(torch.ops.aten.clone.default, (node,))
-                    copy.meta["val"] = node.meta.get("val")
-                    node = copy
-                sent.append(node)
-            output.args = (tuple(sent) if len(sent) > 1 else sent[0],)
+        sent = live[k] if k < n - 1 else output_leaves
+        values = []
+        for value in sent:
+            node = held[value]
+            if node.op == "placeholder":
+                relays += k < n - 1
+                # Passed on as a copy: torch's stages detach their outputs in place during
+                # the zero-bubble backward, which neither an input nor a view survives.
+                with graph.inserting_before(output):
+                    copy = graph.call_function(torch.ops.aten.clone.default, (node,))
+                copy.meta["val"] = node.meta.get("val")
+                node = copy
+            values.append(node)
+        output.args = (tuple(values) if len(values) != 1 else values[0],)
         graph.lint()
         module.recompile()
 
-    # The top-level graph: stage k called with live[k - 1], its outputs unpacked in order.
+    # The top-level graph: stage 0 called with the model inputs, stage k with live[k - 1],
+    # outputs unpacked in order.
     new_top = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    for node in top.nodes:
-        if node.op == "placeholder":
-            env[node] = new_top.node_copy(node, lambda a: env[a])
+    for node in model_inputs:
+        env[node] = new_top.node_copy(node, lambda a: env[a])
     for k, call in enumerate(stages):
-        args = tuple(env[a] for a in call.args) if k == 0 else tuple(env[v] for v in live[k - 1])
+        args = tuple(env[v] for v in (model_inputs if k == 0 else live[k - 1]))
         new_call = new_top.call_module(call.target, args)
         new_call.meta = dict(call.meta)
-        env[call] = new_call
+        sent = live[k] if k < n - 1 else output_leaves
+        if len(sent) == 1:
+            unpacked = {sent[0]: new_call}
+        else:
+            unpacked = {value: new_top.call_function(operator.getitem, (new_call, i))
+                        for i, value in enumerate(sent)}
         if k < n - 1:
-            if len(live[k]) == 1:
-                env[live[k][0]] = new_call
-            else:
-                for i, value in enumerate(live[k]):
-                    env[value] = new_top.call_function(operator.getitem, (new_call, i))
-    last = stages[-1]
-    for user in last.users:  # the last stage's outputs, as the original graph unpacked them
-        if user.op == "call_function" and user.target is operator.getitem:
-            env[user] = new_top.call_function(operator.getitem, (env[last], user.args[1]))
-    output = next(o for o in top.nodes if o.op == "output")
-    new_top.output(fx.node.map_arg(output.args[0], lambda a: env[a]))
+            env.update(unpacked)
+        else:
+            final = unpacked
+    new_top.output(fx.node.map_arg(top_output.args[0], lambda a: final[a]))
     new_top.lint()
     # Swap the nodes inside the same Graph object: Pipe and its executor hold on to it.
     for node in reversed(list(top.nodes)):
@@ -198,3 +204,17 @@ def relay_skip_connections(pipe: Any) -> int:
     top.lint()
     pipe.split_gm.recompile()
     return relays
+
+
+def _flat(value: Any) -> list[Any]:
+    """The leaves of a graph output argument (nested tuples and lists), in order."""
+    if isinstance(value, (tuple, list)):
+        return [leaf for item in value for leaf in _flat(item)]
+    return [value]
+
+
+def _placeholder_name(value: fx.Node, stage: int, producer: dict[fx.Node, int]) -> str:
+    """The model input's own name in stage 0; elsewhere where the value comes from."""
+    if stage == 0:
+        return value.name
+    return f"from_stage_{producer[value]}_{value.name}"

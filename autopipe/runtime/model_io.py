@@ -1,0 +1,161 @@
+"""How the user's inputs reach the first stage and the last stage's outputs reach ``loss_fn``.
+
+A pipeline's stages pass flat tensors; the user's model takes positional and keyword
+arguments and returns a tensor, a tuple, a dict or a Hugging Face ``ModelOutput``.
+torch.export records both structures as pytree specs (``ExportedProgram.call_spec``), and
+the traced graph's inputs are ``(args, kwargs)`` flattened in that order. This module
+keeps those specs and converts in both directions, matching keyword inputs **by name**:
+
+* :meth:`ModelIO.flatten_inputs` turns a call's ``(args, kwargs)`` into the flat list
+  the first stage takes (the graph's input order), whatever order the keywords were given
+  in, and refuses a call whose structure differs from the traced one - never a silent
+  positional mix-up of two inputs of the same shape;
+* :meth:`ModelIO.unflatten_output` turns what the last stage returns back into what the
+  unsplit model returns, so one ``loss_fn`` works split and unsplit.
+
+    >>> import torch
+    >>> io = ModelIO.from_example((torch.ones(2, 3),), {"mask": torch.ones(2, 3)}, None)
+    >>> [tuple(t.shape) for t in io.flatten_inputs((torch.zeros(4, 3),), {"mask": torch.zeros(4, 3)})]
+    [(4, 3), (4, 3)]
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+
+__all__ = ["ModelIO", "capture_export"]
+
+
+@dataclass(frozen=True)
+class ModelIO:
+    """The traced model's input and output structure.
+
+    Attributes:
+        in_spec: the pytree spec of ``(args, kwargs)`` the model was traced with.
+        out_spec: the pytree spec of the model's output, or None when unknown (the last
+            stage's output is then handed on as it is).
+        kwarg_names: the keyword inputs, in traced order.
+    """
+
+    in_spec: TreeSpec
+    out_spec: TreeSpec | None
+    kwarg_names: tuple[str, ...]
+
+    @classmethod
+    def from_example(cls, args: tuple, kwargs: dict, exported: Any | None) -> "ModelIO":
+        """The structure of one traced call; ``exported`` (an ``ExportedProgram``) gives the output's.
+
+        Example:
+            >>> io = ModelIO.from_example((torch.ones(1),), {}, None)
+            >>> io.kwarg_names, io.out_spec is None
+            ((), True)
+        """
+        in_spec = None
+        out_spec = None
+        call_spec = getattr(exported, "call_spec", None)
+        if call_spec is not None:
+            in_spec, out_spec = call_spec.in_spec, call_spec.out_spec
+        if in_spec is None:  # the same flattening torch.export applies to its inputs
+            in_spec = tree_flatten((tuple(args), dict(kwargs)))[1]
+        # The keyword order the graph's inputs follow is the spec's, whatever the call's.
+        kwarg_spec = in_spec.child(1) if hasattr(in_spec, "child") else in_spec.children_specs[1]
+        return cls(in_spec=in_spec, out_spec=out_spec, kwarg_names=tuple(kwarg_spec.context or ()))
+
+    @property
+    def num_inputs(self) -> int:
+        """How many flat inputs the first stage takes."""
+        return self.in_spec.num_leaves
+
+    def flatten_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
+        """``(args, kwargs)`` as the first stage's flat inputs, keywords matched by name.
+
+        Raises:
+            ValueError: the call has a different number of positional inputs, a keyword
+                the model was not traced with or lacks one it was, or a differently
+                nested input; the message names what differs.
+
+        Example:
+            >>> io = ModelIO.from_example((torch.ones(1),), {"a": torch.ones(1), "b": torch.zeros(1)}, None)
+            >>> io.flatten_inputs((torch.ones(1),), {"b": torch.zeros(1), "a": torch.ones(1)})[1]
+            tensor([1.])
+        """
+        missing = [k for k in self.kwarg_names if k not in kwargs]
+        unknown = sorted(k for k in kwargs if k not in self.kwarg_names)
+        if missing or unknown:
+            raise ValueError(
+                f"the batch's keyword inputs {sorted(kwargs)} differ from the traced ones "
+                f"{list(self.kwarg_names)} (missing {missing}, unknown {unknown}); pass the same "
+                f"keywords as example_kwargs"
+            )
+        ordered = {k: kwargs[k] for k in self.kwarg_names}  # the traced order, by name
+        flat, spec = tree_flatten((tuple(args), ordered))
+        if spec != self.in_spec:
+            raise ValueError(
+                f"the batch's inputs are structured as {_describe(spec)}, but the model was traced with "
+                f"{_describe(self.in_spec)}; pass the same positional and keyword inputs as the example"
+            )
+        return flat
+
+    def unflatten_output(self, output: Any) -> Any:
+        """What the last stage returns, as the unsplit model returns it.
+
+        Example:
+            >>> ModelIO.from_example((torch.ones(1),), {}, None).unflatten_output(torch.ones(1))
+            tensor([1.])
+        """
+        if self.out_spec is None:
+            return output
+        leaves = list(output) if isinstance(output, (tuple, list)) else [output]
+        if len(leaves) != self.out_spec.num_leaves:
+            raise RuntimeError(
+                f"the last stage returned {len(leaves)} values, but the model's output has "
+                f"{self.out_spec.num_leaves}; this is a bug in autopipe's stage wiring"
+            )
+        return tree_unflatten(leaves, self.out_spec)
+
+
+def _describe(spec: TreeSpec) -> str:
+    text = str(spec).replace("\n", " ")
+    return " ".join(text.split())
+
+
+@contextlib.contextmanager
+def capture_export() -> Iterator[list]:
+    """Keep the ``ExportedProgram`` that ``torch.distributed.pipelining.pipeline()`` traces.
+
+    ``pipeline()`` exports the model and keeps only the split graph; its input and output
+    specs are what :class:`ModelIO` needs. Yields a list that holds the program afterwards
+    (empty on a torch whose ``Pipe`` exports differently; the caller then falls back).
+
+    Example:
+        >>> with capture_export() as captured:  # doctest: +SKIP
+        ...     pipe = pipeline(model, (x,), split_spec=spec)
+        >>> captured[0].call_spec.out_spec  # doctest: +SKIP
+    """
+    captured: list = []
+    try:
+        from torch.distributed.pipelining._IR import Pipe
+    except ImportError:  # pragma: no cover - torch without pipelining
+        yield captured
+        return
+    original = Pipe.__dict__.get("_trace_with_export")
+    if not isinstance(original, staticmethod):
+        yield captured
+        return
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        exported = original.__func__(*args, **kwargs)
+        captured.append(exported)
+        return exported
+
+    Pipe._trace_with_export = staticmethod(traced)
+    try:
+        yield captured
+    finally:
+        Pipe._trace_with_export = original
