@@ -114,3 +114,36 @@ def keyword_dict_run(rank: int, world_size: int, schedule: str, reorder: bool) -
         (output[k] - expected[k]).abs().max().item() for k in expected)
     result["loss_fn_saw"] = sorted(set(seen_types[:-N_MICROBATCHES]))  # the pipeline's calls, not the reference's
     return result
+
+
+class WithFlag(nn.Module):
+    """A non-tensor keyword that torch.export fixes at its traced value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(WIDTH, WIDTH)
+        self.b = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, double: bool = False) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h * 2 if double else h)
+
+
+def bad_batches_run(rank: int, world_size: int) -> dict:
+    """The error each rank raises for batches that differ from the traced inputs, before communicating."""
+    torch.manual_seed(0)
+    x = torch.randn(MICROBATCH, WIDTH)
+    pipe = Pipeline(WithFlag(), example_args=(x,), example_kwargs={"double": True},
+                    loss_fn=lambda out, t: out.sum(), split_points=["b"], schedule="1F1B",
+                    n_microbatches=N_MICROBATCHES)
+    batch = torch.randn(MICROBATCH * N_MICROBATCHES, WIDTH)
+    errors = {}
+    for case, (args, kwargs) in {"flag": ((batch,), {"double": False}),
+                                 "dtype": ((batch.double(),), {"double": True})}.items():
+        try:
+            pipe.step(*args, target=batch, **kwargs)
+            errors[case] = None
+        except ValueError as e:
+            errors[case] = str(e)
+    errors["still_steps"] = pipe.step(batch, target=batch, double=True).item()
+    return errors

@@ -78,3 +78,21 @@ def test_loss_fn_and_forward_get_the_models_dict_output():
     assert last["loss_fn_saw"] == ["dict"]
     assert last["output_type"] == "dict" and last["output_diff"] <= 1e-6
     assert results[0]["output_type"] is None  # forward() returns the output on the last stage's rank only
+
+
+@functools.lru_cache(maxsize=None)
+def bad_batches() -> tuple:
+    return tuple(run_world(workers.bad_batches_run, 2, timeout_s=240))
+
+
+@pytest.mark.distributed
+def test_a_non_tensor_input_other_than_traced_is_refused_on_every_rank():
+    for r in bad_batches():
+        assert "input double=False" in r["flag"] and "traced with True" in r["flag"]
+
+
+@pytest.mark.distributed
+def test_a_batch_of_another_dtype_is_refused_on_every_rank_and_the_pipeline_steps_on():
+    for r in bad_batches():
+        assert "input args[0] has dtype torch.float64" in r["dtype"] and "torch.float32" in r["dtype"]
+        assert isinstance(r["still_steps"], float)

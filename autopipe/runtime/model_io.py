@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 __all__ = ["ModelIO", "capture_export"]
 
@@ -101,6 +101,34 @@ class ModelIO:
                 f"{_describe(self.in_spec)}; pass the same positional and keyword inputs as the example"
             )
         return flat
+
+    def stage_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """The tensors the first stage takes: :meth:`flatten_inputs` without the non-tensor
+        inputs, which torch.export fixes at their traced values.
+
+        Example:
+            >>> io = ModelIO.from_example((torch.ones(1),), {"flag": True}, None)
+            >>> len(io.stage_inputs((torch.ones(1),), {"flag": True}))
+            1
+        """
+        return [x for x in self.flatten_inputs(args, kwargs) if isinstance(x, torch.Tensor)]
+
+    def input_labels(self, args: tuple, kwargs: dict) -> list[str]:
+        """A readable name for each flat input, for error messages: ``args[0]``, ``mask``, ``args[1][0]``.
+
+        Example:
+            >>> io = ModelIO.from_example((torch.ones(1),), {"mask": torch.ones(1)}, None)
+            >>> io.input_labels((torch.ones(1),), {"mask": torch.ones(1)})
+            ['args[0]', 'mask']
+        """
+        ordered = {k: kwargs[k] for k in self.kwarg_names if k in kwargs}
+        labels = []
+        for path, _ in tree_flatten_with_path((tuple(args), ordered))[0]:
+            head, *rest = path
+            first = rest[0] if rest else None
+            text = (f"args[{first.idx}]" if head.idx == 0 else str(first.key)) if first is not None else "?"
+            labels.append(text + "".join(str(k) for k in rest[1:]))
+        return labels
 
     def unflatten_output(self, output: Any) -> Any:
         """What the last stage returns, as the unsplit model returns it.

@@ -39,15 +39,19 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .. import hf_compat
 from ..inplace import clone_inputs_written_in_place
 from ..plan import Plan, StagePlan
 from ..schedules import (SPLIT_BACKWARD_SCHEDULES, canonical_schedule_name, schedule_class, stage_ranks,
                          validate_schedule)
+from ..trace import resolve_example_inputs
 from .checkpointing import checkpoint_stage, resolve_checkpoint_stages
 from .distributed import DEFAULT_TIMEOUT_S, broadcast_object, default_device, init_distributed
 from .model_io import ModelIO, capture_export
 from .relay import relay_skip_connections
-from .params import StateNames, model_state_names, shared_parameters, stage_state
+from .torch_compat import rename_nodes_shadowing_self, safe_submodule_outlining
+from .params import (StateNames, first_model_difference, first_use_ranks, model_signature, model_state_names,
+                     shared_parameters, stage_aliases, stage_state)
 
 __all__ = ["Pipeline"]
 
@@ -72,7 +76,9 @@ class Pipeline:
     Keyword Args:
         example_args: positional inputs of ONE micro-batch, as a tuple (what
             ``pipeline()`` traces; a batch given to :meth:`step` is ``n_microbatches`` of
-            these stacked along dimension 0).
+            these stacked along dimension 0). Default ``()`` when ``example_kwargs`` is
+            given; both may be left out when the model carries its own example
+            (``example_input_array``, or Hugging Face's ``dummy_inputs``).
         example_kwargs: keyword inputs of one micro-batch.
         loss_fn: ``loss_fn(output, target) -> scalar`` for one micro-batch, averaging over
             it (as ``nn.CrossEntropyLoss()`` does). Needed by :meth:`step` and :meth:`evaluate`.
@@ -122,7 +128,7 @@ class Pipeline:
         self,
         model: nn.Module,
         *,
-        example_args: tuple[Any, ...],
+        example_args: tuple[Any, ...] | None = None,
         example_kwargs: dict[str, Any] | None = None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         plan: Plan | str | os.PathLike | None = None,
@@ -138,7 +144,7 @@ class Pipeline:
         profile_in_ranks: bool | None = None,
     ) -> None:
         # ---- 1. everything that can be checked alone, before joining the job
-        _check_model_and_inputs(model, example_args, example_kwargs, loss_fn)
+        example_args, example_kwargs = _check_model_and_inputs(model, example_args, example_kwargs, loss_fn)
         plan = _load_plan(plan, split_points)
         split_points = _check_split_points(model, split_points if plan is None else plan.split_points,
                                            "split_points" if plan is None else "plan.split_points")
@@ -291,7 +297,14 @@ class Pipeline:
             )
 
     def _build(self, model: nn.Module, checkpointed: list[int]) -> None:
+        # Before anything is traced: ranks with different models would split differently and
+        # disagree on the shared parameters' process groups.
+        self._check_same_model(model)
         local_model = copy.deepcopy(model)
+        # The copy is private, so a Hugging Face KV cache simply stays off: it is no trainable
+        # output and cannot leave a stage (autopipe.hf_compat; the planner's report says so).
+        hf_compat.turn_off_cache(local_model)
+        self._example = (self._example[0], hf_compat.training_kwargs(local_model, self._example[1])[0])
         self._names: StateNames = model_state_names(local_model)
         split_spec = {name: SplitPoint.BEGINNING for name in self.plan.split_points}
         train_pipe = _split(local_model, split_spec, self._example, training=True, expected=self.num_stages)
@@ -338,6 +351,9 @@ class Pipeline:
             group = None if len(ranks) == self.world_size else dist.new_group(list(ranks))
             if self.rank in ranks:
                 self._shared.append((names, group))
+        # Each rank built its own model, so the copies start equal only if every rank seeded
+        # alike; summed gradients keep them equal only if they start so.
+        self._copy_shared_from_first_use(first_use_ranks(stage_params, self.stage_ranks))
 
         # Whether torch can run this schedule forward-only (schedule.eval), for inference.
         self._forward_only = self.schedule not in _V_SCHEDULES and hasattr(schedule_class(self.schedule), "eval")
@@ -359,38 +375,82 @@ class Pipeline:
     def _share_local_replicas(self) -> dict[str, torch.Tensor]:
         """One tensor per original name on this rank, by canonical name.
 
-        A tied parameter used by two local stages (V schedules put the first and the last
-        stage on rank 0) arrives as two copies; the second stage is pointed at the first's
-        Parameter, so its gradients accumulate in one place and the optimizer sees it once.
+        ``pipeline()`` gives a tied parameter one copy per name a stage used (T5's decoder
+        embedding and output layer: two in one stage) and one per stage using it (V
+        schedules put the first and the last stage on rank 0). Every such name in every
+        local stage is pointed at the first copy, so autograd accumulates all of the uses'
+        gradients into one ``.grad``, the optimizer sees the parameter once and the copies
+        can never drift apart.
         """
         state: dict[str, torch.Tensor] = {}
         for s in self.stage_indices:
             module = self._train_modules[s]
-            for canon, (local_name, _) in stage_state(module, self._names).items():
-                if canon in state:
-                    _set_tensor(module, local_name, state[canon])
-                elif canon in self._names.parameter_names:
-                    state[canon] = module.get_parameter(local_name)
-                else:
-                    state[canon] = module.get_buffer(local_name)
+            for canon, (_, tensor) in stage_state(module, self._names).items():
+                state.setdefault(canon, tensor)
+            _tie_aliases(module, self._names, state)
         return state
 
     def _build_eval_modules(self, eval_pipe) -> dict[int, nn.Module]:
-        """The eval-mode trace of this rank's stages, reading the training stages' tensors."""
+        """The eval-mode trace of this rank's stages, reading the training stages' tensors (every alias)."""
         modules: dict[int, nn.Module] = {}
         for s in self.stage_indices:
             module = eval_pipe.build_stage(s, self.device).submod
-            for canon, (local_name, _) in stage_state(module, self._names).items():
-                _set_tensor(module, local_name, self._state[canon])
+            missing = sorted(set(stage_state(module, self._names)) - set(self._state))
+            if missing:
+                raise RuntimeError(f"stage {s}'s eval-mode trace reads {missing}, which its training trace "
+                                   f"does not; autopipe cannot share them between the two traces")
+            _tie_aliases(module, self._names, self._state)
             modules[s] = module.eval()
         return modules
+
+    def _check_same_model(self, model: nn.Module) -> None:
+        """Every rank must have been given the same model: names, shapes, dtypes and ties.
+
+        Collective. One digest per rank is gathered; only when they differ are the full
+        signatures gathered, to name the first difference in the error every rank raises.
+        """
+        signature = model_signature(model)
+        digest = hashlib.sha256(repr(signature).encode()).hexdigest()
+        digests: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(digests, digest)
+        if len(set(digests)) == 1:
+            return
+        signatures: list[Any] = [None] * self.world_size
+        dist.all_gather_object(signatures, signature)  # every rank saw the digests differ
+        difference = first_model_difference(signatures) or "the models' signatures differ"
+        raise ValueError(
+            f"the ranks were given different models (parameter and buffer names, shapes, dtypes or tied "
+            f"weights): {difference}. Every rank must build the same model; its values may differ "
+            f"(shared copies are taken from the rank that uses them first)"
+        )
+
+    @torch.no_grad()
+    def _copy_shared_from_first_use(self, first_use: Mapping[str, int]) -> None:
+        """Give every copy of a parameter shared across ranks the value of the rank that uses it first.
+
+        The rank of first use runs the lowest-numbered stage using the parameter.
+        Broadcast over each shared set's own process group, in ``self._shared``'s order
+        (the same on every member), one flat tensor per source rank.
+        """
+        for names, group in self._shared:
+            by_source: dict[int, list[str]] = {}
+            for name in names:
+                by_source.setdefault(first_use[name], []).append(name)
+            for source in sorted(by_source):
+                params = [self._state[n] for n in by_source[source]]
+                flat = torch.cat([p.detach().reshape(-1) for p in params])
+                dist.broadcast(flat, src=source, group=group)
+                offset = 0
+                for p in params:
+                    p.copy_(flat[offset: offset + p.numel()].view_as(p))
+                    offset += p.numel()
 
     def _manual_stage(self, stage_index: int, module: nn.Module) -> PipelineStage:
         # PipelineStage asks its schedule which rank runs each neighbour, so V placement works.
         # It is given the traced shapes of what it receives and sends: without them torch
         # infers them by running the stage on uninitialised tensors, and an integer input
         # (token or position ids crossing a cut) then indexes out of range.
-        first_inputs = tuple(self._io.flatten_inputs(*self._example)) if stage_index == 0 else None
+        first_inputs = tuple(self._io.stage_inputs(*self._example)) if stage_index == 0 else None
         inputs, outputs = _static_stage_meta(module, first_inputs)
         return _VStage(module, stage_index, self.num_stages, self.device, input_args=inputs, output_args=outputs)
 
@@ -636,14 +696,26 @@ class Pipeline:
         # Both flattened the way the first stage takes them: keywords matched by name.
         given = self._io.flatten_inputs(tuple(args), dict(kwargs))
         examples = self._io.flatten_inputs(example_args, example_kwargs)
-        for i, (x, ex) in enumerate(zip(given, examples)):
-            if not isinstance(ex, torch.Tensor) or ex.dim() == 0:
+        labels = self._io.input_labels(example_args, example_kwargs)
+        for label, x, ex in zip(labels, given, examples):
+            if not isinstance(ex, torch.Tensor):
+                # torch.export bakes a non-tensor input into the graph as the traced value:
+                # another value would be silently ignored.
+                if x is not ex and x != ex:
+                    raise ValueError(f"input {label}={x!r}, but the pipeline was traced with {ex!r}; a "
+                                     f"non-tensor input is fixed at tracing, so build the pipeline with this value")
+                continue
+            if not isinstance(x, torch.Tensor):
+                raise ValueError(f"input {label} is a {type(x).__name__}, but the pipeline was traced with a tensor")
+            if x.dtype != ex.dtype:
+                raise ValueError(f"input {label} has dtype {x.dtype}, but the pipeline was traced with {ex.dtype}; "
+                                 f"convert the batch (e.g. x.to({ex.dtype})) or trace with that dtype")
+            if ex.dim() == 0:
                 continue
             expected = (ex.shape[0] * m, *ex.shape[1:])
-            if not isinstance(x, torch.Tensor) or tuple(x.shape) != expected:
-                shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            if tuple(x.shape) != expected:
                 raise ValueError(
-                    f"input {i} of the batch has shape {shape}, which does not split into "
+                    f"input {label} of the batch has shape {tuple(x.shape)}, which does not split into "
                     f"n_microbatches={m} micro-batches shaped like the example {tuple(ex.shape)}; "
                     f"pass a batch of shape {expected}"
                 )
@@ -672,7 +744,7 @@ class Pipeline:
             return t.to(self.device, non_blocking=True).contiguous() if isinstance(t, torch.Tensor) else t
         stage_args, stage_kwargs = ((), {})
         if self.has_first_stage:
-            stage_args = tuple(to_device(t) for t in self._io.flatten_inputs(tuple(args), dict(kwargs)))
+            stage_args = tuple(to_device(t) for t in self._io.stage_inputs(tuple(args), dict(kwargs)))
         stage_target = tree_map(to_device, target) if self.has_last_stage and target is not None else None
         return stage_args, stage_kwargs, stage_target
 
@@ -874,7 +946,7 @@ def _split(model: nn.Module, split_spec: dict, example: tuple[tuple, dict], *, t
         saved[name] = {k: module.__dict__[k] for k in ("forward", "_orig_forward") if k in module.__dict__}
     model.train(training)
     try:
-        with capture_export() as exported:
+        with capture_export() as exported, safe_submodule_outlining():  # pytorch/pytorch#184361
             pipe = pipeline(model, tuple(example[0]), dict(example[1]) or None, split_spec=split_spec)
     finally:
         model.train(was_training)
@@ -913,6 +985,9 @@ def _run_generated_code(stage_module: nn.Module) -> int:
     found"). The generated code is what ``InterpreterModule`` itself runs under
     ``torch.compile``. Returns how many modules were switched (0 on a torch without the switch).
     """
+    # The Interpreter binds no names; generated code binds each node's name as a local, and
+    # a node named after a submodule called `self` (BertAttention.self) would rebind `self`.
+    rename_nodes_shadowing_self(stage_module)
     switched = 0
     for module in stage_module.modules():
         if hasattr(module, "_run_with_interpreter") and hasattr(module, "graph_module"):
@@ -1147,6 +1222,35 @@ def _rewrap_stage(stage, module: nn.Module):
     return type(stage)(module, stage.stage_index, stage.pipe_info, stage.device, stage.group)
 
 
+def _tie_aliases(module: nn.Module, names: StateNames, state: Mapping[str, torch.Tensor]) -> int:
+    """Point every name in ``module`` of a tensor in ``state`` (canonical name -> tensor) at it.
+
+    Returns how many names were re-pointed. Names of tensors not in ``state`` are left alone.
+
+    Example:
+        >>> model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5, bias=False))
+        >>> model[1].weight = model[0].weight
+        >>> names = model_state_names(model)
+        >>> model[1].weight = nn.Parameter(model[0].weight.detach().clone())  # a stage's second copy
+        >>> _tie_aliases(model, names, {"0.weight": model[0].weight})
+        1
+        >>> model[1].weight is model[0].weight
+        True
+    """
+    tied = 0
+    for canon, local_names in stage_aliases(module, names).items():
+        if canon not in state:
+            continue
+        for local_name in local_names:
+            prefix, _, leaf = local_name.rpartition(".")
+            parent = module.get_submodule(prefix) if prefix else module
+            current = parent._parameters.get(leaf, parent._buffers.get(leaf))
+            if current is not state[canon]:
+                _set_tensor(module, local_name, state[canon])
+                tied += 1
+    return tied
+
+
 def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
     """Make ``module``'s parameter or buffer ``name`` be ``tensor`` (the same object)."""
     prefix, _, leaf = name.rpartition(".")
@@ -1229,9 +1333,19 @@ def _check_count(arg: str, value: Any) -> None:
         raise ValueError(f"{arg} must be >= 1, got {value!r}")
 
 
-def _check_model_and_inputs(model: Any, example_args: Any, example_kwargs: Any, loss_fn: Any) -> None:
+def _check_model_and_inputs(model: Any, example_args: Any, example_kwargs: Any,
+                            loss_fn: Any) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
+    """The checked ``(example_args, example_kwargs)``: ``()`` for args when only keywords are given.
+
+    With neither, the model's own example (``example_input_array``, ``dummy_inputs``) is
+    used, or :class:`~autopipe.errors.MissingExampleInputsError` says what to pass.
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if example_args is None and example_kwargs is None:
+        example_args, example_kwargs = resolve_example_inputs(model, None, None)
+    elif example_args is None:  # every input is a keyword (Hugging Face's input_ids=...)
+        example_args = ()
     if not isinstance(example_args, tuple):
         raise TypeError(
             f"example_args must be a tuple of one micro-batch's positional inputs, e.g. (x_mb,); "
@@ -1241,6 +1355,7 @@ def _check_model_and_inputs(model: Any, example_args: Any, example_kwargs: Any, 
         raise TypeError(f"example_kwargs must be a dict or None, got {type(example_kwargs).__name__}")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
+    return example_args, example_kwargs
 
 
 def _load_plan(plan: Any, split_points: Any) -> Plan | None:

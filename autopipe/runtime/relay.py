@@ -89,9 +89,9 @@ def relay_skip_connections(pipe: Any) -> int:
     Changes ``pipe`` in place: the stage modules' graphs (new inputs and outputs) and the
     top-level graph that wires them. Afterwards:
 
-    * the first stage takes every model input, in the order of the model's flattened
-      ``(args, kwargs)`` (torch orders them by first use, which a caller feeding inputs
-      by position would silently mismatch), and passes on those a later stage reads;
+    * the first stage takes every tensor input of the model, in the order of the model's
+      flattened ``(args, kwargs)`` (torch orders them by first use, which a caller feeding
+      inputs by position would silently mismatch), and passes on those a later stage reads;
     * stage ``k`` takes exactly the values cut ``k - 1`` carries (:func:`boundary_values`)
       and sends exactly those of cut ``k``;
     * the last stage returns every model output, in the model's flattened output order
@@ -111,7 +111,10 @@ def relay_skip_connections(pipe: Any) -> int:
     live, producer = boundary_values(top)
     stages = _stage_nodes(top)
     n = len(stages)
-    model_inputs = [node for node in top.nodes if node.op == "placeholder"]
+    # Non-tensor inputs (flags, sizes) are baked into the graph by torch.export and read by
+    # no stage; torch's stages carry tensors only.
+    model_inputs = [node for node in top.nodes if node.op == "placeholder"
+                    and (isinstance(node.meta.get("val"), torch.Tensor) or node.users)]
     top_output = next(o for o in top.nodes if o.op == "output")
     output_leaves = [v for v in _flat(top_output.args[0]) if isinstance(v, fx.Node)]
     relays = 0
@@ -179,8 +182,9 @@ def relay_skip_connections(pipe: Any) -> int:
     # outputs unpacked in order.
     new_top = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    for node in model_inputs:
-        env[node] = new_top.node_copy(node, lambda a: env[a])
+    for node in top.nodes:
+        if node.op == "placeholder":
+            env[node] = new_top.node_copy(node, lambda a: env[a])
     for k, call in enumerate(stages):
         args = tuple(env[v] for v in (model_inputs if k == 0 else live[k - 1]))
         new_call = new_top.call_module(call.target, args)
