@@ -147,3 +147,20 @@ def bad_batches_run(rank: int, world_size: int) -> dict:
             errors[case] = str(e)
     errors["still_steps"] = pipe.step(batch, target=batch, double=True).item()
     return errors
+
+
+def float64_run(rank: int, world_size: int) -> dict:
+    """A float64 model: the loss comes back as float64, equal to the unsplit model's."""
+    torch.manual_seed(0)
+    model = SecondInputFirst().double()
+    b = {k: v.double() for k, v in _batch(3).items()}
+
+    def loss_fn(out, target):
+        return ((out - target) ** 2).mean()
+
+    pipe = Pipeline(model, example_args=(b["a"][:MICROBATCH], b["b"][:MICROBATCH]), loss_fn=loss_fn,
+                    split_points=["block"], schedule="1F1B", n_microbatches=N_MICROBATCHES)
+    loss = pipe.step(b["a"], b["b"], target=b["target"])
+    ref = torch.stack([loss_fn(model(b["a"][i:i + MICROBATCH], b["b"][i:i + MICROBATCH]), b["target"][i:i + MICROBATCH])
+                       for i in range(0, MICROBATCH * N_MICROBATCHES, MICROBATCH)]).mean()
+    return {"dtype": str(loss.dtype), "diff": abs(loss.item() - ref.item())}

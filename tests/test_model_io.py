@@ -96,3 +96,10 @@ def test_a_batch_of_another_dtype_is_refused_on_every_rank_and_the_pipeline_step
     for r in bad_batches():
         assert "input args[0] has dtype torch.float64" in r["dtype"] and "torch.float32" in r["dtype"]
         assert isinstance(r["still_steps"], float)
+
+
+@pytest.mark.distributed
+def test_a_float64_models_loss_comes_back_as_float64_on_every_rank():
+    for r in run_world(workers.float64_run, 2, timeout_s=240):
+        assert r["dtype"] == "torch.float64"
+        assert r["diff"] <= 1e-12  # float32 would round it at about 1e-8

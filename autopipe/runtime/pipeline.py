@@ -749,14 +749,28 @@ class Pipeline:
         return stage_args, stage_kwargs, stage_target
 
     def _share_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """Sum of the (already divided) micro-batch losses, sent from the last stage to all ranks."""
+        """Sum of the (already divided) micro-batch losses, sent from the last stage to all ranks.
+
+        Returned in the loss's own dtype on every rank: the value travels as float64 (exact
+        for every floating dtype a loss has) beside a code for its dtype, since only the last
+        stage's rank knows it. The sum is taken in at least float32, as before the division.
+        """
         device = self._comm_device()
+        message = torch.zeros(2, dtype=torch.float64, device=device)
         if self.has_last_stage:
-            loss = torch.stack([l.detach().float() for l in losses]).sum().to(device)
-        else:
-            loss = torch.zeros((), dtype=torch.float32, device=device)
-        dist.broadcast(loss, src=self.stage_ranks[-1])
-        return loss
+            dtype = losses[0].dtype
+            if dtype in _LOSS_DTYPES:
+                total = torch.stack([l.detach().to(torch.promote_types(dtype, torch.float32)) for l in losses]).sum()
+                message[0] = total.to(device=device, dtype=torch.float64)
+                message[1] = _LOSS_DTYPES.index(dtype)
+            else:  # every rank raises below, none waits for a loss that will not come
+                message[1] = -1
+        dist.broadcast(message, src=self.stage_ranks[-1])
+        code = int(message[1].item())
+        if code < 0:
+            raise TypeError(f"loss_fn returned a loss that is not floating point; a training loss is one "
+                            f"of {list(_LOSS_DTYPES)}")
+        return message[0].to(_LOSS_DTYPES[code])
 
     def _sum_shared_grads(self, before: list[list[torch.Tensor | None]]) -> None:
         """Sum this step's gradients of parameters held on several ranks, across those ranks.
@@ -906,6 +920,10 @@ class Pipeline:
 
 
 # ---------------------------------------------------------------------- helpers
+#: The dtypes a training loss may have; the index is how the last stage tells the others.
+_LOSS_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
 class _MicrobatchMeanLoss:
     """The user's per-micro-batch loss divided by the number of micro-batches.
 
