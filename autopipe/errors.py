@@ -23,7 +23,16 @@ class MissingExampleInputsError(AutopipeError, ValueError):
 
 
 class ModelExportError(AutopipeError, RuntimeError):
-    """torch.export could not capture the model as one graph."""
+    """torch.export could not capture the model as one graph.
+
+    ``kind`` says which failure it was, as :func:`autopipe.trace.export_failure_kind` tells
+    them apart: ``"data-dependent"``, ``"output-type"``, ``"cache-output"``,
+    ``"input-type"``, ``"parameter-change"`` or ``"other"``.
+    """
+
+    def __init__(self, message: str, *, kind: str = "other") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class InfeasibleMemoryError(AutopipeError, ValueError):

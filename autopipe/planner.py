@@ -628,7 +628,10 @@ def partition(
     every stage fits its device's memory. The model is left exactly as it was.
 
     Args:
-        model: Any ``nn.Module`` that ``torch.export`` can capture.
+        model: Any ``nn.Module`` that ``torch.export`` can capture. A Hugging Face model may
+            come with its default config: its KV cache is off while autopipe traces and
+            profiles it and is restored after (:mod:`autopipe.hf_compat`), and
+            ``plan.extras["notes"]`` says so.
         n_gpus: Number of pipeline ranks (devices), >= 1.
         example_args: One micro-batch of positional inputs (``mb_args`` in torch's
             ``pipeline()``); may be omitted if the model carries ``example_input_array``
@@ -801,6 +804,8 @@ def partition(
         cost_source=cost, objective=objective, device=str(dev), planner_s=planner_s,
         memory_limit_bytes=limits, alternatives=options if wanted.several else (),
     )
+    if traced.notes:  # what autopipe changed to capture the model (a Hugging Face KV cache turned off)
+        plan.extras["notes"] = list(traced.notes)
     if loss is not None:
         plan.extras["loss"] = asdict(loss)
     if getattr(costs, "whole", None) is not None:  # what the whole graph took beside the segments

@@ -49,6 +49,7 @@ import sympy
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
+from . import hf_compat
 from .costgraph import SegmentCost, build_cost_graph, requires_grad_map, tensor_bytes
 from .profile import (COST_SOURCES, check_fit_to_whole, check_flush_cache, check_runs, measure_device_flops,
                       profile_segments, resolve_device)
@@ -659,7 +660,8 @@ def _match_nodes(static: Any, dynamic: Any) -> dict[str, Any]:
     """
     pairs = dict(zip(static.graph_signature.user_inputs, dynamic.graph_signature.user_inputs))
     by_name = {n.name: n for n in dynamic.graph.nodes}
-    matched = {s: by_name[d] for s, d in pairs.items()}
+    # A Python constant input (use_cache=False) appears as its value, not as a graph node.
+    matched = {s: by_name[d] for s, d in pairs.items() if isinstance(d, str) and d in by_name}
     ops_s, ops_d = _tensor_ops(static), _tensor_ops(dynamic)
     aligner = difflib.SequenceMatcher(a=[str(n.target) for n in ops_s], b=[str(n.target) for n in ops_d],
                                       autojunk=False)
@@ -727,11 +729,13 @@ def symbolic_cut_bytes(
         raise ValueError(f"the example micro-batch has {base} sample(s) along batch_dim={batch_dim}; "
                          "torch.export treats sizes 0 and 1 as constants, so give at least 2")
     traced = trace(model, args, kwargs)
+    kwargs = traced.example_kwargs  # as traced: an explicit use_cache=True made False (autopipe.hf_compat)
     cost_graph = build_cost_graph(traced)
     needs_grad = {node.name: rg for node, rg in requires_grad_map(traced).items()}
     dim = torch.export.Dim("b")
     try:
-        with contextlib.redirect_stdout(io.StringIO()):
+        # The same capture as trace()'s: a Hugging Face KV cache off while exporting.
+        with contextlib.redirect_stdout(io.StringIO()), hf_compat.training_config(model):
             exported = torch.export.export(model, args, kwargs,
                                            dynamic_shapes=_dynamic_shapes(model, args, kwargs, batch_dim, base, dim))
     except Exception as e:  # noqa: BLE001 - re-raised with the reason, cause kept

@@ -32,6 +32,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import re
+import sysconfig
+import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,9 +44,11 @@ import torch
 import torch.fx as fx
 from torch.export import ExportedProgram
 
+from . import hf_compat
 from .errors import ModelExportError, MissingExampleInputsError
 
-__all__ = ["SplitCandidate", "Segment", "TracedModel", "trace", "resolve_example_inputs"]
+__all__ = ["SplitCandidate", "Segment", "TracedModel", "trace", "resolve_example_inputs", "export_error",
+           "export_failure_kind"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,8 @@ class TracedModel:
         candidates: the legal split points in graph order (no cut at position 0).
         segments: ``len(candidates) + 1`` runs of nodes between the cuts.
         example_args / example_kwargs: the micro-batch the model was traced with.
+        notes: one line per setting autopipe changed to capture the model (a Hugging Face
+            KV cache turned off, :mod:`autopipe.hf_compat`); the plan's report shows them.
     """
 
     exported: ExportedProgram
@@ -91,6 +99,7 @@ class TracedModel:
     example_args: tuple[Any, ...]
     example_kwargs: dict[str, Any]
     model_name: str = ""
+    notes: list[str] = field(default_factory=list)  # what autopipe changed to capture it, for the plan
 
     @property
     def split_point_names(self) -> list[str]:
@@ -151,22 +160,136 @@ def resolve_example_inputs(
 
 
 def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ExportedProgram:
-    """``torch.export.export`` as ``pipeline()`` calls it, with a useful error when it fails."""
+    """``torch.export.export`` as ``pipeline()`` calls it, with a useful error when it fails.
+
+    Like ``pipeline()`` it uses torch.export's default, non-strict mode: export runs the
+    Python ``forward`` itself on fake tensors, so any Python the model runs is allowed
+    except decisions on tensor values it cannot know.
+    """
     try:
         # export prints long guard/warning logs for some models; keep the user's terminal clean.
         with contextlib.redirect_stdout(io.StringIO()):
             return torch.export.export(model, args, kwargs)
     except Exception as e:  # noqa: BLE001 - re-raised with advice, cause kept
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelExportError(
-            f"torch.export could not capture {type(model).__name__} as one graph: {reason}\n"
-            "torch.distributed.pipelining needs the same capture, so autopipe cannot split this model "
-            "as it is. What to try: remove data-dependent Python control flow from forward() "
-            "(use torch.where / torch.cond), return tensors (or tuples/dicts of tensors) rather than "
-            "custom objects, make sure the example inputs match a real micro-batch, or check the "
-            "exporter's full message in the chained exception above. "
-            "See https://pytorch.org/docs/stable/export.html"
-        ) from e
+        raise export_error(model, e) from e
+
+
+#: What to try for each kind of export failure :func:`export_error` recognises.
+_EXPORT_ADVICE = {
+    "data-dependent": (
+        "forward() makes a Python decision (if, int(), a shape) on a tensor's value, which the capture "
+        "cannot know in advance. Write the branch as tensor code (torch.where(cond, a, b), or torch.cond "
+        "for two sub-computations), or, when the decision is fixed for a whole run (a flag, a mode, a "
+        "length), pass it as a plain Python bool/int keyword in example_kwargs so the graph is captured "
+        "for that value."
+    ),
+    "cache-output": (
+        "forward() returns a Hugging Face KV cache although autopipe turns use_cache off on every config "
+        "of the model; this model builds it another way. Pass use_cache=False (or its equivalent) in "
+        "example_kwargs, or wrap the model in a module whose forward returns only the tensors training "
+        "needs (e.g. the logits)."
+    ),
+    "output-type": (
+        "forward() returns an object torch.export does not know. Return tensors (or tuples, lists, dicts "
+        "of tensors), wrap the model in a module whose forward returns those tensors, or register the "
+        "type with torch.utils._pytree.register_pytree_node (torch.export.register_dataclass for a "
+        "dataclass)."
+    ),
+    "input-type": (
+        "an example input is an object torch.export does not know. Pass tensors and plain Python values "
+        "(or tuples, lists, dicts of them), or register the type with "
+        "torch.utils._pytree.register_pytree_node (torch.export.register_dataclass for a dataclass)."
+    ),
+    "parameter-change": (
+        "forward() casts, moves or replaces the model's own parameters while it runs (a module.to(...) "
+        "inside forward), which a capture cannot record. Do that once before autopipe sees the model "
+        "(e.g. model.to(dtype)), or wrap the model so its forward leaves the parameters as they are."
+    ),
+    "other": (
+        "remove data-dependent Python control flow from forward() (use torch.where / torch.cond), return "
+        "tensors (or tuples/dicts of tensors) rather than custom objects, make sure the example inputs "
+        "match a real micro-batch, and read the exporter's full message in the chained exception above."
+    ),
+}
+
+
+def export_failure_kind(error: BaseException) -> str:
+    """Which kind of torch.export failure ``error`` is: one of the keys of ``_EXPORT_ADVICE``.
+
+    Recognised from the exception's class where torch gives it one (data-dependent guards)
+    and otherwise from the exporter's wording, which has been stable across torch 2.x.
+
+    Example:
+        >>> export_failure_kind(RuntimeError("Found <class 'Foo'> in output, which is not a known type."))
+        'output-type'
+    """
+    text = str(error)
+    names = {cls.__name__ for cls in type(error).__mro__}
+    if names & {"GuardOnDataDependentSymNode", "DataDependentOutputException"} or "data-dependent" in text:
+        return "data-dependent"
+    if " in output" in text and "not a known type" in text:
+        found = re.search(r"Found <class '([^']+)'>", text)
+        return "cache-output" if found and found.group(1).rsplit(".", 1)[-1].endswith("Cache") else "output-type"
+    if "Couldn't swap" in text:  # Module._apply inside forward: torch.export holds the parameters fixed
+        return "parameter-change"
+    if "Unsupported input type" in text or (" in input" in text and "not a known type" in text):
+        return "input-type"
+    return "other"
+
+
+def _user_frame(error: BaseException) -> str | None:
+    """``file:line in function`` of the deepest frame of the failure outside torch and Python itself.
+
+    That is the line of the model's own code that export could not capture (the ``if`` on a
+    tensor, the ``return`` of an object), or None when the traceback holds no such frame.
+    """
+    paths = sysconfig.get_paths()
+    torch_dir, stdlib = os.path.dirname(torch.__file__) + os.sep, paths["stdlib"] + os.sep
+    installed = (paths["purelib"] + os.sep, paths["platlib"] + os.sep)  # inside stdlib's folder on some layouts
+    found = None
+    for frame in traceback.extract_tb(error.__traceback__):
+        if frame.filename.startswith("<"):  # code torch generates (<string>, <eval_with_key>)
+            continue
+        path = os.path.abspath(frame.filename)
+        if path == os.path.abspath(__file__) or path.startswith(torch_dir) or (
+                path.startswith(stdlib) and not path.startswith(installed)):
+            continue
+        found = frame
+    if found is None:
+        return None
+    code = f": {found.line.strip()}" if found.line else ""
+    return f"{found.filename}:{found.lineno} in {found.name}{code}"
+
+
+def export_error(model: torch.nn.Module, error: BaseException) -> ModelExportError:
+    """The :class:`ModelExportError` for a failed ``torch.export.export(model, ...)``.
+
+    It names the model's class, gives the exporter's reason in one line, the line of the
+    model's code where capture stopped when the traceback shows it, and what to try for
+    this kind of failure (:func:`export_failure_kind`).
+
+    Example:
+        >>> err = export_error(torch.nn.Linear(2, 2), RuntimeError("Found <class 'Foo'> in output, which is "
+        ...                                                        "not a known type."))
+        >>> print(str(err).splitlines()[0])
+        torch.export could not capture Linear as one graph: Found <class 'Foo'> in output, which is not a known type.
+    """
+    kind = export_failure_kind(error)
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    reason = lines[0] if lines else type(error).__name__
+    if len(reason) > 160:  # the exporter's first sentence says what failed; the rest is general help
+        reason = re.split(r"(?<=[.!?])\s", reason, maxsplit=1)[0]
+    if len(reason) > 300:
+        reason = reason[:297] + "..."
+    where = _user_frame(error)
+    return ModelExportError(
+        f"torch.export could not capture {type(model).__name__} as one graph: {reason}\n"
+        + (f"Where: {where}\n" if where else "")
+        + "torch.distributed.pipelining captures the model the same way (torch.export, non-strict), so "
+        "autopipe cannot split this model as it is.\n"
+        f"What to try: {_EXPORT_ADVICE[kind]} See https://pytorch.org/docs/stable/export.html",
+        kind=kind,
+    )
 
 
 def _module_spans(nodes: list[fx.Node]) -> tuple[dict[str, list[int]], set[str]]:
@@ -246,7 +369,8 @@ def trace(
     """Export ``model`` on one micro-batch and list the legal split points and segments.
 
     Args:
-        model: Any ``nn.Module`` that ``torch.export`` can capture. It is not modified.
+        model: Any ``nn.Module`` that ``torch.export`` can capture. It is not modified
+            (a Hugging Face model's ``use_cache`` is off during the capture only).
         example_args: One micro-batch of positional inputs (as ``mb_args`` of
             ``torch.distributed.pipelining.pipeline``). May be omitted when the model carries
             ``example_input_array`` or ``dummy_inputs``.
@@ -269,7 +393,12 @@ def trace(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     args, kwargs = resolve_example_inputs(model, example_args, example_kwargs)
-    exported = _export(model, args, kwargs)
+    # A Hugging Face KV cache is no trainable output and cannot leave an exported graph: it
+    # is off for the capture (the graph keeps that), and the model's settings come back after.
+    kwargs, kwarg_changes = hf_compat.training_kwargs(model, kwargs)
+    with hf_compat.training_config(model) as config_changes:
+        exported = _export(model, args, kwargs)
+    note = hf_compat.cache_note(kwarg_changes + config_changes)
     nodes = [n for n in exported.graph.nodes if n.op == "call_function"]
     user_fqns = {name for name, _ in model.named_modules() if name}
     candidates = _find_candidates(nodes, user_fqns)
@@ -283,4 +412,5 @@ def trace(
         example_args=args,
         example_kwargs=kwargs,
         model_name=type(model).__name__,
+        notes=[note] if note else [],
     )

@@ -9,6 +9,8 @@ import pytest
 
 MODULES = [
     "autopipe.trace",
+    "autopipe.inplace",
+    "autopipe.hf_compat",
     "autopipe.costgraph",
     "autopipe.profile",
     "autopipe.partitioner",

@@ -123,6 +123,7 @@ def report_data(
         "optimizer": plan.optimizer,
         "planner_s": plan.planner_s,
         "whole_pass": dict(plan.extras["whole_pass"]) if plan.extras.get("whole_pass") else None,
+        "notes": list(plan.extras.get("notes") or []),  # what autopipe changed to capture the model
         "best_baseline": best_baseline.name if best_baseline else None,
         "speedup_over_best_baseline": (best_baseline.predicted_step_s / step) if best_baseline and step > 0 else None,
     }

@@ -85,6 +85,7 @@ def summary_lines(data: dict[str, Any]) -> list[str]:
     )
     if s.get("whole_pass"):
         lines.append(whole_pass_line(s["whole_pass"]))
+    lines += [f"Note: {n}" for n in s.get("notes") or []]
     return lines
 
 

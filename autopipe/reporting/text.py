@@ -54,6 +54,7 @@ def plan_to_text(plan: "Plan") -> str:
         + (f", {plan.stages_per_rank} stages per rank" if plan.stages_per_rank > 1 else ""),
         f"costs: {plan.cost_source} on {plan.device}; optimizer state: {plan.optimizer}; "
         f"search: exact ({plan.objective}), {format_seconds(plan.planner_s)}",
+        *[f"note: {n}" for n in plan.extras.get("notes") or []],  # what autopipe changed to capture the model
         "",
         "split_spec = {" + ", ".join(f'"{n}": SplitPoint.BEGINNING' for n in plan.split_points) + "}",
         "",

@@ -1,0 +1,224 @@
+"""autopipe.runtime.torch_compat: stage modules torch builds wrongly, built right.
+
+* pytorch/pytorch#184361: ``pipeline()`` on a model with rotary embeddings (Hugging Face
+  Llama) builds stages whose parent calls the rotary module without its arguments.
+* A submodule named ``self`` (Hugging Face ``BertAttention.self``) made the generated code
+  of its parent rebind ``self``.
+
+The stage modules of autopipe's ``_split`` run in one process, in order, each taking what
+the previous one returned (``relay_skip_connections`` makes stage ``k`` take exactly what
+stage ``k - 1`` sends), and must give the unsplit model's logits.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.pipelining import SplitPoint, _IR
+from torch.export.unflatten import InterpreterModule
+
+from autopipe.runtime import torch_compat
+from autopipe.runtime.pipeline import _split
+from autopipe.runtime.torch_compat import (outlining_problems, rename_nodes_shadowing_self,
+                                           safe_submodule_outlining)
+
+import _compat_workers as workers
+from _dist_utils import run_world
+
+try:
+    import transformers  # noqa: F401
+
+    HF_AVAILABLE = True
+except Exception:  # noqa: BLE001 - any import failure means the HF models cannot be built
+    HF_AVAILABLE = False
+
+needs_transformers = pytest.mark.skipif(not HF_AVAILABLE, reason="transformers cannot be imported")
+
+TOL = 1e-5
+
+
+def run_stages_in_order(model: nn.Module, split_points: list[str], x: torch.Tensor):
+    """Split ``model`` as autopipe does, then call stage 0 on ``x`` and each next stage on what the previous returned."""
+    pipe = _split(model, {p: SplitPoint.BEGINNING for p in split_points}, ((x,), {}), training=False,
+                  expected=len(split_points) + 1)
+    values: tuple = (x,)
+    for s in range(pipe.num_stages):
+        out = pipe.get_stage_module(s)(*values)
+        values = out if isinstance(out, tuple) else (out,)
+    return pipe, values
+
+
+def assert_original_names(pipe, model: nn.Module) -> None:
+    """Every stage names its parameters as the model does (params.py maps them by these names)."""
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    held = set()
+    for s in range(pipe.num_stages):
+        stage_names = {n for n, _ in pipe.get_stage_module(s).named_parameters(remove_duplicate=False)}
+        assert stage_names <= names, sorted(stage_names - names)
+        held |= stage_names
+    assert {id(model.get_parameter(n)) for n in held} == {id(p) for p in model.parameters()}  # every tensor held
+
+
+# ---------------------------------------------------------------------- pytorch/pytorch#184361
+@needs_transformers
+@pytest.mark.parametrize("split_points, tie", [
+    (["model.layers.1"], False),
+    (["model.layers.0", "model.layers.1.mlp"], True),  # a stage of embedding and rotary alone; a cut in a layer
+])
+def test_llama_stages_chain_to_unsplit_logits(split_points, tie):
+    model = workers.tiny_llama(tie=tie)
+    x = workers.token_batch(2)
+    pipe, out = run_stages_in_order(model, split_points, x)
+    torch.testing.assert_close(workers.logits_of(out), model(x).logits, atol=TOL, rtol=0)
+    for s in range(pipe.num_stages):
+        assert outlining_problems(pipe.get_stage_module(s)) == []
+    assert_original_names(pipe, model)
+
+
+@needs_transformers
+def test_llama_flat_fallback_chains_to_unsplit_logits(monkeypatch):
+    """When even the rebuilt module tree is rejected, each stage runs as one flat graph, with the original names."""
+    monkeypatch.setattr(torch_compat, "outlining_problems", lambda module: ["rejected by the test"])
+    model = workers.tiny_llama(tie=True)
+    x = workers.token_batch(2)
+    pipe, out = run_stages_in_order(model, ["model.layers.1"], x)
+    torch.testing.assert_close(workers.logits_of(out), model(x).logits, atol=TOL, rtol=0)
+    for s in range(pipe.num_stages):
+        stage = pipe.get_stage_module(s)
+        assert not [n for n in stage.graph.nodes if n.op == "call_module"]  # flat: no submodule calls
+    assert_original_names(pipe, model)
+
+
+def test_flat_stage_reads_a_tied_tensor_by_a_name_it_holds():
+    """At the root of a flat stage every alias of a tied tensor is in scope; the one it holds must come first."""
+    module = nn.Module()
+    module.emb = nn.Embedding(2, 2)
+    for names in (["head.weight", "emb.weight"], ["emb.weight", "head.weight"]):
+        assert torch_compat._resolvable_first(module, {"w": names})["w"][0] == "emb.weight"
+
+
+def test_torch_functions_restored_after_the_block():
+    outline, sink = _IR._outline_submodules, _IR._sink_params
+    with safe_submodule_outlining():
+        assert _IR._outline_submodules is not outline and _IR._sink_params is not sink
+        patched = _IR._outline_submodules
+        with safe_submodule_outlining():  # nested: patched once, still patched after the inner block
+            assert _IR._outline_submodules is patched
+        assert _IR._outline_submodules is patched
+    assert _IR._outline_submodules is outline and _IR._sink_params is sink
+    with pytest.raises(RuntimeError, match="inside"):
+        with safe_submodule_outlining():
+            raise RuntimeError("inside")
+    assert _IR._outline_submodules is outline and _IR._sink_params is sink
+
+
+def test_torch_without_outlining_is_left_alone(monkeypatch):
+    """A torch whose pipelining has no ``_outline_submodules`` gets nothing patched."""
+    monkeypatch.delattr(_IR, "_outline_submodules")
+    sink = _IR._sink_params
+    with safe_submodule_outlining():
+        assert not hasattr(_IR, "_outline_submodules") and _IR._sink_params is sink
+    assert not hasattr(_IR, "_outline_submodules") and _IR._sink_params is sink
+
+
+def test_sequential_split_is_unchanged_under_the_block():
+    """A model torch outlines correctly keeps torch's module tree (InterpreterModules), and runs."""
+    from torch.distributed.pipelining import pipeline
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    x = torch.randn(3, 4)
+    with safe_submodule_outlining():
+        pipe = pipeline(model, (x,), split_spec={"2": SplitPoint.BEGINNING})
+    assert isinstance(pipe.get_stage_module(1).get_submodule("2"), InterpreterModule)
+    torch.testing.assert_close(pipe(x)[0], model(x))
+
+
+def _graph_module(children: dict[str, nn.Module], build) -> fx.GraphModule:
+    graph = fx.Graph()
+    build(graph)
+    return fx.GraphModule(nn.ModuleDict(children), graph)
+
+
+def _identity_graph_module() -> fx.GraphModule:
+    return _graph_module({}, lambda g: g.output(g.placeholder("x")))
+
+
+def test_outlining_problems_names_each_inconsistency():
+    def calls(g):
+        x = g.placeholder("x")
+        g.output((g.call_module("a", ()), g.call_module("a", (x,))))
+
+    root = _graph_module({"a": _identity_graph_module()}, calls)
+    output = next(n for n in root.graph.nodes if n.op == "output")
+    with root.graph.inserting_before(output), pytest.warns(UserWarning):  # fx warns: nothing to read
+        root.graph.get_attr("missing")
+    problems = outlining_problems(root)
+    assert problems == ["'' calls 'a' with 0 arguments, but its graph takes 1", "'' calls 'a' twice",
+                        "'' reads 'missing', which it does not have"]
+
+
+def test_outlining_problems_empty_for_a_consistent_tree():
+    def calls(g):
+        x = g.placeholder("x")
+        g.output(g.call_module("b", (g.call_module("a", (x,)),)))
+
+    root = _graph_module({"a": _identity_graph_module(), "b": _identity_graph_module()}, calls)
+    assert outlining_problems(root) == []
+
+
+# ---------------------------------------------------------------------- a submodule named ``self``
+@needs_transformers
+@pytest.mark.parametrize("split_points", [["bert.encoder.layer.1"], ["bert.encoder.layer.0.attention.output"]])
+def test_bert_stages_chain_to_unsplit_logits(split_points):
+    model = workers.tiny_bert()
+    x = workers.token_batch(2)
+    pipe, out = run_stages_in_order(model, split_points, x)
+    torch.testing.assert_close(workers.logits_of(out), model(x).logits, atol=TOL, rtol=0)
+    assert_original_names(pipe, model)
+
+
+def test_generated_code_calls_a_submodule_named_self():
+    root = nn.Module()
+    root.add_module("self", nn.Linear(3, 3))
+    root.add_module("out", nn.Linear(3, 2))
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_module("out", (graph.call_module("self", (x,)),)))
+    gm = fx.GraphModule(root, graph)
+    assert rename_nodes_shadowing_self(gm) == 1
+    assert "self" not in {n.name for n in gm.graph.nodes}
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(gm(x), root.out(getattr(root, "self")(x)))
+    assert rename_nodes_shadowing_self(gm) == 0  # nothing left to rename
+
+
+def test_placeholder_named_self_becomes_an_argument_of_another_name():
+    graph = fx.Graph()
+    graph.output(graph.placeholder("self"))
+    module = InterpreterModule(graph)
+    assert rename_nodes_shadowing_self(module) == 1
+    module.finalize()  # generates the code from the renamed graph
+    module._run_with_interpreter = False
+    x = torch.randn(2)
+    assert module(x) is x
+    assert module.arg_names == [n.target for n in graph.nodes if n.op == "placeholder"] != ["self"]
+
+
+# ---------------------------------------------------------------------- two ranks
+@needs_transformers
+@pytest.mark.distributed
+def test_llama_1f1b_on_two_ranks_matches_unsplit():
+    results = run_world(workers.llama_1f1b_run, 2, timeout_s=300)
+    assert set().union(*(r["grad_diff"] for r in results)) == set(results[0]["all_param_names"])
+    for r in results:
+        assert abs(r["loss"] - r["ref_loss"]) < TOL
+        assert max(r["grad_diff"].values()) < TOL, r["grad_diff"]
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    result = doctest.testmod(torch_compat, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0
