@@ -51,8 +51,10 @@ import torch.fx as fx
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
+from . import hf_compat
 from ._progress import progress_iter
 from .costgraph import SegmentCost, requires_grad_map, tensor_bytes
+from .inplace import clone_inputs_written_in_place
 from .trace import TracedModel
 
 __all__ = ["COST_SOURCES", "profile_segments", "profile_loss", "LossCost", "measure_device_flops", "per_run_s",
@@ -285,6 +287,13 @@ def _segment_modules(traced: TracedModel, gm: fx.GraphModule | None = None) -> l
             if any(u.op == "output" or seg_of.get(u.name, last) > seg.index for u in node.users):
                 outputs.append(node.name)
         graph.output(tuple(env[o] for o in outputs))
+        # A segment is fed leaves that require grad, as a stage is, and autograd refuses an
+        # in-place write into one (a cut before ReLU(inplace=True) or ``out += identity``).
+        # The stage copies such an input (runtime.pipeline._split), so the segment does too,
+        # and its profile includes the copy's time and buffer. The copy is charged even when
+        # the segment ends up inside a stage, where none is made: an overestimate of one
+        # elementwise copy, rather than cuts left out or a copy the plan does not see.
+        clone_inputs_written_in_place(graph)
         result.append(_SegmentModule(fx.GraphModule(gm, graph), inputs, outputs))
     return result
 
@@ -917,8 +926,10 @@ def profile_loss(
     """
     dev = resolve_device(device)
     timer = Timer(dev)
-    with torch.no_grad(), _model_state_preserved(model):
-        output = model(*example_args, **dict(example_kwargs or {}))
+    # As traced: a Hugging Face model's KV cache off (it is no part of what the loss sees).
+    kwargs, _ = hf_compat.training_kwargs(model, example_kwargs)
+    with torch.no_grad(), _model_state_preserved(model), hf_compat.training_config(model):
+        output = model(*example_args, **kwargs)
     output = tree_map(lambda t: t.detach().to(dev) if isinstance(t, torch.Tensor) else t, output)
     target = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, target)
     first = next((t for t in tree_leaves((tuple(example_args), dict(example_kwargs or {})))
