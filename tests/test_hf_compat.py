@@ -341,25 +341,29 @@ def test_pipeline_takes_keyword_only_or_carried_example_inputs():
         _check_model_and_inputs(nn.Linear(4, 4), [x], None, None)
 
 
-def _hf_pipeline_run(rank: int, world_size: int) -> dict:
-    """GPT-2 with its default config in a 2-stage pipeline, inputs by keyword only."""
+def _hf_pipeline_run(rank: int, world_size: int, ask_cache: bool = False) -> dict:
+    """GPT-2 with its default config in a 2-stage pipeline, inputs by keyword only
+    (with ``ask_cache``, ``use_cache=True`` given with the example and every batch)."""
     from autopipe.runtime import Pipeline
 
     torch.manual_seed(0)
     # No dropout, so the split and the unsplit model compute the same loss.
     model, kwargs = _gpt2(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    extra = {"use_cache": True} if ask_cache else {}
+    kwargs = {**kwargs, **extra}
     loss_fn = lambda out, y: nn.functional.cross_entropy(out.logits.reshape(-1, VOCAB), y.reshape(-1))  # noqa: E731
     pipe = Pipeline(model, example_kwargs=kwargs, split_points=["transformer.h.1"], n_microbatches=2,
                     loss_fn=loss_fn)
     x, y = _ids(4, 8, seed=3), _ids(4, 8, seed=4)
-    loss = pipe.step(input_ids=x, target=y)
+    loss = pipe.step(input_ids=x, target=y, **extra)
     reference = loss_fn(model(input_ids=x, use_cache=False), y)
     return {"loss": loss.item(), "reference": reference.item(), "use_cache": model.config.use_cache}
 
 
 @needs_transformers
-def test_pipeline_trains_hf_model_with_default_config_from_keyword_inputs():
-    results = run_world(_hf_pipeline_run, 2, timeout_s=300)
+@pytest.mark.parametrize("ask_cache", [False, True])
+def test_pipeline_trains_hf_model_with_default_config_from_keyword_inputs(ask_cache):
+    results = run_world(_hf_pipeline_run, 2, ask_cache, timeout_s=300)
     for r in results:
         assert r["use_cache"] is True  # the user's model is untouched
         assert r["loss"] == pytest.approx(r["reference"], rel=1e-5)

@@ -9,9 +9,15 @@ its stage module (``layers.0.attention.q_linear.weight``), but three things need
 - the model's ``state_dict`` lists every alias of a tied tensor and only persistent
   buffers.
 
+A tied parameter can also be used twice within one stage (T5's decoder embedding and
+its output layer): ``pipeline()`` then gives that stage module two separate copies, one per
+name it used.
+
 This module answers, from the original model and the stage modules alone:
 "what is the canonical name of this stage tensor", "which stage tensors does a stage
-really use" and "which ranks hold a copy of the same parameter".
+really use", "under which names does a stage module hold each tensor", "which ranks hold
+a copy of the same parameter, and which of them uses it first", and "were the ranks given
+the same model".
 
     >>> import torch.nn as nn
     >>> model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5))
@@ -31,8 +37,8 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-__all__ = ["StateNames", "model_state_names", "used_attribute_names", "stage_state",
-           "shared_parameters"]
+__all__ = ["StateNames", "model_state_names", "used_attribute_names", "stage_state", "stage_aliases",
+           "shared_parameters", "first_use_ranks", "model_signature", "first_model_difference"]
 
 
 @dataclass(frozen=True)
@@ -146,6 +152,38 @@ def stage_state(stage_module: nn.Module, names: StateNames) -> dict[str, tuple[s
     return state
 
 
+def stage_aliases(stage_module: nn.Module, names: StateNames) -> dict[str, list[str]]:
+    """Every name under which a stage module holds a copy of each original tensor.
+
+    ``pipeline()`` gives a stage module one tensor per original name its code used, so a
+    tied parameter used twice in the stage (T5's ``decoder.embed_tokens.weight`` and
+    ``lm_head.weight``) arrives as two separate copies; tensors left over from the split
+    are listed too. Names the original model did not have (constants made by tracing) are
+    left out.
+
+    Args:
+        stage_module: ``pipe.get_stage_module(i)`` or the module of a built stage.
+        names: :func:`model_state_names` of the original model.
+
+    Returns:
+        ``{canonical name: [names inside the stage module]}``, parameters then buffers, each
+        in ``named_parameters()`` / ``named_buffers()`` order.
+
+    Example:
+        >>> aliases = stage_aliases(pipe.get_stage_module(1), names)  # doctest: +SKIP
+        >>> aliases["shared.weight"]  # doctest: +SKIP
+        ['decoder.embed_tokens.weight', 'lm_head.weight']
+    """
+    found: dict[str, list[str]] = defaultdict(list)
+    for named in (stage_module.named_parameters(remove_duplicate=False),
+                  stage_module.named_buffers(remove_duplicate=False)):
+        for local_name, _ in named:
+            canon = names.canonical.get(local_name)
+            if canon is not None:
+                found[canon].append(local_name)
+    return dict(found)
+
+
 def shared_parameters(
     stage_params: Sequence[Iterable[str]], stage_ranks: Sequence[int]
 ) -> list[tuple[tuple[int, ...], list[str]]]:
@@ -176,3 +214,98 @@ def shared_parameters(
         if len(ranks) > 1:
             groups[ranks].append(name)
     return sorted(groups.items())
+
+
+def first_use_ranks(stage_params: Sequence[Iterable[str]], stage_ranks: Sequence[int]) -> dict[str, int]:
+    """For each parameter, the rank running the lowest-numbered stage that uses it.
+
+    That rank's copy of a parameter shared by several ranks is the one every rank starts
+    from: it is where the parameter first enters the forward pass (the embedding of a tied
+    embedding and output layer).
+
+    Args:
+        stage_params: for each stage, the canonical names of the parameters it uses.
+        stage_ranks: ``stage_ranks[s]`` is the rank that runs stage ``s``.
+
+    Returns:
+        ``{canonical name: rank}``.
+
+    Example:
+        >>> first_use_ranks([["h0"], ["wte", "h1"], ["wte"]], [0, 1, 0])
+        {'h0': 0, 'wte': 1, 'h1': 1}
+    """
+    first: dict[str, int] = {}
+    for stage, params in enumerate(stage_params):
+        for name in params:
+            first.setdefault(name, stage_ranks[stage])
+    return first
+
+
+#: ``(name, "parameter" or "buffer", shape, dtype, canonical name)``: one entry of a model signature.
+SignatureEntry = tuple[str, str, tuple[int, ...], str, str]
+
+
+def model_signature(model: nn.Module) -> list[SignatureEntry]:
+    """What two ranks' models must agree on to be split the same way: every tensor name,
+    kind, shape and dtype, and which names are tied to which.
+
+    Values and devices are left out: ranks may hold different values (they are made equal
+    afterwards) on different devices.
+
+    Args:
+        model: the unsplit model.
+
+    Returns:
+        One :data:`SignatureEntry` per parameter name, then per buffer name, tied aliases
+        included, in ``named_parameters()`` / ``named_buffers()`` order.
+
+    Example:
+        >>> model_signature(nn.Linear(2, 3))[0]
+        ('weight', 'parameter', (3, 2), 'torch.float32', 'weight')
+    """
+    names = model_state_names(model)
+    signature: list[SignatureEntry] = []
+    for kind, named in (("parameter", model.named_parameters(remove_duplicate=False)),
+                        ("buffer", model.named_buffers(remove_duplicate=False))):
+        for name, tensor in named:
+            signature.append((name, kind, tuple(tensor.shape), str(tensor.dtype), names.canonical[name]))
+    return signature
+
+
+def first_model_difference(signatures: Sequence[Sequence[SignatureEntry]]) -> str | None:
+    """Where the ranks' models first differ, in words; None when they agree.
+
+    Compares every rank's :func:`model_signature` with rank 0's, entry by entry, and
+    describes the first entry that differs (its name, then what differs and on which ranks).
+
+    Args:
+        signatures: ``signatures[r]`` is rank ``r``'s :func:`model_signature`.
+
+    Returns:
+        A sentence naming the first differing tensor name, or None.
+
+    Example:
+        >>> a, b = model_signature(nn.Linear(2, 3)), model_signature(nn.Linear(2, 4))
+        >>> first_model_difference([a, b])
+        "'weight': rank 0 has a parameter of shape (3, 2), dtype torch.float32; rank 1 has a parameter of shape (4, 2), dtype torch.float32"
+    """
+    def describe(entry: SignatureEntry | None) -> str:
+        if entry is None:
+            return "no such tensor"
+        name, kind, shape, dtype, canon = entry
+        tied = "" if canon == name else f", tied to {canon!r}"
+        return f"a {kind} of shape {shape}, dtype {dtype}{tied}"
+
+    reference = signatures[0]
+    for rank, signature in enumerate(signatures[1:], start=1):
+        for i in range(max(len(reference), len(signature))):
+            ours = reference[i] if i < len(reference) else None
+            theirs = signature[i] if i < len(signature) else None
+            if ours == theirs:
+                continue
+            if ours is not None and theirs is not None and ours[0] != theirs[0]:
+                return (f"tensor {i} is {ours[0]!r} on rank 0 but {theirs[0]!r} on rank {rank} "
+                        f"(the models have different parameter or buffer names)")
+            name = (ours or theirs)[0]
+            return f"{name!r}: rank 0 has {describe(ours)}; rank {rank} has {describe(theirs)}"
+    return None

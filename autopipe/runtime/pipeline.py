@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import inspect
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -51,7 +52,7 @@ from .model_io import ModelIO, capture_export
 from .relay import relay_skip_connections
 from .torch_compat import rename_nodes_shadowing_self, safe_submodule_outlining
 from .params import (StateNames, first_model_difference, first_use_ranks, model_signature, model_state_names,
-                     shared_parameters, stage_aliases, stage_state)
+                     shared_parameters, stage_aliases, stage_state, used_attribute_names)
 
 __all__ = ["Pipeline"]
 
@@ -116,6 +117,10 @@ class Pipeline:
             that does not exist (the message lists those that do), a world size that does
             not match the plan, or a plan whose split points the model lacks. Raised on
             every rank before any communication.
+        ValueError: the ranks were given different models (parameter or buffer names,
+            shapes, dtypes or tied weights; the message names the first difference). Raised
+            on every rank before the model is traced. Values may differ: every copy of a
+            parameter shared by several ranks is set to the copy of the rank using it first.
         RuntimeError: if no process group exists and torchrun's environment is missing.
 
     Example:
@@ -329,6 +334,7 @@ class Pipeline:
                 self._unheld_state[canon] = tensor.detach().cpu().clone()
 
         self._train_modules, self._train_stages = self._build_local_stages(train_pipe)
+        self._split_backward = self.schedule in SPLIT_BACKWARD_SCHEDULES
         self._state = self._share_local_replicas()
         self._eval_modules = self._train_modules
         if eval_pipe is not None:
@@ -353,7 +359,9 @@ class Pipeline:
                 self._shared.append((names, group))
         # Each rank built its own model, so the copies start equal only if every rank seeded
         # alike; summed gradients keep them equal only if they start so.
-        self._copy_shared_from_first_use(first_use_ranks(stage_params, self.stage_ranks))
+        #: The rank where each parameter is first used: its copy counts in the global gradient norm.
+        self._grad_norm_rank: dict[str, int] = first_use_ranks(stage_params, self.stage_ranks)
+        self._copy_shared_from_first_use(self._grad_norm_rank)
 
         # Whether torch can run this schedule forward-only (schedule.eval), for inference.
         self._forward_only = self.schedule not in _V_SCHEDULES and hasattr(schedule_class(self.schedule), "eval")
@@ -381,13 +389,22 @@ class Pipeline:
         local stage is pointed at the first copy, so autograd accumulates all of the uses'
         gradients into one ``.grad``, the optimizer sees the parameter once and the copies
         can never drift apart.
+
+        Schedules that split the backward compute weight gradients with torch's
+        ``stage_backward_weight``, which fails ("backward through the graph a second time")
+        on a Parameter used at two places of one stage's graph with other weights between
+        them. There a stage's second and later names of a parameter get a Parameter of
+        their own over the same memory (so values stay equal); their gradients are added to
+        the first's after each step (:meth:`_sum_shared_grads`). They are kept in
+        ``self._use_leaves`` as ``(canonical name, Parameter)``.
         """
         state: dict[str, torch.Tensor] = {}
+        self._use_leaves: list[tuple[str, nn.Parameter]] = []
         for s in self.stage_indices:
             module = self._train_modules[s]
             for canon, (_, tensor) in stage_state(module, self._names).items():
                 state.setdefault(canon, tensor)
-            _tie_aliases(module, self._names, state)
+            self._use_leaves += _tie_aliases(module, self._names, state, leaf_per_use=self._split_backward)
         return state
 
     def _build_eval_modules(self, eval_pipe) -> dict[int, nn.Module]:
@@ -399,7 +416,8 @@ class Pipeline:
             if missing:
                 raise RuntimeError(f"stage {s}'s eval-mode trace reads {missing}, which its training trace "
                                    f"does not; autopipe cannot share them between the two traces")
-            _tie_aliases(module, self._names, self._state)
+            # Inference with a V schedule runs a backward too (see _run_inference), hence leaf_per_use.
+            _tie_aliases(module, self._names, self._state, leaf_per_use=self._split_backward)
             modules[s] = module.eval()
         return modules
 
@@ -408,6 +426,11 @@ class Pipeline:
 
         Collective. One digest per rank is gathered; only when they differ are the full
         signatures gathered, to name the first difference in the error every rank raises.
+
+        Example:
+            >>> self._check_same_model(model)  # doctest: +SKIP
+            ValueError: the ranks were given different models (...): 'lm_head.weight': rank 0 has a
+            parameter of shape (32, 16), dtype torch.float32, tied to 'shared.weight'; rank 1 has ...
         """
         signature = model_signature(model)
         digest = hashlib.sha256(repr(signature).encode()).hexdigest()
@@ -431,6 +454,10 @@ class Pipeline:
         The rank of first use runs the lowest-numbered stage using the parameter.
         Broadcast over each shared set's own process group, in ``self._shared``'s order
         (the same on every member), one flat tensor per source rank.
+
+        Example:
+            >>> # ZBV on 2 ranks, a weight read by stages 1 (rank 1) and 3 (rank 0): rank 1's wins
+            >>> self._copy_shared_from_first_use({"layers.1.weight": 1})  # doctest: +SKIP
         """
         for names, group in self._shared:
             by_source: dict[int, list[str]] = {}
@@ -684,6 +711,13 @@ class Pipeline:
 
     __call__ = forward
 
+    def _as_traced(self, kwargs: dict) -> dict:
+        """``kwargs`` with ``use_cache=True`` read as False where the pipeline traced a Hugging Face
+        model with its KV cache off (:mod:`autopipe.hf_compat`): it trains without a cache."""
+        if kwargs.get("use_cache") is True and self._example[1].get("use_cache") is False:
+            return {**kwargs, "use_cache": False}
+        return dict(kwargs)
+
     def _check_batch(self, args: tuple, kwargs: dict, target: Any, *, need_target: bool) -> None:
         """Each rank checks the batch it was given, so a bad batch fails everywhere, silently nowhere."""
         m = self.n_microbatches
@@ -694,7 +728,7 @@ class Pipeline:
                 f"pipeline was traced with {len(example_args)} positional and {sorted(example_kwargs)}"
             )
         # Both flattened the way the first stage takes them: keywords matched by name.
-        given = self._io.flatten_inputs(tuple(args), dict(kwargs))
+        given = self._io.flatten_inputs(tuple(args), self._as_traced(kwargs))
         examples = self._io.flatten_inputs(example_args, example_kwargs)
         labels = self._io.input_labels(example_args, example_kwargs)
         for label, x, ex in zip(labels, given, examples):
@@ -744,7 +778,7 @@ class Pipeline:
             return t.to(self.device, non_blocking=True).contiguous() if isinstance(t, torch.Tensor) else t
         stage_args, stage_kwargs = ((), {})
         if self.has_first_stage:
-            stage_args = tuple(to_device(t) for t in self._io.stage_inputs(tuple(args), dict(kwargs)))
+            stage_args = tuple(to_device(t) for t in self._io.stage_inputs(tuple(args), self._as_traced(kwargs)))
         stage_target = tree_map(to_device, target) if self.has_last_stage and target is not None else None
         return stage_args, stage_kwargs, stage_target
 
@@ -773,11 +807,15 @@ class Pipeline:
         return message[0].to(_LOSS_DTYPES[code])
 
     def _sum_shared_grads(self, before: list[list[torch.Tensor | None]]) -> None:
-        """Sum this step's gradients of parameters held on several ranks, across those ranks.
+        """Sum this step's gradients of every copy of a shared parameter: on this rank, then across ranks.
 
-        Only the step's own contribution is summed (gradient minus what was there before),
-        so gradients accumulated over several steps stay right.
+        The per-use Parameters of split-backward schedules (:meth:`_share_local_replicas`)
+        add their gradients to their parameter's and drop them. Then parameters held on
+        several ranks are summed across those ranks; only the step's own contribution is
+        summed (gradient minus what was there before), so gradients accumulated over
+        several steps stay right.
         """
+        _fold_use_leaf_grads(self._use_leaves, self._state)
         for (names, group), previous in zip(self._shared, before):
             params = [self._state[n] for n in names]
             deltas = []
@@ -814,11 +852,76 @@ class Pipeline:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of this rank's parameters, as ``nn.Module.zero_grad``."""
+        for _, leaf in self._use_leaves:  # normally empty already (see _sum_shared_grads)
+            leaf.grad = None
         for p in self.parameters():
             if set_to_none:
                 p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, *,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip the gradients of the whole pipeline by their global norm, as ``torch.nn.utils.clip_grad_norm_``.
+
+        ``clip_grad_norm_(pipe.parameters(), ...)`` would see only this rank's parameters:
+        its norm is per rank, and every rank would clip by a different factor. This computes
+        the norm over every rank's gradients at once (one all-reduce), counting a parameter
+        shared by several stages or ranks (a tied embedding) once, and scales every local
+        gradient by the same factor ``min(1, max_norm / (norm + 1e-6))``. Collective: every
+        rank calls it, after :meth:`step` and before the optimizer step.
+
+        Args:
+            max_norm: the largest global norm the gradients may have, > 0.
+            norm_type: the p of the p-norm, > 0, or ``float("inf")`` for the largest
+                absolute value.
+
+        Keyword Args:
+            error_if_nonfinite: raise (on every rank) when the global norm is nan or inf.
+
+        Returns:
+            The global norm of the gradients before clipping, a scalar tensor, the same on
+            every rank.
+
+        Raises:
+            ValueError: ``max_norm`` or ``norm_type`` out of range (before communication).
+            RuntimeError: ``error_if_nonfinite`` and the norm is not finite.
+
+        Example:
+            >>> loss = pipe.step(x, target=y)  # doctest: +SKIP
+            >>> norm = pipe.clip_grad_norm_(1.0); opt.step()  # doctest: +SKIP
+        """
+        for arg, value in (("max_norm", max_norm), ("norm_type", norm_type)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{arg}={value!r} must be a number > 0 (norm_type may be float('inf'))")
+        if not math.isfinite(max_norm):
+            raise ValueError(f"max_norm={max_norm!r} must be finite")
+        norm_type = float(norm_type)
+        # Each parameter is counted on one rank only: where it is first used (its copies on
+        # other ranks hold the same, summed gradient after step()).
+        counted = [p.grad for name, p in self.named_parameters()
+                   if p.grad is not None and self._grad_norm_rank.get(name, self.rank) == self.rank]
+        device = self._comm_device()
+        if norm_type == math.inf:
+            local = max((g.detach().abs().max().double() for g in counted), default=torch.zeros((), dtype=torch.float64))
+            total = local.to(device).reshape(1)
+            dist.all_reduce(total, op=dist.ReduceOp.MAX)
+            total = total[0]
+        else:
+            local = sum((torch.linalg.vector_norm(g.detach(), norm_type).double() ** norm_type for g in counted),
+                        torch.zeros((), dtype=torch.float64))
+            total = local.to(device).reshape(1)
+            dist.all_reduce(total)
+            total = total[0] ** (1.0 / norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"the global {norm_type}-norm of the gradients is {total.item()}; "
+                               f"error_if_nonfinite=True refuses to clip by it")
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for p in self.parameters():
+            if p.grad is not None:
+                p.grad.detach().mul_(coef.to(device=p.grad.device, dtype=p.grad.dtype))
+        dtype = counted[0].dtype if counted else torch.float32
+        return total.to(dtype)
 
     def train(self, mode: bool = True) -> "Pipeline":
         """Switch to training (``mode=True``) or evaluation behaviour; returns the pipeline.
@@ -1240,33 +1343,71 @@ def _rewrap_stage(stage, module: nn.Module):
     return type(stage)(module, stage.stage_index, stage.pipe_info, stage.device, stage.group)
 
 
-def _tie_aliases(module: nn.Module, names: StateNames, state: Mapping[str, torch.Tensor]) -> int:
+def _tie_aliases(module: nn.Module, names: StateNames, state: Mapping[str, torch.Tensor], *,
+                 leaf_per_use: bool = False) -> list[tuple[str, nn.Parameter]]:
     """Point every name in ``module`` of a tensor in ``state`` (canonical name -> tensor) at it.
 
-    Returns how many names were re-pointed. Names of tensors not in ``state`` are left alone.
+    Names of tensors not in ``state`` are left alone. With ``leaf_per_use``, the second and
+    later names of a parameter that ``module``'s code reads get instead a new Parameter
+    over the same memory (equal values, a gradient of its own), for torch's split weight
+    backward (see ``Pipeline._share_local_replicas``); names it never reads (left over from
+    the split) still point at the parameter itself.
+
+    Returns:
+        The new Parameters, as ``(canonical name, Parameter)``.
 
     Example:
-        >>> model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5, bias=False))
-        >>> model[1].weight = model[0].weight
-        >>> names = model_state_names(model)
-        >>> model[1].weight = nn.Parameter(model[0].weight.detach().clone())  # a stage's second copy
-        >>> _tie_aliases(model, names, {"0.weight": model[0].weight})
-        1
-        >>> model[1].weight is model[0].weight
-        True
+        >>> class Scale(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.a, self.b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+        ...     def forward(self, x):
+        ...         return x * self.a * self.b
+        >>> tied = Scale(); tied.b = tied.a  # the original model: a and b are one parameter
+        >>> names = model_state_names(tied)
+        >>> stage = torch.fx.symbolic_trace(Scale())  # a stage reading two copies of it
+        >>> _tie_aliases(stage, names, {"a": stage.a}), stage.b is stage.a
+        ([], True)
+        >>> stage = torch.fx.symbolic_trace(Scale())
+        >>> [c for c, _ in _tie_aliases(stage, names, {"a": stage.a}, leaf_per_use=True)]
+        ['a']
+        >>> stage.b is stage.a, stage.b.data_ptr() == stage.a.data_ptr()
+        (False, True)
     """
-    tied = 0
+    leaves: list[tuple[str, nn.Parameter]] = []
+    used = used_attribute_names(module)
     for canon, local_names in stage_aliases(module, names).items():
-        if canon not in state:
+        target = state.get(canon)
+        if target is None:
             continue
+        reads = 0
         for local_name in local_names:
-            prefix, _, leaf = local_name.rpartition(".")
-            parent = module.get_submodule(prefix) if prefix else module
-            current = parent._parameters.get(leaf, parent._buffers.get(leaf))
-            if current is not state[canon]:
-                _set_tensor(module, local_name, state[canon])
-                tied += 1
-    return tied
+            reads += local_name in used
+            if local_name in used and reads > 1 and leaf_per_use and isinstance(target, nn.Parameter):
+                leaf = nn.Parameter(target.detach(), requires_grad=target.requires_grad)  # shares the memory
+                _set_tensor(module, local_name, leaf)
+                leaves.append((canon, leaf))
+            else:
+                _set_tensor(module, local_name, target)
+    return leaves
+
+
+def _fold_use_leaf_grads(leaves: Sequence[tuple[str, nn.Parameter]], state: Mapping[str, torch.Tensor]) -> None:
+    """Add each per-use Parameter's gradient to its parameter's (``state[canonical name]``) and clear it.
+
+    Example:
+        >>> p = nn.Parameter(torch.zeros(2)); leaf = nn.Parameter(p.detach())
+        >>> p.grad, leaf.grad = torch.ones(2), torch.full((2,), 2.0)
+        >>> _fold_use_leaf_grads([("w", leaf)], {"w": p})
+        >>> p.grad, leaf.grad
+        (tensor([3., 3.]), None)
+    """
+    for canon, leaf in leaves:
+        if leaf.grad is None:
+            continue
+        target = state[canon]
+        target.grad = leaf.grad if target.grad is None else target.grad + leaf.grad
+        leaf.grad = None
 
 
 def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
