@@ -164,3 +164,43 @@ def float64_run(rank: int, world_size: int) -> dict:
     ref = torch.stack([loss_fn(model(b["a"][i:i + MICROBATCH], b["b"][i:i + MICROBATCH]), b["target"][i:i + MICROBATCH])
                        for i in range(0, MICROBATCH * N_MICROBATCHES, MICROBATCH)]).mean()
     return {"dtype": str(loss.dtype), "diff": abs(loss.item() - ref.item())}
+
+
+class BatchNormNet(nn.Module):
+    """Batch statistics on both sides of the cut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.head = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(64, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.conv(x))))
+
+
+def batchnorm_run(rank: int, world_size: int) -> dict:
+    """A BatchNorm model equals the unsplit model run micro-batch by micro-batch, statistics included."""
+    torch.manual_seed(0)
+    model = BatchNormNet()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(MICROBATCH * N_MICROBATCHES, 2, 4, 4, generator=g) * 3 + 1
+    y = torch.randint(0, 3, (MICROBATCH * N_MICROBATCHES,), generator=g)
+    loss_fn = nn.CrossEntropyLoss()
+    pipe = Pipeline(model, example_args=(x[:MICROBATCH],), loss_fn=loss_fn, split_points=["head"],
+                    schedule="1F1B", n_microbatches=N_MICROBATCHES)
+    loss = pipe.step(x, target=y)
+    whole = loss_fn(model(x), y).item()  # one pass over the whole batch: other statistics
+    model.zero_grad()
+    # Reset the running statistics the whole-batch pass just moved, then run micro-batch by micro-batch.
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.reset_running_stats()
+    ref = torch.stack([loss_fn(model(x[i:i + MICROBATCH]), y[i:i + MICROBATCH])
+                       for i in range(0, len(x), MICROBATCH)]).mean()
+    result = _against_unsplit(pipe, model, loss, ref)
+    result["whole_batch_loss"] = whole
+    state = pipe.state_dict()
+    result["stats_diff"] = max(((state[k] - v).abs().max().item() for k, v in model.state_dict().items()
+                                if "running" in k and k in state), default=None)
+    return result

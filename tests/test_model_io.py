@@ -103,3 +103,12 @@ def test_a_float64_models_loss_comes_back_as_float64_on_every_rank():
     for r in run_world(workers.float64_run, 2, timeout_s=240):
         assert r["dtype"] == "torch.float64"
         assert r["diff"] <= 1e-12  # float32 would round it at about 1e-8
+
+
+@pytest.mark.distributed
+def test_batchnorm_equals_the_unsplit_model_run_micro_batch_by_micro_batch():
+    for r in run_world(workers.batchnorm_run, 2, timeout_s=240):
+        assert abs(r["loss"] - r["ref_loss"]) <= 1e-5
+        assert max(r["grad_diff"].values()) <= 1e-5
+        assert r["stats_diff"] is not None and r["stats_diff"] <= 1e-6  # running statistics too
+        assert abs(r["whole_batch_loss"] - r["ref_loss"]) > 1e-4  # one pass over the batch is different
