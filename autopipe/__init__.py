@@ -48,6 +48,8 @@ _PUBLIC = {
     "InfeasibleMemoryError": "errors",
     "MissingExampleInputsError": "errors",
     "ModelExportError": "errors",
+    "PlanFileError": "errors",
+    "PipelineStepError": "errors",
 }
 
 __all__ = list(_PUBLIC)
@@ -68,7 +70,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for editors and type checkers: the same names, imported eagerly
     from .devices import Device, parse_bytes  # noqa: F401
-    from .errors import AutopipeError, InfeasibleMemoryError, MissingExampleInputsError, ModelExportError  # noqa: F401
+    from .errors import (AutopipeError, InfeasibleMemoryError, MissingExampleInputsError, ModelExportError,  # noqa: F401
+                         PlanFileError)
     from .measure import measure_devices, measure_link  # noqa: F401
     from .plan import BaselinePlan, Plan, StagePlan  # noqa: F401
     from .rank_profile import profile_in_ranks  # noqa: F401

@@ -19,7 +19,7 @@ import math
 import re
 from dataclasses import dataclass
 
-__all__ = ["Device", "parse_bytes", "default_link", "default_action_overhead_s", "sends_are_lazy",
+__all__ = ["Device", "parse_bytes", "parse_bandwidth", "default_link", "default_action_overhead_s", "sends_are_lazy",
            "default_copy_bandwidth", "OPTIMIZER_STATE_FACTORS", "optimizer_state_factor"]
 
 _UNITS = {
@@ -52,6 +52,40 @@ def parse_bytes(value: int | float | str, *, name: str = "memory") -> int:
         f"{name}={value!r} is not a memory size; use a positive number of bytes or a string such as "
         "'16GiB', '512MiB', '1.5GB' (units: B, KB/MB/GB/TB powers of 1000, KiB/MiB/GiB/TiB powers of 1024)"
     )
+
+
+def parse_bandwidth(value: int | float | str, *, name: str = "bandwidth") -> float:
+    """Bytes per second from a number or from a size as :func:`parse_bytes` reads it, per second.
+
+    ``"10GB"`` and ``"10GB/s"`` both mean 10 GB/s (10**10 bytes per second), as the command
+    line's ``--bandwidth`` reads them.
+
+    Raises:
+        ValueError: not a finite rate > 0 (the message names ``name`` and the accepted forms).
+
+    Example:
+        >>> parse_bandwidth("10GB"), parse_bandwidth("1.5GB/s"), parse_bandwidth(2e9)
+        (10000000000.0, 1500000000.0, 2000000000.0)
+    """
+    accepted = ("a finite number of bytes per second, or a string such as '10GB' or '1.5GB/s' (units as for "
+                "memory: B, KB/MB/GB/TB powers of 1000, KiB/MiB/GiB/TiB powers of 1024; '/s' optional)")
+    if isinstance(value, str):
+        try:
+            return float(parse_bytes(value.strip().removesuffix("/s"), name=name))
+        except ValueError:
+            raise ValueError(f"{name}={value!r} is not a rate; give {accepted}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}={value!r} is not a rate; give {accepted}")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}={value!r} must be > 0 and finite; give {accepted}")
+    return float(value)
+
+
+def _check_seconds(name: str, value: object) -> float:
+    """A finite time >= 0 in seconds, or a ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(f"{name}={value!r} must be a finite time >= 0 seconds (a number, e.g. 1e-4)")
+    return float(value)
 
 
 #: Default link between neighbouring devices, per device type: (bytes/s, seconds per message).
@@ -114,7 +148,9 @@ class Device:
     Args:
         speed: Compute speed relative to the profiled device (2.0 = twice as fast). > 0.
         memory: Capacity in bytes or as a string ("16GiB"); None = unlimited.
-        bandwidth: Bytes/s of the link to the next device; None = the default for the type.
+        bandwidth: Bytes/s of the link to the next device: a number, or a string as for
+            memory, per second (``"10GB"`` or ``"10GB/s"`` = 10**10 bytes/s; see
+            :func:`parse_bandwidth`); stored as a float. None = the default for the type.
         latency_s: Seconds per message on that link; None = the default.
         action_overhead_s: Seconds each pipeline action on this device costs beyond its
             compute (the runtime's own work); None = the default for the type.
@@ -123,7 +159,7 @@ class Device:
 
     speed: float = 1.0
     memory: int | float | str | None = None
-    bandwidth: float | None = None
+    bandwidth: float | str | None = None
     latency_s: float | None = None
     name: str = ""
     action_overhead_s: float | None = None
@@ -133,12 +169,13 @@ class Device:
             raise ValueError(f"Device speed={self.speed!r} must be a finite number > 0 (1.0 = the profiled device)")
         if self.memory is not None:
             parse_bytes(self.memory, name="Device memory")
-        if self.bandwidth is not None and not (self.bandwidth > 0):
-            raise ValueError(f"Device bandwidth={self.bandwidth!r} must be > 0 bytes/s")
-        if self.latency_s is not None and not (self.latency_s >= 0):
-            raise ValueError(f"Device latency_s={self.latency_s!r} must be >= 0 seconds")
-        if self.action_overhead_s is not None and not (0 <= self.action_overhead_s < math.inf):
-            raise ValueError(f"Device action_overhead_s={self.action_overhead_s!r} must be a finite time >= 0 seconds")
+        if self.bandwidth is not None:
+            # Strings become bytes/s here, so everything downstream sees a float.
+            self.bandwidth = parse_bandwidth(self.bandwidth, name="Device bandwidth")
+        if self.latency_s is not None:
+            _check_seconds("Device latency_s", self.latency_s)
+        if self.action_overhead_s is not None:
+            _check_seconds("Device action_overhead_s", self.action_overhead_s)
 
     @property
     def memory_bytes(self) -> float:

@@ -11,6 +11,8 @@ __all__ = [
     "MissingExampleInputsError",
     "ModelExportError",
     "InfeasibleMemoryError",
+    "PlanFileError",
+    "PipelineStepError",
 ]
 
 
@@ -41,3 +43,46 @@ class InfeasibleMemoryError(AutopipeError, ValueError):
     def __init__(self, message: str, *, min_memory_bytes: int | None = None) -> None:
         super().__init__(message)
         self.min_memory_bytes = min_memory_bytes
+
+
+class PlanFileError(AutopipeError, ValueError):
+    """A plan file (or the data given to ``Plan.from_dict``) is not a plan this autopipe can run.
+
+    Raised by :meth:`autopipe.Plan.load`, :meth:`autopipe.Plan.from_dict` and
+    :meth:`autopipe.Plan.check_model` for any malformed content: not JSON, too large, too
+    deeply nested, a missing or unknown field, a wrong type, a value out of range, or fields
+    that disagree with each other. ``field`` is the field at fault, as a path into the file
+    (``"n_microbatches"``, ``"stages[2].fwd_s"``, ``"extras.links.bandwidth[0]"``), or ``""``
+    when the file as a whole is unreadable; ``path`` is the file, or None for data given
+    directly.
+
+    Example:
+        >>> err = PlanFileError("stages[0].fwd_s=-1.0 must be a finite number >= 0", field="stages[0].fwd_s")
+        >>> err.field, isinstance(err, ValueError)
+        ('stages[0].fwd_s', True)
+    """
+
+    def __init__(self, message: str, *, field: str = "", path: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+        self.path = path
+
+
+class PipelineStepError(AutopipeError, RuntimeError):
+    """A stage's forward or the loss raised during a pipeline step; every rank raises this.
+
+    The failing rank did not stop: it handed zeros on for the rest of the step, so no rank
+    was left waiting for it, and every rank then learned of the failure at the step's end.
+    ``failures`` maps each rank that failed to its error, in words; on a failing rank the
+    original exception is this one's ``__cause__``. The pipeline stays usable: the next
+    batch can be stepped (zero the gradients first: this step's are partial).
+
+    Example:
+        >>> err = PipelineStepError("step() failed on rank 1", failures={1: "ValueError: bad row"})
+        >>> err.failures, isinstance(err, RuntimeError)
+        ({1: 'ValueError: bad row'}, True)
+    """
+
+    def __init__(self, message: str, *, failures: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.failures = dict(failures or {})

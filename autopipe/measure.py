@@ -180,9 +180,10 @@ def _check_count(name: str, value: Any, minimum: int) -> int:
 
 
 def _check_timeout(timeout_s: Any) -> float:
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not (0 < timeout_s < math.inf):
-        raise ValueError(f"timeout_s={timeout_s!r} must be a finite number of seconds > 0")
-    return float(timeout_s)
+    # The same bound as the process groups it is passed to (they cannot wait past a year).
+    from .runtime.distributed import check_timeout_s
+
+    return check_timeout_s(timeout_s)
 
 
 # --------------------------------------------------------------------------- in a process group

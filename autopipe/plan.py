@@ -22,11 +22,16 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.pipelining import SplitPoint
+
+from .plan_file import check_model_names, plan_from_data, read_plan_file
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["Plan", "StagePlan", "BaselinePlan", "PLAN_FORMAT_VERSION"]
 
@@ -320,19 +325,28 @@ class Plan:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Plan":
-        """Inverse of :meth:`to_dict`; raises ValueError for an unknown format version."""
-        version = data.get("format_version")
-        if not isinstance(version, int) or version > PLAN_FORMAT_VERSION or version < 1:
-            raise ValueError(
-                f"plan format_version={version!r} is not supported; this autopipe reads "
-                f"versions 1..{PLAN_FORMAT_VERSION}"
-            )
-        known = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in data.items() if k in known}
-        kwargs["stages"] = [StagePlan(**s) for s in data["stages"]]
-        kwargs["baselines"] = [BaselinePlan(**b) for b in data.get("baselines", [])]
-        return cls(**kwargs)
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        """Inverse of :meth:`to_dict`, every field checked before the plan is built.
+
+        The checks are :meth:`load`'s, listed in :mod:`autopipe.plan_file`.
+
+        Raises:
+            PlanFileError: the first field at fault (``.field``): a newer or unknown format
+                version, a missing or unknown field, a wrong type, a value out of range, or
+                fields that disagree.
+
+        Example:
+            >>> stage = StagePlan(0, [], 0, 0, 0.0, 0.0, 0.0, 0, 0, 0, 0, 0)
+            >>> plan = Plan(num_stages=1, split_points=[], stages=[stage], schedule="GPipe", n_microbatches=2,
+            ...             bottleneck_s=0.0, predicted_step_s=0.0, lower_bound_s=0.0)
+            >>> Plan.from_dict(plan.to_dict()) == plan
+            True
+            >>> Plan.from_dict({**plan.to_dict(), "n_microbatches": 0})
+            Traceback (most recent call last):
+            ...
+            autopipe.errors.PlanFileError: plan data: n_microbatches=0 must be an integer >= 1 and <= 262144
+        """
+        return plan_from_data(data, cls)
 
     def save(self, path: str | os.PathLike) -> None:
         """Write the plan as JSON (``Plan.load`` reads it back)."""
@@ -341,15 +355,39 @@ class Plan:
             f.write("\n")
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Plan":
-        """Read a plan written by :meth:`save`.
+    def load(cls, path: str | os.PathLike, *, model: "torch.nn.Module | None" = None) -> "Plan":
+        """Read a plan written by :meth:`save`, checking the whole file before using any of it.
+
+        The file is read as JSON data only: nothing in it is run. Every field is checked
+        (types, ranges, the counts agreeing with each other; :mod:`autopipe.plan_file` has
+        the list) and, with ``model``, the split points against the model's modules
+        (:meth:`check_model`).
+
+        Args:
+            path: the plan file.
+            model: the model the plan will split; None skips that check.
+
+        Raises:
+            PlanFileError: the file is malformed or does not fit ``model``; ``.field`` names
+                the field at fault (``"n_microbatches"``, ``"stages[1].fwd_s"``).
+            OSError: the file cannot be opened.
 
         Example:
-            >>> plan = Plan.load("plan.json")  # doctest: +SKIP
+            >>> plan = Plan.load("plan.json", model=model)  # doctest: +SKIP
         """
-        with open(path, encoding="utf-8") as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"path={os.fspath(path)!r} is not a plan JSON file: {e}") from e
-        return cls.from_dict(data)
+        plan = plan_from_data(read_plan_file(path), cls, path=os.fspath(path))
+        if model is not None:
+            plan.check_model(model)
+        return plan
+
+    def check_model(self, model: "torch.nn.Module") -> None:
+        """Refuse this plan for ``model`` when a split point is not one of its modules.
+
+        Raises:
+            PlanFileError: ``field="split_points"``, naming the unknown split points.
+            TypeError: ``model`` is not an ``nn.Module``.
+
+        Example:
+            >>> plan.check_model(model)  # doctest: +SKIP
+        """
+        check_model_names(self, model)

@@ -36,10 +36,11 @@ from . import schedules as sim
 from .baselines import BASELINES, evaluate_baselines, layer_units
 from .costgraph import CostGraph, SegmentCost, build_cost_graph
 from .devices import (Device, default_action_overhead_s, default_copy_bandwidth, default_link,
-                      optimizer_state_factor, parse_bytes, sends_are_lazy)
+                      optimizer_state_factor, parse_bandwidth, parse_bytes, sends_are_lazy)
 from .errors import InfeasibleMemoryError
 from .partitioner import PartitionProblem, PartitionResult, candidate_partitions, solve_bottleneck
 from .plan import BaselinePlan, Plan, StagePlan
+from .plan_file import MAX_STAGES
 from .profile import (COST_SOURCES, LossCost, check_fit_to_whole, check_flush_cache, profile_loss, profile_segments,
                       resolve_device)
 from .scaling import ScaledProfile, profile_scaling
@@ -61,6 +62,12 @@ def _check_int(name: str, value: Any, minimum: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an integer >= {minimum}")
     return int(value)
+
+
+def _check_at_most(name: str, value: int, most: int, what: str) -> None:
+    """Refuse a count past ``most``: the work it would start grows with it, so it is refused first."""
+    if value > most:
+        raise ValueError(f"{name}={value} is more than autopipe plans for; use at most {most} {what}")
 
 
 def _devices_for(
@@ -85,8 +92,8 @@ def _devices_for(
             devices = [d if d.action_overhead_s is not None else replace(d, action_overhead_s=action_overhead_s)
                        for d in devices]
         return devices
-    if bandwidth is not None and not (isinstance(bandwidth, (int, float)) and bandwidth > 0):
-        raise ValueError(f"bandwidth={bandwidth!r} must be > 0 bytes/s")
+    if bandwidth is not None:
+        bandwidth = parse_bandwidth(bandwidth)  # a number or "10GB", as Device takes it
     if latency_s is not None and not (isinstance(latency_s, (int, float)) and latency_s >= 0):
         raise ValueError(f"latency_s={latency_s!r} must be >= 0 seconds")
     if isinstance(memory, (list, tuple)):
@@ -701,8 +708,11 @@ def partition(
         :class:`autopipe.Pipeline`; ``print(plan.report())`` explains it.
 
     Raises:
-        ValueError: a bad argument (named in the message), raised before any work;
-            ``n_gpus`` larger than the legal split points allow.
+        ValueError: a bad argument (named in the message), raised before any work:
+            ``n_gpus`` above ``MAX_STAGES`` (10**5) or ``n_microbatches`` above
+            :data:`~autopipe.schedules.MAX_SCHEDULE_SIZE` before tracing; more stages than
+            the legal split points allow, or more (stage, micro-batch) pairs than
+            ``MAX_SCHEDULE_SIZE``, right after tracing, before profiling.
         MissingExampleInputsError: no example inputs.
         ModelExportError: the model cannot be exported (with the exporter's reason).
         InfeasibleMemoryError: no split fits ``memory`` (the message says what would).
@@ -719,6 +729,9 @@ def partition(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     n_gpus = _check_int("n_gpus", n_gpus)
+    # Before anything sized by it (one Device per rank, torch's schedule orders); whether the
+    # model has split points for this many is known only after tracing, below.
+    _check_at_most("n_gpus", n_gpus, MAX_STAGES, f"ranks (MAX_STAGES={MAX_STAGES})")
     if objective not in OBJECTIVES:
         raise ValueError(f"objective={objective!r} is not known; use one of {list(OBJECTIVES)}")
     wanted = _resolve_options(n_gpus, schedule, n_microbatches, global_batch, stages_per_rank, costs)
@@ -740,6 +753,11 @@ def partition(
 
     # ---- trace, profile, cost graph (one per micro-batch count)
     traced = trace(model, example_args, example_kwargs)
+    # The stage count against the legal split points as soon as tracing knows them, before
+    # torch's schedule orders (whose cost grows with ranks x micro-batches) or any profiling.
+    if n_gpus * (wanted.stages_per_rank or 1) > traced.num_segments:
+        raise _too_many_stages(n_gpus, n_gpus * (wanted.stages_per_rank or 1), traced)
+    wanted = _buildable(wanted, n_gpus, global_batch)
     pairs_for = {
         mm: auto_schedule_options(n_gpus, mm, traced.num_segments) if wanted.auto_schedule
         else [(wanted.schedule, wanted.stages_per_rank)]
@@ -747,11 +765,7 @@ def partition(
     }
     needed = min((n_gpus * v for pairs in pairs_for.values() for _, v in pairs), default=n_gpus)
     if not any(pairs_for.values()) or needed > traced.num_segments:
-        raise ValueError(
-            f"n_gpus={n_gpus} needs at least {needed} stages, but {traced.model_name} has only "
-            f"{len(traced.candidates)} legal split points ({traced.num_segments} segments); use at most "
-            f"{traced.num_segments} stages"
-        )
+        raise _too_many_stages(n_gpus, needed, traced)
     if wanted.auto_microbatches and scaling is None:
         scaling = profile_scaling(model, example_args, example_kwargs,
                                   sizes=_scaling_sizes(global_batch, wanted.n_microbatches),
@@ -849,9 +863,15 @@ def _resolve_options(
             raise ValueError("costs= holds one micro-batch size; with n_microbatches='auto' pass scaling= instead")
         m_options = [d for d in range(1, min(global_batch, 64) + 1) if global_batch % d == 0]
     else:
-        m = 2 * n_gpus if n_microbatches is None else _check_int("n_microbatches", n_microbatches)
+        if n_microbatches is None:
+            m = 2 * n_gpus  # bounded with the stage count, once tracing has checked it (_buildable)
+        else:
+            m = _check_int("n_microbatches", n_microbatches)
+            _check_at_most("n_microbatches", m, sim.MAX_SCHEDULE_SIZE,
+                           f"micro-batches (MAX_SCHEDULE_SIZE={sim.MAX_SCHEDULE_SIZE} stage x micro-batch pairs)")
         if global_batch is not None and global_batch % m:
-            divisors = [d for d in range(1, global_batch + 1) if global_batch % d == 0]
+            # Only counts a step can hold are worth listing (and the search stays short).
+            divisors = [d for d in range(1, min(global_batch, sim.MAX_SCHEDULE_SIZE) + 1) if global_batch % d == 0]
             raise ValueError(f"n_microbatches={m} does not divide global_batch={global_batch}; use one of {divisors}")
         m_options = [m]
     if auto_sched:
@@ -865,10 +885,13 @@ def _resolve_options(
     if stages_per_rank is None:
         stages_per_rank = 2 if schedule in ("ZBVZeroBubble", "DualPipeV") else 1
     stages_per_rank = _check_int("stages_per_rank", stages_per_rank)
+    _check_at_most("stages_per_rank", stages_per_rank, MAX_STAGES // n_gpus,
+                   f"on n_gpus={n_gpus} (MAX_STAGES={MAX_STAGES} stages in all)")
     runnable = []
     for m_try in m_options:
         try:
-            sim.validate_schedule(schedule, n_gpus, m_try, stages_per_rank)
+            # torch's counting rules alone: its order is built once tracing has bounded the stages.
+            sim.validate_schedule(schedule, n_gpus, m_try, stages_per_rank, check_order=False)
             runnable.append(m_try)
         except ValueError:
             if not auto_m:
@@ -877,6 +900,40 @@ def _resolve_options(
         raise ValueError(f"schedule {schedule!r} on {n_gpus} ranks cannot run any micro-batch count dividing "
                          f"global_batch={global_batch}: tried {m_options}")
     return _Wanted(schedule, stages_per_rank, runnable, False, auto_m)
+
+
+def _buildable(wanted: _Wanted, n_gpus: int, global_batch: int | None) -> _Wanted:
+    """``wanted`` without the micro-batch counts torch cannot order or a step cannot hold.
+
+    Builds torch's order for each count (its cost grows with ranks x micro-batches), so
+    :func:`partition` calls it only once the stage count fits the model's split points.
+    With ``schedule="auto"`` each schedule's order is built by :func:`auto_schedule_options`;
+    here the smallest step it may pick (one stage per rank) must fit
+    :data:`~autopipe.schedules.MAX_SCHEDULE_SIZE`.
+    """
+    runnable = []
+    for m in wanted.n_microbatches:
+        try:
+            if wanted.auto_schedule:
+                sim.check_schedule_size(n_gpus, m)
+            else:
+                sim.validate_schedule(wanted.schedule, n_gpus, m, wanted.stages_per_rank)
+            runnable.append(m)
+        except ValueError:
+            if not wanted.auto_microbatches:
+                raise  # a fixed count: the reason, unchanged
+    if not runnable:
+        raise ValueError(f"schedule {wanted.schedule or 'auto'!r} on {n_gpus} ranks cannot run any micro-batch count "
+                         f"dividing global_batch={global_batch}: tried {wanted.n_microbatches}")
+    return replace(wanted, n_microbatches=runnable)
+
+
+def _too_many_stages(n_gpus: int, needed: int, traced: TracedModel) -> ValueError:
+    return ValueError(
+        f"n_gpus={n_gpus} needs at least {needed} stages, but {traced.model_name} has only "
+        f"{len(traced.candidates)} legal split points ({traced.num_segments} segments); use at most "
+        f"{traced.num_segments} stages"
+    )
 
 
 def _with_loss(costs: Sequence[SegmentCost], loss: LossCost | None, scale: float = 1.0) -> list[SegmentCost]:

@@ -35,11 +35,13 @@ from torch.distributed.pipelining.stage import PipelineStage
 
 __all__ = [
     "SCHEDULES",
+    "MAX_SCHEDULE_SIZE",
     "Action",
     "Event",
     "Timeline",
     "action_order",
     "canonical_schedule_name",
+    "check_schedule_size",
     "schedule_class",
     "simulate",
     "stage_ranks",
@@ -56,6 +58,13 @@ SCHEDULES: tuple[str, ...] = (
     "ZBVZeroBubble",
     "DualPipeV",
 )
+
+#: Most (stage, micro-batch) pairs one step may hold: ``n_ranks * stages_per_rank *
+#: n_microbatches``. torch's order for a step, and the simulator's timeline of it, hold every
+#: action of the step; measured on a 2-core CPU host, the simulator spends about 1 ms and
+#: 2.2 KB per pair, so this bound keeps one simulation under about 600 MB and a few minutes,
+#: while a count far past it (10**7 micro-batches) would exhaust the host's memory.
+MAX_SCHEDULE_SIZE = 2**18
 
 # torch's class for each schedule, looked up by name so a rename in torch fails loudly here.
 _TORCH_CLASS_NAMES = {
@@ -367,14 +376,16 @@ def _default_stages_per_rank(schedule: str) -> int:
 
 
 def validate_schedule(
-    name: str, n_ranks: int, n_microbatches: int, stages_per_rank: int | None = None
+    name: str, n_ranks: int, n_microbatches: int, stages_per_rank: int | None = None, *,
+    check_order: bool = True,
 ) -> str:
     """Check that torch can run ``name`` on this many ranks, micro-batches and stages per rank.
 
     Checks torch's own constructor rules (1F1B: ``n_microbatches >= n_ranks``; interleaved
     and zero-bubble: ``n_microbatches`` a multiple of ``max(1, n_microbatches // n_ranks)``;
-    V-shaped: exactly 2 stages per rank; DualPipeV: ``n_microbatches >= 2 * n_ranks``) and
-    then that the order torch computes runs every action once without deadlock.
+    V-shaped: exactly 2 stages per rank; DualPipeV: ``n_microbatches >= 2 * n_ranks``), that
+    the step holds at most :data:`MAX_SCHEDULE_SIZE` (stage, micro-batch) pairs, and then
+    that the order torch computes runs every action once without deadlock.
 
     Args:
         name: schedule name (see :data:`SCHEDULES`).
@@ -382,13 +393,16 @@ def validate_schedule(
         n_microbatches: micro-batches per step, >= 1.
         stages_per_rank: stages each rank holds; None means 2 for V-shaped schedules
             (ZBVZeroBubble, DualPipeV) and 1 for the rest.
+        check_order: False checks torch's counting rules alone, in constant time: neither
+            the size bound nor torch's order (whose cost grows with the step).
 
     Returns:
         The canonical schedule name.
 
     Raises:
         TypeError: if a count is not an int, or the name not a str.
-        ValueError: if the combination is impossible; the message says what would work.
+        ValueError: if the combination is impossible or the step too large; the message
+            says what would work.
 
     Example:
         >>> validate_schedule("schedule1f1b", 4, 8)
@@ -434,9 +448,38 @@ def validate_schedule(
                 f"max(1, n_microbatches // n_ranks) = {rounds}, got n_microbatches="
                 f"{n_microbatches} with n_ranks={n_ranks}; a multiple of n_ranks always works"
             )
+    if not check_order:
+        return schedule
+    check_schedule_size(n_ranks * stages_per_rank, n_microbatches)
     # torch may still produce an order that cannot run; building it (cached) finds out.
     _order_and_source(schedule, n_ranks, n_microbatches, stages_per_rank)
     return schedule
+
+
+def check_schedule_size(n_stages: int, n_microbatches: int) -> None:
+    """Refuse a step of more than :data:`MAX_SCHEDULE_SIZE` (stage, micro-batch) pairs.
+
+    Building torch's order or simulating a step takes time and memory in proportion to
+    its pairs, so a count past the bound is refused before either starts.
+
+    Raises:
+        ValueError: naming both counts, their product and the bound.
+
+    Example:
+        >>> check_schedule_size(4, 8)
+        >>> check_schedule_size(4, 10**6)
+        Traceback (most recent call last):
+        ...
+        ValueError: n_microbatches=1000000 on 4 stages makes 4000000 (stage, micro-batch) pairs per step; autopipe schedules at most MAX_SCHEDULE_SIZE=262144 pairs, i.e. n_microbatches <= 65536 on 4 stages
+    """
+    if n_stages * n_microbatches > MAX_SCHEDULE_SIZE:
+        most = MAX_SCHEDULE_SIZE // n_stages
+        raise ValueError(
+            f"n_microbatches={n_microbatches} on {n_stages} stages makes {n_stages * n_microbatches} "
+            f"(stage, micro-batch) pairs per step; autopipe schedules at most MAX_SCHEDULE_SIZE="
+            f"{MAX_SCHEDULE_SIZE} pairs, i.e. "
+            + (f"n_microbatches <= {most} on {n_stages} stages" if most else f"at most {MAX_SCHEDULE_SIZE} stages")
+        )
 
 
 def _check_count(arg: str, value: Any) -> None:

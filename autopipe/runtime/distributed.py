@@ -17,9 +17,11 @@ script needs no distributed code of its own.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import pickle
+import weakref
 from typing import Any
 
 import torch
@@ -27,9 +29,14 @@ import torch.distributed as dist
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
+    "MAX_TIMEOUT_S",
+    "check_timeout_s",
     "default_backend",
     "default_device",
     "init_distributed",
+    "created_process_group",
+    "hold_process_group",
+    "release_process_group",
     "broadcast_object",
 ]
 
@@ -38,8 +45,21 @@ __all__ = [
 #: instead of hanging; long first steps (compilation, large models) may need more.
 DEFAULT_TIMEOUT_S = 600.0
 
+#: Longest timeout accepted, in seconds: 365 days. torch turns the timeout into integer
+#: milliseconds deadlines inside the process group; a year works, while 1e10 s made the
+#: store's client time out at once and 1e13 s was refused by gloo ("Invalid timeout"),
+#: and an infinite one cannot be converted at all.
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
+
 # Variables torchrun sets for every worker; without them we cannot join a job.
 _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+# The default process group init_distributed created (None when it created none, or that
+# one is gone), how many it has created in this process, and the objects (pipelines) that
+# still use it. Only a group autopipe created is ever destroyed by autopipe.
+_created_group: Any = None
+_groups_created = 0
+_holders: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def default_backend() -> str:
@@ -89,6 +109,32 @@ def default_device() -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def check_timeout_s(timeout_s: Any, name: str = "timeout_s") -> float:
+    """``timeout_s`` as seconds, refusing what torch's process groups cannot wait for.
+
+    Args:
+        timeout_s: seconds, a finite number > 0 and at most :data:`MAX_TIMEOUT_S`.
+        name: the argument's name in the error.
+
+    Raises:
+        ValueError: not a number, not finite, <= 0, or above a year; the message names
+            ``name`` and the accepted range.
+
+    Example:
+        >>> check_timeout_s(60)
+        60.0
+        >>> check_timeout_s(float("inf"))
+        Traceback (most recent call last):
+        ...
+        ValueError: timeout_s=inf must be a finite number of seconds > 0 and <= 31536000 (365 days)
+    """
+    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+            or not 0 < timeout_s <= MAX_TIMEOUT_S):  # NaN fails every comparison, so it lands here too
+        raise ValueError(f"{name}={timeout_s!r} must be a finite number of seconds > 0 and <= "
+                         f"{MAX_TIMEOUT_S:.0f} (365 days)")
+    return float(timeout_s)
+
+
 def init_distributed(
     *, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> tuple[int, int]:
@@ -107,13 +153,13 @@ def init_distributed(
     Raises:
         RuntimeError: if no process group exists and the torchrun variables are missing;
             the message says how to launch.
-        ValueError: if ``timeout_s`` is not a positive number.
+        ValueError: if ``timeout_s`` is not a finite number of seconds in (0, 365 days]
+            (:func:`check_timeout_s`); checked before anything else.
 
     Example:
         >>> rank, world_size = init_distributed()  # doctest: +SKIP  (needs torchrun)
     """
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s!r}")
+    timeout_s = check_timeout_s(timeout_s)
     if not dist.is_available():
         raise RuntimeError("this torch build has no torch.distributed; autopipe needs it to run stages")
     if dist.is_initialized():
@@ -130,8 +176,112 @@ def init_distributed(
     if device.type == "cuda":
         # NCCL picks the GPU from the current device; set it before the first collective.
         torch.cuda.set_device(device)
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    global _created_group, _groups_created
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if _groups_created == 0:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        # A group again after autopipe destroyed its last one (a second Pipeline after the
+        # first was closed). torch reuses the first group's store keys, where the peers'
+        # old addresses still lie (gloo then fails to connect); a prefix per group keeps
+        # them apart. Every rank creates and destroys its groups in the same order, so
+        # all ranks agree on the prefix.
+        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+        store.set_timeout(timeout)
+        dist.init_process_group(backend=backend, store=dist.PrefixStore(f"autopipe_pg_{_groups_created}", store),
+                                rank=rank, world_size=world_size, timeout=timeout)
+    if _groups_created == 0:
+        atexit.register(_destroy_created_group_at_exit)
+    _groups_created += 1
+    _created_group = dist.group.WORLD
     return dist.get_rank(), dist.get_world_size()
+
+
+def created_process_group() -> bool:
+    """Whether the default process group now in use is one :func:`init_distributed` created.
+
+    Returns:
+        False when no group exists or the user (or a test harness) created it.
+
+    Example:
+        >>> created_process_group()  # no group in this process
+        False
+    """
+    return (_created_group is not None and dist.is_available() and dist.is_initialized()
+            and dist.group.WORLD is _created_group)
+
+
+def hold_process_group(holder: Any) -> bool:
+    """Count ``holder`` (a pipeline) as a user of the process group autopipe created.
+
+    The group is destroyed when its last holder lets it go (:func:`release_process_group`).
+    Only a weak reference is kept: a holder that is garbage-collected lets go by itself, and
+    the group is then destroyed at interpreter exit.
+
+    Args:
+        holder: any object that supports weak references.
+
+    Returns:
+        True if ``holder`` now holds the group; False when the group is not autopipe's
+        (then nobody in autopipe destroys it).
+
+    Example:
+        >>> class User: pass
+        >>> hold_process_group(User())  # no group autopipe created in this process
+        False
+    """
+    if not created_process_group():
+        return False
+    _holders.add(holder)
+    return True
+
+
+def release_process_group(holder: Any) -> bool:
+    """``holder`` no longer uses the process group; destroy it if autopipe created it and nobody holds it.
+
+    Collective in effect: every rank's holders let go in the same order, so the ranks
+    destroy the group together. Destroying it here, while the interpreter runs, is what
+    lets gloo's worker threads finish: a thread that releases the last collective's
+    tensors after the interpreter began to shut down aborts the process (SIGABRT).
+
+    Args:
+        holder: an object given to :func:`hold_process_group` (others are ignored).
+
+    Returns:
+        True if the group was destroyed now.
+
+    Example:
+        >>> class User: pass
+        >>> release_process_group(User())
+        False
+    """
+    _holders.discard(holder)
+    if len(_holders) or not created_process_group():
+        return False
+    _destroy_created_group()
+    return True
+
+
+def _destroy_created_group() -> None:
+    """Destroy the default group autopipe created and drop autopipe's reference to it.
+
+    torch joins a gloo group's worker threads only when the last reference to the group
+    goes, so none may stay here.
+    """
+    global _created_group
+    _created_group = None
+    dist.destroy_process_group()
+
+
+def _destroy_created_group_at_exit() -> None:
+    """At interpreter exit: destroy the default group autopipe created if nothing closed it yet.
+
+    The pipelines' own exit hooks run first (atexit runs the latest registered first); this
+    covers a pipeline that was garbage-collected without :meth:`~autopipe.Pipeline.close`.
+    """
+    if created_process_group():
+        _holders.clear()
+        _destroy_created_group()
 
 
 def broadcast_object(obj: Any, *, src: int, device: torch.device) -> Any:
