@@ -14,14 +14,19 @@ input, the convention of :func:`autopipe.models.seed_transformer`::
 
 The forms accepted, tried in this order:
 
-- ``path/to/file.py:factory``: a Python file (its folder goes on ``sys.path`` first, so it
-  can import its neighbours);
+- ``path/to/file.py:factory``: a Python file, run as ``python file.py`` would run it (its
+  top-level code executes, with the user's permissions), then its factory called. Its
+  folder goes at the end of ``sys.path``, so it can import its neighbours but a neighbour
+  named like an installed module does not replace that module;
 - ``package.module:factory``: an importable module (the current folder is on the path, as
   with ``python -m``), e.g. ``autopipe.models:seed_transformer``;
 - a name from :data:`autopipe.models.ZOO` (``seed_transformer``, ``unet``, ``llama``, ...);
 - a Hugging Face config, built with random weights (nothing is downloaded): a folder holding
   ``config.json``, a ``config.json`` file, a model type transformers knows (``gpt2``), or a
-  hub id already in the local cache.
+  hub id already in the local cache. The option ``trust_remote_code=True`` reaches
+  transformers' ``AutoConfig``: it lets transformers import and run the Python code that a
+  config's ``auto_map`` names, from the model's folder or hub repository; leave it off
+  unless that code has been read and is trusted.
 
 A factory may return ``(model, example_args)``, ``(model, example_args, example_kwargs)``,
 or the model alone when it carries ``example_input_array`` / ``dummy_inputs``.
@@ -160,7 +165,10 @@ def _import_file(spec: str, path_text: str) -> Any:
         raise ModelSpecError(f"MODEL={spec!r}: file {path_text!r} does not exist")
     folder = str(path.resolve().parent)
     if folder not in sys.path:
-        sys.path.insert(0, folder)  # so the file can import the modules beside it
+        # Appended, not prepended: the file can import the modules beside it, but a file
+        # there named like an installed module (a stray networkx.py) cannot replace the
+        # module autopipe or torch imports later.
+        sys.path.append(folder)
     module_name = f"_autopipe_model_{abs(hash(str(path.resolve())))}"
     loader_spec = importlib.util.spec_from_file_location(module_name, path)
     if loader_spec is None or loader_spec.loader is None:

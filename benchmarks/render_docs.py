@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))  # the checkout's autopipe, for its defaults
 
 # Order of the page; anything else found is appended.
 ORDER = ("split_quality", "split_quality_sim", "planner_scaling", "runtime_overhead", "prediction_accuracy",
-         "schedule_memory", "trace_profile", "gpu_one_rank")
+         "schedule_memory", "trace_profile", "gpu_one_rank", "models")
 TITLES = {
     "split_quality": "1. Split quality, measured (2 stages, real pipelines)",
     "split_quality_sim": "2. Split quality at scale, simulated from measured segment costs",
@@ -36,8 +36,10 @@ TITLES = {
     "schedule_memory": "6. Schedule memory",
     "trace_profile": "7. Trace and profile time",
     "gpu_one_rank": "8. One GPU: the plan's step against torch's runtime on a single rank",
+    "models": "9. Third-party models: plans, runtime and 2-rank pipelines",
 }
-RERUN_OPTIONS = {"gpu_one_rank": "needs one GPU; `--device cpu` runs it on the CPU"}
+RERUN_OPTIONS = {"gpu_one_rank": "needs one GPU; `--device cpu` runs it on the CPU",
+                 "models": "renders docs/models.md too; `--quick` skips the 2-rank pipelines"}
 BASELINES = ("equal_layers", "balanced_params", "block_partition")
 BEHIND_TOL = 0.03  # a ratio within 3% counts as a tie: the issue's target and about the run-to-run noise
 
@@ -396,7 +398,21 @@ def render_codegen_experiment(name: str, base: dict[str, Any], exp: dict[str, An
     return ""
 
 
+def render_models(d: dict[str, Any], behind: list[str]) -> str:
+    """The counts of benchmarks/models; its table is a page of its own (docs/models.md)."""
+    s = d["summary"]
+    failing = s.get("failing", [])
+    if failing:
+        behind.append(f"third-party models: {len(failing)} of {len(d['rows'])} stock models fail a plan, the runtime "
+                      f"or the 2-rank step ({', '.join(failing)}); see [models.md](models.md).")
+    return (f"{len(d['rows'])} stock models from transformers, diffusers, torchvision and timm at their default "
+            f"settings: **{s['works']} work end to end** (every plan at 2 and 4 stages runs; the 2-rank 1F1B step "
+            f"matches the unsplit model), {s['fails']} fail somewhere, {s['skipped']} were not run here (package), "
+            f"{s['unsupported']} cannot work (torch.export). Model by model: [models.md](models.md).")
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any], list[str]], str]] = {
+    "models": render_models,
     "runtime_overhead": render_runtime_overhead,
     "split_quality": render_split_quality,
     "split_quality_sim": render_split_quality_sim,

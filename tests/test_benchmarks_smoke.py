@@ -170,3 +170,53 @@ def test_render_docs_shows_pooled_runs_and_judges_the_target_on_them(tmp_path):
     assert "| **all 2 runs pooled** | 7 | 12.0% (+5.0%) |" in text
     # The single run shown met 10%, but the pooled figure did not: the page says so.
     assert "the median |error| of the step-time prediction is 12.0% over every case of 2 full runs" in text
+
+
+def _model_results() -> dict:
+    """benchmarks/models results for four models: one works, one fails, one skipped, one impossible."""
+    def plans(split: list[str], runtime: dict) -> dict:
+        record = {"split_points": split, "partition_s": 0.1, "predicted_step_s": 0.01, "runtime": runtime}
+        return {n: {"flops": dict(record), "measured": dict(record)} for n in ("2", "4")}
+
+    base = {"family": "decoder LM", "package": "transformers", "features": "rotary", "pipeline_split": None}
+    rows = [
+        {**base, "name": "good", "source": "GoodLM", "status": "ran", "plans": plans(["h.1"], {"max_diff": 0.0}),
+         "pipeline_split": "h.1", "pipeline": {"split": "h.1", "max_loss_diff": 0.0, "max_grad_diff": 3e-8,
+                                               "worst_param": "w", "missing": []}},
+        {**base, "name": "bad", "source": "BadLM", "status": "ran",
+         "plans": plans(["h.0"], {"error": "AttributeError: 'Tensor' object has no attribute 'output'"})},
+        {**base, "name": "vis", "source": "models.ResNet", "package": "torchvision", "status": "skipped",
+         "reason": "torchvision is not installed"},
+        {**base, "name": "switch", "source": "SwitchLM", "status": "unsupported",
+         "reason": "its router replaces a parameter inside forward", "export_now": "RuntimeError: cannot swap"},
+    ]
+    return {"benchmark": "models", "command": "python benchmarks/models/main.py", "rows": rows,
+            "versions": {"torch": "2.13.0", "transformers": "5.0"}, "warmup": 1, "repeats": 2, "tolerance": 1e-5,
+            "summary": {"works": 1, "fails": 1, "skipped": 1, "unsupported": 1, "failing": ["bad"]},
+            "machine": {"date": "2026-11-24", "cores": 2, "torch": "2.13.0"}, "wall_s": 12.0}
+
+
+def test_models_page_is_rendered_from_the_results_alone(tmp_path):
+    results = tmp_path / "models" / "results.json"
+    results.parent.mkdir()
+    results.write_text(json.dumps(_model_results()))
+    page = tmp_path / "models.md"
+    proc = subprocess.run([sys.executable, str(BENCH / "models" / "main.py"), "--render", "--results", str(results),
+                           "--docs", str(page)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = page.read_text()
+    assert "Produced by `python benchmarks/models/main.py` on 2026-11-24" in text
+    assert "**4 models: 1 work end to end, 1 fail somewhere, 1 could not be run here" in text
+    (good,) = [line for line in text.splitlines() if line.startswith("| **good**")]
+    assert "`h.1` · `h.1`" in good and "1 of 1 splits" in good and "`h.1`: 0 / 3e-08" in good
+    (bad,) = [line for line in text.splitlines() if line.startswith("| **bad**")]
+    assert "0 of 1 splits" in bad and "**fails**" in bad and "not in the subset" in bad
+    # Each failure once, with everywhere it happened; each impossible model with its reason.
+    assert ("* `AttributeError: 'Tensor' object has no attribute 'output'` — bad: runtime, 2 stages, flops split; "
+            "bad: runtime, 2 stages, measured split") in text
+    assert "* **switch** (`SwitchLM`): its router replaces a parameter inside forward." in text
+    assert "* **vis**: torchvision is not installed." in text
+    # docs/benchmarks.md gets the counts and names the failing model where autopipe is behind.
+    benchmarks_page = _render_docs(tmp_path)
+    assert "## 9. Third-party models" in benchmarks_page and "**1 work end to end**" in benchmarks_page
+    assert "third-party models: 1 of 4 stock models fail" in benchmarks_page and "(bad)" in benchmarks_page

@@ -20,6 +20,7 @@ MODULES = [
     "autopipe.devices",
     "autopipe.reporting.text",
     "autopipe.models.transformer",
+    "autopipe.runtime.step_failures",
 ]
 
 

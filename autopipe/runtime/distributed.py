@@ -12,7 +12,8 @@ turn that into a process group and a device, the same way on one machine or many
 
 CUDA with NCCL where a GPU is present, CPU with gloo otherwise. :class:`autopipe.Pipeline`
 calls :func:`init_distributed` itself when no process group exists yet, so a training
-script needs no distributed code of its own.
+script needs no distributed code of its own; a group created that way is destroyed when the
+last pipeline holding it closes (:func:`release_process_group`), or at interpreter exit.
 """
 
 from __future__ import annotations

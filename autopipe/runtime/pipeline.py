@@ -2,11 +2,11 @@
 
 A training loop changes in two lines and runs under ``torchrun`` (or ``autopipe run``)::
 
-    pipe = autopipe.Pipeline(model, example_args=(x_mb,), loss_fn=loss_fn,
-                             schedule="1F1B", n_microbatches=8)
-    opt = torch.optim.AdamW(pipe.parameters())
-    for x, y in loader:
-        opt.zero_grad(); loss = pipe.step(x, target=y); opt.step()
+    with autopipe.Pipeline(model, example_args=(x_mb,), loss_fn=loss_fn,
+                           schedule="1F1B", n_microbatches=8) as pipe:
+        opt = torch.optim.AdamW(pipe.parameters())
+        for x, y in loader:
+            opt.zero_grad(); loss = pipe.step(x, target=y); opt.step()
 
 What happens, on every rank:
 
@@ -26,12 +26,15 @@ What happens, on every rank:
 
 from __future__ import annotations
 
+import atexit
 import copy
 import hashlib
 import inspect
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -41,13 +44,16 @@ from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .. import hf_compat
+from ..errors import PipelineStepError
 from ..inplace import clone_inputs_written_in_place
 from ..plan import Plan, StagePlan
 from ..schedules import (SPLIT_BACKWARD_SCHEDULES, canonical_schedule_name, schedule_class, stage_ranks,
                          validate_schedule)
 from ..trace import resolve_example_inputs
 from .checkpointing import checkpoint_stage, resolve_checkpoint_stages
-from .distributed import DEFAULT_TIMEOUT_S, broadcast_object, default_device, init_distributed
+from .distributed import (DEFAULT_TIMEOUT_S, broadcast_object, default_device, hold_process_group, init_distributed,
+                          release_process_group)
+from .step_failures import PlayThroughLoss, StepFailures, one_line, play_through_forward
 from .model_io import ModelIO, capture_export
 from .relay import relay_skip_connections
 from .torch_compat import rename_nodes_shadowing_self, safe_submodule_outlining
@@ -173,6 +179,7 @@ class Pipeline:
 
         # ---- 2. the job: rank, world size, device
         self.rank, self.world_size = init_distributed(timeout_s=timeout_s)
+        self._start_lifecycle()
         if device is not None:
             self.device = torch.device(device)
         else:  # gloo cannot send CUDA tensors point to point: a gloo job runs on the CPU
@@ -483,6 +490,12 @@ class Pipeline:
 
     def _make_schedule(self, stages: list, loss_fn: Callable | None):
         cls = schedule_class(self.schedule)
+        # A stage's forward or the loss that raises plays the step through (step_failures),
+        # so that no rank waits for it at a receive.
+        for stage in stages:
+            play_through_forward(stage.submod, self._failures, stage.stage_index, self.device)
+        if loss_fn is not None:
+            loss_fn = PlayThroughLoss(loss_fn, self._failures)
         kwargs: dict[str, Any] = {"loss_fn": loss_fn}
         # The loss is already divided by n_microbatches (see _MicrobatchMeanLoss), so torch
         # must not divide the gradients again - its division would also hit gradients
@@ -563,11 +576,16 @@ class Pipeline:
             ValueError: if the batch does not split into ``n_microbatches`` micro-batches
                 shaped like ``example_args``, or ``target`` is missing (before any
                 communication).
-            RuntimeError: if the pipeline has no ``loss_fn``, or is in eval mode.
+            RuntimeError: if the pipeline has no ``loss_fn``, is in eval mode, is closed, or
+                cannot run again after an error that could not be played through.
+            PipelineStepError: on every rank, when a stage's forward or ``loss_fn`` raised
+                on some rank in this step (:mod:`~autopipe.runtime.step_failures`); the next
+                step runs normally.
 
         Example:
             >>> opt.zero_grad(); loss = pipe.step(x, target=y); opt.step()  # doctest: +SKIP
         """
+        self._check_usable()
         if self._train_schedule is None:
             raise RuntimeError("step() trains and needs a loss; construct the Pipeline with loss_fn=...")
         if not self.training:
@@ -577,8 +595,9 @@ class Pipeline:
                   for names, _ in self._shared]
         losses: list[torch.Tensor] = []
         stage_args, stage_kwargs, stage_target = self._place(args, kwargs, target)
-        self._train_schedule.step(*stage_args, target=stage_target, losses=losses, **stage_kwargs)
-        loss = self._share_loss(losses)
+        with self._step_guard("step"):
+            self._train_schedule.step(*stage_args, target=stage_target, losses=losses, **stage_kwargs)
+            loss = self._share_loss(losses)  # also tells every rank whether any rank failed
         self._sum_shared_grads(before)
         return loss
 
@@ -680,11 +699,13 @@ class Pipeline:
         Example:
             >>> pipe.eval(); val_loss = pipe.evaluate(x, target=y)  # doctest: +SKIP
         """
+        self._check_usable()
         if self._loss_fn is None:
             raise RuntimeError("evaluate() needs a loss; construct the Pipeline with loss_fn=...")
         self._check_batch(args, kwargs, target, need_target=True)
-        _, losses = self._run_inference(args, kwargs, target, with_loss=True)
-        return self._share_loss(losses)
+        with self._step_guard("evaluate"):
+            _, losses = self._run_inference(args, kwargs, target, with_loss=True)
+            return self._share_loss(losses)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Inference in the current mode: the merged output on the last stage's rank.
@@ -705,8 +726,11 @@ class Pipeline:
         Example:
             >>> pipe.eval(); logits = pipe(x)  # doctest: +SKIP
         """
+        self._check_usable()
         self._check_batch(args, kwargs, None, need_target=False)
-        output, _ = self._run_inference(args, kwargs, None, with_loss=False)
+        with self._step_guard("forward"):
+            output, _ = self._run_inference(args, kwargs, None, with_loss=False)
+            self._agree_on_failures()
         return self._io.unflatten_output(output) if self.has_last_stage else None
 
     __call__ = forward
@@ -788,10 +812,16 @@ class Pipeline:
         Returned in the loss's own dtype on every rank: the value travels as float64 (exact
         for every floating dtype a loss has) beside a code for its dtype, since only the last
         stage's rank knows it. The sum is taken in at least float32, as before the division.
+
+        The same message carries one flag per rank: did its stages or the loss fail in this
+        step (:mod:`~autopipe.runtime.step_failures`)? It is summed over the ranks, the other
+        ranks adding zeros to the loss and its code, so every rank learns both at once; if
+        any rank failed, every rank raises :class:`~autopipe.errors.PipelineStepError`.
         """
         device = self._comm_device()
-        message = torch.zeros(2, dtype=torch.float64, device=device)
-        if self.has_last_stage:
+        message = torch.zeros(2 + self.world_size, dtype=torch.float64, device=device)
+        message[2 + self.rank] = float(self._failures.failed)
+        if self.has_last_stage and losses:
             dtype = losses[0].dtype
             if dtype in _LOSS_DTYPES:
                 total = torch.stack([l.detach().to(torch.promote_types(dtype, torch.float32)) for l in losses]).sum()
@@ -799,7 +829,9 @@ class Pipeline:
                 message[1] = _LOSS_DTYPES.index(dtype)
             else:  # every rank raises below, none waits for a loss that will not come
                 message[1] = -1
-        dist.broadcast(message, src=self.stage_ranks[-1])
+        dist.all_reduce(message)
+        self._failures.settled = True
+        self._raise_if_a_rank_failed(message[2:])
         code = int(message[1].item())
         if code < 0:
             raise TypeError(f"loss_fn returned a loss that is not floating point; a training loss is one "
@@ -1015,6 +1047,165 @@ class Pipeline:
                     raise ValueError(f"{name!r} has shape {tuple(value.shape)} in state_dict but "
                                      f"{tuple(tensor.shape)} in the model")
                 tensor.copy_(value)
+
+    # ------------------------------------------------------------------ failed steps and closing
+    def _start_lifecycle(self) -> None:
+        """State for failed steps and :meth:`close`; makes interpreter exit call :meth:`close`.
+
+        The exit hook holds the pipeline only weakly, so an unreferenced pipeline is still
+        garbage-collected (its hook is then dropped too).
+        """
+        self._closed = False
+        self._broken: str | None = None  # why the pipeline cannot run again, once it cannot
+        self._calls: dict[str, int] = {}  # step/evaluate/forward -> calls so far, for messages
+        self._failures = StepFailures()
+        # The default process group, when autopipe created it, is destroyed when the last
+        # pipeline holding it closes.
+        self._holds_group = hold_process_group(self)
+        ref = weakref.ref(self)
+
+        def close_at_exit() -> None:
+            pipe = ref()
+            if pipe is not None:
+                pipe.close()
+
+        self._close_at_exit = close_at_exit
+        atexit.register(close_at_exit)
+        weakref.finalize(self, atexit.unregister, close_at_exit).atexit = False
+
+    def close(self) -> None:
+        """Release what the pipeline holds for communication; safe to call again.
+
+        Drops the schedules and stages, destroys the process groups the pipeline created for
+        parameters shared across ranks, and destroys the default process group if autopipe
+        created it (no group existed when the first pipeline was built) and no other open
+        pipeline uses it. A group the user created is left alone. Every rank must close its
+        pipeline (as every rank built it). Called at interpreter exit for a pipeline still
+        open; a ``with Pipeline(...) as pipe:`` block calls it at its end.
+
+        Destroying the group before the interpreter shuts down is what lets a finished run
+        exit cleanly: gloo's worker threads release the last collective's tensors after the
+        call returned, and a thread that does so once shutdown has begun aborts the process.
+
+        After ``close()`` the parameters, :meth:`state_dict` (this rank's) and
+        :meth:`load_state_dict` still work; :meth:`step`, :meth:`evaluate` and
+        :meth:`forward` raise ``RuntimeError``.
+
+        Example:
+            >>> with Pipeline(model, example_args=(x_mb,), loss_fn=loss_fn) as pipe:  # doctest: +SKIP
+            ...     for x, y in loader:
+            ...         opt.zero_grad(); pipe.step(x, target=y); opt.step()
+            >>> pipe.close()  # closed already: nothing happens  # doctest: +SKIP
+        """
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        atexit.unregister(self._close_at_exit)
+        # The schedules and stages hold the process group and the step's buffers; a gloo
+        # group joins its threads only once nothing refers to it any more.
+        self._train_schedule = None
+        self._inference = {}
+        self._train_stages = []
+        # getattr: a constructor that raised after joining the job leaves no _shared behind.
+        shared = getattr(self, "_shared", [])
+        groups = [group for _, group in shared if group is not None]
+        self._shared = [(names, None) for names, _ in shared]
+        for group in groups:
+            try:
+                dist.destroy_process_group(group)
+            except (ValueError, RuntimeError):  # the user destroyed every group already
+                pass
+        del groups
+        if self._holds_group:
+            self._holds_group = False
+            release_process_group(self)
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` ran."""
+        return getattr(self, "_closed", False)
+
+    def __enter__(self) -> "Pipeline":
+        """``with Pipeline(...) as pipe:`` closes the pipeline when the block ends.
+
+        Example:
+            >>> with Pipeline(model, example_args=(x_mb,), loss_fn=loss_fn) as pipe:  # doctest: +SKIP
+            ...     loss = pipe.step(x, target=y)
+        """
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.close()
+
+    def _check_usable(self) -> None:
+        """Raise if the pipeline was closed, or a failed step left it unable to run."""
+        if self.closed:
+            raise RuntimeError("the pipeline is closed (close() or the end of its with-block): build a new "
+                               "Pipeline to run more steps")
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+
+    @contextmanager
+    def _step_guard(self, call: str) -> Iterator[None]:
+        """Run one step, evaluation or forward call so that a failure cannot strand the other ranks.
+
+        Inside, a stage's forward or the loss that raises plays the step through
+        (:mod:`~autopipe.runtime.step_failures`), and the step's closing collective makes
+        every rank raise :class:`~autopipe.errors.PipelineStepError`; the pipeline stays
+        usable. Any other error that leaves this rank's schedule before that collective (a
+        backward, torch's communication) leaves the ranks' messages unpaired: the pipeline
+        then refuses to run again, saying why, instead of failing later with an unrelated error.
+        """
+        n = self._calls[call] = self._calls.get(call, 0) + 1
+        self._failures.start(f"{call}() call {n}")
+        try:
+            yield
+        except BaseException as e:
+            if not self._failures.settled:
+                self._broken = (
+                    f"this pipeline cannot run again: {call}() call {n} raised {one_line(e)} on rank "
+                    f"{self.rank} outside a stage's forward and the loss (in a backward, or in torch's schedule "
+                    f"or communication), where it cannot be played through; this rank left the schedule while "
+                    f"the other ranks may still wait for it (until it exits or timeout_s passes). Restart the "
+                    f"job, or build a new Pipeline on every rank"
+                )
+            raise
+        finally:
+            self._failures.stop()
+
+    def _agree_on_failures(self) -> None:
+        """Tell every rank whether any rank failed in the running call; raise on every rank if one did."""
+        flags = torch.zeros(self.world_size, dtype=torch.float64, device=self._comm_device())
+        flags[self.rank] = float(self._failures.failed)
+        dist.all_reduce(flags)
+        self._failures.settled = True
+        self._raise_if_a_rank_failed(flags)
+
+    def _raise_if_a_rank_failed(self, flags: torch.Tensor) -> None:
+        """Raise :class:`~autopipe.errors.PipelineStepError` on every rank if a rank's flag is set.
+
+        Collective when one is: the ranks exchange their errors' texts, so that each rank's
+        message names every failure.
+        """
+        failed = [r for r, flag in enumerate(flags.tolist()) if flag > 0]
+        if not failed:
+            return
+        texts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(texts, self._failures.describe())
+        # The per-use gradients of the failed step would be folded into the next step's.
+        for _, leaf in getattr(self, "_use_leaves", ()):
+            leaf.grad = None
+        failures = {r: texts[r] for r in failed}
+        listed = "; ".join(f"rank {r}: {text}" for r, text in failures.items())
+        gradients = "; zero the gradients before it, as this step's are partial" if self._failures.call.startswith(
+            "step") else ""
+        raise PipelineStepError(
+            f"{self._failures.call} failed on rank {', '.join(map(str, failed))}: {listed}. The failing stage "
+            f"handed zeros on for the rest of the step, so every rank finished it and raises this error "
+            f"(stages after a failing one computed on those zeros). The pipeline is usable: the next call runs "
+            f"normally{gradients}",
+            failures=failures,
+        ) from self._failures.error
 
     def __repr__(self) -> str:
         return (f"Pipeline(rank {self.rank}/{self.world_size}, stages {self.stage_indices} of "

@@ -1,0 +1,287 @@
+"""A stage that fails in the middle of a step plays the step through, so no rank waits for it.
+
+torch's schedules move activations and gradients point to point. A rank whose stage
+raises leaves the schedule, and its neighbours wait at a receive for a tensor that never
+comes - until the process group's timeout (600 s by default). If the loop catches the
+error and goes on, the ranks pair the failed step's messages with the next step's and fail
+later with an unrelated error ("backward through the graph a second time").
+
+So the forward of a stage (and the loss) does not leave the schedule when it raises. The
+error is recorded in this rank's :class:`StepFailures`, and the stage returns zeros shaped
+as the traced output it sends, in the autograd graph so that its backward sends zero
+gradients back - for this and every later micro-batch of the step. Every send and receive
+of the step then happens as planned, on every rank; at the step's end the ranks learn, in
+one collective, which of them failed, and all raise
+:class:`~autopipe.errors.PipelineStepError`. Nothing is left half done, so the next step
+runs normally.
+
+    >>> import torch, torch.nn as nn
+    >>> failures = StepFailures()
+    >>> loss = PlayThroughLoss(lambda out, y: (out - y).pow(2).mean(), failures)
+    >>> out = torch.ones(2, 3, requires_grad=True)
+    >>> failures.start(); failures.record(ValueError("bad row"), "stage 1's forward, micro-batch 0")
+    >>> loss(out, torch.zeros(2, 3)).item()  # the rank failed: a zero loss, still in the graph
+    0.0
+    >>> failures.describe()
+    "ValueError: bad row (in stage 1's forward, micro-batch 0)"
+
+What cannot be played through: an error in a backward or inside torch's own code (the
+schedule, the communication). That rank leaves the schedule as before; the pipeline then
+says it must be rebuilt (:meth:`autopipe.Pipeline.step`), and its peers wait for it until
+it exits or the timeout passes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+__all__ = ["StepFailures", "PlayThroughLoss", "play_through_forward", "one_line"]
+
+# An error's text as the other ranks receive it: one line of at most this many characters.
+_MAX_TEXT = 600
+
+
+class StepFailures:
+    """What went wrong on this rank during the running step, if anything.
+
+    Active between :meth:`start` and :meth:`stop` (one step, evaluation or forward call):
+    only then do the wrapped forwards and loss play an error through instead of raising.
+
+    Example:
+        >>> failures = StepFailures()
+        >>> failures.start(); failures.failed
+        False
+        >>> failures.record(RuntimeError("out of memory"), "stage 0's forward, micro-batch 2")
+        >>> failures.failed, failures.describe()
+        (True, "RuntimeError: out of memory (in stage 0's forward, micro-batch 2)")
+    """
+
+    def __init__(self) -> None:
+        self.active = False
+        self.error: BaseException | None = None
+        self.where = ""
+        #: What is running, for messages ("step() call 3").
+        self.call = ""
+        #: True once every rank has learned the step's outcome (the closing collective
+        #: returned): an error after that leaves no rank waiting.
+        self.settled = False
+        self._forwards: dict[int, int] = {}  # stage index -> forwards run this step
+
+    @property
+    def failed(self) -> bool:
+        """True once an error was recorded in this step."""
+        return self.error is not None
+
+    def start(self, call: str = "") -> None:
+        """A step begins (``call`` names it in messages): nothing failed yet."""
+        self.active = True
+        self.error = None
+        self.where = ""
+        self.call = call
+        self.settled = False
+        self._forwards.clear()
+
+    def stop(self) -> None:
+        """The step is over: wrapped forwards raise their errors again."""
+        self.active = False
+
+    def next_microbatch(self, stage_index: int) -> int:
+        """The micro-batch a stage's forward is about to run (torch runs them in order)."""
+        k = self._forwards.get(stage_index, 0)
+        self._forwards[stage_index] = k + 1
+        return k
+
+    def record(self, error: BaseException, where: str) -> None:
+        """Keep the step's first error and where it happened; later ones follow from it."""
+        if self.error is None:
+            self.error = error
+            self.where = where
+
+    def describe(self) -> str:
+        """The recorded error in one line, as the other ranks are told it ("" when none)."""
+        if self.error is None:
+            return ""
+        text = one_line(self.error)
+        return f"{text} (in {self.where})" if self.where else text
+
+
+def one_line(error: BaseException) -> str:
+    """``"Type: message"`` on one line, shortened to a few hundred characters, with the root cause.
+
+    torch wraps an error inside a stage in its own ("Failed to run stage backward: ...");
+    the error that started it is named after it.
+
+    Example:
+        >>> one_line(ValueError("two\\nlines"))
+        'ValueError: two lines'
+        >>> try:
+        ...     try:
+        ...         raise KeyError("w")
+        ...     except KeyError as e:
+        ...         raise RuntimeError("stage failed") from e
+        ... except RuntimeError as e:
+        ...     one_line(e)
+        "RuntimeError: stage failed (caused by KeyError: 'w')"
+    """
+    def text(e: BaseException) -> str:
+        t = " ".join(f"{type(e).__name__}: {e}".split())
+        return t if len(t) <= _MAX_TEXT else t[: _MAX_TEXT - 3] + "..."
+
+    root, seen = error, {id(error)}
+    while root.__cause__ is not None and id(root.__cause__) not in seen:  # a cycle ends the walk
+        root = root.__cause__
+        seen.add(id(root))
+    return text(error) if root is error else f"{text(error)} (caused by {text(root)})"
+
+
+class _ZerosInGraph(torch.autograd.Function):
+    """Zeros of a given shape that depend on ``anchors`` in the autograd graph (zero gradient).
+
+    What a failed stage sends instead of its output: the backward gives every anchor (the
+    received tensors) a zero gradient, so the stage sends gradients back as torch expects.
+    The zeros are a fresh tensor, not a view: the zero-bubble schedules detach stage outputs
+    in place.
+    """
+
+    @staticmethod
+    def forward(ctx, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,  # noqa: D102
+                *anchors: torch.Tensor) -> torch.Tensor:
+        ctx.anchor_meta = [(a.shape, a.dtype, a.device) for a in anchors]
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        return (None, None, None, *(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.anchor_meta))
+
+
+def _zeros_like_value(value: Any, anchors: list[torch.Tensor], device: torch.device) -> Any:
+    """Zeros standing in for one traced output value (a fake tensor; other values as they are)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    shape, dtype = tuple(value.shape), value.dtype
+    if anchors and (dtype.is_floating_point or dtype.is_complex):
+        return _ZerosInGraph.apply(shape, dtype, device, *anchors)
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def _graph_anchors(tensors: list[Any]) -> list[torch.Tensor]:
+    """What zeros must hang off in the autograd graph; a fresh leaf when no input needs a gradient.
+
+    A first stage's inputs need no gradient, but torch still runs its backward on the
+    outputs, which must then require grad.
+    """
+    if not torch.is_grad_enabled():
+        return []
+    anchors = [t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
+    return anchors or [torch.zeros((), requires_grad=True)]
+
+
+def play_through_forward(module: nn.Module, failures: StepFailures, stage_index: int,
+                         device: torch.device) -> bool:
+    """Make ``module``'s forward return zeros shaped as its traced outputs instead of raising, while a step runs.
+
+    Wraps the module's ``forward`` in place (outermost, so any wrapper already there - the
+    boundary guards, checkpointing - runs inside), once. The zeros' shapes and dtypes come
+    from the output node of the module's traced graph, which describes exactly what the
+    stage sends (one micro-batch). After a failure the stage's remaining forwards in the
+    step return zeros at once, without running the module.
+
+    Args:
+        module: a stage module with a traced ``graph`` (``pipe.get_stage_module(i)``).
+        failures: this rank's record of the running step.
+        stage_index: the stage's index, for the error message.
+        device: where the stage runs (where the zeros are made).
+
+    Returns:
+        True if the forward is wrapped (now or before); False for a module without a
+        traced graph, whose errors then leave the schedule as they are.
+
+    Example:
+        >>> import torch
+        >>> from torch.distributed.pipelining import pipeline
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        >>> stage = pipeline(model, (torch.zeros(2, 3),)).get_stage_module(0)
+        >>> failures = StepFailures()
+        >>> play_through_forward(stage, failures, 0, torch.device("cpu"))
+        True
+        >>> stage.get_submodule("0").register_forward_pre_hook(lambda m, a: 1 / 0)  # doctest: +ELLIPSIS
+        <...RemovableHandle object at ...>
+        >>> failures.start(); out = stage(torch.ones(2, 3)); failures.stop()
+        >>> out.shape, out.abs().sum().item(), failures.describe()
+        (torch.Size([2, 2]), 0.0, "ZeroDivisionError: division by zero (in stage 0's forward, micro-batch 0)")
+    """
+    if getattr(module, "_autopipe_plays_through", False):
+        return True
+    graph = getattr(module, "graph", None)
+    if graph is None:
+        return False
+    output = next(n for n in graph.nodes if n.op == "output")
+    values, spec = tree_flatten(output.args[0])
+    # The traced value of each output (a fake tensor); a constant output stays as it is.
+    template = [v.meta.get("val") if isinstance(v, torch.fx.Node) else v for v in values]
+    if any(isinstance(v, torch.fx.Node) and not isinstance(v.meta.get("val"), torch.Tensor) for v in values):
+        return False  # an output traced without a tensor value: no shape to make zeros of
+    inner = module.forward
+
+    def zeros_instead(args: tuple, kwargs: dict) -> Any:
+        anchors = _graph_anchors(tree_flatten((args, kwargs))[0])
+        return tree_unflatten([_zeros_like_value(v, anchors, device) for v in template], spec)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not failures.active:
+            return inner(*args, **kwargs)
+        microbatch = failures.next_microbatch(stage_index)
+        if failures.failed:  # an earlier micro-batch (or the loss) failed: no use computing
+            return zeros_instead(args, kwargs)
+        try:
+            return inner(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - recorded, raised on every rank at the step's end
+            failures.record(e, f"stage {stage_index}'s forward, micro-batch {microbatch}")
+            return zeros_instead(args, kwargs)
+
+    module.forward = forward  # an instance attribute wins over the class's forward
+    module._autopipe_plays_through = True
+    return True
+
+
+class PlayThroughLoss:
+    """A loss function that, while a step runs, returns a zero loss instead of raising.
+
+    Also returns the zero loss, without calling ``loss_fn``, once this rank has failed in
+    the step (its output is zeros then). The zero loss depends on the output in the
+    autograd graph, so the last stage's backward runs and sends zero gradients back.
+
+    Args:
+        loss_fn: ``loss_fn(output, target, **kwargs) -> scalar``.
+        failures: this rank's record of the running step.
+
+    Example:
+        >>> failures = StepFailures()
+        >>> loss = PlayThroughLoss(lambda out, y: out.sum() / y, failures)
+        >>> out = torch.ones(2, requires_grad=True)
+        >>> loss(out, 2.0).item()
+        1.0
+        >>> failures.start(); loss(out, "two").item(), failures.describe()
+        (0.0, "TypeError: unsupported operand type(s) for /: 'Tensor' and 'str' (in loss_fn)")
+    """
+
+    def __init__(self, loss_fn: Callable[..., torch.Tensor], failures: StepFailures) -> None:
+        self.loss_fn = loss_fn
+        self.failures = failures
+
+    def __call__(self, output: Any, target: Any, **kwargs: Any) -> torch.Tensor:
+        if not self.failures.active:
+            return self.loss_fn(output, target, **kwargs)
+        if not self.failures.failed:
+            try:
+                return self.loss_fn(output, target, **kwargs)
+            except Exception as e:  # noqa: BLE001 - recorded, raised on every rank at the step's end
+                self.failures.record(e, "loss_fn")
+        floats = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        device = floats[0].device if floats else torch.device("cpu")
+        return _ZerosInGraph.apply((), torch.float32, device, *_graph_anchors(floats))
