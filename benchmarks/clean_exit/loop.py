@@ -1,4 +1,4 @@
-"""The training loop of docs/training.md section 1, as written there: no close(), no teardown.
+"""The training loop of docs/training.md section 1 with the pipeline left open: no close(), no teardown.
 
 Started by ``benchmarks/clean_exit/main.py`` through ``autopipe run loop.py --nproc 2``; a
 run counts as clean when every rank exits with code 0. A hand split (``split_points``)

@@ -1,10 +1,11 @@
 """Does a finished run exit cleanly? The documented training loop, run many times through ``autopipe run``.
 
-Each run starts ``loop.py`` (the loop of docs/training.md section 1, which never closes its
-pipeline) on 2 CPU ranks with ``python -m autopipe run loop.py --nproc 2`` and records the
+Each run starts ``loop.py`` (the loop of docs/training.md section 1 without its ``with``
+block, so the script never closes its pipeline) on 2 CPU ranks with ``python -m autopipe run loop.py --nproc 2`` and records the
 launcher's exit code and whether a rank aborted (SIGABRT, "terminate called" on stderr).
-Before the pipeline closed itself at interpreter exit, about one run in 13-30 on a 2-core
-host ended with a rank aborted at exit, and ``autopipe run`` returned 1.
+Without the pipeline closing itself at interpreter exit (``--without-exit-hooks``), 5 runs
+in 100 on a 2-core host ended with a rank aborted at exit, and ``autopipe run`` returned 1;
+with it, none in 100 (README.md).
 
     python benchmarks/clean_exit/main.py                        # 100 runs (~20-40 min on 2 cores)
     python benchmarks/clean_exit/main.py --runs 5               # a short check
