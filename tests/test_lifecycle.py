@@ -143,12 +143,13 @@ def test_interpreter_exit_closes_a_pipeline_the_loop_left_open(tmp_path):
 
 
 def test_the_documented_loop_exits_cleanly_run_after_run(tmp_path):
-    # The quick form of benchmarks/clean_exit (100 runs there): every run exits with 0.
+    # The quick form of benchmarks/clean_exit (100 runs there): every run exits with 0. Two
+    # runs catch a regression only sometimes; the exit test above is the deterministic one.
     out = tmp_path / "exit_codes.json"
-    done = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "clean_exit", "main.py"), "--runs", "5",
+    done = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "clean_exit", "main.py"), "--runs", "2",
                            "--out", str(out)], capture_output=True, text=True, timeout=280, env=_env(), cwd=REPO)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "5/5 runs exited with 0; 0 with a rank aborted" in done.stdout
+    assert "2/2 runs exited with 0; 0 with a rank aborted" in done.stdout
 
 
 # ---------------------------------------------------------------------- a step failing on one rank

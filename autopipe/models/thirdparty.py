@@ -724,7 +724,8 @@ def pipeline_step_vs_unsplit(rank: int, world_size: int, name: str, n_microbatch
     mb_args, mb_kwargs, _ = microbatch(built, 0, 2)
     pipe = Pipeline(built.model, example_args=mb_args, example_kwargs=mb_kwargs, loss_fn=built.loss_fn,
                     split_points=[entry.pipeline_split], schedule="1F1B", n_microbatches=n_microbatches)
-    loss = pipe.step(*built.example_args, target=built.target, **built.example_kwargs)
+    with pipe:
+        loss = pipe.step(*built.example_args, target=built.target, **built.example_kwargs)
 
     model = built.model
     model.zero_grad()
@@ -742,6 +743,26 @@ def pipeline_step_vs_unsplit(rank: int, world_size: int, name: str, n_microbatch
         grad_diff[n] = (mine - theirs).abs().max().item() if p.numel() else 0.0
     return {"loss": loss.item(), "ref_loss": ref.item(), "grad_diff": grad_diff,
             "held": sorted(grad_diff), "with_grad": sorted(n for n, g in ref_grads.items() if g is not None)}
+
+
+def pipeline_steps_vs_unsplit(rank: int, world_size: int, names: list[str],
+                              n_microbatches: int = 4) -> dict[str, dict[str, Any]]:
+    """:func:`pipeline_step_vs_unsplit` for several models in one 2-rank world, one after another.
+
+    Starting the processes and importing the packages costs more than a tiny model's step,
+    so the test suite checks its subset in one world. Each pipeline is closed before the
+    next is built; an error is kept as ``{"error": "Type: first line"}`` for that model.
+
+    Example:
+        >>> run_world(pipeline_steps_vs_unsplit, 2, ["bert", "vit"])  # doctest: +SKIP
+    """
+    results: dict[str, dict[str, Any]] = {}
+    for name in names:
+        try:
+            results[name] = pipeline_step_vs_unsplit(rank, world_size, name, n_microbatches)
+        except Exception as e:  # noqa: BLE001 - reported per model; every rank raises alike
+            results[name] = {"error": first_line(e)}
+    return results
 
 
 def summarize_ranks(results: list[dict[str, Any]]) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from autopipe.models.thirdparty import (FAMILIES, REGISTRY, TOLERANCE, Built, ch
 
 TESTED = [name for name, entry in REGISTRY.items() if entry.unsupported is None]
 # Small profiles: the tests check that plans run, not how good they are.
-PROFILE = {"warmup": 1, "repeats": 2}
+PROFILE = {"warmup": 0, "repeats": 1}
 
 # One model build, one plan per (model, stages, cost) and one check per distinct split,
 # shared by the tests of this module: the four plans of a model often repeat a split.
