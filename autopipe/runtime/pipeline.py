@@ -294,12 +294,17 @@ class Pipeline:
             raise RuntimeError(f"planning failed on rank 0, so no rank can build its stages: {outcome[1]}")
         return Plan.from_dict(outcome[1])
 
+    def _gather_digests(self, value: Any) -> list[str]:
+        """Every rank's SHA-256 of ``repr(value)``, in rank order (collective): a cheap way to
+        learn whether the ranks agree without sending the values themselves."""
+        digests: list[Any] = [None] * self.world_size
+        dist.all_gather_object(digests, hashlib.sha256(repr(value).encode()).hexdigest())
+        return digests
+
     def _check_ranks_agree(self, plan: Plan, schedule: str, n_microbatches: int, stages_per_rank: int) -> None:
         """Every rank must run the same split and schedule; otherwise all raise the same error."""
-        key = repr((plan.split_points, plan.num_stages, schedule, n_microbatches, stages_per_rank))
-        digest = hashlib.sha256(key.encode()).hexdigest()
-        digests: list[str | None] = [None] * self.world_size
-        dist.all_gather_object(digests, digest)
+        digests = self._gather_digests((plan.split_points, plan.num_stages, schedule, n_microbatches,
+                                        stages_per_rank))
         if len(set(digests)) > 1:
             groups = {d: [r for r, x in enumerate(digests) if x == d] for d in set(digests)}
             raise ValueError(
@@ -321,6 +326,10 @@ class Pipeline:
         split_spec = {name: SplitPoint.BEGINNING for name in self.plan.split_points}
         train_pipe = _split(local_model, split_spec, self._example, training=True, expected=self.num_stages)
         self._io: ModelIO = train_pipe.autopipe_io
+        # The traced micro-batch, flattened as the first stage takes it, and a name for each
+        # input: what every batch is checked against.
+        self._example_inputs: list[Any] = self._io.flatten_inputs(*self._example)
+        self._input_labels: list[str] = self._io.input_labels(*self._example)
         eval_pipe = None
         if _has_mode_dependent_modules(local_model):
             # torch.export bakes train/eval behaviour (dropout, batch-norm statistics) into the
@@ -440,10 +449,7 @@ class Pipeline:
             parameter of shape (32, 16), dtype torch.float32, tied to 'shared.weight'; rank 1 has ...
         """
         signature = model_signature(model)
-        digest = hashlib.sha256(repr(signature).encode()).hexdigest()
-        digests: list[str | None] = [None] * self.world_size
-        dist.all_gather_object(digests, digest)
-        if len(set(digests)) == 1:
+        if len(set(self._gather_digests(signature))) == 1:
             return
         signatures: list[Any] = [None] * self.world_size
         dist.all_gather_object(signatures, signature)  # every rank saw the digests differ
@@ -745,17 +751,13 @@ class Pipeline:
     def _check_batch(self, args: tuple, kwargs: dict, target: Any, *, need_target: bool) -> None:
         """Each rank checks the batch it was given, so a bad batch fails everywhere, silently nowhere."""
         m = self.n_microbatches
-        example_args, example_kwargs = self._example
-        if len(args) != len(example_args) or set(kwargs) != set(example_kwargs):
-            raise ValueError(
-                f"the batch has {len(args)} positional and keyword inputs {sorted(kwargs)}, but the "
-                f"pipeline was traced with {len(example_args)} positional and {sorted(example_kwargs)}"
-            )
-        # Both flattened the way the first stage takes them: keywords matched by name.
+        if len(args) != len(self._example[0]):
+            raise ValueError(f"the batch has {len(args)} positional inputs, but the pipeline was traced with "
+                             f"{len(self._example[0])}")
+        # Flattened the way the first stage takes them: keywords matched by name (a missing
+        # or unknown keyword is named by flatten_inputs).
         given = self._io.flatten_inputs(tuple(args), self._as_traced(kwargs))
-        examples = self._io.flatten_inputs(example_args, example_kwargs)
-        labels = self._io.input_labels(example_args, example_kwargs)
-        for label, x, ex in zip(labels, given, examples):
+        for label, x, ex in zip(self._input_labels, given, self._example_inputs):
             if not isinstance(ex, torch.Tensor):
                 # torch.export bakes a non-tensor input into the graph as the traced value:
                 # another value would be silently ignored.
