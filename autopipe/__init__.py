@@ -13,9 +13,9 @@ To train, :class:`Pipeline` builds this rank's stage(s) from a plan and steps on
 torch's schedules (``pipe.step(x, target=y)``); launch with ``torchrun`` or
 ``autopipe run script.py --nproc N``.
 
-The data flow (one module each): :mod:`autopipe.trace` -> :mod:`autopipe.profile` ->
-:mod:`autopipe.costgraph` -> :mod:`autopipe.partitioner` -> :mod:`autopipe.plan`, with
-:mod:`autopipe.schedules` for schedule timings and :mod:`autopipe.baselines` for the splits
+The data flow (one module each): :mod:`autopipe.planning.trace` -> :mod:`autopipe.planning.profile` ->
+:mod:`autopipe.planning.costgraph` -> :mod:`autopipe.planning.partitioner` -> :mod:`autopipe.planning.plan`, with
+:mod:`autopipe.planning.schedules` for schedule timings and :mod:`autopipe.planning.baselines` for the splits
 other tools would choose.
 """
 
@@ -29,21 +29,21 @@ __version__ = "0.1.0"
 # Public name -> the module that defines it. Loaded on first use (PEP 562), so that
 # `import autopipe` and the command line start without importing torch.
 _PUBLIC = {
-    "partition": "planner",
+    "partition": "planning.planner",
     "Pipeline": "runtime",
-    "Plan": "plan",
-    "StagePlan": "plan",
-    "BaselinePlan": "plan",
-    "Device": "devices",
-    "parse_bytes": "devices",
-    "simulate": "schedules",
-    "Timeline": "schedules",
-    "SCHEDULES": "schedules",
-    "profile_scaling": "scaling",
-    "ScaledProfile": "scaling",
-    "measure_link": "measure",
-    "measure_devices": "measure",
-    "profile_in_ranks": "rank_profile",
+    "Plan": "planning.plan",
+    "StagePlan": "planning.plan",
+    "BaselinePlan": "planning.plan",
+    "Device": "machine.device",
+    "parse_bytes": "machine.device",
+    "simulate": "planning.schedules",
+    "Timeline": "planning.schedules",
+    "SCHEDULES": "planning.schedules",
+    "profile_scaling": "planning.scaling",
+    "ScaledProfile": "planning.scaling",
+    "measure_link": "machine.measure",
+    "measure_devices": "machine.measure",
+    "profile_in_ranks": "planning.rank_profile",
     "AutopipeError": "errors",
     "InfeasibleMemoryError": "errors",
     "MissingExampleInputsError": "errors",
@@ -69,13 +69,13 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for editors and type checkers: the same names, imported eagerly
-    from .devices import Device, parse_bytes  # noqa: F401
+    from .machine.device import Device, parse_bytes  # noqa: F401
     from .errors import (AutopipeError, InfeasibleMemoryError, MissingExampleInputsError, ModelExportError,  # noqa: F401
                          PlanFileError)
-    from .measure import measure_devices, measure_link  # noqa: F401
-    from .plan import BaselinePlan, Plan, StagePlan  # noqa: F401
-    from .rank_profile import profile_in_ranks  # noqa: F401
-    from .planner import partition  # noqa: F401
+    from .machine.measure import measure_devices, measure_link  # noqa: F401
+    from .planning.plan import BaselinePlan, Plan, StagePlan  # noqa: F401
+    from .planning.rank_profile import profile_in_ranks  # noqa: F401
+    from .planning.planner import partition  # noqa: F401
     from .runtime import Pipeline  # noqa: F401
-    from .scaling import ScaledProfile, profile_scaling  # noqa: F401
-    from .schedules import SCHEDULES, Timeline, simulate  # noqa: F401
+    from .planning.scaling import ScaledProfile, profile_scaling  # noqa: F401
+    from .planning.schedules import SCHEDULES, Timeline, simulate  # noqa: F401

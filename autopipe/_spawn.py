@@ -1,6 +1,6 @@
 """Run a function on N spawned processes that can fail but never hang.
 
-Shared by :mod:`autopipe.measure` (the link probe) and the test suite's gloo worlds. Each
+Shared by :mod:`autopipe.machine.measure` (the link probe) and the test suite's gloo worlds. Each
 rank writes ``("ok", value)`` or ``("error", text)`` to a file (:func:`finish_rank`); the
 parent waits until one deadline for all ranks, kills any still running, and reads the files
 back (:func:`spawn_ranks`). Files, not pipes: a rank that dies mid-write leaves no partial

@@ -40,7 +40,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from autopipe._spawn import finish_rank, join_loopback_world, spawn_ranks
 from autopipe.models.zoo import build
-from autopipe.profile import Timer, per_run_s
+from autopipe.planning.profile import Timer, per_run_s
 
 __all__ = [
     "BenchModel", "MODELS", "host_info", "make_model", "ce_loss", "make_target", "stack_microbatches",
@@ -537,9 +537,9 @@ def profile_in_world(name: str, size: str, *, world: int = 2, device: str = "cpu
 
     Spawns the ranks (each with ``threads`` torch threads, as they will train), has every one
     profile model ``name`` at once and returns the mean over the ranks as a list of
-    :class:`autopipe.costgraph.SegmentCost`: what ``partition(..., costs=)`` takes.
+    :class:`autopipe.planning.costgraph.SegmentCost`: what ``partition(..., costs=)`` takes.
     """
-    from autopipe.costgraph import SegmentCost
+    from autopipe.planning.costgraph import SegmentCost
 
     results = run_world(_profile_worker, world, {"model": name, "size": size, "device": device, "repeats": repeats},
                         device=device, threads=threads, timeout_s=timeout_s)
@@ -564,7 +564,7 @@ def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
     import torch.distributed as dist
 
     from autopipe.runtime import Pipeline
-    from autopipe.plan import Plan
+    from autopipe.planning.plan import Plan
 
     device = _rank_device(job["device"], rank)
     model, args = make_model(job["model"], job["size"])
@@ -607,7 +607,7 @@ def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
     in_ranks_profiles: list[dict[str, list[float]]] = []
     traced = None
     if job.get("profile_between_rounds") and rank == 0:  # profile_in_ranks traces for itself
-        from autopipe.trace import trace
+        from autopipe.planning.trace import trace
 
         traced = trace(model, args)
     for r in range(job["rounds"]):
@@ -615,7 +615,7 @@ def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
             for _ in range(job["steps"]):
                 times[label].append(one_step(pipe, batch, target))
         if job.get("profile_between_rounds"):
-            from autopipe.profile import profile_segments
+            from autopipe.planning.profile import profile_segments
 
             # The model profiled between two rounds of steps: a profile taken while the host
             # runs as fast, or as slow, as during the steps. Alternately in one process (rank 0;
@@ -696,14 +696,14 @@ def link_probe(rank: int, sizes_bytes: Sequence[int], device: torch.device, *, r
     """One-way time of each message size between ranks 0 and 1, in the conditions of the run.
 
     Round trips with ``isend``/``irecv`` + ``wait`` as torch's pipeline stages move
-    activations, the sizes taking turns within each round (as ``autopipe.measure`` does);
+    activations, the sizes taking turns within each round (as ``autopipe.machine.measure`` does);
     half a round trip is one sample. The cut sizes themselves are measured, so a cut's time
-    is read off directly (``one_way_s[size]``); ``autopipe.measure.fit_link`` adds a
+    is read off directly (``one_way_s[size]``); ``autopipe.machine.measure.fit_link`` adds a
     latency + bandwidth fit when the times allow one. Returns None on ranks other than 0 and 1.
     """
     import torch.distributed as dist
 
-    from autopipe.measure import fit_link
+    from autopipe.machine.measure import fit_link
 
     if rank > 1:
         return None

@@ -277,7 +277,7 @@ def render_prediction_accuracy(d: dict[str, Any], behind: list[str]) -> str:
         link, ov = machine["link"], machine["overhead"]
         per = [[k, ms(v, 2), ms(ov["step_s"][k], 1)] for k, v in ov["per_schedule_s"].items()]
         out.append(
-            f"The machine, measured once before the runs (what `python -m autopipe.measure --overhead` prints): link "
+            f"The machine, measured once before the runs (what `python -m autopipe.machine.measure --overhead` prints): link "
             f"{link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s, {link['latency_s'] * 1e6:.0f} µs per message; ranks "
             f"computing at once take {ov['concurrent_slowdown']:.2f}× as long as alone; runtime overhead per action "
             f"{ov['action_overhead_s'] * 1e3:.2f} ms (median over the schedules below, fitted to a tiny model's "
@@ -293,11 +293,11 @@ def render_prediction_accuracy(d: dict[str, Any], behind: list[str]) -> str:
                  "–" if v.get("latency_s") is None else f"{v['latency_s'] * 1e6:.0f}",
                  "–" if v.get("bandwidth_bytes_per_s") is None else f"{v['bandwidth_bytes_per_s'] / 1e9:.2f}"]
                 for k, v in links.items() if v]
-        from autopipe.devices import default_link
+        from autopipe.machine.device import default_link
 
         bw, lat = default_link("cpu")
         out.append("Link measured between the two ranks after each model's run (isend/irecv ping-pong, median "
-                   "one-way time; the fit is `autopipe.measure.fit_link`, – where the times did not grow with size). "
+                   "one-way time; the fit is `autopipe.machine.measure.fit_link`, – where the times did not grow with size). "
                    f"The planner's CPU default is {lat * 1e6:.0f} µs + bytes / ({bw / 1e9:.0f} GB/s), i.e. "
                    f"{(lat + 2**10 / bw) * 1e6:.0f} µs, {(lat + 2**20 / bw) * 1e3:.2f} ms and "
                    f"{(lat + 2**23 / bw) * 1e3:.1f} ms:\n\n"

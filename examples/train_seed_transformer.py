@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from autopipe.models.transformer import SeedTransformer
 from autopipe.runtime import Pipeline
-from autopipe.schedules import SCHEDULES
+from autopipe.planning.schedules import SCHEDULES
 
 # The tutorial's sizes.
 VOCAB_SIZE, D_MODEL, NUM_HEADS, D_FF, NUM_LAYERS, MAX_LEN = 100, 12, 4, 24, 2, 100

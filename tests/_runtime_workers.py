@@ -315,7 +315,7 @@ def _error(fn) -> str:
 
 def errors_run(rank: int, world_size: int, plan_path: str) -> dict:
     """Bad input fails with a clear error on every rank, and the job goes on afterwards."""
-    import autopipe.planner
+    import autopipe.planning.planner
 
     result: dict = {}
     model = tutorial_model()
@@ -331,19 +331,19 @@ def errors_run(rank: int, world_size: int, plan_path: str) -> dict:
 
     # Planning: rank 0 runs the planner once; every rank builds the plan it broadcasts.
     calls = []
-    real_partition = autopipe.planner.partition
+    real_partition = autopipe.planning.planner.partition
 
     def counting_partition(*args, **kwargs):
         calls.append(1)
         return real_partition(*args, **kwargs)
 
-    autopipe.planner.partition = counting_partition
+    autopipe.planning.planner.partition = counting_partition
     try:
         planned = Pipeline(model, example_args=example_args(), loss_fn=loss_fn, schedule="1F1B",
                            n_microbatches=N_MICROBATCHES,
                            planner_options={"progress": False, "repeats": 1, "warmup": 0})
     finally:
-        autopipe.planner.partition = real_partition
+        autopipe.planning.planner.partition = real_partition
     result["planner_calls"] = len(calls)
     result["planned_split"] = planned.plan.split_points
     result["planned_step"] = planned.step(x, target=y).item()

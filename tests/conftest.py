@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from autopipe.models import seed_transformer
-from autopipe.trace import trace
+from autopipe.planning.trace import trace
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +31,7 @@ def _deterministic():
 def flushers_built(monkeypatch):
     """A list that gets one entry per ``CacheFlusher`` the profiler builds (it builds one per
     profile that empties the caches)."""
-    import autopipe.profile as profile
+    import autopipe.planning.profile as profile
 
     built: list[int] = []
 
@@ -47,7 +47,7 @@ def flushers_built(monkeypatch):
 @pytest.fixture
 def rounds_seen(monkeypatch):
     """A list that gets ``(whole graph given, fit)`` for every profile timed in rounds."""
-    import autopipe.profile as profile
+    import autopipe.planning.profile as profile
 
     seen: list[tuple[bool, bool]] = []
     real = profile._time_in_rounds

@@ -13,12 +13,12 @@ import math
 import pytest
 
 import autopipe
-import autopipe.planner as planner
-import autopipe.schedules as schedules
+import autopipe.planning.planner as planner
+import autopipe.planning.schedules as schedules
 from autopipe import Device
-from autopipe.plan_file import MAX_STAGES
+from autopipe.planning.plan_file import MAX_STAGES
 from autopipe.runtime.distributed import MAX_TIMEOUT_S, check_timeout_s, init_distributed
-from autopipe.schedules import MAX_SCHEDULE_SIZE
+from autopipe.planning.schedules import MAX_SCHEDULE_SIZE
 
 from _time_limit import refused_within
 
@@ -174,7 +174,7 @@ def test_pipeline_refuses_a_timeout_torch_cannot_wait_for_before_joining(timeout
 
 
 def test_measure_link_refuses_a_timeout_torch_cannot_wait_for_before_starting_processes(monkeypatch):
-    import autopipe.measure as measure
+    import autopipe.machine.measure as measure
 
     _forbid(monkeypatch, measure, "_spawn_pair")
     with pytest.raises(ValueError, match="timeout_s=1e\\+300"):

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from autopipe.cli import main
-from autopipe.modelspec import ModelSpecError, load_model_spec
-from autopipe.plan import Plan
+from autopipe.cli.main import main
+from autopipe.cli.modelspec import ModelSpecError, load_model_spec
+from autopipe.planning.plan import Plan
 from autopipe.reporting.chrome import trace_ranks
 
 REPO = Path(__file__).resolve().parents[1]

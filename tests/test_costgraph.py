@@ -6,8 +6,8 @@ import networkx as nx
 import torch
 import torch.nn as nn
 
-from autopipe.costgraph import build_cost_graph
-from autopipe.trace import trace
+from autopipe.planning.costgraph import build_cost_graph
+from autopipe.planning.trace import trace
 
 
 class Skip(nn.Module):

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import autopipe
-from autopipe.measure import measure_device_speed
+from autopipe.machine.measure import measure_device_speed
 from autopipe.models import seed_transformer
-from autopipe.profile import profile_segments
-from autopipe.trace import trace
+from autopipe.planning.profile import profile_segments
+from autopipe.planning.trace import trace
 from _dist_utils import run_world
 from _runtime_workers import SPLITS, build, loss_fn, tutorial_batch, tutorial_model
 
@@ -49,7 +49,7 @@ def test_profile_copies_segments_to_the_gpu_and_leaves_the_model_alone() -> None
 
 
 def test_a_model_too_big_for_the_gpu_is_profiled_one_segment_at_a_time_with_a_warning(monkeypatch) -> None:
-    import autopipe.profile as profile
+    import autopipe.planning.profile as profile
 
     model, args = _small_model()
     traced = trace(model, args)

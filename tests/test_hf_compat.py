@@ -14,11 +14,11 @@ import torch
 import torch.nn as nn
 
 import autopipe
-from autopipe import hf_compat
+from autopipe.planning import hf_compat
 from autopipe.errors import MissingExampleInputsError, ModelExportError
-from autopipe.hf_compat import CACHE_NOTE
+from autopipe.planning.hf_compat import CACHE_NOTE
 from autopipe.reporting.data import report_data
-from autopipe.trace import export_failure_kind, trace
+from autopipe.planning.trace import export_failure_kind, trace
 
 from _dist_utils import run_world
 
@@ -135,7 +135,7 @@ def test_loss_is_profiled_on_the_output_without_a_cache():
 
 @needs_transformers
 def test_cut_bytes_in_the_batch_size_with_use_cache_given_as_a_keyword():
-    from autopipe.scaling import symbolic_cut_bytes
+    from autopipe.planning.scaling import symbolic_cut_bytes
 
     model, kwargs = _gpt2()
     fwd, _ = symbolic_cut_bytes(model, (), {**kwargs, "use_cache": True})

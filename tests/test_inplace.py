@@ -1,4 +1,4 @@
-"""In-place writes into what a segment or stage receives (autopipe.inplace, the profiler, the runtime).
+"""In-place writes into what a segment or stage receives (autopipe.planning.inplace, the profiler, the runtime).
 
 A stage's inputs, and the profiler's segment inputs, are leaves that require grad; a cut
 before ``nn.ReLU(inplace=True)`` or ``out += identity`` used to make autograd refuse the
@@ -15,9 +15,9 @@ import torch.nn as nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 
 import autopipe
-from autopipe.inplace import clone_inputs_written_in_place, inputs_written_in_place
-from autopipe.profile import _segment_modules, profile_segments
-from autopipe.trace import trace
+from autopipe.planning.inplace import clone_inputs_written_in_place, inputs_written_in_place
+from autopipe.planning.profile import _segment_modules, profile_segments
+from autopipe.planning.trace import trace
 
 import _inplace_workers as workers
 from _dist_utils import run_world

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-import autopipe.measure as measure
-from autopipe.devices import Device
-from autopipe.measure import (
+import autopipe.machine.measure as measure
+from autopipe.machine.device import Device
+from autopipe.machine.measure import (
     LinkMeasurement,
     fit_link,
     measure_device_speed,
@@ -173,7 +173,7 @@ def test_a_memory_list_of_the_wrong_length_raises():
 
 @pytest.mark.parametrize("schedule, v", [("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2)])
 def test_the_fit_recovers_the_overhead_a_simulated_step_was_made_with(schedule, v):
-    from autopipe.schedules import simulate
+    from autopipe.planning.schedules import simulate
 
     p = 2 * v
     step = simulate([0.0] * p, [0.0] * p, schedule=schedule, n_microbatches=4, stages_per_rank=v,

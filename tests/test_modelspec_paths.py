@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-from autopipe.modelspec import load_model_spec
+from autopipe.cli.modelspec import load_model_spec
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,9 +38,9 @@ def test_a_module_beside_the_model_does_not_shadow_an_installed_one(tmp_path):
     check = textwrap.dedent(f"""
         import sys
         assert "networkx" not in sys.modules
-        from autopipe.modelspec import load_model_spec
+        from autopipe.cli.modelspec import load_model_spec
         loaded = load_model_spec({str(folder / "model.py") + ":make"!r})
-        import autopipe.costgraph  # the planner's graph module: imports networkx
+        import autopipe.planning.costgraph  # the planner's graph module: imports networkx
         import networkx
         print(networkx.__file__)
     """)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autopipe.errors import InfeasibleMemoryError
-from autopipe.partitioner import PartitionProblem, brute_force, evaluate, solve_bottleneck
+from autopipe.planning.partitioner import PartitionProblem, brute_force, evaluate, solve_bottleneck
 
 
 @st.composite

@@ -7,7 +7,7 @@ import json
 import pytest
 from torch.distributed.pipelining import SplitPoint
 
-from autopipe.plan import PLAN_FORMAT_VERSION, BaselinePlan, Plan, StagePlan
+from autopipe.planning.plan import PLAN_FORMAT_VERSION, BaselinePlan, Plan, StagePlan
 
 
 def _plan() -> Plan:
@@ -108,7 +108,7 @@ def test_calibrating_a_plan_with_no_compute_to_scale_ends():
 
 
 def test_solve_increasing_finds_the_crossing_and_stops_when_there_is_none():
-    from autopipe.schedules import solve_increasing
+    from autopipe.planning.schedules import solve_increasing
 
     assert solve_increasing(lambda x: 2 * x, 5.0) == pytest.approx(2.5, rel=1e-12)
     assert solve_increasing(lambda x: 1.0 + x, 0.5) == 0.0

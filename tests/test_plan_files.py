@@ -22,7 +22,7 @@ import torch
 
 import autopipe
 from autopipe import Plan, PlanFileError
-from autopipe.plan import PLAN_FORMAT_VERSION
+from autopipe.planning.plan import PLAN_FORMAT_VERSION
 
 from _time_limit import refused_within
 
@@ -291,7 +291,7 @@ def test_plan_file_error_is_a_value_error_exported_at_the_top():
 
 
 def test_a_file_larger_than_the_bound_is_refused_before_it_is_parsed(valid, tmp_path, monkeypatch):
-    import autopipe.plan_file as plan_file
+    import autopipe.planning.plan_file as plan_file
 
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(valid))
@@ -375,7 +375,7 @@ def test_pipeline_refuses_a_huge_micro_batch_count_before_joining_the_job(valid,
 
 
 def test_report_names_the_field_of_a_bad_plan_instead_of_running_out_of_memory(valid, tmp_path, capsys):
-    from autopipe.cli import main
+    from autopipe.cli.main import main
 
     path = _write(tmp_path, valid, _set("n_microbatches", 10**7))
     with refused_within():

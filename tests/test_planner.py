@@ -12,8 +12,8 @@ from torch.distributed.pipelining import pipeline
 import autopipe
 from autopipe.errors import InfeasibleMemoryError, MissingExampleInputsError, ModelExportError
 from autopipe.models import seed_transformer
-from autopipe.profile import profile_segments
-from autopipe.trace import trace
+from autopipe.planning.profile import profile_segments
+from autopipe.planning.trace import trace
 
 FAST = dict(progress=False, warmup=0, repeats=1)
 
@@ -41,7 +41,7 @@ def test_seed_transformer_plan_builds_in_torch_and_reproduces_output(small_trans
 def test_every_split_point_the_tracer_offers_builds_in_torch(small_transformer, small_traced):
     model, args = small_transformer
     for name in small_traced.split_point_names:
-        plan_like = type("P", (), {"split_spec": {name: autopipe.plan.SplitPoint.BEGINNING}, "num_stages": 2})
+        plan_like = type("P", (), {"split_spec": {name: autopipe.planning.plan.SplitPoint.BEGINNING}, "num_stages": 2})
         assert_plan_builds_and_matches(model, args, plan_like)
 
 
@@ -76,7 +76,7 @@ def test_partition_leaves_the_model_exactly_as_it_was(small_transformer):
     assert all("forward" not in vars(m) for m in model.modules())  # not wrapped like pipeline() does
     assert {name: m.forward for name, m in model.named_modules()} == forwards
     # and torch can still pipeline it afterwards
-    pipeline(copy.deepcopy(model), args, split_spec={"layers.1": autopipe.plan.SplitPoint.BEGINNING})
+    pipeline(copy.deepcopy(model), args, split_spec={"layers.1": autopipe.planning.plan.SplitPoint.BEGINNING})
 
 
 def test_same_profile_gives_the_same_plan(small_transformer, small_traced):
@@ -187,7 +187,7 @@ def test_bad_arguments_fail_before_tracing(small_transformer, monkeypatch):
     def must_not_trace(*a, **k):
         raise AssertionError("traced before validating")
 
-    monkeypatch.setattr(autopipe.planner, "trace", must_not_trace)
+    monkeypatch.setattr(autopipe.planning.planner, "trace", must_not_trace)
     with pytest.raises(ValueError, match="optimizer="):
         autopipe.partition(model, 2, example_args=args, optimizer="nope")
 
@@ -230,7 +230,7 @@ def test_hugging_face_plans_build_in_torch_and_reproduce_output(name, factory, n
 
 
 def test_the_step_tail_charges_the_merge_the_loss_broadcast_and_tied_gradients_across_ranks():
-    from autopipe.devices import default_copy_bandwidth
+    from autopipe.machine.device import default_copy_bandwidth
     from autopipe.models.hf import gpt2_from_config
 
     model, args = gpt2_from_config(n_layer=2, n_embd=32, n_head=4, vocab_size=2000, seq_len=8)
@@ -272,7 +272,7 @@ def test_split_backward_schedules_charge_the_copy_of_each_stage_output(monkeypat
     # Under ZBV autopipe's runtime sends a copy of every stage output (torch detaches the
     # original in place), kept until the micro-batch's input-grad: one more tensor per
     # micro-batch in flight on every stage that has a successor.
-    from autopipe import schedules
+    from autopipe.planning import schedules
     from autopipe.models.hf import gpt2_from_config
 
     model, args = gpt2_from_config(n_layer=2, n_embd=32, n_head=4, vocab_size=2000, seq_len=8)
@@ -293,8 +293,8 @@ def test_a_tied_weight_on_one_rank_is_counted_once_in_its_memory():
     # ZBV puts stage 0 (the embedding) and stage 3 (the tied head) on rank 0: the runtime keeps
     # one tensor there, so the weight, its gradient and its Adam state count once on that rank.
     from autopipe.models.hf import gpt2_from_config
-    from autopipe.planner import _rank_overcount_bytes
-    from autopipe.schedules import stage_ranks
+    from autopipe.planning.planner import _rank_overcount_bytes
+    from autopipe.planning.schedules import stage_ranks
 
     model, args = gpt2_from_config(n_layer=2, n_embd=32, n_head=4, vocab_size=2000, seq_len=8)
     wte_bytes = model.transformer.wte.weight.numel() * 4

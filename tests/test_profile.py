@@ -6,14 +6,14 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autopipe.profile import copy_to_device, measure_device_flops, profile_segments
-from autopipe.trace import trace
+from autopipe.planning.profile import copy_to_device, measure_device_flops, profile_segments
+from autopipe.planning.trace import trace
 
 
 def test_every_segment_gets_positive_measured_times(small_traced, monkeypatch):
     # Without subtracting the fixed cost of starting a backward (tested on its own below):
     # the embedding's backward is about that cost, so after it one run can come to 0.
-    import autopipe.profile as profile
+    import autopipe.planning.profile as profile
 
     monkeypatch.setattr(profile, "_backward_call_s", lambda timer: 0.0)
     costs = profile_segments(small_traced, warmup=0, repeats=1, progress=False)
@@ -84,7 +84,7 @@ def test_device_flops_is_measured():
 def test_a_model_on_the_profiling_device_is_timed_in_rounds_over_all_segments(small_traced, monkeypatch):
     # Rounds (every forward in order, then every backward in reverse) instead of one segment
     # repeated back to back, whose warm cache made it look up to 1.5x faster than in training.
-    import autopipe.profile as profile
+    import autopipe.planning.profile as profile
 
     seen = {}
     real = profile._time_in_rounds
@@ -121,7 +121,7 @@ class _EventLog:
 def test_each_pass_of_a_round_starts_with_the_caches_emptied(monkeypatch):
     # A pipeline action starts with its stage's weights out of the cache and then runs the
     # stage's segments back to back: one flush before the forwards, one before the backwards.
-    import autopipe.profile as profile
+    import autopipe.planning.profile as profile
 
     monkeypatch.setattr(profile, "_backward_call_s", lambda timer: 0.0)
     layers = [nn.Linear(4, 4), nn.Linear(4, 4)]
@@ -143,7 +143,7 @@ def test_each_pass_of_a_round_starts_with_the_caches_emptied(monkeypatch):
 
 
 def test_the_cache_flusher_writes_a_buffer_twice_the_last_level_cache():
-    import autopipe.profile as profile
+    import autopipe.planning.profile as profile
 
     cpu = torch.device("cpu")
     llc = profile.last_level_cache_bytes(cpu)
@@ -165,7 +165,7 @@ def test_flush_cache_must_be_a_bool(small_traced):
 def test_the_fixed_cost_of_starting_a_backward_is_not_charged_to_every_segment(small_traced, monkeypatch):
     # A stage starts one backward for all its segments: the profile charges a segment its
     # backward minus the cost of starting one (never below zero).
-    import autopipe.profile as profile
+    import autopipe.planning.profile as profile
 
     assert 0 < profile._backward_call_s(profile.Timer(torch.device("cpu"))) < 0.1
     monkeypatch.setattr(profile, "_backward_call_s", lambda timer: 0.0)
@@ -179,7 +179,7 @@ def test_the_fixed_cost_of_starting_a_backward_is_not_charged_to_every_segment(s
 def test_a_segment_is_charged_the_mean_of_its_timed_runs_not_the_median(monkeypatch):
     # A step adds every micro-batch's forward and backward up, so the run that is now and then
     # slow counts: the profile keeps the mean (profile.per_run_s), which a median would hide.
-    import autopipe.profile as profile
+    import autopipe.planning.profile as profile
 
     layer = nn.Linear(4, 4)
     segment = (torch.fx.symbolic_trace(layer), lambda: [torch.randn(2, 4)], list(layer.parameters()))
@@ -193,7 +193,7 @@ def test_a_segment_is_charged_the_mean_of_its_timed_runs_not_the_median(monkeypa
 def test_the_profile_times_adding_each_backward_s_weight_gradients_into_accumulated_ones(monkeypatch):
     # torch's pipeline stages accumulate every micro-batch's weight gradients into .grad (an
     # in-place add per parameter for all but the first micro-batch); autograd.grad does not.
-    import autopipe.profile as profile
+    import autopipe.planning.profile as profile
 
     added = []
     real = profile._accumulate
@@ -220,7 +220,7 @@ def test_the_profile_times_adding_each_backward_s_weight_gradients_into_accumula
 
 
 def test_per_run_s_is_the_mean_and_refuses_no_samples():
-    from autopipe.profile import per_run_s
+    from autopipe.planning.profile import per_run_s
 
     assert per_run_s([0.001, 0.001, 0.004]) == pytest.approx(0.002)
     assert per_run_s([0.5]) == 0.5
@@ -234,7 +234,7 @@ def test_a_segment_copied_to_another_device_names_only_that_device(family):
     rotary table's device: a copy for the GPU must name the GPU there, or the first profile
     on a GPU of a model living on the CPU fails. Checked here with the meta device."""
     from autopipe.models import hf
-    from autopipe.profile import _segment_modules
+    from autopipe.planning.profile import _segment_modules
 
     make = hf.gpt2_from_config if family == "gpt2" else hf.llama_from_config
     model, args = make(n_layer=1, n_embd=32, n_head=4, vocab_size=64, seq_len=8) if family == "gpt2" \
@@ -296,7 +296,7 @@ _ROUND = [1.0, 3.0, 2.0, 0.5, 4.0, 0.5]
 
 
 def test_fit_scales_each_pass_so_the_segments_add_up_to_the_whole(monkeypatch):
-    import autopipe.profile as profile
+    import autopipe.planning.profile as profile
 
     monkeypatch.setattr(profile, "_backward_call_s", lambda timer: 0.25)
     segments, whole = _two_linear_segments_and_whole()
@@ -315,7 +315,7 @@ def test_fit_scales_each_pass_so_the_segments_add_up_to_the_whole(monkeypatch):
 def test_the_scales_are_the_median_over_rounds_of_whole_over_segments(monkeypatch):
     # One round in which only the whole graph was slowed down (a disturbance on the host)
     # must not drag the segments' times with it.
-    import autopipe.profile as profile
+    import autopipe.planning.profile as profile
 
     monkeypatch.setattr(profile, "_backward_call_s", lambda timer: 0.0)
     segments, whole = _two_linear_segments_and_whole()
@@ -335,7 +335,7 @@ def test_profile_segments_hands_the_whole_graph_and_the_fit_to_the_rounds(small_
 
 
 def test_fit_to_whole_defaults_to_cuda_only_and_rejects_other_values(small_traced):
-    from autopipe.profile import fit_to_whole_default
+    from autopipe.planning.profile import fit_to_whole_default
 
     assert fit_to_whole_default(torch.device("cuda", 0)) and not fit_to_whole_default(torch.device("cpu"))
     with pytest.raises(ValueError, match="fit_to_whole='yes' must be True, False or None"):
@@ -359,7 +359,7 @@ def test_the_whole_graph_gets_keyword_inputs_as_the_model_does():
 def test_a_cuda_device_without_an_index_resolves_to_the_current_one(monkeypatch):
     # tensor.device always carries an index, and torch.device("cuda") != torch.device("cuda:0"):
     # unresolved, a model already on the GPU looked elsewhere and was profiled as copies.
-    from autopipe.profile import resolve_device
+    from autopipe.planning.profile import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
@@ -372,7 +372,7 @@ def test_a_cuda_device_without_an_index_resolves_to_the_current_one(monkeypatch)
 def test_a_model_living_elsewhere_is_profiled_as_a_whole_copy_when_it_fits(small_traced, monkeypatch):
     # As on a GPU for a model kept on the CPU: a copy of the whole model goes to the device
     # and is timed in rounds beside its whole graph; the user's model is not touched.
-    import autopipe.profile as profile
+    import autopipe.planning.profile as profile
 
     user_graph = small_traced.graph_module
     real_lives_on = profile._lives_on
@@ -393,7 +393,7 @@ def test_a_model_living_elsewhere_is_profiled_as_a_whole_copy_when_it_fits(small
 
 
 def test_a_model_too_big_for_the_device_is_profiled_one_segment_at_a_time(small_traced, monkeypatch):
-    import autopipe.profile as profile
+    import autopipe.planning.profile as profile
 
     user_graph = small_traced.graph_module
     real_lives_on = profile._lives_on
@@ -415,7 +415,7 @@ def test_a_model_too_big_for_the_device_is_profiled_one_segment_at_a_time(small_
 
 
 def test_no_room_on_the_device_skips_the_whole_copy(small_traced, monkeypatch):
-    import autopipe.profile as profile
+    import autopipe.planning.profile as profile
 
     user_graph = small_traced.graph_module
     real_lives_on = profile._lives_on

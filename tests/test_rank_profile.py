@@ -35,7 +35,7 @@ def _profile_worker(rank: int, world_size: int) -> dict:
 def test_every_rank_gets_the_same_mean_profile_and_so_the_same_plan():
     results = run_world(_profile_worker, 2, timeout_s=120, pg_timeout_s=60)
     first = results[0]
-    assert first["module"] == "autopipe.rank_profile" and first["n"] > 2 and first["positive"]
+    assert first["module"] == "autopipe.planning.rank_profile" and first["n"] > 2 and first["positive"]
     assert all(r["same_everywhere"] for r in results)
     assert all(r["split"] == first["split"] and r["bytes"] == first["bytes"] for r in results)
 
@@ -64,7 +64,7 @@ def test_it_needs_a_process_group():
 def _pipeline_worker(rank: int, world_size: int, flag: bool | None) -> dict:
     import torch.nn.functional as F
 
-    import autopipe.planner as planner
+    import autopipe.planning.planner as planner
 
     model, args = _small_model()
     seen = []
@@ -122,7 +122,7 @@ def test_profile_in_ranks_on_a_pipeline_is_checked_before_joining_a_job():
 def test_the_ranks_profile_as_many_rounds_as_the_planner_would_unless_told():
     import inspect
 
-    from autopipe.planner import partition
+    from autopipe.planning.planner import partition
     from autopipe.runtime.pipeline import _rank_profile_settings
 
     planner = inspect.signature(partition).parameters

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 import autopipe
-from autopipe.plan import Plan
+from autopipe.planning.plan import Plan
 from autopipe.reporting.charts import (alternatives_figure, figure_svg, layer_cost_figure, report_figures,
                                        save_pngs, timeline_figure)
 from autopipe.reporting.chrome import merge_rank_traces, simulated_trace, trace_ranks
@@ -138,7 +138,7 @@ def test_report_data_keeps_the_planners_alternatives(plan):
 
 
 def test_layer_rows_follow_graph_order_and_sort_by_time(small_traced):
-    from autopipe.profile import profile_segments
+    from autopipe.planning.profile import profile_segments
 
     costs = profile_segments(small_traced, warmup=0, repeats=1, progress=False)
     rows = layer_rows(small_traced, costs)

@@ -12,9 +12,9 @@ import math
 
 import pytest
 
-from autopipe.plan import Plan, StagePlan
+from autopipe.planning.plan import Plan, StagePlan
 from autopipe.runtime import Pipeline
-from autopipe.schedules import SCHEDULES
+from autopipe.planning.schedules import SCHEDULES
 
 import _runtime_workers as workers
 from _dist_utils import run_world

@@ -12,12 +12,12 @@ import torch.nn as nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import autopipe.scaling as scaling
-from autopipe.costgraph import build_cost_graph
+import autopipe.planning.scaling as scaling
+from autopipe.planning.costgraph import build_cost_graph
 from autopipe.models import seed_transformer
-from autopipe.profile import profile_segments
-from autopipe.scaling import B, ScaledProfile, fit_affine, profile_scaling, resize_batch, symbolic_cut_bytes
-from autopipe.trace import trace
+from autopipe.planning.profile import profile_segments
+from autopipe.planning.scaling import B, ScaledProfile, fit_affine, profile_scaling, resize_batch, symbolic_cut_bytes
+from autopipe.planning.trace import trace
 
 FLOPS = 1e9  # a fixed device speed, so the "flops" source needs no measuring
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import autopipe
-from autopipe.profile import profile_segments
+from autopipe.planning.profile import profile_segments
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +111,7 @@ def test_calibrated_costs_feed_a_new_plan(small_transformer, costs):
 
 
 def test_auto_microbatches_tries_divisors_of_the_global_batch(small_transformer):
-    from autopipe.scaling import profile_scaling
+    from autopipe.planning.scaling import profile_scaling
 
     model, args = small_transformer  # example micro-batch of 2 samples
     scaled = profile_scaling(model, args, sizes=[1, 2, 4], cost="flops", progress=False)
@@ -153,7 +153,7 @@ def test_the_runtime_overhead_per_action_is_charged_and_recorded(small_transform
 
 
 def test_cpu_plans_charge_the_measured_default_overhead(small_transformer, costs):
-    from autopipe.devices import default_action_overhead_s
+    from autopipe.machine.device import default_action_overhead_s
 
     model, args = small_transformer
     plan = autopipe.partition(model, 2, example_args=args, costs=costs, progress=False, device="cpu")
@@ -162,7 +162,7 @@ def test_cpu_plans_charge_the_measured_default_overhead(small_transformer, costs
 
 
 def test_cpu_plans_model_gloos_lazy_sends_and_report_them(small_transformer, costs):
-    from autopipe.devices import sends_are_lazy
+    from autopipe.machine.device import sends_are_lazy
     from autopipe.reporting.timeline import plan_timeline
 
     model, args = small_transformer
@@ -232,7 +232,7 @@ def test_a_loss_without_its_target_is_refused_before_any_work(small_transformer)
 def test_profile_loss_leaves_the_model_unchanged(small_transformer):
     import torch
 
-    from autopipe.profile import profile_loss
+    from autopipe.planning.profile import profile_loss
 
     model, args = small_transformer
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -245,8 +245,8 @@ def test_profile_loss_leaves_the_model_unchanged(small_transformer):
 
 def test_the_last_stage_holds_every_micro_batch_output_until_the_step_ends(small_traced, costs):
     # torch's last stage keeps each micro-batch's output to return them merged.
-    from autopipe.costgraph import build_cost_graph
-    from autopipe.planner import build_problem
+    from autopipe.planning.costgraph import build_cost_graph
+    from autopipe.planning.planner import build_problem
 
     graph = build_cost_graph(small_traced, list(costs))
     kw = dict(num_stages=2, stage_devices=[autopipe.Device()] * 2, inflight=[1, 1], optimizer_factor=2.0,

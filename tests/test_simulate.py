@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopipe.schedules import (
+from autopipe.planning.schedules import (
     SCHEDULES,
     Action,
     action_order,
@@ -24,7 +24,7 @@ from autopipe.schedules import (
 )
 
 # The package re-exports the function `simulate`, which shadows the submodule attribute.
-simulate_module = importlib.import_module("autopipe.schedules")
+simulate_module = importlib.import_module("autopipe.planning.schedules")
 
 F_S, B_S = 1.0, 2.0  # uniform forward / backward seconds per micro-batch
 

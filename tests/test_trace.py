@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from autopipe.errors import MissingExampleInputsError, ModelExportError
-from autopipe.trace import trace
+from autopipe.planning.trace import trace
 
 
 def test_block_boundaries_are_split_points(small_traced):

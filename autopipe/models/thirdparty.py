@@ -681,7 +681,7 @@ def check_split(built: Built, split_points: list[str] | tuple[str, ...]) -> floa
 
     from torch.distributed.pipelining import SplitPoint
 
-    from .. import hf_compat
+    from ..planning import hf_compat
     from ..runtime.pipeline import _split
 
     args = built.example_args

@@ -1,7 +1,7 @@
 """Chrome trace JSON (chrome://tracing, https://ui.perfetto.dev) of simulated and measured steps.
 
 - :func:`simulated_trace`: the plan's simulated step, one track per rank (from
-  :meth:`autopipe.schedules.Timeline.to_chrome_trace`), with the plan's headline numbers
+  :meth:`autopipe.planning.schedules.Timeline.to_chrome_trace`), with the plan's headline numbers
   in the trace's metadata.
 - :func:`merge_rank_traces`: the ``torch.profiler`` traces that each rank of a real run
   exported, merged into one file where process ``r`` is rank ``r``, so the measured step
@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..plan import Plan
-    from ..schedules import Timeline
+    from ..planning.plan import Plan
+    from ..planning.schedules import Timeline
 
 __all__ = ["simulated_trace", "merge_rank_traces", "trace_ranks"]
 
@@ -31,7 +31,7 @@ def simulated_trace(plan: "Plan", *, timeline: "Timeline | None" = None) -> dict
     """The simulated step of ``plan`` as a Chrome trace: one track (thread) per rank.
 
     Args:
-        plan: a :class:`~autopipe.plan.Plan`.
+        plan: a :class:`~autopipe.planning.plan.Plan`.
 
     Keyword Args:
         timeline: its simulated timeline, if already built.

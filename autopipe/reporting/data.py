@@ -25,10 +25,10 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..costgraph import SegmentCost
-    from ..plan import Plan
-    from ..schedules import Timeline
-    from ..trace import TracedModel
+    from ..planning.costgraph import SegmentCost
+    from ..planning.plan import Plan
+    from ..planning.schedules import Timeline
+    from ..planning.trace import TracedModel
 
 __all__ = ["REPORT_FORMAT_VERSION", "report_data", "timeline_data", "layer_rows", "sort_layer_rows", "LAYER_SORT_KEYS",
            "stage_ranks_of"]
@@ -50,7 +50,7 @@ LAYER_SORT_KEYS = {
 
 def stage_ranks_of(plan: "Plan") -> list[int]:
     """The rank that runs each stage of ``plan`` (stage ``s`` -> ``ranks[s]``)."""
-    from ..schedules import stage_ranks
+    from ..planning.schedules import stage_ranks
 
     return stage_ranks(plan.schedule, plan.num_stages // plan.stages_per_rank, plan.stages_per_rank)
 
@@ -79,7 +79,7 @@ def report_data(
     """Collect every number of a plan's report into one JSON-ready dictionary.
 
     Args:
-        plan: a :class:`~autopipe.plan.Plan`.
+        plan: a :class:`~autopipe.planning.plan.Plan`.
 
     Keyword Args:
         timeline: the plan's simulated timeline; built with
@@ -172,7 +172,7 @@ def timeline_data(timeline: "Timeline") -> dict[str, Any]:
         ``busy_s`` and ``events`` (rank, stage, microbatch, kind, start_s, end_s).
 
     Example:
-        >>> from autopipe.schedules import simulate
+        >>> from autopipe.planning.schedules import simulate
         >>> timeline_data(simulate([1.0], [2.0], schedule="GPipe", n_microbatches=1))["step_s"]
         3.0
     """
@@ -191,8 +191,8 @@ def layer_rows(traced: "TracedModel", costs: "list[SegmentCost]") -> list[dict[s
     """The per-layer profile: one row per segment, named by the split point it starts at.
 
     Args:
-        traced: a :class:`~autopipe.trace.TracedModel`.
-        costs: its profile, one :class:`~autopipe.costgraph.SegmentCost` per segment.
+        traced: a :class:`~autopipe.planning.trace.TracedModel`.
+        costs: its profile, one :class:`~autopipe.planning.costgraph.SegmentCost` per segment.
 
     Returns:
         Rows with ``index``, ``name``, ``modules``, ``fwd_s``, ``bwd_s``, ``param_bytes``,

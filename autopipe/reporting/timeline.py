@@ -8,7 +8,7 @@ per micro-batch, and cut ``c`` (between stages ``c`` and ``c + 1``) delays each 
 action: merging outputs, the loss broadcast, tied gradients) is the plan's ``predicted_step_s``.
 
 Example:
-    >>> from autopipe.plan import Plan, StagePlan
+    >>> from autopipe.planning.plan import Plan, StagePlan
     >>> from autopipe.reporting.timeline import plan_timeline
     >>> stages = [StagePlan(index=i, fqns=[f"layers.{i}"], first_segment=i, last_segment=i,
     ...                     fwd_s=1.0, bwd_s=2.0, comm_s=0.0, param_bytes=0, act_bytes=0,
@@ -24,8 +24,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..plan import Plan
-    from ..schedules import Timeline
+    from ..planning.plan import Plan
+    from ..planning.schedules import Timeline
 
 __all__ = ["cut_comm_s", "plan_timeline", "split_timeline"]
 
@@ -39,7 +39,7 @@ def cut_comm_s(plan: "Plan") -> list[float]:
     type (2 GB/s and 100 us on CPU, 10 GB/s and 20 us on CUDA) for plans without them.
 
     Args:
-        plan: a :class:`~autopipe.plan.Plan`.
+        plan: a :class:`~autopipe.planning.plan.Plan`.
 
     Returns:
         ``num_stages - 1`` seconds, cut ``c`` between stage ``c`` and stage ``c + 1``.
@@ -47,7 +47,7 @@ def cut_comm_s(plan: "Plan") -> list[float]:
     Example:
         >>> cut_comm_s(plan) == [0.0]  # doctest: +SKIP
     """
-    from ..devices import default_link
+    from ..machine.device import default_link
 
     segments = plan.extras.get("segments") or []
     links = plan.extras.get("links") or {}
@@ -70,10 +70,10 @@ def plan_timeline(plan: "Plan") -> "Timeline":
     """Simulate one training step of ``plan`` under its schedule: the timeline reports draw.
 
     Args:
-        plan: a :class:`~autopipe.plan.Plan` (from :func:`autopipe.partition` or ``Plan.load``).
+        plan: a :class:`~autopipe.planning.plan.Plan` (from :func:`autopipe.partition` or ``Plan.load``).
 
     Returns:
-        A :class:`~autopipe.schedules.Timeline`; ``to_chrome_trace()`` gives the Chrome trace,
+        A :class:`~autopipe.planning.schedules.Timeline`; ``to_chrome_trace()`` gives the Chrome trace,
         ``to_text()`` a text Gantt chart.
 
     Raises:
@@ -83,7 +83,7 @@ def plan_timeline(plan: "Plan") -> "Timeline":
     Example:
         >>> print(plan_timeline(plan).to_text())  # doctest: +SKIP
     """
-    from ..schedules import simulate
+    from ..planning.schedules import simulate
 
     return simulate(
         [s.fwd_s for s in plan.stages],
@@ -106,7 +106,7 @@ def split_timeline(plan: "Plan", split_points: "list[str]") -> "Timeline":
         split_points: segment names to cut before, in order, as many as the plan's cuts.
 
     Returns:
-        The simulated :class:`~autopipe.schedules.Timeline`.
+        The simulated :class:`~autopipe.planning.schedules.Timeline`.
 
     Raises:
         ValueError: the plan has no profile, or a split point is not a segment name, or
@@ -117,8 +117,8 @@ def split_timeline(plan: "Plan", split_points: "list[str]") -> "Timeline":
         >>> hand.step_s >= plan.predicted_step_s  # doctest: +SKIP
         True
     """
-    from ..devices import default_link
-    from ..schedules import simulate
+    from ..machine.device import default_link
+    from ..planning.schedules import simulate
 
     segments = plan.extras.get("segments") or []
     if not segments:

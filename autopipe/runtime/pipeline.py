@@ -10,8 +10,8 @@ A training loop changes in two lines and runs under ``torchrun`` (or ``autopipe 
 
 What happens, on every rank:
 
-1. **Plan.** The split comes from a :class:`~autopipe.plan.Plan` (an object or a JSON
-   file), from ``split_points`` given by hand, or from :func:`autopipe.planner.partition`
+1. **Plan.** The split comes from a :class:`~autopipe.planning.plan.Plan` (an object or a JSON
+   file), from ``split_points`` given by hand, or from :func:`autopipe.planning.planner.partition`
    run once on rank 0 and broadcast - so timings measured differently on each rank can
    never give two ranks different splits.
 2. **Build.** ``torch.distributed.pipelining.pipeline()`` cuts a private copy of the model
@@ -43,13 +43,13 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .. import hf_compat
+from ..planning import hf_compat
 from ..errors import PipelineStepError
-from ..inplace import clone_inputs_written_in_place
-from ..plan import Plan, StagePlan
-from ..schedules import (SPLIT_BACKWARD_SCHEDULES, canonical_schedule_name, schedule_class, stage_ranks,
+from ..planning.inplace import clone_inputs_written_in_place
+from ..planning.plan import Plan, StagePlan
+from ..planning.schedules import (SPLIT_BACKWARD_SCHEDULES, canonical_schedule_name, schedule_class, stage_ranks,
                          validate_schedule)
-from ..trace import resolve_example_inputs
+from ..planning.trace import resolve_example_inputs
 from .checkpointing import checkpoint_stage, resolve_checkpoint_stages
 from .distributed import (DEFAULT_TIMEOUT_S, broadcast_object, default_device, hold_process_group, init_distributed,
                           release_process_group)
@@ -89,7 +89,7 @@ class Pipeline:
         example_kwargs: keyword inputs of one micro-batch.
         loss_fn: ``loss_fn(output, target) -> scalar`` for one micro-batch, averaging over
             it (as ``nn.CrossEntropyLoss()`` does). Needed by :meth:`step` and :meth:`evaluate`.
-        plan: a :class:`~autopipe.plan.Plan` or the path of a plan JSON file. Exclusive
+        plan: a :class:`~autopipe.planning.plan.Plan` or the path of a plan JSON file. Exclusive
             with ``split_points``.
         split_points: module names to cut before (``["layers.1"]``), to split by hand.
         n_stages: number of pipeline ranks; must equal the world size (the default).
@@ -104,7 +104,7 @@ class Pipeline:
             stage indices; a checkpointed stage recomputes its forward during backward.
         device: where this rank runs; default CUDA ``LOCAL_RANK`` when present, else CPU.
         timeout_s: collective timeout when the pipeline creates the process group itself.
-        planner_options: extra keyword arguments for :func:`autopipe.planner.partition`;
+        planner_options: extra keyword arguments for :func:`autopipe.planning.planner.partition`;
             with ``example_target`` (one micro-batch's target) the planner also charges
             ``loss_fn``'s time and saved bytes to the last stage.
         profile_in_ranks: when the pipeline plans (no ``plan`` or ``split_points``): True has
@@ -234,7 +234,7 @@ class Pipeline:
             if profile_in_ranks is None:
                 profile_in_ranks = _profile_in_ranks_by_default(self.world_size, options)
             if profile_in_ranks:  # every rank at once, before rank 0 plans from their mean
-                from ..rank_profile import profile_in_ranks as profile_together
+                from ..planning.rank_profile import profile_in_ranks as profile_together
 
                 options["costs"] = profile_together(model, example_args, example_kwargs,
                                                     device=options.get("device", self.device),
@@ -277,7 +277,7 @@ class Pipeline:
         outcome: tuple[str, Any] | None = None
         if self.rank == 0:
             try:
-                from ..planner import partition  # the planner is optional until it is installed
+                from ..planning.planner import partition  # the planner is optional until it is installed
 
                 options.setdefault("device", self.device)  # measure where the stages will run
                 found = partition(model, n_ranks, example_args=example_args, example_kwargs=example_kwargs,
@@ -319,7 +319,7 @@ class Pipeline:
         self._check_same_model(model)
         local_model = copy.deepcopy(model)
         # The copy is private, so a Hugging Face KV cache simply stays off: it is no trainable
-        # output and cannot leave a stage (autopipe.hf_compat; the planner's report says so).
+        # output and cannot leave a stage (autopipe.planning.hf_compat; the planner's report says so).
         hf_compat.turn_off_cache(local_model)
         self._example = (self._example[0], hf_compat.training_kwargs(local_model, self._example[1])[0])
         self._names: StateNames = model_state_names(local_model)
@@ -641,7 +641,7 @@ class Pipeline:
         if self._train_schedule is None:
             raise RuntimeError("measure_stage_times() trains and needs a loss; construct the Pipeline with loss_fn=...")
         self._check_batch(args, kwargs, target, need_target=True)
-        from ..profile import Timer, per_run_s
+        from ..planning.profile import Timer, per_run_s
 
         timer = Timer(self.device)
         saved = [(p, p.grad) for p in self.parameters()]
@@ -743,7 +743,7 @@ class Pipeline:
 
     def _as_traced(self, kwargs: dict) -> dict:
         """``kwargs`` with ``use_cache=True`` read as False where the pipeline traced a Hugging Face
-        model with its KV cache off (:mod:`autopipe.hf_compat`): it trains without a cache."""
+        model with its KV cache off (:mod:`autopipe.planning.hf_compat`): it trains without a cache."""
         if kwargs.get("use_cache") is True and self._example[1].get("use_cache") is False:
             return {**kwargs, "use_cache": False}
         return dict(kwargs)
@@ -1281,7 +1281,7 @@ def _split(model: nn.Module, split_spec: dict, example: tuple[tuple, dict], *, t
     relay_skip_connections(pipe)
     for s in range(pipe.num_stages):
         # A received input is a leaf that requires grad: one the stage (or a submodule it
-        # calls) writes in place, as ReLU(inplace=True) does, gets a copy (autopipe.inplace).
+        # calls) writes in place, as ReLU(inplace=True) does, gets a copy (autopipe.planning.inplace).
         clone_inputs_written_in_place(pipe.get_stage_module(s).graph)
         _make_boundary_tensors_sendable(pipe.get_stage_module(s), first=s == 0, last=s == pipe.num_stages - 1)
         _run_generated_code(pipe.get_stage_module(s))
@@ -1658,7 +1658,7 @@ def _rank_profile_settings(options: Mapping[str, Any]) -> dict[str, Any]:
         >>> _rank_profile_settings({"repeats": 3, "flush_cache": False})
         {'warmup': 2, 'repeats': 3, 'flush_cache': False}
     """
-    from ..profile import profile_segments
+    from ..planning.profile import profile_segments
 
     defaults = inspect.signature(profile_segments).parameters
     settings = {k: options.get(k, defaults[k].default) for k in ("warmup", "repeats")}

@@ -19,8 +19,8 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
 import torch
 import torch.distributed as dist
 import autopipe
-import autopipe.profile as P
-from autopipe.trace import trace
+import autopipe.planning.profile as P
+from autopipe.planning.trace import trace
 from _pipebench import MODELS, ce_loss, make_target, stack_microbatches, StageChain, world_of_one
 from autopipe.models.zoo import build
 

@@ -118,7 +118,7 @@ def export_still_fails(entry: ThirdPartyModel) -> str | None:
     """Step 4: the first line of ``torch.export``'s error now (KV cache off), or None if it exports."""
     import torch
 
-    from autopipe import hf_compat
+    from autopipe.planning import hf_compat
 
     built = entry.build()
     try:

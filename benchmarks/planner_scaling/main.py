@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the checkout, also when autopipe is not installed
 from _common import median, write_result  # noqa: E402
 
-from autopipe.partitioner import PartitionProblem, solve_bottleneck  # noqa: E402
+from autopipe.planning.partitioner import PartitionProblem, solve_bottleneck  # noqa: E402
 
 
 def make_problem(n: int, p: int, seed: int = 0) -> PartitionProblem:

@@ -1,9 +1,9 @@
 """Prediction accuracy: the plan's predicted step time and per-rank peak memory vs real pipelines.
 
-First the machine is measured once, as a user would with ``python -m autopipe.measure
---overhead``: the link between two ranks (``autopipe.measure.measure_link``) and the runtime's
+First the machine is measured once, as a user would with ``python -m autopipe.machine.measure
+--overhead``: the link between two ranks (``autopipe.machine.measure.measure_link``) and the runtime's
 cost per pipeline action plus the slowdown of ranks computing at once
-(``autopipe.measure.measure_action_overhead``). Then for each model x schedule x micro-batch
+(``autopipe.machine.measure.measure_action_overhead``). Then for each model x schedule x micro-batch
 count this script
 
 1. profiles the model in 2 spawned ranks at once (``autopipe.profile_in_ranks``, one thread
@@ -49,11 +49,11 @@ from _pipebench import (  # noqa: E402
 )
 
 import autopipe  # noqa: E402
-from autopipe.costgraph import SegmentCost  # noqa: E402
-from autopipe.devices import default_action_overhead_s, default_link  # noqa: E402
-from autopipe.measure import measure_action_overhead, measure_link  # noqa: E402
-from autopipe.profile import profile_segments  # noqa: E402
-from autopipe.trace import trace  # noqa: E402
+from autopipe.planning.costgraph import SegmentCost  # noqa: E402
+from autopipe.machine.device import default_action_overhead_s, default_link  # noqa: E402
+from autopipe.machine.measure import measure_action_overhead, measure_link  # noqa: E402
+from autopipe.planning.profile import profile_segments  # noqa: E402
+from autopipe.planning.trace import trace  # noqa: E402
 
 # (schedule, stages per rank): two single-stage, two multi-stage schedules torch offers.
 SCHEDULES = (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2))
@@ -69,7 +69,7 @@ def _cut_bytes(plan: autopipe.Plan) -> list[int]:
 
 
 def measure_machine(opts: argparse.Namespace, log) -> dict[str, Any]:
-    """The link and the runtime overhead, measured once, as ``python -m autopipe.measure --overhead`` does."""
+    """The link and the runtime overhead, measured once, as ``python -m autopipe.machine.measure --overhead`` does."""
     smoke = opts.size == "smoke"
     link = measure_link(device=opts.device, repeats=3 if smoke else 10)
     overhead = measure_action_overhead(

@@ -35,7 +35,7 @@ from _pipebench import host_info, median, run_world  # noqa: E402
 
 from autopipe.models.transformer import SeedTransformer  # noqa: E402
 from autopipe.runtime import Pipeline  # noqa: E402
-from autopipe.schedules import schedule_class  # noqa: E402
+from autopipe.planning.schedules import schedule_class  # noqa: E402
 
 SIZES = {  # model and batch per size: (vocab, d_model, heads, d_ff, layers, seq_len, microbatch, n_microbatches)
     "full": (4000, 256, 8, 1024, 4, 128, 4, 8),

@@ -44,7 +44,7 @@ from _pipebench import (  # noqa: E402
 )
 
 import autopipe  # noqa: E402
-from autopipe.trace import trace  # noqa: E402
+from autopipe.planning.trace import trace  # noqa: E402
 
 BASELINE_ORDER = ("equal_layers", "balanced_params", "block_partition")
 QUICK_MODELS = ("seed_transformer", "cnn", "mlp")

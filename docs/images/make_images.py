@@ -16,11 +16,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from autopipe.plan import Plan
+from autopipe.planning.plan import Plan
 from autopipe.reporting.charts import timeline_figure
 from autopipe.reporting.data import timeline_data
 from autopipe.reporting.timeline import cut_comm_s, split_timeline
-from autopipe.schedules import simulate
+from autopipe.planning.schedules import simulate
 
 HERE = Path(__file__).resolve().parent
 
@@ -50,7 +50,7 @@ def concept_pictures() -> list[Path]:
 
 def demo_pictures() -> list[Path]:
     """Run the demo and keep its charts, plus the hand split's timeline beside autopipe's."""
-    from autopipe.demo import run_demo
+    from autopipe.cli.demo import run_demo
 
     out = []
     with tempfile.TemporaryDirectory() as tmp:

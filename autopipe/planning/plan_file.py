@@ -2,7 +2,7 @@
 
 A plan file is data, never code: it is read as UTF-8 JSON (no pickle, no imports, no
 ``eval``), and :func:`plan_from_data` checks every field against what it may hold before a
-:class:`~autopipe.plan.Plan` is built from it. A file that fails raises one error type,
+:class:`~autopipe.planning.plan.Plan` is built from it. A file that fails raises one error type,
 :class:`~autopipe.errors.PlanFileError`, whose ``field`` names the field at fault.
 
 What is checked (``docs/api.md`` lists it for users):
@@ -15,12 +15,12 @@ What is checked (``docs/api.md`` lists it for users):
 * that the fields agree: ``num_stages == len(split_points) + 1 == len(stages)``, split
   points distinct non-empty names, stages numbered in order over contiguous segments,
   ``num_stages % stages_per_rank == 0``, a schedule torch can run with these counts, and a
-  step of at most :data:`~autopipe.schedules.MAX_SCHEDULE_SIZE` (stage, micro-batch) pairs;
+  step of at most :data:`~autopipe.planning.schedules.MAX_SCHEDULE_SIZE` (stage, micro-batch) pairs;
 * the entries of ``extras`` that autopipe reads back (per-segment costs, links, overheads,
   the report's figures); other entries are kept as they are.
 
 Example:
-    >>> from autopipe.plan_file import plan_from_data
+    >>> from autopipe.planning.plan_file import plan_from_data
     >>> plan_from_data(["not", "a", "plan"])
     Traceback (most recent call last):
     ...
@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import MISSING, fields
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from .errors import PlanFileError
+from ..errors import PlanFileError
 from .schedules import MAX_SCHEDULE_SIZE, check_schedule_size, validate_schedule
 
 if TYPE_CHECKING:
@@ -242,7 +242,7 @@ def _required(cls: type) -> frozenset[str]:
 
 
 def plan_from_data(data: Any, cls: type[Plan] | None = None, *, path: str | None = None) -> Plan:
-    """A :class:`~autopipe.plan.Plan` (or ``cls``) from plan data, every field checked first.
+    """A :class:`~autopipe.planning.plan.Plan` (or ``cls``) from plan data, every field checked first.
 
     Args:
         data: what ``json.load`` gives for a plan file (``Plan.to_dict()``'s layout).
@@ -253,7 +253,7 @@ def plan_from_data(data: Any, cls: type[Plan] | None = None, *, path: str | None
         PlanFileError: the first field at fault, named in the message and in ``.field``.
 
     Example:
-        >>> from autopipe.plan import Plan
+        >>> from autopipe.planning.plan import Plan
         >>> plan = Plan.load("plan.json")  # doctest: +SKIP
         >>> plan_from_data(plan.to_dict()) == plan  # doctest: +SKIP
         True

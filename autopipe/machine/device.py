@@ -6,7 +6,7 @@ the next device in the pipeline. Memory may be given in bytes or as a string
 (``"16GiB"``, ``"512 MB"``).
 
 Example:
-    >>> from autopipe.devices import Device, parse_bytes
+    >>> from autopipe.machine.device import Device, parse_bytes
     >>> parse_bytes("16GiB")
     17179869184
     >>> Device(speed=2.0, memory="8GiB").memory_bytes
@@ -89,7 +89,7 @@ def _check_seconds(name: str, value: object) -> float:
 
 
 #: Default link between neighbouring devices, per device type: (bytes/s, seconds per message).
-#: CPU: gloo over loopback TCP, measured with `python -m autopipe.measure` on a 2-core host
+#: CPU: gloo over loopback TCP, measured with `python -m autopipe.machine.measure` on a 2-core host
 #: (1.9-2.4 GB/s, 136-144 us per message; docs/costs-and-measurement.md).
 #: CUDA: a conservative PCIe-class peer link (NVLink is 10x faster: pass bandwidth= to say so).
 _DEFAULT_LINKS = {"cpu": (2e9, 100e-6), "cuda": (10e9, 20e-6)}
@@ -102,14 +102,14 @@ def default_link(device_type: str) -> tuple[float, float]:
 
 #: Default seconds each pipeline action (F, B, I, W) costs beyond its compute, per device type.
 #: CPU: gloo processes on a shared 2-core host, measured with
-#: `python -m autopipe.measure --overhead` (docs/costs-and-measurement.md).
+#: `python -m autopipe.machine.measure --overhead` (docs/costs-and-measurement.md).
 #: CUDA: none is assumed. The GPUs lent so far (one H100 at a time) could not run the
 #: two-rank probe (NCCL refuses two ranks on one device). One-stage pipelines on one H100
 #: implied -0.9 to +0.2 ms per action for four of five models (GPT-2: -1.8 to -1.4 ms) once the
 #: profile was fitted to the whole graph
 #: (benchmarks/gpu_one_rank), so 0; two stages on that rank, sending to itself through NCCL,
 #: implied 0.27-0.34 ms, the sends' cost, which between two GPUs is unmeasured.
-#: Measure it on your GPUs with autopipe.measure.measure_action_overhead and pass action_overhead_s=.
+#: Measure it on your GPUs with autopipe.machine.measure.measure_action_overhead and pass action_overhead_s=.
 _DEFAULT_ACTION_OVERHEAD_S = {"cpu": 0.7e-3, "cuda": 0.0}
 
 

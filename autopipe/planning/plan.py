@@ -6,7 +6,7 @@ runtime (:class:`autopipe.Pipeline`) and of the reports. It is a plain, serialis
 back, so a plan computed once can be shared by every rank of a job.
 
 Example:
-    >>> from autopipe.plan import Plan, StagePlan
+    >>> from autopipe.planning.plan import Plan, StagePlan
     >>> stage = StagePlan(index=0, fqns=["layers.0"], first_segment=0, last_segment=0,
     ...                   fwd_s=1e-3, bwd_s=2e-3, comm_s=0.0, param_bytes=4, act_bytes=8,
     ...                   peak_bytes=24, send_bytes=0, recv_bytes=0)
@@ -190,7 +190,7 @@ class Plan:
 
         The sum of ``extras["step_tail_s"]`` (merging the last stage's outputs, the loss
         broadcast, summing tied gradients across ranks; see
-        :func:`autopipe.planner.step_tail_s`); 0 for plans made before autopipe charged it.
+        :func:`autopipe.planning.planner.step_tail_s`); 0 for plans made before autopipe charged it.
         ``predicted_step_s`` = the simulated schedule + this.
 
         Example:
@@ -305,7 +305,7 @@ class Plan:
 
         Every figure is traced back to the profile: times per micro-batch, bytes per device.
         """
-        from .reporting.text import plan_to_text  # local import: reporting depends on plan
+        from ..reporting.text import plan_to_text  # local import: reporting depends on plan
 
         return plan_to_text(self)
 
@@ -328,7 +328,7 @@ class Plan:
     def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
         """Inverse of :meth:`to_dict`, every field checked before the plan is built.
 
-        The checks are :meth:`load`'s, listed in :mod:`autopipe.plan_file`.
+        The checks are :meth:`load`'s, listed in :mod:`autopipe.planning.plan_file`.
 
         Raises:
             PlanFileError: the first field at fault (``.field``): a newer or unknown format
@@ -359,7 +359,7 @@ class Plan:
         """Read a plan written by :meth:`save`, checking the whole file before using any of it.
 
         The file is read as JSON data only: nothing in it is run. Every field is checked
-        (types, ranges, the counts agreeing with each other; :mod:`autopipe.plan_file` has
+        (types, ranges, the counts agreeing with each other; :mod:`autopipe.planning.plan_file` has
         the list) and, with ``model``, the split points against the model's modules
         (:meth:`check_model`).
 

@@ -53,7 +53,7 @@ def profile_in_ranks(
 
     Collective: every rank of the default process group calls it, with the same model and
     one micro-batch of inputs. Each rank traces the model; then, after a barrier, all run
-    :func:`autopipe.profile.profile_segments` at once, each on its device (on CUDA the
+    :func:`autopipe.planning.profile.profile_segments` at once, each on its device (on CUDA the
     current one: set it per rank first, as for training); each segment's
     forward, backward and accumulation seconds are then the mean over the ranks (the sizes
     and bytes are the same everywhere). Pass the result to ``autopipe.partition(...,
@@ -65,14 +65,14 @@ def profile_in_ranks(
 
     Keyword Args:
         device: Where each rank profiles (default: CUDA when present, else the CPU).
-        warmup, repeats, flush_cache, fit_to_whole: As for :func:`autopipe.profile.profile_segments`.
+        warmup, repeats, flush_cache, fit_to_whole: As for :func:`autopipe.planning.profile.profile_segments`.
 
     Returns:
-        Per segment, the ranks' mean costs, as :func:`autopipe.profile.profile_segments` returns them.
+        Per segment, the ranks' mean costs, as :func:`autopipe.planning.profile.profile_segments` returns them.
 
     Raises:
         RuntimeError: no process group has been started.
-        ValueError: as :func:`autopipe.profile.profile_segments`, on every rank, before any profiling.
+        ValueError: as :func:`autopipe.planning.profile.profile_segments`, on every rank, before any profiling.
 
     Example:
         >>> costs = profile_in_ranks(model, (x,), device="cpu")  # doctest: +SKIP

@@ -1,7 +1,7 @@
 """Measure what every segment costs: forward and backward time, parameters, activations.
 
 Third step of the data flow. :func:`profile_segments` runs each segment of a
-:class:`~autopipe.trace.TracedModel` on its own, on the target device, with the real
+:class:`~autopipe.planning.trace.TracedModel` on its own, on the target device, with the real
 tensors the previous segments produce for the example micro-batch:
 
 * forward seconds and backward seconds are *measured* (warm-up, then the mean of
@@ -26,8 +26,8 @@ the forward (BatchNorm statistics) are restored, and so is the RNG state.
 
 Example:
     >>> from autopipe.models import seed_transformer
-    >>> from autopipe.trace import trace
-    >>> from autopipe.profile import profile_segments
+    >>> from autopipe.planning.trace import trace
+    >>> from autopipe.planning.profile import profile_segments
     >>> model, args = seed_transformer(vocab_size=100, num_layers=1, seq_len=8)
     >>> costs = profile_segments(trace(model, args), repeats=1, warmup=0, progress=False)
     >>> all(c.fwd_s > 0 for c in costs)
@@ -52,7 +52,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 from torch.utils.flop_counter import FlopCounterMode
 
 from . import hf_compat
-from ._progress import progress_iter
+from .._progress import progress_iter
 from .costgraph import SegmentCost, requires_grad_map, tensor_bytes
 from .inplace import clone_inputs_written_in_place
 from .trace import TracedModel
@@ -323,7 +323,7 @@ def copy_to_device(module: fx.GraphModule, device: str | torch.device) -> fx.Gra
 
     Example:
         >>> from autopipe.models import seed_transformer
-        >>> from autopipe.trace import trace
+        >>> from autopipe.planning.trace import trace
         >>> model, args = seed_transformer(vocab_size=100, num_layers=1, seq_len=8)
         >>> moved = copy_to_device(trace(model, args).graph_module, "meta")
         >>> {p.device.type for p in moved.parameters()}
@@ -667,7 +667,7 @@ def profile_segments(
     """Measure (or estimate) every segment's cost per micro-batch.
 
     Args:
-        traced: The result of :func:`autopipe.trace.trace`.
+        traced: The result of :func:`autopipe.planning.trace.trace`.
 
     Keyword Args:
         cost: ``"measured"`` (time it), ``"flops"`` or ``"params"`` (estimate it); see the
@@ -704,7 +704,7 @@ def profile_segments(
     ``device`` for the profile's duration, as ``.grad`` would be in training.
 
     Returns:
-        One :class:`~autopipe.costgraph.SegmentCost` per segment, in graph order, as a
+        One :class:`~autopipe.planning.costgraph.SegmentCost` per segment, in graph order, as a
         :class:`SegmentCosts` list (its ``whole`` says what the whole graph took). Attach
         them with ``build_cost_graph(traced, costs)``.
 
@@ -714,7 +714,7 @@ def profile_segments(
 
     Example:
         >>> from autopipe.models import seed_transformer
-        >>> from autopipe.trace import trace
+        >>> from autopipe.planning.trace import trace
         >>> model, args = seed_transformer(vocab_size=100, num_layers=1, seq_len=8)
         >>> costs = profile_segments(trace(model, args), cost="flops", progress=False)
         >>> costs[-1].flops > 0

@@ -227,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
         >>> build_parser().parse_args(["plan", "m.py:make", "--gpus", "2"]).gpus
         2
     """
-    from . import __version__
+    from .. import __version__
 
     parser = _Parser(
         prog=PROG, formatter_class=_Formatter, epilog=_MAIN_EPILOG,
@@ -242,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("profile", help="per-layer cost table of a model", formatter_class=_Formatter,
                        epilog=_PROFILE_EPILOG, description="Trace MODEL and measure what every layer costs.")
     _add_model_options(p)
-    from .reporting.data import LAYER_SORT_KEYS
+    from ..reporting.data import LAYER_SORT_KEYS
 
     p.add_argument("--sort", choices=list(LAYER_SORT_KEYS), default="graph",
                    help="graph order, or largest first by total time, forward, backward, params, activations, out")
@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-us", type=float, help="microseconds per message between devices")
     p.add_argument("--action-overhead-ms", type=float,
                    help="milliseconds each pipeline action costs beyond its compute (default: 0.7 on CPU, "
-                        "0 on CUDA; measure with python -m autopipe.measure --overhead)")
+                        "0 on CUDA; measure with python -m autopipe.machine.measure --overhead)")
     p.add_argument("--objective", choices=("step", "bottleneck"), default="step",
                    help="minimise the simulated step, or only the heaviest stage")
     p.add_argument("--out", metavar="FILE", help="save the plan as JSON")
@@ -332,7 +332,7 @@ def _spinner(message: str) -> Any:
 
 def _check_outputs(args: argparse.Namespace) -> None:
     """Every output path is checked before any tracing or profiling starts."""
-    from .reporting.files import check_writable, report_format
+    from ..reporting.files import check_writable, report_format
 
     for path in getattr(args, "report", []) or []:
         try:
@@ -364,7 +364,7 @@ def _load_model(args: argparse.Namespace) -> Any:
 def _bandwidth(text: str | None) -> float | None:
     if text is None:
         return None
-    from .devices import parse_bytes
+    from ..machine.device import parse_bytes
 
     try:
         return float(parse_bytes(text.strip().removesuffix("/s"), name="--bandwidth"))
@@ -381,8 +381,8 @@ def _memory(text: str | None) -> Any:
 
 
 def _write_plan_outputs(plan: Any, args: argparse.Namespace, data: dict[str, Any], timeline: Any) -> list[Path]:
-    from .reporting.chrome import simulated_trace
-    from .reporting.files import write_json, write_report
+    from ..reporting.chrome import simulated_trace
+    from ..reporting.files import write_json, write_report
 
     written: list[Path] = []
     if getattr(args, "out", None):
@@ -393,7 +393,7 @@ def _write_plan_outputs(plan: Any, args: argparse.Namespace, data: dict[str, Any
         _status(f"writing {path} ...")
         written += write_report(data, path)
     if args.png_dir:
-        from .reporting.charts import save_pngs
+        from ..reporting.charts import save_pngs
 
         written += list(save_pngs(data, args.png_dir).values())
     if args.trace:
@@ -412,10 +412,10 @@ def _print_written(paths: list[Path]) -> None:
 def _cmd_profile(args: argparse.Namespace) -> int:
     _check_outputs(args)
     loaded = _load_model(args)
-    from .profile import profile_segments
-    from .reporting.data import layer_rows, sort_layer_rows
-    from .reporting.terminal import print_layers
-    from .trace import trace
+    from ..planning.profile import profile_segments
+    from ..reporting.data import layer_rows, sort_layer_rows
+    from ..reporting.terminal import print_layers
+    from ..planning.trace import trace
 
     with _spinner(f"tracing {type(loaded.model).__name__} with torch.export ..."):
         traced = trace(loaded.model, loaded.example_args, loaded.example_kwargs)
@@ -430,12 +430,12 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     print_layers(shown, title=title, totals_of=rows)
     written: list[Path] = []
     if args.json:
-        from .reporting.files import write_json
+        from ..reporting.files import write_json
 
         written.append(write_json({"model": traced.model_name, "spec": args.model, "cost_source": args.cost,
                                    "layers": rows}, args.json))
     if args.png:
-        from .reporting.charts import layer_cost_figure
+        from ..reporting.charts import layer_cost_figure
 
         Path(args.png).parent.mkdir(parents=True, exist_ok=True)
         layer_cost_figure(rows, title=f"Per-layer cost - {traced.model_name}").savefig(args.png, dpi=110)
@@ -477,9 +477,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _show_plan(plan: Any, args: argparse.Namespace) -> int:
     """Print a plan with its simulated timeline, and write the files the options ask for."""
-    from .reporting.data import report_data
-    from .reporting.terminal import print_plan
-    from .reporting.timeline import plan_timeline
+    from ..reporting.data import report_data
+    from ..reporting.terminal import print_plan
+    from ..reporting.timeline import plan_timeline
 
     timeline = plan_timeline(plan)
     data = report_data(plan, timeline=timeline)
@@ -494,7 +494,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         raise CliError(f"PLAN_JSON {args.plan_file!r} does not exist" if not path.exists()
                        else f"PLAN_JSON {args.plan_file!r} is not a file")
     _check_outputs(args)
-    from .plan import Plan
+    from ..planning.plan import Plan
 
     try:
         plan = Plan.load(path)
@@ -505,7 +505,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
-    from .reporting.files import check_writable
+    from ..reporting.files import check_writable
 
     check_writable(args.out_dir, what="--out-dir", directory=True)
     run_demo(out_dir=args.out_dir, steps=args.steps, train=not args.no_train,
@@ -518,7 +518,7 @@ def _cmd_run(argv: Sequence[str]) -> int:
         print(_RUN_HELP)
         return 0
     try:
-        from .runtime.launch import main as launch_main
+        from ..runtime.launch import main as launch_main
     except ImportError as e:
         raise CliError(f"the runtime launcher is not available in this install ({e})") from None
     return launch_main(list(argv))
@@ -580,7 +580,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - the CLI's promise: one line, not a traceback wall
         if args.debug:
             raise
-        from .errors import AutopipeError
+        from ..errors import AutopipeError
 
         expected = isinstance(e, (AutopipeError, ValueError, TypeError, OSError, KeyError, ImportError))
         hint = "" if expected else f" ({type(e).__name__}; rerun with --debug for the traceback)"

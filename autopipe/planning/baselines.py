@@ -15,9 +15,9 @@ torchtitan do.
   for: balanced to within one layer, not min-max optimal).
 
 Example:
-    >>> from autopipe.baselines import layer_units
+    >>> from autopipe.planning.baselines import layer_units
     >>> from autopipe.models import seed_transformer
-    >>> from autopipe.trace import trace
+    >>> from autopipe.planning.trace import trace
     >>> model, args = seed_transformer(vocab_size=100, num_layers=4, seq_len=8)
     >>> units = layer_units(trace(model, args))
     >>> units.block_names

@@ -29,7 +29,7 @@ per-stage speeds, per-cut communication and memory windows.
 
 Example:
     >>> import numpy as np
-    >>> from autopipe.partitioner import PartitionProblem, solve_bottleneck
+    >>> from autopipe.planning.partitioner import PartitionProblem, solve_bottleneck
     >>> prob = PartitionProblem.uniform(compute_s=[1, 1, 1, 4], num_stages=2)
     >>> solve_bottleneck(prob).cuts   # stage 0 = segments 0..2, stage 1 = segment 3
     [3]
@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import InfeasibleMemoryError
+from ..errors import InfeasibleMemoryError
 
 __all__ = [
     "PartitionProblem",

@@ -21,7 +21,7 @@ measures and the partitioner groups into stages.
 Example:
     >>> import torch
     >>> from autopipe.models import seed_transformer
-    >>> from autopipe.trace import trace
+    >>> from autopipe.planning.trace import trace
     >>> model, args = seed_transformer(vocab_size=100, num_layers=2, seq_len=8)
     >>> traced = trace(model, args)
     >>> traced.split_point_names[:3]
@@ -45,7 +45,7 @@ import torch.fx as fx
 from torch.export import ExportedProgram
 
 from . import hf_compat
-from .errors import ModelExportError, MissingExampleInputsError
+from ..errors import ModelExportError, MissingExampleInputsError
 
 __all__ = ["SplitCandidate", "Segment", "TracedModel", "trace", "resolve_example_inputs", "export_error",
            "export_failure_kind"]
@@ -88,7 +88,7 @@ class TracedModel:
         segments: ``len(candidates) + 1`` runs of nodes between the cuts.
         example_args / example_kwargs: the micro-batch the model was traced with.
         notes: one line per setting autopipe changed to capture the model (a Hugging Face
-            KV cache turned off, :mod:`autopipe.hf_compat`); the plan's report shows them.
+            KV cache turned off, :mod:`autopipe.planning.hf_compat`); the plan's report shows them.
     """
 
     exported: ExportedProgram
@@ -377,7 +377,7 @@ def trace(
         example_kwargs: One micro-batch of keyword inputs.
 
     Returns:
-        A :class:`TracedModel`; pass it to :func:`autopipe.profile.profile_segments`.
+        A :class:`TracedModel`; pass it to :func:`autopipe.planning.profile.profile_segments`.
 
     Raises:
         MissingExampleInputsError: no inputs given and none carried by the model.

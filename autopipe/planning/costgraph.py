@@ -1,6 +1,6 @@
 """The cost graph: segments as nodes, the tensors between them as edges, bytes on every cut.
 
-Second step of the data flow. From a :class:`~autopipe.trace.TracedModel` it builds a
+Second step of the data flow. From a :class:`~autopipe.planning.trace.TracedModel` it builds a
 ``networkx.DiGraph`` whose nodes are the segments (with their measured costs once a
 profile is attached) and whose edges carry the bytes of the tensors one segment hands to a
 later one. From the same tensors it computes, for every candidate cut, the bytes that
@@ -14,8 +14,8 @@ must cross it per micro-batch:
 
 Example:
     >>> from autopipe.models import seed_transformer
-    >>> from autopipe.trace import trace
-    >>> from autopipe.costgraph import build_cost_graph
+    >>> from autopipe.planning.trace import trace
+    >>> from autopipe.planning.costgraph import build_cost_graph
     >>> model, args = seed_transformer(vocab_size=100, d_model=16, num_layers=2, batch=2, seq_len=8)
     >>> cg = build_cost_graph(trace(model, args))
     >>> k = cg.segment_index("layers.1")
@@ -40,7 +40,7 @@ __all__ = ["SegmentCost", "CostGraph", "build_cost_graph", "tensor_bytes", "requ
 
 @dataclass
 class SegmentCost:
-    """What one segment costs per micro-batch, measured or estimated (see ``autopipe.profile``)."""
+    """What one segment costs per micro-batch, measured or estimated (see ``autopipe.planning.profile``)."""
 
     fwd_s: float  # forward time
     bwd_s: float  # backward time (input and weight gradients)
@@ -166,8 +166,8 @@ def build_cost_graph(traced: TracedModel, costs: list[SegmentCost] | None = None
     """Build the cost graph of a traced model.
 
     Args:
-        traced: The result of :func:`autopipe.trace.trace`.
-        costs: Per-segment costs from :func:`autopipe.profile.profile_segments`; may be
+        traced: The result of :func:`autopipe.planning.trace.trace`.
+        costs: Per-segment costs from :func:`autopipe.planning.profile.profile_segments`; may be
             attached later with :meth:`CostGraph.attach_costs`.
 
     Returns:
@@ -175,7 +175,7 @@ def build_cost_graph(traced: TracedModel, costs: list[SegmentCost] | None = None
 
     Example:
         >>> from autopipe.models import seed_transformer
-        >>> from autopipe.trace import trace
+        >>> from autopipe.planning.trace import trace
         >>> model, args = seed_transformer(vocab_size=100, num_layers=2, seq_len=8)
         >>> cg = build_cost_graph(trace(model, args))
         >>> cg.num_segments == len(cg.graph.nodes)

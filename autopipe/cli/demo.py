@@ -16,7 +16,7 @@ leaves one device idle much of the step. The demo:
    simulated and the measured step.
 
 Example:
-    >>> from autopipe.demo import run_demo
+    >>> from autopipe.cli.demo import run_demo
     >>> result = run_demo(out_dir="/tmp/autopipe-demo", steps=4)  # doctest: +SKIP
     >>> result["measured"]["runs"][0]["name"]  # doctest: +SKIP
     'autopipe'
@@ -84,10 +84,10 @@ def _train_worker(rank: int, world_size: int, port: int, config: dict[str, Any],
         import torch
         import torch.distributed as dist
 
-        from ._spawn import join_loopback_world
-        from .models import seed_transformer
-        from .plan import Plan
-        from .runtime import Pipeline
+        from .._spawn import join_loopback_world
+        from ..models import seed_transformer
+        from ..planning.plan import Plan
+        from ..runtime import Pipeline
 
         torch.set_num_threads(1)  # one core per rank: the profile was taken the same way
         join_loopback_world(rank, world_size, port, timeout_s=_WORKER_TIMEOUT_S)
@@ -221,15 +221,15 @@ def run_demo(
 
     import autopipe
 
-    from .models import seed_transformer
-    from .profile import profile_segments
-    from .reporting.chrome import merge_rank_traces, simulated_trace
-    from .reporting.data import layer_rows, report_data, sort_layer_rows
-    from .reporting.files import write_json, write_report
-    from .reporting.terminal import make_console, print_layers, print_plan
-    from .reporting.text import format_seconds
-    from .reporting.timeline import plan_timeline, split_timeline
-    from .trace import trace
+    from ..models import seed_transformer
+    from ..planning.profile import profile_segments
+    from ..reporting.chrome import merge_rank_traces, simulated_trace
+    from ..reporting.data import layer_rows, report_data, sort_layer_rows
+    from ..reporting.files import write_json, write_report
+    from ..reporting.terminal import make_console, print_layers, print_plan
+    from ..reporting.text import format_seconds
+    from ..reporting.timeline import plan_timeline, split_timeline
+    from ..planning.trace import trace
 
     console = console or make_console()
     out = Path(out_dir)
@@ -341,7 +341,7 @@ def _busy_machine_note() -> str:
 def _print_training(console: Any, runs: list[dict[str, Any]], steps: int) -> None:
     from rich.table import Table
 
-    from .reporting.text import format_seconds
+    from ..reporting.text import format_seconds
 
     table = Table(title="Loss per step (mean over micro-batches; the same data and initial weights for both splits)",
                   title_justify="left")

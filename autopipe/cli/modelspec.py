@@ -32,7 +32,7 @@ A factory may return ``(model, example_args)``, ``(model, example_args, example_
 or the model alone when it carries ``example_input_array`` / ``dummy_inputs``.
 
 Example:
-    >>> from autopipe.modelspec import load_model_spec
+    >>> from autopipe.cli.modelspec import load_model_spec
     >>> loaded = load_model_spec("autopipe.models:seed_transformer",
     ...                          options={"vocab_size": 100, "num_layers": 1, "seq_len": 8})
     >>> type(loaded.model).__name__, tuple(loaded.example_args[0].shape)
@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import AutopipeError
+from ..errors import AutopipeError
 
 __all__ = ["LoadedModel", "ModelSpecError", "load_model_spec", "parse_option_value", "HF_INPUT_OPTIONS"]
 
@@ -149,7 +149,7 @@ def load_model_spec(spec: str, *, options: Mapping[str, Any] | None = None) -> L
         )
     if sep:  # "module:" with nothing after the colon
         raise ModelSpecError(f"MODEL={spec!r} has no factory name after ':'; {_FORMS}")
-    from .models.zoo import ZOO
+    from ..models.zoo import ZOO
 
     if spec in ZOO:
         return _call_zoo(spec, ZOO[spec], options)
@@ -319,7 +319,7 @@ def _hf_model_from_config(spec: str, config: Any) -> Any:
     import torch
 
     model_type = getattr(config, "model_type", "")
-    from . import models
+    from .. import models
 
     # autopipe's own wrappers keep module names and make Llama's rotary embedding exportable.
     known = {"gpt2": "GPT2LogitsLM", "llama": "LlamaLogitsLM"}

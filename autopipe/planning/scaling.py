@@ -20,7 +20,7 @@ worst ones.
 
 Example:
     >>> from autopipe.models import seed_transformer
-    >>> from autopipe.scaling import profile_scaling
+    >>> from autopipe.planning.scaling import profile_scaling
     >>> model, args = seed_transformer(vocab_size=100, d_model=16, num_layers=1, batch=2, seq_len=8)
     >>> scaled = profile_scaling(model, args, sizes=(1, 2), cost="flops", device_flops=1e9,
     ...                          progress=False)
@@ -198,7 +198,7 @@ class SegmentScaling:
     accum_s: float = 0.0  # gradient accumulation seconds: the parameters' size, so independent of b
 
     def cost_at(self, b: int) -> SegmentCost:
-        """The segment's :class:`~autopipe.costgraph.SegmentCost` at micro-batch size ``b``."""
+        """The segment's :class:`~autopipe.planning.costgraph.SegmentCost` at micro-batch size ``b``."""
         return SegmentCost(
             fwd_s=_evaluate(self.fwd_s, b),
             bwd_s=_evaluate(self.bwd_s, b),
@@ -493,9 +493,9 @@ def profile_scaling(
     The example inputs are one micro-batch; its size ``b0`` is the length of ``batch_dim``
     of the first input tensor that has that dimension. For every size in ``sizes`` the
     inputs are resized (see :func:`resize_batch`), the model is traced with
-    :func:`autopipe.trace.trace` (static shapes, as ``pipeline()`` traces it) and profiled
-    with :func:`autopipe.profile.profile_segments`; the cut bytes come from
-    :func:`autopipe.costgraph.build_cost_graph`. Then every quantity of every segment and
+    :func:`autopipe.planning.trace.trace` (static shapes, as ``pipeline()`` traces it) and profiled
+    with :func:`autopipe.planning.profile.profile_segments`; the cut bytes come from
+    :func:`autopipe.planning.costgraph.build_cost_graph`. Then every quantity of every segment and
     cut is fitted with :func:`fit_affine` (least squares, clamped so it stays >= 0 and
     non-decreasing at every ``b >= 1``).
 
@@ -511,13 +511,13 @@ def profile_scaling(
         cost: ``"measured"``, ``"flops"`` or ``"params"`` (as in ``profile_segments``).
         device: Where to profile; default CUDA when present, else CPU.
         warmup: Untimed runs per segment and size.
-        repeats: Timed runs per segment and size; their mean is kept (:func:`autopipe.profile.per_run_s`).
+        repeats: Timed runs per segment and size; their mean is kept (:func:`autopipe.planning.profile.per_run_s`).
         device_flops: FLOP/s for the estimated sources; measured once when omitted.
         progress: Show progress bars.
         flush_cache: Empty the device's caches between the profile's passes, as
-            :func:`autopipe.profile.profile_segments` does by default; ``False`` keeps them warm.
+            :func:`autopipe.planning.profile.profile_segments` does by default; ``False`` keeps them warm.
         fit_to_whole: Scale each size's segments to its whole graph, as
-            :func:`autopipe.profile.profile_segments` does (default: on CUDA only).
+            :func:`autopipe.planning.profile.profile_segments` does (default: on CUDA only).
 
     Returns:
         A :class:`ScaledProfile`; evaluate it with ``costs_at(b)`` / ``cut_bytes_at(b)``.
@@ -696,7 +696,7 @@ def symbolic_cut_bytes(
 
     A check on :func:`profile_scaling`'s fitted cut bytes that needs no profiling: the model
     is exported once more with the batch dimension marked dynamic (``torch.export.Dim``),
-    and the symbolic shape of every tensor that :func:`autopipe.costgraph.build_cost_graph`
+    and the symbolic shape of every tensor that :func:`autopipe.planning.costgraph.build_cost_graph`
     finds crossing a cut is turned into bytes.
 
     Args:
@@ -729,7 +729,7 @@ def symbolic_cut_bytes(
         raise ValueError(f"the example micro-batch has {base} sample(s) along batch_dim={batch_dim}; "
                          "torch.export treats sizes 0 and 1 as constants, so give at least 2")
     traced = trace(model, args, kwargs)
-    kwargs = traced.example_kwargs  # as traced: an explicit use_cache=True made False (autopipe.hf_compat)
+    kwargs = traced.example_kwargs  # as traced: an explicit use_cache=True made False (autopipe.planning.hf_compat)
     cost_graph = build_cost_graph(traced)
     needs_grad = {node.name: rg for node, rg in requires_grad_map(traced).items()}
     dim = torch.export.Dim("b")

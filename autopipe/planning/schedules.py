@@ -4,7 +4,7 @@ The simulator answers "how long does one training step take if stage ``s`` needs
 ``fwd_s[s]`` seconds forward and ``bwd_s[s]`` seconds backward per micro-batch?" for every
 schedule in ``torch.distributed.pipelining``::
 
-    >>> from autopipe.schedules import simulate
+    >>> from autopipe.planning.schedules import simulate
     >>> timeline = simulate([1.0, 1.0], [2.0, 2.0], schedule="1F1B", n_microbatches=4)
     >>> timeline.step_s, round(timeline.bubble_fraction, 3), timeline.peak_inflight
     (15.0, 0.2, [2, 1])
@@ -727,7 +727,7 @@ def simulate(
             waiting on its sends and receives, the autograd calls). One value for every
             stage, or one per stage. It is why schedules with more, shorter actions
             (interleaved, zero-bubble) gain less in practice than on paper;
-            :func:`autopipe.measure.measure_action_overhead` measures it.
+            :func:`autopipe.machine.measure.measure_action_overhead` measures it.
         lazy_sends: model a communication library whose sends move only when the sending
             rank calls into it, as gloo (CPU) does: a tensor sent before its receiver has
             posted the receive is delivered when the sender's action running at that

@@ -18,7 +18,7 @@ This module measures them:
   all of them compute at once: ``partition(action_overhead_s=..., devices=[Device(speed=...)])``.
 
 Example:
-    >>> from autopipe.measure import fit_link
+    >>> from autopipe.machine.measure import fit_link
     >>> bandwidth, latency_s, error = fit_link([1000, 2000], [1e-6 + 1000 / 1e9, 1e-6 + 2000 / 1e9])
     >>> round(bandwidth), round(latency_s * 1e6, 6), error
     (1000000000, 1.0, 0.0)
@@ -39,9 +39,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ._spawn import finish_rank, join_loopback_world, spawn_ranks
-from .devices import Device, default_link, parse_bytes, sends_are_lazy
-from .profile import Timer, _time_alone, measure_device_flops, resolve_device
+from .._spawn import finish_rank, join_loopback_world, spawn_ranks
+from .device import Device, default_link, parse_bytes, sends_are_lazy
+from ..planning.profile import Timer, _time_alone, measure_device_flops, resolve_device
 
 __all__ = [
     "LinkMeasurement",
@@ -181,7 +181,7 @@ def _check_count(name: str, value: Any, minimum: int) -> int:
 
 def _check_timeout(timeout_s: Any) -> float:
     # The same bound as the process groups it is passed to (they cannot wait past a year).
-    from .runtime.distributed import check_timeout_s
+    from ..runtime.distributed import check_timeout_s
 
     return check_timeout_s(timeout_s)
 
@@ -430,7 +430,7 @@ def measure_device_speed(
 
     ``Device.speed`` is relative to the device the profile was measured on, so the
     reference should be that device. Both are measured with
-    :func:`autopipe.profile.measure_device_flops` (float32 matmuls).
+    :func:`autopipe.planning.profile.measure_device_flops` (float32 matmuls).
 
     Args:
         device: The device to rate; default CUDA when present, else the CPU.
@@ -597,7 +597,7 @@ def _fit_action_overhead(step_s: float, schedule: str, stages_per_rank: int, n_r
     ``lazy_sends`` as the planner will simulate this backend (so the overhead fitted here
     is not also charged for late deliveries the plans model on their own).
     """
-    from .schedules import simulate, solve_increasing
+    from ..planning.schedules import simulate, solve_increasing
 
     n_stages = n_ranks * stages_per_rank
     fwd = list(fwd_s) if fwd_s is not None else [0.0] * n_stages
@@ -634,10 +634,10 @@ def _compute_probe_s(device: torch.device, repeats: int) -> list[float]:
 
 
 def _stage_compute_s(layers: list, device: torch.device, repeats: int = 7) -> tuple[float, float]:
-    """Forward and backward seconds (:func:`autopipe.profile.per_run_s`) of one probe stage on one micro-batch, alone.
+    """Forward and backward seconds (:func:`autopipe.planning.profile.per_run_s`) of one probe stage on one micro-batch, alone.
 
     Two warm-up runs first. The caches are not emptied between runs (as the profiler does
-    before each pass of a round, :class:`autopipe.profile.CacheFlusher`): a probe stage's
+    before each pass of a round, :class:`autopipe.planning.profile.CacheFlusher`): a probe stage's
     weights (1 MiB) stay in the cache between its actions inside the running pipeline, so
     timed cold it would look slower than it runs there, and the overhead fitted on top of it
     would come out too small (0.36 ms instead of 0.56 ms in one run).
@@ -661,7 +661,7 @@ def _overhead_worker(rank: int, port: int, n_ranks: int, backend: str, device_ty
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
         join_loopback_world(rank, n_ranks, port, backend=backend, timeout_s=timeout_s)
-        from .runtime import Pipeline
+        from ..runtime import Pipeline
 
         g = torch.Generator().manual_seed(0)
         with torch.random.fork_rng(devices=[]):
@@ -772,7 +772,7 @@ def measure_action_overhead(
         >>> plan = autopipe.partition(model, 2, example_args=(x,),  # doctest: +SKIP
         ...                           action_overhead_s=m.action_overhead_s)
     """
-    from .schedules import canonical_schedule_name, validate_schedule
+    from ..planning.schedules import canonical_schedule_name, validate_schedule
 
     n_ranks = _check_count("n_ranks", n_ranks, 2)
     n_microbatches = _check_count("n_microbatches", n_microbatches, 1)
@@ -826,7 +826,7 @@ def measure_action_overhead(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m autopipe.measure``: measure the loopback link a few times, print the medians.
+    """``python -m autopipe.machine.measure``: measure the loopback link a few times, print the medians.
 
     With ``--overhead``, also the runtime's cost per pipeline action (see
     :func:`measure_action_overhead`).
@@ -834,7 +834,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import argparse
     import json
 
-    parser = argparse.ArgumentParser(prog="python -m autopipe.measure", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m autopipe.machine.measure", description=main.__doc__)
     parser.add_argument("--device", default=None, help="'cpu' (gloo) or 'cuda' (NCCL, two GPUs); default: auto")
     parser.add_argument("--runs", type=int, default=5, help="independent measurements (fresh processes each)")
     parser.add_argument("--repeats", type=int, default=10, help="timed round trips per size and run")

@@ -35,9 +35,9 @@ import torch
 from . import schedules as sim
 from .baselines import BASELINES, evaluate_baselines, layer_units
 from .costgraph import CostGraph, SegmentCost, build_cost_graph
-from .devices import (Device, default_action_overhead_s, default_copy_bandwidth, default_link,
+from ..machine.device import (Device, default_action_overhead_s, default_copy_bandwidth, default_link,
                       optimizer_state_factor, parse_bandwidth, parse_bytes, sends_are_lazy)
-from .errors import InfeasibleMemoryError
+from ..errors import InfeasibleMemoryError
 from .partitioner import PartitionProblem, PartitionResult, candidate_partitions, solve_bottleneck
 from .plan import BaselinePlan, Plan, StagePlan
 from .plan_file import MAX_STAGES
@@ -637,7 +637,7 @@ def partition(
     Args:
         model: Any ``nn.Module`` that ``torch.export`` can capture. A Hugging Face model may
             come with its default config: its KV cache is off while autopipe traces and
-            profiles it and is restored after (:mod:`autopipe.hf_compat`), and
+            profiles it and is restored after (:mod:`autopipe.planning.hf_compat`), and
             ``plan.extras["notes"]`` says so.
         n_gpus: Number of pipeline ranks (devices), >= 1.
         example_args: One micro-batch of positional inputs (``mb_args`` in torch's
@@ -679,38 +679,38 @@ def partition(
             profile does not see. Default 0.7 ms on CPU (gloo processes, measured on a
             2-core host), 0 on CUDA (one-stage pipelines on one H100 implied about 0:
             benchmarks/gpu_one_rank; a send between GPUs is not in it). Measure yours with
-            :func:`autopipe.measure.measure_action_overhead`.
+            :func:`autopipe.machine.measure.measure_action_overhead`.
         warmup: Untimed runs per segment before measuring.
-        repeats: Timed runs per segment; their mean is kept (:func:`autopipe.profile.per_run_s`).
+        repeats: Timed runs per segment; their mean is kept (:func:`autopipe.planning.profile.per_run_s`).
         flush_cache: Empty the device's caches before each pass of the profile, as a
-            pipeline action finds them (:func:`autopipe.profile.profile_segments`); ``False``
+            pipeline action finds them (:func:`autopipe.planning.profile.profile_segments`); ``False``
             keeps them warm, for hosts whose last-level cache holds a whole stage (compare the
             two with ``benchmarks/prediction_accuracy``'s ``warm_cache`` column).
         fit_to_whole: Scale the segments' times so that they add up to the whole graph
-            timed as one beside them (:class:`autopipe.profile.WholePass`). ``None``
+            timed as one beside them (:class:`autopipe.planning.profile.WholePass`). ``None``
             (default): on CUDA only, where segments timed one by one add up to 1.2-3x the
-            model (:func:`autopipe.profile.profile_segments`).
-        costs: A profile to reuse (``plan.extras`` or :func:`autopipe.profile.profile_segments`
-            output, one :class:`~autopipe.costgraph.SegmentCost` per segment): skips measuring,
+            model (:func:`autopipe.planning.profile.profile_segments`).
+        costs: A profile to reuse (``plan.extras`` or :func:`autopipe.planning.profile.profile_segments`
+            output, one :class:`~autopipe.planning.costgraph.SegmentCost` per segment): skips measuring,
             and the same costs always give the same plan.
-        scaling: A :class:`~autopipe.scaling.ScaledProfile` to reuse with
-            ``n_microbatches="auto"`` (from :func:`autopipe.scaling.profile_scaling`).
+        scaling: A :class:`~autopipe.planning.scaling.ScaledProfile` to reuse with
+            ``n_microbatches="auto"`` (from :func:`autopipe.planning.scaling.profile_scaling`).
         loss_fn, example_target: The training loss ``loss_fn(output, target)`` and one
             micro-batch's target. The last stage computes the loss of every micro-batch and
             holds what it saves (for a language model, the log-softmax over the vocabulary)
             until that micro-batch's backward; with both given, its time and saved bytes
-            (:func:`autopipe.profile.profile_loss`) are charged to the last stage.
+            (:func:`autopipe.planning.profile.profile_loss`) are charged to the last stage.
         progress: Show progress bars while profiling.
 
     Returns:
-        A :class:`~autopipe.plan.Plan`. Use ``plan.split_spec`` with
+        A :class:`~autopipe.planning.plan.Plan`. Use ``plan.split_spec`` with
         ``torch.distributed.pipelining.pipeline`` or pass the plan to
         :class:`autopipe.Pipeline`; ``print(plan.report())`` explains it.
 
     Raises:
         ValueError: a bad argument (named in the message), raised before any work:
             ``n_gpus`` above ``MAX_STAGES`` (10**5) or ``n_microbatches`` above
-            :data:`~autopipe.schedules.MAX_SCHEDULE_SIZE` before tracing; more stages than
+            :data:`~autopipe.planning.schedules.MAX_SCHEDULE_SIZE` before tracing; more stages than
             the legal split points allow, or more (stage, micro-batch) pairs than
             ``MAX_SCHEDULE_SIZE``, right after tracing, before profiling.
         MissingExampleInputsError: no example inputs.
@@ -909,7 +909,7 @@ def _buildable(wanted: _Wanted, n_gpus: int, global_batch: int | None) -> _Wante
     :func:`partition` calls it only once the stage count fits the model's split points.
     With ``schedule="auto"`` each schedule's order is built by :func:`auto_schedule_options`;
     here the smallest step it may pick (one stage per rank) must fit
-    :data:`~autopipe.schedules.MAX_SCHEDULE_SIZE`.
+    :data:`~autopipe.planning.schedules.MAX_SCHEDULE_SIZE`.
     """
     runnable = []
     for m in wanted.n_microbatches:
@@ -982,7 +982,7 @@ def _scaling_sizes(global_batch: int, m_options: Sequence[int]) -> list[int]:
 
 def _fmt_rank_peak(option: ScheduleOption) -> str:
     if option.rank_peak_bytes:
-        from .reporting.text import format_bytes
+        from ..reporting.text import format_bytes
 
         return format_bytes(max(option.rank_peak_bytes)) + " on its fullest device"
     return option.reason or "more memory"
