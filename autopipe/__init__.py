@@ -13,15 +13,19 @@ To train, :class:`Pipeline` builds this rank's stage(s) from a plan and steps on
 torch's schedules (``pipe.step(x, target=y)``); launch with ``torchrun`` or
 ``autopipe run script.py --nproc N``.
 
-The data flow (one module each): :mod:`autopipe.planning.trace` -> :mod:`autopipe.planning.profile` ->
-:mod:`autopipe.planning.costgraph` -> :mod:`autopipe.planning.partitioner` -> :mod:`autopipe.planning.plan`, with
-:mod:`autopipe.planning.schedules` for schedule timings and :mod:`autopipe.planning.baselines` for the splits
-other tools would choose.
+The packages follow the data flow, each importing only those before it:
+:mod:`autopipe.machine` (the devices and links, and measuring them) ->
+:mod:`autopipe.planning` (trace, profile, cost graph, partitioner, schedule simulator,
+the :class:`Plan`) -> :mod:`autopipe.reporting` (text, tables, charts of a plan) ->
+:mod:`autopipe.runtime` (the stages running under torch) -> :mod:`autopipe.cli` (the
+``autopipe`` command). The top level holds the entry points below; everything else is
+imported from its module (``from autopipe.planning.plan import StagePlan``).
 """
 
 from __future__ import annotations
 
 import importlib
+import warnings
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -32,24 +36,31 @@ _PUBLIC = {
     "partition": "planning.planner",
     "Pipeline": "runtime",
     "Plan": "planning.plan",
-    "StagePlan": "planning.plan",
-    "BaselinePlan": "planning.plan",
     "Device": "machine.device",
-    "parse_bytes": "machine.device",
-    "simulate": "planning.schedules",
-    "Timeline": "planning.schedules",
-    "SCHEDULES": "planning.schedules",
+    "ProfileOptions": "planning.options",
+    "PlannerOptions": "planning.options",
+    "simulate": "planning.simulator",
     "profile_scaling": "planning.scaling",
-    "ScaledProfile": "planning.scaling",
-    "measure_link": "machine.measure",
-    "measure_devices": "machine.measure",
-    "profile_in_ranks": "planning.rank_profile",
+    "measure_link": "machine.link",
     "AutopipeError": "errors",
     "InfeasibleMemoryError": "errors",
+    "PipelineStepError": "errors",
+}
+
+# Names the top level exported in the previous release: they still resolve, with a
+# DeprecationWarning naming the module to import them from, until the next release.
+_MOVED = {
+    "StagePlan": "planning.plan",
+    "BaselinePlan": "planning.plan",
+    "parse_bytes": "machine.device",
+    "Timeline": "planning.timeline",
+    "SCHEDULES": "planning.schedules",
+    "ScaledProfile": "planning.scaling",
+    "measure_devices": "machine.speed",
+    "profile_in_ranks": "planning.rank_profile",
     "MissingExampleInputsError": "errors",
     "ModelExportError": "errors",
     "PlanFileError": "errors",
-    "PipelineStepError": "errors",
 }
 
 __all__ = list(_PUBLIC)
@@ -57,11 +68,17 @@ __all__ = list(_PUBLIC)
 
 def __getattr__(name: str) -> Any:
     module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'autopipe' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+    if module is not None:
+        value = getattr(importlib.import_module(f".{module}", __name__), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    module = _MOVED.get(name)
+    if module is not None:
+        # Not cached in globals(): every use from the top level warns until the caller moves.
+        warnings.warn(f"autopipe.{name} is deprecated; import it from autopipe.{module} "
+                      f"(from autopipe.{module} import {name})", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(f".{module}", __name__), name)
+    raise AttributeError(f"module 'autopipe' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
@@ -69,13 +86,12 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for editors and type checkers: the same names, imported eagerly
-    from .machine.device import Device, parse_bytes  # noqa: F401
-    from .errors import (AutopipeError, InfeasibleMemoryError, MissingExampleInputsError, ModelExportError,  # noqa: F401
-                         PlanFileError)
-    from .machine.measure import measure_devices, measure_link  # noqa: F401
-    from .planning.plan import BaselinePlan, Plan, StagePlan  # noqa: F401
-    from .planning.rank_profile import profile_in_ranks  # noqa: F401
+    from .errors import AutopipeError, InfeasibleMemoryError, PipelineStepError  # noqa: F401
+    from .machine.device import Device  # noqa: F401
+    from .machine.link import measure_link  # noqa: F401
+    from .planning.options import PlannerOptions, ProfileOptions  # noqa: F401
+    from .planning.plan import Plan  # noqa: F401
     from .planning.planner import partition  # noqa: F401
+    from .planning.scaling import profile_scaling  # noqa: F401
+    from .planning.simulator import simulate  # noqa: F401
     from .runtime import Pipeline  # noqa: F401
-    from .planning.scaling import ScaledProfile, profile_scaling  # noqa: F401
-    from .planning.schedules import SCHEDULES, Timeline, simulate  # noqa: F401

@@ -1,6 +1,7 @@
 """Run a function on N spawned processes that can fail but never hang.
 
-Shared by :mod:`autopipe.machine.measure` (the link probe) and the test suite's gloo worlds. Each
+Shared by the measurements that start ranks of their own (:mod:`autopipe.machine.link`,
+:mod:`autopipe.runtime.overhead_probe`) and the test suite's gloo worlds. Each
 rank writes ``("ok", value)`` or ``("error", text)`` to a file (:func:`finish_rank`); the
 parent waits until one deadline for all ranks, kills any still running, and reads the files
 back (:func:`spawn_ranks`). Files, not pipes: a rank that dies mid-write leaves no partial
@@ -19,7 +20,40 @@ from typing import Any, NoReturn
 
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "join_loopback_world", "finish_rank", "spawn_ranks"]
+__all__ = ["MAX_TIMEOUT_S", "check_timeout_s", "free_port", "join_loopback_world", "finish_rank", "spawn_ranks",
+           "run_ranks"]
+
+#: Longest timeout accepted, in seconds: 365 days. torch turns the timeout into integer
+#: milliseconds deadlines inside the process group; a year works, while 1e10 s made the
+#: store's client time out at once and 1e13 s was refused by gloo ("Invalid timeout"),
+#: and an infinite one cannot be converted at all.
+MAX_TIMEOUT_S = 365 * 24 * 3600.0
+
+
+def check_timeout_s(timeout_s: Any, name: str = "timeout_s") -> float:
+    """``timeout_s`` as seconds, refusing what torch's process groups cannot wait for.
+
+    Args:
+        timeout_s: seconds, a finite number > 0 and at most :data:`MAX_TIMEOUT_S`.
+        name: the argument's name in the error.
+
+    Raises:
+        ValueError: not a number, not finite, <= 0, or above a year; the message names
+            ``name`` and the accepted range.
+
+    Example:
+        >>> check_timeout_s(60)
+        60.0
+        >>> check_timeout_s(float("inf"))
+        Traceback (most recent call last):
+        ...
+        ValueError: timeout_s=inf must be a finite number of seconds > 0 and <= 31536000 (365 days)
+    """
+    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+            or not 0 < timeout_s <= MAX_TIMEOUT_S):  # NaN fails every comparison, so it lands here too
+        raise ValueError(f"{name}={timeout_s!r} must be a finite number of seconds > 0 and <= "
+                         f"{MAX_TIMEOUT_S:.0f} (365 days)")
+    return float(timeout_s)
 
 
 def free_port() -> int:
@@ -107,3 +141,34 @@ def spawn_ranks(
             else:
                 outcomes.append(("error", f"died without a result (exit code {procs[rank].exitcode})"))
     return outcomes, killed, [p.exitcode for p in procs]
+
+
+def run_ranks(worker: Callable[..., None], n_ranks: int, make_args: Callable[[int, int, str], tuple], *,
+              timeout_s: float, what: str, advice: str) -> list[Any]:
+    """:func:`spawn_ranks` for a measurement: every rank's value in rank order, or a clear error.
+
+    Args:
+        worker: Run in each rank; ends with :func:`finish_rank`.
+        n_ranks: Processes to start.
+        make_args: ``(rank, port, out_dir) -> worker's arguments``.
+        timeout_s: Limit on the whole run; ranks still running then are killed.
+        what: The measurement's name in the errors (``"link"``).
+        advice: What to try when it times out (``"use fewer or smaller sizes_bytes"``).
+
+    Raises:
+        TimeoutError: ranks were still running after ``timeout_s`` (they were killed).
+        RuntimeError: a rank failed; the message holds every failed rank's traceback.
+
+    Example::
+
+        values = run_ranks(worker, 2, lambda rank, port, out_dir: (rank, port, out_dir),
+                           timeout_s=60, what="link", advice="use fewer sizes")
+    """
+    outcomes, late, _ = spawn_ranks(worker, n_ranks, make_args, timeout_s=timeout_s, prefix=f"autopipe-{what}-")
+    if late:
+        raise TimeoutError(f"the {what} measurement was not done after timeout_s={timeout_s}; ranks {late} "
+                           f"were killed. Raise timeout_s, or {advice}.")
+    errors = [f"--- rank {rank} ---\n{text}" for rank, (status, text) in enumerate(outcomes) if status != "ok"]
+    if errors:
+        raise RuntimeError(f"the {what} measurement failed:\n" + "\n".join(errors))
+    return [value for _, value in outcomes]

@@ -52,7 +52,7 @@ class PlanFileError(AutopipeError, ValueError):
     :meth:`autopipe.Plan.check_model` for any malformed content: not JSON, too large, too
     deeply nested, a missing or unknown field, a wrong type, a value out of range, or fields
     that disagree with each other. ``field`` is the field at fault, as a path into the file
-    (``"n_microbatches"``, ``"stages[2].fwd_s"``, ``"extras.links.bandwidth[0]"``), or ``""``
+    (``"n_microbatches"``, ``"stages[2].fwd_s"``, ``"machine.links[0].bandwidth"``), or ``""``
     when the file as a whole is unreadable; ``path`` is the file, or None for data given
     directly.
 

@@ -40,7 +40,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from autopipe._spawn import finish_rank, join_loopback_world, spawn_ranks
 from autopipe.models.zoo import build
-from autopipe.planning.profile import Timer, per_run_s
+from autopipe.machine.timing import Timer, per_run_s
 
 __all__ = [
     "BenchModel", "MODELS", "host_info", "make_model", "ce_loss", "make_target", "stack_microbatches",
@@ -190,18 +190,19 @@ def build_split(model: nn.Module, args: tuple[Any, ...], split_points: Sequence[
     Uses the runtime's own construction (``pipeline()`` on a copy, skip connections relayed
     through the stages in between, contiguous boundary tensors, outputs that are never
     views), so a stage timed here is the module a rank runs. Falls back to plain
-    ``pipeline()`` if the runtime's private helper moves.
+    ``pipeline()`` if the runtime's stage builder moves.
     """
     spec = {name: SplitPoint.BEGINNING for name in split_points}
     expected = len(split_points) + 1
     try:
-        from autopipe.runtime.pipeline import _guard_stage_boundaries, _split
+        from autopipe.runtime.compat import guard_stage_boundaries
+        from autopipe.runtime.stages import split_model
     except ImportError:  # pragma: no cover - only if the runtime is reorganised
         pipe = pipeline(copy.deepcopy(model), args, split_spec=spec)
     else:
-        pipe = _split(copy.deepcopy(model), spec, (tuple(args), {}), training=True, expected=expected)
+        pipe = split_model(copy.deepcopy(model), spec, (tuple(args), {}), training=True, expected=expected)
         for k in range(pipe.num_stages):
-            _guard_stage_boundaries(pipe.get_stage_module(k))
+            guard_stage_boundaries(pipe.get_stage_module(k))
     if pipe.num_stages != expected:
         raise ValueError(f"split at {list(split_points)} gave {pipe.num_stages} stages, not {expected}")
     return pipe
@@ -520,10 +521,11 @@ def _rank_device(device: str, rank: int) -> torch.device:
 
 
 def _profile_worker(rank: int, world: int, job: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """Every rank profiles the model at once (:func:`autopipe.profile_in_ranks`); rank 0 returns the mean."""
+    """Every rank profiles the model at once (:func:`~autopipe.planning.rank_profile.profile_in_ranks`); rank 0
+    returns the mean."""
     from dataclasses import asdict
 
-    from autopipe import profile_in_ranks
+    from autopipe.planning.rank_profile import profile_in_ranks
 
     device = _rank_device(job["device"], rank)
     model, args = make_model(job["model"], job["size"])
@@ -619,12 +621,12 @@ def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
 
             # The model profiled between two rounds of steps: a profile taken while the host
             # runs as fast, or as slow, as during the steps. Alternately in one process (rank 0;
-            # the others wait) and in every rank at once with autopipe.profile_in_ranks, each
+            # the others wait) and in every rank at once with profile_in_ranks, each
             # rank's profile competing with the others for the host as their stages do.
             in_ranks = r % 2 == 1
             costs = None
             if in_ranks:
-                from autopipe import profile_in_ranks
+                from autopipe.planning.rank_profile import profile_in_ranks
 
                 costs = profile_in_ranks(model, args, device=device, warmup=1,
                                          repeats=job.get("profile_repeats", 5))
@@ -696,14 +698,14 @@ def link_probe(rank: int, sizes_bytes: Sequence[int], device: torch.device, *, r
     """One-way time of each message size between ranks 0 and 1, in the conditions of the run.
 
     Round trips with ``isend``/``irecv`` + ``wait`` as torch's pipeline stages move
-    activations, the sizes taking turns within each round (as ``autopipe.machine.measure`` does);
+    activations, the sizes taking turns within each round (as ``autopipe.machine.link`` does);
     half a round trip is one sample. The cut sizes themselves are measured, so a cut's time
-    is read off directly (``one_way_s[size]``); ``autopipe.machine.measure.fit_link`` adds a
+    is read off directly (``one_way_s[size]``); ``autopipe.machine.link.fit_link`` adds a
     latency + bandwidth fit when the times allow one. Returns None on ranks other than 0 and 1.
     """
     import torch.distributed as dist
 
-    from autopipe.machine.measure import fit_link
+    from autopipe.machine.link import fit_link
 
     if rank > 1:
         return None

@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopipe.models.hf import gpt2_from_config
+from autopipe.planning.options import PlannerOptions, ProfileOptions
 from autopipe.runtime import Pipeline
 
 
@@ -56,7 +57,7 @@ def main() -> None:
 
     pipe = Pipeline(model, example_args=(x_mb,), loss_fn=loss_fn, schedule=args.schedule,
                     n_microbatches=args.microbatches, checkpoint_stages=args.checkpoint,
-                    planner_options={"progress": False})
+                    planner=PlannerOptions(profiling=ProfileOptions(progress=False)))
     if pipe.rank == 0:
         print(pipe, flush=True)
         tied = [n for n, _ in pipe.named_parameters() if n == "transformer.wte.weight"]

@@ -21,6 +21,7 @@ import torch.nn as nn
 from torch.utils.data import DataLoader, Dataset
 
 from autopipe.models.transformer import SeedTransformer
+from autopipe.planning.options import PlannerOptions, ProfileOptions
 from autopipe.runtime import Pipeline
 from autopipe.planning.schedules import SCHEDULES
 
@@ -57,7 +58,7 @@ def train(schedule: str, args: argparse.Namespace) -> list[float]:
     # Change 1 of 2: the pipeline replaces the hand split and the schedule object.
     pipe = Pipeline(model, example_args=(x_mb,), loss_fn=compute_loss, schedule=schedule,
                     n_microbatches=args.microbatches, checkpoint_stages=args.checkpoint,
-                    planner_options={"progress": False})
+                    planner=PlannerOptions(profiling=ProfileOptions(progress=False)))
     if pipe.rank == 0:
         print(f"\n== {schedule}: split at {pipe.plan.split_points}, "
               f"{pipe.num_stages} stages on {pipe.world_size} ranks", flush=True)

@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 
 
-def _run(script: str, out: Path, *extra: str, timeout_s: float = 90.0) -> dict:
+def _run(script: str, out: Path, *extra: str, timeout_s: float = 240.0) -> dict:
+    # timeout_s only turns a hang into a failure: a busy machine runs these several times slower.
     proc = subprocess.run(
         [sys.executable, str(BENCH / script / "main.py"), "--smoke", "--out", str(out), *extra],
         cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
@@ -91,7 +92,7 @@ def _render_docs(results_dir: Path) -> str:
     out = results_dir / "benchmarks.md"
     proc = subprocess.run(
         [sys.executable, str(BENCH / "render_docs.py"), "--results", str(results_dir), "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out.read_text()
@@ -166,8 +167,9 @@ def test_render_docs_shows_pooled_runs_and_judges_the_target_on_them(tmp_path):
     (tmp_path / "b.json").write_text(json.dumps(_fake_results([-0.02, 0.30, 0.12, -0.15], [0.0] * 4)))
     runs.main([str(folder / "results.json"), str(tmp_path / "b.json"), "--out", str(folder / "runs.json")])
     text = _render_docs(tmp_path)
-    assert "**Over 2 full runs**" in text and "the table above is one of them" in text
-    assert "| **all 2 runs pooled** | 7 | 12.0% (+5.0%) |" in text
+    assert "**Over 2 full runs** (7 cases)" in text and "per run 8.0%, 13.5%" in text
+    (predicted,) = [line for line in text.splitlines() if line.startswith("| **predicted** |")]
+    assert predicted.endswith("| 8.0% | – | 12.0% (+5.0%) |"), predicted  # this run, its max, then pooled
     # The single run shown met 10%, but the pooled figure did not: the page says so.
     assert "the median |error| of the step-time prediction is 12.0% over every case of 2 full runs" in text
 
@@ -202,7 +204,7 @@ def test_models_page_is_rendered_from_the_results_alone(tmp_path):
     results.write_text(json.dumps(_model_results()))
     page = tmp_path / "models.md"
     proc = subprocess.run([sys.executable, str(BENCH / "models" / "main.py"), "--render", "--results", str(results),
-                           "--docs", str(page)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+                           "--docs", str(page)], cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = page.read_text()
     assert "Produced by `python benchmarks/models/main.py` on 2026-11-24" in text

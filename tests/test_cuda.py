@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import autopipe
-from autopipe.machine.measure import measure_device_speed
+from autopipe.machine.speed import measure_device_speed
 from autopipe.models import seed_transformer
 from autopipe.planning.profile import profile_segments
+from autopipe.planning.rank_profile import profile_in_ranks
 from autopipe.planning.trace import trace
 from _dist_utils import run_world
 from _runtime_workers import SPLITS, build, loss_fn, tutorial_batch, tutorial_model
@@ -85,10 +86,11 @@ def test_profile_in_rounds_on_the_gpu() -> None:
 
 def test_partition_on_the_gpu() -> None:
     model, args = _small_model()
-    plan = autopipe.partition(model, 2, args, device="cuda", n_microbatches=4, progress=False)
+    plan = autopipe.partition(model, 2, args, n_microbatches=4,
+                              profiling=autopipe.ProfileOptions(device="cuda", progress=False))
     assert plan.num_stages == 2
     # The CPU-resident model was profiled as a whole copy on the GPU, fitted to its whole graph.
-    assert plan.extras["whole_pass"]["fitted"] and "segments scaled x" in plan.report()
+    assert plan.whole_pass.fitted and "segments scaled x" in plan.report()
     assert plan.predicted_step_s > 0
     assert all(st.fwd_s > 0 and st.peak_bytes > 0 for st in plan.stages)
     assert "stage" in plan.report()
@@ -97,7 +99,7 @@ def test_partition_on_the_gpu() -> None:
 
 def _profile_in_ranks_on_the_gpu(rank: int, world_size: int) -> dict:
     model, args = _small_model()
-    costs = autopipe.profile_in_ranks(model, args, device="cuda", warmup=0, repeats=2)
+    costs = profile_in_ranks(model, args, device="cuda", warmup=0, repeats=2)
     return {"n": len(costs), "positive": all(c.fwd_s > 0 and c.bwd_s > 0 for c in costs),
             "fitted": costs.whole is not None and costs.whole.fitted,
             "model_on": sorted({p.device.type for p in model.parameters()})}

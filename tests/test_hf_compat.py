@@ -72,7 +72,8 @@ def _cache_settings(model: nn.Module) -> dict[str, object]:
 
 
 def _partition(model: nn.Module, kwargs: dict) -> autopipe.Plan:
-    return autopipe.partition(model, 2, example_kwargs=kwargs, cost="flops", progress=False)
+    return autopipe.partition(model, 2, example_kwargs=kwargs, cost="flops",
+                              profiling=autopipe.ProfileOptions(progress=False))
 
 
 # --------------------------------------------------------------------------- Hugging Face models
@@ -88,7 +89,7 @@ def test_hf_model_with_default_config_partitions_and_keeps_its_cache_setting(mak
     assert plan.num_stages == 2
     report = plan.report()
     assert report.count(CACHE_NOTE) == 1
-    assert "config.use_cache" in plan.extras["notes"][0]
+    assert "config.use_cache" in plan.notes[0]
     assert _cache_settings(model) == before
     assert model.config.use_cache is True
     assert any(CACHE_NOTE in n for n in report_data(plan)["summary"]["notes"])  # the terminal/HTML reports
@@ -99,7 +100,7 @@ def test_t5_decoder_keeps_its_own_config_and_both_are_turned_off_and_restored():
     model, kwargs = _t5()
     assert model.decoder.config is not model.config and model.decoder.config.use_cache is True
     plan = _partition(model, kwargs)
-    note = plan.extras["notes"][0]
+    note = plan.notes[0]
     assert "decoder.config.use_cache" in note and note.startswith(CACHE_NOTE)
     assert plan.report().count(CACHE_NOTE) == 1
     assert model.config.use_cache is True and model.decoder.config.use_cache is True
@@ -113,8 +114,8 @@ def test_explicit_use_cache_true_in_example_kwargs_is_traced_without_the_cache()
     given = {**kwargs, "use_cache": True}
     plan = _partition(model, given)
     assert given["use_cache"] is True  # the caller's dict is not modified
-    assert "example_kwargs['use_cache']" in plan.extras["notes"][0]
-    assert "config.use_cache" not in plan.extras["notes"][0].replace("example_kwargs", "")
+    assert "example_kwargs['use_cache']" in plan.notes[0]
+    assert "config.use_cache" not in plan.notes[0].replace("example_kwargs", "")
     assert plan.report().count(CACHE_NOTE) == 1
 
 
@@ -128,18 +129,19 @@ def test_loss_is_profiled_on_the_output_without_a_cache():
         return nn.functional.cross_entropy(out.logits.reshape(-1, VOCAB), y.reshape(-1))
 
     plan = autopipe.partition(model, 2, example_kwargs=kwargs, loss_fn=loss_fn, example_target=kwargs["input_ids"],
-                              progress=False, warmup=0, repeats=1)
+                              profiling=autopipe.ProfileOptions(progress=False, warmup=0, repeats=1))
     assert caches and all(c is None for c in caches)
-    assert "loss" in plan.extras and model.config.use_cache is True
+    assert plan.loss is not None and model.config.use_cache is True
 
 
 @needs_transformers
 def test_cut_bytes_in_the_batch_size_with_use_cache_given_as_a_keyword():
-    from autopipe.planning.scaling import symbolic_cut_bytes
+    from autopipe.planning.scaling import profile_scaling
 
     model, kwargs = _gpt2()
-    fwd, _ = symbolic_cut_bytes(model, (), {**kwargs, "use_cache": True})
-    assert any("b" in str(f) for f in fwd)  # what crosses the cuts grows with the micro-batch size b
+    scaled = profile_scaling(model, (), {**kwargs, "use_cache": True}, sizes=(1, 2), cost="flops",
+                             device_flops=1e9, progress=False)
+    assert any("b" in str(f) for f in scaled.cut_fwd_bytes)  # what crosses the cuts grows with the micro-batch size b
     assert model.config.use_cache is True
 
 
@@ -148,15 +150,16 @@ def test_hf_model_with_the_cache_already_off_gets_no_note():
     model, kwargs = _gpt2()
     model.config.use_cache = False
     plan = _partition(model, kwargs)
-    assert "notes" not in plan.extras
+    assert plan.notes == []
     assert CACHE_NOTE not in plan.report()
     assert model.config.use_cache is False
 
 
 def test_model_without_hf_config_gets_no_note(small_transformer):
     model, args = small_transformer
-    plan = autopipe.partition(model, 2, example_args=args, cost="flops", progress=False)
-    assert "notes" not in plan.extras
+    plan = autopipe.partition(model, 2, example_args=args, cost="flops",
+                              profiling=autopipe.ProfileOptions(progress=False))
+    assert plan.notes == []
     assert CACHE_NOTE not in plan.report()
     assert trace(model, args).notes == []
 
@@ -329,16 +332,16 @@ def test_pipeline_without_any_example_inputs_says_what_to_pass():
 
 
 def test_pipeline_takes_keyword_only_or_carried_example_inputs():
-    from autopipe.runtime.pipeline import _check_model_and_inputs
+    from autopipe.runtime.plan_setup import check_model_and_inputs
 
     x = torch.ones(2, 4)
-    assert _check_model_and_inputs(nn.Linear(4, 4), None, {"input": x}, None) == ((), {"input": x})
+    assert check_model_and_inputs(nn.Linear(4, 4), None, {"input": x}, None) == ((), {"input": x})
     carrying = nn.Linear(4, 4)
     carrying.example_input_array = x
-    args, kwargs = _check_model_and_inputs(carrying, None, None, None)
+    args, kwargs = check_model_and_inputs(carrying, None, None, None)
     assert args[0] is x and not kwargs
     with pytest.raises(TypeError, match="example_args must be a tuple"):
-        _check_model_and_inputs(nn.Linear(4, 4), [x], None, None)
+        check_model_and_inputs(nn.Linear(4, 4), [x], None, None)
 
 
 def _hf_pipeline_run(rank: int, world_size: int, ask_cache: bool = False) -> dict:

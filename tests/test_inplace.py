@@ -16,7 +16,8 @@ from torch.distributed.pipelining import SplitPoint, pipeline
 
 import autopipe
 from autopipe.planning.inplace import clone_inputs_written_in_place, inputs_written_in_place
-from autopipe.planning.profile import _segment_modules, profile_segments
+from autopipe.planning.profile import profile_segments
+from autopipe.planning.segment_graphs import segment_modules
 from autopipe.planning.trace import trace
 
 import _inplace_workers as workers
@@ -150,7 +151,7 @@ def test_stage_input_written_inside_a_called_submodule_is_copied_at_the_stage():
 def test_segments_copy_exactly_the_inputs_they_write():
     traced = trace(*workers.small_resnet())
     copied = {}
-    for seg, sm in zip(traced.segments, _segment_modules(traced)):
+    for seg, sm in zip(traced.segments, segment_modules(traced)):
         clones = [n.args[0].name for n in sm.module.graph.nodes if n.target is aten.clone.default]
         if clones:
             copied[seg.name] = clones
@@ -171,8 +172,8 @@ def test_profile_runs_every_segment_with_in_place_cuts():
 @pytest.mark.parametrize("n_gpus", [2, 4])
 def test_partition_with_measured_costs(n_gpus):
     model, example = workers.small_resnet()
-    plan = autopipe.partition(model, n_gpus, example_args=example, device="cpu", warmup=0, repeats=1,
-                              progress=False)
+    plan = autopipe.partition(model, n_gpus, example_args=example,
+                              profiling=autopipe.ProfileOptions(device="cpu", warmup=0, repeats=1, progress=False))
     assert plan.num_stages == n_gpus
 
 

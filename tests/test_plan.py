@@ -1,19 +1,30 @@
-"""Plan: JSON round trip, versioning, and the split_spec torch accepts."""
+"""Plan: JSON round trip, versioning (version-1 files convert), calibration, and the split_spec torch accepts."""
 
 from __future__ import annotations
 
+import copy
 import json
+import pathlib
+from dataclasses import replace
 
 import pytest
 from torch.distributed.pipelining import SplitPoint
 
+from autopipe.errors import PlanFileError
 from autopipe.planning.plan import PLAN_FORMAT_VERSION, BaselinePlan, Plan, StagePlan
+from autopipe.planning.plan_file import READ_FORMAT_VERSIONS
+from autopipe.planning.plan_records import Link, MachineModel
+
+#: A plan written by autopipe in format version 1 (typed parts in "extras"): schedule="auto",
+#: n_microbatches=4 with global_batch=8, a loss, memory limits, and calibrated once.
+V1_FILE = pathlib.Path(__file__).parent / "data" / "plan_format_v1.json"
 
 
 def _plan() -> Plan:
+    # No bytes cross the cut, so the step is compute alone (whatever link the device type assumes).
     stages = [
         StagePlan(index=i, fqns=[f"layers.{i}"], first_segment=i, last_segment=i, fwd_s=1e-3, bwd_s=2e-3,
-                  comm_s=1e-4, param_bytes=10, act_bytes=20, peak_bytes=50, send_bytes=8, recv_bytes=8)
+                  comm_s=1e-4, param_bytes=10, act_bytes=20, peak_bytes=50, send_bytes=0, recv_bytes=0)
         for i in range(2)
     ]
     return Plan(num_stages=2, split_points=["layers.1"], stages=stages, schedule="1F1B", n_microbatches=4,
@@ -35,12 +46,83 @@ def test_json_round_trip_keeps_everything(tmp_path):
     assert data["split_spec"] == {"layers.1": "BEGINNING"}
 
 
-def test_newer_format_is_refused(tmp_path):
+def test_newer_format_is_refused_naming_the_versions_read(tmp_path):
     data = _plan().to_dict()
     data["format_version"] = PLAN_FORMAT_VERSION + 1
     (tmp_path / "p.json").write_text(json.dumps(data))
-    with pytest.raises(ValueError, match="format_version"):
+    with pytest.raises(PlanFileError, match=r"format_version=3 \(written by a newer autopipe\) is not supported; "
+                                            r"this autopipe reads versions \[1, 2\]") as info:
         Plan.load(tmp_path / "p.json")
+    assert info.value.field == "format_version"
+    assert READ_FORMAT_VERSIONS == (1, 2) and PLAN_FORMAT_VERSION == 2
+
+
+def test_a_plan_has_no_untyped_extras():
+    assert not hasattr(_plan(), "extras")
+    assert "extras" not in _plan().to_dict()
+
+
+def test_a_version_1_file_loads_into_the_typed_fields():
+    data = json.loads(V1_FILE.read_text())
+    assert data["format_version"] == 1
+    extras = data["extras"]
+    plan = Plan.load(V1_FILE)
+    assert [s.fwd_s for s in plan.segments] == [s["fwd_s"] for s in extras["segments"]]
+    assert [s.cut_bwd_bytes for s in plan.segments] == [s["cut_bwd_bytes"] for s in extras["segments"]]
+    assert plan.machine.links == [Link(b, lat) for b, lat in zip(extras["links"]["bandwidth"],
+                                                                 extras["links"]["latency_s"])]
+    assert plan.machine.action_overhead_s == extras["action_overhead_s"]
+    assert plan.machine.lazy_sends is extras["lazy_sends"]
+    assert plan.step_tail.total_s == pytest.approx(sum(extras["step_tail_s"].values()))
+    assert plan.rank_peak_bytes == extras["rank_peak_bytes"] and plan.stage_ranks == extras["stage_ranks"]
+    assert plan.search.candidates == extras["search"]["candidates"]
+    assert plan.search.step_lower_bound_s == extras["step_lower_bound_s"] and plan.search.step_gap == extras["step_gap"]
+    assert [a.schedule for a in plan.alternatives] == [a["schedule"] for a in extras["alternatives"]]
+    assert plan.loss.act_bytes == extras["loss"]["act_bytes"]
+    assert plan.global_batch == extras["global_batch"] and plan.microbatch_size == extras["microbatch_size"]
+    assert plan.calibration.fwd_factor == extras["calibration"]["fwd_factor"]
+    # The cut times it stored are recomputed from its links and bytes: the same numbers.
+    assert plan.cut_comm_s() == pytest.approx(extras["cut_comm_s"], rel=1e-12)
+    assert plan.simulated_step_s() == pytest.approx(plan.predicted_step_s, rel=1e-12)
+
+
+def test_a_version_1_file_is_saved_as_the_current_version(tmp_path):
+    plan = Plan.load(V1_FILE)
+    plan.save(tmp_path / "p.json")
+    assert json.loads((tmp_path / "p.json").read_text())["format_version"] == PLAN_FORMAT_VERSION
+    assert Plan.load(tmp_path / "p.json") == plan
+
+
+def test_version_1_notes_source_and_whole_pass_convert():
+    data = json.loads(V1_FILE.read_text())
+    data["extras"].update(notes=["config.use_cache was turned off"], source="split_points given by hand",
+                          whole_pass={"segments_fwd_s": 2e-3, "segments_bwd_s": 4e-3, "fwd_s": 1e-3, "bwd_s": 2e-3,
+                                      "scales": [0.5, 0.5], "fitted": True}, unread_entry={"kept": "no"})
+    plan = Plan.from_dict(data)
+    assert plan.notes == ["config.use_cache was turned off", "split_points given by hand"]
+    assert plan.whole_pass.scales == (0.5, 0.5, 1.0) and plan.whole_pass.accum_s == 0.0
+
+
+@pytest.mark.parametrize("entry, value, field", [
+    ("segments", lambda segs: [{**segs[0], "fwd_s": "fast"}, *segs[1:]], "extras.segments[0].fwd_s"),
+    ("links", lambda _: {"bandwidth": [0.0], "latency_s": [0.0]}, "extras.links.bandwidth[0]"),
+    ("step_tail_s", lambda _: {"merge_outputs_s": -1.0}, "extras.step_tail_s.merge_outputs_s"),
+    ("step_tail_s", lambda _: {"another_s": 1.0}, "extras.step_tail_s.another_s"),
+    ("calibration", lambda _: {"fwd_factor": [1.0, 1.0]}, "extras.calibration.bwd_factor"),
+])
+def test_a_bad_version_1_entry_is_named_as_the_file_spells_it(entry, value, field):
+    data = json.loads(V1_FILE.read_text())
+    data["extras"][entry] = value(data["extras"][entry])
+    with pytest.raises(PlanFileError) as info:
+        Plan.from_dict(data)
+    assert info.value.field == field and field in str(info.value)
+
+
+def test_a_version_2_file_has_no_extras():
+    data = {**_plan().to_dict(), "extras": {}}
+    with pytest.raises(PlanFileError, match=r"unknown field\(s\) \['extras'\]") as info:
+        Plan.from_dict(data)
+    assert info.value.field == "extras"
 
 
 def test_not_json_is_a_clear_error(tmp_path):
@@ -66,7 +148,7 @@ def test_calibrate_with_per_stage_times_rescales_stages_and_prediction():
 def test_calibrate_with_a_step_time_scales_everything_by_one_factor():
     plan = _plan()
     cal = plan.calibrate({"step_s": 2 * plan.predicted_step_s})
-    assert cal.extras["calibration"]["fwd_factor"] == [2.0, 2.0]
+    assert cal.calibration.fwd_factor == [2.0, 2.0] and cal.calibration.bwd_factor == [2.0, 2.0]
 
 
 def test_calibrate_rejects_the_wrong_number_of_stages():
@@ -82,18 +164,25 @@ def test_calibrate_rejects_non_positive_times():
 def test_calibrate_with_a_step_time_leaves_the_per_action_overhead_alone():
     # Only compute scales: the calibrated plan's simulated step is the measured one.
     plan = _plan()
-    plan.extras["action_overhead_s"] = [5e-4, 5e-4]
-    plan.predicted_step_s = plan._simulated_step_s(1.0)
+    plan.machine = MachineModel(action_overhead_s=[5e-4, 5e-4])
+    plan.predicted_step_s = plan.simulated_step_s()
     cal = plan.calibrate({"step_s": 1.5 * plan.predicted_step_s})
     assert cal.predicted_step_s == pytest.approx(1.5 * plan.predicted_step_s, rel=1e-9)
-    assert cal.extras["calibration"]["fwd_factor"][0] > 1.5  # compute grows more than the step
+    assert cal.calibration.fwd_factor[0] > 1.5  # compute grows more than the step
     assert cal.action_overhead_s() == [5e-4, 5e-4]
 
 
 def test_a_plan_without_an_overhead_record_charges_none():
+    assert _plan().machine.action_overhead_s == [] and _plan().action_overhead_s() == [0.0, 0.0]
+
+
+def test_a_plan_without_links_charges_its_device_types_link():
     plan = _plan()
-    plan.extras.pop("action_overhead_s", None)
-    assert plan.action_overhead_s() == [0.0, 0.0]
+    plan.stages[0].send_bytes = 2 * 10**6
+    assert plan.links() == [Link(2e9, 1e-4)]  # CPU's default link
+    assert plan.cut_comm_s() == pytest.approx([1e-3 + 1e-4])
+    plan.machine = MachineModel(links=[Link(1e9, 0.0)])
+    assert plan.cut_comm_s() == pytest.approx([2e-3])
 
 
 def test_calibrating_a_plan_with_no_compute_to_scale_ends():
@@ -101,14 +190,14 @@ def test_calibrating_a_plan_with_no_compute_to_scale_ends():
     plan = _plan()
     for st in plan.stages:
         st.fwd_s = st.bwd_s = 0.0
-    plan.extras["action_overhead_s"] = [1e-3, 1e-3]
-    plan.predicted_step_s = plan._simulated_step_s(1.0)
+    plan.machine = MachineModel(action_overhead_s=[1e-3, 1e-3])
+    plan.predicted_step_s = plan.simulated_step_s()
     cal = plan.calibrate({"step_s": 10 * plan.predicted_step_s})
     assert cal.predicted_step_s == pytest.approx(plan.predicted_step_s)
 
 
 def test_solve_increasing_finds_the_crossing_and_stops_when_there_is_none():
-    from autopipe.planning.schedules import solve_increasing
+    from autopipe.planning.simulator import solve_increasing
 
     assert solve_increasing(lambda x: 2 * x, 5.0) == pytest.approx(2.5, rel=1e-12)
     assert solve_increasing(lambda x: 1.0 + x, 0.5) == 0.0
@@ -120,11 +209,22 @@ def test_calibrating_a_plan_without_stage_times_takes_the_measured_ones():
     plan = _plan()
     for st in plan.stages:
         st.fwd_s = st.bwd_s = 0.0
-    for seg in plan.extras.get("segments", []):
-        seg["fwd_s"] = seg["bwd_s"] = 0.0
     cal = plan.calibrate({"fwd_s": [1e-3, 2e-3], "bwd_s": [3e-3, 4e-3]})
     assert [(st.fwd_s, st.bwd_s) for st in cal.stages] == [(1e-3, 3e-3), (2e-3, 4e-3)]
-    assert cal.extras["calibration"]["fwd_factor"] == [None, None]
+    assert cal.calibration.fwd_factor == [None, None]
     assert cal.predicted_step_s > 0
     totals = plan.calibrate([3e-3, 6e-3])  # totals: backward = 2 x forward when nothing was planned
     assert [st.fwd_s for st in totals.stages] == pytest.approx([1e-3, 2e-3])
+
+
+def test_calibrating_scales_the_profile_of_each_stage_by_its_factor():
+    plan = Plan.load(V1_FILE)
+    before = copy.deepcopy(plan.segments)
+    cal = plan.calibrate([2 * st.time_s - 2 * st.comm_s for st in plan.stages])
+    for st in plan.stages:
+        for k in range(st.first_segment, st.last_segment + 1):
+            assert cal.segments[k].fwd_s == pytest.approx(2 * before[k].fwd_s)
+            assert cal.segments[k].accum_s == pytest.approx(2 * before[k].accum_s)
+    assert plan.segments == before  # the original is untouched
+    assert cal.segment_costs()[0] == replace(before[0], fwd_s=cal.segments[0].fwd_s, bwd_s=cal.segments[0].bwd_s,
+                                             accum_s=cal.segments[0].accum_s).cost()

@@ -1,6 +1,6 @@
 """Plan files: every malformed file is refused by Plan.load with PlanFileError naming the field.
 
-The corpus below is made from one valid plan (the planner's own, with its extras) by
+The corpus below is made from one valid plan (the planner's own, with its typed parts) by
 breaking one thing at a time: the file as a whole (not JSON, binary, empty, too deep), the
 format version, each kind of field (missing, unknown, wrong type, extra nesting, out of
 range, NaN and infinities, negative), and fields that disagree with each other.
@@ -21,7 +21,8 @@ import pytest
 import torch
 
 import autopipe
-from autopipe import Plan, PlanFileError
+from autopipe import Plan
+from autopipe.errors import PlanFileError
 from autopipe.planning.plan import PLAN_FORMAT_VERSION
 
 from _time_limit import refused_within
@@ -31,10 +32,11 @@ Mutation = Callable[[dict[str, Any]], Any]
 
 @pytest.fixture(scope="module")
 def valid(small_transformer) -> dict[str, Any]:
-    """A real plan as its file holds it, with per-segment costs, links and alternatives."""
+    """A real plan as its file holds it, with per-segment costs, links, overheads and alternatives."""
     model, args = small_transformer
-    plan = autopipe.partition(model, 2, example_args=args, cost="params", schedule="auto", progress=False)
-    assert plan.num_stages >= 2 and plan.extras["segments"] and plan.extras["alternatives"]
+    plan = autopipe.partition(model, 2, example_args=args, cost="params", schedule="auto",
+                              profiling=autopipe.ProfileOptions(progress=False))
+    assert plan.num_stages >= 2 and plan.segments and plan.alternatives
     return json.loads(json.dumps(plan.to_dict()))
 
 
@@ -123,12 +125,13 @@ CORPUS: list[tuple[str, Mutation, str]] = [
     ("top-level-string", _raw(b'"plan"'), ""),
     ("top-level-null", _raw(b"null"), ""),
     ("key-given-twice", _repeat_key, "num_stages"),
-    ("nested-past-the-bound", _set("extras.deep", _nested(100)), "extras.deep[0]..."),
+    ("nested-past-the-bound", _set("notes", _nested(100)), "notes[0]..."),
     # the format version
     ("newer-version", _set("format_version", PLAN_FORMAT_VERSION + 1), "format_version"),
     ("version-zero", _set("format_version", 0), "format_version"),
     ("version-as-string", _set("format_version", "1"), "format_version"),
     ("version-missing", _drop("format_version"), "format_version"),
+    ("version-1-with-typed-fields", _set("format_version", 1), "alternatives"),
     # missing and unknown fields
     ("missing-n_microbatches", _drop("n_microbatches"), "n_microbatches"),
     ("missing-stages", _drop("stages"), "stages"),
@@ -153,11 +156,15 @@ CORPUS: list[tuple[str, Mutation, str]] = [
     ("fits_memory-as-string", _set("baselines[0].fits_memory", "yes"), "baselines[0].fits_memory"),
     ("memory_limit-as-string", _set("memory_limit_bytes", "16GiB"), "memory_limit_bytes"),
     ("segment_names-as-string", _set("segment_names", "layers"), "segment_names"),
-    ("extras-as-list", _set("extras", []), "extras"),
-    ("segment-time-as-string", _set("extras.segments[0].fwd_s", "x"), "extras.segments[0].fwd_s"),
-    ("lazy_sends-as-string", _set("extras.lazy_sends", "yes"), "extras.lazy_sends"),
-    ("note-not-a-string", _set("extras.notes", [1]), "extras.notes[0]"),
-    ("alternative-missing-fits", _drop("extras.alternatives[0].fits"), "extras.alternatives[0].fits"),
+    ("extras-in-version-2", _set("extras", {}), "extras"),
+    ("machine-as-list", _set("machine", []), "machine"),
+    ("segment-time-as-string", _set("segments[0].fwd_s", "x"), "segments[0].fwd_s"),
+    ("segment-bytes-as-float", _set("segments[0].act_bytes", 1.5), "segments[0].act_bytes"),
+    ("unknown-segment-field", _set("segments[0].gpu", 1), "segments[0].gpu"),
+    ("lazy_sends-as-string", _set("machine.lazy_sends", "yes"), "machine.lazy_sends"),
+    ("note-not-a-string", _set("notes", [1]), "notes[0]"),
+    ("alternative-missing-fits", _drop("alternatives[0].fits"), "alternatives[0].fits"),
+    ("unknown-step-tail-part", _set("step_tail.sleep_s", 1.0), "step_tail.sleep_s"),
     # out of range: zero, negative, huge
     ("zero-stages", _set("num_stages", 0), "num_stages"),
     ("huge-num_stages", _set("num_stages", 10**12), "num_stages"),
@@ -171,14 +178,15 @@ CORPUS: list[tuple[str, Mutation, str]] = [
      "stages[0].inflight_microbatches"),
     ("zero-memory-limit", lambda d: _set("memory_limit_bytes", [0] * (d["num_stages"] // d["stages_per_rank"]))(d),
      "memory_limit_bytes[0]"),
-    ("zero-bandwidth", _set("extras.links.bandwidth[0]", 0.0), "extras.links.bandwidth[0]"),
+    ("zero-bandwidth", _set("machine.links[0].bandwidth", 0.0), "machine.links[0].bandwidth"),
+    ("negative-step-tail", _set("step_tail.merge_outputs_s", -1.0), "step_tail.merge_outputs_s"),
     ("pairs-past-the-schedule-bound", _set("n_microbatches", 200_000), "n_microbatches"),
     # NaN and infinities
     ("nan-time", _set("stages[0].fwd_s", math.nan), "stages[0].fwd_s"),
     ("infinite-time", _set("stages[1].bwd_s", math.inf), "stages[1].bwd_s"),
     ("minus-infinite-bottleneck", _set("bottleneck_s", -math.inf), "bottleneck_s"),
     ("overflowing-literal", _stage_value_text("fwd_s", "1e999"), "stages[0].fwd_s"),
-    ("nan-overhead", _set("extras.action_overhead_s[0]", math.nan), "extras.action_overhead_s[0]"),
+    ("nan-overhead", _set("machine.action_overhead_s[0]", math.nan), "machine.action_overhead_s[0]"),
     # empty
     ("empty-object", _raw(b"{}"), "format_version"),
     ("no-stages", _set("stages", []), "stages"),
@@ -197,8 +205,10 @@ CORPUS: list[tuple[str, Mutation, str]] = [
     ("last-stage-short-of-the-segments", lambda d: _set("segment_names", d["segment_names"] + ["extra"])(d),
      "stages[-1].last_segment"),
     ("split_spec-disagrees", _set("split_spec", {"out_linear": "BEGINNING"}), "split_spec"),
-    ("overheads-for-another-stage-count", lambda d: _set("extras.action_overhead_s", [0.0])(d),
-     "extras.action_overhead_s"),
+    ("overheads-for-another-stage-count", _set("machine.action_overhead_s", [0.0]), "machine.action_overhead_s"),
+    ("links-for-another-cut-count", lambda d: _set("machine.links", d["machine"]["links"] * 2)(d), "machine.links"),
+    ("peaks-for-another-rank-count", _set("rank_peak_bytes", [1, 2, 3]), "rank_peak_bytes"),
+    ("segments-for-another-segment-count", lambda d: _set("segments", d["segments"][:-1])(d), "segments"),
     ("memory-limits-for-another-rank-count", _set("memory_limit_bytes", [2**30] * 7), "memory_limit_bytes"),
 ]
 
@@ -275,9 +285,9 @@ def test_from_dict_takes_to_dict_output_as_it_is(valid):
     import numpy as np
 
     data = copy.deepcopy(valid)
-    data["extras"]["whole_pass"] = {"segments_fwd_s": 1e-3, "segments_bwd_s": 2e-3, "fwd_s": 1e-3, "bwd_s": 2e-3,
-                                    "scales": (1.0, 1.0, 1.0), "fitted": True}
-    data["extras"]["segments"][0]["cut_fwd_bytes"] = np.int64(64)
+    data["whole_pass"] = {"segments_fwd_s": 1e-3, "segments_bwd_s": 2e-3, "segments_accum_s": 0.0, "fwd_s": 1e-3,
+                          "bwd_s": 2e-3, "accum_s": 0.0, "scales": (1.0, 1.0, 1.0), "fitted": True}
+    data["segments"][0]["cut_fwd_bytes"] = np.int64(64)
     data["stages"][0]["fwd_s"] = np.float64(data["stages"][0]["fwd_s"])
     data["split_points"] = tuple(data["split_points"])
     plan = Plan.from_dict(data)
@@ -285,9 +295,9 @@ def test_from_dict_takes_to_dict_output_as_it_is(valid):
     assert Plan.from_dict(plan.to_dict()) == plan
 
 
-def test_plan_file_error_is_a_value_error_exported_at_the_top():
+def test_plan_file_error_is_a_value_error_under_the_top_level_error():
     assert issubclass(PlanFileError, autopipe.AutopipeError) and issubclass(PlanFileError, ValueError)
-    assert "PlanFileError" in autopipe.__all__
+    assert "AutopipeError" in autopipe.__all__
 
 
 def test_a_file_larger_than_the_bound_is_refused_before_it_is_parsed(valid, tmp_path, monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,7 +16,16 @@ from autopipe.models import seed_transformer
 from autopipe.planning.profile import profile_segments
 from autopipe.planning.trace import trace
 
-FAST = dict(progress=False, warmup=0, repeats=1)
+QUICK = autopipe.ProfileOptions(progress=False, warmup=0, repeats=1)  # for partition
+QUICK_CPU = autopipe.ProfileOptions(device="cpu", progress=False, warmup=0, repeats=1)
+QUIET = autopipe.ProfileOptions(progress=False)
+QUIET_CPU = autopipe.ProfileOptions(device="cpu", progress=False)  # the CPU's default links
+
+
+def counted_costs(model: nn.Module, args: tuple) -> list:
+    """Segment costs from counted FLOPs at a fixed 1 GFLOP/s: the same plan on every machine,
+    however busy, where a test asserts on where the plan splits."""
+    return profile_segments(trace(model, args), cost="flops", device_flops=1e9, progress=False)
 
 
 def assert_plan_builds_and_matches(model: nn.Module, args: tuple, plan: autopipe.Plan) -> None:
@@ -32,12 +42,13 @@ def assert_plan_builds_and_matches(model: nn.Module, args: tuple, plan: autopipe
 @pytest.mark.parametrize("n_gpus", [2, 4])
 def test_seed_transformer_plan_builds_in_torch_and_reproduces_output(small_transformer, n_gpus):
     model, args = small_transformer
-    plan = autopipe.partition(model, n_gpus, example_args=args, **FAST)
+    plan = autopipe.partition(model, n_gpus, example_args=args, profiling=QUICK)
     assert plan.num_stages == n_gpus == len(plan.stages)
     assert len(plan.split_spec) == n_gpus - 1
     assert_plan_builds_and_matches(model, args, plan)
 
 
+@pytest.mark.slow  # torch builds a pipeline for each of the split points, seconds in all
 def test_every_split_point_the_tracer_offers_builds_in_torch(small_transformer, small_traced):
     model, args = small_transformer
     for name in small_traced.split_point_names:
@@ -46,17 +57,18 @@ def test_every_split_point_the_tracer_offers_builds_in_torch(small_transformer, 
 
 
 def test_heavy_last_layer_is_not_split_by_equal_layers():
+    # A vocabulary of 8000 makes the output projection outweigh all four layers together.
     model, args = seed_transformer(vocab_size=8000, d_model=64, num_heads=4, d_ff=128, num_layers=4, batch=2, seq_len=32)
-    plan = autopipe.partition(model, 2, example_args=args, progress=False, warmup=1, repeats=3)
+    plan = autopipe.partition(model, 2, example_args=args, cost=counted_costs(model, args), profiling=QUIET_CPU)
     equal = plan.baseline("equal_layers")
     assert plan.split_points != equal.split_points
     assert plan.bottleneck_s < equal.bottleneck_s
     assert_plan_builds_and_matches(model, args, plan)
 
 
-def test_plan_stage_records_are_complete(small_transformer):
+def test_plan_stage_records_are_complete(small_transformer, small_costs):
     model, args = small_transformer
-    plan = autopipe.partition(model, 2, example_args=args, **FAST)
+    plan = autopipe.partition(model, 2, example_args=args, cost=small_costs, profiling=QUIET_CPU)
     first, last = plan.stages
     assert "embedding" in first.fqns and "out_linear" in last.fqns
     assert first.send_bytes == last.recv_bytes > 0
@@ -70,7 +82,7 @@ def test_partition_leaves_the_model_exactly_as_it_was(small_transformer):
     model, args = small_transformer
     before = {k: v.clone() for k, v in model.state_dict().items()}
     forwards = {name: m.forward for name, m in model.named_modules()}
-    autopipe.partition(model, 2, example_args=args, **FAST)
+    autopipe.partition(model, 2, example_args=args, profiling=QUICK)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
     assert all("forward" not in vars(m) for m in model.modules())  # not wrapped like pipeline() does
@@ -79,46 +91,45 @@ def test_partition_leaves_the_model_exactly_as_it_was(small_transformer):
     pipeline(copy.deepcopy(model), args, split_spec={"layers.1": autopipe.planning.plan.SplitPoint.BEGINNING})
 
 
-def test_same_profile_gives_the_same_plan(small_transformer, small_traced):
+def test_same_profile_gives_the_same_plan(small_transformer, small_costs):
     model, args = small_transformer
-    costs = profile_segments(small_traced, **FAST)
-    a = autopipe.partition(model, 4, example_args=args, costs=costs, progress=False)
-    b = autopipe.partition(model, 4, example_args=args, costs=costs, progress=False)
+    a = autopipe.partition(model, 4, example_args=args, cost=small_costs)
+    b = autopipe.partition(model, 4, example_args=args, cost=small_costs)
     assert a.split_points == b.split_points
     assert a.to_dict()["stages"] == b.to_dict()["stages"]
 
 
-def test_plan_survives_save_and_load(small_transformer, tmp_path):
+def test_plan_survives_save_and_load(small_transformer, small_costs, tmp_path):
     model, args = small_transformer
-    plan = autopipe.partition(model, 2, example_args=args, **FAST)
+    plan = autopipe.partition(model, 2, example_args=args, cost=small_costs)
     plan.save(tmp_path / "plan.json")
     assert autopipe.Plan.load(tmp_path / "plan.json").split_spec == plan.split_spec
 
 
-def test_memory_limit_is_respected(small_transformer, small_traced):
+def test_memory_limit_is_respected(small_transformer, small_costs):
     model, args = small_transformer
-    costs = profile_segments(small_traced, **FAST)
-    free = autopipe.partition(model, 2, example_args=args, costs=costs, progress=False)
+    costs = small_costs
+    free = autopipe.partition(model, 2, example_args=args, cost=costs)
     limit = int(max(s.peak_bytes for s in free.stages) * 0.999)
     try:
-        tight = autopipe.partition(model, 2, example_args=args, costs=costs, memory=limit, progress=False)
+        tight = autopipe.partition(model, 2, example_args=args, cost=costs, memory=limit)
     except InfeasibleMemoryError:
         return  # the free plan was already the smallest: nothing else to check
     assert all(s.peak_bytes <= limit for s in tight.stages)
     assert tight.memory_limit_bytes == [limit, limit]
 
 
-def test_impossible_memory_names_the_smallest_that_fits(small_transformer):
+def test_impossible_memory_names_the_smallest_that_fits(small_transformer, small_costs):
     model, args = small_transformer
     with pytest.raises(InfeasibleMemoryError, match="the smallest per-device memory that fits is") as info:
-        autopipe.partition(model, 2, example_args=args, memory="1KiB", **FAST)
+        autopipe.partition(model, 2, example_args=args, memory="1KiB", cost=small_costs)
     assert info.value.min_memory_bytes > 1024
 
 
 def test_flops_and_params_cost_sources_plan_too(small_transformer):
     model, args = small_transformer
     for cost in ("flops", "params"):
-        plan = autopipe.partition(model, 2, example_args=args, cost=cost, progress=False)
+        plan = autopipe.partition(model, 2, example_args=args, cost=cost, profiling=QUIET)
         assert plan.cost_source == cost and plan.num_stages == 2
 
 
@@ -129,13 +140,13 @@ def test_flops_and_params_cost_sources_plan_too(small_transformer):
 def test_bad_n_gpus(small_transformer, n_gpus):
     model, args = small_transformer
     with pytest.raises(ValueError, match=r"n_gpus=.* must be an integer >= 1"):
-        autopipe.partition(model, n_gpus, example_args=args, **FAST)
+        autopipe.partition(model, n_gpus, example_args=args, profiling=QUICK)
 
 
 def test_more_stages_than_split_points(small_traced, small_transformer):
     model, args = small_transformer
     with pytest.raises(ValueError, match=rf"only {len(small_traced.candidates)} legal split points"):
-        autopipe.partition(model, 100, example_args=args, n_microbatches=100, **FAST)
+        autopipe.partition(model, 100, example_args=args, n_microbatches=100, profiling=QUICK)
 
 
 def test_unknown_cost_source(small_transformer):
@@ -196,7 +207,8 @@ def test_tied_weights_count_in_every_stage_that_holds_a_copy():
     from autopipe.models.hf import gpt2_from_config
 
     model, args = gpt2_from_config(n_layer=2, n_embd=32, n_head=4, vocab_size=2000, seq_len=8)
-    plan = autopipe.partition(model, 2, example_args=args, **FAST)
+    # These costs put the embedding and the head in different stages.
+    plan = autopipe.partition(model, 2, example_args=args, cost=counted_costs(model, args), profiling=QUIET_CPU)
     wte = model.transformer.wte.weight
     wte_bytes = wte.numel() * wte.element_size()
     head_stage = next(s for s in plan.stages if "lm_head" in s.fqns)
@@ -219,12 +231,12 @@ def _example_models():
                                              vocab_size=1000, seq_len=8)
 
 
-@pytest.mark.parametrize("n_gpus", [2, 4])
+@pytest.mark.parametrize("n_gpus", [2, pytest.param(4, marks=pytest.mark.slow)])  # 2 stages cover the unit lane
 @pytest.mark.parametrize("name, factory", list(_example_models()), ids=lambda v: v if isinstance(v, str) else "")
 def test_hugging_face_plans_build_in_torch_and_reproduce_output(name, factory, n_gpus):
     model, args = factory()
     model.eval()  # no dropout: outputs must match exactly
-    plan = autopipe.partition(model, n_gpus, example_args=args, cost="flops", progress=False)
+    plan = autopipe.partition(model, n_gpus, example_args=args, cost="flops", profiling=QUIET)
     assert plan.num_stages == n_gpus
     assert_plan_builds_and_matches(model, args, plan)
 
@@ -232,40 +244,63 @@ def test_hugging_face_plans_build_in_torch_and_reproduce_output(name, factory, n
 def test_the_step_tail_charges_the_merge_the_loss_broadcast_and_tied_gradients_across_ranks():
     from autopipe.machine.device import default_copy_bandwidth
     from autopipe.models.hf import gpt2_from_config
+    from autopipe.planning.costmodel import step_tail
+    from autopipe.planning.problem import tied_gradient_bytes
+    from autopipe.planning.schedules import stage_ranks
 
     model, args = gpt2_from_config(n_layer=2, n_embd=32, n_head=4, vocab_size=2000, seq_len=8)
+    traced = trace(model, args)
     wte_bytes = model.transformer.wte.weight.numel() * 4
     m = 4
-    # On the CPU, whose copy bandwidth the expected figures use, also where a GPU is present
-    split = autopipe.partition(model, 2, example_args=args, n_microbatches=m, schedule="1F1B", device="cpu", **FAST)
-    tail = split.extras["step_tail_s"]
-    logits_bytes = split.extras["segments"][-1]["out_bytes"]
-    assert tail["merge_outputs_s"] == pytest.approx(m * logits_bytes / default_copy_bandwidth("cpu"))
-    assert tail["loss_broadcast_s"] == pytest.approx(split.extras["links"]["latency_s"][0])
-    # The embedding and the tied head are on different ranks: their gradients are summed.
-    assert tail["shared_grads_s"] > wte_bytes / split.extras["links"]["bandwidth"][0]
-    assert split.predicted_step_s == pytest.approx(split._simulated_step_s(1.0))
-    # ZBV puts the first and the last stage on rank 0: the tied weight never leaves it.
-    v_plan = autopipe.partition(model, 2, example_args=args, n_microbatches=m, schedule="ZBVZeroBubble", device="cpu",
-                                **FAST)
-    assert v_plan.extras["step_tail_s"]["shared_grads_s"] == 0.0
-    assert v_plan.step_tail_s() == pytest.approx(tail["merge_outputs_s"] + tail["loss_broadcast_s"])
+    # On the CPU, whose copy bandwidth the expected figures use, also where a GPU is present.
+    kw = dict(example_args=args, n_microbatches=m, cost=counted_costs(model, args), profiling=QUIET_CPU)
+    split = autopipe.partition(model, 2, schedule="1F1B", **kw)
+    link = split.machine.links[0]
+    tail = split.step_tail
+    logits_bytes = split.segments[-1].out_bytes
+    assert tail.merge_outputs_s == pytest.approx(m * logits_bytes / default_copy_bandwidth("cpu"))
+    assert tail.loss_broadcast_s == pytest.approx(link.latency_s)
+    # These costs put the embedding and the tied head on different ranks: their gradients are summed.
+    assert tail.shared_grads_s > wte_bytes / link.bandwidth
+    assert split.predicted_step_s == pytest.approx(split.simulated_step_s())
+
+    def expected_tail(plan: autopipe.Plan):
+        cuts = [st.first_segment for st in plan.stages[1:]]
+        return step_tail(n_microbatches=m, out_bytes=logits_bytes, n_ranks=2, bandwidth=link.bandwidth,
+                         latency_s=link.latency_s, copy_bandwidth=default_copy_bandwidth("cpu"),
+                         shared_bytes=tied_gradient_bytes(traced, cuts, plan.stage_ranks))
+
+    v_plan = autopipe.partition(model, 2, schedule="ZBVZeroBubble", **kw)
+    for plan in (split, v_plan):  # whichever split the costs gave
+        want = expected_tail(plan)
+        assert (plan.step_tail.merge_outputs_s, plan.step_tail.loss_broadcast_s, plan.step_tail.shared_grads_s) == \
+            pytest.approx((want.merge_outputs_s, want.loss_broadcast_s, want.shared_grads_s))
+        assert plan.step_tail_s() == pytest.approx(want.total_s)
+    # ZBV puts the first and the last stage on rank 0: with the embedding in stage 0 the tied
+    # weight never leaves rank 0 and no gradient is summed; cut before it, it is.
+    zbv = stage_ranks("ZBVZeroBubble", 2, 2)
+    names = traced.split_point_names
+    in_stage_0 = [names.index(p) + 1 for p in ("transformer.h.0", "transformer.h.1", "transformer.ln_f")]
+    in_stage_1 = [names.index(p) + 1 for p in ("transformer.wte", "transformer.h.1", "transformer.ln_f")]
+    assert tied_gradient_bytes(traced, in_stage_0, zbv) == []
+    assert tied_gradient_bytes(traced, in_stage_1, zbv) == [(wte_bytes, 2)]
 
 
 def test_the_last_ranks_peak_counts_torchs_merge_of_the_kept_outputs():
     # At the step's end torch's last stage concatenates the outputs it kept into one more
     # tensor, after every activation is freed: under 1F1B (one micro-batch in flight) with
     # many micro-batches that is the last rank's peak: its parameters, gradients and
-    # optimizer state + two copies of every micro-batch's output (benchmarks/NOTES.md, finding 3).
+    # optimizer state + two copies of every micro-batch's output (docs/design.md, finding 14).
     from autopipe.models.hf import gpt2_from_config
 
     model, args = gpt2_from_config(n_layer=2, n_embd=32, n_head=4, vocab_size=2000, seq_len=8)
     m = 64
-    plan = autopipe.partition(model, 2, example_args=args, schedule="1F1B", n_microbatches=m, **FAST)
-    out_bytes = plan.extras["segments"][-1]["out_bytes"]
+    plan = autopipe.partition(model, 2, example_args=args, schedule="1F1B", n_microbatches=m,
+                              cost=counted_costs(model, args), profiling=QUIET_CPU)
+    out_bytes = plan.segments[-1].out_bytes
     last = plan.stages[-1]
     static = last.peak_bytes - last.inflight_microbatches * last.act_bytes  # parameters, grads, Adam
-    assert plan.extras["rank_peak_bytes"][plan.extras["stage_ranks"][-1]] == pytest.approx(static + 2 * m * out_bytes)
+    assert plan.rank_peak_bytes[plan.stage_ranks[-1]] == pytest.approx(static + 2 * m * out_bytes)
 
 
 def test_split_backward_schedules_charge_the_copy_of_each_stage_output(monkeypatch):
@@ -276,14 +311,14 @@ def test_split_backward_schedules_charge_the_copy_of_each_stage_output(monkeypat
     from autopipe.models.hf import gpt2_from_config
 
     model, args = gpt2_from_config(n_layer=2, n_embd=32, n_head=4, vocab_size=2000, seq_len=8)
-    costs = profile_segments(trace(model, args), warmup=0, repeats=1, progress=False)
-    kw = dict(example_args=args, costs=costs, schedule="ZBVZeroBubble", n_microbatches=4, progress=False)
+    kw = dict(example_args=args, cost=counted_costs(model, args), schedule="ZBVZeroBubble", n_microbatches=4,
+              profiling=QUIET_CPU)
     with_copies = autopipe.partition(model, 2, **kw)
     monkeypatch.setattr(schedules, "SPLIT_BACKWARD_SCHEDULES", ())
     without = autopipe.partition(model, 2, **kw)
     assert with_copies.split_points == without.split_points
     smallest_cut = min(st.send_bytes for st in with_copies.stages[:-1])
-    extra = [a - b for a, b in zip(with_copies.extras["rank_peak_bytes"], without.extras["rank_peak_bytes"])]
+    extra = [a - b for a, b in zip(with_copies.rank_peak_bytes, without.rank_peak_bytes)]
     # Rank 0 (stages 0 and 3) peaks when torch merges the outputs, after the copies are gone;
     # rank 1 (stages 1 and 2) holds copies of both its stages' outputs at its peak.
     assert extra[0] >= 0 and extra[1] >= 2 * smallest_cut > 0
@@ -293,7 +328,7 @@ def test_a_tied_weight_on_one_rank_is_counted_once_in_its_memory():
     # ZBV puts stage 0 (the embedding) and stage 3 (the tied head) on rank 0: the runtime keeps
     # one tensor there, so the weight, its gradient and its Adam state count once on that rank.
     from autopipe.models.hf import gpt2_from_config
-    from autopipe.planning.planner import _rank_overcount_bytes
+    from autopipe.planning.problem import rank_overcount_bytes
     from autopipe.planning.schedules import stage_ranks
 
     model, args = gpt2_from_config(n_layer=2, n_embd=32, n_head=4, vocab_size=2000, seq_len=8)
@@ -305,13 +340,13 @@ def test_a_tied_weight_on_one_rank_is_counted_once_in_its_memory():
 
     adam = 2.0  # two state tensors per parameter
     zbv = stage_ranks("ZBVZeroBubble", 2, 2)
-    assert _rank_overcount_bytes(traced, cuts("transformer.h.0", "transformer.h.1", "transformer.ln_f"), zbv,
-                                 adam) == [wte_bytes * (2 + adam), 0.0]
+    assert rank_overcount_bytes(traced, cuts("transformer.h.0", "transformer.h.1", "transformer.ln_f"), zbv,
+                                adam) == [wte_bytes * (2 + adam), 0.0]
     # Cut before the embedding, stage 1 (rank 1) holds it and stage 3 (rank 0) the head: one each.
-    assert _rank_overcount_bytes(traced, cuts("transformer.wte", "transformer.h.1", "transformer.ln_f"), zbv,
-                                 adam) == [0.0, 0.0]
+    assert rank_overcount_bytes(traced, cuts("transformer.wte", "transformer.h.1", "transformer.ln_f"), zbv,
+                                adam) == [0.0, 0.0]
     # 1F1B on 2 ranks: embedding and head on different ranks, each holds its own copy.
-    assert _rank_overcount_bytes(traced, cuts("transformer.h.1"), [0, 1], adam) == [0.0, 0.0]
+    assert rank_overcount_bytes(traced, cuts("transformer.h.1"), [0, 1], adam) == [0.0, 0.0]
 
 
 def test_flush_cache_reaches_the_profile_and_is_checked_first(flushers_built):
@@ -320,11 +355,11 @@ def test_flush_cache_reaches_the_profile_and_is_checked_first(flushers_built):
     built = flushers_built
     model, args = seed_transformer(vocab_size=100, num_layers=1, seq_len=8)
     with pytest.raises(ValueError, match=r"flush_cache='no' must be True or False"):
-        autopipe.partition(model, 2, example_args=args, flush_cache="no", **FAST)
+        autopipe.ProfileOptions(flush_cache="no")
     assert built == []  # refused before any profiling
-    autopipe.partition(model, 2, example_args=args, device="cpu", flush_cache=False, **FAST)
+    autopipe.partition(model, 2, example_args=args, profiling=replace(QUICK_CPU, flush_cache=False))
     assert built == []
-    autopipe.partition(model, 2, example_args=args, device="cpu", **FAST)
+    autopipe.partition(model, 2, example_args=args, profiling=QUICK_CPU)
     assert built == [1]
 
 
@@ -333,10 +368,10 @@ def test_fit_to_whole_reaches_the_profile_is_checked_first_and_is_reported(round
 
     model, args = seed_transformer(vocab_size=100, num_layers=1, seq_len=8)
     with pytest.raises(ValueError, match=r"fit_to_whole='on' must be True, False or None"):
-        autopipe.partition(model, 2, example_args=args, fit_to_whole="on", **FAST)
+        autopipe.ProfileOptions(fit_to_whole="on")
     assert rounds_seen == []  # refused before any profiling
-    plan = autopipe.partition(model, 2, example_args=args, device="cpu", fit_to_whole=True, **FAST)
-    assert rounds_seen == [(True, True)] and plan.extras["whole_pass"]["fitted"]
+    plan = autopipe.partition(model, 2, example_args=args, profiling=replace(QUICK_CPU, fit_to_whole=True))
+    assert rounds_seen == [(True, True)] and plan.whole_pass.fitted
     assert "segments scaled x" in plan.report()
-    plan = autopipe.partition(model, 2, example_args=args, device="cpu", **FAST)
+    plan = autopipe.partition(model, 2, example_args=args, profiling=QUICK_CPU)
     assert rounds_seen[-1] == (True, False) and "segments not scaled to it" in plan.report()

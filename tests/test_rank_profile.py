@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import autopipe
+from autopipe.planning.rank_profile import profile_in_ranks
 from _dist_utils import run_world
 
 
@@ -19,10 +20,11 @@ def _profile_worker(rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
     model, args = _small_model()
-    costs = autopipe.profile_in_ranks(model, args, device="cpu", warmup=0, repeats=2)
-    own = autopipe.profile_in_ranks.__module__  # the public name reaches the implementation
+    costs = profile_in_ranks(model, args, device="cpu", warmup=0, repeats=2)
+    own = profile_in_ranks.__module__
     times = [(c.fwd_s, c.bwd_s, c.accum_s) for c in costs]
-    plan = autopipe.partition(model, world_size, args, costs=costs, device="cpu", n_microbatches=4, progress=False)
+    plan = autopipe.partition(model, world_size, args, cost=costs, n_microbatches=4,
+                              profiling=autopipe.ProfileOptions(device="cpu"))
     mine = torch.tensor([t for row in times for t in row], dtype=torch.float64)
     gathered = [torch.zeros_like(mine) for _ in range(world_size)]
     dist.all_gather(gathered, mine)
@@ -43,7 +45,7 @@ def test_every_rank_gets_the_same_mean_profile_and_so_the_same_plan():
 def _bad_repeats_worker(rank: int, world_size: int) -> str:
     model, args = _small_model()
     try:
-        autopipe.profile_in_ranks(model, args, device="cpu", repeats=0)
+        profile_in_ranks(model, args, device="cpu", repeats=0)
     except ValueError as e:
         return str(e)
     return "no error"
@@ -58,7 +60,7 @@ def test_bad_arguments_fail_on_every_rank_before_anyone_waits():
 def test_it_needs_a_process_group():
     model, args = _small_model()
     with pytest.raises(RuntimeError, match="profile_in_ranks\\(\\) is collective: start the process group first"):
-        autopipe.profile_in_ranks(model, args, device="cpu")
+        profile_in_ranks(model, args, device="cpu")
 
 
 def _pipeline_worker(rank: int, world_size: int, flag: bool | None) -> dict:
@@ -71,17 +73,19 @@ def _pipeline_worker(rank: int, world_size: int, flag: bool | None) -> dict:
     real = planner.partition
 
     def spy(*a, **k):
-        seen.append(type(k.get("costs")).__name__)
+        seen.append(type(k.get("cost")).__name__)
         return real(*a, **k)
 
-    options = {"progress": False, "repeats": 2, "warmup": 0}
+    profiling = autopipe.ProfileOptions(progress=False, repeats=2, warmup=0)
     planner.partition = spy
     try:
         pipe = autopipe.Pipeline(model, example_args=args, loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
-                                 schedule="1F1B", n_microbatches=2, profile_in_ranks=flag, planner_options=options)
+                                 schedule="1F1B", n_microbatches=2, profile_in_ranks=flag,
+                                 planner=autopipe.PlannerOptions(profiling=profiling))
         # Devices with their own speeds: the default leaves the profile to rank 0 alone.
         with_devices = autopipe.Pipeline(model, example_args=args, schedule="1F1B", n_microbatches=2,
-                                         planner_options={**options, "devices": [autopipe.Device()] * 2})
+                                         planner=autopipe.PlannerOptions(profiling=profiling,
+                                                                         devices=[autopipe.Device()] * 2))
     finally:
         planner.partition = real
     x = torch.cat([args[0]] * 2)
@@ -101,12 +105,15 @@ def test_a_pipeline_plans_from_a_profile_every_rank_takes_by_default(flag):
 
 
 def test_the_default_profiles_in_the_ranks_only_when_nothing_else_gives_the_costs():
-    from autopipe.runtime.pipeline import _profile_in_ranks_by_default
+    from autopipe.runtime.plan_setup import profile_in_ranks_by_default
 
-    assert _profile_in_ranks_by_default(2, {"repeats": 3, "memory": "1GiB"})
-    assert not _profile_in_ranks_by_default(1, {})  # one rank: its own profile is the ranks' profile
-    for option in ({"costs": []}, {"scaling": object()}, {"devices": []}, {"cost": "flops"}):
-        assert not _profile_in_ranks_by_default(4, option), option
+    PlannerOptions = autopipe.PlannerOptions
+    assert profile_in_ranks_by_default(2, PlannerOptions(memory="1GiB", cost="measured"))
+    assert not profile_in_ranks_by_default(1, PlannerOptions())  # one rank: its own profile is the ranks' profile
+    # Costs given (a profile, a scaled profile), devices with their own speeds, an estimate.
+    for option in (PlannerOptions(cost=[]), PlannerOptions(cost=object()), PlannerOptions(devices=[]),
+                   PlannerOptions(cost="flops")):
+        assert not profile_in_ranks_by_default(4, option), option
 
 
 def test_profile_in_ranks_on_a_pipeline_is_checked_before_joining_a_job():
@@ -115,17 +122,15 @@ def test_profile_in_ranks_on_a_pipeline_is_checked_before_joining_a_job():
         autopipe.Pipeline(model, example_args=args, profile_in_ranks="yes")
     with pytest.raises(ValueError, match="but a plan or split_points was given: there is nothing to plan"):
         autopipe.Pipeline(model, example_args=args, split_points=["layers.1"], profile_in_ranks=True)
-    with pytest.raises(ValueError, match="planner_options has costs= already"):
-        autopipe.Pipeline(model, example_args=args, profile_in_ranks=True, planner_options={"costs": []})
+    with pytest.raises(ValueError, match="profile_in_ranks=True measures the costs, but the planner options give them"):
+        autopipe.Pipeline(model, example_args=args, profile_in_ranks=True, planner=autopipe.PlannerOptions(cost=[]))
 
 
 def test_the_ranks_profile_as_many_rounds_as_the_planner_would_unless_told():
-    import inspect
+    from autopipe.runtime.plan_setup import rank_profile_settings
 
-    from autopipe.planning.planner import partition
-    from autopipe.runtime.pipeline import _rank_profile_settings
-
-    planner = inspect.signature(partition).parameters
-    assert _rank_profile_settings({}) == {"warmup": planner["warmup"].default, "repeats": planner["repeats"].default}
-    assert _rank_profile_settings({"repeats": 9, "flush_cache": False, "memory": "1GiB"}) == {
-        "warmup": planner["warmup"].default, "repeats": 9, "flush_cache": False}
+    planner = autopipe.ProfileOptions()  # what partition profiles with when not told
+    assert rank_profile_settings(planner) == {"warmup": planner.warmup, "repeats": planner.repeats,
+                                              "flush_cache": True, "fit_to_whole": None}
+    assert rank_profile_settings(autopipe.ProfileOptions(repeats=9, flush_cache=False)) == {
+        "warmup": planner.warmup, "repeats": 9, "flush_cache": False, "fit_to_whole": None}

@@ -12,6 +12,7 @@ from PIL import Image
 
 import autopipe
 from autopipe.planning.plan import Plan
+from autopipe.planning.plan_records import ScheduleAlternative
 from autopipe.reporting.charts import (alternatives_figure, figure_svg, layer_cost_figure, report_figures,
                                        save_pngs, timeline_figure)
 from autopipe.reporting.chrome import merge_rank_traces, simulated_trace, trace_ranks
@@ -29,14 +30,15 @@ VOID_TAGS = {"meta", "br", "hr", "img", "input", "link"}
 @pytest.fixture(scope="module")
 def plan(small_transformer):
     model, args = small_transformer
-    return autopipe.partition(model, 2, args, progress=False, warmup=0, repeats=1, memory="64MiB")
+    return autopipe.partition(model, 2, args, memory="64MiB",
+                              profiling=autopipe.ProfileOptions(progress=False, warmup=0, repeats=1))
 
 
 @pytest.fixture(scope="module")
 def interleaved_plan(small_transformer):
     model, args = small_transformer
     return autopipe.partition(model, 2, args, schedule="Interleaved1F1B", stages_per_rank=2, n_microbatches=4,
-                              progress=False, warmup=0, repeats=1)
+                              profiling=autopipe.ProfileOptions(progress=False, warmup=0, repeats=1))
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +48,13 @@ def data(plan):
 
 def _with_alternatives(plan: Plan) -> Plan:
     p = copy.deepcopy(plan)
-    p.extras["alternatives"] = [
-        {"schedule": p.schedule, "n_microbatches": p.n_microbatches, "stages_per_rank": 1,
-         "predicted_step_s": p.predicted_step_s, "peak_bytes": 1000, "fits": True, "note": ""},
-        {"schedule": "GPipe", "n_microbatches": p.n_microbatches, "stages_per_rank": 1,
-         "predicted_step_s": p.predicted_step_s * 1.3, "peak_bytes": 2000, "fits": False, "note": "too big"},
-        {"schedule": "DualPipeV", "n_microbatches": p.n_microbatches, "stages_per_rank": 2,
-         "predicted_step_s": None, "peak_bytes": None, "fits": False, "note": "needs more micro-batches"},
+    p.alternatives = [
+        ScheduleAlternative(schedule=p.schedule, n_microbatches=p.n_microbatches, stages_per_rank=1,
+                            predicted_step_s=p.predicted_step_s, peak_bytes=1000, fits=True),
+        ScheduleAlternative(schedule="GPipe", n_microbatches=p.n_microbatches, stages_per_rank=1,
+                            predicted_step_s=p.predicted_step_s * 1.3, peak_bytes=2000, fits=False, note="too big"),
+        ScheduleAlternative(schedule="DualPipeV", n_microbatches=p.n_microbatches, stages_per_rank=2,
+                            predicted_step_s=None, peak_bytes=None, fits=False, note="needs more micro-batches"),
     ]
     return p
 
@@ -316,6 +318,8 @@ def test_reports_say_what_the_step_spends_after_its_last_action(plan):
     from autopipe.reporting.markdown import plan_to_markdown
 
     data = report_data(plan)
-    assert data["summary"]["step_tail_s"] == plan.extras["step_tail_s"]
+    assert data["summary"]["step_tail_s"] == {"merge_outputs_s": plan.step_tail.merge_outputs_s,
+                                              "loss_broadcast_s": plan.step_tail.loss_broadcast_s,
+                                              "shared_grads_s": plan.step_tail.shared_grads_s}
     text = plan_to_markdown(data)
     assert f"spends {plan.step_tail_s() * 1e3:.2f} ms once" in text and "merge outputs" in text

@@ -115,10 +115,10 @@ def test_stage_modules_run_generated_code_not_the_fx_interpreter():
     from torch.distributed.pipelining import SplitPoint
 
     from autopipe.models import seed_transformer
-    from autopipe.runtime.pipeline import _split
+    from autopipe.runtime.stages import split_model
 
     model, args = seed_transformer(vocab_size=50, d_model=16, num_heads=2, d_ff=32, num_layers=2, batch=2, seq_len=4)
-    pipe = _split(model, {"layers.1": SplitPoint.BEGINNING}, (args, {}), training=True, expected=2)
+    pipe = split_model(model, {"layers.1": SplitPoint.BEGINNING}, (args, {}), training=True, expected=2)
     # Modules with a graph to run; containers such as a ModuleList have none and never run.
     inner = [m for s in range(2) for m in pipe.get_stage_module(s).modules()
              if hasattr(m, "_run_with_interpreter") and getattr(m, "graph_module", None) is not None]
@@ -126,3 +126,13 @@ def test_stage_modules_run_generated_code_not_the_fx_interpreter():
     assert not any(m._run_with_interpreter for m in inner)
     out = pipe(*args)
     torch.testing.assert_close(out[0] if isinstance(out, tuple) else out, model(*args))
+
+
+@pytest.mark.parametrize("name", ["params", "model_io", "model_state", "plan_setup", "stages", "inference", "distributed"])
+def test_docstring_examples_run(name):
+    import doctest
+    import importlib
+
+    module = importlib.import_module(f"autopipe.runtime.{name}")
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0

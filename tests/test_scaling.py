@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import doctest
+import importlib
 import json
 
 import numpy as np
@@ -16,7 +18,8 @@ import autopipe.planning.scaling as scaling
 from autopipe.planning.costgraph import build_cost_graph
 from autopipe.models import seed_transformer
 from autopipe.planning.profile import profile_segments
-from autopipe.planning.scaling import B, ScaledProfile, fit_affine, profile_scaling, resize_batch, symbolic_cut_bytes
+from autopipe.planning.affine_fit import B, fit_affine
+from autopipe.planning.scaling import ScaledProfile, profile_scaling, resize_batch
 from autopipe.planning.trace import trace
 
 FLOPS = 1e9  # a fixed device speed, so the "flops" source needs no measuring
@@ -188,6 +191,34 @@ def test_bad_sizes_raise_before_tracing(monkeypatch, sizes):
         profile_scaling(nn.Linear(4, 4), (torch.randn(2, 4),), sizes=sizes, cost="flops", device_flops=FLOPS)
 
 
+def test_a_given_trace_is_profiled_for_its_size_instead_of_exporting_again(tiny, scaled_flops, monkeypatch):
+    model, args = tiny
+    traced = trace(model, args)
+    exported_sizes = []
+
+    def counting_trace(model, args, kwargs):
+        exported_sizes.append(args[0].shape[0])
+        return trace(model, args, kwargs)
+
+    monkeypatch.setattr(scaling, "trace", counting_trace)
+    reused = profile_scaling(model, args, cost="flops", device_flops=FLOPS, progress=False, traced=traced)
+    assert exported_sizes == [1, 4]  # the example size, 2, comes from the given trace
+    assert reused.cut_fwd_bytes == scaled_flops.cut_fwd_bytes
+    assert reused.costs_at(3) == scaled_flops.costs_at(3)
+
+
+def test_a_trace_of_another_micro_batch_size_or_model_is_refused(tiny):
+    model, (x,) = tiny
+    with pytest.raises(ValueError, match="traced holds a micro-batch of 4 samples .* example inputs have 2"):
+        profile_scaling(model, (x,), cost="flops", device_flops=FLOPS, progress=False,
+                        traced=trace(model, (resize_batch(x, batch_dim=0, from_size=2, to_size=4),)))
+    with pytest.raises(ValueError, match="traced is a trace of Linear"):
+        profile_scaling(model, (x,), cost="flops", device_flops=FLOPS, progress=False,
+                        traced=trace(nn.Linear(8, 8), (torch.randn(2, 8),)))
+    with pytest.raises(TypeError, match="traced must be a TracedModel"):
+        profile_scaling(model, (x,), cost="flops", device_flops=FLOPS, progress=False, traced="layers.0")
+
+
 def test_a_flush_cache_that_is_not_a_bool_raises_before_tracing(monkeypatch):
     def no_trace(*args, **kwargs):
         raise AssertionError("the model was traced for a bad flush_cache")
@@ -239,14 +270,8 @@ def test_report_lists_the_worst_fit_error_of_each_quantity(scaled_flops):
     assert "Whole model" in text
 
 
-def test_fitted_cut_bytes_equal_torch_exports_symbolic_shapes(tiny, scaled_flops):
-    model, args = tiny
-    fwd, bwd = symbolic_cut_bytes(model, args)
-    assert fwd == scaled_flops.cut_fwd_bytes
-    assert bwd == scaled_flops.cut_bwd_bytes
 
-
-def test_symbolic_cut_bytes_need_two_samples(tiny):
-    model, (x,) = tiny
-    with pytest.raises(ValueError, match="at least 2"):
-        symbolic_cut_bytes(model, (x[:1],))
+@pytest.mark.parametrize("module", ["autopipe.planning.scaling", "autopipe.planning.affine_fit"])
+def test_docstring_examples_run(module):
+    result = doctest.testmod(importlib.import_module(module))
+    assert result.attempted > 0 and result.failed == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict, replace
+
 import pytest
 
 import autopipe
@@ -10,46 +12,48 @@ from autopipe.planning.profile import profile_segments
 
 @pytest.fixture(scope="module")
 def costs(small_traced):
-    return profile_segments(small_traced, progress=False, warmup=0, repeats=1)
+    """Segment costs from counted FLOPs at a fixed device speed: every plan below is the same
+    on every machine, however busy (a measured profile would move the splits)."""
+    return profile_segments(small_traced, cost="flops", device_flops=1e9, progress=False)
 
 
 def test_step_objective_is_never_worse_than_the_bottleneck_split(small_transformer, costs):
     model, args = small_transformer
-    kw = dict(example_args=args, costs=costs, progress=False, n_microbatches=4)
+    kw = dict(example_args=args, cost=costs, n_microbatches=4)
     by_step = autopipe.partition(model, 2, objective="step", **kw)
     by_bottleneck = autopipe.partition(model, 2, objective="bottleneck", **kw)
     assert by_step.predicted_step_s <= by_bottleneck.predicted_step_s * (1 + 1e-12)
     assert by_step.objective == "step" and by_bottleneck.objective == "bottleneck"
-    assert 0.0 <= by_step.extras["step_gap"] < 1.0
-    assert by_step.extras["step_lower_bound_s"] <= by_step.predicted_step_s
+    assert 0.0 <= by_step.search.step_gap < 1.0
+    assert by_step.search.step_lower_bound_s <= by_step.predicted_step_s
 
 
 def test_auto_schedule_picks_the_fastest_alternative_that_fits(small_transformer, costs):
     model, args = small_transformer
-    plan = autopipe.partition(model, 2, example_args=args, costs=costs, schedule="auto", n_microbatches=4, progress=False)
-    alts = plan.extras["alternatives"]
-    assert {a["schedule"] for a in alts} >= {"GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"}
-    fitting = [a for a in alts if a["fits"]]
-    assert plan.predicted_step_s == min(a["predicted_step_s"] for a in fitting)
+    plan = autopipe.partition(model, 2, example_args=args, cost=costs, schedule="auto", n_microbatches=4)
+    alts = plan.alternatives
+    assert {a.schedule for a in alts} >= {"GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"}
+    fitting = [a for a in alts if a.fits]
+    assert plan.predicted_step_s == min(a.predicted_step_s for a in fitting)
     assert plan.num_stages == 2 * plan.stages_per_rank
     assert "schedules considered" in plan.report()
 
 
 def test_auto_schedule_respects_memory(small_transformer, costs):
     model, args = small_transformer
-    free = autopipe.partition(model, 2, example_args=args, costs=costs, schedule="auto", n_microbatches=4, progress=False)
-    peaks = sorted({a["peak_bytes"] for a in free.extras["alternatives"] if a["peak_bytes"]})
+    free = autopipe.partition(model, 2, example_args=args, cost=costs, schedule="auto", n_microbatches=4)
+    peaks = sorted({a.peak_bytes for a in free.alternatives if a.peak_bytes})
     limit = peaks[len(peaks) // 2]  # some options fit, some do not
-    plan = autopipe.partition(model, 2, example_args=args, costs=costs, schedule="auto", n_microbatches=4,
-                              memory=limit, progress=False)
-    assert max(plan.extras["rank_peak_bytes"]) <= limit
-    assert any(not a["fits"] for a in plan.extras["alternatives"])
+    plan = autopipe.partition(model, 2, example_args=args, cost=costs, schedule="auto", n_microbatches=4,
+                              memory=limit)
+    assert max(plan.rank_peak_bytes) <= limit
+    assert any(not a.fits for a in plan.alternatives)
 
 
 def test_faster_device_gets_more_work(small_transformer, costs):
     model, args = small_transformer
-    even = autopipe.partition(model, 2, example_args=args, costs=costs, objective="bottleneck", progress=False)
-    fast_first = autopipe.partition(model, 2, example_args=args, costs=costs, objective="bottleneck", progress=False,
+    even = autopipe.partition(model, 2, example_args=args, cost=costs, objective="bottleneck")
+    fast_first = autopipe.partition(model, 2, example_args=args, cost=costs, objective="bottleneck",
                                     devices=[autopipe.Device(speed=4.0), autopipe.Device(speed=1.0)])
     assert fast_first.stages[0].last_segment >= even.stages[0].last_segment
     compute = lambda s: (s.fwd_s + s.bwd_s)  # noqa: E731  (already divided by speed)
@@ -60,9 +64,9 @@ def test_faster_device_gets_more_work(small_transformer, costs):
 
 def test_each_device_memory_is_respected(small_transformer, costs):
     model, args = small_transformer
-    free = autopipe.partition(model, 2, example_args=args, costs=costs, progress=False, objective="bottleneck")
+    free = autopipe.partition(model, 2, example_args=args, cost=costs, objective="bottleneck")
     small = int(min(s.peak_bytes for s in free.stages) * 1.05)
-    plan = autopipe.partition(model, 2, example_args=args, costs=costs, progress=False, objective="bottleneck",
+    plan = autopipe.partition(model, 2, example_args=args, cost=costs, objective="bottleneck",
                               devices=[autopipe.Device(memory=small), autopipe.Device(memory="1GiB")])
     assert plan.stages[0].peak_bytes <= small
 
@@ -101,11 +105,11 @@ def test_unknown_objective(small_transformer):
 
 def test_calibrated_costs_feed_a_new_plan(small_transformer, costs):
     model, args = small_transformer
-    plan = autopipe.partition(model, 2, example_args=args, costs=costs, progress=False, objective="bottleneck")
+    plan = autopipe.partition(model, 2, example_args=args, cost=costs, objective="bottleneck")
     # Pretend stage 0 ran 3x slower than profiled: the re-plan must move work off it.
     times = [3 * plan.stages[0].time_s, plan.stages[1].time_s]
     cal = plan.calibrate(times)
-    replanned = autopipe.partition(model, 2, example_args=args, costs=cal.segment_costs(), progress=False,
+    replanned = autopipe.partition(model, 2, example_args=args, cost=cal.segment_costs(),
                                    objective="bottleneck")
     assert replanned.stages[0].last_segment <= plan.stages[0].last_segment
 
@@ -116,12 +120,12 @@ def test_auto_microbatches_tries_divisors_of_the_global_batch(small_transformer)
     model, args = small_transformer  # example micro-batch of 2 samples
     scaled = profile_scaling(model, args, sizes=[1, 2, 4], cost="flops", progress=False)
     plan = autopipe.partition(model, 2, example_args=args, n_microbatches="auto", global_batch=8,
-                              scaling=scaled, progress=False)
-    tried = {a["n_microbatches"] for a in plan.extras["alternatives"]}
+                              cost=scaled)
+    tried = {a.n_microbatches for a in plan.alternatives}
     assert tried == {2, 4, 8}  # 1F1B needs at least 2 micro-batches on 2 ranks
     assert plan.n_microbatches in tried
-    assert plan.extras["microbatch_size"] * plan.n_microbatches == 8
-    best = min(a["predicted_step_s"] for a in plan.extras["alternatives"] if a["fits"])
+    assert plan.microbatch_size * plan.n_microbatches == 8 and plan.global_batch == 8
+    best = min(a.predicted_step_s for a in plan.alternatives if a.fits)
     assert plan.predicted_step_s == best
 
 
@@ -140,14 +144,14 @@ def test_micro_batch_count_must_divide_the_global_batch(small_transformer):
 # --------------------------------------------------------------------------- per-action overhead
 def test_the_runtime_overhead_per_action_is_charged_and_recorded(small_transformer, costs):
     model, args = small_transformer
-    kw = dict(example_args=args, costs=costs, progress=False, n_microbatches=4, schedule="1F1B")
-    free = autopipe.partition(model, 2, action_overhead_s=0.0, **kw)
-    paid = autopipe.partition(model, 2, action_overhead_s=2e-3, **kw)
+    kw = dict(example_args=args, cost=costs, n_microbatches=4, schedule="1F1B")
+    free = autopipe.partition(model, 2, devices=autopipe.Device(action_overhead_s=0.0), **kw)
+    paid = autopipe.partition(model, 2, devices=autopipe.Device(action_overhead_s=2e-3), **kw)
     assert free.action_overhead_s() == [0.0, 0.0] and paid.action_overhead_s() == [2e-3, 2e-3]
     # 1F1B, 2 ranks, 4 micro-batches: 8 actions per rank, all on the critical path's rank or more.
     assert paid.predicted_step_s >= free.predicted_step_s + 8 * 2e-3 - 1e-12
-    assert paid.extras["step_lower_bound_s"] >= free.extras["step_lower_bound_s"] + 8 * 2e-3 - 1e-12
-    assert paid.extras["step_lower_bound_s"] <= paid.predicted_step_s
+    assert paid.search.step_lower_bound_s >= free.search.step_lower_bound_s + 8 * 2e-3 - 1e-12
+    assert paid.search.step_lower_bound_s <= paid.predicted_step_s
     from autopipe.reporting.timeline import plan_timeline
     assert plan_timeline(paid).step_s + paid.step_tail_s() == pytest.approx(paid.predicted_step_s)
 
@@ -156,7 +160,8 @@ def test_cpu_plans_charge_the_measured_default_overhead(small_transformer, costs
     from autopipe.machine.device import default_action_overhead_s
 
     model, args = small_transformer
-    plan = autopipe.partition(model, 2, example_args=args, costs=costs, progress=False, device="cpu")
+    plan = autopipe.partition(model, 2, example_args=args, cost=costs,
+                              profiling=autopipe.ProfileOptions(device="cpu"))
     assert plan.action_overhead_s() == [default_action_overhead_s("cpu")] * 2
     assert default_action_overhead_s("cpu") > 0
 
@@ -166,33 +171,37 @@ def test_cpu_plans_model_gloos_lazy_sends_and_report_them(small_transformer, cos
     from autopipe.reporting.timeline import plan_timeline
 
     model, args = small_transformer
-    plan = autopipe.partition(model, 2, example_args=args, costs=costs, progress=False, device="cpu",
-                              schedule="1F1B", n_microbatches=4)
+    plan = autopipe.partition(model, 2, example_args=args, cost=costs,
+                              profiling=autopipe.ProfileOptions(device="cpu"), schedule="1F1B", n_microbatches=4)
     assert sends_are_lazy("cpu") and not sends_are_lazy("cuda")
-    assert plan.extras["lazy_sends"] is True and plan.simulation_options()["lazy_sends"] is True
+    assert plan.machine.lazy_sends is True and plan.simulation_options()["lazy_sends"] is True
     # The prediction, the report's timeline and calibrate all simulate the same way.
     assert plan_timeline(plan).step_s + plan.step_tail_s() == pytest.approx(plan.predicted_step_s)
-    assert plan._simulated_step_s(1.0) == pytest.approx(plan.predicted_step_s)
+    assert plan.simulated_step_s() == pytest.approx(plan.predicted_step_s)
     eager = autopipe.simulate([s.fwd_s for s in plan.stages], [s.bwd_s for s in plan.stages],
-                              comm_s=plan.extras["cut_comm_s"], **{**plan.simulation_options(), "lazy_sends": False})
+                              comm_s=plan.cut_comm_s(), **{**plan.simulation_options(), "lazy_sends": False})
     assert plan.predicted_step_s >= eager.step_s - 1e-12
-    plan.extras.pop("lazy_sends")  # a plan saved before autopipe modelled them simulates eagerly
+    plan.machine = replace(plan.machine, lazy_sends=False)  # a plan that records eager sends simulates them
     assert plan.simulation_options()["lazy_sends"] is False
 
 
 def test_a_device_keeps_its_own_overhead_over_the_call_wide_one(small_transformer, costs):
+    # The call-wide action_overhead_s= of the previous release fills in each Device without one.
     model, args = small_transformer
     devices = [autopipe.Device(action_overhead_s=1e-3), autopipe.Device()]
-    plan = autopipe.partition(model, 2, example_args=args, costs=costs, progress=False, devices=devices,
-                              action_overhead_s=4e-3)
+    with pytest.warns(DeprecationWarning, match=r"action_overhead_s= is deprecated, use devices=Device"):
+        plan = autopipe.partition(model, 2, example_args=args, cost=costs, devices=devices, action_overhead_s=4e-3)
     assert plan.action_overhead_s() == [1e-3, 4e-3]
+    same = autopipe.partition(model, 2, example_args=args, cost=costs, devices=[
+        autopipe.Device(action_overhead_s=1e-3), autopipe.Device(action_overhead_s=4e-3)])
+    assert (same.split_points, same.predicted_step_s) == (plan.split_points, plan.predicted_step_s)
 
 
 @pytest.mark.parametrize("value", [-1e-3, float("inf"), "1ms", True])
 def test_a_bad_action_overhead_is_named_before_any_work(small_transformer, value):
     model, args = small_transformer
     with pytest.raises(ValueError, match="action_overhead_s"):
-        autopipe.partition(model, 2, example_args=args, progress=False, action_overhead_s=value)
+        autopipe.partition(model, 2, example_args=args, devices=autopipe.Device(action_overhead_s=value))
 
 
 # --------------------------------------------------------------------------- the loss
@@ -207,10 +216,10 @@ def test_the_loss_is_charged_to_the_last_stage_in_time_and_memory(small_transfor
 
     model, args = small_transformer
     target = torch.randint(0, 500, args[0].shape)
-    kw = dict(example_args=args, costs=costs, progress=False, n_microbatches=4, schedule="GPipe")
+    kw = dict(example_args=args, cost=costs, n_microbatches=4, schedule="GPipe")
     without = autopipe.partition(model, 2, **kw)
     charged = autopipe.partition(model, 2, loss_fn=_lm_loss, example_target=target, **kw)
-    loss = charged.extras["loss"]
+    loss = asdict(charged.loss)
     # log-softmax over the 500-word vocabulary for 2 x 8 tokens, float32, at least once
     assert loss["act_bytes"] >= 2 * 8 * 500 * 4 and loss["fwd_s"] > 0 and loss["bwd_s"] > 0
     assert loss["batch"] == 2
@@ -224,9 +233,9 @@ def test_the_loss_is_charged_to_the_last_stage_in_time_and_memory(small_transfor
 def test_a_loss_without_its_target_is_refused_before_any_work(small_transformer):
     model, args = small_transformer
     with pytest.raises(ValueError, match="give loss_fn and example_target together"):
-        autopipe.partition(model, 2, example_args=args, progress=False, loss_fn=_lm_loss)
+        autopipe.partition(model, 2, example_args=args, loss_fn=_lm_loss)
     with pytest.raises(TypeError, match="loss_fn=3 must be callable"):
-        autopipe.partition(model, 2, example_args=args, progress=False, loss_fn=3, example_target=0)
+        autopipe.partition(model, 2, example_args=args, loss_fn=3, example_target=0)
 
 
 def test_profile_loss_leaves_the_model_unchanged(small_transformer):
@@ -265,18 +274,18 @@ def test_each_stage_s_backward_carries_its_gradient_accumulation_spread_over_the
     from dataclasses import replace
 
     model, args = small_transformer
-    kw = dict(example_args=args, schedule="1F1B", n_microbatches=4, progress=False)
+    kw = dict(example_args=args, schedule="1F1B", n_microbatches=4)
     none = [replace(c, accum_s=0.0) for c in costs]
     some = [replace(c, accum_s=0.25 * c.bwd_s) for c in costs]
-    base = autopipe.partition(model, 2, costs=none, **kw)
-    plan = autopipe.partition(model, 2, costs=some, **kw)
+    base = autopipe.partition(model, 2, cost=none, **kw)
+    plan = autopipe.partition(model, 2, cost=some, **kw)
     for st in plan.stages:
         segs = some[st.first_segment: st.last_segment + 1]
         assert st.bwd_s == pytest.approx(sum(c.bwd_s + c.accum_s * 3 / 4 for c in segs))
     assert plan.predicted_step_s > base.predicted_step_s
     # The plan keeps the raw per-segment figures, so it can be re-made for another m.
     assert [c.accum_s for c in plan.segment_costs()] == pytest.approx([c.accum_s for c in some])
-    one = autopipe.partition(model, 2, costs=some, **{**kw, "n_microbatches": 1, "schedule": "GPipe"})
+    one = autopipe.partition(model, 2, cost=some, **{**kw, "n_microbatches": 1, "schedule": "GPipe"})
     for st in one.stages:  # a single micro-batch accumulates nothing
         assert st.bwd_s == pytest.approx(sum(c.bwd_s for c in some[st.first_segment: st.last_segment + 1]))
 
@@ -288,8 +297,7 @@ def test_calibration_scales_the_gradient_accumulation_with_the_rest_of_the_backw
 
     model, args = small_transformer
     some = [replace(c, accum_s=0.25 * c.bwd_s) for c in costs]
-    plan = autopipe.partition(model, 2, example_args=args, costs=some, schedule="1F1B", n_microbatches=4,
-                              progress=False)
+    plan = autopipe.partition(model, 2, example_args=args, cost=some, schedule="1F1B", n_microbatches=4)
     measured = {"fwd_s": [st.fwd_s * 1.5 for st in plan.stages], "bwd_s": [st.bwd_s * 2.0 for st in plan.stages]}
     new = plan.calibrate(measured)
     segs = new.segment_costs()

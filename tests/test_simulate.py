@@ -1,9 +1,8 @@
-"""Specification of the pipeline schedule simulator (autopipe/simulate.py)."""
+"""Specification of the schedules and their simulator (autopipe/planning/schedules.py, simulator.py, timeline.py)."""
 
 from __future__ import annotations
 
 import doctest
-import importlib
 import itertools
 import json
 import pathlib
@@ -12,19 +11,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from autopipe.planning import schedules as schedules_module
+from autopipe.planning import simulator as simulator_module
+from autopipe.planning import timeline as timeline_module
 from autopipe.planning.schedules import (
     SCHEDULES,
     Action,
+    action_inputs,
     action_order,
+    action_order_and_source,
     canonical_schedule_name,
     schedule_class,
-    simulate,
     stage_ranks,
     validate_schedule,
 )
-
-# The package re-exports the function `simulate`, which shadows the submodule attribute.
-simulate_module = importlib.import_module("autopipe.planning.schedules")
+from autopipe.planning.simulator import simulate
 
 F_S, B_S = 1.0, 2.0  # uniform forward / backward seconds per micro-batch
 
@@ -229,7 +230,7 @@ def test_looped_schedules_place_stage_s_on_rank_s_mod_p():
 
 @pytest.mark.parametrize("schedule,p,m,v", [c for c in COMBOS if c[0] != "1F1B"])
 def test_action_order_is_torchs_pipeline_order_without_idle_and_comm_actions(schedule, p, m, v):
-    raw = simulate_module._torch_pipeline_order(schedule_class(schedule), p, m, v)
+    raw = schedules_module._torch_pipeline_order(schedule_class(schedule), p, m, v)
     assert action_order(schedule, n_ranks=p, n_microbatches=m, stages_per_rank=v) == raw
     assert uniform(schedule, p, m, v).order_source.startswith("torch.distributed.pipelining")
 
@@ -239,7 +240,7 @@ def test_1f1b_order_matches_torch_on_every_rank_where_torchs_order_is_complete(p
     # torch's Schedule1F1B.pipeline_order skips F0 on the last rank (its executor,
     # _step_microbatches, does not); autopipe uses the executor's order, which must agree
     # with torch's IR everywhere else.
-    raw = simulate_module._torch_pipeline_order(schedule_class("1F1B"), p, m, 1)
+    raw = schedules_module._torch_pipeline_order(schedule_class("1F1B"), p, m, 1)
     ours = action_order("1F1B", n_ranks=p, n_microbatches=m)
     complete = [r for r in range(p) if sorted(raw[r]) == sorted(ours[r])]
     assert complete == list(range(p - 1)) or complete == list(range(p))
@@ -287,14 +288,34 @@ def test_each_rank_runs_its_actions_one_at_a_time_in_torchs_order(schedule, p, m
 def test_an_order_that_waits_on_itself_is_reported_as_a_deadlock():
     # Rank 0 wants stage 0's backward before its forward; rank 1 waits for that forward.
     order = [[Action(0, "B", 0), Action(0, "F", 0)], [Action(1, "F", 0), Action(1, "B", 0)]]
-    with pytest.raises(ValueError, match=r"deadlocks: rank 0 waits at 0B0, rank 1 waits at 1F0"):
-        simulate_module._place_in_time(order, [0, 1], [1.0] * 2, [1.0] * 2, [0.5] * 2, [0.0], [0.0] * 2,
-                                       schedule="custom")
+    message = r"deadlocks: rank 0 waits at 0B0, rank 1 waits at 1F0"
+    with pytest.raises(ValueError, match=message):
+        schedules_module._check_no_deadlock(order, 2, "custom")
+    with pytest.raises(ValueError, match=message):
+        simulator_module._place_in_time(order, [0, 1], [1.0] * 2, [1.0] * 2, [0.5] * 2, [0.0], [0.0] * 2,
+                                        schedule="custom")
+
+
+@pytest.mark.parametrize("schedule,p,m,v", COMBOS)
+def test_every_action_starts_once_the_results_action_inputs_names_are_ready(schedule, p, m, v):
+    # action_inputs is the dependency rule the deadlock check uses; the placement must obey it.
+    timeline = uniform(schedule, p, m, v, comm_s=0.1)
+    end = {(e.stage, "F" if e.kind == "F" else "B", e.microbatch): e.end_s
+           for e in timeline.events if e.kind != "W"}
+    for e in timeline.events:
+        for kind, src in action_inputs(Action(e.stage, e.kind, e.microbatch), timeline.n_stages):
+            assert e.start_s >= end[(src, kind, e.microbatch)] - 1e-9, e
+
+
+def test_the_action_order_is_read_once_per_schedule_and_counts():
+    first, source = action_order_and_source("Interleaved1F1B", 2, 4, 2)
+    assert action_order_and_source("Interleaved1F1B", 2, 4, 2)[0] is first
+    assert source.endswith("ScheduleInterleaved1F1B.pipeline_order")
 
 
 def test_an_order_missing_an_action_is_reported():
     order = [[Action(0, "F", 0), Action(0, "I", 0)]]
-    problems = simulate_module._order_problems(order, [0], 1)
+    problems = schedules_module._order_problems(order, [0], 1)
     assert problems == ["stage 0 micro-batch 0 needs one B or one I and one W"]
 
 
@@ -405,7 +426,7 @@ def test_bubble_fraction_is_idle_share_of_ranks_times_step():
 
 
 def test_per_rank_rejects_a_rank_outside_the_pipeline():
-    with pytest.raises(ValueError, match=r"rank must be an int in \[0, 2\), got 2"):
+    with pytest.raises(ValueError, match=r"rank=2 must be an integer >= 0 and <= 1"):
         uniform("1F1B", 2, 2).per_rank(2)
 
 
@@ -493,12 +514,12 @@ def test_negative_scalar_comm_is_rejected():
 
 @pytest.mark.parametrize("bad", [0, -3])
 def test_fewer_than_one_microbatch_is_rejected(bad):
-    with pytest.raises(ValueError, match=rf"n_microbatches must be >= 1, got {bad}"):
+    with pytest.raises(ValueError, match=rf"n_microbatches={bad} must be an integer >= 1"):
         simulate([1.0], [1.0], n_microbatches=bad)
 
 
 def test_non_integer_microbatch_count_is_a_type_error():
-    with pytest.raises(TypeError, match=r"n_microbatches must be an int >= 1, got 2.0"):
+    with pytest.raises(TypeError, match=r"n_microbatches=2.0 must be an integer >= 1"):
         simulate([1.0], [1.0], n_microbatches=2.0)
 
 
@@ -527,7 +548,7 @@ def test_validate_schedule_returns_the_canonical_name():
         (("DualPipeV", 2, 3), r"n_microbatches >= number of stages .* = 4\), got n_microbatches=3"),
         (("Interleaved1F1B", 4, 9, 2), r"multiple of max\(1, n_microbatches // n_ranks\) = 2"),
         (("InterleavedZeroBubble", 2, 5), r"multiple of .* = 2, got n_microbatches=5"),
-        (("LoopedBFS", 0, 4), r"n_ranks must be >= 1, got 0"),
+        (("LoopedBFS", 0, 4), r"n_ranks=0 must be an integer >= 1"),
     ],
 )
 def test_validate_schedule_rejects_combinations_torch_cannot_run(args, message):
@@ -535,8 +556,9 @@ def test_validate_schedule_rejects_combinations_torch_cannot_run(args, message):
         validate_schedule(*args)
 
 
-def test_docstring_examples_run():
-    result = doctest.testmod(simulate_module)
+@pytest.mark.parametrize("module", [schedules_module, simulator_module, timeline_module])
+def test_docstring_examples_run(module):
+    result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0
 
 

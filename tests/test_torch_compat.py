@@ -1,11 +1,11 @@
-"""autopipe.runtime.torch_compat: stage modules torch builds wrongly, built right.
+"""autopipe.runtime.compat: stage modules torch builds wrongly, built right.
 
 * pytorch/pytorch#184361: ``pipeline()`` on a model with rotary embeddings (Hugging Face
   Llama) builds stages whose parent calls the rotary module without its arguments.
 * A submodule named ``self`` (Hugging Face ``BertAttention.self``) made the generated code
   of its parent rebind ``self``.
 
-The stage modules of autopipe's ``_split`` run in one process, in order, each taking what
+The stage modules of autopipe's ``split_model`` run in one process, in order, each taking what
 the previous one returned (``relay_skip_connections`` makes stage ``k`` take exactly what
 stage ``k - 1`` sends), and must give the unsplit model's logits.
 """
@@ -19,10 +19,9 @@ import torch.nn as nn
 from torch.distributed.pipelining import SplitPoint, _IR
 from torch.export.unflatten import InterpreterModule
 
-from autopipe.runtime import torch_compat
-from autopipe.runtime.pipeline import _split
-from autopipe.runtime.torch_compat import (outlining_problems, rename_nodes_shadowing_self,
-                                           safe_submodule_outlining)
+from autopipe.runtime import compat
+from autopipe.runtime.compat import outlining_problems, rename_nodes_shadowing_self, safe_submodule_outlining
+from autopipe.runtime.stages import split_model
 
 import _compat_workers as workers
 from _dist_utils import run_world
@@ -41,8 +40,8 @@ TOL = 1e-5
 
 def run_stages_in_order(model: nn.Module, split_points: list[str], x: torch.Tensor):
     """Split ``model`` as autopipe does, then call stage 0 on ``x`` and each next stage on what the previous returned."""
-    pipe = _split(model, {p: SplitPoint.BEGINNING for p in split_points}, ((x,), {}), training=False,
-                  expected=len(split_points) + 1)
+    pipe = split_model(model, {p: SplitPoint.BEGINNING for p in split_points}, ((x,), {}), training=False,
+                       expected=len(split_points) + 1)
     values: tuple = (x,)
     for s in range(pipe.num_stages):
         out = pipe.get_stage_module(s)(*values)
@@ -80,7 +79,7 @@ def test_llama_stages_chain_to_unsplit_logits(split_points, tie):
 @needs_transformers
 def test_llama_flat_fallback_chains_to_unsplit_logits(monkeypatch):
     """When even the rebuilt module tree is rejected, each stage runs as one flat graph, with the original names."""
-    monkeypatch.setattr(torch_compat, "outlining_problems", lambda module: ["rejected by the test"])
+    monkeypatch.setattr(compat, "outlining_problems", lambda module: ["rejected by the test"])
     model = workers.tiny_llama(tie=True)
     x = workers.token_batch(2)
     pipe, out = run_stages_in_order(model, ["model.layers.1"], x)
@@ -96,7 +95,7 @@ def test_flat_stage_reads_a_tied_tensor_by_a_name_it_holds():
     module = nn.Module()
     module.emb = nn.Embedding(2, 2)
     for names in (["head.weight", "emb.weight"], ["emb.weight", "head.weight"]):
-        assert torch_compat._resolvable_first(module, {"w": names})["w"][0] == "emb.weight"
+        assert compat._resolvable_first(module, {"w": names})["w"][0] == "emb.weight"
 
 
 def test_torch_functions_restored_after_the_block():
@@ -220,5 +219,5 @@ def test_llama_1f1b_on_two_ranks_matches_unsplit():
 def test_docstring_examples_run():
     import doctest
 
-    result = doctest.testmod(torch_compat, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    result = doctest.testmod(compat, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0

@@ -34,6 +34,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from .._checks import check_int
+
 __all__ = ["run_demo", "DEMO_SCHEDULE", "DEMO_MICROBATCHES", "DEMO_RANKS"]
 
 DEMO_RANKS = 2  # CPU processes, one pipeline stage each
@@ -215,8 +217,7 @@ def run_demo(
         2
     """
     for name, value, low in (("steps", steps, 1), ("num_layers", num_layers, 2), ("vocab_size", vocab_size, 2)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name}={value!r} must be an integer >= {low}")
+        check_int(name, value, low)
     import torch
 
     import autopipe
@@ -253,8 +254,9 @@ def run_demo(
                  title=f"The 8 heaviest of {len(rows)} layers (per micro-batch, largest first)")
 
     console.rule(f"[bold]2. Plan[/bold]: {DEMO_RANKS} stages, {DEMO_SCHEDULE}, {DEMO_MICROBATCHES} micro-batches")
+    # The CPU's defaults (link, cost per action), also beside a GPU: the demo trains on CPU processes.
     plan = autopipe.partition(model, DEMO_RANKS, args, schedule=DEMO_SCHEDULE, n_microbatches=DEMO_MICROBATCHES,
-                              costs=costs, device="cpu", progress=False)  # CPU defaults, also beside a GPU
+                              cost=costs, profiling=autopipe.ProfileOptions(device="cpu"))
     timeline = plan_timeline(plan)
     data = report_data(plan, timeline=timeline)
     print_plan(data, console=console, gantt=timeline.to_text())
@@ -294,7 +296,7 @@ def run_demo(
                 # The step's once-per-step tail (merging outputs, the loss broadcast) is the
                 # same for both splits: the demo model has no tied weights.
                 "name": name, "split_points": splits[name],
-                "predicted_step_s": simulated[name].step_s + plan.step_tail_s(),
+                "predicted_step_s": plan.split_step_s(splits[name]),
                 "best_step_s": min(timed), "median_step_s": statistics.median(timed),
                 "rank_compute_s": [statistics.median(cpu[1:] or cpu) for cpu in run["rank_cpu_s"]],
                 "predicted_rank_compute_s": list(simulated[name].busy_s),

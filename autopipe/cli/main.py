@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-us", type=float, help="microseconds per message between devices")
     p.add_argument("--action-overhead-ms", type=float,
                    help="milliseconds each pipeline action costs beyond its compute (default: 0.7 on CPU, "
-                        "0 on CUDA; measure with python -m autopipe.machine.measure --overhead)")
+                        "0 on CUDA; measure with python -m autopipe.cli.measure --overhead)")
     p.add_argument("--objective", choices=("step", "bottleneck"), default="step",
                    help="minimise the simulated step, or only the heaviest stage")
     p.add_argument("--out", metavar="FILE", help="save the plan as JSON")
@@ -466,11 +466,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         loaded.model, args.gpus, loaded.example_args, loaded.example_kwargs,
         schedule=args.schedule, n_microbatches=args.microbatches, global_batch=args.global_batch,
         stages_per_rank=args.stages_per_rank, objective=args.objective, memory=_memory(args.memory),
-        optimizer=args.optimizer, cost=args.cost, device=args.device, bandwidth=bandwidth,
-        latency_s=None if args.latency_us is None else args.latency_us * 1e-6,
-        action_overhead_s=None if args.action_overhead_ms is None else args.action_overhead_ms * 1e-3,
-        warmup=args.warmup, repeats=args.repeats, progress=not args.no_progress,
-        flush_cache=not args.no_flush_cache, fit_to_whole=_fit_to_whole(args),
+        optimizer=args.optimizer, cost=args.cost,
+        devices=autopipe.Device(
+            bandwidth=bandwidth, latency_s=None if args.latency_us is None else args.latency_us * 1e-6,
+            action_overhead_s=None if args.action_overhead_ms is None else args.action_overhead_ms * 1e-3),
+        profiling=autopipe.ProfileOptions(
+            device=args.device, warmup=args.warmup, repeats=args.repeats, progress=not args.no_progress,
+            flush_cache=not args.no_flush_cache, fit_to_whole=_fit_to_whole(args)),
     )
     return _show_plan(plan, args)
 

@@ -89,8 +89,8 @@ def _check_seconds(name: str, value: object) -> float:
 
 
 #: Default link between neighbouring devices, per device type: (bytes/s, seconds per message).
-#: CPU: gloo over loopback TCP, measured with `python -m autopipe.machine.measure` on a 2-core host
-#: (1.9-2.4 GB/s, 136-144 us per message; docs/costs-and-measurement.md).
+#: CPU: gloo over loopback TCP, about what `python -m autopipe.cli.measure` finds on a quiet
+#: shared host (docs/costs-and-measurement.md section 5).
 #: CUDA: a conservative PCIe-class peer link (NVLink is 10x faster: pass bandwidth= to say so).
 _DEFAULT_LINKS = {"cpu": (2e9, 100e-6), "cuda": (10e9, 20e-6)}
 
@@ -102,14 +102,11 @@ def default_link(device_type: str) -> tuple[float, float]:
 
 #: Default seconds each pipeline action (F, B, I, W) costs beyond its compute, per device type.
 #: CPU: gloo processes on a shared 2-core host, measured with
-#: `python -m autopipe.machine.measure --overhead` (docs/costs-and-measurement.md).
-#: CUDA: none is assumed. The GPUs lent so far (one H100 at a time) could not run the
-#: two-rank probe (NCCL refuses two ranks on one device). One-stage pipelines on one H100
-#: implied -0.9 to +0.2 ms per action for four of five models (GPT-2: -1.8 to -1.4 ms) once the
-#: profile was fitted to the whole graph
-#: (benchmarks/gpu_one_rank), so 0; two stages on that rank, sending to itself through NCCL,
-#: implied 0.27-0.34 ms, the sends' cost, which between two GPUs is unmeasured.
-#: Measure it on your GPUs with autopipe.machine.measure.measure_action_overhead and pass action_overhead_s=.
+#: `python -m autopipe.cli.measure --overhead` (docs/costs-and-measurement.md).
+#: CUDA: none is assumed: one-stage pipelines on one GPU imply about none once the profile is
+#: fitted to the whole graph (benchmarks/gpu_one_rank, docs/benchmarks.md section 8), and what
+#: a send between two GPUs costs in torch's runtime is not measured (docs/design.md).
+#: Measure it on your GPUs with autopipe.runtime.overhead_probe.measure_action_overhead and pass action_overhead_s=.
 _DEFAULT_ACTION_OVERHEAD_S = {"cpu": 0.7e-3, "cuda": 0.0}
 
 
@@ -119,9 +116,8 @@ def default_action_overhead_s(device_type: str) -> float:
 
 
 #: Bytes per second at which a device copies into freshly allocated memory (``torch.cat``),
-#: per device type. CPU: measured on the project's 2-core host, 1.7-3.5 GB/s for copies
-#: above 4 MiB (page faults included); the 16 MiB of logits torch's last stage merges for
-#: GPT-2 at 8 micro-batches took 4.6 ms inside a running pipeline. CUDA: assumed, not measured.
+#: per device type. CPU: about what copies of several MiB into fresh memory run at on a
+#: shared host, page faults included (docs/design.md, finding 11). CUDA: assumed, not measured.
 _DEFAULT_COPY_BANDWIDTH = {"cpu": 3e9, "cuda": 1e12}
 
 

@@ -20,7 +20,7 @@ and the classes here fix both without renaming anything:
 Attention is "sdpa" by default; "eager" exports and splits as well. Under ``torch.export``
 transformers builds the causal mask as a tensor, so a cut between decoder blocks carries
 the hidden states, the mask and (Llama) the rotary cos/sin tables. Works with
-transformers 5.x and 4.46 (the oldest we tried; 4.45 is expected to work).
+transformers 5.x and 4.46 (the oldest tested; 4.45 is expected to work).
 
 Like every Hugging Face model these carry ``model.dummy_inputs`` (``{"input_ids": ...}``, a
 3 x 5 batch), which ``forward(input_ids=...)`` accepts. With tied embeddings (GPT-2's

@@ -5,8 +5,9 @@ training mode, seeded, built on the CPU) and a tuple holding one micro-batch of 
 convention of :func:`autopipe.models.seed_transformer`. Module names say what a piece is
 (``blocks.3``, ``down.1``, ``mid``, ``up.2``, ``head``), so split points read naturally.
 
-:data:`ZOO` maps a short name to each factory; :func:`build` looks one up by name. At their
-default sizes one forward + backward of one micro-batch takes roughly 5-50 ms on a CPU.
+:data:`ZOO` maps a short name to each factory; :func:`build` looks one up by name. Their
+default sizes keep one forward + backward of a micro-batch to milliseconds on a CPU, so tests
+and benchmarks run on a laptop.
 
 Example:
     >>> from autopipe.models.zoo import build

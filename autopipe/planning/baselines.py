@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .partitioner import PartitionProblem, PartitionResult, evaluate, solve_bottleneck
-from .trace import TracedModel, _module_spans
+from .trace import TracedModel, module_spans
 
 __all__ = ["LayerUnits", "layer_units", "BASELINES", "baseline_cuts"]
 
@@ -67,7 +67,7 @@ class LayerUnits:
 def _block_container(traced: TracedModel) -> tuple[str, list[str]]:
     """The parent module whose numbered children form the longest run of legal split points."""
     legal = {c.name for c in traced.candidates} | {a for c in traced.candidates for a in c.aliases}
-    spans, _ = _module_spans(traced.nodes)
+    spans, _ = module_spans(traced.nodes)
     children: dict[str, list[tuple[int, str]]] = {}
     for fqn in spans:
         parent, _, leaf = fqn.rpartition(".")
@@ -94,7 +94,7 @@ def layer_units(traced: TracedModel) -> LayerUnits:
         seg_start[c.name] = k
         for a in c.aliases:
             seg_start[a] = k
-    spans, _ = _module_spans(traced.nodes)
+    spans, _ = module_spans(traced.nodes)
     parent, blocks = _block_container(traced)
     # Top-level names in graph order; a ModuleList is never called itself, so derive them
     # from the first atom of every module that ran.

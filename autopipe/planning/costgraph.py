@@ -1,16 +1,22 @@
 """The cost graph: segments as nodes, the tensors between them as edges, bytes on every cut.
 
-Second step of the data flow. From a :class:`~autopipe.planning.trace.TracedModel` it builds a
-``networkx.DiGraph`` whose nodes are the segments (with their measured costs once a
-profile is attached) and whose edges carry the bytes of the tensors one segment hands to a
-later one. From the same tensors it computes, for every candidate cut, the bytes that
-must cross it per micro-batch:
+Second step of the data flow. From a :class:`~autopipe.planning.trace.TracedModel` it finds
+the tensors one segment hands to a later one and computes, for every candidate cut, the
+bytes that must cross it per micro-batch:
 
 * forward: every tensor produced before the cut and used at or after it (so a skip
   connection or a residual stream that jumps over several segments counts at every cut it
   spans), plus model inputs still needed after the cut;
 * backward: the gradients of those of them that require grad (floating point and
   downstream of a parameter or an input that requires grad).
+
+The lists on :class:`CostGraph` (``cut_fwd_bytes``, ``cut_bwd_bytes``, ``costs``) are the
+source of truth: the planner, the plan and the reports read them, and a size-scaled
+profile replaces them per micro-batch size. ``CostGraph.graph`` is an export of the same
+data as a ``networkx.DiGraph`` (segments as nodes with their costs, producer-to-consumer
+tensors as edges with their bytes), built afresh on every access for inspection and
+drawing; nothing reads costs back from it. An edge's bytes are not a cut's: a tensor that
+skips several segments is one edge but crosses every cut it spans.
 
 Example:
     >>> from autopipe.models import seed_transformer
@@ -33,9 +39,10 @@ import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
+from .costmodel import step_backward_s
 from .trace import TracedModel
 
-__all__ = ["SegmentCost", "CostGraph", "build_cost_graph", "tensor_bytes", "requires_grad_map"]
+__all__ = ["SegmentCost", "TensorEdge", "CostGraph", "build_cost_graph", "tensor_bytes", "requires_grad_map"]
 
 
 @dataclass
@@ -67,8 +74,18 @@ class SegmentCost:
             ...             accum_s=0.5).step_bwd_s(4)
             2.375
         """
-        m = max(int(n_microbatches), 1)
-        return self.bwd_s + self.accum_s * (m - 1) / m
+        return step_backward_s(self.bwd_s, self.accum_s, n_microbatches)
+
+
+@dataclass(frozen=True)
+class TensorEdge:
+    """The tensors segment ``producer`` hands to the later segment ``consumer``, per micro-batch."""
+
+    producer: int
+    consumer: int
+    bytes: int  # forward: the tensors themselves
+    grad_bytes: int  # backward: the gradients of those that require grad
+    tensors: tuple[str, ...]  # their names in the exported graph
 
 
 @dataclass
@@ -77,19 +94,47 @@ class CostGraph:
 
     Index ``k`` of the ``cut_*`` lists is the cut *before* segment ``k``; entries 0 and
     ``num_segments`` are the model's inputs and outputs, which no stage boundary sends.
+    These lists and ``costs`` are what the planner reads; :attr:`graph` exports them.
     """
 
-    graph: nx.DiGraph
     segment_names: list[str]
     cut_fwd_bytes: list[int]
     cut_bwd_bytes: list[int]
     cut_tensors: list[list[str]]  # names of the graph values crossing each cut
+    edges: list[TensorEdge] = field(default_factory=list)
+    segment_modules: list[list[str]] = field(default_factory=list)  # per segment, the modules it runs
+    segment_num_nodes: list[int] = field(default_factory=list)  # per segment, its exported graph nodes
     costs: list[SegmentCost] | None = None
     meta: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_segments(self) -> int:
         return len(self.segment_names)
+
+    @property
+    def graph(self) -> nx.DiGraph:
+        """The segments and the tensors between them as a new ``networkx.DiGraph`` (an export).
+
+        Node ``i`` is segment ``i`` (``name``, ``modules``, ``num_nodes``, and its costs once
+        attached); edge ``(a, b)`` carries ``bytes``, ``grad_bytes`` and ``tensors``. Built on
+        each access from the lists above, so it always agrees with them; changing it
+        changes nothing the planner reads.
+
+        Example:
+            >>> nx.is_directed_acyclic_graph(cost_graph.graph)  # doctest: +SKIP
+            True
+        """
+        g = nx.DiGraph()
+        for i, name in enumerate(self.segment_names):
+            g.add_node(i, name=name, modules=list(self.segment_modules[i]) if self.segment_modules else [],
+                       num_nodes=self.segment_num_nodes[i] if self.segment_num_nodes else 0)
+            if self.costs is not None:
+                c = self.costs[i]
+                g.nodes[i].update(fwd_s=c.fwd_s, bwd_s=c.bwd_s, accum_s=c.accum_s, param_bytes=c.param_bytes,
+                                  act_bytes=c.act_bytes, out_bytes=c.out_bytes, flops=c.flops)
+        for e in self.edges:
+            g.add_edge(e.producer, e.consumer, bytes=e.bytes, grad_bytes=e.grad_bytes, tensors=list(e.tensors))
+        return g
 
     def segment_index(self, name: str) -> int:
         """Index of the segment that starts at split point ``name`` (KeyError if none)."""
@@ -99,17 +144,16 @@ class CostGraph:
             raise KeyError(f"no segment starts at {name!r}") from None
 
     def attach_costs(self, costs: list[SegmentCost]) -> "CostGraph":
-        """Record per-segment costs on the graph's nodes; returns self for chaining."""
+        """Record per-segment costs (and so on the exported graph's nodes); returns self for chaining.
+
+        Raises:
+            ValueError: ``costs`` does not have one entry per segment.
+        """
         if len(costs) != self.num_segments:
             raise ValueError(
                 f"costs has {len(costs)} entries but the cost graph has {self.num_segments} segments"
             )
         self.costs = list(costs)
-        for i, c in enumerate(costs):
-            self.graph.nodes[i].update(
-                fwd_s=c.fwd_s, bwd_s=c.bwd_s, accum_s=c.accum_s, param_bytes=c.param_bytes,
-                act_bytes=c.act_bytes, out_bytes=c.out_bytes, flops=c.flops,
-            )
         return self
 
 
@@ -171,7 +215,7 @@ def build_cost_graph(traced: TracedModel, costs: list[SegmentCost] | None = None
             attached later with :meth:`CostGraph.attach_costs`.
 
     Returns:
-        A :class:`CostGraph`; the partitioner reads its cut bytes and segment costs.
+        A :class:`CostGraph`; the planner reads its cut bytes and segment costs.
 
     Example:
         >>> from autopipe.models import seed_transformer
@@ -193,9 +237,7 @@ def build_cost_graph(traced: TracedModel, costs: list[SegmentCost] | None = None
             seg_of[node] = -1  # produced "before" the first segment
     requires_grad = requires_grad_map(traced)
 
-    g = nx.DiGraph()
-    for seg in traced.segments:
-        g.add_node(seg.index, name=seg.name, modules=list(seg.modules), num_nodes=seg.end - seg.start)
+    edges: dict[tuple[int, int], list[Any]] = {}  # (producer, consumer) -> [bytes, grad bytes, tensor names]
     fwd = [0] * (n + 1)
     bwd = [0] * (n + 1)
     crossing: list[list[str]] = [[] for _ in range(n + 1)]
@@ -221,21 +263,20 @@ def build_cost_graph(traced: TracedModel, costs: list[SegmentCost] | None = None
         if src >= 0:
             for c in consumers:
                 if c < n:
-                    edge = g.get_edge_data(src, c, default=None)
-                    if edge is None:
-                        g.add_edge(src, c, bytes=0, grad_bytes=0, tensors=[])
-                        edge = g.edges[src, c]
-                    edge["bytes"] += nbytes
-                    edge["grad_bytes"] += grad
-                    edge["tensors"].append(producer.name)
+                    edge = edges.setdefault((src, c), [0, 0, []])
+                    edge[0] += nbytes
+                    edge[1] += grad
+                    edge[2].append(producer.name)
     fwd[0] = fwd[n] = bwd[0] = bwd[n] = 0
     crossing[0], crossing[n] = [], []
     cg = CostGraph(
-        graph=g,
         segment_names=[s.name for s in traced.segments],
         cut_fwd_bytes=fwd,
         cut_bwd_bytes=bwd,
         cut_tensors=crossing,
+        edges=[TensorEdge(a, b, nbytes, grad, tuple(names)) for (a, b), (nbytes, grad, names) in edges.items()],
+        segment_modules=[list(s.modules) for s in traced.segments],
+        segment_num_nodes=[s.end - s.start for s in traced.segments],
         meta={"model_name": traced.model_name},
     )
     if costs is not None:

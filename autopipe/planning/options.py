@@ -8,6 +8,12 @@ settings that most users never touch live here instead:
 - :class:`PlannerOptions`: everything :class:`~autopipe.runtime.pipeline.Pipeline` forwards
   to the planner when it plans for itself; the same names as ``partition``'s keywords.
 
+The hardware (speed, memory, the link to the next device, the runtime's cost per action)
+is described by :class:`~autopipe.machine.device.Device`; :func:`resolve_devices` turns
+``partition``'s ``devices`` and ``memory`` into one Device per rank. This module also holds
+the conversion of ``partition``'s keywords from before these groups existed
+(:data:`PARTITION_OLD_KEYWORDS`), which still work for one release with a warning.
+
 Example::
 
     plan = autopipe.partition(model, 4, (x,), profiling=ProfileOptions(repeats=10))
@@ -18,13 +24,20 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
+
+from .._checks import check_bool, check_int
+from ..machine.device import Device, parse_bytes
 
 if TYPE_CHECKING:
     import torch
 
-    from ..machine.device import Device
+    from .costgraph import SegmentCost
+    from .scaling import ScaledProfile
+
+__all__ = ["ProfileOptions", "PlannerOptions", "resolve_devices", "PARTITION_OLD_KEYWORDS",
+           "fold_old_partition_keywords"]
 
 
 @dataclass(frozen=True)
@@ -32,15 +45,23 @@ class ProfileOptions:
     """How :func:`~autopipe.planning.planner.partition` measures the model's segments.
 
     Args:
-        device: Where to run the profile (``"cuda"``, ``"cpu"``, a ``torch.device``); None =
-            where the model's parameters are.
+        device: Where to run the profile (``"cuda"``, ``"cpu"``, ``"cuda:1"``, a
+            ``torch.device``); None = CUDA when present, else the CPU. Its type also picks
+            the planner's defaults for the link, the cost per action and the copy bandwidth,
+            so with a profile given as ``cost=`` name the device it was measured on.
         warmup: Untimed runs of each segment before timing (>= 0).
-        repeats: Timed runs of each segment; the median is kept (>= 1).
-        flush_cache: Evict the CPU caches before each timed run, as a pipeline stage finds
-            them after its neighbours ran.
-        fit_to_whole: Scale the segment times so that they add up to one timed run of the
-            whole model; None = when the device is a CPU.
+        repeats: Timed runs of each segment; their mean is kept (>= 1;
+            :func:`autopipe.machine.timing.per_run_s`).
+        flush_cache: Empty the device's caches before each pass of the profile, as a
+            pipeline action finds them (:func:`autopipe.planning.profile.profile_segments`);
+            ``False`` keeps them warm, for hosts whose last-level cache holds a whole stage.
+        fit_to_whole: Scale the segments' times so that they add up to the whole graph
+            timed beside them (:class:`autopipe.machine.passes.WholePass`); None = on
+            CUDA only, where segments timed one by one add up to more than the model.
         progress: Show progress on stderr while tracing and profiling.
+
+    Raises:
+        ValueError: a field out of range (the message names it and says what is accepted).
 
     Example::
 
@@ -53,6 +74,17 @@ class ProfileOptions:
     flush_cache: bool = True
     fit_to_whole: bool | None = None
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        # Checked here so that a bad value fails where it is written, not once profiling starts.
+        check_int("ProfileOptions warmup", self.warmup, 0)
+        check_int("ProfileOptions repeats", self.repeats, 1)
+        check_bool("ProfileOptions flush_cache", self.flush_cache)
+        check_bool("ProfileOptions fit_to_whole", self.fit_to_whole, allow_none=True)
+        check_bool("ProfileOptions progress", self.progress)
+        if not (self.device is None or isinstance(self.device, str) or type(self.device).__name__ == "device"):
+            raise ValueError(f"ProfileOptions device={self.device!r} must be None, a string such as 'cuda:0' "
+                             "or a torch.device")
 
 
 @dataclass(frozen=True)
@@ -72,11 +104,139 @@ class PlannerOptions:
     memory: int | str | Sequence[int | str] | None = None
     devices: Device | Sequence[Device] | None = None
     optimizer: str | type | None = None
-    cost: Any = None
+    cost: str | Sequence[SegmentCost] | ScaledProfile | None = None
     global_batch: int | None = None
     example_target: Any = None
     profiling: ProfileOptions | None = None
 
+    def __post_init__(self) -> None:
+        if self.profiling is not None and not isinstance(self.profiling, ProfileOptions):
+            raise TypeError(f"PlannerOptions profiling={self.profiling!r} must be an autopipe.ProfileOptions "
+                            "or None")
+
     def partition_kwargs(self) -> dict[str, Any]:
-        """The fields that are set, as keyword arguments for ``partition``."""
-        return {name: getattr(self, name) for name in self.__dataclass_fields__ if getattr(self, name) is not None}
+        """The fields that are set, as keyword arguments for ``partition``.
+
+        Example::
+
+            PlannerOptions(memory="16GiB").partition_kwargs()   # {"memory": "16GiB"}
+        """
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+
+def resolve_devices(n_gpus: int, devices: Device | Sequence[Device] | None,
+                    memory: int | str | Sequence[int | str] | None) -> list[Device]:
+    """One :class:`~autopipe.machine.device.Device` per pipeline rank.
+
+    ``devices`` is one Device for every rank or a sequence of one per rank; ``memory`` (one
+    value, or one per rank) fills in the capacity of each Device that does not set its own.
+
+    Raises:
+        TypeError: ``devices`` is not a Device or a sequence of Devices.
+        ValueError: a count that does not match ``n_gpus``, a bad memory size, or memory given
+            both on a Device and as ``memory``.
+
+    Example::
+
+        resolve_devices(2, Device(bandwidth="10GB"), "16GiB")
+        # [Device(memory='16GiB', bandwidth=1e10, ...), Device(memory='16GiB', bandwidth=1e10, ...)]
+    """
+    if devices is None:
+        ranks = [Device() for _ in range(n_gpus)]
+    elif isinstance(devices, Device):
+        ranks = [replace(devices) for _ in range(n_gpus)]
+    elif isinstance(devices, Sequence) and not isinstance(devices, str):
+        ranks = list(devices)
+        if len(ranks) != n_gpus:
+            raise ValueError(f"devices has {len(ranks)} entries but n_gpus={n_gpus}; give one Device per rank "
+                             "or a single Device for all of them")
+        for i, d in enumerate(ranks):
+            if not isinstance(d, Device):
+                raise TypeError(f"devices[{i}]={d!r} is not an autopipe.Device")
+    else:
+        raise TypeError(f"devices={devices!r} must be an autopipe.Device (the same for every rank) "
+                        "or a list of one Device per rank")
+    if memory is None:
+        return ranks
+    if any(d.memory is not None for d in ranks):
+        raise ValueError("give memory either per device (Device(memory=...)) or as memory=, not both")
+    if isinstance(memory, (list, tuple)):
+        if len(memory) != n_gpus:
+            raise ValueError(f"memory has {len(memory)} entries but n_gpus={n_gpus}; give one per rank or a "
+                             "single value")
+        mems = [parse_bytes(m, name=f"memory[{i}]") for i, m in enumerate(memory)]
+    else:
+        mems = [parse_bytes(memory, name="memory")] * n_gpus
+    return [replace(d, memory=m) for d, m in zip(ranks, mems)]
+
+
+# --------------------------------------------------------------------------- keywords of the previous release
+
+_PROFILE_KEYWORDS = ("device", "warmup", "repeats", "flush_cache", "fit_to_whole", "progress")
+_LINK_KEYWORDS = ("bandwidth", "latency_s", "action_overhead_s")
+
+#: partition()'s keywords from before the option groups -> what replaces each.
+PARTITION_OLD_KEYWORDS = {
+    **{k: f"profiling=ProfileOptions({k}=...)" for k in _PROFILE_KEYWORDS},
+    **{k: f"devices=Device({k}=...)" for k in _LINK_KEYWORDS},
+    "costs": "cost=<the list of SegmentCost>",
+    "scaling": "cost=<the ScaledProfile>",
+}
+
+
+class _SourcedCosts(list):
+    """A given profile with the cost source it was made from (the ``cost`` string that came with ``costs=``)."""
+
+    whole: Any = None
+    cost: str = "measured"
+
+
+def fold_old_partition_keywords(old: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    """Move the keywords of :data:`PARTITION_OLD_KEYWORDS` into ``profiling``, ``devices`` and ``cost``.
+
+    The link keywords fill in each Device that does not set its own value. A value given
+    both ways (``warmup=`` beside ``profiling=``, ``costs=`` beside a list as ``cost=``) is a
+    ``TypeError``.
+
+    Example::
+
+        kwargs = {"cost": "measured"}
+        fold_old_partition_keywords({"warmup": 0, "bandwidth": 1e9}, kwargs)
+        # kwargs == {"cost": "measured", "profiling": ProfileOptions(warmup=0),
+        #            "devices": Device(bandwidth=1e9)}
+    """
+    profile = {k: old[k] for k in _PROFILE_KEYWORDS if k in old}
+    if profile:
+        if kwargs.get("profiling") is not None:
+            old_names = ", ".join(f"{k}=" for k in profile)
+            raise TypeError(f"partition(): give profiling=ProfileOptions(...) or {old_names}, not both")
+        kwargs["profiling"] = ProfileOptions(**profile)
+    link = {k: old[k] for k in _LINK_KEYWORDS if old.get(k) is not None}
+    if link:
+        devices = kwargs.get("devices")
+        if devices is None:
+            kwargs["devices"] = Device(**link)
+        elif isinstance(devices, Device):
+            kwargs["devices"] = _fill_link(devices, link)
+        elif isinstance(devices, Sequence) and not isinstance(devices, str):
+            kwargs["devices"] = [_fill_link(d, link) if isinstance(d, Device) else d for d in devices]
+        # anything else: partition names what devices= accepts
+    given = {k: old[k] for k in ("costs", "scaling") if old.get(k) is not None}
+    if len(given) == 2:
+        raise TypeError("partition(): give one of costs= and scaling= (both are now cost=), not both")
+    if given:
+        (name, value), = given.items()
+        source = kwargs.get("cost", "measured")
+        if not isinstance(source, str):
+            raise TypeError(f"partition(): give {name}= or a profile as cost=, not both")
+        if name == "costs" and source != "measured":
+            # cost="flops" beside costs= said where the costs came from: keep it with them.
+            value = _SourcedCosts(value)
+            value.whole = getattr(old["costs"], "whole", None)
+            value.cost = source
+        kwargs["cost"] = value
+
+
+def _fill_link(device: Device, link: dict[str, Any]) -> Device:
+    """``device`` with each link setting of ``link`` that it leaves unset."""
+    return replace(device, **{k: v for k, v in link.items() if getattr(device, k) is None})

@@ -3,7 +3,12 @@
 A :class:`Plan` is the output of :func:`autopipe.partition` and the input of the
 runtime (:class:`autopipe.Pipeline`) and of the reports. It is a plain, serialisable value:
 ``plan.save("plan.json")`` writes versioned JSON and ``Plan.load("plan.json")`` reads it
-back, so a plan computed once can be shared by every rank of a job.
+back, so a plan computed once can be shared by every rank of a job. Every field is typed:
+the profile it was made from (:class:`~autopipe.planning.plan_records.PlanSegment`), the
+machine the planner assumed (:class:`~autopipe.planning.plan_records.MachineModel`), the
+once-per-step tail, the search, the alternatives and the calibration
+(:mod:`autopipe.planning.plan_records`). Every time it predicts is computed by
+:mod:`autopipe.planning.costmodel`, as the planner's and the reports' are.
 
 Example:
     >>> from autopipe.planning.plan import Plan, StagePlan
@@ -19,24 +24,30 @@ Example:
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from torch.distributed.pipelining import SplitPoint
 
-from .plan_file import check_model_names, plan_from_data, read_plan_file
+from ..machine.device import default_link
+from . import costmodel
+from .costgraph import SegmentCost
+from .costmodel import StepTail
+from .plan_file import PLAN_FORMAT_VERSION, check_model_names, plan_from_data, read_plan_file
+from .plan_records import Calibration, Link, MachineModel, PlanSegment, ScheduleAlternative, SearchRecord
+from ..machine.passes import WholePass
+from .profile import LossCost
+from .schedules import stage_ranks
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["Plan", "StagePlan", "BaselinePlan", "PLAN_FORMAT_VERSION"]
-
-#: Bumped whenever the JSON layout changes incompatibly; ``Plan.load`` refuses newer files.
-PLAN_FORMAT_VERSION = 1
 
 
 @dataclass
@@ -107,7 +118,18 @@ class Plan:
     planner_s: float = 0.0  # time the exact search took
     model_name: str = ""
     segment_names: list[str] = field(default_factory=list)  # one per cost-graph segment
-    extras: dict[str, Any] = field(default_factory=dict)  # later additions (simulation, alternatives)
+    segments: list[PlanSegment] = field(default_factory=list)  # the profile the plan was made from
+    machine: MachineModel = field(default_factory=MachineModel)  # links, per-action overhead, lazy sends
+    step_tail: StepTail = field(default_factory=StepTail)  # once-per-step work beside the actions
+    rank_peak_bytes: list[int] = field(default_factory=list)  # per rank, predicted peak memory
+    search: SearchRecord | None = None  # how the split was found (None: not searched)
+    alternatives: list[ScheduleAlternative] = field(default_factory=list)  # with schedule/n_microbatches "auto"
+    notes: list[str] = field(default_factory=list)  # what autopipe changed or assumed to make the plan
+    loss: LossCost | None = None  # the loss charged to the last stage, when loss_fn was given
+    whole_pass: WholePass | None = None  # the whole graph timed beside the segments
+    global_batch: int | None = None  # samples per optimizer step, when given
+    scaling_fit_error: dict[str, float] = field(default_factory=dict)  # quantity -> worst relative fit error
+    calibration: Calibration | None = None  # set by calibrate()
 
     # ------------------------------------------------------------------ derived
     @property
@@ -133,6 +155,16 @@ class Plan:
         busy = max(s.time_s for s in self.stages) * self.n_microbatches
         return max(0.0, 1.0 - busy / self.predicted_step_s)
 
+    @property
+    def stage_ranks(self) -> list[int]:
+        """The rank that runs each stage under the plan's schedule (stage ``s`` -> ``stage_ranks[s]``)."""
+        return stage_ranks(self.schedule, self.num_stages // self.stages_per_rank, self.stages_per_rank)
+
+    @property
+    def microbatch_size(self) -> int | None:
+        """Samples per micro-batch, when the plan knows the global batch."""
+        return self.global_batch // self.n_microbatches if self.global_batch else None
+
     def baseline(self, name: str) -> BaselinePlan:
         """The baseline called ``name``; raises KeyError listing those present."""
         for b in self.baselines:
@@ -140,73 +172,149 @@ class Plan:
                 return b
         raise KeyError(f"no baseline {name!r}; this plan has {[b.name for b in self.baselines]}")
 
-    # ------------------------------------------------------------------ feedback
-    def segment_costs(self) -> list:
-        """The per-segment costs this plan was made from (for ``partition(..., costs=)``).
+    # ------------------------------------------------------------------ the cost model, on this plan
+    def segment_costs(self) -> list[SegmentCost]:
+        """The per-segment costs this plan was made from (for ``partition(..., cost=...)``).
 
         Lets a plan be re-made for another schedule, memory or device count, or after
         :meth:`calibrate`, without measuring again.
-        """
-        from .costgraph import SegmentCost
 
-        segs = self.extras.get("segments")
-        if not segs:
-            raise ValueError("this plan carries no per-segment costs (made by an older autopipe?)")
-        return [
-            SegmentCost(fwd_s=d["fwd_s"], bwd_s=d["bwd_s"], param_bytes=d["param_bytes"],
-                        act_bytes=d["act_bytes"], out_bytes=d["out_bytes"], flops=d.get("flops", 0.0),
-                        trainable_param_bytes=d.get("trainable_param_bytes", 0), accum_s=d.get("accum_s", 0.0))
-            for d in segs
-        ]
+        Raises:
+            ValueError: the plan carries no profile (made from split points alone).
+        """
+        if not self.segments:
+            raise ValueError("this plan carries no per-segment costs (it was made from split points alone); "
+                             "make one with autopipe.partition")
+        return [seg.cost() for seg in self.segments]
 
     def action_overhead_s(self) -> list[float]:
         """Seconds each action of each stage costs beyond its compute, as the planner charged it.
 
-        From ``extras["action_overhead_s"]``; zeros for plans made before autopipe charged it.
+        From ``machine.action_overhead_s``; zeros when the plan records none.
 
         Example:
             >>> len(plan.action_overhead_s()) == plan.num_stages  # doctest: +SKIP
             True
         """
-        values = self.extras.get("action_overhead_s") or []
+        values = self.machine.action_overhead_s
         return [float(x) for x in values] if len(values) == self.num_stages else [0.0] * self.num_stages
 
     def simulation_options(self) -> dict[str, Any]:
         """The keyword arguments of :func:`autopipe.simulate` that describe how this plan runs.
 
         Its schedule, micro-batches, stages per rank, per-action overhead and whether its
-        backend's sends are lazy (``extras["lazy_sends"]``, False for plans made before
-        autopipe modelled them); the stage and cut times are the caller's.
+        backend's sends are lazy (``machine.lazy_sends``); the stage and cut times are the caller's.
 
         Example:
-            >>> autopipe.simulate(fwd, bwd, comm_s=0.0, **plan.simulation_options())  # doctest: +SKIP
+            >>> autopipe.simulate(fwd, bwd, comm_s=plan.cut_comm_s(), **plan.simulation_options())  # doctest: +SKIP
         """
         return {"schedule": self.schedule, "n_microbatches": self.n_microbatches,
                 "stages_per_rank": self.stages_per_rank, "action_overhead_s": self.action_overhead_s(),
-                "lazy_sends": bool(self.extras.get("lazy_sends", False))}
+                "lazy_sends": bool(self.machine.lazy_sends)}
 
     def step_tail_s(self) -> float:
         """Seconds of the once-per-step work around the schedule's actions, as the planner charged it.
 
-        The sum of ``extras["step_tail_s"]`` (merging the last stage's outputs, the loss
-        broadcast, summing tied gradients across ranks; see
-        :func:`autopipe.planning.planner.step_tail_s`); 0 for plans made before autopipe charged it.
+        ``step_tail.total_s``: merging the last stage's outputs, the loss broadcast, summing
+        tied gradients across ranks (:class:`~autopipe.planning.costmodel.StepTail`).
         ``predicted_step_s`` = the simulated schedule + this.
 
         Example:
             >>> plan.step_tail_s() <= plan.predicted_step_s  # doctest: +SKIP
             True
         """
-        return float(sum((self.extras.get("step_tail_s") or {}).values()))
+        return self.step_tail.total_s
 
-    def _simulated_step_s(self, compute_factor: float) -> float:
-        """The plan's predicted step with every stage's compute scaled by ``compute_factor``."""
-        from .schedules import simulate
+    def links(self) -> list[Link]:
+        """The link of each cut, as recorded, or the defaults of the plan's device type.
 
-        return simulate(
+        Example:
+            >>> [link.bandwidth for link in plan.links()]  # doctest: +SKIP
+            [2000000000.0]
+        """
+        if len(self.machine.links) == self.num_stages - 1:
+            return list(self.machine.links)
+        bandwidth, latency = default_link(str(self.device).split(":")[0])
+        return [Link(bandwidth, latency)] * (self.num_stages - 1)
+
+    def cut_comm_s(self, split_points: Sequence[str] | None = None) -> list[float]:
+        """One-way seconds of each cut (:func:`autopipe.planning.costmodel.cut_time_s`).
+
+        Forward bytes are what each stage sends; backward bytes come from the profile
+        (``segments[k].cut_bwd_bytes``), or equal the forward ones for a plan without it.
+
+        Args:
+            split_points: another split of the plan's segments (needs the profile); None =
+                the plan's own.
+
+        Example:
+            >>> len(plan.cut_comm_s()) == plan.num_stages - 1  # doctest: +SKIP
+            True
+        """
+        links = self.links()
+        if split_points is None:
+            firsts = [st.first_segment for st in self.stages[1:]]
+            fwd = [st.send_bytes for st in self.stages[:-1]]
+        else:
+            firsts = self.segment_cuts(split_points)
+            fwd = [self.segments[k].cut_fwd_bytes for k in firsts]
+        bwd = [self.segments[k].cut_bwd_bytes if k < len(self.segments) else f for k, f in zip(firsts, fwd)]
+        return costmodel.cut_times_s(fwd, bwd, [lk.bandwidth for lk in links], [lk.latency_s for lk in links])
+
+    def segment_cuts(self, split_points: Sequence[str]) -> list[int]:
+        """The segment indices where stages 1 .. p-1 begin for ``split_points`` (names of the plan's segments).
+
+        Raises:
+            ValueError: the plan has no profile, a name is not one of its segments, or
+                there are not ``num_stages - 1`` of them.
+
+        Example:
+            >>> plan.segment_cuts(plan.split_points) == [st.first_segment for st in plan.stages[1:]]  # doctest: +SKIP
+            True
+        """
+        if not self.segments:
+            raise ValueError("plan has no per-segment profile (plan.segments); re-plan with autopipe.partition")
+        names = [s.name for s in self.segments]
+        unknown = [p for p in split_points if p not in names]
+        if unknown or len(split_points) != self.num_stages - 1:
+            raise ValueError(
+                f"split_points={list(split_points)!r} must be {self.num_stages - 1} of the plan's segment names "
+                f"({', '.join(names[1:6])}, ...); unknown: {unknown}"
+            )
+        return sorted(names.index(p) for p in split_points)
+
+    def simulated_step_s(self, compute_factor: float = 1.0) -> float:
+        """The plan's step re-predicted from its stage times, each stage's compute scaled by ``compute_factor``.
+
+        :func:`autopipe.planning.costmodel.predicted_step_s` on the stages, the cuts
+        (:meth:`cut_comm_s`), the plan's simulation options and its step tail: with factor
+        1 it is ``predicted_step_s``, as the planner computed it.
+
+        Example:
+            >>> plan.simulated_step_s() == pytest.approx(plan.predicted_step_s)  # doctest: +SKIP
+            True
+        """
+        return costmodel.predicted_step_s(
             [st.fwd_s * compute_factor for st in self.stages], [st.bwd_s * compute_factor for st in self.stages],
-            comm_s=self.extras.get("cut_comm_s") or 0.0, **self.simulation_options(),
-        ).step_s + self.step_tail_s()
+            self.cut_comm_s(), **self.simulation_options(), tail=self.step_tail)
+
+    def split_step_s(self, split_points: Sequence[str]) -> float:
+        """Predicted step of another split of the plan's profiled segments, under the plan's schedule.
+
+        :func:`autopipe.planning.costmodel.predicted_step_s` on that split's stage times and
+        cut times, with the plan's step tail (which holds for any split unless a tied
+        weight's readers change ranks). Use it to compare a hand split with the plan.
+
+        Raises:
+            ValueError: as :meth:`segment_cuts`.
+
+        Example:
+            >>> plan.split_step_s(plan.baselines[0].split_points) >= plan.predicted_step_s  # doctest: +SKIP
+            True
+        """
+        fwd, bwd = costmodel.stage_times_s(self.segments, self.segment_cuts(split_points), self.n_microbatches)
+        return costmodel.predicted_step_s(fwd, bwd, self.cut_comm_s(split_points), **self.simulation_options(),
+                                          tail=self.step_tail)
 
     def _compute_factor_for_step(self, step_s: float) -> float:
         """The factor on every stage's compute that makes the simulated step ``step_s``.
@@ -216,11 +324,11 @@ class Plan:
         """
         if self.predicted_step_s <= 0:
             return 1.0
-        if not any(self.action_overhead_s()) and not self.extras.get("cut_comm_s") and not self.step_tail_s():
+        if not any(self.action_overhead_s()) and not any(self.cut_comm_s()) and not self.step_tail_s():
             return step_s / self.predicted_step_s  # the step is proportional to compute alone
-        from .schedules import solve_increasing
+        from .simulator import solve_increasing
 
-        return solve_increasing(self._simulated_step_s, step_s)  # the simulated step grows with the factor
+        return solve_increasing(self.simulated_step_s, step_s)  # the simulated step grows with the factor
 
     def calibrate(self, measured: "Sequence[float] | Mapping[str, Any]") -> "Plan":
         """A copy of the plan with measured stage times folded in.
@@ -235,10 +343,10 @@ class Plan:
         Returns:
             A new Plan whose stage times, segment costs (scaled by their stage's factor),
             bottleneck and simulated step time agree with the measurement;
-            ``extras["calibration"]`` keeps the factors (None for a stage direction the
-            plan had no time for, e.g. a plan made from split points alone: it takes the
-            measured time as it is). Pass ``plan.segment_costs()`` of the
-            result to :func:`autopipe.partition` to re-plan with the corrected costs.
+            ``calibration`` keeps the factors (None for a stage direction the plan had no
+            time for, e.g. a plan made from split points alone: it takes the measured time
+            as it is). Pass ``plan.segment_costs()`` of the result to
+            :func:`autopipe.partition` to re-plan with the corrected costs.
 
         Raises:
             ValueError: wrong number of stages, or a non-positive time.
@@ -246,17 +354,42 @@ class Plan:
         Example:
             >>> calibrated = plan.calibrate([0.012, 0.015])  # doctest: +SKIP
         """
-        import copy as _copy
+        fwd, bwd = self._measured_stage_times(measured)
+        new = copy.deepcopy(self)
+        fwd_f, bwd_f = [], []
+        segments = list(new.segments)
+        for st, f, b in zip(new.stages, fwd, bwd):
+            ff = f / st.fwd_s if st.fwd_s > 0 else None  # None: nothing planned to scale
+            bf = b / st.bwd_s if st.bwd_s > 0 else None
+            fwd_f.append(ff)
+            bwd_f.append(bf)
+            for k in range(st.first_segment, min(st.last_segment + 1, len(segments))):
+                seg, first = segments[k], k == st.first_segment
+                # Scale the profile's segments, or charge an unprofiled stage to its first one.
+                # The stage's backward includes its segments' gradient accumulation
+                # (costmodel.step_backward_s), so that scales with it; a stage charged its
+                # measured time as it is has it inside that time already.
+                segments[k] = replace(
+                    seg, fwd_s=seg.fwd_s * ff if ff is not None else (f if first else 0.0),
+                    bwd_s=seg.bwd_s * bf if bf is not None else (b if first else 0.0),
+                    accum_s=seg.accum_s * bf if bf is not None else 0.0)
+            st.fwd_s, st.bwd_s = f, b
+        new.segments = segments
+        new.bottleneck_s = max(st.time_s for st in new.stages)
+        new.predicted_step_s = new.simulated_step_s()
+        new.calibration = Calibration(fwd_factor=fwd_f, bwd_factor=bwd_f)
+        return new
 
+    def _measured_stage_times(self, measured: "Sequence[float] | Mapping[str, Any]") -> tuple[list[float], list[float]]:
+        """Per stage, the measured forward and backward seconds :meth:`calibrate` was given, checked."""
         p = self.num_stages
         if isinstance(measured, Mapping) and "step_s" in measured:
             step = float(measured["step_s"])
             if not step > 0:
                 raise ValueError(f"measured step_s={measured['step_s']!r} must be > 0 seconds")
             factor = self._compute_factor_for_step(step)
-            fwd = [st.fwd_s * factor for st in self.stages]
-            bwd = [st.bwd_s * factor for st in self.stages]
-        elif isinstance(measured, Mapping):
+            return [st.fwd_s * factor for st in self.stages], [st.bwd_s * factor for st in self.stages]
+        if isinstance(measured, Mapping):
             fwd, bwd = list(measured.get("fwd_s", [])), list(measured.get("bwd_s", []))
             if len(fwd) != p or len(bwd) != p:
                 raise ValueError(f"measured fwd_s and bwd_s must each have {p} entries (one per stage)")
@@ -266,38 +399,17 @@ class Plan:
                     not (f + b > 0) for f, b in zip(fwd, bwd)):
                 raise ValueError(f"measured fwd_s and bwd_s must be finite and >= 0, with each stage's sum "
                                  f"> 0 seconds; got fwd_s={fwd}, bwd_s={bwd}")
-        else:
-            values = [float(x) for x in measured]
-            if len(values) != p:
-                raise ValueError(f"measured has {len(values)} stage times but the plan has {p} stages")
-            if any(not (x > 0) for x in values):
-                raise ValueError(f"measured times must all be > 0 seconds, got {values}")
-            # Split each total as the plan splits it; a stage the plan has no time for (a
-            # plan made from split points alone) gets the usual backward = 2 x forward.
-            shares = [st.fwd_s / (st.fwd_s + st.bwd_s) if st.fwd_s + st.bwd_s > 0 else 1 / 3 for st in self.stages]
-            fwd = [x * sh for x, sh in zip(values, shares)]
-            bwd = [x - f for x, f in zip(values, fwd)]
-        new = _copy.deepcopy(self)
-        fwd_f, bwd_f = [], []
-        for st, f, b in zip(new.stages, fwd, bwd):
-            fwd_f.append(f / st.fwd_s if st.fwd_s > 0 else None)  # None: nothing planned to scale
-            bwd_f.append(b / st.bwd_s if st.bwd_s > 0 else None)
-            segments = new.extras.get("segments", [])[st.first_segment: st.last_segment + 1]
-            for key, factor, value in (("fwd_s", fwd_f[-1], f), ("bwd_s", bwd_f[-1], b)):
-                for k, seg in enumerate(segments):
-                    # Scale the profile's segments, or charge an unprofiled stage to its first one.
-                    seg[key] = seg[key] * factor if factor is not None else (value if k == 0 else 0.0)
-                if key == "bwd_s":
-                    # The stage's backward includes its segments' gradient accumulation
-                    # (SegmentCost.step_bwd_s), so it scales with it; a stage charged its
-                    # measured time as it is has it inside that time already.
-                    for seg in segments:
-                        seg["accum_s"] = seg.get("accum_s", 0.0) * factor if factor is not None else 0.0
-            st.fwd_s, st.bwd_s = f, b
-        new.bottleneck_s = max(st.time_s for st in new.stages)
-        new.predicted_step_s = new._simulated_step_s(1.0)
-        new.extras["calibration"] = {"fwd_factor": list(fwd_f), "bwd_factor": list(bwd_f)}
-        return new
+            return fwd, bwd
+        values = [float(x) for x in measured]
+        if len(values) != p:
+            raise ValueError(f"measured has {len(values)} stage times but the plan has {p} stages")
+        if any(not (x > 0) for x in values):
+            raise ValueError(f"measured times must all be > 0 seconds, got {values}")
+        # Split each total as the plan splits it; a stage the plan has no time for (a
+        # plan made from split points alone) gets the usual backward = 2 x forward.
+        shares = [st.fwd_s / (st.fwd_s + st.bwd_s) if st.fwd_s + st.bwd_s > 0 else 1 / 3 for st in self.stages]
+        fwd = [x * sh for x, sh in zip(values, shares)]
+        return fwd, [x - f for x, f in zip(values, fwd)]
 
     # ------------------------------------------------------------------ text
     def report(self) -> str:
@@ -328,7 +440,8 @@ class Plan:
     def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
         """Inverse of :meth:`to_dict`, every field checked before the plan is built.
 
-        The checks are :meth:`load`'s, listed in :mod:`autopipe.planning.plan_file`.
+        The checks are :meth:`load`'s, listed in :mod:`autopipe.planning.plan_file`; data of
+        format version 1 (its ``extras`` object) is converted to the typed fields.
 
         Raises:
             PlanFileError: the first field at fault (``.field``): a newer or unknown format
@@ -361,7 +474,7 @@ class Plan:
         The file is read as JSON data only: nothing in it is run. Every field is checked
         (types, ranges, the counts agreeing with each other; :mod:`autopipe.planning.plan_file` has
         the list) and, with ``model``, the split points against the model's modules
-        (:meth:`check_model`).
+        (:meth:`check_model`). Files of format version 1 load too.
 
         Args:
             path: the plan file.

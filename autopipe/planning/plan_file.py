@@ -5,7 +5,7 @@ A plan file is data, never code: it is read as UTF-8 JSON (no pickle, no imports
 :class:`~autopipe.planning.plan.Plan` is built from it. A file that fails raises one error type,
 :class:`~autopipe.errors.PlanFileError`, whose ``field`` names the field at fault.
 
-What is checked (``docs/api.md`` lists it for users):
+What is checked:
 
 * the file: at most :data:`MAX_PLAN_FILE_BYTES`, UTF-8, JSON, one object, no key twice,
   nesting at most :data:`MAX_NESTING` deep, ``format_version`` one this autopipe reads;
@@ -16,8 +16,17 @@ What is checked (``docs/api.md`` lists it for users):
   points distinct non-empty names, stages numbered in order over contiguous segments,
   ``num_stages % stages_per_rank == 0``, a schedule torch can run with these counts, and a
   step of at most :data:`~autopipe.planning.schedules.MAX_SCHEDULE_SIZE` (stage, micro-batch) pairs;
-* the entries of ``extras`` that autopipe reads back (per-segment costs, links, overheads,
-  the report's figures); other entries are kept as they are.
+* the typed parts (:mod:`autopipe.planning.plan_records`, checked in
+  :mod:`autopipe.planning.plan_file_parts`): the per-segment profile, the machine model
+  (links, per-action overheads), the step tail, the search, the alternatives, the loss,
+  the whole-graph timing and the calibration.
+
+Format versions: this autopipe writes :data:`PLAN_FORMAT_VERSION` (2). Version 1 held the
+typed parts in one open ``extras`` object; such files still load, each entry checked and
+converted to its typed field (named as the file spells it in errors:
+``extras.segments[0].fwd_s``); the entries derived from others (``cut_comm_s``,
+``stage_ranks``, ``microbatch_size``) are recomputed, and entries autopipe never read are
+dropped. Any other version is refused, naming it and the versions read.
 
 Example:
     >>> from autopipe.planning.plan_file import plan_from_data
@@ -29,16 +38,16 @@ Example:
 
 from __future__ import annotations
 
-import collections
 import json
-import math
 import numbers
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import MISSING, fields
-from typing import TYPE_CHECKING, Any, NoReturn
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanFileError
+from .plan_checks import MAX_PLAN_INT, MAX_STAGES, FieldCheck, required_fields, show
+from .plan_file_parts import TYPED_FIELDS, PlanShape, typed_from_extras, typed_parts
 from .schedules import MAX_SCHEDULE_SIZE, check_schedule_size, validate_schedule
 
 if TYPE_CHECKING:
@@ -46,27 +55,24 @@ if TYPE_CHECKING:
 
     from .plan import Plan
 
-__all__ = ["MAX_PLAN_FILE_BYTES", "MAX_NESTING", "MAX_STAGES", "MAX_PLAN_INT", "read_plan_file",
-           "plan_from_data", "check_model_names"]
+__all__ = ["PLAN_FORMAT_VERSION", "READ_FORMAT_VERSIONS", "MAX_PLAN_FILE_BYTES", "MAX_NESTING", "MAX_STAGES",
+           "MAX_PLAN_INT", "read_plan_file", "plan_from_data", "check_model_names"]
+
+#: The plan file layout :meth:`Plan.save` writes; bumped whenever the layout changes.
+PLAN_FORMAT_VERSION = 2
+
+#: Every layout :meth:`Plan.load` reads: version 1 (typed parts in ``extras``) is converted.
+READ_FORMAT_VERSIONS = (1, 2)
 
 #: Largest plan file read, in bytes. A plan autopipe writes takes about 1 KB per segment
 #: of the model, so this holds tens of thousands of segments; a larger file is refused
 #: before it is read.
 MAX_PLAN_FILE_BYTES = 64 * 2**20
 
-#: Deepest nesting of JSON arrays and objects a plan may hold. Plans autopipe writes nest 5
-#: deep (plan, extras, segments, a segment, its modules); the bound keeps every later walk
+#: Deepest nesting of JSON arrays and objects a plan may hold. Plans autopipe writes nest 4
+#: deep (plan, segments, a segment, its modules); the bound keeps every later walk
 #: of the data (copies, ``asdict``) far from Python's recursion limit.
 MAX_NESTING = 32
-
-#: Most pipeline stages a plan, or ``partition(n_gpus=...)``, may ask for.
-MAX_STAGES = 10**5
-
-#: Largest integer a plan may hold (byte counts, segment numbers): int64, what numpy and
-#: torch count bytes in.
-MAX_PLAN_INT = 2**63 - 1
-
-_SHOWN_CHARS = 60  # how much of a bad value an error message repeats
 
 
 # --------------------------------------------------------------------------- reading
@@ -126,100 +132,7 @@ def _object_without_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-# --------------------------------------------------------------------------- field checks
-
-
-class _Check:
-    """Checks of single values; every failure names the field and what it accepts."""
-
-    def __init__(self, path: str | None) -> None:
-        self.path = path
-        self.where = "plan data" if path is None else f"plan file {path!r}"
-
-    def fail(self, field: str, problem: str, *, not_a_plan: bool = False) -> NoReturn:
-        where = f"{self.where} is not an autopipe plan" if not_a_plan else self.where
-        raise PlanFileError(f"{where}: {problem}", field=field, path=self.path)
-
-    def bad(self, field: str, value: Any, expected: str) -> NoReturn:
-        self.fail(field, f"{field}={_show(value)} {expected}")
-
-    # numbers.Integral / numbers.Real: from_dict may be given numpy scalars, not only JSON's.
-    def integer(self, field: str, value: Any, lo: int = 0, hi: int = MAX_PLAN_INT) -> int:
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not lo <= value <= hi:
-            most = "2**63 - 1 (int64)" if hi == MAX_PLAN_INT else hi
-            self.bad(field, value, f"must be an integer >= {lo} and <= {most}")
-        return int(value)
-
-    def number(self, field: str, value: Any, *, positive: bool = False, signed: bool = False,
-            none: bool = False) -> float | None:
-        if value is None and none:
-            return None
-        ok = (not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
-              and (signed or (value > 0 if positive else value >= 0)))
-        if not ok:
-            bound = "" if signed else " > 0" if positive else " >= 0"
-            self.bad(field, value, f"must be a finite number{bound}" + (" or null" if none else ""))
-        return float(value)
-
-    def text(self, field: str, value: Any, *, nonempty: bool = False) -> str:
-        if not isinstance(value, str) or (nonempty and not value):
-            self.bad(field, value, "must be a non-empty string" if nonempty else "must be a string")
-        return value
-
-    def flag(self, field: str, value: Any) -> bool:
-        if not isinstance(value, bool):
-            self.bad(field, value, "must be true or false")
-        return value
-
-    def sequence(self, field: str, value: Any, item: Callable[[str, Any], Any] | None = None,
-             length: int | None = None) -> list[Any]:
-        # A tuple is what asdict() leaves of a tuple field: to_dict()'s output, given to from_dict as it is.
-        if not isinstance(value, (list, tuple)):
-            self.bad(field, value, "must be a list" + (f" of {length} entries" if length is not None else ""))
-        if length is not None and len(value) != length:
-            self.fail(field, f"{field} has {len(value)} entries but must have {length}")
-        return [item(f"{field}[{i}]", v) for i, v in enumerate(value)] if item else list(value)
-
-    def names(self, field: str, value: Any, length: int | None = None) -> list[str]:
-        """Distinct non-empty names, such as split points."""
-        names = self.sequence(field, value, lambda f, v: self.text(f, v, nonempty=True), length)
-        repeated = sorted(n for n, times in collections.Counter(names).items() if times > 1)
-        if repeated:
-            self.fail(field, f"{field} names {repeated} more than once; each name may appear once")
-        return names
-
-    def mapping(self, field: str, value: Any) -> dict[str, Any]:
-        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-            self.bad(field, value, "must be an object with string keys")
-        return dict(value)
-
-    def record(self, field: str, value: Any, checks: Mapping[str, Callable[[str, Any], Any]],
-               required: set[str] | frozenset[str], *, open_ended: bool = False) -> dict[str, Any]:
-        """An object with the given fields: each checked, the required ones present.
-
-        ``open_ended`` keeps unknown keys unchecked (``extras`` may grow without a new
-        format version); otherwise an unknown key is refused, so a misspelt field cannot
-        silently fall back to its default.
-        """
-        data = self.mapping(field, value)
-        prefix = f"{field}." if field else ""
-        if not open_ended:
-            unknown = sorted(set(data) - set(checks))
-            if unknown:
-                self.fail(prefix + unknown[0], f"unknown field(s) {[prefix + k for k in unknown]}; "
-                          f"{field or 'a plan'} has the fields {sorted(checks)}", not_a_plan=not field)
-        missing = sorted(required - set(data))
-        if missing:
-            self.fail(prefix + missing[0], f"missing field(s) {[prefix + k for k in missing]}", not_a_plan=not field)
-        return {k: checks[k](prefix + k, v) if k in checks else v for k, v in data.items()}
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "..."
-
-
-def _check_nesting(check: _Check, data: Any) -> None:
+def _check_nesting(check: FieldCheck, data: Any) -> None:
     """Refuse data nested deeper than MAX_NESTING, walking it without recursion."""
     stack = [(data, 1, "")]
     while stack:
@@ -227,15 +140,11 @@ def _check_nesting(check: _Check, data: Any) -> None:
         if isinstance(value, (Mapping, list, tuple)):
             if depth > MAX_NESTING:
                 check.fail(field, f"{field or 'the plan'} is nested more than MAX_NESTING={MAX_NESTING} deep; "
-                           "a plan autopipe writes nests 5 deep")
+                           "a plan autopipe writes nests 4 deep")
             items = value.items() if isinstance(value, Mapping) else enumerate(value)
             for k, v in items:
                 sub = (f"{field}.{k}" if field else f"{k}") if isinstance(value, Mapping) else f"{field}[{k}]"
                 stack.append((v, depth + 1, sub))
-
-
-def _required(cls: type) -> frozenset[str]:
-    return frozenset(f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING)
 
 
 # --------------------------------------------------------------------------- the plan
@@ -258,19 +167,20 @@ def plan_from_data(data: Any, cls: type[Plan] | None = None, *, path: str | None
         >>> plan_from_data(plan.to_dict()) == plan  # doctest: +SKIP
         True
     """
-    from .plan import PLAN_FORMAT_VERSION, BaselinePlan, Plan, StagePlan
+    from .plan import BaselinePlan, Plan, StagePlan
 
     cls = cls or Plan
-    c = _Check(path)
+    c = FieldCheck(path)
     if not isinstance(data, Mapping):
-        c.fail("", f"a plan is one JSON object, got {type(data).__name__} {_show(data)}", not_a_plan=True)
+        c.fail("", f"a plan is one JSON object, got {type(data).__name__} {show(data)}", not_a_plan=True)
     if "format_version" not in data:
         c.fail("format_version", f"missing field 'format_version'; this autopipe reads plan format versions "
-               f"1..{PLAN_FORMAT_VERSION} (files written by Plan.save carry it)")
+               f"{list(READ_FORMAT_VERSIONS)} (files written by Plan.save carry it)")
     version = data["format_version"]
-    if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= PLAN_FORMAT_VERSION:
-        c.fail("format_version", f"plan format_version={_show(version)} is not supported; this autopipe reads "
-               f"versions 1..{PLAN_FORMAT_VERSION}")
+    if isinstance(version, bool) or not isinstance(version, int) or version not in READ_FORMAT_VERSIONS:
+        newer = " (written by a newer autopipe)" if isinstance(version, int) and version > PLAN_FORMAT_VERSION else ""
+        c.fail("format_version", f"plan format_version={show(version)}{newer} is not supported; this autopipe "
+               f"reads versions {list(READ_FORMAT_VERSIONS)}")
     _check_nesting(c, data)
 
     top = {
@@ -294,18 +204,20 @@ def plan_from_data(data: Any, cls: type[Plan] | None = None, *, path: str | None
         "planner_s": c.number,
         "model_name": c.text,
         "segment_names": lambda f, v: c.sequence(f, v, c.text),
-        "extras": c.mapping,
+        # The typed parts are checked once the stage count is known, below.
+        **({"extras": c.mapping} if version == 1 else {k: (lambda f, v: v) for k in TYPED_FIELDS}),
     }
-    assert set(top) - {"format_version", "split_spec"} == {f.name for f in fields(Plan)}, "plan fields changed"
-    kw = c.record("", data, top, _required(Plan) | {"format_version"})
+    assert (set(top) - {"format_version", "split_spec", "extras"}) | set(TYPED_FIELDS) == {
+        f.name for f in fields(Plan)}, "plan fields changed"
+    kw = c.record("", data, top, required_fields(Plan) | {"format_version"})
     kw.pop("format_version")
     split_spec = kw.pop("split_spec", None)
 
     p, m = kw["num_stages"], kw["n_microbatches"]
     _check_counts(c, kw)
     if split_spec is not None and split_spec != {name: "BEGINNING" for name in kw["split_points"]}:
-        c.fail("split_spec", f"split_spec={_show(split_spec)} disagrees with split_points="
-               f"{_show(kw['split_points'])}; it must map each split point to 'BEGINNING'")
+        c.fail("split_spec", f"split_spec={show(split_spec)} disagrees with split_points="
+               f"{show(kw['split_points'])}; it must map each split point to 'BEGINNING'")
 
     stage_checks = {
         "index": lambda f, v: c.integer(f, v, 0, MAX_STAGES),
@@ -317,7 +229,7 @@ def plan_from_data(data: Any, cls: type[Plan] | None = None, *, path: str | None
         "device": c.text,
     }
     assert set(stage_checks) == {f.name for f in fields(StagePlan)}, "StagePlan fields changed"
-    stages = [c.record(f"stages[{i}]", s, stage_checks, _required(StagePlan)) for i, s in enumerate(kw["stages"])]
+    stages = [c.record(f"stages[{i}]", s, stage_checks, required_fields(StagePlan)) for i, s in enumerate(kw["stages"])]
     _check_stage_order(c, stages, kw.get("segment_names", []))
     kw["stages"] = [StagePlan(**s) for s in stages]
 
@@ -326,17 +238,20 @@ def plan_from_data(data: Any, cls: type[Plan] | None = None, *, path: str | None
         "bottleneck_s": c.number, "predicted_step_s": c.number, "peak_bytes": c.integer, "fits_memory": c.flag,
     }
     assert set(baseline_checks) == {f.name for f in fields(BaselinePlan)}, "BaselinePlan fields changed"
-    kw["baselines"] = [BaselinePlan(**c.record(f"baselines[{i}]", b, baseline_checks, _required(BaselinePlan)))
+    kw["baselines"] = [BaselinePlan(**c.record(f"baselines[{i}]", b, baseline_checks, required_fields(BaselinePlan)))
                        for i, b in enumerate(kw.get("baselines", []))]
     if kw.get("memory_limit_bytes") is not None and len(kw["memory_limit_bytes"]) != p // kw.get("stages_per_rank", 1):
         c.fail("memory_limit_bytes", f"memory_limit_bytes has {len(kw['memory_limit_bytes'])} entries but the plan "
                f"runs on {p // kw.get('stages_per_rank', 1)} ranks; give one per rank")
-    if "extras" in kw:
-        _check_extras(c, kw["extras"], p, len(kw.get("segment_names", [])), stages)
+    shape = PlanShape(p, p // kw.get("stages_per_rank", 1), len(kw.get("segment_names", [])), stages)
+    if version == 1:
+        kw.update(typed_from_extras(c, kw.pop("extras", {}), shape))
+    else:
+        kw.update(typed_parts(c, {k: kw.pop(k) for k in TYPED_FIELDS if k in kw}, shape))
     return cls(**kw)
 
 
-def _memory_limit(c: _Check) -> Callable[[str, Any], int]:
+def _memory_limit(c: FieldCheck) -> Callable[[str, Any], int]:
     def check(field: str, value: Any) -> int:
         if (isinstance(value, bool) or not isinstance(value, numbers.Integral)
                 or not (value == -1 or 1 <= value <= MAX_PLAN_INT)):
@@ -345,7 +260,7 @@ def _memory_limit(c: _Check) -> Callable[[str, Any], int]:
     return check
 
 
-def _check_counts(c: _Check, kw: dict[str, Any]) -> None:
+def _check_counts(c: FieldCheck, kw: dict[str, Any]) -> None:
     """Stages, split points, stages per rank, schedule and micro-batches agree with each other."""
     p, m = kw["num_stages"], kw["n_microbatches"]
     if len(kw["split_points"]) != p - 1:
@@ -368,7 +283,7 @@ def _check_counts(c: _Check, kw: dict[str, Any]) -> None:
                f"n_microbatches={m}: {e}")
 
 
-def _check_stage_order(c: _Check, stages: list[dict[str, Any]], segment_names: list[str]) -> None:
+def _check_stage_order(c: FieldCheck, stages: list[dict[str, Any]], segment_names: list[str]) -> None:
     """Stage i is numbered i and starts where stage i - 1 ended; the last ends at the last segment."""
     next_first = 0
     for i, s in enumerate(stages):
@@ -385,84 +300,6 @@ def _check_stage_order(c: _Check, stages: list[dict[str, Any]], segment_names: l
         c.fail(f"stages[{len(stages) - 1}].last_segment",
                f"stages[{len(stages) - 1}].last_segment={next_first - 1} but segment_names lists "
                f"{len(segment_names)} segments; the last stage ends at segment {len(segment_names) - 1}")
-
-
-# --------------------------------------------------------------------------- extras
-
-
-def _check_extras(c: _Check, extras: dict[str, Any], p: int, n_segment_names: int,
-                  stages: list[dict[str, Any]]) -> None:
-    """The entries of ``extras`` that autopipe reads back; any others are kept unchecked."""
-    def seconds_list(length: int) -> Callable[[str, Any], list[Any]]:
-        return lambda f, v: c.sequence(f, v, c.number, length)
-
-    if "segments" in extras:
-        seg_checks = {k: c.number for k in ("fwd_s", "bwd_s", "accum_s", "flops", "param_bytes", "act_bytes",
-                                            "out_bytes", "trainable_param_bytes", "cut_fwd_bytes", "cut_bwd_bytes")}
-        seg_checks.update(name=c.text, modules=lambda f, v: c.sequence(f, v, c.text))
-        required = frozenset({"fwd_s", "bwd_s", "param_bytes", "act_bytes", "out_bytes"})  # Plan.segment_costs
-        segments = c.sequence("extras.segments", extras["segments"],
-                              lambda f, v: c.record(f, v, seg_checks, required, open_ended=True))
-        if n_segment_names and segments and len(segments) != n_segment_names:
-            c.fail("extras.segments", f"extras.segments has {len(segments)} entries but segment_names has "
-                   f"{n_segment_names}; one per segment")
-        if segments and stages[-1]["last_segment"] >= len(segments):
-            c.fail(f"stages[{p - 1}].last_segment", f"stages[{p - 1}].last_segment={stages[-1]['last_segment']} "
-                   f"but extras.segments has {len(segments)} segments")
-    if "action_overhead_s" in extras:
-        seconds_list(p)("extras.action_overhead_s", extras["action_overhead_s"])
-    comm = extras.get("cut_comm_s")  # one time for every cut, or one per cut (as simulate takes it)
-    if isinstance(comm, (list, tuple)):
-        seconds_list(p - 1)("extras.cut_comm_s", comm)
-    elif comm is not None:
-        c.number("extras.cut_comm_s", comm)
-    if "lazy_sends" in extras:
-        c.flag("extras.lazy_sends", extras["lazy_sends"])
-    if extras.get("step_tail_s") is not None:
-        for k, v in c.mapping("extras.step_tail_s", extras["step_tail_s"]).items():
-            c.number(f"extras.step_tail_s.{k}", v)
-    if extras.get("links"):
-        c.record("extras.links", extras["links"], {
-            "bandwidth": lambda f, v: c.sequence(f, v, lambda g, x: c.number(g, x, positive=True), p - 1),
-            "latency_s": seconds_list(p - 1),
-        }, frozenset(), open_ended=True)
-    if "notes" in extras:
-        c.sequence("extras.notes", extras["notes"], c.text)
-    if extras.get("whole_pass"):
-        whole = c.record("extras.whole_pass", extras["whole_pass"], {
-            **{k: c.number for k in ("segments_fwd_s", "segments_bwd_s", "fwd_s", "bwd_s", "accum_s",
-                                     "segments_accum_s")},
-            "scales": lambda f, v: c.sequence(f, v, c.number), "fitted": c.flag,
-        }, frozenset({"segments_fwd_s", "segments_bwd_s", "fwd_s", "bwd_s", "fitted"}), open_ended=True)
-        if whole["fitted"] and len(whole.get("scales", [])) < 2:
-            c.fail("extras.whole_pass.scales", "extras.whole_pass.scales needs the forward and backward scale "
-                   "(2 numbers or more) when fitted is true")
-    if "step_lower_bound_s" in extras:
-        c.number("extras.step_lower_bound_s", extras["step_lower_bound_s"])
-    if "step_gap" in extras:
-        c.number("extras.step_gap", extras["step_gap"], signed=True)
-    if "search" in extras:
-        c.record("extras.search", extras["search"], {"candidates": c.integer}, frozenset(), open_ended=True)
-    if "alternatives" in extras:
-        alt_checks = {
-            "schedule": lambda f, v: c.text(f, v, nonempty=True),
-            "stages_per_rank": lambda f, v: c.integer(f, v, 1, MAX_STAGES),
-            "n_microbatches": lambda f, v: c.integer(f, v, 1, MAX_SCHEDULE_SIZE),
-            "predicted_step_s": lambda f, v: c.number(f, v, none=True),
-            "peak_bytes": lambda f, v: c.number(f, v, none=True),
-            "fits": c.flag, "note": c.text,
-            "split_points_count": lambda f, v: None if v is None else c.integer(f, v),
-        }
-        required = frozenset({"schedule", "stages_per_rank", "n_microbatches", "predicted_step_s", "peak_bytes",
-                              "fits"})  # what the report reads of each
-        c.sequence("extras.alternatives", extras["alternatives"],
-                   lambda f, v: c.record(f, v, alt_checks, required, open_ended=True))
-    if "calibration" in extras:
-        def factors(f: str, v: Any) -> list[Any]:  # None: a stage direction with nothing planned to scale
-            return c.sequence(f, v, lambda g, x: c.number(g, x, none=True), p)
-
-        c.record("extras.calibration", extras["calibration"], {"fwd_factor": factors, "bwd_factor": factors},
-                 frozenset(), open_ended=True)
 
 
 # --------------------------------------------------------------------------- the model

@@ -8,18 +8,15 @@ bandwidth and caches, which that profile does not see. :func:`profile_in_ranks` 
 rank profile the whole model at the same moment and averages their profiles, so the
 contention is in the times.
 
-Measured with ``benchmarks/prediction_accuracy`` on this project's 2-core host (40 cases
-per run, 2 ranks): profiles every rank took at once, between rounds of steps, predicted the
-steps better than profiles rank 0 took alone at the same points in most runs, not all; plans
-made from them before the run predicted better than the same splits from a profile taken
-alone in the parent in most runs too. The figures of every run are in
-docs/costs-and-measurement.md section 4. :class:`autopipe.Pipeline` profiles this way by
-default when it plans for several ranks.
+On a shared host, plans made from profiles every rank took at once predict the steps
+better than the same splits from a profile taken alone in most runs, not all
+(docs/benchmarks.md section 5; docs/design.md, finding 12). :class:`autopipe.Pipeline`
+profiles this way by default when it plans for several ranks.
 
 Example:
     >>> costs = profile_in_ranks(model, (x_microbatch,), device="cpu")            # doctest: +SKIP
     >>> plan = autopipe.partition(model, dist.get_world_size(), (x_microbatch,),  # doctest: +SKIP
-    ...                           costs=costs, device="cpu")
+    ...                           cost=costs, profiling=autopipe.ProfileOptions(device="cpu"))
 """
 
 from __future__ import annotations
@@ -31,8 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .profile import (SegmentCosts, check_fit_to_whole, check_flush_cache, check_runs, per_run_s, profile_segments,
-                      resolve_device)
+from ..machine.timing import per_run_s, resolve_device
+from .profile import SegmentCosts, check_fit_to_whole, check_flush_cache, check_runs, profile_segments
 from .trace import trace
 
 __all__ = ["profile_in_ranks"]
@@ -57,7 +54,7 @@ def profile_in_ranks(
     current one: set it per rank first, as for training); each segment's
     forward, backward and accumulation seconds are then the mean over the ranks (the sizes
     and bytes are the same everywhere). Pass the result to ``autopipe.partition(...,
-    costs=)``: the same costs give the same plan on every rank.
+    cost=)``: the same costs give the same plan on every rank.
 
     Args:
         model: The whole model (every rank has it before it is split); left unchanged.

@@ -48,7 +48,7 @@ from . import hf_compat
 from ..errors import ModelExportError, MissingExampleInputsError
 
 __all__ = ["SplitCandidate", "Segment", "TracedModel", "trace", "resolve_example_inputs", "export_error",
-           "export_failure_kind"]
+           "export_failure_kind", "module_spans"]
 
 
 @dataclass(frozen=True)
@@ -292,8 +292,28 @@ def export_error(model: torch.nn.Module, error: BaseException) -> ModelExportErr
     )
 
 
-def _module_spans(nodes: list[fx.Node]) -> tuple[dict[str, list[int]], set[str]]:
-    """For every module FQN, the node indices it produced; and the FQNs called more than once."""
+def module_spans(nodes: list[fx.Node]) -> tuple[dict[str, list[int]], set[str]]:
+    """For every module FQN, the graph node indices it produced; and the FQNs called more than once.
+
+    Read from each node's ``nn_module_stack``, which torch.export records. The split
+    points, the modules each segment and stage holds, and the baselines' layer units come
+    from it.
+
+    Args:
+        nodes: the exported graph's nodes, in order (:attr:`TracedModel.nodes`).
+
+    Returns:
+        ``(spans, called_twice)``: ``spans[fqn]`` lists the indices of the nodes made inside
+        module ``fqn`` (its submodules' nodes included); ``called_twice`` holds the modules
+        the forward calls more than once, which no single cut can isolate.
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+        >>> spans, called_twice = module_spans(trace(model, (torch.randn(2, 4),)).nodes)
+        >>> sorted(spans), called_twice
+        (['0', '1'], set())
+    """
     spans: dict[str, list[int]] = {}
     called_twice: set[str] = set()
     for i, node in enumerate(nodes):
@@ -308,7 +328,7 @@ def _module_spans(nodes: list[fx.Node]) -> tuple[dict[str, list[int]], set[str]]
 
 
 def _find_candidates(nodes: list[fx.Node], user_fqns: set[str]) -> list[SplitCandidate]:
-    spans, called_twice = _module_spans(nodes)
+    spans, called_twice = module_spans(nodes)
     by_position: dict[int, list[str]] = {}
     for fqn, idx in spans.items():
         if fqn in called_twice or fqn not in user_fqns:
@@ -332,7 +352,7 @@ def _build_segments(
 ) -> list[Segment]:
     bounds = [0] + [c.position for c in candidates] + [len(nodes)]
     names = ["<input>"] + [c.name for c in candidates]
-    spans, _ = _module_spans(nodes)
+    spans, _ = module_spans(nodes)
     # Map lifted placeholders (parameters, buffers, constants) back to their FQNs.
     sig = exported.graph_signature
     state_of: dict[str, str] = {}

@@ -1,7 +1,7 @@
 """Chrome trace JSON (chrome://tracing, https://ui.perfetto.dev) of simulated and measured steps.
 
 - :func:`simulated_trace`: the plan's simulated step, one track per rank (from
-  :meth:`autopipe.planning.schedules.Timeline.to_chrome_trace`), with the plan's headline numbers
+  :meth:`autopipe.planning.timeline.Timeline.to_chrome_trace`), with the plan's headline numbers
   in the trace's metadata.
 - :func:`merge_rank_traces`: the ``torch.profiler`` traces that each rank of a real run
   exported, merged into one file where process ``r`` is rank ``r``, so the measured step
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..planning.plan import Plan
-    from ..planning.schedules import Timeline
+    from ..planning.timeline import Timeline
 
 __all__ = ["simulated_trace", "merge_rank_traces", "trace_ranks"]
 

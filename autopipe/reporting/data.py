@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ..planning.costgraph import SegmentCost
     from ..planning.plan import Plan
-    from ..planning.schedules import Timeline
+    from ..planning.timeline import Timeline
     from ..planning.trace import TracedModel
 
 __all__ = ["REPORT_FORMAT_VERSION", "report_data", "timeline_data", "layer_rows", "sort_layer_rows", "LAYER_SORT_KEYS",
@@ -49,10 +49,8 @@ LAYER_SORT_KEYS = {
 
 
 def stage_ranks_of(plan: "Plan") -> list[int]:
-    """The rank that runs each stage of ``plan`` (stage ``s`` -> ``ranks[s]``)."""
-    from ..planning.schedules import stage_ranks
-
-    return stage_ranks(plan.schedule, plan.num_stages // plan.stages_per_rank, plan.stages_per_rank)
+    """The rank that runs each stage of ``plan`` (stage ``s`` -> ``ranks[s]``): ``plan.stage_ranks``."""
+    return plan.stage_ranks
 
 
 def _stage_capacity_bytes(plan: "Plan", rank: int) -> int | None:
@@ -113,7 +111,7 @@ def report_data(
         "split_points": list(plan.split_points),
         "predicted_step_s": step,
         # Once-per-step work around the schedule's actions (not drawn in the timeline).
-        "step_tail_s": dict(plan.extras.get("step_tail_s") or {}),
+        "step_tail_s": asdict(plan.step_tail),
         "bottleneck_s": plan.bottleneck_s,
         "lower_bound_s": plan.lower_bound_s,
         "balance": plan.balance,
@@ -122,8 +120,8 @@ def report_data(
         "device": plan.device,
         "optimizer": plan.optimizer,
         "planner_s": plan.planner_s,
-        "whole_pass": dict(plan.extras["whole_pass"]) if plan.extras.get("whole_pass") else None,
-        "notes": list(plan.extras.get("notes") or []),  # what autopipe changed to capture the model
+        "whole_pass": asdict(plan.whole_pass) if plan.whole_pass is not None else None,
+        "notes": list(plan.notes),  # what autopipe changed or assumed to make the plan
         "best_baseline": best_baseline.name if best_baseline else None,
         "speedup_over_best_baseline": (best_baseline.predicted_step_s / step) if best_baseline and step > 0 else None,
     }
@@ -144,9 +142,9 @@ def report_data(
         for b in plan.baselines
     ]
     layers = []
-    for i, seg in enumerate(plan.extras.get("segments") or []):
-        layers.append({"index": i, **seg, "stage": _layer_stage(plan, i)})
-    alternatives = [dict(a) for a in plan.extras.get("alternatives") or []]
+    for i, seg in enumerate(plan.segments):
+        layers.append({"index": i, **asdict(seg), "stage": _layer_stage(plan, i)})
+    alternatives = [asdict(a) for a in plan.alternatives]
     return _json_safe({
         "format_version": REPORT_FORMAT_VERSION,
         "summary": summary,
@@ -172,7 +170,7 @@ def timeline_data(timeline: "Timeline") -> dict[str, Any]:
         ``busy_s`` and ``events`` (rank, stage, microbatch, kind, start_s, end_s).
 
     Example:
-        >>> from autopipe.planning.schedules import simulate
+        >>> from autopipe.planning.simulator import simulate
         >>> timeline_data(simulate([1.0], [2.0], schedule="GPipe", n_microbatches=1))["step_s"]
         3.0
     """
@@ -197,7 +195,7 @@ def layer_rows(traced: "TracedModel", costs: "list[SegmentCost]") -> list[dict[s
     Returns:
         Rows with ``index``, ``name``, ``modules``, ``fwd_s``, ``bwd_s``, ``param_bytes``,
         ``act_bytes``, ``out_bytes``, ``flops``, in graph order (the layout of
-        ``plan.extras["segments"]``).
+        ``plan.segments``).
 
     Raises:
         ValueError: ``costs`` does not have one entry per segment.
@@ -221,7 +219,7 @@ def sort_layer_rows(rows: list[dict[str, Any]], by: str = "graph") -> list[dict[
     """``rows`` in graph order (``by="graph"``) or by a cost, largest first.
 
     Args:
-        rows: from :func:`layer_rows` or ``plan.extras["segments"]``.
+        rows: from :func:`layer_rows` or ``report_data(plan)["layers"]``.
         by: one of :data:`LAYER_SORT_KEYS`.
 
     Returns:

@@ -8,6 +8,7 @@ Example:
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -54,7 +55,7 @@ def plan_to_text(plan: "Plan") -> str:
         + (f", {plan.stages_per_rank} stages per rank" if plan.stages_per_rank > 1 else ""),
         f"costs: {plan.cost_source} on {plan.device}; optimizer state: {plan.optimizer}; "
         f"search: exact ({plan.objective}), {format_seconds(plan.planner_s)}",
-        *[f"note: {n}" for n in plan.extras.get("notes") or []],  # what autopipe changed to capture the model
+        *[f"note: {n}" for n in plan.notes],  # what autopipe changed or assumed to make the plan
         "",
         "split_spec = {" + ", ".join(f'"{n}": SplitPoint.BEGINNING' for n in plan.split_points) + "}",
         "",
@@ -76,27 +77,27 @@ def plan_to_text(plan: "Plan") -> str:
         f"predicted step: {format_seconds(plan.predicted_step_s)} (simulated {plan.schedule}, "
         f"bubble {plan.bubble_fraction:.1%})",
     ]
-    if plan.extras.get("whole_pass"):
-        out.append(whole_pass_line(plan.extras["whole_pass"]))
-    if "step_lower_bound_s" in plan.extras:
+    if plan.whole_pass is not None:
+        out.append(whole_pass_line(asdict(plan.whole_pass)))
+    if plan.search is not None:
         out.append(
-            f"search: objective '{plan.objective}', {plan.extras.get('search', {}).get('candidates', 1)} candidate "
-            f"splits simulated; no split can beat {format_seconds(plan.extras['step_lower_bound_s'])} per step "
-            f"under this schedule (gap to that bound {plan.extras.get('step_gap', 0.0):.1%}, most of it pipeline fill)"
+            f"search: objective '{plan.objective}', {plan.search.candidates} candidate "
+            f"splits simulated; no split can beat {format_seconds(plan.search.step_lower_bound_s)} per step "
+            f"under this schedule (gap to that bound {plan.search.step_gap:.1%}, most of it pipeline fill)"
         )
     if plan.memory_limit_bytes:
         out.append("memory limit per device: " + ", ".join(
             format_bytes(m) if m >= 0 else "unlimited" for m in plan.memory_limit_bytes))
-    if plan.extras.get("alternatives"):
+    if plan.alternatives:
         out += ["", "schedules considered (schedule='auto'):"]
         rows = []
-        for a in sorted(plan.extras["alternatives"], key=lambda a: a["predicted_step_s"] or float("inf")):
-            chosen = a["schedule"] == plan.schedule and a["stages_per_rank"] == plan.stages_per_rank
+        for a in sorted(plan.alternatives, key=lambda a: a.predicted_step_s or float("inf")):
+            chosen = a.schedule == plan.schedule and a.stages_per_rank == plan.stages_per_rank
             rows.append([
-                ("* " if chosen else "  ") + a["schedule"], str(a["stages_per_rank"]), str(a["n_microbatches"]),
-                format_seconds(a["predicted_step_s"]) if a["predicted_step_s"] else "-",
-                format_bytes(a["peak_bytes"]) if a["peak_bytes"] else "-",
-                "yes" if a["fits"] else "NO", a.get("note", "")[:60],
+                ("* " if chosen else "  ") + a.schedule, str(a.stages_per_rank), str(a.n_microbatches),
+                format_seconds(a.predicted_step_s) if a.predicted_step_s else "-",
+                format_bytes(a.peak_bytes) if a.peak_bytes else "-",
+                "yes" if a.fits else "NO", a.note[:60],
             ])
         out += _table(["schedule", "stages/rank", "micro-batches", "step", "peak mem/device", "fits", "note"], rows)
     if plan.baselines:

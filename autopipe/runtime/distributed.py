@@ -20,13 +20,18 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import hashlib
 import os
 import pickle
 import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+# The bound on process-group timeouts is shared with the measurements that spawn ranks.
+from .._spawn import MAX_TIMEOUT_S, check_timeout_s
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -39,18 +44,15 @@ __all__ = [
     "hold_process_group",
     "release_process_group",
     "broadcast_object",
+    "gather_digests",
+    "close_at_exit",
+    "destroy_groups",
 ]
 
 #: How long a collective or point-to-point transfer may wait for a peer before the process
 #: group raises, in seconds. A rank that dies makes the others fail within this bound
 #: instead of hanging; long first steps (compilation, large models) may need more.
 DEFAULT_TIMEOUT_S = 600.0
-
-#: Longest timeout accepted, in seconds: 365 days. torch turns the timeout into integer
-#: milliseconds deadlines inside the process group; a year works, while 1e10 s made the
-#: store's client time out at once and 1e13 s was refused by gloo ("Invalid timeout"),
-#: and an infinite one cannot be converted at all.
-MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
 # Variables torchrun sets for every worker; without them we cannot join a job.
 _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -110,32 +112,6 @@ def default_device() -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def check_timeout_s(timeout_s: Any, name: str = "timeout_s") -> float:
-    """``timeout_s`` as seconds, refusing what torch's process groups cannot wait for.
-
-    Args:
-        timeout_s: seconds, a finite number > 0 and at most :data:`MAX_TIMEOUT_S`.
-        name: the argument's name in the error.
-
-    Raises:
-        ValueError: not a number, not finite, <= 0, or above a year; the message names
-            ``name`` and the accepted range.
-
-    Example:
-        >>> check_timeout_s(60)
-        60.0
-        >>> check_timeout_s(float("inf"))
-        Traceback (most recent call last):
-        ...
-        ValueError: timeout_s=inf must be a finite number of seconds > 0 and <= 31536000 (365 days)
-    """
-    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
-            or not 0 < timeout_s <= MAX_TIMEOUT_S):  # NaN fails every comparison, so it lands here too
-        raise ValueError(f"{name}={timeout_s!r} must be a finite number of seconds > 0 and <= "
-                         f"{MAX_TIMEOUT_S:.0f} (365 days)")
-    return float(timeout_s)
-
-
 def init_distributed(
     *, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> tuple[int, int]:
@@ -158,7 +134,7 @@ def init_distributed(
             (:func:`check_timeout_s`); checked before anything else.
 
     Example:
-        >>> rank, world_size = init_distributed()  # doctest: +SKIP  (needs torchrun)
+        >>> rank, world_size = init_distributed()  # doctest: +SKIP
     """
     timeout_s = check_timeout_s(timeout_s)
     if not dist.is_available():
@@ -313,3 +289,58 @@ def broadcast_object(obj: Any, *, src: int, device: torch.device) -> Any:
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     dist.broadcast(payload, src=src)
     return pickle.loads(payload.cpu().numpy().tobytes())
+
+
+def gather_digests(value: Any, world_size: int) -> list[str]:
+    """Every rank's SHA-256 of ``repr(value)``, in rank order (collective).
+
+    A cheap way to learn whether the ranks agree (on a plan, on a model's signature)
+    without sending the values themselves.
+
+    Example:
+        >>> len(set(gather_digests(plan.split_points, dist.get_world_size()))) == 1  # doctest: +SKIP
+        True
+    """
+    digests: list[Any] = [None] * world_size
+    dist.all_gather_object(digests, hashlib.sha256(repr(value).encode()).hexdigest())
+    return digests
+
+
+def close_at_exit(closable: Any) -> Callable[[], None]:
+    """Have interpreter exit call ``closable.close()``; returns the hook, to ``atexit.unregister`` on close.
+
+    The hook holds ``closable`` only weakly, so an unreferenced object is still
+    garbage-collected (its hook is then dropped too).
+
+    Example:
+        >>> class Job:
+        ...     def close(self):
+        ...         print("closed")
+        >>> job = Job(); hook = close_at_exit(job)
+        >>> hook()
+        closed
+        >>> atexit.unregister(hook)
+    """
+    ref = weakref.ref(closable)
+
+    def hook() -> None:
+        obj = ref()
+        if obj is not None:
+            obj.close()
+
+    atexit.register(hook)
+    weakref.finalize(closable, atexit.unregister, hook).atexit = False
+    return hook
+
+
+def destroy_groups(groups: Iterable[Any]) -> None:
+    """Destroy process groups created with ``dist.new_group``; a group already gone is skipped.
+
+    Example:
+        >>> destroy_groups([])  # nothing to destroy
+    """
+    for group in groups:
+        try:
+            dist.destroy_process_group(group)
+        except (ValueError, RuntimeError):  # the user destroyed every group already
+            pass

@@ -24,6 +24,8 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .._checks import check_int
+
 __all__ = ["RunArgs", "parse_run_args", "run_script", "main"]
 
 USAGE = """usage: autopipe run SCRIPT [--nproc N] [SCRIPT ARGS ...]
@@ -129,8 +131,7 @@ def run_script(script: str, nproc: int, args: Sequence[str] = ()) -> int:
         >>> run_script("train.py", 2, ["--steps", "50"])  # doctest: +SKIP
         0
     """
-    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
-        raise ValueError(f"nproc must be a positive integer, got {nproc!r}")
+    check_int("nproc", nproc)
     n_gpus = _gpu_count()
     if 0 < n_gpus < nproc:
         raise ValueError(

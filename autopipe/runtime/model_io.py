@@ -11,7 +11,8 @@ keeps those specs and converts in both directions, matching keyword inputs **by 
   in, and refuses a call whose structure differs from the traced one - never a silent
   positional mix-up of two inputs of the same shape;
 * :meth:`ModelIO.unflatten_output` turns what the last stage returns back into what the
-  unsplit model returns, so one ``loss_fn`` works split and unsplit.
+  unsplit model returns, so one ``loss_fn`` works split and unsplit;
+* :class:`TracedBatch` checks a batch against the traced micro-batch before it is split.
 
     >>> import torch
     >>> io = ModelIO.from_example((torch.ones(2, 3),), {"mask": torch.ones(2, 3)}, None)
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-__all__ = ["ModelIO", "capture_export"]
+__all__ = ["ModelIO", "TracedBatch", "capture_export"]
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,87 @@ class ModelIO:
                 f"{self.out_spec.num_leaves}; this is a bug in autopipe's stage wiring"
             )
         return tree_unflatten(leaves, self.out_spec)
+
+
+class TracedBatch:
+    """What every batch given to a pipeline is checked against: the traced micro-batch.
+
+    Each rank checks the batch it was given, so a bad batch fails everywhere, silently
+    nowhere, and before any communication.
+
+    Args:
+        io: the traced model's structure.
+        example: ``(args, kwargs)`` of the micro-batch the model was traced with.
+        n_microbatches: how many micro-batches a batch stacks along dimension 0.
+
+    Example:
+        >>> io = ModelIO.from_example((torch.ones(2, 3),), {}, None)
+        >>> TracedBatch(io, ((torch.ones(2, 3),), {}), 4).check((torch.ones(8, 3),), {}, None, need_target=False)
+        >>> TracedBatch(io, ((torch.ones(2, 3),), {}), 4).check((torch.ones(6, 3),), {}, None, need_target=False)
+        Traceback (most recent call last):
+        ...
+        ValueError: input args[0] of the batch has shape (6, 3), which does not split into n_microbatches=4 micro-batches shaped like the example (2, 3); pass a batch of shape (8, 3)
+    """
+
+    def __init__(self, io: ModelIO, example: tuple[tuple, dict], n_microbatches: int) -> None:
+        self.io = io
+        self.example = example
+        self.n_microbatches = n_microbatches
+        # Flattened as the first stage takes them, and a name for each input.
+        self.inputs: list[Any] = io.flatten_inputs(*example)
+        self.labels: list[str] = io.input_labels(*example)
+
+    def as_traced(self, kwargs: dict) -> dict:
+        """``kwargs`` with ``use_cache=True`` read as False where the model was traced with a
+        Hugging Face KV cache off (:mod:`autopipe.planning.hf_compat`): it trains without a cache."""
+        if kwargs.get("use_cache") is True and self.example[1].get("use_cache") is False:
+            return {**kwargs, "use_cache": False}
+        return dict(kwargs)
+
+    def stage_inputs(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """The first stage's tensors for a batch (:meth:`ModelIO.stage_inputs`), keywords as traced."""
+        return self.io.stage_inputs(tuple(args), self.as_traced(kwargs))
+
+    def check(self, args: tuple, kwargs: dict, target: Any, *, need_target: bool) -> None:
+        """Raise ``ValueError`` unless the batch splits into micro-batches shaped like the traced one."""
+        m = self.n_microbatches
+        if len(args) != len(self.example[0]):
+            raise ValueError(f"the batch has {len(args)} positional inputs, but the pipeline was traced with "
+                             f"{len(self.example[0])}")
+        # Flattened the way the first stage takes them: keywords matched by name (a missing
+        # or unknown keyword is named by flatten_inputs).
+        given = self.io.flatten_inputs(tuple(args), self.as_traced(kwargs))
+        for label, x, ex in zip(self.labels, given, self.inputs):
+            if not isinstance(ex, torch.Tensor):
+                # torch.export bakes a non-tensor input into the graph as the traced value:
+                # another value would be silently ignored.
+                if x is not ex and x != ex:
+                    raise ValueError(f"input {label}={x!r}, but the pipeline was traced with {ex!r}; a "
+                                     f"non-tensor input is fixed at tracing, so build the pipeline with this value")
+                continue
+            if not isinstance(x, torch.Tensor):
+                raise ValueError(f"input {label} is a {type(x).__name__}, but the pipeline was traced with a tensor")
+            if x.dtype != ex.dtype:
+                raise ValueError(f"input {label} has dtype {x.dtype}, but the pipeline was traced with {ex.dtype}; "
+                                 f"convert the batch (e.g. x.to({ex.dtype})) or trace with that dtype")
+            if ex.dim() == 0:
+                continue
+            expected = (ex.shape[0] * m, *ex.shape[1:])
+            if tuple(x.shape) != expected:
+                raise ValueError(
+                    f"input {label} of the batch has shape {tuple(x.shape)}, which does not split into "
+                    f"n_microbatches={m} micro-batches shaped like the example {tuple(ex.shape)}; "
+                    f"pass a batch of shape {expected}"
+                )
+        if need_target:
+            if target is None:
+                raise ValueError("target=None: pass target=... for loss_fn(output, target)")
+            for t in tree_flatten(target)[0]:
+                if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] % m):
+                    raise ValueError(
+                        f"target has shape {tuple(t.shape)}, whose first dimension does not split "
+                        f"into n_microbatches={m} equal micro-batches"
+                    )
 
 
 def _describe(spec: TreeSpec) -> str:

@@ -17,7 +17,8 @@ This module answers, from the original model and the stage modules alone:
 "what is the canonical name of this stage tensor", "which stage tensors does a stage
 really use", "under which names does a stage module hold each tensor", "which ranks hold
 a copy of the same parameter, and which of them uses it first", and "were the ranks given
-the same model".
+the same model"; and it points every copy a rank holds of one tensor at a single tensor
+(:func:`tie_aliases`).
 
     >>> import torch.nn as nn
     >>> model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5))
@@ -30,7 +31,7 @@ the same model".
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +39,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 __all__ = ["StateNames", "model_state_names", "used_attribute_names", "stage_state", "stage_aliases",
-           "shared_parameters", "first_use_ranks", "model_signature", "first_model_difference"]
+           "shared_parameters", "first_use_ranks", "model_signature", "first_model_difference", "tie_aliases",
+           "fold_use_leaf_grads"]
 
 
 @dataclass(frozen=True)
@@ -309,3 +311,83 @@ def first_model_difference(signatures: Sequence[Sequence[SignatureEntry]]) -> st
             name = (ours or theirs)[0]
             return f"{name!r}: rank 0 has {describe(ours)}; rank {rank} has {describe(theirs)}"
     return None
+
+
+def tie_aliases(module: nn.Module, names: StateNames, state: Mapping[str, torch.Tensor], *,
+                leaf_per_use: bool = False) -> list[tuple[str, nn.Parameter]]:
+    """Point every name in ``module`` of a tensor in ``state`` (canonical name -> tensor) at it.
+
+    Names of tensors not in ``state`` are left alone. With ``leaf_per_use``, the second and
+    later names of a parameter that ``module``'s code reads get instead a new Parameter
+    over the same memory (equal values, a gradient of its own): torch's split weight
+    backward (``stage_backward_weight``, torch 2.11 to 2.13) fails ("backward through the
+    graph a second time") on a Parameter used at two places of one stage's graph with other
+    weights between them. Names it never reads (left over from the split) still point at
+    the parameter itself.
+
+    Returns:
+        The new Parameters, as ``(canonical name, Parameter)``; add their gradients to
+        their parameter's with :func:`fold_use_leaf_grads`.
+
+    Example:
+        >>> class Scale(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.a, self.b = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+        ...     def forward(self, x):
+        ...         return x * self.a * self.b
+        >>> tied = Scale(); tied.b = tied.a  # the original model: a and b are one parameter
+        >>> names = model_state_names(tied)
+        >>> stage = fx.symbolic_trace(Scale())  # a stage reading two copies of it
+        >>> tie_aliases(stage, names, {"a": stage.a}), stage.b is stage.a
+        ([], True)
+        >>> stage = fx.symbolic_trace(Scale())
+        >>> [c for c, _ in tie_aliases(stage, names, {"a": stage.a}, leaf_per_use=True)]
+        ['a']
+        >>> stage.b is stage.a, stage.b.data_ptr() == stage.a.data_ptr()
+        (False, True)
+    """
+    leaves: list[tuple[str, nn.Parameter]] = []
+    used = used_attribute_names(module)
+    for canon, local_names in stage_aliases(module, names).items():
+        target = state.get(canon)
+        if target is None:
+            continue
+        reads = 0
+        for local_name in local_names:
+            reads += local_name in used
+            if local_name in used and reads > 1 and leaf_per_use and isinstance(target, nn.Parameter):
+                leaf = nn.Parameter(target.detach(), requires_grad=target.requires_grad)  # shares the memory
+                _set_tensor(module, local_name, leaf)
+                leaves.append((canon, leaf))
+            else:
+                _set_tensor(module, local_name, target)
+    return leaves
+
+
+def fold_use_leaf_grads(leaves: Sequence[tuple[str, nn.Parameter]], state: Mapping[str, torch.Tensor]) -> None:
+    """Add each per-use Parameter's gradient to its parameter's (``state[canonical name]``) and clear it.
+
+    Example:
+        >>> p = nn.Parameter(torch.zeros(2)); leaf = nn.Parameter(p.detach())
+        >>> p.grad, leaf.grad = torch.ones(2), torch.full((2,), 2.0)
+        >>> fold_use_leaf_grads([("w", leaf)], {"w": p})
+        >>> p.grad, leaf.grad
+        (tensor([3., 3.]), None)
+    """
+    for canon, leaf in leaves:
+        if leaf.grad is None:
+            continue
+        target = state[canon]
+        target.grad = leaf.grad if target.grad is None else target.grad + leaf.grad
+        leaf.grad = None
+
+
+def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Make ``module``'s parameter or buffer ``name`` be ``tensor`` (the same object)."""
+    prefix, _, leaf = name.rpartition(".")
+    parent = module.get_submodule(prefix) if prefix else module
+    if leaf in parent._parameters:
+        parent._parameters[leaf] = tensor
+    else:
+        parent._buffers[leaf] = tensor

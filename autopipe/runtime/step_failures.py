@@ -33,14 +33,19 @@ it exits or the timeout passes.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["StepFailures", "PlayThroughLoss", "play_through_forward", "one_line"]
+from ..errors import PipelineStepError
+
+__all__ = ["StepFailures", "PlayThroughLoss", "play_through_forward", "one_line", "LOSS_DTYPES", "share_loss",
+           "agree_on_failures"]
 
 # An error's text as the other ranks receive it: one line of at most this many characters.
 _MAX_TEXT = 600
@@ -70,7 +75,10 @@ class StepFailures:
         #: True once every rank has learned the step's outcome (the closing collective
         #: returned): an error after that leaves no rank waiting.
         self.settled = False
+        #: Why the pipeline cannot run again, once an error could not be played through.
+        self.broken: str | None = None
         self._forwards: dict[int, int] = {}  # stage index -> forwards run this step
+        self._calls: dict[str, int] = {}  # "step" / "evaluate" / "forward" -> calls so far
 
     @property
     def failed(self) -> bool:
@@ -108,6 +116,128 @@ class StepFailures:
             return ""
         text = one_line(self.error)
         return f"{text} (in {self.where})" if self.where else text
+
+    @contextmanager
+    def guard(self, call: str, rank: int) -> Iterator[None]:
+        """Run one step, evaluation or forward call so that a failure cannot strand the other ranks.
+
+        Inside, a stage's forward or the loss that raises plays the step through, and the
+        step's closing collective (:meth:`raise_if_a_rank_failed`) makes every rank raise
+        :class:`~autopipe.errors.PipelineStepError`; the pipeline stays usable. Any other
+        error that leaves this rank's schedule before that collective (a backward, torch's
+        communication) leaves the ranks' messages unpaired: :attr:`broken` then says why the
+        pipeline must not run again, instead of failing later with an unrelated error.
+
+        Example:
+            >>> failures = StepFailures()
+            >>> with failures.guard("step", rank=0):
+            ...     failures.active
+            True
+        """
+        n = self._calls[call] = self._calls.get(call, 0) + 1
+        self.start(f"{call}() call {n}")
+        try:
+            yield
+        except BaseException as e:
+            if not self.settled:
+                self.broken = (
+                    f"this pipeline cannot run again: {call}() call {n} raised {one_line(e)} on rank "
+                    f"{rank} outside a stage's forward and the loss (in a backward, or in torch's schedule "
+                    f"or communication), where it cannot be played through; this rank left the schedule while "
+                    f"the other ranks may still wait for it (until it exits or timeout_s passes). Restart the "
+                    f"job, or build a new Pipeline on every rank"
+                )
+            raise
+        finally:
+            self.stop()
+
+    def raise_if_a_rank_failed(self, flags: torch.Tensor, world_size: int) -> None:
+        """Raise :class:`~autopipe.errors.PipelineStepError` on every rank if a rank's flag is set.
+
+        ``flags[r]`` > 0 when rank ``r`` failed in the running call (summed over the ranks
+        by the call's closing collective). Collective when one did: the ranks exchange
+        their errors' texts, so that each rank's message names every failure.
+
+        Example:
+            >>> StepFailures().raise_if_a_rank_failed(torch.zeros(2), world_size=2)  # no rank failed
+        """
+        self.settled = True
+        failed = [r for r, flag in enumerate(flags.tolist()) if flag > 0]
+        if not failed:
+            return
+        texts: list[Any] = [None] * world_size
+        dist.all_gather_object(texts, self.describe())
+        failures = {r: texts[r] for r in failed}
+        listed = "; ".join(f"rank {r}: {text}" for r, text in failures.items())
+        gradients = "; zero the gradients before it, as this step's are partial" if self.call.startswith(
+            "step") else ""
+        raise PipelineStepError(
+            f"{self.call} failed on rank {', '.join(map(str, failed))}: {listed}. The failing stage "
+            f"handed zeros on for the rest of the step, so every rank finished it and raises this error "
+            f"(stages after a failing one computed on those zeros). The pipeline is usable: the next call runs "
+            f"normally{gradients}",
+            failures=failures,
+        ) from self.error
+
+
+#: The dtypes a training loss may have; the index is how the last stage tells the others.
+LOSS_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def share_loss(losses: list[torch.Tensor], failures: StepFailures, *, rank: int, world_size: int,
+               has_last_stage: bool, device: torch.device) -> torch.Tensor:
+    """The step's closing collective: the sum of the micro-batch losses, and whether any rank failed.
+
+    The sum of the (already divided) micro-batch losses goes from the last stage to all
+    ranks, in the loss's own dtype: the value travels as float64 (exact for every floating
+    dtype a loss has) beside a code for its dtype, since only the last stage's rank knows
+    it. The sum is taken in at least float32, as before the division.
+
+    The same message carries one flag per rank: did its stages or the loss fail in this
+    step? It is summed over the ranks, the other ranks adding zeros to the loss and its
+    code, so every rank learns both at once; if any rank failed, every rank raises
+    :class:`~autopipe.errors.PipelineStepError` (:meth:`StepFailures.raise_if_a_rank_failed`).
+
+    Raises:
+        TypeError: ``loss_fn`` returned a loss that is not floating point (on every rank).
+
+    Example::
+
+        loss = share_loss(losses, failures, rank=rank, world_size=2, has_last_stage=rank == 1,
+                          device=torch.device("cpu"))   # the step's mean loss, on every rank
+    """
+    message = torch.zeros(2 + world_size, dtype=torch.float64, device=device)
+    message[2 + rank] = float(failures.failed)
+    if has_last_stage and losses:
+        dtype = losses[0].dtype
+        if dtype in LOSS_DTYPES:
+            total = torch.stack([l.detach().to(torch.promote_types(dtype, torch.float32)) for l in losses]).sum()
+            message[0] = total.to(device=device, dtype=torch.float64)
+            message[1] = LOSS_DTYPES.index(dtype)
+        else:  # every rank raises below, none waits for a loss that will not come
+            message[1] = -1
+    dist.all_reduce(message)
+    failures.raise_if_a_rank_failed(message[2:], world_size)
+    code = int(message[1].item())
+    if code < 0:
+        raise TypeError(f"loss_fn returned a loss that is not floating point; a training loss is one "
+                        f"of {list(LOSS_DTYPES)}")
+    return message[0].to(LOSS_DTYPES[code])
+
+
+def agree_on_failures(failures: StepFailures, *, rank: int, world_size: int, device: torch.device) -> None:
+    """Tell every rank whether any rank failed in the running call; raise on every rank if one did.
+
+    Example::
+
+        with failures.guard("forward", rank):
+            output = schedule.eval(*inputs)
+            agree_on_failures(failures, rank=rank, world_size=2, device=torch.device("cpu"))
+    """
+    flags = torch.zeros(world_size, dtype=torch.float64, device=device)
+    flags[rank] = float(failures.failed)
+    dist.all_reduce(flags)
+    failures.raise_if_a_rank_failed(flags, world_size)
 
 
 def one_line(error: BaseException) -> str:

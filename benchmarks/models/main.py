@@ -8,11 +8,11 @@ weights, nothing downloaded) this script
    costs (the 4-stage plans reuse the 2-stage plans' per-segment costs, which do not depend
    on the stage count), and records the split points or the first line of the error;
 2. builds each distinct split with the runtime's own stage builder and runs the stages in
-   order in one process (:func:`autopipe.models.thirdparty.check_split`), recording the
+   order in one process (:func:`autopipe.models.thirdparty_checks.check_split`), recording the
    largest |difference| from the unsplit model's output or the error;
 3. for the representative subset (entries with a ``pipeline_split``), steps a real 2-rank
    gloo :class:`autopipe.Pipeline` under 1F1B and compares its loss and every gradient with
-   the unsplit model's (:func:`autopipe.models.thirdparty.pipeline_step_vs_unsplit`);
+   the unsplit model's (:func:`autopipe.models.thirdparty_checks.pipeline_step_vs_unsplit`);
 4. for models ``torch.export`` cannot capture, re-checks that exporting still fails;
 
 then writes ``results.json`` beside this file and renders ``docs/models.md`` from it.
@@ -39,9 +39,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the checkout, also when autopipe is not installed
 from _common import write_result  # noqa: E402
 
-from autopipe.models.thirdparty import (  # noqa: E402
-    REGISTRY, TOLERANCE, ThirdPartyModel, check_split, first_line, package_missing, pipeline_step_vs_unsplit,
-    summarize_ranks,
+from autopipe.models.thirdparty import REGISTRY, ThirdPartyModel, package_missing  # noqa: E402
+from autopipe.models.thirdparty_checks import (  # noqa: E402
+    TOLERANCE, check_split, first_line, pipeline_step_vs_unsplit, summarize_ranks,
 )
 
 # Raised inside torch.distributed.pipelining whenever it deep-copies a graph (as pytest's
@@ -74,14 +74,15 @@ def plan_and_check(entry: ThirdPartyModel, opts: argparse.Namespace, log) -> dic
     for n in STAGES:
         for cost in COSTS:
             options: dict[str, Any] = {"cost": cost}
+            profiling = autopipe.ProfileOptions(progress=False)
             if cost == "measured":
-                options.update(warmup=opts.warmup, repeats=opts.repeats)
+                profiling = autopipe.ProfileOptions(warmup=opts.warmup, repeats=opts.repeats, progress=False)
             if n != STAGES[0] and (STAGES[0], cost) in made:  # the costs do not depend on the stage count
-                options["costs"] = made[(STAGES[0], cost)].segment_costs()
+                options["cost"] = made[(STAGES[0], cost)].segment_costs()
             t0 = time.perf_counter()
             try:
                 plan = autopipe.partition(built.model, n, example_args=built.example_args,
-                                          example_kwargs=built.example_kwargs, progress=False, **options)
+                                          example_kwargs=built.example_kwargs, profiling=profiling, **options)
             except Exception as e:  # noqa: BLE001 - recorded, the next plan still runs
                 plans.setdefault(str(n), {})[cost] = {"error": first_line(e), "partition_s": time.perf_counter() - t0}
                 log(f"    {n} stages, {cost}: partition fails: {first_line(e)}")
@@ -299,7 +300,7 @@ def render(data: dict[str, Any], results_name: str = "benchmarks/models/results.
         f"from measured costs (warm-up {data.get('warmup')}, {data.get('repeats')} timed runs); the 4-stage "
         "plans reuse the 2-stage plans' per-segment costs, which do not depend on the stage count.",
         "* *runtime runs the plans*: each distinct split built by the runtime's own stage builder "
-        "(`autopipe.runtime.pipeline._split`, as `autopipe.Pipeline` builds it) and run stage after stage in one "
+        "(`autopipe.runtime.stages.split_model`, as `autopipe.Pipeline` builds it) and run stage after stage in one "
         f"process; it passes when the output is within {TOLERANCE:g} of the unsplit model's (same RNG seed).",
         "* *2-rank 1F1B step*: for one model of each family, a real `autopipe.Pipeline` on 2 gloo processes cut "
         "at the block boundary shown, one 1F1B step of 4 micro-batches, with dropout off; max |Δloss| / max "

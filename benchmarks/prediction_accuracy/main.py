@@ -1,12 +1,12 @@
 """Prediction accuracy: the plan's predicted step time and per-rank peak memory vs real pipelines.
 
-First the machine is measured once, as a user would with ``python -m autopipe.machine.measure
---overhead``: the link between two ranks (``autopipe.machine.measure.measure_link``) and the runtime's
+First the machine is measured once, as a user would with ``python -m autopipe.cli.measure
+--overhead``: the link between two ranks (``autopipe.machine.link.measure_link``) and the runtime's
 cost per pipeline action plus the slowdown of ranks computing at once
-(``autopipe.machine.measure.measure_action_overhead``). Then for each model x schedule x micro-batch
+(``autopipe.runtime.overhead_probe.measure_action_overhead``). Then for each model x schedule x micro-batch
 count this script
 
-1. profiles the model in 2 spawned ranks at once (``autopipe.profile_in_ranks``, one thread
+1. profiles the model in 2 spawned ranks at once (``profile_in_ranks``, one thread
    each, as ``Pipeline(profile_in_ranks=True)`` does before it plans) and plans it for 2 ranks
    with ``autopipe.partition(..., costs=profile, devices=[Device(bandwidth=, latency_s=,
    action_overhead_s=)] * 2, loss_fn=, example_target=)``: the plan's own prediction, the
@@ -49,9 +49,11 @@ from _pipebench import (  # noqa: E402
 )
 
 import autopipe  # noqa: E402
+from autopipe.planning import costmodel  # noqa: E402
 from autopipe.planning.costgraph import SegmentCost  # noqa: E402
 from autopipe.machine.device import default_action_overhead_s, default_link  # noqa: E402
-from autopipe.machine.measure import measure_action_overhead, measure_link  # noqa: E402
+from autopipe.machine.link import measure_link  # noqa: E402
+from autopipe.runtime.overhead_probe import measure_action_overhead  # noqa: E402
 from autopipe.planning.profile import profile_segments  # noqa: E402
 from autopipe.planning.trace import trace  # noqa: E402
 
@@ -63,13 +65,13 @@ QUICK_MODELS = ("seed_transformer", "mlp")
 
 def _cut_bytes(plan: autopipe.Plan) -> list[int]:
     """Bytes crossing each stage boundary of the plan, one way (the larger of activation and gradient)."""
-    segs = plan.extras["segments"]
-    return [int(max(segs[st.first_segment]["cut_fwd_bytes"], segs[st.first_segment]["cut_bwd_bytes"]))
+    segs = plan.segments
+    return [int(costmodel.cut_bytes(segs[st.first_segment].cut_fwd_bytes, segs[st.first_segment].cut_bwd_bytes))
             for st in plan.stages[1:]]
 
 
 def measure_machine(opts: argparse.Namespace, log) -> dict[str, Any]:
-    """The link and the runtime overhead, measured once, as ``python -m autopipe.machine.measure --overhead`` does."""
+    """The link and the runtime overhead, measured once, as ``python -m autopipe.cli.measure --overhead`` does."""
     smoke = opts.size == "smoke"
     link = measure_link(device=opts.device, repeats=3 if smoke else 10)
     overhead = measure_action_overhead(
@@ -89,18 +91,12 @@ def _measured_devices(machine: dict[str, Any], contended_profile: bool) -> list[
                             latency_s=link["latency_s"], action_overhead_s=overhead["action_overhead_s"])] * 2
 
 
-def _stage_sums(plan: autopipe.Plan, per_segment: Sequence[float]) -> list[float]:
-    """Per stage of ``plan``, the sum of a per-segment time over its segments."""
-    return [sum(per_segment[st.first_segment: st.last_segment + 1]) for st in plan.stages]
-
-
 def _stage_times(plan: autopipe.Plan, costs: Sequence[SegmentCost]) -> tuple[list[float], list[float]]:
     """Per stage of ``plan``, forward and backward sums of ``costs`` (no device speed applied).
 
-    The backward includes the gradient accumulation the plan charges (``SegmentCost.step_bwd_s``).
+    The backward includes the gradient accumulation the plan charges (``costmodel.stage_times_s``).
     """
-    return (_stage_sums(plan, [c.fwd_s for c in costs]),
-            _stage_sums(plan, [c.step_bwd_s(plan.n_microbatches) for c in costs]))
+    return costmodel.stage_times_s(costs, [st.first_segment for st in plan.stages[1:]], plan.n_microbatches)
 
 
 def _profiled_stage_times(plan: autopipe.Plan) -> tuple[list[float], list[float]]:
@@ -121,11 +117,11 @@ def _profile_stage_times(plan: autopipe.Plan, profile: tuple[list[float], ...],
 
     ``profile``: per segment, forward, backward and gradient-accumulation seconds.
     """
-    loss = plan.extras.get("loss") or {}
     costs = [replace(c, fwd_s=f, bwd_s=b, accum_s=a) for c, f, b, a in zip(plan.segment_costs(), *profile)]
     fwd, bwd = _stage_times(plan, costs)
-    fwd[-1] += loss.get("fwd_s", 0.0)
-    bwd[-1] += loss.get("bwd_s", 0.0)
+    if plan.loss is not None:
+        fwd[-1] += plan.loss.fwd_s
+        bwd[-1] += plan.loss.bwd_s
     return [t * factor for t in fwd], [t * factor for t in bwd]
 
 
@@ -164,8 +160,7 @@ def _contention_prediction(plan: autopipe.Plan, alone: tuple[list[float], ...],
     (fa, ba), (ft, bt) = _profile_stage_times(plan, alone), _profile_stage_times(plan, together)
     fwd, bwd = fa, ba
     for _ in range(4):
-        timeline = autopipe.simulate(fwd, bwd, comm_s=plan.extras.get("cut_comm_s") or 0.0,
-                                     **plan.simulation_options())
+        timeline = costmodel.simulate_step(fwd, bwd, plan.cut_comm_s(), **plan.simulation_options())
         uf, ub = _overlap_by_stage(timeline, plan.num_stages)
         fwd = [a * (1 + (t / a - 1) * u) if a > 0 else t for a, t, u in zip(fa, ft, uf)]
         bwd = [a * (1 + (t / a - 1) * u) if a > 0 else t for a, t, u in zip(ba, bt, ub)]
@@ -204,7 +199,8 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
         for m in opts.microbatches:
             try:
                 plan = autopipe.partition(model, 2, example_args=args, schedule=sched, n_microbatches=m,
-                                          stages_per_rank=v, costs=costs, device=device, progress=False,
+                                          stages_per_rank=v, cost=costs,
+                                          profiling=autopipe.ProfileOptions(device=device, progress=False),
                                           devices=_measured_devices(machine, in_ranks_first), loss_fn=ce_loss,
                                           example_target=target)
             except ValueError as e:  # a combination torch cannot run (e.g. too few micro-batches)
@@ -256,7 +252,7 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
                      for q in ("fwd_s", "bwd_s", "accum_s"))
 
     same_time = per_segment_median(between)
-    # Profiles every rank took at once between other rounds (autopipe.profile_in_ranks):
+    # Profiles every rank took at once between other rounds (profile_in_ranks):
     # contended as the stages are.
     in_ranks = per_segment_median(results[0].get("in_ranks_profiles") if results else None)
     rows = []
@@ -285,19 +281,18 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
         row.update({
             "measured_step_s": measured, "step_samples": per_step,
             # The same split with nothing measured but the profile: autopipe's defaults.
-            "defaults_step_s": autopipe.simulate(
-                prof_fwd, prof_bwd, comm_s=[b / bw + lat for b in cut_bytes] or 0.0,
-                action_overhead_s=default_action_overhead_s(device.split(":")[0]), **sim).step_s + tail,
+            "defaults_step_s": costmodel.predicted_step_s(
+                prof_fwd, prof_bwd, [costmodel.cut_time_s(b, b, bw, lat) for b in cut_bytes],
+                action_overhead_s=default_action_overhead_s(device.split(":")[0]), **sim, tail=plan.step_tail),
             # The cost model before the overhead terms: profile + measured link only.
-            "no_overhead_step_s": autopipe.simulate(prof_fwd, prof_bwd, comm_s=plan.extras["cut_comm_s"] or 0.0,
-                                                    **{**sim, "lazy_sends": False}).step_s,
+            "no_overhead_step_s": costmodel.predicted_step_s(prof_fwd, prof_bwd, plan.cut_comm_s(),
+                                                             **{**sim, "lazy_sends": False}),
             # The plan as made but with sends delivered at once (gloo's lazy sends not modelled).
-            "eager_sends_step_s": autopipe.simulate(
-                [st.fwd_s for st in plan.stages], [st.bwd_s for st in plan.stages],
-                comm_s=plan.extras["cut_comm_s"] or 0.0, **{**plan.simulation_options(), "lazy_sends": False}).step_s
-            + tail,
+            "eager_sends_step_s": costmodel.predicted_step_s(
+                [st.fwd_s for st in plan.stages], [st.bwd_s for st in plan.stages], plan.cut_comm_s(),
+                **{**plan.simulation_options(), "lazy_sends": False}, tail=plan.step_tail),
             # The plan as made without its once-per-step tail (merge, loss broadcast, tied gradients).
-            "no_tail_step_s": plan.predicted_step_s - tail, "step_tail_s": plan.extras.get("step_tail_s"),
+            "no_tail_step_s": plan.predicted_step_s - tail, "step_tail_s": asdict(plan.step_tail),
             # The same prediction from the profile taken between the rounds of steps (so on a
             # host running as fast as during them), with the loss the plan measured.
             **({"same_time_step_s": _same_time_prediction(plan, same_time, slowdown)} if same_time else {}),
@@ -320,7 +315,7 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
             "measured_stage_fwd_s": fwd, "measured_stage_bwd_s": bwd,
             "codegen_stage_fwd_s": codegen_times[tuple(plan.split_points)][0],
             "codegen_stage_bwd_s": codegen_times[tuple(plan.split_points)][1],
-            "cut_bytes": cut_bytes, "predicted_cut_s": plan.extras.get("cut_comm_s"),
+            "cut_bytes": cut_bytes, "predicted_cut_s": plan.cut_comm_s(),
         })
         if link is not None:
             row["measured_cut_s"] = [link["by_size"][str(max(1, b))] for b in cut_bytes]
@@ -330,12 +325,12 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
             in_run = results[0]["in_run"][label]  # every rank has every stage's times
             run_fwd, run_bwd = in_run["fwd_s"], in_run["bwd_s"]
             row["in_run_stage_fwd_s"], row["in_run_stage_bwd_s"] = run_fwd, run_bwd
-            row["in_run_step_s"] = autopipe.simulate(run_fwd, run_bwd, comm_s=row["measured_cut_s"] or 0.0,
-                                                     action_overhead_s=overhead, **sim).step_s + tail
+            row["in_run_step_s"] = costmodel.predicted_step_s(run_fwd, run_bwd, row["measured_cut_s"],
+                                                              action_overhead_s=overhead, **sim, tail=plan.step_tail)
             row["contention_factor"] = (sum(run_fwd) + sum(run_bwd)) / (sum(fwd) + sum(bwd))
         if "memory" in results[0]:
             mem = [r["memory"][label] for r in results]
-            pred = plan.extras["rank_peak_bytes"]
+            pred = plan.rank_peak_bytes
             row["predicted_peak_bytes"] = pred
             row["measured_peak_bytes"] = [x["peak_bytes"] for x in mem]
             row["measured_memory"] = mem
@@ -361,7 +356,7 @@ PREDICTIONS = {
     "same_time_step_s": "the plan's prediction from a profile taken between the rounds of steps (the host as "
                         "fast as during them) instead of before them",
     "in_ranks_step_s": "the same, from profiles every rank took at once between other rounds "
-                       "(autopipe.profile_in_ranks: each rank's profile competing with the others for the host, "
+                       "(profile_in_ranks: each rank's profile competing with the others for the host, "
                        "as the stages do; the mean over the ranks; no slowdown on top)",
     "contention_step_s": "each stage between its time in rank 0's profile alone and in the profile every rank "
                          "took at once, by the share of its actions' time another rank computes in the simulated "

@@ -39,7 +39,7 @@ from _pipebench import LiveBytes, host_info, run_world  # noqa: E402
 
 from autopipe.models.transformer import SeedTransformer  # noqa: E402
 from autopipe.runtime import Pipeline  # noqa: E402
-from autopipe.planning.schedules import simulate  # noqa: E402
+from autopipe.planning.simulator import simulate  # noqa: E402
 
 SIZES = {  # (vocab, d_model, heads, d_ff, layers, seq_len, microbatch, n_microbatches)
     "full": (2000, 256, 8, 1024, 4, 256, 4, 8),

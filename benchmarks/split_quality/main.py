@@ -116,7 +116,8 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log) -> dict[str
         target = make_target(model(*args))
     device = opts.device
     plan = autopipe.partition(model, 2, example_args=args, schedule=opts.schedule, n_microbatches=opts.microbatches,
-                              device=device, progress=False, warmup=1, repeats=opts.profile_repeats)
+                              profiling=autopipe.ProfileOptions(device=device, progress=False, warmup=1,
+                                                                repeats=opts.profile_repeats))
     candidates = trace(model, args).split_point_names
     methods: dict[str, dict[str, Any]] = {
         "autopipe": {"split_point": plan.split_points[0], "predicted_bottleneck_s": plan.bottleneck_s,

@@ -3,7 +3,7 @@
 Real pipelines of 32 ranks need 32 devices; this benchmark instead measures every segment
 of each model once (``profile_segments``: forward and backward timed, activation bytes
 counted) and then, for p = 2, 4, 8, 16, 32, plans the model with
-``autopipe.partition(..., costs=profile)`` and reads the plan's figures:
+``autopipe.partition(..., cost=profile)`` and reads the plan's figures:
 
 * autopipe's predicted step time (the simulated 1F1B step, ``4p`` micro-batches) and its
   bottleneck stage (compute + communication per micro-batch);
@@ -82,11 +82,11 @@ def bench_model(name: str, config: dict[str, Any], stages: list[int], opts: argp
             continue
         m = opts.microbatch_factor * p
         plan = autopipe.partition(model, p, example_args=args, schedule=opts.schedule, n_microbatches=m,
-                                  costs=costs, device=opts.device, progress=False)
+                                  cost=costs, profiling=autopipe.ProfileOptions(device=opts.device, progress=False))
         entry: dict[str, Any] = {
             "stages": p, "n_microbatches": m,
             "autopipe": {"bottleneck_s": plan.bottleneck_s, "step_s": plan.predicted_step_s},
-            "lower_bound_s": plan.lower_bound_s, "step_lower_bound_s": plan.extras.get("step_lower_bound_s"),
+            "lower_bound_s": plan.lower_bound_s, "step_lower_bound_s": plan.search.step_lower_bound_s if plan.search else None,
             "baselines": {},
         }
         for b in sorted(plan.baselines, key=lambda b: BASELINE_ORDER.index(b.name) if b.name in BASELINE_ORDER else 9):

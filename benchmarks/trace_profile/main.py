@@ -22,7 +22,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the checkout, also when 
 from _common import write_result  # noqa: E402
 
 from autopipe.models.hf import gpt2_from_config  # noqa: E402
-from autopipe.planning.profile import Timer, profile_segments, resolve_device  # noqa: E402
+from autopipe.machine.timing import Timer, resolve_device  # noqa: E402
+from autopipe.planning.profile import profile_segments  # noqa: E402
 from autopipe.planning.trace import trace  # noqa: E402
 
 

@@ -20,7 +20,7 @@ from autopipe.planning.plan import Plan
 from autopipe.reporting.charts import timeline_figure
 from autopipe.reporting.data import timeline_data
 from autopipe.reporting.timeline import cut_comm_s, split_timeline
-from autopipe.planning.schedules import simulate
+from autopipe.planning.simulator import simulate
 
 HERE = Path(__file__).resolve().parent
 

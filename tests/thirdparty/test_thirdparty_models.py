@@ -4,7 +4,7 @@ For each model of :data:`autopipe.models.thirdparty.REGISTRY` (stock classes fro
 transformers, diffusers, torchvision and timm at their default settings, tiny sizes), the
 planner is asked for 2 and 4 stages, with FLOP-estimated and with measured costs (the
 4-stage plans reuse the 2-stage plans' per-segment costs), and each plan it returns is
-built with the runtime's own stage builder (``autopipe.runtime.pipeline._split``, what
+built with the runtime's own stage builder (``autopipe.runtime.stages.split_model``, what
 :class:`autopipe.Pipeline` builds) and run in one process: the stages, run in order,
 must give the unsplit model's output.
 
@@ -21,8 +21,8 @@ import sys
 import pytest
 
 import autopipe
-from autopipe.models.thirdparty import (FAMILIES, REGISTRY, TOLERANCE, Built, check_split, first_line, get,
-                                        output_difference, package_missing)
+from autopipe.models.thirdparty import FAMILIES, REGISTRY, Built, get, package_missing
+from autopipe.models.thirdparty_checks import TOLERANCE, check_split, first_line, output_difference
 
 TESTED = [name for name, entry in REGISTRY.items() if entry.unsupported is None]
 # Small profiles: the tests check that plans run, not how good they are.
@@ -45,18 +45,20 @@ def _plan(name: str, n_gpus: int, cost: str) -> autopipe.Plan:
     key = (name, n_gpus, cost)
     if key not in _plans:
         built = _build(name)
-        options: dict = {"cost": cost, **(PROFILE if cost == "measured" else {})}
+        options: dict = {"cost": cost}
         if n_gpus != 2:
             # The per-segment costs do not depend on the stage count (FLOP estimates are the
             # same every time): the 4-stage plan reuses the 2-stage plan's, which saves a
             # profile per model. If that plan failed, this one profiles by itself.
             try:
-                options["costs"] = _plan(name, 2, cost).segment_costs()
+                options["cost"] = _plan(name, 2, cost).segment_costs()
             except Exception:  # noqa: BLE001 - the 2-stage test reports that failure
                 pass
         try:
             _plans[key] = autopipe.partition(built.model, n_gpus, example_args=built.example_args,
-                                             example_kwargs=built.example_kwargs, progress=False, **options)
+                                             example_kwargs=built.example_kwargs, **options,
+                                             profiling=autopipe.ProfileOptions(
+                                                 progress=False, **(PROFILE if cost == "measured" else {})))
         except Exception as e:  # noqa: BLE001 - kept, so the next test asking for it fails the same way at once
             _plans[key] = e
     if isinstance(_plans[key], BaseException):
@@ -144,10 +146,10 @@ def test_a_package_that_is_absent_is_reported_in_one_line():
     assert vision is None or ("\n" not in vision and "torchvision" in vision)
 
 
-def test_the_module_examples_run():
+@pytest.mark.parametrize("module", ["autopipe.models.thirdparty", "autopipe.models.thirdparty_checks"])
+def test_the_module_examples_run(module):
     import doctest
+    import importlib
 
-    import autopipe.models.thirdparty as thirdparty
-
-    result = doctest.testmod(thirdparty, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0

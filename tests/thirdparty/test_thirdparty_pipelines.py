@@ -7,7 +7,7 @@ transformer, a CNN with in-place ops and batch norm, a diffusion UNet with two i
 two gloo processes build an :class:`autopipe.Pipeline` cut at the entry's
 ``pipeline_split`` and take one 1F1B step of 4 micro-batches; each rank compares the loss
 and the gradients of the parameters it holds with the unsplit model's, computed in the
-same process (:func:`autopipe.models.thirdparty.pipeline_step_vs_unsplit`).
+same process (:func:`autopipe.models.thirdparty_checks.pipeline_step_vs_unsplit`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import functools
 import pytest
 from _dist_utils import run_world
 
-from autopipe.models.thirdparty import (REGISTRY, TOLERANCE, get, package_missing, pipeline_steps_vs_unsplit,
-                                        summarize_ranks)
+from autopipe.models.thirdparty import REGISTRY, get, package_missing
+from autopipe.models.thirdparty_checks import TOLERANCE, pipeline_steps_vs_unsplit, summarize_ranks
 
 SUBSET = [name for name, entry in REGISTRY.items() if entry.pipeline_split and entry.unsupported is None]
 

@@ -1,0 +1,152 @@
+"""Argument checks shared by every entry point, and the shim that keeps renamed keywords working.
+
+Each check raises an error that names the argument, repeats the value given and says what
+is accepted, so that a bad call fails before any tracing, profiling or process start.
+
+Example::
+
+    from autopipe._checks import check_int, check_choice
+    n = check_int("n_microbatches", 8)                  # 8
+    check_choice("objective", "step", ("step", "bottleneck"))
+    check_int("repeats", 0)  # ValueError: repeats=0 must be an integer >= 1
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+import warnings
+from collections.abc import Callable, Collection, Mapping
+from typing import Any, TypeVar
+
+__all__ = ["is_int", "check_int", "check_at_most", "check_choice", "check_bool", "accepts_old_keywords"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def is_int(value: Any) -> bool:
+    """Whether ``value`` is an integer (numpy's included), and not a bool.
+
+    ``True`` is an ``int`` to Python; as a count it is almost always a mistake.
+
+    Example::
+
+        is_int(3), is_int(True), is_int(3.0)   # (True, False, False)
+    """
+    return not isinstance(value, bool) and isinstance(value, numbers.Integral)
+
+
+def check_int(name: str, value: Any, minimum: int = 1, maximum: int | None = None, *, what: str = "",
+              not_int: type[Exception] = ValueError) -> int:
+    """``value`` as an ``int``, or an error naming ``name``, the value and the accepted range.
+
+    Args:
+        name: The argument's name, as the caller spells it.
+        value: What was given.
+        minimum: The smallest accepted value.
+        maximum: The largest accepted value; None = no bound.
+        what: What the number counts, added to the message (``"micro-batches per step"``).
+        not_int: The exception raised when ``value`` is not an integer at all; a value out
+            of range always raises ``ValueError``.
+
+    Raises:
+        ValueError: out of range (or not an integer, unless ``not_int`` says otherwise).
+
+    Example::
+
+        check_int("warmup", 0, minimum=0)   # 0
+        check_int("n_gpus", 2.5)            # ValueError: n_gpus=2.5 must be an integer >= 1
+    """
+    accepted = f"an integer >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
+    suffix = f" ({what})" if what else ""
+    if not is_int(value):
+        raise not_int(f"{name}={value!r} must be {accepted}{suffix}")
+    if value < minimum or (maximum is not None and value > maximum):
+        raise ValueError(f"{name}={value!r} must be {accepted}{suffix}")
+    return int(value)
+
+
+def check_at_most(name: str, value: int, most: int, what: str) -> None:
+    """Refuse a count past ``most`` before any work sized by it starts.
+
+    Example::
+
+        check_at_most("n_gpus", 4, 8, "ranks")   # passes
+        check_at_most("n_gpus", 9, 8, "ranks")   # ValueError: n_gpus=9 is more than ...; use at most 8 ranks
+    """
+    if value > most:
+        raise ValueError(f"{name}={value} is more than autopipe plans for; use at most {most} {what}")
+
+
+def check_choice(name: str, value: Any, choices: Collection[Any]) -> Any:
+    """``value`` if it is one of ``choices``, else a ValueError listing them.
+
+    Example::
+
+        check_choice("objective", "step", ("step", "bottleneck"))   # "step"
+    """
+    try:
+        known = value in choices
+    except TypeError:  # an unhashable value against a set or mapping
+        known = False
+    if not known:
+        raise ValueError(f"{name}={value!r} is not known; use one of {list(choices)}")
+    return value
+
+
+def check_bool(name: str, value: Any, *, allow_none: bool = False) -> None:
+    """Raise ``ValueError`` unless ``value`` is True or False (or None, with ``allow_none``).
+
+    Example::
+
+        check_bool("flush_cache", True)   # passes
+        check_bool("flush_cache", 1)      # ValueError: flush_cache=1 must be True or False
+    """
+    if isinstance(value, bool) or (allow_none and value is None):
+        return
+    raise ValueError(f"{name}={value!r} must be " + ("True, False or None" if allow_none else "True or False"))
+
+
+def accepts_old_keywords(replacements: Mapping[str, str],
+                         convert: Callable[[dict[str, Any], dict[str, Any]], None]) -> Callable[[F], F]:
+    """Keep renamed keyword arguments working, with a ``DeprecationWarning`` naming the new spelling.
+
+    The decorated function's signature (``inspect.signature``, ``help()``) shows only the
+    new parameters; a call that uses an old keyword warns once per call, listing each old
+    keyword with its replacement, then ``convert(old, kwargs)`` moves the old values into
+    the new keywords. ``convert`` raises ``TypeError`` when a value is given both ways.
+
+    Args:
+        replacements: Old keyword -> what to use instead, as the warning shows it
+            (``"warmup": "profiling=ProfileOptions(warmup=...)"``).
+        convert: Called with the old keywords given and the remaining keyword arguments;
+            updates the latter in place.
+
+    Example::
+
+        def _fold(old, kwargs):
+            if "size" in kwargs:
+                raise TypeError("give size= or n=, not both")
+            kwargs["size"] = old["n"]
+
+        @accepts_old_keywords({"n": "size="}, _fold)
+        def make(*, size=1): ...
+
+        make(n=3)   # DeprecationWarning: make(): n= is deprecated; use size=
+    """
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            old = {k: kwargs.pop(k) for k in [k for k in kwargs if k in replacements]}
+            if old:
+                warnings.warn(
+                    f"{fn.__name__}(): " + "; ".join(f"{k}= is deprecated, use {replacements[k]}" for k in old)
+                    + " (the old keywords will be removed in the next release)",
+                    DeprecationWarning, stacklevel=2)
+                convert(old, kwargs)
+            return fn(*args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate

@@ -1,0 +1,61 @@
+"""``python -m autopipe.cli.measure``: measure this machine once, for the planner.
+
+Prints the loopback link between two ranks (:func:`autopipe.machine.link.measure_link`, a few
+independent runs and their medians) and, with ``--overhead``, the runtime's cost per
+pipeline action and the slowdown of ranks computing at once
+(:func:`autopipe.runtime.overhead_probe.measure_action_overhead`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Sequence
+
+from .._checks import check_int
+from ..machine.link import measure_link
+from ..runtime.overhead_probe import measure_action_overhead
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m autopipe.cli.measure``: measure the loopback link a few times, print the medians.
+
+    With ``--overhead``, also the runtime's cost per pipeline action (see
+    :func:`~autopipe.runtime.overhead_probe.measure_action_overhead`).
+
+    Example::
+
+        python -m autopipe.cli.measure --runs 5 --overhead
+    """
+    parser = argparse.ArgumentParser(prog="python -m autopipe.cli.measure", description=main.__doc__)
+    parser.add_argument("--device", default=None, help="'cpu' (gloo) or 'cuda' (NCCL, two GPUs); default: auto")
+    parser.add_argument("--runs", type=int, default=5, help="independent measurements (fresh processes each)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed round trips per size and run")
+    parser.add_argument("--json", action="store_true", help="print every run as JSON as well")
+    parser.add_argument("--overhead", action="store_true",
+                        help="also measure the runtime's cost per pipeline action and the slowdown of ranks "
+                             "computing at once (Device(action_overhead_s=..., speed=...))")
+    args = parser.parse_args(argv)
+    runs = []
+    for i in range(check_int("runs", args.runs, 1)):
+        link = measure_link(device=args.device, repeats=args.repeats)
+        runs.append(link)
+        print(f"run {i + 1}: {link.summary()}", flush=True)
+    bandwidth = statistics.median(r.bandwidth_bytes_per_s for r in runs)
+    latency_s = statistics.median(r.latency_s for r in runs)
+    print(f"median of {len(runs)} runs: {bandwidth / 1e9:.3g} GB/s, latency {latency_s * 1e6:.3g} us")
+    if args.json:
+        print(json.dumps([r.to_dict() for r in runs]))
+    if args.overhead:
+        overhead = measure_action_overhead(device=args.device)
+        print(f"runtime overhead: {overhead.summary()}")
+        if args.json:
+            print(json.dumps(overhead.to_dict()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

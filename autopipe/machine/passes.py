@@ -1,0 +1,368 @@
+"""Time a module's forward and backward passes on a device: alone, or in rounds as a pipeline runs them.
+
+What the profiler (:mod:`autopipe.planning.profile`) and the overhead probe
+(:mod:`autopipe.runtime.overhead_probe`) time, on any ``torch.nn.Module`` given fresh inputs
+for each run:
+
+* :func:`forward_backward`: one timed forward and one timed backward, optionally counting
+  the bytes autograd saves for the backward (:class:`SavedBytes`);
+* :func:`time_alone`: one module again and again;
+* :func:`time_in_rounds`: several modules' forwards in order, then their backwards in reverse,
+  as a pipeline stage runs its segments, with the gradient accumulation after each backward
+  and, when given, the whole graph beside them (:class:`WholePass`);
+* :func:`time_accumulation` and :func:`measure_backward_start_s`: the add of a gradient into
+  an accumulated one, and the fixed cost of starting a backward.
+
+Backward uses ``torch.autograd.grad``, so nothing accumulates into any ``.grad``. Every
+function takes a timer (:class:`~autopipe.machine.timing.TimerLike`), so a test can pass a
+clock that reports scripted seconds.
+
+Example:
+    >>> from autopipe.machine.timing import Timer
+    >>> layer = torch.nn.Linear(4, 4)
+    >>> fwd_s, bwd_s = time_alone(layer, lambda: [torch.randn(2, 4)], list(layer.parameters()),
+    ...                           Timer(torch.device("cpu")), warmup=0, repeats=1)
+    >>> fwd_s >= 0 and bwd_s >= 0
+    True
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from .timing import TimerLike, per_run_s
+
+__all__ = ["SavedBytes", "forward_backward", "timed_backward", "time_alone", "accumulate", "RoundEntry",
+           "time_in_rounds", "time_accumulation", "measure_backward_start_s", "WholePass"]
+
+
+class SavedBytes:
+    """Counts the bytes autograd saves for backward, skipping parameters and duplicates.
+
+    Pass :meth:`pack` to ``torch.autograd.graph.saved_tensors_hooks`` around a forward;
+    ``total`` is then what that forward keeps alive until its backward.
+
+    Example:
+        >>> counter = SavedBytes(set())
+        >>> x = torch.randn(4, 8, requires_grad=True)
+        >>> with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+        ...     y = (x * x).sum()
+        >>> counter.total  # x, saved once for the product's backward
+        128
+    """
+
+    def __init__(self, param_ptrs: set[int]) -> None:
+        self.param_ptrs = param_ptrs
+        self.seen: set[tuple[int, tuple[int, ...]]] = set()
+        self.total = 0
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        ptr = t.data_ptr() if t.layout == torch.strided else id(t)
+        key = (ptr, tuple(t.shape))
+        if ptr not in self.param_ptrs and key not in self.seen:
+            self.seen.add(key)
+            self.total += t.numel() * t.element_size()
+        return t
+
+
+def _as_tuple(out: Any) -> tuple[Any, ...]:
+    """A module's output as a tuple (one output becomes a tuple of one)."""
+    return out if isinstance(out, tuple) else (out,)
+
+
+def forward_backward(
+    module: torch.nn.Module, inputs: list[Any], trainable: list[torch.Tensor], timer: TimerLike,
+    counter: SavedBytes | None = None,
+) -> tuple[float, float, tuple[Any, ...]]:
+    """One timed forward and one timed backward of a segment: (fwd_s, bwd_s, outputs).
+
+    ``module.forward`` is called directly, not ``module(...)``: the FLOP counter's module
+    tracker hooks ``Module.__call__`` and does not support ``torch.autograd.grad``.
+    Backward uses ``torch.autograd.grad`` so nothing accumulates into any ``.grad``.
+    ``counter`` (a :class:`SavedBytes`), when given, counts what the forward saves.
+
+    Example:
+        >>> from autopipe.machine.timing import Timer
+        >>> layer = torch.fx.symbolic_trace(torch.nn.Linear(4, 2))
+        >>> fwd_s, bwd_s, out = forward_backward(layer, [torch.randn(3, 4)], list(layer.parameters()),
+        ...                                      Timer(torch.device("cpu")))
+        >>> out[0].shape
+        torch.Size([3, 2])
+    """
+    hooks = (torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t)
+             if counter is not None else nullcontext())
+    with hooks:
+        fwd_s, out = timer.time(lambda: _as_tuple(module.forward(*inputs)))
+    bwd_s, _ = timed_backward(inputs, out, trainable, timer)
+    return fwd_s, bwd_s, out
+
+
+def timed_backward(
+    inputs: list[Any], out: Any, trainable: list[torch.Tensor], timer: TimerLike,
+) -> tuple[float, tuple[torch.Tensor | None, ...]]:
+    """Time one backward of ``out`` (ones as output gradients) with respect to the inputs that
+    carry a gradient and ``trainable``: (seconds, the weight gradients, last ``len(trainable)``).
+
+    ``torch.autograd.grad``, so nothing accumulates into any ``.grad``; (0.0, ()) when there
+    is nothing to differentiate.
+
+    Example:
+        >>> from autopipe.machine.timing import Timer
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> seconds, (grad_w,) = timed_backward([], w * 3.0, [w], Timer(torch.device("cpu")))
+        >>> grad_w.tolist()
+        [3.0, 3.0]
+    """
+    outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+    wrt = [v for v in inputs if isinstance(v, torch.Tensor) and v.requires_grad] + trainable
+    if not outs or not wrt:
+        return 0.0, ()
+    grads = [torch.ones_like(o) for o in outs]
+    seconds, got = timer.time(lambda: torch.autograd.grad(outs, wrt, grads, allow_unused=True))
+    return seconds, (got[len(got) - len(trainable):] if trainable else ())
+
+
+def time_alone(
+    module: torch.nn.Module, make_inputs: Callable[[], list[Any]], trainable: list[torch.Tensor], timer: TimerLike,
+    warmup: int, repeats: int,
+) -> tuple[float, float]:
+    """Forward and backward seconds (:func:`~autopipe.machine.timing.per_run_s`) of one module run
+    again and again on its own.
+
+    ``make_inputs`` gives fresh inputs for each run; ``warmup`` runs are not timed. The
+    caches are not emptied between runs: its callers time a whole probe stage that stays
+    cached in its own pipeline, or one segment, which a flush would charge a whole action's
+    cold start (see :func:`autopipe.planning.profile.profile_segments`).
+
+    Example:
+        >>> from autopipe.machine.timing import Timer
+        >>> layer = torch.nn.Linear(4, 4)
+        >>> fwd_s, bwd_s = time_alone(layer, lambda: [torch.randn(2, 4)], list(layer.parameters()),
+        ...                           Timer(torch.device("cpu")), warmup=0, repeats=2)
+        >>> fwd_s >= 0 and bwd_s >= 0
+        True
+    """
+    fwd_times: list[float] = []
+    bwd_times: list[float] = []
+    for i in range(warmup + repeats):
+        f, b, _ = forward_backward(module, make_inputs(), trainable, timer)
+        if i >= warmup:
+            fwd_times.append(f)
+            bwd_times.append(b)
+    return per_run_s(fwd_times), per_run_s(bwd_times)
+
+
+def accumulate(accumulated: list[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+    """Add ``grads`` into ``accumulated`` in place, as autograd's AccumulateGrad does into ``.grad``.
+
+    A ``None`` gradient (a parameter the backward did not reach) leaves its buffer alone.
+
+    Example:
+        >>> acc = [torch.zeros(2), torch.ones(2)]
+        >>> accumulate(acc, [torch.full((2,), 3.0), None])
+        >>> [a.tolist() for a in acc]
+        [[3.0, 3.0], [1.0, 1.0]]
+    """
+    for acc, g in zip(accumulated, grads):
+        if g is not None:
+            acc.add_(g)
+
+
+#: One module's timed work in rounds: ``(module, make_inputs, trainable)``.
+RoundEntry = tuple[torch.nn.Module, Callable[[], list[Any]], list[torch.Tensor]]
+
+
+def _backward_and_accumulate(
+    inputs: list[Any], out: Any, trainable: list[torch.Tensor], accumulated: list[torch.Tensor], timer: TimerLike,
+) -> tuple[float, float]:
+    """Time one backward (:func:`timed_backward`), then the add of its weight gradients."""
+    b, weight_grads = timed_backward(inputs, out, trainable, timer)
+    a = timer.time(lambda: accumulate(accumulated, weight_grads))[0] if weight_grads else 0.0
+    return b, a
+
+
+def time_in_rounds(
+    segments: list[RoundEntry], timer: TimerLike, warmup: int, repeats: int, flush: Callable[[], None] | None = None,
+    whole: RoundEntry | None = None, fit: bool = False, *, backward_start_s: float | None = None,
+) -> tuple[list[tuple[float, float, float]], WholePass | None]:
+    """Forward, backward and accumulation seconds of each segment, timed in rounds.
+
+    Each is the :func:`~autopipe.machine.timing.per_run_s` of its timed rounds.
+
+    A round runs every segment's forward in graph order, then every segment's backward in
+    reverse order, each timed on its own (each segment keeps its own autograd graph, so its
+    backward is its own). ``segments`` holds ``(module, make_inputs, trainable)`` per segment.
+    ``flush`` (a :class:`~autopipe.machine.timing.CacheFlusher`) runs, untimed, before each
+    round's forwards and before its backwards: a pipeline action starts with the caches
+    holding other work, then runs its segments one after another, each finding the previous
+    one's output still there.
+
+    After each backward, the weight gradients it produced are added into a gradient buffer
+    of the segment's own, timed on their own
+    (:attr:`autopipe.planning.costgraph.SegmentCost.accum_s`): in a pipeline step every
+    micro-batch after the first adds its gradients into ``.grad`` this way, the new gradients
+    fresh from the backward, the accumulated ones last touched a micro-batch ago.
+
+    ``whole`` (the model's whole graph, same form) is then timed in every round as well, as
+    one forward, one backward and one accumulation, each pass after a flush: what the
+    segments add up to when they run as one graph. Returns the segments' times and a
+    :class:`WholePass` (``None`` when ``whole`` is not given). With ``fit``, each segment's
+    times are its means multiplied by the pass's scale, else its means with the fixed cost
+    of starting a backward taken off each backward: ``backward_start_s`` seconds, measured
+    with :func:`measure_backward_start_s` when ``None``.
+
+    Raises:
+        ValueError: ``backward_start_s`` is not a finite number of seconds >= 0.
+
+    Example:
+        >>> from autopipe.machine.timing import Timer
+        >>> layers = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
+        >>> segments = [(m, lambda: [torch.randn(2, 4)], list(m.parameters())) for m in layers]
+        >>> times, whole = time_in_rounds(segments, Timer(torch.device("cpu")), warmup=0, repeats=2)
+        >>> len(times), whole is None
+        (2, True)
+    """
+    if backward_start_s is not None and (isinstance(backward_start_s, bool)
+                                         or not isinstance(backward_start_s, (int, float))
+                                         or not 0 <= backward_start_s < math.inf):
+        raise ValueError(f"backward_start_s={backward_start_s!r} must be a finite number of seconds >= 0, "
+                         "or None to measure it")
+    entries = segments + ([whole] if whole is not None else [])
+    fwd_times: list[list[float]] = [[] for _ in entries]
+    bwd_times: list[list[float]] = [[] for _ in entries]  # as timed, each with its own start
+    acc_times: list[list[float]] = [[] for _ in entries]
+    accumulated = [[torch.zeros_like(p) for p in trainable] for _, _, trainable in entries]
+    call_s = measure_backward_start_s(timer) if backward_start_s is None else float(backward_start_s)
+    n = len(segments)
+    passes = [list(range(n))] + ([[n]] if whole is not None else [])
+    for i in range(warmup + repeats):
+        for group in passes:  # the segments one by one, then the whole graph as one
+            runs: dict[int, tuple[list[Any], Any, float]] = {}
+            if flush is not None:
+                flush()
+            for k in group:
+                module, make_inputs, _ = entries[k]
+                inputs = make_inputs()
+                f, out = timer.time(lambda m=module, a=inputs: _as_tuple(m.forward(*a)))
+                runs[k] = (inputs, out, f)
+            if flush is not None:
+                flush()
+            for k in reversed(group):
+                inputs, out, f = runs.pop(k)  # dropped after its backward, as training frees them
+                b, a = _backward_and_accumulate(inputs, out, entries[k][2], accumulated[k], timer)
+                del inputs, out
+                if i >= warmup:
+                    fwd_times[k].append(f)
+                    bwd_times[k].append(b)
+                    acc_times[k].append(a)
+    means = [(per_run_s(f), per_run_s(b), per_run_s(a)) for f, b, a in zip(fwd_times, bwd_times, acc_times)]
+    whole_pass = None
+    if whole is not None:
+        def round_ratio(samples: list[list[float]]) -> float:
+            # whole / segments within each round, then the median over the rounds: a round
+            # that a disturbance slowed down in one part only (seen on a GPU host) moves it little.
+            ratios = [w / s for w, s in zip(samples[n], map(sum, zip(*samples[:n]))) if s > 0]
+            return statistics.median(ratios) if ratios else 1.0
+
+        whole_pass = WholePass(*means[n], *(sum(t[j] for t in means[:n]) for j in range(3)),
+                               scales=(round_ratio(fwd_times), round_ratio(bwd_times), round_ratio(acc_times)),
+                               fitted=fit)
+    if fit and whole_pass is not None:
+        # The whole graph pays every fixed cost once, as a stage does: no start to take off.
+        sf, sb, sa = whole_pass.scales
+        return [(f * sf, b * sb, a * sa) for f, b, a in means[:n]], whole_pass
+    # Each segment here starts a backward of its own; a stage starts one for all its
+    # segments, so the fixed cost of starting one is not the segment's.
+    return [(f, per_run_s([max(0.0, x - call_s) if x else 0.0 for x in bwd_times[k]]), a)
+            for k, (f, _, a) in enumerate(means[:n])], whole_pass
+
+
+def time_accumulation(trainable: list[torch.Tensor], timer: TimerLike, warmup: int, repeats: int) -> float:
+    """Seconds (:func:`~autopipe.machine.timing.per_run_s`) to add one gradient into an accumulated
+    one for each of ``trainable``.
+
+    For a segment timed alone (copied to the device): like its forward and backward there,
+    timed again and again without emptying the caches.
+
+    Example:
+        >>> from autopipe.machine.timing import Timer
+        >>> time_accumulation([torch.zeros(8)], Timer(torch.device("cpu")), warmup=0, repeats=2) >= 0
+        True
+        >>> time_accumulation([], Timer(torch.device("cpu")), warmup=0, repeats=2)
+        0.0
+    """
+    if not trainable:
+        return 0.0
+    accumulated = [torch.zeros_like(p) for p in trainable]
+    grads = [torch.ones_like(p) for p in trainable]
+    times = []
+    for i in range(warmup + repeats):
+        t, _ = timer.time(lambda: accumulate(accumulated, grads))
+        if i >= warmup:
+            times.append(t)
+    return per_run_s(times)
+
+
+def measure_backward_start_s(timer: TimerLike, repeats: int = 21) -> float:
+    """Median seconds of ``torch.autograd.grad`` through one tiny operation: the cost of starting a backward.
+
+    A pipeline stage starts one backward for all its segments, so a segment timed on its
+    own is not charged this start (:func:`time_in_rounds`).
+
+    Example:
+        >>> from autopipe.machine.timing import Timer
+        >>> measure_backward_start_s(Timer(torch.device("cpu")), repeats=3) >= 0
+        True
+    """
+    x = torch.ones(1, device=timer.device, requires_grad=True)
+    times = []
+    for _ in range(repeats):
+        y = x * 2.0
+        times.append(timer.time(lambda: torch.autograd.grad(y, x, torch.ones_like(y)))[0])
+    return statistics.median(times)
+
+
+@dataclass
+class WholePass:
+    """The model's whole graph timed as one, beside the segments timed one by one.
+
+    A stage runs its segments as one graph, with no pause between them. The profile times
+    each segment on its own, and on a GPU that costs every segment a start from an idle
+    device: the host synchronises, then launches the segment's kernels while the GPU waits
+    for the first of them, where inside one graph the host launches ahead of the GPU: the
+    segments add up to more than the whole graph although the kernels' own time is the same
+    both ways (docs/design.md, finding 2). So the profile also
+    times the whole graph in every round and, when ``fitted``, multiplies each segment's
+    forward, backward and accumulation by the ``scales`` of its pass: the segments then add
+    up to the whole model, and keep their measured shares of it.
+
+    Times are per micro-batch, :func:`~autopipe.machine.timing.per_run_s` of the rounds. The ``segments_*`` fields are
+    the segments' sums as timed, before any scaling and with each backward's own start
+    included. ``scales`` are ``whole / segments`` per round, the median over the rounds (1.0
+    for a pass the segments took no time in). Fitted, a segment's backward is its timed one
+    times the scale; not fitted, its timed one less the cost of starting a backward, which
+    a stage pays once (:func:`time_in_rounds`).
+
+    Example:
+        >>> w = WholePass(fwd_s=1.0, bwd_s=2.0, accum_s=0.5, segments_fwd_s=2.0, segments_bwd_s=2.0,
+        ...               segments_accum_s=1.0, scales=(0.5, 1.0, 0.5), fitted=False)
+        >>> w.fitted
+        False
+    """
+
+    fwd_s: float
+    bwd_s: float
+    accum_s: float
+    segments_fwd_s: float
+    segments_bwd_s: float
+    segments_accum_s: float
+    scales: tuple[float, float, float]
+    fitted: bool

@@ -1,0 +1,196 @@
+"""Time work on a device: a clock that is right on CPU and CUDA, and caches emptied between runs.
+
+The lowest layer of measuring. :func:`resolve_device` names the device, :class:`Timer` times
+one call on it (on CUDA with events after a synchronisation, so the work is timed rather than
+its launch), :func:`per_run_s` turns timed runs into the seconds one run is charged, and
+:class:`CacheFlusher` empties the device's caches between timed runs.
+:mod:`autopipe.machine.passes` times forward and backward passes with them and
+:mod:`autopipe.machine.speed` a device's matmul throughput.
+
+Anything with a ``device`` and a ``time(fn) -> (seconds, result)`` method (:class:`TimerLike`)
+can stand in for :class:`Timer`, e.g. a clock that reports scripted seconds in a test.
+
+Example:
+    >>> timer = Timer(resolve_device("cpu"))
+    >>> seconds, total = timer.time(lambda: sum(range(10)))
+    >>> total, per_run_s([seconds]) >= 0
+    (45, True)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["resolve_device", "synchronize", "per_run_s", "TimerLike", "Timer", "last_level_cache_bytes",
+           "CacheFlusher"]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """The device to profile on: the given one, else CUDA when present, else CPU.
+
+    A CUDA device without an index (``"cuda"``) gets the current one (``cuda:0``), as
+    ``tensor.device`` always carries it: ``torch.device("cuda") != torch.device("cuda:0")``,
+    and the profiler compares the two to decide whether the model already lives there.
+
+    Raises:
+        ValueError: the device string is not one torch understands, or CUDA is asked for
+            but not available.
+
+    Example:
+        >>> resolve_device("cpu")
+        device(type='cpu')
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r} is not a torch device; use 'cpu', 'cuda' or 'cuda:N'") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available here; use device='cpu'")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait until ``device`` has done the work queued on it (CUDA); nothing to wait for elsewhere.
+
+    Example:
+        >>> synchronize(torch.device("cpu"))
+    """
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def per_run_s(samples: Sequence[float]) -> float:
+    """The seconds one run of a piece of work is charged, from its timed runs: their mean.
+
+    Not the median, on purpose. A pipeline step runs each stage's forward and backward once
+    per micro-batch, one after another, so its length is a *sum* of many such runs, and the
+    expected sum is the sum of the means. On a quiet GPU the two are the same; on a shared CPU
+    the times are skewed to the right (a run now and then is preempted or takes page faults),
+    and the median would leave out what those runs add (docs/design.md, finding 7).
+
+    Args:
+        samples: seconds of each timed run, at least one.
+
+    Raises:
+        ValueError: ``samples`` is empty.
+
+    Example:
+        >>> round(per_run_s([0.010, 0.010, 0.013]), 6)
+        0.011
+    """
+    values = [float(x) for x in samples]
+    if not values:
+        raise ValueError("samples=[] is empty; per_run_s needs at least one timed run")
+    return statistics.fmean(values)
+
+
+class TimerLike(Protocol):
+    """What the timing functions need of a timer: its device and ``time(fn) -> (seconds, result)``.
+
+    :class:`Timer` is one; a test can pass a clock of its own that reports scripted seconds.
+    """
+
+    device: torch.device
+
+    def time(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+        """Run ``fn`` once; return (seconds, its result)."""
+        ...
+
+
+class Timer:
+    """Wall-clock timing that is correct on CPU and CUDA (events after a synchronisation).
+
+    Example:
+        >>> seconds, value = Timer(torch.device("cpu")).time(lambda: 6 * 7)
+        >>> value, seconds >= 0
+        (42, True)
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def time(self, fn: Callable[[], Any]) -> tuple[float, Any]:
+        """Run ``fn`` once; return (seconds, its result)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            result = fn()
+            end.record()
+            torch.cuda.synchronize(self.device)
+            return start.elapsed_time(end) / 1e3, result
+        t0 = time.perf_counter()
+        result = fn()
+        return time.perf_counter() - t0, result
+
+
+#: Last-level cache size assumed where the device does not say (bytes).
+_DEFAULT_LLC_BYTES = 32 << 20
+
+
+def last_level_cache_bytes(device: torch.device) -> int:
+    """The size of ``device``'s largest cache in bytes: the GPU's L2, the CPU's last level.
+
+    Read from ``torch.cuda.get_device_properties`` on CUDA and from
+    ``/sys/devices/system/cpu/cpu0/cache`` on a Linux CPU; 32 MiB where neither says.
+
+    Example:
+        >>> last_level_cache_bytes(torch.device("cpu")) > 0
+        True
+    """
+    if device.type == "cuda":
+        size = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0)
+        return size if size > 0 else _DEFAULT_LLC_BYTES
+    if device.type == "cpu":
+        sizes = []
+        for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+            try:
+                text = (entry / "size").read_text().strip().upper()
+            except OSError:
+                continue
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            digits = text.rstrip("KMG")
+            if digits.isdigit():
+                sizes.append(int(digits) * scale)
+        if sizes:
+            return max(sizes)
+    return _DEFAULT_LLC_BYTES
+
+
+class CacheFlusher:
+    """Empties a device's caches between timed runs, by writing a buffer twice their size.
+
+    A pipeline action does not find its stage's weights and inputs in the cache: since the
+    stage last ran, other micro-batches and (on a shared host) other stages have been through
+    it. Work timed again and again in a loop does find them there, and is measured too fast;
+    benchmark tools flush for the same reason (Triton's ``do_bench`` clears the L2 before
+    every timed run). The profiler calls this before each pass of a round (the forwards, then
+    the backwards), as a stage's action starts cold and then runs its segments back to back.
+    ``buffer`` is what each call writes, ``nbytes`` long (default twice the device's
+    :func:`last_level_cache_bytes`).
+
+    Example:
+        >>> flush = CacheFlusher(torch.device("cpu"))
+        >>> flush()
+        >>> flush.nbytes >= 2 * (1 << 20)
+        True
+    """
+
+    def __init__(self, device: torch.device, nbytes: int | None = None) -> None:
+        self.nbytes = int(nbytes) if nbytes is not None else 2 * last_level_cache_bytes(device)
+        self.buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        self._value = 0
+
+    def __call__(self) -> None:
+        self._value ^= 1  # a different value each time: every line is written, none skipped
+        self.buffer.fill_(self._value)

@@ -1,0 +1,404 @@
+"""The cost model: the one place that turns stage numbers into times and bytes.
+
+The planner (to pick a split), :class:`~autopipe.planning.plan.Plan` (to re-predict after
+:meth:`~autopipe.planning.plan.Plan.calibrate`), every report and the benchmarks ask the
+same questions of a split; each answer is defined once, here, so none of them can
+disagree with another. Times are per micro-batch and bytes per device unless a name says
+``step``. With ``m`` micro-batches, ``p`` stages and stage ``s`` holding segments
+``i .. j-1``:
+
+* stage times (:func:`stage_times_s`)::
+
+      fwd_s[s] = sum(seg.fwd_s for seg in i..j-1) / speed[s]
+      bwd_s[s] = sum(seg.bwd_s + seg.accum_s * (m - 1) / m  for seg in i..j-1) / speed[s]
+
+  (torch adds each micro-batch's weight gradients into the accumulated ones for every
+  micro-batch after the first: :func:`step_backward_s`);
+* cut time, one way, between stage ``c`` and ``c + 1`` (:func:`cut_time_s`)::
+
+      max(fwd_bytes, bwd_bytes) / bandwidth + latency_s       (0 when nothing crosses)
+
+* the step's tail, work done once per step around the schedule's actions (:func:`step_tail`)::
+
+      merge_outputs_s  = m * out_bytes / copy_bandwidth
+      loss_broadcast_s = latency_s                            (0 on one rank)
+      shared_grads_s   = sum over tied weights held on h > 1 ranks of
+                         2 * nbytes / copy_bandwidth + 2 (h-1)/h * nbytes / bandwidth + 2 (h-1) * latency_s
+
+* the predicted step (:func:`predicted_step_s`): the makespan of the schedule simulated on
+  those stage and cut times (:func:`autopipe.planning.simulator.simulate`) + the tail;
+* a stage's memory (:func:`state_bytes`, :func:`stage_peak_bytes`)::
+
+      static = param_bytes + trainable_bytes * (1 + optimizer_factor)   (gradients, optimizer state)
+      peak   = static + inflight * act_bytes
+
+* per-rank peak memory (:func:`rank_peak_bytes`): the static bytes of the rank's stages
+  (parameters, gradients, optimizer state) + the simulated peak of the activations and
+  sent tensors it keeps; on the last stage's rank at least its static bytes + the kept
+  outputs once more (torch concatenates them at the step's end);
+* lower bounds: on the heaviest stage (:func:`bottleneck_lower_bound_s`)
+  ``max(sum(C) / sum(speed), max(C) / max(speed))``, and on the step under a schedule
+  (:func:`step_lower_bound_s`) ``max(m * rank work + its actions' overhead,
+  sum(C) / max(speed)) + merge_outputs_s + loss_broadcast_s``.
+
+The module imports neither torch nor the simulator at import time; the simulator is
+loaded on the first prediction.
+
+Example:
+    >>> from autopipe.planning.costmodel import cut_time_s, step_backward_s
+    >>> cut_time_s(fwd_bytes=4e6, bwd_bytes=2e6, bandwidth=2e9, latency_s=1e-4)  # 2 ms + 0.1 ms
+    0.0021
+    >>> step_backward_s(bwd_s=2.0, accum_s=0.5, n_microbatches=4)
+    2.375
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from .partitioner import PartitionProblem, solve_bottleneck
+
+if TYPE_CHECKING:
+    from .timeline import Timeline
+
+__all__ = [
+    "SegmentTimes", "StepTail", "step_backward_s", "stage_times_s", "cut_bytes", "cut_time_s", "cut_times_s",
+    "step_tail", "simulate_step", "predicted_step_s", "state_bytes", "stage_peak_bytes", "rank_peak_bytes",
+    "bottleneck_lower_bound_s", "step_lower_bound_s",
+]
+
+
+class SegmentTimes(Protocol):
+    """What the stage times read of a segment: a profile's ``SegmentCost`` or a plan's ``PlanSegment``."""
+
+    fwd_s: float
+    bwd_s: float
+    accum_s: float
+
+
+@dataclass(frozen=True)
+class StepTail:
+    """Seconds of the work a training step does once, around the schedule's actions.
+
+    The simulator times the actions; the runtime also does, once per step:
+
+    - ``merge_outputs_s``: torch's last stage concatenates the outputs of all micro-batches
+      into the step's result (a copy into fresh memory);
+    - ``loss_broadcast_s``: autopipe broadcasts the mean loss from the last rank (one
+      latency), so every rank returns it;
+    - ``shared_grads_s``: a tied parameter (GPT-2's embedding and head) whose readers landed
+      on different ranks has its gradient summed across them (pack, ring all-reduce, unpack).
+
+    Example:
+        >>> StepTail(merge_outputs_s=0.002, loss_broadcast_s=0.0001).total_s
+        0.0021
+    """
+
+    merge_outputs_s: float = 0.0
+    loss_broadcast_s: float = 0.0
+    shared_grads_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        """All of the tail: what the predicted step adds to the simulated schedule."""
+        return self.merge_outputs_s + self.loss_broadcast_s + self.shared_grads_s
+
+    @property
+    def any_split_s(self) -> float:
+        """The part every split pays (merging outputs, the loss broadcast); tied gradients may not."""
+        return self.merge_outputs_s + self.loss_broadcast_s
+
+
+# --------------------------------------------------------------------------- stage and cut times
+
+
+def step_backward_s(bwd_s: float, accum_s: float, n_microbatches: int) -> float:
+    """Backward seconds per micro-batch inside a step of ``n_microbatches``.
+
+    ``bwd_s`` plus the gradient accumulation that all but the first micro-batch pay,
+    spread evenly: ``bwd_s + accum_s * (m - 1) / m``.
+
+    Example:
+        >>> step_backward_s(2.0, 0.5, 1)
+        2.0
+    """
+    m = max(int(n_microbatches), 1)
+    return bwd_s + accum_s * (m - 1) / m
+
+
+def stage_times_s(segments: Sequence[SegmentTimes], cuts: Sequence[int], n_microbatches: int,
+                  speed: Sequence[float] | None = None) -> tuple[list[float], list[float]]:
+    """Per stage, forward and backward seconds per micro-batch of the split at ``cuts``.
+
+    Args:
+        segments: the profile, one entry per segment (anything with ``fwd_s``, ``bwd_s``,
+            ``accum_s``).
+        cuts: the segment indices where stages 1 .. p-1 begin.
+        n_microbatches: micro-batches per step (the gradient accumulation depends on it).
+        speed: per stage, the relative speed of its device; None = all 1.
+
+    Returns:
+        ``(fwd_s, bwd_s)``, one entry per stage each.
+
+    Example:
+        >>> from types import SimpleNamespace as Seg
+        >>> segs = [Seg(fwd_s=1.0, bwd_s=2.0, accum_s=0.0)] * 3
+        >>> stage_times_s(segs, [1], n_microbatches=4)
+        ([1.0, 2.0], [2.0, 4.0])
+    """
+    edges = [0, *cuts, len(segments)]
+    p = len(edges) - 1
+    speeds = [1.0] * p if speed is None else [float(x) for x in speed]
+    if len(speeds) != p:
+        raise ValueError(f"speed has {len(speeds)} entries but cuts={list(cuts)} make {p} stages; give one per stage")
+    fwd, bwd = [], []
+    for s in range(p):
+        part = segments[edges[s]:edges[s + 1]]
+        fwd.append(sum(seg.fwd_s for seg in part) / speeds[s])
+        bwd.append(sum(step_backward_s(seg.bwd_s, seg.accum_s, n_microbatches) for seg in part) / speeds[s])
+    return fwd, bwd
+
+
+def cut_bytes(fwd_bytes: float, bwd_bytes: float) -> float:
+    """Bytes one transfer over a stage boundary moves: ``max(fwd_bytes, bwd_bytes)``.
+
+    A micro-batch's activations go forward and their gradients come back over the same
+    link at different moments; each transfer is charged the larger.
+
+    Example:
+        >>> cut_bytes(4096, 1024)
+        4096
+    """
+    return max(fwd_bytes, bwd_bytes)
+
+
+def cut_time_s(fwd_bytes: float, bwd_bytes: float, bandwidth: float, latency_s: float) -> float:
+    """One-way seconds of one stage boundary: ``max(fwd_bytes, bwd_bytes) / bandwidth + latency_s``.
+
+    The simulator delays each transfer by it (:func:`cut_bytes` of the two directions); a
+    cut nothing crosses costs nothing, not even the latency.
+
+    Example:
+        >>> cut_time_s(0, 0, bandwidth=1e9, latency_s=1e-4)
+        0.0
+    """
+    nbytes = cut_bytes(fwd_bytes, bwd_bytes)
+    return float(nbytes / bandwidth + (latency_s if nbytes else 0.0))
+
+
+def cut_times_s(fwd_bytes: Sequence[float], bwd_bytes: Sequence[float], bandwidth: Sequence[float],
+                latency_s: Sequence[float]) -> list[float]:
+    """:func:`cut_time_s` of every stage boundary; each argument has one entry per cut.
+
+    Example:
+        >>> cut_times_s([1e9, 0], [5e8, 0], bandwidth=[1e9, 1e9], latency_s=[0.5, 0.5])
+        [1.5, 0.0]
+    """
+    n = len(fwd_bytes)
+    if not len(bwd_bytes) == len(bandwidth) == len(latency_s) == n:
+        raise ValueError(f"fwd_bytes, bwd_bytes, bandwidth and latency_s must have one entry per cut; got lengths "
+                         f"{n}, {len(bwd_bytes)}, {len(bandwidth)}, {len(latency_s)}")
+    return [cut_time_s(f, b, bw, lat) for f, b, bw, lat in zip(fwd_bytes, bwd_bytes, bandwidth, latency_s)]
+
+
+def step_tail(*, n_microbatches: int, out_bytes: float, n_ranks: int, bandwidth: float, latency_s: float,
+              copy_bandwidth: float, shared_bytes: Sequence[tuple[float, int]] = ()) -> StepTail:
+    """The :class:`StepTail` of one split.
+
+    Args:
+        n_microbatches: micro-batches per step.
+        out_bytes: bytes of the model's output for one micro-batch.
+        n_ranks: ranks in the pipeline.
+        bandwidth, latency_s: the link the loss broadcast and the gradient sums use.
+        copy_bandwidth: bytes/s of a copy into fresh memory (merging, packing).
+        shared_bytes: ``(nbytes, holders)`` of each trainable tied parameter, with the
+            number of ranks holding a copy of it.
+
+    Example:
+        >>> step_tail(n_microbatches=4, out_bytes=1e6, n_ranks=2, bandwidth=1e9, latency_s=1e-4,
+        ...           copy_bandwidth=1e10).merge_outputs_s
+        0.0004
+    """
+    merge = n_microbatches * out_bytes / copy_bandwidth
+    loss = latency_s if n_ranks > 1 else 0.0
+    shared = 0.0
+    for nbytes, h in shared_bytes:
+        if h > 1:  # ring all-reduce: 2(h-1)/h of the bytes each way, 2(h-1) hops
+            shared += 2 * nbytes / copy_bandwidth + 2 * (h - 1) / h * nbytes / bandwidth + 2 * (h - 1) * latency_s
+    return StepTail(float(merge), float(loss), float(shared))
+
+
+# --------------------------------------------------------------------------- the step
+
+
+def simulate_step(fwd_s: Sequence[float], bwd_s: Sequence[float], comm_s: Sequence[float] | float, *,
+                  schedule: str, n_microbatches: int, stages_per_rank: int,
+                  action_overhead_s: float | Sequence[float] = 0.0, lazy_sends: bool = False) -> Timeline:
+    """The schedule's actions on these stage and cut times: the simulated :class:`~autopipe.planning.timeline.Timeline`.
+
+    ``comm_s`` is one time per cut, or one time for every cut (an empty list: none).
+
+    Example:
+        >>> simulate_step([1.0, 1.0], [2.0, 2.0], [], schedule="1F1B", n_microbatches=4,
+        ...               stages_per_rank=1).step_s
+        15.0
+    """
+    from .simulator import simulate  # the simulator reads torch's schedule orders: loaded when first needed
+
+    if not isinstance(comm_s, (int, float)):
+        comm_s = [float(c) for c in comm_s] or 0.0
+    return simulate(list(fwd_s), list(bwd_s), schedule=schedule, n_microbatches=n_microbatches, comm_s=comm_s,
+                    stages_per_rank=stages_per_rank, action_overhead_s=action_overhead_s, lazy_sends=lazy_sends)
+
+
+def predicted_step_s(fwd_s: Sequence[float], bwd_s: Sequence[float], comm_s: Sequence[float] | float, *,
+                     schedule: str, n_microbatches: int, stages_per_rank: int,
+                     action_overhead_s: float | Sequence[float] = 0.0, lazy_sends: bool = False,
+                     tail: StepTail | None = None) -> float:
+    """Predicted seconds of one training step: the simulated schedule (:func:`simulate_step`) + ``tail``.
+
+    Example:
+        >>> predicted_step_s([1.0, 1.0], [2.0, 2.0], [], schedule="1F1B", n_microbatches=4,
+        ...                  stages_per_rank=1, tail=StepTail(merge_outputs_s=0.5))
+        15.5
+    """
+    timeline = simulate_step(fwd_s, bwd_s, comm_s, schedule=schedule, n_microbatches=n_microbatches,
+                             stages_per_rank=stages_per_rank, action_overhead_s=action_overhead_s,
+                             lazy_sends=lazy_sends)
+    return timeline.step_s + (tail.total_s if tail is not None else 0.0)
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def state_bytes(param_bytes: float, trainable_bytes: float, optimizer_factor: float) -> float:
+    """Bytes pinned for the whole step: ``param_bytes + trainable_bytes * (1 + optimizer_factor)``.
+
+    Parameters and buffers, plus a gradient and ``optimizer_factor`` bytes of optimizer
+    state (Adam: 2) per byte of trainable parameter.
+
+    Example:
+        >>> state_bytes(param_bytes=100, trainable_bytes=80, optimizer_factor=2.0)
+        340.0
+    """
+    return float(param_bytes + trainable_bytes * (1.0 + optimizer_factor))
+
+
+def stage_peak_bytes(static_bytes: float, act_bytes: float, inflight: int) -> float:
+    """A stage's peak on its own: ``static_bytes + inflight * act_bytes`` (micro-batches in flight at its peak).
+
+    Example:
+        >>> stage_peak_bytes(340, 50, inflight=2)
+        440.0
+    """
+    return float(static_bytes + inflight * act_bytes)
+
+
+def rank_peak_bytes(timeline: Timeline, *, stage_static_bytes: Sequence[float], stage_act_bytes: Sequence[int],
+                    cut_fwd_bytes: Sequence[int], cut_bwd_bytes: Sequence[int], split_backward: bool,
+                    merge_bytes: float = 0.0, overcount: Sequence[float] | None = None) -> list[float]:
+    """Per rank, the predicted peak bytes of one step of ``timeline``.
+
+    The static bytes of the rank's stages (less ``overcount``: bytes counted on several of
+    its stages that the rank holds once) + the simulated peak of what it keeps per
+    micro-batch in flight: each stage's saved activations, and each tensor it sent until
+    torch waits on the send (:meth:`~autopipe.planning.timeline.Timeline.peak_activation_bytes`).
+    Under the split-backward schedules each stage output sent is a copy, kept until its
+    input-gradient. ``merge_bytes`` (the outputs torch's last stage keeps, already in its
+    static bytes) counts once more on that rank at the step's end, when torch
+    concatenates them after every activation is freed.
+
+    Args:
+        timeline: the simulated step (:func:`simulate_step`).
+        stage_static_bytes: per stage, parameters, gradients and optimizer state.
+        stage_act_bytes: per stage, activations saved for backward per micro-batch.
+        cut_fwd_bytes, cut_bwd_bytes: per cut, bytes sent forward and gradients sent back.
+        split_backward: the schedule splits the backward into input- and weight-gradient.
+        merge_bytes: bytes of the outputs the last stage concatenates.
+        overcount: per rank, static bytes counted more than once.
+
+    Example:
+        >>> t = simulate_step([1.0, 1.0], [2.0, 2.0], [], schedule="1F1B", n_microbatches=4, stages_per_rank=1)
+        >>> rank_peak_bytes(t, stage_static_bytes=[1000, 1000], stage_act_bytes=[100, 100],
+        ...                 cut_fwd_bytes=[0], cut_bwd_bytes=[0], split_backward=False)
+        [1200.0, 1100.0]
+    """
+    ranks = list(timeline.stage_ranks)
+    p = len(ranks)
+    sent_fwd, sent_bwd = [0] * p, [0] * p
+    for c in range(p - 1):  # stage c sends forward over cut c; stage c + 1 sends the gradient back
+        sent_fwd[c], sent_bwd[c + 1] = int(cut_fwd_bytes[c]), int(cut_bwd_bytes[c])
+    act = [int(a) for a in stage_act_bytes]
+    if split_backward:
+        act = [a + f for a, f in zip(act, sent_fwd)]
+    held = timeline.peak_activation_bytes(act, send_bytes=(sent_fwd, sent_bwd))
+    n_ranks = max(ranks) + 1
+    static = [0.0] * n_ranks
+    for s, r in enumerate(ranks):
+        static[r] += float(stage_static_bytes[s])
+    if overcount is not None:
+        static = [st - o for st, o in zip(static, overcount)]
+    peak = [float(h) + st for h, st in zip(held[:n_ranks], static)]
+    last = ranks[-1]
+    peak[last] = max(peak[last], static[last] + merge_bytes)
+    return peak
+
+
+# --------------------------------------------------------------------------- lower bounds
+
+
+def bottleneck_lower_bound_s(compute_s: Sequence[float], speed: Sequence[float]) -> float:
+    """No split's heaviest stage is lighter: ``max(sum(C) / sum(speed), max(C) / max(speed))``.
+
+    ``compute_s`` per segment on a speed-1 device; ``speed`` per stage.
+
+    Example:
+        >>> bottleneck_lower_bound_s([1.0, 1.0, 4.0], [1.0, 1.0])
+        4.0
+    """
+    c, v = np.asarray(compute_s, dtype=float), np.asarray(speed, dtype=float)
+    return max(float(c.sum() / v.sum()), float((c / v.max()).max()))
+
+
+def step_lower_bound_s(problem: PartitionProblem, timeline: Timeline, *, n_microbatches: int, stages_per_rank: int,
+                       rank_speed: Sequence[float], action_overhead_s: Sequence[float], tail: StepTail) -> float:
+    """A step time no split can beat under this schedule.
+
+    Each rank does ``m`` micro-batches of its share of the work (with one stage per rank, at
+    least the bottleneck of the split that ignores communication and memory; with several,
+    the total over the ranks' summed speeds), and every one of its actions pays the
+    runtime's overhead; nor can the step be shorter than all the compute on the fastest
+    device. The merge and the loss broadcast come on top whatever the split.
+
+    Args:
+        problem: the partitioner's numbers (``compute_s``, ``speed`` per stage).
+        timeline: the schedule simulated on any split (only its per-rank actions are read).
+        n_microbatches, stages_per_rank: the schedule's counts.
+        rank_speed: per rank, the relative speed of its device.
+        action_overhead_s: per stage, the overhead of each of its actions.
+        tail: the split's :class:`StepTail`.
+
+    Example:
+        >>> from autopipe.planning.partitioner import PartitionProblem
+        >>> prob = PartitionProblem.uniform(compute_s=[1.0, 1.0, 1.0, 1.0], num_stages=2)
+        >>> t = simulate_step([1.0, 1.0], [1.0, 1.0], [], schedule="1F1B", n_microbatches=4, stages_per_rank=1)
+        >>> step_lower_bound_s(prob, t, n_microbatches=4, stages_per_rank=1, rank_speed=[1.0, 1.0],
+        ...                    action_overhead_s=[0.0, 0.0], tail=StepTail())
+        8.0
+    """
+    if stages_per_rank == 1:
+        free = PartitionProblem(**{**problem.__dict__, "cut_fwd_bytes": np.zeros_like(problem.cut_fwd_bytes),
+                                   "cut_bwd_bytes": np.zeros_like(problem.cut_bwd_bytes),
+                                   "capacity_bytes": np.full_like(problem.capacity_bytes, np.inf)})
+        rank_work = solve_bottleneck(free).bottleneck_s
+    else:
+        rank_work = float(problem.compute_s.sum() / sum(rank_speed))
+    # Every action of a rank also pays the runtime's overhead, one action after another.
+    overhead = min(sum(action_overhead_s[e.stage] for e in timeline.per_rank(r)) for r in range(timeline.n_ranks))
+    whole = float(problem.compute_s.sum() / max(problem.speed)) if len(problem.speed) else math.inf
+    return float(max(n_microbatches * rank_work + overhead, whole) + tail.any_split_s)

@@ -1,0 +1,121 @@
+"""The typed parts of a :class:`~autopipe.planning.plan.Plan` beside its stages and baselines.
+
+A plan carries, besides where to cut, what it was made from and what the planner assumed,
+so that it can be re-simulated, calibrated, re-planned and reported without the model:
+
+- :class:`PlanSegment`: one segment of the profile, with the bytes crossing the cut before it;
+- :class:`Link` and :class:`MachineModel`: the links between stages, the runtime's
+  overhead per action and whether sends are lazy, as the planner charged them;
+- :class:`SearchRecord`: how the split was found, and the step no split could beat;
+- :class:`ScheduleAlternative`: one row of the schedules ``schedule="auto"`` compared;
+- :class:`Calibration`: the factors :meth:`~autopipe.planning.plan.Plan.calibrate` applied.
+
+The once-per-step tail is :class:`autopipe.planning.costmodel.StepTail`; the loss and the
+whole-graph timing are :class:`autopipe.planning.profile.LossCost` and
+:class:`autopipe.machine.passes.WholePass`.
+
+Example:
+    >>> from autopipe.planning.plan_records import Link, MachineModel
+    >>> machine = MachineModel(links=[Link(bandwidth=2e9, latency_s=1e-4)], action_overhead_s=[7e-4, 7e-4])
+    >>> machine.links[0].bandwidth
+    2000000000.0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .costgraph import SegmentCost
+
+__all__ = ["PlanSegment", "Link", "MachineModel", "SearchRecord", "ScheduleAlternative", "Calibration"]
+
+
+@dataclass(frozen=True)
+class PlanSegment:
+    """One segment of the profile a plan was made from (per micro-batch), and the cut before it.
+
+    The cost fields are those of :class:`~autopipe.planning.costgraph.SegmentCost`;
+    ``cut_fwd_bytes`` / ``cut_bwd_bytes`` are the bytes that cross the cut before this
+    segment forward (activations) and backward (their gradients) when a stage starts here.
+
+    Example:
+        >>> seg = PlanSegment(fwd_s=1e-3, bwd_s=2e-3, param_bytes=64, act_bytes=32, out_bytes=16, name="layers.0")
+        >>> seg.cost().time_s
+        0.003
+    """
+
+    fwd_s: float
+    bwd_s: float
+    param_bytes: int
+    act_bytes: int
+    out_bytes: int
+    name: str = ""  # the split point the segment starts at
+    modules: list[str] = field(default_factory=list)  # modules whose code runs in it
+    flops: float = 0.0
+    trainable_param_bytes: int = 0
+    accum_s: float = 0.0  # gradient accumulation per micro-batch after the first
+    cut_fwd_bytes: int = 0
+    cut_bwd_bytes: int = 0
+
+    def cost(self) -> SegmentCost:
+        """The segment's cost as the profile gave it (for ``partition(cost=...)``)."""
+        return SegmentCost(fwd_s=self.fwd_s, bwd_s=self.bwd_s, param_bytes=self.param_bytes,
+                           act_bytes=self.act_bytes, out_bytes=self.out_bytes, flops=self.flops,
+                           trainable_param_bytes=self.trainable_param_bytes, accum_s=self.accum_s)
+
+
+@dataclass(frozen=True)
+class Link:
+    """The link between two neighbouring stages: bytes per second and seconds per message."""
+
+    bandwidth: float  # bytes/s, > 0
+    latency_s: float  # >= 0
+
+
+@dataclass(frozen=True)
+class MachineModel:
+    """What the planner assumed of the machine beyond the profile.
+
+    Empty lists mean nothing was recorded (a plan made from split points alone): the
+    links then default to those of the plan's device type, and no overhead is charged.
+    """
+
+    links: list[Link] = field(default_factory=list)  # one per cut, cut c between stages c and c + 1
+    action_overhead_s: list[float] = field(default_factory=list)  # per stage, beyond compute, per action
+    lazy_sends: bool = False  # the backend delivers a send when its sender next calls in (gloo)
+
+
+@dataclass(frozen=True)
+class SearchRecord:
+    """How the split was found, and the best step any split could reach under the schedule."""
+
+    candidates: int = 1  # splits whose step was simulated
+    iterations: int = 0  # bisection steps of the exact min-max search (0: not recorded)
+    step_lower_bound_s: float = 0.0  # no split beats this step (autopipe.planning.costmodel.step_lower_bound_s)
+    step_gap: float = 0.0  # 1 - step_lower_bound_s / predicted_step_s: mostly pipeline fill
+
+
+@dataclass(frozen=True)
+class ScheduleAlternative:
+    """One (schedule, stages per rank, micro-batches) option the planner costed with its best split."""
+
+    schedule: str
+    stages_per_rank: int
+    n_microbatches: int
+    predicted_step_s: float | None  # None: no split of it could be costed
+    peak_bytes: int | None  # on its fullest device
+    fits: bool
+    split_points_count: int | None = None
+    note: str = ""  # why it was not usable, when it was not
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Per stage, the factors measured / planned that :meth:`Plan.calibrate` applied.
+
+    ``None`` marks a stage direction the plan had no time for (a plan made from split
+    points alone): it took the measured time as it is.
+    """
+
+    fwd_factor: list[float | None]
+    bwd_factor: list[float | None]

@@ -1,0 +1,214 @@
+"""The schedule options the planner compares, each costed with its best split.
+
+An option is one (schedule, stages per rank, micro-batches). :func:`cost_option` finds the
+split that makes its simulated step fastest among the partitioner's candidates, then
+predicts its memory per rank and the step no split could beat; every number comes from
+:mod:`autopipe.planning.costmodel`. :func:`auto_schedule_options` lists the options
+``schedule="auto"`` compares.
+
+Example:
+    >>> auto_schedule_options(n_gpus=2, n_microbatches=4, num_segments=8)[:3]
+    [('GPipe', 1), ('1F1B', 1), ('Interleaved1F1B', 2)]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..machine.device import Device
+from . import costmodel, schedules
+from .costgraph import CostGraph, SegmentCost
+from .costmodel import StepTail
+from .partitioner import PartitionProblem, PartitionResult, candidate_partitions, solve_bottleneck
+from .plan_records import ScheduleAlternative
+from .problem import build_problem, rank_overcount_bytes, tied_gradient_bytes
+from .schedules import stage_ranks, validate_schedule
+from .trace import TracedModel
+
+__all__ = ["ScheduleOption", "cost_option", "auto_schedule_options", "inflight_per_stage", "split_stage_times_s",
+           "split_cut_times_s", "split_step_tail", "predict_split_step_s"]
+
+
+@dataclass
+class ScheduleOption:
+    """One (schedule, stages per rank, micro-batches) the planner costed, with its best split."""
+
+    schedule: str
+    stages_per_rank: int
+    n_microbatches: int
+    problem: PartitionProblem | None = None
+    result: PartitionResult | None = None
+    inflight: list[int] = field(default_factory=list)
+    predicted_step_s: float = float("inf")
+    rank_peak_bytes: list[float] = field(default_factory=list)
+    fits: bool = False
+    candidates: int = 0
+    step_lower_bound_s: float = 0.0
+    action_overhead_s: list[float] = field(default_factory=list)  # per stage, seconds per action
+    lazy_sends: bool = False  # the backend delivers a send when its sender next calls in (gloo)
+    copy_bandwidth: float = math.inf  # bytes/s into fresh memory (merging outputs, packing gradients)
+    step_tail: StepTail = field(default_factory=StepTail)  # once-per-step work of the best split
+    reason: str = ""  # why it was not usable, when it was not
+
+    def summary(self) -> ScheduleAlternative:
+        """The row the report's "alternatives considered" table shows."""
+        return ScheduleAlternative(
+            schedule=self.schedule, stages_per_rank=self.stages_per_rank, n_microbatches=self.n_microbatches,
+            predicted_step_s=self.predicted_step_s if math.isfinite(self.predicted_step_s) else None,
+            peak_bytes=int(max(self.rank_peak_bytes)) if self.rank_peak_bytes else None,
+            fits=self.fits, split_points_count=len(self.result.cuts) if self.result else None, note=self.reason,
+        )
+
+
+def inflight_per_stage(schedule: str, n_ranks: int, n_microbatches: int, stages_per_rank: int) -> list[int]:
+    """Micro-batches whose activations each stage holds at its peak under ``schedule``.
+
+    Read from the simulated order of torch's schedule class (so 1F1B gives
+    ``min(m, p - s)`` and GPipe ``m``, as the textbook says).
+
+    Example:
+        >>> inflight_per_stage("1F1B", n_ranks=2, n_microbatches=4, stages_per_rank=1)
+        [2, 1]
+    """
+    p = n_ranks * stages_per_rank
+    timeline = costmodel.simulate_step([1.0] * p, [2.0] * p, [], schedule=schedule, n_microbatches=n_microbatches,
+                                       stages_per_rank=stages_per_rank)
+    return [max(1, int(x)) for x in timeline.stage_peak_inflight]
+
+
+# --------------------------------------------------------------------------- one split, costed
+
+
+def split_stage_times_s(problem: PartitionProblem, cuts: Sequence[int], costs: Sequence[SegmentCost],
+                        n_microbatches: int) -> tuple[list[float], list[float]]:
+    """Per stage of the split at ``cuts``, forward and backward seconds on its device.
+
+    :func:`autopipe.planning.costmodel.stage_times_s` with the stages' device speeds.
+    """
+    return costmodel.stage_times_s(costs, cuts, n_microbatches, speed=problem.speed)
+
+
+def split_cut_times_s(problem: PartitionProblem, cuts: Sequence[int]) -> list[float]:
+    """One-way seconds of each stage boundary of the split at ``cuts`` (:func:`costmodel.cut_time_s`)."""
+    return costmodel.cut_times_s([problem.cut_fwd_bytes[k] for k in cuts], [problem.cut_bwd_bytes[k] for k in cuts],
+                                 problem.bandwidth, problem.latency_s)
+
+
+def split_step_tail(traced: TracedModel, problem: PartitionProblem, cuts: Sequence[int],
+                    costs: Sequence[SegmentCost], ranks: Sequence[int], n_microbatches: int,
+                    copy_bandwidth: float) -> StepTail:
+    """The once-per-step tail of the split at ``cuts`` (:func:`costmodel.step_tail`), on the first link."""
+    return costmodel.step_tail(
+        n_microbatches=n_microbatches, out_bytes=costs[-1].out_bytes if costs else 0.0,
+        n_ranks=max(ranks) + 1 if len(ranks) else 1,
+        bandwidth=float(problem.bandwidth[0]) if len(problem.bandwidth) else math.inf,
+        latency_s=float(problem.latency_s[0]) if len(problem.latency_s) else 0.0,
+        copy_bandwidth=copy_bandwidth, shared_bytes=tied_gradient_bytes(traced, cuts, ranks))
+
+
+def predict_split_step_s(problem: PartitionProblem, cuts: Sequence[int], costs: Sequence[SegmentCost],
+                         option: ScheduleOption, traced: TracedModel, ranks: Sequence[int]) -> float:
+    """Predicted step of the split at ``cuts`` under ``option``: the simulated schedule + the step's tail."""
+    m = option.n_microbatches
+    fwd, bwd = split_stage_times_s(problem, cuts, costs, m)
+    return costmodel.predicted_step_s(
+        fwd, bwd, split_cut_times_s(problem, cuts), schedule=option.schedule, n_microbatches=m,
+        stages_per_rank=option.stages_per_rank, action_overhead_s=option.action_overhead_s,
+        lazy_sends=option.lazy_sends,
+        tail=split_step_tail(traced, problem, cuts, costs, ranks, m, option.copy_bandwidth))
+
+
+# --------------------------------------------------------------------------- one option, costed
+
+
+def cost_option(
+    option: ScheduleOption, *, traced: TracedModel, cost_graph: CostGraph, n_gpus: int,
+    rank_devices: Sequence[Device], optimizer_factor: float, link_default: tuple[float, float], objective: str,
+    overhead_default: float = 0.0, lazy_sends: bool = False, copy_bandwidth: float = math.inf,
+) -> ScheduleOption:
+    """Find the best split for one schedule option and predict its step time and memory.
+
+    Fills ``option`` in place and returns it: the partitioner's problem, the split whose
+    predicted step is lowest (``objective="step"``; the exact min-max split alone with
+    ``"bottleneck"``), its step, tail, per-rank peak memory, whether it fits, and the step
+    no split can beat under the schedule.
+
+    Raises:
+        InfeasibleMemoryError: no split of this option fits the devices' memory.
+
+    Example:
+        >>> option = cost_option(ScheduleOption("1F1B", 1, 4), traced=traced, cost_graph=graph, n_gpus=2,
+        ...                      rank_devices=[Device()] * 2, optimizer_factor=2.0, link_default=(2e9, 1e-4),
+        ...                      objective="step")  # doctest: +SKIP
+    """
+    sched, v, m = option.schedule, option.stages_per_rank, option.n_microbatches
+    costs = cost_graph.costs or []
+    ranks = stage_ranks(sched, n_gpus, v)
+    stage_devices = [rank_devices[r] for r in ranks]
+    option.action_overhead_s = [d.action_overhead_s if d.action_overhead_s is not None else overhead_default
+                                for d in stage_devices]
+    option.lazy_sends, option.copy_bandwidth = lazy_sends, copy_bandwidth
+    option.inflight = inflight_per_stage(sched, n_gpus, m, v)
+    problem = build_problem(
+        cost_graph, traced, num_stages=n_gpus * v, stage_devices=stage_devices, inflight=option.inflight,
+        optimizer_factor=optimizer_factor, link_default=link_default, stages_per_rank=v, n_microbatches=m,
+    )
+    option.problem = problem
+    results = [solve_bottleneck(problem)] if objective == "bottleneck" else candidate_partitions(problem)
+    option.candidates = len(results)
+    best = None
+    for r in results:
+        step = predict_split_step_s(problem, r.cuts, costs, option, traced, ranks)
+        if best is None or (step, r.bottleneck_s) < (best[0], best[1].bottleneck_s):
+            best = (step, r)
+    option.predicted_step_s, option.result = best
+    cuts = option.result.cuts
+    option.step_tail = split_step_tail(traced, problem, cuts, costs, ranks, m, copy_bandwidth)
+    # Memory per rank from the simulated timeline (stages on one rank peak at different times).
+    fwd, bwd = split_stage_times_s(problem, cuts, costs, m)
+    timeline = costmodel.simulate_step(fwd, bwd, split_cut_times_s(problem, cuts), schedule=sched, n_microbatches=m,
+                                       stages_per_rank=v, action_overhead_s=option.action_overhead_s,
+                                       lazy_sends=lazy_sends)
+    edges = [0, *cuts, problem.num_segments]
+    option.rank_peak_bytes = costmodel.rank_peak_bytes(
+        timeline,
+        stage_static_bytes=[float(problem.static_bytes[i:j].sum()) for i, j in zip(edges, edges[1:])],
+        stage_act_bytes=[int(problem.act_bytes[i:j].sum()) for i, j in zip(edges, edges[1:])],
+        cut_fwd_bytes=[problem.cut_fwd_bytes[k] for k in cuts], cut_bwd_bytes=[problem.cut_bwd_bytes[k] for k in cuts],
+        split_backward=sched in schedules.SPLIT_BACKWARD_SCHEDULES,
+        merge_bytes=m * costs[-1].out_bytes if costs else 0.0,
+        overcount=rank_overcount_bytes(traced, cuts, ranks, optimizer_factor))
+    option.fits = all(pk <= d.memory_bytes for pk, d in zip(option.rank_peak_bytes, rank_devices))
+    option.step_lower_bound_s = costmodel.step_lower_bound_s(
+        problem, timeline, n_microbatches=m, stages_per_rank=v, rank_speed=[d.speed for d in rank_devices],
+        action_overhead_s=option.action_overhead_s, tail=option.step_tail)
+    return option
+
+
+def auto_schedule_options(n_gpus: int, n_microbatches: int, num_segments: int) -> list[tuple[str, int]]:
+    """The (schedule, stages per rank) pairs ``schedule="auto"`` compares.
+
+    Every schedule torch offers, with 1 stage per rank for GPipe/1F1B, 2 for the V-shaped
+    ones, and 2 or 4 for the looped/interleaved ones; pairs torch cannot run with these
+    counts, or that need more stages than the model has segments, are left out.
+
+    Example:
+        >>> auto_schedule_options(n_gpus=1, n_microbatches=2, num_segments=4)
+        [('GPipe', 1), ('1F1B', 1)]
+    """
+    pairs = [("GPipe", 1), ("1F1B", 1)]
+    for sched in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"):
+        pairs += [(sched, 2), (sched, 4)]
+    pairs += [("ZBVZeroBubble", 2), ("DualPipeV", 2)]
+    usable = []
+    for sched, v in pairs:
+        if n_gpus * v > num_segments or (n_gpus == 1 and v > 1):
+            continue
+        try:
+            validate_schedule(sched, n_gpus, n_microbatches, v)
+        except (ValueError, TypeError):
+            continue
+        usable.append((sched, v))
+    return usable

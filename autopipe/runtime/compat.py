@@ -1,0 +1,601 @@
+"""Every workaround autopipe applies around a torch release's pipelining, in one module.
+
+Each entry names the torch releases it is for and, where one exists, the upstream issue.
+Where it can, a workaround first checks whether torch already behaves and then leaves
+torch's result untouched, so a release that fixes the defect runs torch's own code. The
+releases below were checked on 2.11 and 2.13.0.
+
+Building the stage modules (``pipeline()``):
+
+* :func:`safe_submodule_outlining` - torch 2.11 to 2.13, pytorch/pytorch#184361 (open):
+  a module calling a higher-order op (Hugging Face's rotary embedding) is outlined twice
+  and called without its arguments (Llama, Qwen3, Gemma, Mistral, Mixtral, Qwen2-MoE).
+* :func:`rename_nodes_shadowing_self` - torch 2.11 to 2.13, ``torch.fx`` code generation
+  (no upstream issue referenced): a submodule attribute named ``self`` (Hugging Face
+  ``BertAttention.self``) rebinds ``self`` in the generated ``forward``.
+
+What crosses a stage boundary (torch's ``PipelineStage`` and schedules):
+
+* :func:`make_boundary_tensors_sendable` and :func:`guard_stage_boundaries` - contiguous
+  boundary tensors and input gradients (torch 2.11 to 2.13: receive buffers take the
+  traced strides, gloo and NCCL send only contiguous tensors, V schedules size a buffer
+  from the gradient's strides); no view or shared output (2.11 to 2.13: the zero-bubble
+  backward detaches outputs in place); integer tensors sent as :data:`WIRE_DTYPE` (2.11
+  makes every receive buffer require grad; 2.13 guards non-float ones).
+* :class:`VStage` - torch 2.11 with gloo: the first step of a V placement sends a dummy
+  tensor from a rank to itself (2.13 skips it).
+* :func:`static_stage_meta` - torch 2.11 to 2.13: a manual stage without traced shapes
+  runs itself on uninitialised tensors, where an integer input indexes out of range.
+* :func:`to_stage_device` - torch 2.11 checks a micro-batch's strides against the traced
+  (contiguous) ones.
+
+Inference with the V schedules, which torch 2.11 to 2.13 cannot run forward-only, goes
+through a training step: :mod:`autopipe.runtime.inference`.
+
+Example:
+    >>> from autopipe.runtime.compat import safe_submodule_outlining
+    >>> with safe_submodule_outlining():  # doctest: +SKIP
+    ...     pipe = pipeline(model, (x,), split_spec=split_spec)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+__all__ = ["outlining_problems", "rename_nodes_shadowing_self", "safe_submodule_outlining", "WIRE_DTYPE",
+           "make_boundary_tensors_sendable", "guard_stage_boundaries", "VStage", "static_stage_meta",
+           "to_stage_device"]
+
+logger = logging.getLogger(__name__)
+
+#: The torch issue :func:`safe_submodule_outlining` works around.
+OUTLINING_ISSUE = "pytorch/pytorch#184361"
+
+
+# ---------------------------------------------------------------------- pytorch/pytorch#184361
+@contextlib.contextmanager
+def safe_submodule_outlining() -> Iterator[None]:
+    """Within the block, ``pipeline()`` builds only stage modules whose calls match their callees.
+
+    Wraps ``torch.distributed.pipelining._IR._outline_submodules``, which ``Pipe._from_traced``
+    calls on each stage's flat graph (pytorch/pytorch#184361). Each rebuilt module tree is
+    checked with :func:`outlining_problems`:
+
+    1. no problem: torch's tree is used as it is (a torch that outlines correctly runs
+       unchanged);
+    2. otherwise the flat graph is outlined again with every ``get_attr`` node moved to
+       just before its first user and given that user's module path, so each module's
+       nodes are contiguous, and the attributes those nodes read (the bodies of
+       higher-order ops) are copied into the modules that now read them. This keeps the
+       module hierarchy, and tied parameters resolve as in torch's own path;
+    3. if that tree still has problems, the stage becomes one flat ``fx.GraphModule`` of
+       its graph. ``_from_traced`` then creates the nested containers itself
+       (``move_param_to_callee`` / ``_assign_attr``), so parameters keep their original
+       dotted names; ``_sink_params`` is steered to a name the flat module holds when a
+       tensor has several (tied weights), since at the root any alias would match.
+
+    torch's functions are restored on exit, also after an error. A torch without
+    ``_IR._outline_submodules`` is left alone. Nested use patches once.
+
+    Example:
+        >>> import torch
+        >>> from torch.distributed.pipelining import SplitPoint, pipeline
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+        >>> with safe_submodule_outlining():
+        ...     pipe = pipeline(model, (torch.randn(3, 4),), split_spec={"2": SplitPoint.BEGINNING})
+        >>> pipe.num_stages
+        2
+    """
+    ir = _pipelining_ir()
+    outline = getattr(ir, "_outline_submodules", None)
+    if outline is None or getattr(outline, "_autopipe_checked", False):
+        yield
+        return
+    sink = getattr(ir, "_sink_params", None)
+    flat_stages: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+    def checked_outline(graph: fx.Graph) -> fx.GraphModule:
+        return _outline_or_fall_back(outline, graph, flat_stages)
+
+    def sink_resolvable(module: nn.Module, inputs_to_state: dict[str, list[str]], *args: Any,
+                        **kwargs: Any) -> Any:
+        if module in flat_stages:
+            inputs_to_state = _resolvable_first(module, inputs_to_state)
+        return sink(module, inputs_to_state, *args, **kwargs)
+
+    checked_outline._autopipe_checked = True  # type: ignore[attr-defined]
+    ir._outline_submodules = checked_outline
+    if sink is not None:
+        ir._sink_params = sink_resolvable
+    try:
+        yield
+    finally:
+        ir._outline_submodules = outline
+        if sink is not None:
+            ir._sink_params = sink
+
+
+def outlining_problems(module: nn.Module) -> list[str]:
+    """Why an outlined module tree would fail when run; empty when it is consistent.
+
+    Checks every fx graph in ``module``'s tree: each ``call_module`` names an existing
+    submodule, passes as many arguments as the callee's graph has placeholders, and no
+    graph calls the same target twice (torch names a second call of a module ``name@1``;
+    two calls of ``name`` mean one outlined module replaced another); each ``get_attr``
+    names an attribute the module has.
+
+    Example:
+        >>> import torch.fx as fx, torch.nn as nn
+        >>> inner = fx.Graph(); _ = inner.output(inner.placeholder("x"))
+        >>> top = fx.Graph(); _ = top.output(top.call_module("child", ()))
+        >>> root = fx.GraphModule(nn.ModuleDict({"child": fx.GraphModule(nn.Module(), inner)}), top)
+        >>> outlining_problems(root)
+        ["'' calls 'child' with 0 arguments, but its graph takes 1"]
+    """
+    problems: list[str] = []
+    for path, sub in module.named_modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        called: set[str] = set()
+        for node in graph.nodes:
+            if node.op == "call_module":
+                if node.target in called:
+                    problems.append(f"{path!r} calls {node.target!r} twice")
+                called.add(node.target)
+                callee = _lookup(sub, node.target)
+                if not isinstance(callee, nn.Module):
+                    problems.append(f"{path!r} calls {node.target!r}, which it does not have")
+                    continue
+                callee_graph = getattr(callee, "graph", None)
+                if isinstance(callee_graph, fx.Graph):
+                    takes = sum(1 for n in callee_graph.nodes if n.op == "placeholder")
+                    given = len(node.args) + len(node.kwargs)
+                    if given != takes:
+                        problems.append(f"{path!r} calls {node.target!r} with {given} arguments, "
+                                        f"but its graph takes {takes}")
+            elif node.op == "get_attr" and _lookup(sub, node.target) is None:
+                problems.append(f"{path!r} reads {node.target!r}, which it does not have")
+    return problems
+
+
+def _pipelining_ir() -> Any:
+    """``torch.distributed.pipelining._IR``, or None where torch has no pipelining."""
+    try:
+        from torch.distributed.pipelining import _IR
+    except ImportError:
+        return None
+    return _IR
+
+
+def _outline_or_fall_back(outline: Callable[[fx.Graph], fx.GraphModule], graph: fx.Graph,
+                          flat_stages: weakref.WeakSet) -> fx.GraphModule:
+    """torch's outlining of ``graph`` if consistent, else the repaired one, else ``graph`` flat."""
+    outlined = outline(graph)
+    problems = outlining_problems(outlined)
+    if not problems:
+        return outlined
+    owner = graph.owning_module  # the stage from split_module: holds what get_attr nodes read
+    try:
+        repaired = outline(_attrs_next_to_users(graph))
+        _copy_missing_attrs(repaired, owner)
+        if not outlining_problems(repaired):
+            logger.debug("%s: module tree rebuilt with get_attr nodes next to their users (%s)",
+                         OUTLINING_ISSUE, "; ".join(problems))
+            return repaired
+    except Exception:  # noqa: BLE001 - the flat stage below is correct whatever failed here
+        logger.debug("%s: rebuilding the module tree failed", OUTLINING_ISSUE, exc_info=True)
+    logger.debug("%s: stage kept as one flat graph (%s)", OUTLINING_ISSUE, "; ".join(problems))
+    flat = fx.GraphModule(owner if owner is not None else nn.Module(), copy.deepcopy(graph))
+    flat_stages.add(flat)
+    return flat
+
+
+def _attrs_next_to_users(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` with each ``get_attr`` node just before its first user, in that user's module.
+
+    A ``get_attr`` reads and computes nothing, so moving it keeps the graph's meaning; taking
+    its user's ``nn_module_stack`` keeps it from opening a run of another module there.
+    """
+    moved = copy.deepcopy(graph)  # node meta is copied per node: the original's stays as it was
+    order = {node: i for i, node in enumerate(moved.nodes)}
+    for node in list(moved.nodes):
+        if node.op != "get_attr" or not node.users:
+            continue
+        first = min(node.users, key=order.__getitem__)
+        first.prepend(node)
+        if "nn_module_stack" in first.meta:
+            node.meta["nn_module_stack"] = first.meta["nn_module_stack"]
+    return moved
+
+
+def _copy_missing_attrs(module: nn.Module, owner: nn.Module | None) -> None:
+    """Give every module of the tree the attributes its ``get_attr`` nodes read, from ``owner``.
+
+    torch's outlining copies the nodes but not what they read (``torch.export.unflatten``
+    does, through ``_copy_graph_attrs``); ``InterpreterModule.finalize`` later builds its
+    generated code from the module's attributes.
+    """
+    if owner is None:
+        return
+    for sub in list(module.modules()):
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        for node in graph.nodes:
+            if node.op != "get_attr" or _lookup(sub, node.target) is not None:
+                continue
+            value = _lookup(owner, node.target)
+            if value is None:
+                continue
+            *prefix, leaf = node.target.split(".")
+            parent = sub
+            for name in prefix:
+                if not isinstance(getattr(parent, name, None), nn.Module):
+                    setattr(parent, name, nn.Module())
+                parent = getattr(parent, name)
+            setattr(parent, leaf, value)
+
+
+def _resolvable_first(module: nn.Module, inputs_to_state: dict[str, list[str]]) -> dict[str, list[str]]:
+    """``inputs_to_state`` with, for each graph input, the names ``module`` holds listed first.
+
+    ``_sink_params`` turns an input into a ``get_attr`` of the first name in its list that
+    lies in the current scope; at the root of a flat stage every alias of a tied tensor
+    does, and the list comes from a set, so its order varies from run to run.
+
+    Example:
+        >>> m = nn.Module(); m.emb = nn.Embedding(2, 2)
+        >>> _resolvable_first(m, {"w": ["head.weight", "emb.weight"]})
+        {'w': ['emb.weight', 'head.weight']}
+    """
+    def held(name: str) -> bool:
+        return isinstance(_lookup(module, name), (torch.Tensor, torch.ScriptObject))
+
+    return {key: sorted(names, key=lambda n: not held(n)) for key, names in inputs_to_state.items()}
+
+
+def _lookup(module: nn.Module, dotted: str) -> Any:
+    """``module``'s attribute at the dotted path ``dotted``, or None if some step is missing."""
+    value: Any = module
+    for name in dotted.split("."):
+        value = getattr(value, name, None)
+        if value is None:
+            return None
+    return value
+
+
+# ---------------------------------------------------------------------- submodule named ``self``
+# The gap is torch.fx's naming, which any code generated from these graphs inherits (torch's
+# own InterpreterModule under torch.compile too); autopipe is merely the one that always runs
+# that code (stages.run_generated_code).
+#: The name of the generated ``forward``'s first parameter, the module itself.
+_SELF = "self"
+
+
+def rename_nodes_shadowing_self(module: nn.Module) -> int:
+    """Rename the fx nodes of ``module``'s tree that the generated code would bind to ``self``.
+
+    fx picks a node's name - the local variable in the generated ``forward`` - from its
+    target, avoiding Python keywords and builtins but not ``self``, the parameter through
+    which that code reaches every submodule. A node named ``self`` (the call of a
+    submodule attribute named ``self``) is renamed ``self_1`` (or the next free name) and
+    the code regenerated; a placeholder whose target is ``self`` gets the new name as its
+    target too. Nothing changes where no node is named ``self``, as on a torch whose fx
+    reserves the name. Call it after the last graph edit, before running the generated code.
+
+    Returns:
+        How many nodes were renamed.
+
+    Example:
+        >>> import torch.fx as fx, torch.nn as nn
+        >>> root = nn.Module(); root.add_module("self", nn.ReLU()); root.add_module("out", nn.Identity())
+        >>> graph = fx.Graph(); x = graph.placeholder("x")
+        >>> _ = graph.output(graph.call_module("out", (graph.call_module("self", (x,)),)))
+        >>> gm = fx.GraphModule(root, graph)
+        >>> rename_nodes_shadowing_self(gm), [n.name for n in gm.graph.nodes]
+        (1, ['x', 'self_1', 'out', 'output'])
+    """
+    renamed = 0
+    for sub in module.modules():
+        graph = getattr(sub, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        changed = False
+        for node in graph.nodes:
+            if node.name != _SELF and not (node.op == "placeholder" and node.target == _SELF):
+                continue
+            node._rename(f"{_SELF}_1")
+            if node.op == "placeholder":
+                node.target = node.name
+            changed = True
+            renamed += 1
+        if not changed:
+            continue
+        if hasattr(sub, "arg_names"):  # InterpreterModule: its placeholder targets, for keyword calls
+            sub.arg_names = [n.target for n in graph.nodes if n.op == "placeholder"]
+        generated = sub.__dict__.get("graph_module")  # InterpreterModule: where its code lives
+        if isinstance(generated, fx.GraphModule):
+            generated.recompile()
+        elif isinstance(sub, fx.GraphModule):
+            sub.recompile()
+    return renamed
+
+
+# ---------------------------------------------------------------------- stage boundaries
+#: The dtype integer and boolean tensors travel in between stages (exact for |x| < 2**53).
+WIRE_DTYPE = torch.float64
+
+
+def _travels_as_float(val: torch.Tensor) -> bool:
+    """An integer or boolean boundary tensor: it crosses a cut as :data:`WIRE_DTYPE`."""
+    return not (val.is_floating_point() or val.is_complex())
+
+
+def make_boundary_tensors_sendable(stage_module: nn.Module, *, first: bool, last: bool) -> None:
+    """Describe every tensor a stage sends or receives as one torch can send, in its graph.
+
+    * Contiguous (torch 2.11 to 2.13): a cut inside a module can fall where a tensor is a
+      strided view (``k.transpose(...)``). torch's stage sends the output as it is and
+      allocates receive buffers with the traced strides, and gloo (like NCCL) only sends
+      and receives contiguous tensors. So each non-contiguous stage output gets a
+      ``clone(memory_format=contiguous_format)`` and each stage input is described as
+      contiguous; contiguous boundaries are left untouched.
+    * Floating point (torch 2.11): integer and boolean tensors (token or position ids,
+      masks) crossing a cut are described as :data:`WIRE_DTYPE`, because torch 2.11 makes
+      every received tensor require grad on the receive buffer itself, which fails for
+      integers. :func:`guard_stage_boundaries` converts them at run time (to float after
+      the sending stage, back before the receiving stage runs) and gives them a zero
+      gradient, so every received tensor has one, as 2.11 also demands. The positions and
+      original dtypes are kept in ``stage_module._autopipe_wire``.
+
+    The model's own inputs (first stage) and outputs (last stage) are left alone.
+
+    Example::
+
+        make_boundary_tensors_sendable(split.get_stage_module(1), first=False, last=True)
+        split.get_stage_module(1)._autopipe_wire   # {"inputs": {1: torch.int64}, "outputs": {}}
+    """
+    graph = stage_module.graph
+    wire: dict[str, dict[int, torch.dtype]] = {"inputs": {}, "outputs": {}}
+    changed = False
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for i, node in enumerate(placeholders):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        if not val.is_contiguous():
+            node.meta["val"] = val = val.clone(memory_format=torch.contiguous_format)
+        if not first and _travels_as_float(val):
+            wire["inputs"][i] = val.dtype
+            node.meta["val"] = val.to(WIRE_DTYPE)
+    output = next(n for n in graph.nodes if n.op == "output")
+
+    def contiguous(arg):
+        nonlocal changed
+        val = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+        if not isinstance(val, torch.Tensor) or val.is_contiguous():
+            return arg
+        with graph.inserting_before(output):
+            copy = graph.call_function(torch.ops.aten.clone.default, (arg,),
+                                       {"memory_format": torch.contiguous_format})
+        copy.meta["val"] = val.clone(memory_format=torch.contiguous_format)
+        changed = True
+        return copy
+
+    output.args = torch.fx.node.map_arg(output.args, contiguous)
+    if changed:
+        stage_module.recompile()
+    if not last:
+        values, _ = tree_flatten(output.args[0])
+        for j, node in enumerate(values):
+            val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+            if isinstance(val, torch.Tensor) and _travels_as_float(val):
+                wire["outputs"][j] = val.dtype
+                node.meta["val"] = val.to(WIRE_DTYPE)  # what torch checks the sent value against
+    stage_module._autopipe_wire = wire
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity forward; the gradient flowing back through it is made contiguous.
+
+    Placed on every stage input, so the input gradient a stage sends back is contiguous
+    whatever the backward produced (the gradient of a ``torch.cat`` input is a strided
+    slice, of a transposed input a transposed tensor). gloo and NCCL send only contiguous
+    tensors, and torch's V schedules size the receiving buffer from the gradient's strides.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return grad.contiguous()
+
+
+class _Attached(torch.autograd.Function):
+    """``value`` unchanged but part of ``anchor``'s autograd graph, contributing no gradient.
+
+    A float-encoded integer a stage sends has no autograd history; torch 2.11's
+    input-gradient backward (``stage_backward_input``) fails on such an output.
+    """
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        return None, None
+
+
+class _TieZeroGrad(torch.autograd.Function):
+    """``out`` unchanged; in backward, ``out``'s gradient and a zero gradient for each tied input.
+
+    Ties the float-encoded integer inputs of a stage (see
+    :func:`make_boundary_tensors_sendable`) to one of its outputs, so torch computes a
+    gradient, zero, for every received tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, *tied: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        ctx.tied_meta = [(t.shape, t.dtype, t.device) for t in tied]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # noqa: D102
+        return (grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.tied_meta))
+
+
+def guard_stage_boundaries(stage_module: nn.Module, *, fresh_outputs: bool = False) -> None:
+    """Make what crosses a stage boundary sendable, in both directions, at run time.
+
+    * Outputs are never views (a view is copied): torch's zero-bubble backward (2.11 to
+      2.13) detaches each stage output in place, which a view does not allow ("Can't detach
+      views in-place"); a cut right after a reshape makes one. Outputs are also made
+      contiguous, in case the run's strides differ from the traced ones (see
+      :func:`make_boundary_tensors_sendable`).
+    * With ``fresh_outputs`` (schedules that split the backward), every output is a copy:
+      torch detaches the outputs in place, and an output the stage's own backward still
+      needs (the residual stream a layer norm in the stage saved) would be lost with it.
+    * Inputs that will receive a gradient pass through :class:`_ContiguousGrad`, so the
+      gradient sent back to the previous stage is contiguous.
+    * Integer tensors described as :data:`WIRE_DTYPE` are converted on the way in and out.
+
+    Example:
+        >>> stage = nn.Linear(2, 2)
+        >>> guard_stage_boundaries(stage)  # no wire description: only views and strides guarded
+        >>> stage(torch.ones(1, 2)).is_contiguous()
+        True
+    """
+    inner = stage_module.forward
+    wire = getattr(stage_module, "_autopipe_wire", {"inputs": {}, "outputs": {}})
+
+    def sendable(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if fresh_outputs or t._is_view():
+            return t.clone(memory_format=torch.contiguous_format)
+        return t.contiguous()
+
+    def guarded(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.requires_grad and torch.is_grad_enabled():
+            return _ContiguousGrad.apply(t)
+        return t
+
+    def forward(*args, **kwargs):
+        args = list(args)
+        encoded = []  # received integers, as floats: decoded here, tied to an output below
+        for i, dtype in wire["inputs"].items():
+            if i < len(args) and isinstance(args[i], torch.Tensor) and args[i].dtype != dtype:
+                encoded.append(args[i])
+                args[i] = args[i].detach().to(dtype)
+        out = inner(*tree_map(guarded, tuple(args)), **tree_map(guarded, kwargs))
+        flat, spec = tree_flatten(out)
+        # A float output in the autograd graph: sent integers and received ones hang off it.
+        anchor = next((j for j, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.requires_grad
+                       and j not in wire["outputs"]), None) if torch.is_grad_enabled() else None
+        for j, value in enumerate(flat):
+            if j in wire["outputs"] and isinstance(value, torch.Tensor):
+                flat[j] = value.to(WIRE_DTYPE)
+                if anchor is not None:  # torch's backward wants every sent tensor in the graph
+                    flat[j] = _Attached.apply(flat[j], flat[anchor])
+        tied = [t for t in encoded if t.requires_grad]
+        if tied and anchor is not None:
+            flat[anchor] = _TieZeroGrad.apply(flat[anchor], *tied)
+        return tree_map(sendable, tree_unflatten(flat, spec))
+
+    stage_module.forward = forward
+
+
+def to_stage_device(value: Any, device: torch.device) -> Any:
+    """A tensor of the batch on the stage's ``device``, contiguous; anything else as it is.
+
+    ``torch.export`` records contiguous strides for the stage inputs, and torch 2.11 checks
+    a micro-batch's strides against them: a batch sliced from a wider tensor
+    (``data[:, :-1]``) would fail there.
+
+    Example:
+        >>> to_stage_device(torch.ones(3, 4)[:, :2], torch.device("cpu")).is_contiguous()
+        True
+    """
+    if isinstance(value, torch.Tensor):
+        return value.to(device, non_blocking=True).contiguous()
+    return value
+
+
+# ---------------------------------------------------------------------- manual stages (V placement)
+class VStage(PipelineStage):
+    """A manual stage whose first step never sends to its own rank.
+
+    Before the first step torch exchanges a dummy tensor with each neighbouring stage to set
+    up the communicators. In a V the two middle stages share a rank, and torch 2.11 sends
+    that dummy to the rank itself, which gloo refuses ("Pair is not connected"); NCCL
+    allows it, and torch 2.13 skips it. The ops with this rank as peer are dropped here, in
+    pairs (the send and the matching receive both name this rank).
+
+    Example::
+
+        stage = VStage(module, stage_index=3, num_stages=4, device=torch.device("cpu"))
+    """
+
+    def _get_init_p2p_neighbors_ops(self) -> list:
+        ops = super()._get_init_p2p_neighbors_ops()
+        me_in_group, me = dist.get_rank(self.group), dist.get_rank()
+
+        def peer_is_me(op) -> bool:
+            group_peer = getattr(op, "group_peer", None)
+            return group_peer == me_in_group if group_peer is not None else getattr(op, "peer", None) == me
+
+        return [op for op in ops if not peer_is_me(op)]
+
+
+def static_stage_meta(stage_module: nn.Module, first_stage_args: tuple | None
+                      ) -> tuple[tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...] | None]:
+    """What a stage receives and sends, as meta tensors from its traced graph (one micro-batch).
+
+    Given to a manual ``PipelineStage``: without them torch (2.11 to 2.13) infers the
+    shapes by running the stage on uninitialised tensors, and an integer input (token or
+    position ids crossing a cut) then indexes out of range. Received floating-point tensors
+    require grad, as torch's traced stages assume; integer ones (ids, masks) do not.
+    ``first_stage_args`` are the model's example inputs for stage 0. Returns
+    ``(None, None)`` when some boundary value is not a tensor, leaving torch to infer.
+
+    Example:
+        >>> gm = fx.symbolic_trace(nn.Linear(2, 3))
+        >>> for node in gm.graph.nodes:
+        ...     node.meta["val"] = torch.empty(4, 2 if node.op == "placeholder" else 3)
+        >>> inputs, outputs = static_stage_meta(gm, None)
+        >>> inputs[0].shape, outputs[0].shape, inputs[0].device.type
+        (torch.Size([4, 2]), torch.Size([4, 3]), 'meta')
+    """
+    def meta(val: Any, requires_grad: bool) -> torch.Tensor | None:
+        if not isinstance(val, torch.Tensor):
+            return None
+        t = torch.empty(val.shape, dtype=val.dtype, device="meta")
+        return t.requires_grad_(requires_grad and t.is_floating_point())
+
+    graph = stage_module.graph
+    if first_stage_args is not None:
+        inputs = [meta(a, a.requires_grad) if isinstance(a, torch.Tensor) else None for a in first_stage_args]
+    else:
+        inputs = [meta(p.meta.get("val"), True) for p in graph.nodes if p.op == "placeholder"]
+    output = next(n for n in graph.nodes if n.op == "output")
+    values, _ = tree_flatten(output.args[0])
+    outputs = [meta(v.meta.get("val") if isinstance(v, torch.fx.Node) else v, True) for v in values]
+    if any(t is None for t in inputs) or not outputs or any(t is None for t in outputs):
+        return None, None
+    return tuple(inputs), tuple(outputs)

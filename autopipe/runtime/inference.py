@@ -1,0 +1,140 @@
+"""Inference on a pipeline's stages: forward only where torch can, else through a training step.
+
+torch's forward-only ``schedule.eval()`` exists for the schedules that place one or more
+stages per rank in a loop. torch's ZBVZeroBubble and DualPipeV run their backward actions
+even in ``eval()`` and fail there, no forward-only torch schedule places stages in a V,
+and older torch releases have no ``eval()`` at all. There inference runs a training step
+of the same schedule on a loss of exactly zero (:func:`zero_loss`) and puts every
+gradient back as it was: correct, at the price of a backward pass.
+
+Each (mode, with loss) pair gets its own schedule over fresh stage objects, built on first
+use: a schedule keeps per-stage communication state that another schedule's run would
+overwrite.
+
+Example::
+
+    inference = Inference(built, num_stages=4, schedule="1F1B", n_microbatches=4, loss_fn=loss_fn,
+                          failures=failures, device=device)
+    output, losses = inference.run(stage_args, {}, stage_target, training=False, with_loss=True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from ..planning.schedules import schedule_class
+from .stages import V_SCHEDULES, MicrobatchMeanLoss, RankStages, make_schedule, manual_stage, rewrap_stage
+from .step_failures import StepFailures
+
+__all__ = ["Inference", "zero_loss"]
+
+
+def zero_loss(output: Any, target: Any) -> torch.Tensor:
+    """A loss of exactly zero that still depends on the output (so a backward can run).
+
+    Example:
+        >>> x = torch.ones(2, requires_grad=True)
+        >>> loss = zero_loss((x * 3, "text"), None); loss.backward()
+        >>> loss.item(), x.grad
+        (0.0, tensor([0., 0.]))
+    """
+    floats = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return sum(t.sum() for t in floats) * 0.0
+
+
+class Inference:
+    """Runs this rank's stages without training, in train or eval mode, with or without the loss.
+
+    Args:
+        built: this rank's stages.
+        num_stages: stages in the whole pipeline.
+        schedule: the pipeline's schedule name.
+        n_microbatches: micro-batches per call.
+        loss_fn: the user's per-micro-batch loss, or None.
+        failures: the pipeline's step failures, so that a failing stage plays the call through.
+        device: this rank's device.
+
+    Example::
+
+        inference = Inference(built, num_stages=2, schedule="1F1B", n_microbatches=4, loss_fn=None,
+                              failures=StepFailures(), device=torch.device("cpu"))
+        output, _ = inference.run(stage_args, {}, inference.placeholder_target(), training=False,
+                                  with_loss=False)
+    """
+
+    def __init__(self, built: RankStages, *, num_stages: int, schedule: str, n_microbatches: int,
+                 loss_fn: Callable | None, failures: StepFailures, device: torch.device) -> None:
+        self._train_modules = built.train_modules
+        self._eval_modules = built.eval_modules
+        self._train_stages = built.train_stages
+        self._batch = built.batch
+        self._num_stages = num_stages
+        self._schedule = schedule
+        self._n_microbatches = n_microbatches
+        self._loss_fn = loss_fn
+        self._failures = failures
+        self._device = device
+        #: Whether torch can run this schedule forward-only (``schedule.eval``).
+        self.forward_only: bool = schedule not in V_SCHEDULES and hasattr(schedule_class(schedule), "eval")
+        self._schedules: dict[tuple[bool, bool], Any] = {}  # (training, with_loss) -> schedule
+
+    def placeholder_target(self) -> torch.Tensor | None:
+        """What to pass as the target of a call without one: what :func:`zero_loss` ignores, one
+        per micro-batch, where inference runs a training step; None where it runs forward only."""
+        return None if self.forward_only else torch.zeros(self._n_microbatches)
+
+    def _schedule_for(self, *, training: bool, with_loss: bool) -> Any:
+        """The schedule that runs inference in this mode, built on first use."""
+        key = (training, with_loss)
+        if key not in self._schedules:
+            modules = self._train_modules if training else self._eval_modules
+            if self._schedule in V_SCHEDULES:
+                stages = [manual_stage(modules[s], s, self._num_stages, self._device, self._batch) for s in modules]
+            else:
+                # Fresh stage objects: a schedule keeps per-stage communication state that
+                # a forward-only run would overwrite for the training schedule.
+                stages = [rewrap_stage(st, modules[st.stage_index]) for st in self._train_stages]
+            if with_loss:
+                loss = MicrobatchMeanLoss(self._loss_fn, self._n_microbatches, self._batch.io)
+            else:  # without forward-only support a backward runs too: it needs a loss
+                loss = None if self.forward_only else zero_loss
+            self._schedules[key] = make_schedule(self._schedule, stages, self._n_microbatches, loss,
+                                                 self._failures, self._device)
+        return self._schedules[key]
+
+    def run(self, stage_args: tuple, stage_kwargs: dict, stage_target: Any, *, training: bool,
+            with_loss: bool) -> tuple[Any, list[torch.Tensor]]:
+        """Forward every micro-batch without training; return the merged output and the losses.
+
+        The inputs are placed as the first and last stages take them; the gradients of every
+        parameter are left as they were.
+        """
+        schedule = self._schedule_for(training=training, with_loss=with_loss)
+        losses: list[torch.Tensor] = []
+        if self.forward_only:
+            with torch.no_grad():
+                # torch insists on a full list of losses whenever one is asked for.
+                output = schedule.eval(*stage_args, target=stage_target, losses=losses if with_loss else None,
+                                       **stage_kwargs)
+            return output, losses
+        params = {id(p): p for m in (*self._train_modules.values(), *self._eval_modules.values())
+                  for p in m.parameters()}
+        saved = [(p, p.grad) for p in params.values()]
+        for p, _ in saved:
+            p.grad = None
+        try:
+            with torch.enable_grad():
+                output = schedule.step(*stage_args, target=stage_target, losses=losses, **stage_kwargs)
+        finally:
+            for p, grad in saved:
+                p.grad = grad
+        return (output.detach() if isinstance(output, torch.Tensor) else output), losses
+
+    def close(self) -> None:
+        """Drop the schedules and stages: they hold the process group and the calls' buffers."""
+        self._schedules = {}
+        self._train_stages = []

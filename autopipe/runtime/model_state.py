@@ -1,0 +1,183 @@
+"""The whole model's gradients and state, from the parts the ranks hold.
+
+Each rank holds its stages' parameters; a parameter used by stages on several ranks (a
+tied embedding) has a copy on each. After a step every copy must hold the same, summed
+gradient (:func:`sum_shared_grads`), the gradient norm must count each parameter once
+over all ranks (:func:`clip_grad_norm`), and a full checkpoint gathers every rank's
+tensors under the original model's names (:func:`full_state_dict`). All three are
+collective: every rank calls them, in the same order.
+
+Example::
+
+    before = grads_before(shared, state)
+    schedule.step(...)
+    sum_shared_grads(shared, state, use_leaves, before)
+    norm = clip_grad_norm(named_parameters, first_use, rank=rank, max_norm=1.0, device=device)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .params import StateNames, fold_use_leaf_grads
+
+__all__ = ["grads_before", "sum_shared_grads", "clip_grad_norm", "full_state_dict", "load_local_state"]
+
+#: ``(canonical names, process group)`` for each set of parameters this rank shares with
+#: other ranks; group None is the whole world.
+Shared = Sequence[tuple[list[str], Any]]
+
+
+def grads_before(shared: Shared, state: Mapping[str, torch.Tensor]) -> list[list[torch.Tensor | None]]:
+    """Copies of the shared parameters' gradients before a step, for :func:`sum_shared_grads`.
+
+    Example:
+        >>> w = nn.Parameter(torch.ones(2)); w.grad = torch.full((2,), 3.0)
+        >>> grads_before([(["w"], None)], {"w": w})
+        [[tensor([3., 3.])]]
+    """
+    return [[state[n].grad.clone() if state[n].grad is not None else None for n in names] for names, _ in shared]
+
+
+def sum_shared_grads(shared: Shared, state: Mapping[str, torch.Tensor],
+                     use_leaves: Sequence[tuple[str, nn.Parameter]], before: list[list[torch.Tensor | None]]) -> None:
+    """Sum this step's gradients of every copy of a shared parameter: on this rank, then across ranks.
+
+    The per-use Parameters of split-backward schedules
+    (:func:`~autopipe.runtime.params.tie_aliases`) add their gradients to their parameter's
+    and drop them. Then parameters held on several ranks are summed across those ranks; only
+    the step's own contribution is summed (gradient minus ``before``), so gradients
+    accumulated over several steps stay right.
+
+    Example::
+
+        before = grads_before(shared, state)
+        schedule.step(x, target=y, losses=losses)
+        sum_shared_grads(shared, state, use_leaves, before)   # every copy: the summed gradient
+    """
+    fold_use_leaf_grads(use_leaves, state)
+    for (names, group), previous in zip(shared, before):
+        params = [state[n] for n in names]
+        deltas = []
+        for p, prev in zip(params, previous):
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            deltas.append((g - prev if prev is not None else g).reshape(-1))
+        flat = torch.cat(deltas)
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for p, prev in zip(params, previous):
+            chunk = flat[offset: offset + p.numel()].view_as(p)
+            offset += p.numel()
+            p.grad = chunk.clone() if prev is None else prev + chunk
+
+
+def clip_grad_norm(named_parameters: Sequence[tuple[str, nn.Parameter]], first_use: Mapping[str, int], *,
+                   rank: int, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                   device: torch.device) -> torch.Tensor:
+    """Scale this rank's gradients so that the norm over every rank's is at most ``max_norm``.
+
+    Each parameter counts on one rank only: ``first_use[name]``, where it is first used (its
+    copies on other ranks hold the same, summed gradient after a step). One all-reduce on
+    ``device``; every gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``.
+
+    Returns:
+        The global norm before clipping, in the gradients' dtype, the same on every rank.
+
+    Raises:
+        ValueError: ``max_norm`` or ``norm_type`` out of range (before communication).
+        RuntimeError: ``error_if_nonfinite`` and the norm is not finite.
+
+    Example::
+
+        norm = clip_grad_norm(pipe_named_parameters, first_use, rank=dist.get_rank(), max_norm=1.0,
+                              device=torch.device("cpu"))
+    """
+    for arg, value in (("max_norm", max_norm), ("norm_type", norm_type)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"{arg}={value!r} must be a number > 0 (norm_type may be float('inf'))")
+    if not math.isfinite(max_norm):
+        raise ValueError(f"max_norm={max_norm!r} must be finite")
+    norm_type = float(norm_type)
+    counted = [p.grad for name, p in named_parameters if p.grad is not None and first_use.get(name, rank) == rank]
+    if norm_type == math.inf:
+        local = max((g.detach().abs().max().double() for g in counted), default=torch.zeros((), dtype=torch.float64))
+        total = local.to(device).reshape(1)
+        dist.all_reduce(total, op=dist.ReduceOp.MAX)
+        total = total[0]
+    else:
+        local = sum((torch.linalg.vector_norm(g.detach(), norm_type).double() ** norm_type for g in counted),
+                    torch.zeros((), dtype=torch.float64))
+        total = local.to(device).reshape(1)
+        dist.all_reduce(total)
+        total = total[0] ** (1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the global {norm_type}-norm of the gradients is {total.item()}; "
+                           f"error_if_nonfinite=True refuses to clip by it")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for _, p in named_parameters:
+        if p.grad is not None:
+            p.grad.detach().mul_(coef.to(device=p.grad.device, dtype=p.grad.dtype))
+    dtype = counted[0].dtype if counted else torch.float32
+    return total.to(dtype)
+
+
+def full_state_dict(local: Mapping[str, torch.Tensor], unheld: Mapping[str, torch.Tensor], names: StateNames,
+                    world_size: int) -> dict[str, torch.Tensor]:
+    """The whole model's state dict on every rank, on the CPU, with every key of the unsplit model's.
+
+    ``local`` is this rank's tensors by canonical name, ``unheld`` the tensors no stage
+    reads; tied aliases get the same tensor.
+
+    Example::
+
+        model.load_state_dict(full_state_dict(local, unheld, names, dist.get_world_size()))
+    """
+    gathered: list[dict[str, torch.Tensor] | None] = [None] * world_size
+    dist.all_gather_object(gathered, {n: t.cpu().clone() for n, t in local.items()})
+    merged: dict[str, torch.Tensor] = dict(unheld)
+    for part in gathered:
+        for n, t in part.items():
+            merged.setdefault(n, t)
+    return {key: merged[names.canonical.get(key, key)] for key in names.state_dict_keys}
+
+
+@torch.no_grad()
+def load_local_state(state: Mapping[str, torch.Tensor], names: StateNames, state_dict: Mapping[str, torch.Tensor],
+                     *, strict: bool) -> None:
+    """Copy into ``state`` (this rank's tensors by canonical name) what ``state_dict`` holds for them.
+
+    Keys are the original model's names; any alias of a tied tensor will do.
+
+    Raises:
+        TypeError: ``state_dict`` is not a mapping.
+        KeyError: (strict) names missing or unknown, listed.
+        ValueError: a shape differs from the model's.
+
+    Example:
+        >>> from autopipe.runtime.params import model_state_names
+        >>> model = nn.Linear(2, 2); state = dict(model.named_parameters())
+        >>> load_local_state(state, model_state_names(model), nn.Linear(2, 2).state_dict(), strict=True)
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
+    unknown = sorted(k for k in state_dict if k not in names.canonical)
+    by_canon: dict[str, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        if key in names.canonical:
+            by_canon.setdefault(names.canonical[key], value)
+    missing = sorted(n for n in state if n not in by_canon)
+    if strict and (unknown or missing):
+        raise KeyError(f"load_state_dict(strict=True): missing names {missing}, unknown names {unknown}")
+    for name, tensor in state.items():
+        if name in by_canon:
+            value = by_canon[name]
+            if tuple(value.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name!r} has shape {tuple(value.shape)} in state_dict but "
+                                 f"{tuple(tensor.shape)} in the model")
+            tensor.copy_(value)

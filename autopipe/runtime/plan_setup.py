@@ -1,0 +1,430 @@
+"""Settling, on every rank, which plan the pipeline runs: given, split by hand, or planned once.
+
+:class:`~autopipe.runtime.pipeline.Pipeline` settles its plan in two steps:
+
+1. :meth:`PlanRequest.checked`, before joining the job: every argument that can be checked
+   alone (the plan file, the split points, the counts, the schedule name, the planner
+   options), so a bad argument fails on every rank before any communication.
+2. :func:`settle_plan`, once the ranks are joined: the schedule settings each rank derives
+   from its own arguments and the world size, then one plan for all ranks. A plan or
+   split points given to every rank are checked to agree across the ranks; otherwise
+   :func:`autopipe.planning.planner.partition` runs once, on rank 0, and its plan is
+   broadcast - so timings measured differently on each rank can never give two ranks
+   different splits. By default the ranks first profile the model together
+   (:func:`autopipe.planning.rank_profile.profile_in_ranks`) and rank 0 plans from the mean.
+
+Example::
+
+    request = PlanRequest.checked(model, split_points=["layers.2"], schedule="1F1B")
+    layout = settle_plan(request, model, (x_mb,), None, loss_fn, rank=0, world_size=2,
+                         device=torch.device("cpu"), comm_device=torch.device("cpu"))
+    layout.plan.split_points   # ['layers.2']
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .._checks import check_int
+from ..planning.options import PARTITION_OLD_KEYWORDS, PlannerOptions, ProfileOptions, fold_old_partition_keywords
+from ..planning.plan import Plan, StagePlan
+from ..planning.schedules import canonical_schedule_name, validate_schedule
+from ..planning.trace import resolve_example_inputs
+from .distributed import broadcast_object, gather_digests
+from .stages import SINGLE_STAGE_SCHEDULES
+
+__all__ = ["PlanRequest", "PipelineLayout", "settle_plan", "check_model_and_inputs", "planner_from_options",
+           "deprecated_keywords", "profile_in_ranks_by_default", "rank_profile_settings"]
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the user asked for, checked: a plan, split points, or settings for the planner.
+
+    Build it with :meth:`checked`. ``n_ranks``, ``schedule``, ``n_microbatches`` and
+    ``stages_per_rank`` are None where the user left them to the plan, the world size or
+    the planner.
+    """
+
+    plan: Plan | None
+    split_points: list[str] | None
+    n_ranks: int | None
+    schedule: str | None
+    n_microbatches: int | None
+    stages_per_rank: int | None
+    planner: PlannerOptions
+    profile_in_ranks: bool | None
+
+    @classmethod
+    def checked(cls, model: nn.Module, *, plan: Plan | str | os.PathLike | None = None,
+                split_points: Sequence[str] | None = None, n_ranks: int | None = None, schedule: str | None = None,
+                n_microbatches: int | None = None, stages_per_rank: int | None = None,
+                planner: PlannerOptions | None = None, profile_in_ranks: bool | None = None) -> PlanRequest:
+        """Check every argument that needs no other rank; raise naming the first bad one.
+
+        Raises:
+            TypeError / ValueError: a bad argument (named in the message), a schedule name
+                that does not exist (the message lists those that do), or a plan whose
+                split points the model lacks.
+            FileNotFoundError: ``plan`` names no file.
+
+        Example::
+
+            PlanRequest.checked(model, split_points=["layers.9"])
+            # ValueError: split_points=['layers.9']: ['layers.9'] are not submodules of the model; ...
+        """
+        plan = _load_plan(plan, split_points)
+        split_points = _check_split_points(model, split_points if plan is None else plan.split_points,
+                                           "split_points" if plan is None else "plan.split_points")
+        for arg, value in (("n_ranks", n_ranks), ("n_microbatches", n_microbatches),
+                           ("stages_per_rank", stages_per_rank)):
+            if value is not None:
+                check_int(arg, value, not_int=TypeError)
+        if schedule is not None:
+            schedule = canonical_schedule_name(schedule)  # lists the valid names when unknown
+        if planner is None:
+            planner = PlannerOptions()
+        elif not isinstance(planner, PlannerOptions):
+            raise TypeError(f"planner={planner!r} must be an autopipe.PlannerOptions (the planner's settings, "
+                            f"named as partition's keywords) or None")
+        if profile_in_ranks is not None and not isinstance(profile_in_ranks, bool):
+            raise ValueError(f"profile_in_ranks={profile_in_ranks!r} must be True, False or None (profile in the "
+                             f"ranks when the pipeline plans for several ranks)")
+        if profile_in_ranks and (plan is not None or split_points is not None):
+            raise ValueError("profile_in_ranks=True profiles for the planner, but a plan or split_points was "
+                             "given: there is nothing to plan; drop one of them")
+        if profile_in_ranks and not _measures_costs(planner):
+            raise ValueError(f"profile_in_ranks=True measures the costs, but the planner options give them "
+                             f"(cost={_short(planner.cost)}): drop one of them")
+        return cls(plan=plan, split_points=split_points, n_ranks=n_ranks, schedule=schedule,
+                   n_microbatches=n_microbatches, stages_per_rank=stages_per_rank, planner=planner,
+                   profile_in_ranks=profile_in_ranks)
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """The settled plan and how it runs: the same on every rank.
+
+    Attributes:
+        plan: the split every rank builds.
+        schedule: the canonical schedule name.
+        n_microbatches: micro-batches per step.
+        stages_per_rank: stages each rank holds.
+        n_ranks: ranks the pipeline runs on (the world size).
+    """
+
+    plan: Plan
+    schedule: str
+    n_microbatches: int
+    stages_per_rank: int
+    n_ranks: int
+
+
+def settle_plan(request: PlanRequest, model: nn.Module, example_args: tuple, example_kwargs: dict | None,
+                loss_fn: Callable | None, *, rank: int, world_size: int, device: torch.device,
+                comm_device: torch.device) -> PipelineLayout:
+    """One plan and schedule for every rank (collective).
+
+    Args:
+        request: the checked arguments.
+        model, example_args, example_kwargs, loss_fn: as given to the pipeline.
+        rank, world_size: this rank and the number of ranks.
+        device: where this rank's stages run (and the planner measures).
+        comm_device: where tensors travel for collectives (the CPU under gloo).
+
+    Raises:
+        ValueError: the world size does not match the plan or ``n_ranks``, the schedule
+            cannot run these settings, or the ranks were given different plans (on every
+            rank).
+        RuntimeError: planning failed on rank 0 (the other ranks say so; rank 0 raises the
+            planner's own error).
+
+    Example::
+
+        layout = settle_plan(request, model, (x_mb,), None, loss_fn, rank=dist.get_rank(),
+                             world_size=dist.get_world_size(), device=device, comm_device=device)
+    """
+    plan, schedule = request.plan, request.schedule
+    n_microbatches, stages_per_rank = request.n_microbatches, request.stages_per_rank
+    # ---- the settings every rank derives from its own arguments (no communication)
+    if plan is not None:
+        schedule = schedule or canonical_schedule_name(plan.schedule)
+        n_microbatches = n_microbatches or plan.n_microbatches
+        stages_per_rank = stages_per_rank or plan.stages_per_rank
+        if plan.num_stages % stages_per_rank:
+            raise ValueError(f"the plan has {plan.num_stages} stages, which is not a multiple of "
+                             f"stages_per_rank={stages_per_rank}")
+        n_ranks = plan.num_stages // stages_per_rank
+        if request.n_ranks is not None and request.n_ranks != n_ranks:
+            raise ValueError(f"n_ranks={request.n_ranks} but the plan runs {plan.num_stages} stages at "
+                             f"{stages_per_rank} per rank, i.e. on {n_ranks} ranks")
+    else:
+        schedule = schedule or "1F1B"
+        n_ranks = request.n_ranks if request.n_ranks is not None else world_size
+        stages_per_rank = stages_per_rank or (1 if schedule in SINGLE_STAGE_SCHEDULES else 2)
+        if request.split_points is not None:
+            n_microbatches = n_microbatches or 2 * n_ranks
+            stages = n_ranks * stages_per_rank
+            if len(request.split_points) + 1 != stages:
+                raise ValueError(
+                    f"split_points={list(request.split_points)} make {len(request.split_points) + 1} stages, but "
+                    f"{n_ranks} ranks x stages_per_rank={stages_per_rank} need {stages} "
+                    f"(give {stages - 1} split points)"
+                )
+    if n_ranks != world_size:
+        raise ValueError(
+            f"the pipeline needs {n_ranks} ranks ({'the plan' if plan is not None else 'n_ranks'}: "
+            f"{n_ranks * stages_per_rank} stages, {stages_per_rank} per rank) but the world "
+            f"has {world_size} processes; launch with --nproc {n_ranks}"
+        )
+    if n_microbatches is not None:
+        validate_schedule(schedule, n_ranks, n_microbatches, stages_per_rank)
+    if plan is None and request.split_points is not None:
+        plan = _plan_from_split_points(request.split_points, schedule, n_microbatches, stages_per_rank)
+
+    # ---- one plan for all ranks
+    if plan is None:
+        plan = _plan_on_rank0(request, model, example_args, example_kwargs, loss_fn, rank=rank,
+                              world_size=world_size, n_ranks=n_ranks, schedule=schedule,
+                              n_microbatches=n_microbatches, stages_per_rank=stages_per_rank, device=device,
+                              comm_device=comm_device)
+        n_microbatches = n_microbatches or plan.n_microbatches
+        validate_schedule(schedule, n_ranks, n_microbatches, plan.stages_per_rank)
+        if plan.num_stages != n_ranks * stages_per_rank:
+            raise ValueError(f"the planner returned {plan.num_stages} stages; {n_ranks} ranks x "
+                             f"stages_per_rank={stages_per_rank} need {n_ranks * stages_per_rank}")
+    else:
+        _check_ranks_agree(plan, schedule, n_microbatches, stages_per_rank, world_size)
+    return PipelineLayout(plan=plan, schedule=schedule, n_microbatches=n_microbatches,
+                          stages_per_rank=stages_per_rank, n_ranks=n_ranks)
+
+
+def _plan_on_rank0(request: PlanRequest, model: nn.Module, example_args: tuple, example_kwargs: dict | None,
+                   loss_fn: Callable | None, *, rank: int, world_size: int, n_ranks: int, schedule: str,
+                   n_microbatches: int | None, stages_per_rank: int, device: torch.device,
+                   comm_device: torch.device) -> Plan:
+    """Profile (in every rank, or on rank 0 alone), plan on rank 0; every rank receives its plan, or its error."""
+    planner = request.planner
+    # Measure where the stages will run.
+    profiling = planner.profiling or ProfileOptions()
+    profiling = replace(profiling, device=profiling.device if profiling.device is not None else device)
+    kwargs = {**planner.partition_kwargs(), "profiling": profiling}
+    if planner.example_target is not None and loss_fn is not None:  # the loss is charged to the last stage
+        kwargs["loss_fn"] = loss_fn
+    profile_together = request.profile_in_ranks
+    if profile_together is None:
+        profile_together = profile_in_ranks_by_default(world_size, planner)
+    if profile_together:  # every rank at once, before rank 0 plans from their mean
+        from ..planning.rank_profile import profile_in_ranks
+
+        kwargs["cost"] = profile_in_ranks(model, example_args, example_kwargs, device=profiling.device,
+                                          **rank_profile_settings(profiling))
+    outcome: tuple[str, Any] | None = None
+    if rank == 0:
+        try:
+            from ..planning.planner import partition
+
+            found = partition(model, n_ranks, example_args=example_args, example_kwargs=example_kwargs,
+                              schedule=schedule, n_microbatches=n_microbatches, stages_per_rank=stages_per_rank,
+                              **kwargs)
+            outcome = ("ok", found.to_dict())
+        except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+            error = e
+            outcome = ("error", f"{type(e).__name__}: {e}")
+    outcome = broadcast_object(outcome, src=0, device=comm_device)
+    if outcome[0] == "error":
+        if rank == 0:
+            raise error
+        raise RuntimeError(f"planning failed on rank 0, so no rank can build its stages: {outcome[1]}")
+    return Plan.from_dict(outcome[1])
+
+
+def _check_ranks_agree(plan: Plan, schedule: str, n_microbatches: int, stages_per_rank: int,
+                       world_size: int) -> None:
+    """Every rank must run the same split and schedule; otherwise all raise the same error."""
+    digests = gather_digests((plan.split_points, plan.num_stages, schedule, n_microbatches, stages_per_rank),
+                             world_size)
+    if len(set(digests)) > 1:
+        groups = {d: [r for r, x in enumerate(digests) if x == d] for d in set(digests)}
+        raise ValueError(
+            f"ranks were given different plans or settings (split points, schedule, "
+            f"n_microbatches, stages_per_rank); ranks agreeing with each other: "
+            f"{sorted(groups.values())}. Give every rank the same plan file."
+        )
+
+
+def _measures_costs(planner: PlannerOptions) -> bool:
+    """Whether the planner would measure the model (no estimate, no costs given)."""
+    return planner.cost is None or (isinstance(planner.cost, str) and planner.cost == "measured")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else f"<{type(value).__name__}>"
+
+
+def profile_in_ranks_by_default(world_size: int, planner: PlannerOptions) -> bool:
+    """``profile_in_ranks=None``: profile in every rank when there are several and nothing else gives the costs.
+
+    Nothing else gives them when the planner measures (no ``cost`` estimate or profile of
+    its own) and no ``devices`` are given: those carry speeds relative to the one device a
+    profile was taken on, and a mean over the ranks' devices would count them twice.
+    Profiles every rank takes at once see what ranks sharing a host do to each other
+    (memory bandwidth, caches; docs/costs-and-measurement.md), and the other ranks would
+    only wait meanwhile, so it costs no time.
+
+    Example:
+        >>> profile_in_ranks_by_default(2, PlannerOptions(memory="1GiB"))
+        True
+        >>> profile_in_ranks_by_default(2, PlannerOptions(cost="flops")), profile_in_ranks_by_default(1, PlannerOptions())
+        (False, False)
+    """
+    return world_size > 1 and planner.devices is None and _measures_costs(planner)
+
+
+def rank_profile_settings(profiling: ProfileOptions) -> dict[str, Any]:
+    """The settings of the ranks' profile: the planner's own profiling settings.
+
+    ``warmup`` / ``repeats`` are the planner's (not ``profile_in_ranks``' longer default),
+    so the ranks profile as many rounds as rank 0 alone would have and planning takes no
+    longer.
+
+    Example:
+        >>> rank_profile_settings(ProfileOptions(repeats=3, flush_cache=False))
+        {'warmup': 2, 'repeats': 3, 'flush_cache': False, 'fit_to_whole': None}
+    """
+    return {"warmup": profiling.warmup, "repeats": profiling.repeats, "flush_cache": profiling.flush_cache,
+            "fit_to_whole": profiling.fit_to_whole}
+
+
+def planner_from_options(planner_options: Mapping[str, Any]) -> PlannerOptions:
+    """:class:`~autopipe.planning.options.PlannerOptions` from the deprecated ``planner_options`` dict.
+
+    Keys named as a field of PlannerOptions keep their meaning; partition's keywords of the
+    previous release (``warmup``, ``costs``, ``bandwidth``, ...) go where partition now takes
+    them (``profiling``, ``cost``, ``devices``).
+
+    Raises:
+        TypeError: not a mapping, or keys the planner options do not take (named, with
+            the accepted ones).
+
+    Example:
+        >>> planner_from_options({"memory": "8GiB", "repeats": 3}).profiling.repeats
+        3
+    """
+    if not isinstance(planner_options, Mapping):
+        raise TypeError(f"planner_options={planner_options!r} must be a dict of the planner's settings; "
+                        f"pass planner=autopipe.PlannerOptions(...) instead")
+    new_names = [f.name for f in fields(PlannerOptions)]
+    unknown = sorted(k for k in planner_options if k not in new_names and k not in PARTITION_OLD_KEYWORDS)
+    if unknown:
+        raise TypeError(f"planner_options has {unknown}, which the planner options do not take; accepted: "
+                        f"{sorted([*new_names, *PARTITION_OLD_KEYWORDS])}")
+    kwargs = {k: v for k, v in planner_options.items() if k in new_names}
+    fold_old_partition_keywords({k: v for k, v in planner_options.items() if k in PARTITION_OLD_KEYWORDS}, kwargs)
+    return PlannerOptions(**kwargs)
+
+
+def deprecated_keywords(n_ranks: int | None, n_stages: int | None, planner: PlannerOptions | None,
+                        planner_options: Mapping[str, Any] | None) -> tuple[int | None, PlannerOptions | None]:
+    """``(n_ranks, planner)`` from the new keywords or the deprecated ones, with a warning for the latter.
+
+    Raises:
+        TypeError: a setting given under both names.
+
+    Example::
+
+        deprecated_keywords(None, 2, None, None)   # (2, None), warning that n_stages= is now n_ranks=
+    """
+    if n_stages is not None:
+        if n_ranks is not None:
+            raise TypeError("give n_ranks= (n_stages= is its deprecated name), not both")
+        warnings.warn("Pipeline(n_stages=) is deprecated and will be removed in the next release: it counts "
+                      "ranks; pass n_ranks= instead", DeprecationWarning, stacklevel=3)
+        n_ranks = n_stages
+    if planner_options is not None:
+        if planner is not None:
+            raise TypeError("give planner=autopipe.PlannerOptions(...) (planner_options= is its deprecated "
+                            "form), not both")
+        warnings.warn("Pipeline(planner_options=) is deprecated and will be removed in the next release; pass "
+                      "planner=autopipe.PlannerOptions(...) instead (its fields are named as partition's "
+                      "keywords)", DeprecationWarning, stacklevel=3)
+        planner = planner_from_options(planner_options)
+    return n_ranks, planner
+
+
+def check_model_and_inputs(model: Any, example_args: Any, example_kwargs: Any,
+                           loss_fn: Any) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
+    """The checked ``(example_args, example_kwargs)``: ``()`` for args when only keywords are given.
+
+    With neither, the model's own example (``example_input_array``, ``dummy_inputs``) is
+    used, or :class:`~autopipe.errors.MissingExampleInputsError` says what to pass.
+
+    Example:
+        >>> check_model_and_inputs(nn.Linear(2, 2), None, {"input": torch.ones(1, 2)}, None)[0]
+        ()
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if example_args is None and example_kwargs is None:
+        example_args, example_kwargs = resolve_example_inputs(model, None, None)
+    elif example_args is None:  # every input is a keyword (Hugging Face's input_ids=...)
+        example_args = ()
+    if not isinstance(example_args, tuple):
+        raise TypeError(
+            f"example_args must be a tuple of one micro-batch's positional inputs, e.g. (x_mb,); "
+            f"got {type(example_args).__name__}"
+        )
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise TypeError(f"example_kwargs must be a dict or None, got {type(example_kwargs).__name__}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable as loss_fn(output, target), got {loss_fn!r}")
+    return example_args, example_kwargs
+
+
+def _load_plan(plan: Any, split_points: Any) -> Plan | None:
+    if plan is not None and split_points is not None:
+        raise ValueError("give either plan= or split_points=, not both")
+    if plan is None or isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, os.PathLike)):
+        if not os.path.isfile(plan):
+            raise FileNotFoundError(f"plan={os.fspath(plan)!r}: no such plan file")
+        return Plan.load(plan)
+    raise TypeError(f"plan must be an autopipe Plan, a plan file path or None, got {type(plan).__name__}")
+
+
+def _check_split_points(model: nn.Module, split_points: Any, arg: str) -> list[str] | None:
+    if split_points is None:
+        return None
+    if isinstance(split_points, str) or not isinstance(split_points, Sequence):
+        raise TypeError(f"{arg} must be a list of module names, got {split_points!r}")
+    names = dict(model.named_modules())
+    bad = [p for p in split_points if not isinstance(p, str) or p not in names or p == ""]
+    if bad:
+        raise ValueError(
+            f"{arg}={list(split_points)!r}: {bad} are not submodules of the model; split points "
+            f"are module names such as {[n for n in names if n][:5]}"
+        )
+    if len(set(split_points)) != len(split_points):
+        raise ValueError(f"{arg}={list(split_points)!r} names a module twice")
+    return list(split_points)
+
+
+def _plan_from_split_points(split_points: list[str], schedule: str, n_microbatches: int,
+                            stages_per_rank: int) -> Plan:
+    """A Plan for a hand-chosen split: the split points, no cost predictions."""
+    n = len(split_points) + 1
+    stages = [StagePlan(index=i, fqns=[], first_segment=i, last_segment=i, fwd_s=0.0, bwd_s=0.0, comm_s=0.0,
+                        param_bytes=0, act_bytes=0, peak_bytes=0, send_bytes=0, recv_bytes=0) for i in range(n)]
+    return Plan(num_stages=n, split_points=list(split_points), stages=stages, schedule=schedule,
+                n_microbatches=n_microbatches, bottleneck_s=0.0, predicted_step_s=0.0, lower_bound_s=0.0,
+                cost_source="none", objective="given by hand", stages_per_rank=stages_per_rank,
+                notes=["split points given by hand to autopipe.Pipeline: no costs predicted"])

@@ -1,0 +1,425 @@
+"""Building this rank's stages: torch's ``pipeline()`` on a private copy, then what this rank runs.
+
+``torch.distributed.pipelining.pipeline()`` cuts the model at the plan's split points into
+one module per stage. :func:`split_model` runs it and prepares every stage module to run
+split (skip connections relayed, inputs written in place copied, boundary tensors made
+sendable, generated code instead of the fx interpreter). :func:`build_rank_stages` keeps
+this rank's stages: one for GPipe and 1F1B, ``stages_per_rank`` looped for the
+interleaved schedules, two in a V for ZBVZeroBubble and DualPipeV. It points every copy of
+a tied parameter at one tensor, creates the process groups that sum the gradients of
+parameters held on several ranks, and traces again for eval mode where train and eval
+compute differently. :func:`make_schedule` wraps stages in torch's schedule class.
+
+Example::
+
+    split = split_model(model, {"layers.2": SplitPoint.BEGINNING}, ((x_mb,), {}),
+                        training=True, expected=2)
+    split.get_stage_module(1)   # the second stage's module
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
+
+from ..planning import hf_compat
+from ..planning.inplace import clone_inputs_written_in_place
+from ..planning.plan import Plan
+from ..planning.schedules import SPLIT_BACKWARD_SCHEDULES, schedule_class
+from .checkpointing import checkpoint_stage
+from .compat import (VStage, guard_stage_boundaries, make_boundary_tensors_sendable, rename_nodes_shadowing_self,
+                     safe_submodule_outlining, static_stage_meta)
+from .distributed import gather_digests
+from .model_io import ModelIO, TracedBatch, capture_export
+from .params import (StateNames, first_model_difference, first_use_ranks, model_signature, model_state_names,
+                     shared_parameters, stage_state, tie_aliases)
+from .relay import relay_skip_connections
+from .step_failures import PlayThroughLoss, StepFailures, play_through_forward
+
+__all__ = ["SINGLE_STAGE_SCHEDULES", "V_SCHEDULES", "split_model", "run_generated_code", "RankStages",
+           "build_rank_stages", "manual_stage", "rewrap_stage", "MicrobatchMeanLoss", "make_schedule"]
+
+#: Schedules that run exactly one stage per rank (torch's PipelineScheduleSingle).
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
+#: Schedules that place a rank's two stages in a V (rank r: stages r and 2 * ranks - 1 - r).
+#: torch's Pipe.build_stage wires each stage's peers for the looped placement, so these get
+#: a manual PipelineStage, which learns its peers from the schedule.
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+
+
+def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict], *, training: bool,
+                expected: int) -> Any:
+    """``pipeline()`` on ``model`` in the given mode, each stage module ready to run split.
+
+    The model's forwards are left as they were: torch's ``annotate_split_points`` wraps the
+    split modules' ``forward`` in place, and a second ``pipeline()`` on the same model would
+    then wrap the wrapper. The returned ``Pipe`` carries ``autopipe_io``, the
+    :class:`~autopipe.runtime.model_io.ModelIO` of the traced call.
+
+    Raises:
+        ValueError: the split did not give ``expected`` stages (a split point that is not
+            called exactly once per forward, in forward order).
+
+    Example::
+
+        split = split_model(model, {"layers.1": SplitPoint.BEGINNING}, ((x,), {}),
+                            training=True, expected=2)
+    """
+    was_training = model.training
+    saved = {}
+    for name in split_spec:
+        module = model.get_submodule(name)
+        saved[name] = {k: module.__dict__[k] for k in ("forward", "_orig_forward") if k in module.__dict__}
+    model.train(training)
+    try:
+        with capture_export() as exported, safe_submodule_outlining():
+            pipe = pipeline(model, tuple(example[0]), dict(example[1]) or None, split_spec=split_spec)
+    finally:
+        model.train(was_training)
+        for name, attrs in saved.items():
+            module = model.get_submodule(name)
+            for k in ("forward", "_orig_forward"):
+                module.__dict__.pop(k, None)
+            module.__dict__.update(attrs)
+    if pipe.num_stages != expected:
+        raise ValueError(
+            f"splitting at {list(split_spec)} gave {pipe.num_stages} stages, not {expected}: a split "
+            f"point must be a module called exactly once per forward, in forward order"
+        )
+    #: How a call's (args, kwargs) map to stage 0's flat inputs, and the last stage's
+    #: outputs back to what the model returns.
+    pipe.autopipe_io = ModelIO.from_example(tuple(example[0]), dict(example[1]), exported[0] if exported else None)
+    # torch's schedules and stages only pass tensors between neighbouring stages.
+    relay_skip_connections(pipe)
+    for s in range(pipe.num_stages):
+        # A received input is a leaf that requires grad: one the stage (or a submodule it
+        # calls) writes in place, as ReLU(inplace=True) does, gets a copy (autopipe.planning.inplace).
+        clone_inputs_written_in_place(pipe.get_stage_module(s).graph)
+        make_boundary_tensors_sendable(pipe.get_stage_module(s), first=s == 0, last=s == pipe.num_stages - 1)
+        run_generated_code(pipe.get_stage_module(s))
+    return pipe
+
+
+def run_generated_code(stage_module: nn.Module) -> int:
+    """Run torch's unflattened submodules as generated Python code, not through the fx Interpreter.
+
+    ``pipeline()`` rebuilds each stage's module tree as ``torch.export.unflatten.
+    InterpreterModule`` objects, which by default execute their graph one node at a time
+    through ``torch.fx.Interpreter`` (for readable stack traces). That Python cost per node
+    makes blocks of many small ops markedly slower than the same graph as generated code -
+    the form autopipe profiles - so plans would be cut for a speed the stages do not have
+    (docs/design.md, finding 1). The generated code is what ``InterpreterModule`` itself runs under
+    ``torch.compile``.
+
+    Returns:
+        How many modules were switched (0 on a torch without the switch).
+
+    Example::
+
+        run_generated_code(split.get_stage_module(0))   # e.g. 7
+    """
+    # The Interpreter binds no names; generated code binds each node's name as a local, and
+    # a node named after a submodule called `self` (BertAttention.self) would rebind `self`.
+    rename_nodes_shadowing_self(stage_module)
+    switched = 0
+    for module in stage_module.modules():
+        if hasattr(module, "_run_with_interpreter") and hasattr(module, "graph_module"):
+            module._run_with_interpreter = False
+            switched += 1
+    return switched
+
+
+def _has_mode_dependent_modules(model: nn.Module) -> bool:
+    """True if train and eval mode compute differently: dropout with p > 0 or batch statistics."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
+            return True
+    return False
+
+
+@dataclass
+class RankStages:
+    """This rank's share of the split model, as :func:`build_rank_stages` leaves it.
+
+    Attributes:
+        batch: the traced micro-batch every batch is checked against.
+        names: the original model's tensor names.
+        train_modules / eval_modules: this rank's stage modules by stage index (the same
+            objects unless the model needed a separate eval-mode trace).
+        train_stages: torch's stage objects over ``train_modules``, in pipeline order.
+        state: one tensor per canonical name held on this rank.
+        use_leaves: per-use Parameters of split-backward schedules, as
+            ``(canonical name, Parameter)`` (:func:`~autopipe.runtime.params.tie_aliases`).
+        shared: ``(names, process group)`` for each set of parameters this rank shares with
+            other ranks (group None = the whole world).
+        grad_norm_rank: the rank whose copy of each parameter counts in the global norm.
+        unheld_state: tensors no stage reads, kept for a full checkpoint.
+    """
+
+    batch: TracedBatch
+    names: StateNames
+    train_modules: dict[int, nn.Module]
+    eval_modules: dict[int, nn.Module]
+    train_stages: list
+    state: dict[str, torch.Tensor]
+    use_leaves: list[tuple[str, nn.Parameter]]
+    shared: list[tuple[list[str], Any]]
+    grad_norm_rank: dict[str, int]
+    unheld_state: dict[str, torch.Tensor]
+
+
+def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbatches: int, stage_ranks: list[int],
+                      rank: int, world_size: int, device: torch.device, example: tuple[tuple, dict],
+                      training: bool, checkpointed: Sequence[int]) -> RankStages:
+    """Split a private copy of ``model`` at the plan's split points and build this rank's stages.
+
+    Collective: every rank calls it with the same model and plan. The ranks first check
+    that they were given the same model (names, shapes, dtypes, ties), then create the
+    process groups of parameters shared across ranks and give every copy the value of the
+    rank that uses it first.
+
+    Raises:
+        ValueError: the ranks were given different models (on every rank, naming the
+            first difference), or the split does not give the plan's stages.
+
+    Example::
+
+        built = build_rank_stages(model, plan, schedule="1F1B", n_microbatches=4, stage_ranks=[0, 1],
+                                  rank=0, world_size=2, device=torch.device("cpu"),
+                                  example=((x_mb,), {}), training=True, checkpointed=[])
+    """
+    # Before anything is traced: ranks with different models would split differently and
+    # disagree on the shared parameters' process groups.
+    _check_same_model(model, world_size)
+    local_model = copy.deepcopy(model)
+    # The copy is private, so a Hugging Face KV cache simply stays off: it is no trainable
+    # output and cannot leave a stage (autopipe.planning.hf_compat; the planner's report says so).
+    hf_compat.turn_off_cache(local_model)
+    example = (example[0], hf_compat.training_kwargs(local_model, example[1])[0])
+    names = model_state_names(local_model)
+    num_stages = plan.num_stages
+    split_spec = {name: SplitPoint.BEGINNING for name in plan.split_points}
+    train_pipe = split_model(local_model, split_spec, example, training=True, expected=num_stages)
+    eval_pipe = None
+    if _has_mode_dependent_modules(local_model):
+        # torch.export bakes train/eval behaviour (dropout, batch-norm statistics) into the
+        # graph, so inference in eval mode needs its own trace over the same tensors.
+        eval_pipe = split_model(local_model, split_spec, example, training=False, expected=num_stages)
+
+    # What each stage uses, under the original names: every rank computes it for every
+    # stage, so all ranks agree on which parameters are shared and by whom.
+    all_states = [stage_state(train_pipe.get_stage_module(s), names) for s in range(num_stages)]
+    held = set().union(*all_states)
+    unheld: dict[str, torch.Tensor] = {}
+    for key in names.state_dict_keys:
+        canon = names.canonical.get(key, key)
+        if canon not in held:
+            tensor = local_model.get_parameter(canon) if canon in names.parameter_names else local_model.get_buffer(canon)
+            unheld[canon] = tensor.detach().cpu().clone()
+
+    stage_indices = [s for s, r in enumerate(stage_ranks) if r == rank]
+    split_backward = schedule in SPLIT_BACKWARD_SCHEDULES
+    train_stages = [train_pipe.build_stage(s, device) for s in stage_indices]  # also rewrites device constants
+    train_modules = {st.stage_index: st.submod for st in train_stages}
+    state, use_leaves = _share_local_replicas(train_modules, names, leaf_per_use=split_backward)
+    eval_modules = train_modules
+    if eval_pipe is not None:
+        eval_modules = _build_eval_modules(eval_pipe, stage_indices, device, names, state, split_backward)
+    for s in checkpointed:
+        if s in train_modules:
+            checkpoint_stage(train_modules[s])
+    for module in {id(m): m for m in (*train_modules.values(), *eval_modules.values())}.values():
+        guard_stage_boundaries(module, fresh_outputs=split_backward)
+    batch = TracedBatch(train_pipe.autopipe_io, example, n_microbatches)
+    if schedule in V_SCHEDULES:
+        train_stages = [manual_stage(train_modules[s], s, num_stages, device, batch) for s in stage_indices]
+    for module in train_modules.values():
+        module.train(training)
+
+    # Parameters held on several ranks: their gradients are summed after each backward.
+    # new_group is collective: every rank creates every group, in the same order.
+    shared: list[tuple[list[str], Any]] = []
+    stage_params = [[c for c in st if c in names.parameter_names] for st in all_states]
+    for ranks, group_names in shared_parameters(stage_params, stage_ranks):
+        group = None if len(ranks) == world_size else dist.new_group(list(ranks))
+        if rank in ranks:
+            shared.append((group_names, group))
+    # Each rank built its own model, so the copies start equal only if every rank seeded
+    # alike; summed gradients keep them equal only if they start so.
+    grad_norm_rank = first_use_ranks(stage_params, stage_ranks)
+    _copy_shared_from_first_use(shared, state, grad_norm_rank)
+    return RankStages(batch=batch, names=names, train_modules=train_modules, eval_modules=eval_modules,
+                      train_stages=train_stages, state=state, use_leaves=use_leaves, shared=shared,
+                      grad_norm_rank=grad_norm_rank, unheld_state=unheld)
+
+
+def _share_local_replicas(modules: Mapping[int, nn.Module], names: StateNames, *, leaf_per_use: bool
+                          ) -> tuple[dict[str, torch.Tensor], list[tuple[str, nn.Parameter]]]:
+    """One tensor per original name on this rank, by canonical name, and the per-use Parameters.
+
+    ``pipeline()`` gives a tied parameter one copy per name a stage used (T5's decoder
+    embedding and output layer: two in one stage) and one per stage using it (V
+    schedules put the first and the last stage on rank 0). Every such name in every
+    local stage is pointed at the first copy, so autograd accumulates all of the uses'
+    gradients into one ``.grad``, the optimizer sees the parameter once and the copies
+    can never drift apart. With ``leaf_per_use`` (schedules that split the backward) a
+    stage's second and later names of a parameter get a Parameter of their own over the
+    same memory (:func:`~autopipe.runtime.params.tie_aliases`); their gradients are added to
+    the first's after each step.
+    """
+    state: dict[str, torch.Tensor] = {}
+    use_leaves: list[tuple[str, nn.Parameter]] = []
+    for module in modules.values():
+        for canon, (_, tensor) in stage_state(module, names).items():
+            state.setdefault(canon, tensor)
+        use_leaves += tie_aliases(module, names, state, leaf_per_use=leaf_per_use)
+    return state, use_leaves
+
+
+def _build_eval_modules(eval_pipe: Any, stage_indices: Sequence[int], device: torch.device, names: StateNames,
+                        state: Mapping[str, torch.Tensor], leaf_per_use: bool) -> dict[int, nn.Module]:
+    """The eval-mode trace of this rank's stages, reading the training stages' tensors (every alias)."""
+    modules: dict[int, nn.Module] = {}
+    for s in stage_indices:
+        module = eval_pipe.build_stage(s, device).submod
+        missing = sorted(set(stage_state(module, names)) - set(state))
+        if missing:
+            raise RuntimeError(f"stage {s}'s eval-mode trace reads {missing}, which its training trace "
+                               f"does not; autopipe cannot share them between the two traces")
+        # Inference with a V schedule runs a backward too (autopipe.runtime.inference), hence leaf_per_use.
+        tie_aliases(module, names, state, leaf_per_use=leaf_per_use)
+        modules[s] = module.eval()
+    return modules
+
+
+def _check_same_model(model: nn.Module, world_size: int) -> None:
+    """Every rank must have been given the same model: names, shapes, dtypes and ties.
+
+    Collective. One digest per rank is gathered; only when they differ are the full
+    signatures gathered, to name the first difference in the error every rank raises
+    (``'lm_head.weight': rank 0 has a parameter of shape (32, 16), ...; rank 1 has ...``).
+    """
+    signature = model_signature(model)
+    if len(set(gather_digests(signature, world_size))) == 1:
+        return
+    signatures: list[Any] = [None] * world_size
+    dist.all_gather_object(signatures, signature)  # every rank saw the digests differ
+    difference = first_model_difference(signatures) or "the models' signatures differ"
+    raise ValueError(
+        f"the ranks were given different models (parameter and buffer names, shapes, dtypes or tied "
+        f"weights): {difference}. Every rank must build the same model; its values may differ "
+        f"(shared copies are taken from the rank that uses them first)"
+    )
+
+
+@torch.no_grad()
+def _copy_shared_from_first_use(shared: Sequence[tuple[list[str], Any]], state: Mapping[str, torch.Tensor],
+                                first_use: Mapping[str, int]) -> None:
+    """Give every copy of a parameter shared across ranks the value of the rank that uses it first.
+
+    The rank of first use runs the lowest-numbered stage using the parameter (ZBV on 2
+    ranks, a weight read by stages 1 on rank 1 and 3 on rank 0: rank 1's copy wins).
+    Broadcast over each shared set's own process group, in ``shared``'s order (the same on
+    every member), one flat tensor per source rank.
+    """
+    for names, group in shared:
+        by_source: dict[int, list[str]] = {}
+        for name in names:
+            by_source.setdefault(first_use[name], []).append(name)
+        for source in sorted(by_source):
+            params = [state[n] for n in by_source[source]]
+            flat = torch.cat([p.detach().reshape(-1) for p in params])
+            dist.broadcast(flat, src=source, group=group)
+            offset = 0
+            for p in params:
+                p.copy_(flat[offset: offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+
+def manual_stage(module: nn.Module, stage_index: int, num_stages: int, device: torch.device,
+                 batch: TracedBatch) -> PipelineStage:
+    """A stage for a V schedule, which learns from the schedule which rank runs each neighbour.
+
+    It is given the traced shapes of what it receives and sends
+    (:func:`~autopipe.runtime.compat.static_stage_meta`).
+
+    Example::
+
+        stage = manual_stage(built.train_modules[3], 3, 4, torch.device("cpu"), built.batch)
+    """
+    first_inputs = tuple(batch.io.stage_inputs(*batch.example)) if stage_index == 0 else None
+    inputs, outputs = static_stage_meta(module, first_inputs)
+    return VStage(module, stage_index, num_stages, device, input_args=inputs, output_args=outputs)
+
+
+def rewrap_stage(stage: PipelineStage, module: nn.Module) -> PipelineStage:
+    """A new stage object of the same kind over ``module``, for a separate schedule.
+
+    Example::
+
+        eval_stage = rewrap_stage(train_stage, eval_module)
+    """
+    return type(stage)(module, stage.stage_index, stage.pipe_info, stage.device, stage.group)
+
+
+class MicrobatchMeanLoss:
+    """The user's per-micro-batch loss divided by the number of micro-batches.
+
+    Summed over the micro-batches this is the batch's mean loss, and its gradients are
+    those of the batch mean - without torch rescaling gradients after the step. The
+    user's ``loss_fn`` gets the micro-batch's output as the unsplit model returns it (a
+    ``ModelOutput``, dict or tuple rebuilt from the last stage's flat tensors), so the
+    same loss works split and unsplit.
+
+    Example:
+        >>> loss = MicrobatchMeanLoss(lambda out, y: (out - y).abs().sum(), 4)
+        >>> loss(torch.ones(2), torch.zeros(2))
+        tensor(0.5000)
+    """
+
+    def __init__(self, loss_fn: Callable, n_microbatches: int, io: ModelIO | None = None) -> None:
+        self.loss_fn = loss_fn
+        self.n_microbatches = n_microbatches
+        self.io = io
+
+    def __call__(self, output: Any, target: Any, **kwargs: Any) -> torch.Tensor:
+        if self.io is not None:
+            output = self.io.unflatten_output(output)
+        return self.loss_fn(output, target, **kwargs) / self.n_microbatches
+
+
+def make_schedule(schedule: str, stages: list, n_microbatches: int, loss_fn: Callable | None,
+                  failures: StepFailures, device: torch.device) -> Any:
+    """torch's schedule ``schedule`` over ``stages``, with failures played through.
+
+    A stage's forward or the loss that raises plays the step through
+    (:mod:`~autopipe.runtime.step_failures`), so that no rank waits for it at a receive.
+
+    Example::
+
+        train = make_schedule("1F1B", built.train_stages, 8, MicrobatchMeanLoss(loss_fn, 8),
+                              failures, torch.device("cpu"))
+    """
+    cls = schedule_class(schedule)
+    for stage in stages:
+        play_through_forward(stage.submod, failures, stage.stage_index, device)
+    if loss_fn is not None:
+        loss_fn = PlayThroughLoss(loss_fn, failures)
+    kwargs: dict[str, Any] = {"loss_fn": loss_fn}
+    # The loss is already divided by n_microbatches (MicrobatchMeanLoss), so torch must not
+    # divide the gradients again - its division would also hit gradients accumulated over
+    # earlier steps.
+    if "scale_grads" in inspect.signature(cls.__init__).parameters:
+        kwargs["scale_grads"] = False
+    first = stages[0] if schedule in SINGLE_STAGE_SCHEDULES else stages
+    return cls(first, n_microbatches, **kwargs)

@@ -1,0 +1,272 @@
+"""The public surface: partition()'s keywords, the top-level names, the shared argument checks.
+
+Also the keywords and names of the previous release, which still work for one release with
+a DeprecationWarning naming their replacement, and give the same result as the new spelling.
+"""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+
+import autopipe
+from autopipe import Device, ProfileOptions
+from autopipe._checks import accepts_old_keywords, check_at_most, check_bool, check_choice, check_int
+from autopipe.planning.options import PlannerOptions, resolve_devices
+from autopipe.planning.profile import profile_segments
+
+QUICK = ProfileOptions(progress=False, warmup=0, repeats=1)
+
+
+@pytest.fixture(scope="module")
+def costs(small_traced):
+    return profile_segments(small_traced, progress=False, warmup=0, repeats=1)
+
+
+def _figures(plan: autopipe.Plan) -> tuple:
+    """What the devices and costs given decide: the split, each stage's times, the step."""
+    return (plan.split_points, [(s.fwd_s, s.bwd_s, s.comm_s) for s in plan.stages], plan.predicted_step_s,
+            plan.action_overhead_s(), plan.memory_limit_bytes)
+
+
+# --------------------------------------------------------------------------- partition's signature
+
+
+def test_partition_takes_sixteen_parameters_the_profiling_ones_grouped():
+    params = inspect.signature(autopipe.partition).parameters
+    assert list(params) == [
+        "model", "n_gpus", "example_args", "example_kwargs", "schedule", "n_microbatches", "global_batch",
+        "stages_per_rank", "objective", "memory", "devices", "optimizer", "loss_fn", "example_target", "cost",
+        "profiling",
+    ]
+    assert all(p.kind is p.KEYWORD_ONLY for p in list(params.values())[4:])
+
+
+def test_the_top_level_holds_the_entry_points_and_each_resolves_without_a_warning():
+    assert autopipe.__all__ == [
+        "partition", "Pipeline", "Plan", "Device", "ProfileOptions", "PlannerOptions", "simulate",
+        "profile_scaling", "measure_link", "AutopipeError", "InfeasibleMemoryError", "PipelineStepError",
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for name in autopipe.__all__:
+            assert getattr(autopipe, name).__name__ == name
+
+
+@pytest.mark.parametrize("name, module", [
+    ("StagePlan", "autopipe.planning.plan"), ("SCHEDULES", "autopipe.planning.schedules"),
+    ("PlanFileError", "autopipe.errors"), ("profile_in_ranks", "autopipe.planning.rank_profile"),
+])
+def test_a_name_moved_off_the_top_level_still_resolves_and_says_where_it_lives(name, module):
+    import importlib
+
+    with pytest.warns(DeprecationWarning, match=rf"autopipe\.{name} is deprecated; import it from {module}"):
+        value = getattr(autopipe, name)
+    assert value is getattr(importlib.import_module(module), name)
+
+
+def test_an_unknown_top_level_name_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'partitions'"):
+        autopipe.partitions  # noqa: B018
+
+
+def test_importing_autopipe_does_not_import_torch():
+    code = "import sys, autopipe; autopipe.Device; autopipe.ProfileOptions; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "False"
+
+
+# --------------------------------------------------------------------------- the new keywords
+
+
+def test_one_device_stands_for_every_rank_and_memory_fills_it_in(small_transformer, costs):
+    model, args = small_transformer
+    one = Device(bandwidth="10GB", latency_s=1e-5, action_overhead_s=1e-3)
+    plan = autopipe.partition(model, 2, args, cost=costs, memory="1GiB", devices=one)
+    each = autopipe.partition(model, 2, args, cost=costs, devices=[
+        Device(memory="1GiB", bandwidth="10GB", latency_s=1e-5, action_overhead_s=1e-3) for _ in range(2)])
+    assert _figures(plan) == _figures(each)
+    assert plan.action_overhead_s() == [1e-3, 1e-3] and plan.memory_limit_bytes == [2**30, 2**30]
+    slow_link = autopipe.partition(model, 2, args, cost=costs, devices=Device(bandwidth="1MB", action_overhead_s=1e-3))
+    assert slow_link.stages[0].comm_s > plan.stages[0].comm_s
+
+
+def test_resolve_devices():
+    two = resolve_devices(2, Device(speed=2.0), ["1GiB", "2GiB"])
+    assert [d.speed for d in two] == [2.0, 2.0] and [d.memory for d in two] == [2**30, 2**31]
+    assert two[0] is not two[1]
+    assert resolve_devices(2, None, None) == [Device(), Device()]
+    with pytest.raises(ValueError, match="not both"):
+        resolve_devices(2, [Device(memory="1GiB"), Device()], "2GiB")
+    with pytest.raises(ValueError, match="devices has 1 entries but n_gpus=2"):
+        resolve_devices(2, [Device()], None)
+    with pytest.raises(TypeError, match=r"devices\[1\]='gpu' is not an autopipe.Device"):
+        resolve_devices(2, [Device(), "gpu"], None)
+    with pytest.raises(TypeError, match="devices='gpu' must be an autopipe.Device"):
+        resolve_devices(2, "gpu", None)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(profiling={"warmup": 0}), TypeError, r"profiling=\{'warmup': 0\} must be an autopipe.ProfileOptions"),
+    (dict(cost=3), TypeError, r"cost=3 must be one of \['measured', 'flops', 'params'\], a list"),
+    (dict(cost=[1.0, 2.0]), TypeError, r"a list of one SegmentCost per segment"),
+    (dict(cost="magic"), ValueError, "cost='magic' is not a cost source"),
+    (dict(devices=4), TypeError, "devices=4 must be an autopipe.Device"),
+])
+def test_a_wrong_kind_of_argument_is_named_before_tracing(small_transformer, monkeypatch, kwargs, error, message):
+    model, args = small_transformer
+    monkeypatch.setattr(autopipe.planning.planner, "trace", lambda *a, **k: pytest.fail("traced first"))
+    with pytest.raises(error, match=message):
+        autopipe.partition(model, 2, args, **kwargs)
+
+
+def test_a_profile_of_one_size_with_auto_micro_batches_is_refused(small_transformer, costs):
+    model, args = small_transformer
+    with pytest.raises(ValueError, match="one micro-batch size's segment costs; with n_microbatches='auto'"):
+        autopipe.partition(model, 2, args, cost=costs, n_microbatches="auto", global_batch=8)
+
+
+def test_a_size_scaled_profile_with_a_fixed_count_is_refused(small_transformer):
+    from autopipe.planning.scaling import profile_scaling
+
+    model, args = small_transformer
+    scaled = profile_scaling(model, args, sizes=[1, 2], cost="flops", progress=False)
+    with pytest.raises(ValueError, match=r"ScaledProfile, which is for n_microbatches='auto'.*costs_at\(b\)"):
+        autopipe.partition(model, 2, args, cost=scaled, n_microbatches=4)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(warmup=-1), "ProfileOptions warmup=-1 must be an integer >= 0"),
+    (dict(repeats=0), "ProfileOptions repeats=0 must be an integer >= 1"),
+    (dict(repeats=True), "ProfileOptions repeats=True must be an integer >= 1"),
+    (dict(flush_cache=None), "ProfileOptions flush_cache=None must be True or False"),
+    (dict(fit_to_whole=1), "ProfileOptions fit_to_whole=1 must be True, False or None"),
+    (dict(progress="yes"), "ProfileOptions progress='yes' must be True or False"),
+    (dict(device=0), "ProfileOptions device=0 must be None, a string"),
+])
+def test_profile_options_are_checked_where_they_are_written(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ProfileOptions(**kwargs)
+
+
+def test_planner_options_give_partition_keywords():
+    options = PlannerOptions(memory="16GiB", profiling=QUICK)
+    assert options.partition_kwargs() == {"memory": "16GiB", "profiling": QUICK}
+    with pytest.raises(TypeError, match="PlannerOptions profiling=.* must be an autopipe.ProfileOptions"):
+        PlannerOptions(profiling={"warmup": 0})
+
+
+# --------------------------------------------------------------------------- the previous release's keywords
+
+
+def test_the_old_profiling_keywords_warn_and_plan_the_same(small_transformer, monkeypatch):
+    import autopipe.planning.profile as profile
+
+    model, args = small_transformer
+    monkeypatch.setattr(profile, "measure_device_flops", lambda *a, **k: 1e9)  # the same estimate both times
+    with pytest.warns(DeprecationWarning, match=r"warmup= is deprecated, use profiling=ProfileOptions\(warmup="):
+        old = autopipe.partition(model, 2, args, cost="flops", device="cpu", warmup=0, repeats=1, progress=False,
+                                 flush_cache=False, fit_to_whole=False)
+    new = autopipe.partition(model, 2, args, cost="flops", profiling=ProfileOptions(
+        device="cpu", warmup=0, repeats=1, progress=False, flush_cache=False, fit_to_whole=False))
+    assert _figures(old) == _figures(new) and old.device == new.device == "cpu"
+
+
+def test_the_old_link_keywords_warn_and_plan_the_same(small_transformer, costs):
+    model, args = small_transformer
+    with pytest.warns(DeprecationWarning, match=r"bandwidth= is deprecated, use devices=Device\(bandwidth=\.\.\.\)"):
+        old = autopipe.partition(model, 2, args, cost=costs, bandwidth="1GB", latency_s=1e-3, memory="1GiB")
+    new = autopipe.partition(model, 2, args, cost=costs, devices=Device(bandwidth="1GB", latency_s=1e-3),
+                             memory="1GiB")
+    assert _figures(old) == _figures(new)
+    assert old.stages[0].comm_s != autopipe.partition(model, 2, args, cost=costs).stages[0].comm_s
+
+
+def test_the_old_profile_keywords_warn_and_plan_the_same(small_transformer, costs):
+    model, args = small_transformer
+    with pytest.warns(DeprecationWarning, match=r"costs= is deprecated, use cost="):
+        old = autopipe.partition(model, 2, args, costs=costs)
+    new = autopipe.partition(model, 2, args, cost=costs)
+    assert _figures(old) == _figures(new) and old.cost_source == new.cost_source == "measured"
+    # cost= beside costs= named where the costs came from: the plan keeps saying so.
+    with pytest.warns(DeprecationWarning):
+        labelled = autopipe.partition(model, 2, args, costs=costs, cost="flops")
+    assert labelled.cost_source == "flops" and labelled.split_points == new.split_points
+
+
+def test_the_old_scaling_keyword_warns_and_plans_the_same(small_transformer):
+    from autopipe.planning.scaling import profile_scaling
+
+    model, args = small_transformer
+    scaled = profile_scaling(model, args, sizes=[1, 2, 4], cost="flops", progress=False)
+    kw = dict(n_microbatches="auto", global_batch=8)
+    with pytest.warns(DeprecationWarning, match=r"scaling= is deprecated, use cost=<the ScaledProfile>"):
+        old = autopipe.partition(model, 2, args, scaling=scaled, **kw)
+    new = autopipe.partition(model, 2, args, cost=scaled, **kw)
+    assert (old.n_microbatches, old.predicted_step_s) == (new.n_microbatches, new.predicted_step_s)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(warmup=0, profiling=QUICK), r"give profiling=ProfileOptions\(...\) or warmup=, not both"),
+    (dict(costs=[], cost=[]), "give costs= or a profile as cost=, not both"),
+    (dict(costs=[], scaling=object()), "give one of costs= and scaling="),
+])
+def test_a_value_given_both_ways_is_an_error(small_transformer, kwargs, message):
+    model, args = small_transformer
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match=message):
+        autopipe.partition(model, 2, args, **kwargs)
+
+
+# --------------------------------------------------------------------------- the shared checks
+
+
+def test_check_int():
+    assert check_int("n", 3) == 3 and check_int("n", np.int64(3)) == 3 and check_int("w", 0, 0) == 0
+    for bad in (0, 2.5, "2", True, None):
+        with pytest.raises(ValueError, match=rf"n={bad!r} must be an integer >= 1"):
+            check_int("n", bad)
+    with pytest.raises(ValueError, match=r"n=9 must be an integer >= 1 and <= 8 \(ranks\)"):
+        check_int("n", 9, maximum=8, what="ranks")
+    with pytest.raises(TypeError, match="n=1.5 must be an integer >= 1"):
+        check_int("n", 1.5, not_int=TypeError)
+    with pytest.raises(ValueError, match="n=0 must be"):
+        check_int("n", 0, not_int=TypeError)  # out of range is a ValueError either way
+
+
+def test_check_at_most_choice_and_bool():
+    check_at_most("n_gpus", 8, 8, "ranks")
+    with pytest.raises(ValueError, match="n_gpus=9 is more than autopipe plans for; use at most 8 ranks"):
+        check_at_most("n_gpus", 9, 8, "ranks")
+    assert check_choice("objective", "step", ("step", "bottleneck")) == "step"
+    with pytest.raises(ValueError, match=r"objective=\['step'\] is not known; use one of \['step', 'bottleneck'\]"):
+        check_choice("objective", ["step"], {"step": 1, "bottleneck": 2})
+    check_bool("flag", False)
+    check_bool("flag", None, allow_none=True)
+    with pytest.raises(ValueError, match="flag=None must be True or False"):
+        check_bool("flag", None)
+
+
+def test_accepts_old_keywords_keeps_the_new_signature_and_converts():
+    def fold(old, kwargs):
+        if "size" in kwargs:
+            raise TypeError("give size= or n=, not both")
+        kwargs["size"] = old["n"]
+
+    @accepts_old_keywords({"n": "size="}, fold)
+    def make(*, size: int = 1) -> int:
+        """Make one."""
+        return size
+
+    assert list(inspect.signature(make).parameters) == ["size"] and make.__doc__ == "Make one."
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert make(size=2) == 2
+    with pytest.warns(DeprecationWarning, match=r"make\(\): n= is deprecated, use size="):
+        assert make(n=3) == 3
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="not both"):
+        make(n=3, size=2)
