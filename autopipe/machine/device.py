@@ -30,6 +30,21 @@ _UNITS = {
 }
 
 
+def format_bytes(n: float) -> str:
+    """Bytes in powers of 1024 for people to read: the inverse of :func:`parse_bytes`.
+
+    Example::
+
+        >>> format_bytes(3 * 2**20)
+        '3.0 MiB'
+    """
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 def parse_bytes(value: int | float | str, *, name: str = "memory") -> int:
     """Bytes from an integer or a string such as ``"16GiB"``, ``"1.5 GB"``, ``"800MiB"``.
 

@@ -57,13 +57,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from .partitioner import PartitionProblem, solve_bottleneck
 
 if TYPE_CHECKING:
+    from .partitioner import PartitionProblem
     from .timeline import Timeline
 
 __all__ = [
@@ -204,6 +204,22 @@ def cut_times_s(fwd_bytes: Sequence[float], bwd_bytes: Sequence[float], bandwidt
         raise ValueError(f"fwd_bytes, bwd_bytes, bandwidth and latency_s must have one entry per cut; got lengths "
                          f"{n}, {len(bwd_bytes)}, {len(bandwidth)}, {len(latency_s)}")
     return [cut_time_s(f, b, bw, lat) for f, b, bw, lat in zip(fwd_bytes, bwd_bytes, bandwidth, latency_s)]
+
+
+def link_busy_s(fwd_bytes: Any, bwd_bytes: Any, bandwidth: float, latency_s: float) -> Any:
+    """Seconds one micro-batch keeps a stage boundary's link busy: both directions summed.
+
+    The bottleneck search charges a stage for its link this way (the activations go one
+    way and their gradients come back over the same link); each direction that carries
+    anything pays the latency once. Works on numbers and elementwise on numpy arrays.
+
+    Example:
+        >>> link_busy_s(1e9, 5e8, bandwidth=1e9, latency_s=0.5)
+        2.5
+    """
+    fwd, bwd = np.asarray(fwd_bytes, dtype=float), np.asarray(bwd_bytes, dtype=float)
+    t = (fwd + bwd) / bandwidth + latency_s * ((fwd > 0).astype(float) + (bwd > 0).astype(float))
+    return float(t) if t.ndim == 0 else t
 
 
 def step_tail(*, n_microbatches: int, out_bytes: float, n_ranks: int, bandwidth: float, latency_s: float,
@@ -392,6 +408,8 @@ def step_lower_bound_s(problem: PartitionProblem, timeline: Timeline, *, n_micro
         8.0
     """
     if stages_per_rank == 1:
+        from .partitioner import PartitionProblem, solve_bottleneck  # here: the partitioner imports this module
+
         free = PartitionProblem(**{**problem.__dict__, "cut_fwd_bytes": np.zeros_like(problem.cut_fwd_bytes),
                                    "cut_bwd_bytes": np.zeros_like(problem.cut_bwd_bytes),
                                    "capacity_bytes": np.full_like(problem.capacity_bytes, np.inf)})

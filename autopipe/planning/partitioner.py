@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import InfeasibleMemoryError
+from .costmodel import link_busy_s
 
 __all__ = [
     "PartitionProblem",
@@ -146,11 +147,8 @@ class PartitionProblem:
 
     def link_s(self, link: int) -> np.ndarray:
         """(n+1,) seconds to move every cut's tensors (both directions) over ``link``."""
-        fwd, bwd = self.cut_fwd_bytes, self.cut_bwd_bytes
-        lat = self.latency_s[link]
-        t = fwd / self.bandwidth[link] + bwd / self.bandwidth[link]
-        t = t + lat * ((fwd > 0).astype(float) + (bwd > 0).astype(float))
-        t[0] = t[-1] = 0.0
+        t = link_busy_s(self.cut_fwd_bytes, self.cut_bwd_bytes, self.bandwidth[link], self.latency_s[link])
+        t[0] = t[-1] = 0.0  # the model's own inputs and outputs cross no link
         return t
 
 

@@ -37,7 +37,7 @@ import torch
 from .._checks import accepts_old_keywords, check_at_most, check_choice, check_int
 from . import schedules as sim
 from .costgraph import CostGraph, SegmentCost, build_cost_graph
-from ..machine.device import (Device, default_action_overhead_s, default_copy_bandwidth, default_link,
+from ..machine.device import (Device, format_bytes, default_action_overhead_s, default_copy_bandwidth, default_link,
                                optimizer_state_factor, sends_are_lazy)
 from ..errors import InfeasibleMemoryError
 from .plan import Plan
@@ -454,7 +454,6 @@ def _scaling_sizes(global_batch: int, m_options: Sequence[int]) -> list[int]:
 def _fmt_rank_peak(option: ScheduleOption) -> str:
     """What ``option`` would need, for the message of an :class:`InfeasibleMemoryError`."""
     if option.rank_peak_bytes:
-        from ..reporting.text import format_bytes  # lazy: reporting sits above planning; only for this message
 
         return format_bytes(max(option.rank_peak_bytes)) + " on its fullest device"
     return option.reason or "more memory"

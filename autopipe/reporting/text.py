@@ -11,19 +11,12 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from ..machine.device import format_bytes  # beside parse_bytes, its inverse; re-exported here for reports
+
 if TYPE_CHECKING:
     from ..planning.plan import Plan
 
 __all__ = ["plan_to_text", "format_bytes", "format_seconds", "whole_pass_line"]
-
-
-def format_bytes(n: float) -> str:
-    """Human-readable bytes in powers of 1024."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def format_seconds(s: float) -> str:
