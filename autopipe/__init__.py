@@ -17,9 +17,10 @@ The packages follow the data flow, each importing only those before it:
 :mod:`autopipe.machine` (the devices and links, and measuring them) ->
 :mod:`autopipe.planning` (trace, profile, cost graph, partitioner, schedule simulator,
 the :class:`Plan`) -> :mod:`autopipe.reporting` (text, tables, charts of a plan) ->
-:mod:`autopipe.runtime` (the stages running under torch) -> :mod:`autopipe.cli` (the
-``autopipe`` command). The top level holds the entry points below; everything else is
-imported from its module (``from autopipe.planning.plan import StagePlan``).
+:mod:`autopipe.runtime` (the stages running under torch) -> :mod:`autopipe.models`
+(example and third-party models) -> :mod:`autopipe.cli` (the ``autopipe`` command).
+The top level holds the entry points below; everything else is imported from its module
+(``from autopipe.planning.plan import StagePlan``).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Every test is in exactly one lane, a marker this file sets at collection:
 - ``unit`` (``pytest -m unit``): everything that runs in this one process: tracing,
   profiling at test size, the partitioner, the simulator, plans, plan files, reports, the
   command line called in-process, the runtime's parts. No process is started. About a
-  minute on a quiet 2-core machine.
+  minute and a half on a quiet 2-core machine.
 - ``distributed`` (``pytest -m distributed``): the pipeline on a gloo world of spawned CPU
   processes (loopback only): steps against the unsplit model, every schedule, tied and
   in-place parameters, clean exit, link probes. Several minutes.

@@ -84,7 +84,7 @@ def test_a_step_past_the_schedule_bound_is_refused_before_profiling(small_transf
 
 
 def test_a_micro_batch_count_that_misses_a_huge_global_batch_is_refused_fast(small_transformer, monkeypatch):
-    # The message lists the usable divisors; it used to try every number up to the batch.
+    # The message lists the usable divisors without trying every number up to the batch.
     model, args = small_transformer
     _forbid(monkeypatch, planner, "trace")
     with refused_within(), pytest.raises(ValueError, match=r"use one of \[1, 73, 137, 10001\]"):

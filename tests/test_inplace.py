@@ -1,8 +1,8 @@
 """In-place writes into what a segment or stage receives (autopipe.planning.inplace, the profiler, the runtime).
 
 A stage's inputs, and the profiler's segment inputs, are leaves that require grad; a cut
-before ``nn.ReLU(inplace=True)`` or ``out += identity`` used to make autograd refuse the
-write. The model is tests/_inplace_workers.SmallResNet, written like torchvision's ResNet.
+before ``nn.ReLU(inplace=True)`` or ``out += identity`` would make autograd refuse the
+write without a private copy. The model is tests/_inplace_workers.SmallResNet, written like torchvision's ResNet.
 """
 
 from __future__ import annotations

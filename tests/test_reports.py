@@ -28,17 +28,19 @@ VOID_TAGS = {"meta", "br", "hr", "img", "input", "link"}
 
 
 @pytest.fixture(scope="module")
-def plan(small_transformer):
+def plan(small_transformer, small_costs_once):
+    # Counted costs on the CPU's links: the same plan, so the same reports, on every machine.
     model, args = small_transformer
-    return autopipe.partition(model, 2, args, memory="64MiB",
-                              profiling=autopipe.ProfileOptions(progress=False, warmup=0, repeats=1))
+    return autopipe.partition(model, 2, args, memory="64MiB", cost=copy.deepcopy(small_costs_once),
+                              profiling=autopipe.ProfileOptions(device="cpu", progress=False))
 
 
 @pytest.fixture(scope="module")
-def interleaved_plan(small_transformer):
+def interleaved_plan(small_transformer, small_costs_once):
     model, args = small_transformer
     return autopipe.partition(model, 2, args, schedule="Interleaved1F1B", stages_per_rank=2, n_microbatches=4,
-                              profiling=autopipe.ProfileOptions(progress=False, warmup=0, repeats=1))
+                              cost=copy.deepcopy(small_costs_once),
+                              profiling=autopipe.ProfileOptions(device="cpu", progress=False))
 
 
 @pytest.fixture(scope="module")

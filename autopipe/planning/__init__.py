@@ -1,13 +1,22 @@
 """Planning: from a model to a :class:`~autopipe.planning.plan.Plan`, in the order the data flows.
 
-1. :mod:`.trace` exports the model (torch.export) and finds the candidate split points.
-2. :mod:`.profile` measures each segment between split points: time, memory, the tensors
-   crossing each cut (:mod:`.scaling` fits those costs across micro-batch sizes with
-   :mod:`.affine_fit`, :mod:`.rank_profile` measures each stage on its own rank).
-3. :mod:`.costgraph` turns the segments into a networkx graph of costs.
-4. :mod:`.partitioner` finds the split points that minimise the bottleneck stage,
-   :mod:`.simulator` simulates one of the :mod:`.schedules` on those costs (a
-   :mod:`.timeline` per step), :mod:`.baselines` computes the splits other tools would pick.
-5. :mod:`.planner` ties it together (:func:`~autopipe.planning.planner.partition`) and
-   returns a :mod:`.plan` (saved and loaded through :mod:`.plan_file`).
+1. **Trace.** :mod:`.trace` exports the model (torch.export) and finds the candidate split
+   points; :mod:`.hf_compat` makes Hugging Face models traceable as they come, and
+   :mod:`.inplace` gives inputs a segment writes in place their own copy.
+2. **Profile.** :mod:`.profile` measures each segment between split points (time, memory,
+   the tensors crossing each cut) on graphs from :mod:`.segment_graphs`; :mod:`.scaling`
+   fits those costs across micro-batch sizes (:mod:`.affine_fit`); :mod:`.rank_profile`
+   profiles in every rank at once.
+3. **Cost graph.** :mod:`.costgraph` holds the segments' costs and the bytes crossing each
+   cut; :mod:`.problem` turns them into the partitioner's numbers.
+4. **Search.** :mod:`.partitioner` finds the split points that minimise the bottleneck
+   stage; :mod:`.schedules` names torch's schedules and reads their action order,
+   :mod:`.simulator` plays one out into a :mod:`.timeline`; :mod:`.costmodel` is the one
+   place that turns stage numbers into times and bytes; :mod:`.schedule_options` costs
+   each schedule and micro-batch count the planner compares; :mod:`.baselines` computes
+   the splits other tools would pick.
+5. **Plan.** :mod:`.planner` ties it together (:func:`~autopipe.planning.planner.partition`,
+   with the option groups of :mod:`.options`); :mod:`.plan_assembly` builds the
+   :mod:`.plan` (typed parts in :mod:`.plan_records`), which :mod:`.plan_file` saves and
+   loads (checks in :mod:`.plan_checks` and :mod:`.plan_file_parts`).
 """
