@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import numbers
 import warnings
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
 __all__ = ["is_int", "check_int", "check_at_most", "check_choice", "check_bool", "accepts_old_keywords"]
@@ -64,6 +64,27 @@ def check_int(name: str, value: Any, minimum: int = 1, maximum: int | None = Non
     if value < minimum or (maximum is not None and value > maximum):
         raise ValueError(f"{name}={value!r} must be {accepted}{suffix}")
     return int(value)
+
+
+def check_distinct_sizes(name: str, values: Any, *, unit: str, why: str, example: str) -> list[int]:
+    """``values`` as a sorted list of its distinct integers >= 1, of which there must be two or more.
+
+    For the size ladders a fit needs (message sizes for a link, micro-batch sizes for a
+    scaling fit): one size cannot separate a fixed cost from a per-unit one.
+
+    Example:
+        >>> check_distinct_sizes("sizes", [4, 1, 4], unit="micro-batch size", why="to fit costs", example="(1, 2, 4)")
+        [1, 4]
+    """
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise ValueError(f"{name}={values!r} must be a list of {unit}s (integers >= 1), e.g. {example}")
+    for v in values:
+        if not is_int(v) or v < 1:
+            raise ValueError(f"{name}={list(values)!r}: {v!r} is not a {unit}; use integers >= 1")
+    distinct = sorted({int(v) for v in values})
+    if len(distinct) < 2:
+        raise ValueError(f"{name}={list(values)!r} must hold at least two distinct {unit}s {why}, e.g. {example}")
+    return distinct
 
 
 def check_at_most(name: str, value: int, most: int, what: str) -> None:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .._checks import check_int, is_int
+from .._checks import check_distinct_sizes, check_int, is_int
 from .._spawn import check_timeout_s, finish_rank, join_loopback_world, run_ranks
 from .timing import resolve_device, synchronize
 
@@ -156,18 +156,8 @@ def check_sizes_bytes(sizes_bytes: Any) -> list[int]:
         >>> check_sizes_bytes([4096, 1024, 4096])
         [1024, 4096]
     """
-    if isinstance(sizes_bytes, (str, bytes)) or not isinstance(sizes_bytes, Sequence):
-        raise ValueError(f"sizes_bytes={sizes_bytes!r} must be a list of message sizes in bytes (integers >= 1)")
-    for n in sizes_bytes:
-        if not is_int(n) or n < 1:
-            raise ValueError(f"sizes_bytes={list(sizes_bytes)!r}: {n!r} is not a message size; use integers >= 1")
-    distinct = sorted({int(n) for n in sizes_bytes})
-    if len(distinct) < 2:
-        raise ValueError(
-            f"sizes_bytes={list(sizes_bytes)!r} must hold at least two distinct sizes to separate latency "
-            "from bandwidth, e.g. (1024, 4 << 20)"
-        )
-    return distinct
+    return check_distinct_sizes("sizes_bytes", sizes_bytes, unit="message size",
+                                why="to separate latency from bandwidth", example="(1024, 4 << 20)")
 
 
 # --------------------------------------------------------------------------- in a process group

@@ -43,7 +43,7 @@ import sympy
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from .._checks import check_int, is_int
+from .._checks import check_distinct_sizes, check_int
 from .affine_fit import evaluate, fit_affine, parse_expr
 from .costgraph import SegmentCost, build_cost_graph
 from ..machine.speed import measure_device_flops
@@ -330,18 +330,8 @@ def _base_size(args: tuple[Any, ...], kwargs: dict[str, Any], batch_dim: int) ->
 def _check_sizes(sizes: Any, base: int) -> list[int]:
     if sizes is None:
         return sorted({max(1, base // 2), base, 2 * base})
-    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
-        raise ValueError(f"sizes={sizes!r} must be a list of micro-batch sizes (integers >= 1), e.g. (1, 2, 4)")
-    for s in sizes:
-        if not is_int(s) or s < 1:
-            raise ValueError(f"sizes={list(sizes)!r}: {s!r} is not a micro-batch size; use integers >= 1")
-    distinct = sorted({int(s) for s in sizes})
-    if len(distinct) < 2:
-        raise ValueError(
-            f"sizes={list(sizes)!r} must hold at least two distinct micro-batch sizes to fit costs "
-            "as functions of the size, e.g. (1, 2, 4)"
-        )
-    return distinct
+    return check_distinct_sizes("sizes", sizes, unit="micro-batch size",
+                                why="to fit costs as functions of the size", example="(1, 2, 4)")
 
 
 # --------------------------------------------------------------------------- entry point
