@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,9 +32,10 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # the checkout's autopipe, for its defaults
 
 # Order of the page; anything else found is appended.
-ORDER = ("split_quality", "split_quality_sim", "planner_scaling", "runtime_overhead", "prediction_accuracy",
+ORDER = ("peers", "split_quality", "split_quality_sim", "planner_scaling", "runtime_overhead", "prediction_accuracy",
          "schedule_memory", "trace_profile", "gpu_one_rank", "models")
 TITLES = {
+    "peers": "0. autopipe against the real peers (2 and 4 stages, measured)",
     "split_quality": "1. Split quality, measured (2 stages, real pipelines)",
     "split_quality_sim": "2. Split quality at scale, simulated from measured segment costs",
     "planner_scaling": "3. Planner scaling",
@@ -46,6 +48,10 @@ TITLES = {
 }
 # What each benchmark measures, in a sentence or three; the folder's README has the method.
 ABOUT = {
+    "peers": (
+        "The split each tool would pick, reproduced exactly on the layer list that tool is given, against "
+        "autopipe's and the best layer-level split, all measured side by side."
+    ),
     "split_quality": (
         "Is autopipe's 2-stage split as good as the best split there is, measured rather than predicted? "
         "Every legal split point's stages are timed in one process to find the exhaustive best; autopipe's "
@@ -70,9 +76,9 @@ ABOUT = {
         "stage, Interleaved1F1B with two stages on the rank."),
     "models": "What autopipe does with stock models from other libraries, at their default settings.",
 }
-RERUN_OPTIONS = {"gpu_one_rank": "needs one GPU; `--device cpu` runs it on the CPU",
+RERUN_OPTIONS = {"peers": "`--quick` for a short run, `--models`/`--stages` for a subset",
+                 "gpu_one_rank": "needs one GPU; `--device cpu` runs it on the CPU",
                  "models": "renders docs/models.md too; `--quick` skips the 2-rank pipelines"}
-BASELINES = ("equal_layers", "balanced_params", "block_partition")
 BEHIND_TOL = 0.03  # a ratio within 3% counts as a tie: the split-quality target, and about the run-to-run noise
 TARGET_ERROR = 0.10  # the step-time prediction's target: median |error| under 10%
 
@@ -148,17 +154,57 @@ def readme_question(folder: Path) -> str | None:
 # --------------------------------------------------------------------------- renderers
 
 
+PEER_BEHIND = 0.05  # the peers comparison names every case where autopipe is over 5% behind the best
+
+
+def render_peers(d: dict[str, Any], behind: list[str]) -> str:
+    """Per model and stage count: every method's measured bottleneck (and 2-stage real step) over the best."""
+    best = "best_layer_split"
+    methods = list(dict.fromkeys(k for r in d["rows"] for e in r["stages"].values() for k in e["methods"]
+                                 if k not in ("autopipe", best)))
+    cols = ["autopipe", *methods]
+    rows, column = [], {c: [] for c in cols}
+    for r in d["rows"]:
+        for p, e in sorted(r["stages"].items(), key=lambda kv: int(kv[0])):
+            m = e["methods"]
+            cells = [r["model"], p]
+            for c in cols:
+                x = m.get(c, {}).get("bottleneck_vs_best")
+                step = m.get(c, {}).get("step_vs_best")
+                if x is not None:
+                    column[c].append(x)
+                cells.append("n/a" if c in m and m[c].get("split") is None else
+                             ratio(x) + (f" ({ratio(step)})" if step is not None else ""))
+            rows.append(cells)
+            a = m["autopipe"]
+            for key, what in (("bottleneck_vs_best", "measured bottleneck"), ("step_vs_best", "real 2-rank step")):
+                if a.get(key) is not None and a[key] > 1 + PEER_BEHIND:
+                    winner = min((c for c in cols if m.get(c, {}).get(key) is not None), key=lambda c: m[c][key])
+                    behind.append(f"peers, {r['model']} at {p} stages: autopipe's {what} is {a[key]:.2f}× the best "
+                                  f"layer-level split's (`{', '.join(a['split'])}`; best `{', '.join(m[best]['split'])}`"
+                                  f"; {winner} {m[winner][key]:.2f}×).")
+    rows.append(["**median**", "", *(f"**{ratio(statistics.median(column[c]))}**" if column[c] else "–" for c in cols)])
+    return ("Each cell: the split's compute-only bottleneck (slowest stage's forward + backward, loss on the last "
+            "stage, no communication) over the best layer-level split's, re-measured side by side; in brackets at "
+            "2 stages, the real 2-rank step over the best split's. Below 1: faster than the best layer-level split "
+            "(autopipe may cut inside a layer). n/a: the tool's rule does not apply to the model (the JSON says "
+            "why). Peers as reproduced in `autopipe/planning/peers.py`, versions in "
+            "[comparison.md](comparison.md).\n\n" + table(["model", "stages", *cols], rows))
+
+
 def render_split_quality(d: dict[str, Any], behind: list[str]) -> str:
     """One row per model: autopipe's cut against the exhaustive best, and the baselines' real steps."""
+    baselines = list(dict.fromkeys(k for r in d["rows"] for k in r["methods"]
+                                   if k not in ("autopipe", "exhaustive_best")))
     header = ["model", "autopipe cut", "exhaustive best cut", "bottleneck ÷ best", "step ÷ best's step"] + \
-             [f"{b} step ÷ autopipe's" for b in BASELINES] + ["within 3%?"]
+             [f"{b} step ÷ autopipe's" for b in baselines] + ["within 3%?"]
     rows = []
     for r in d["rows"]:
         m = r["methods"]
         a = m["autopipe"]
         cells = [r["model"], f"`{a['split_point']}`", f"`{m['exhaustive_best']['split_point']}`",
                  ratio(a["bottleneck_vs_best"]), ratio(a.get("step_vs_best"))]
-        for b in BASELINES:
+        for b in baselines:
             cells.append(ratio(m[b]["step_s"] / a["step_s"]) if b in m and "step_s" in m[b] and "step_s" in a else "–")
         ok_b = a["bottleneck_vs_best"] <= 1 + BEHIND_TOL
         ok_s = a.get("step_vs_best", 1.0) <= 1 + BEHIND_TOL
@@ -170,7 +216,7 @@ def render_split_quality(d: dict[str, Any], behind: list[str]) -> str:
         if not ok_s:
             behind.append(f"split quality, {r['model']}: autopipe's real step is {a['step_vs_best']:.3f}× the exhaustive "
                           f"best's.")
-        for b in BASELINES:
+        for b in baselines:
             if b in m and "step_s" in m[b] and "step_s" in a and m[b]["step_s"] < a["step_s"] / (1 + BEHIND_TOL):
                 behind.append(f"split quality, {r['model']}: {b} (`{m[b]['split_point']}`) stepped "
                               f"{a['step_s'] / m[b]['step_s']:.3f}× faster than autopipe (`{a['split_point']}`) "
@@ -186,17 +232,18 @@ def render_split_quality(d: dict[str, Any], behind: list[str]) -> str:
 
 def render_split_quality_sim(d: dict[str, Any], behind: list[str]) -> str:
     """One row per model and stage count: autopipe's simulated step against the bound and the baselines."""
+    baselines = list(dict.fromkeys(b for r in d["rows"] for e in r["by_stages"] for b in e.get("baselines", {})))
     rows = []
     for r in d["rows"]:
         for e in r["by_stages"]:
             name = f"{r['model']} ({r['segments']} segments)" if e is r["by_stages"][0] else ""
             if "autopipe" not in e:
-                rows.append([name, e["stages"], "–", "–", "–", *("–" for _ in BASELINES)])
+                rows.append([name, e["stages"], "–", "–", "–", *("–" for _ in baselines)])
                 continue
             a = e["autopipe"]
             cells = [name, e["stages"], ms(a["step_s"]), ratio(a.get("step_vs_lower_bound")),
                      ratio(a["bottleneck_vs_lower_bound"])]
-            for b in BASELINES:
+            for b in baselines:
                 x = e["baselines"].get(b, {}).get("step_vs_autopipe")
                 cells.append(ratio(x))
                 if x is not None and x < 1 - BEHIND_TOL:
@@ -207,7 +254,7 @@ def render_split_quality_sim(d: dict[str, Any], behind: list[str]) -> str:
             "stage over max(total compute / p, heaviest segment); baseline columns: the baseline's step ÷ "
             "autopipe's (above 1: autopipe faster; –: the baseline cannot make p stages).\n\n"
             + table(["model", "p", "autopipe step ms", "step ÷ bound", "bottleneck ÷ bound",
-                     *(f"{b} ÷ autopipe" for b in BASELINES)], rows))
+                     *(f"{b} ÷ autopipe" for b in baselines)], rows))
 
 
 def render_planner_scaling(d: dict[str, Any], behind: list[str]) -> str:
@@ -387,6 +434,7 @@ def render_generic(d: dict[str, Any], behind: list[str]) -> str:
 
 
 RENDERERS: dict[str, Callable[[dict[str, Any], list[str]], str]] = {
+    "peers": render_peers,
     "split_quality": render_split_quality,
     "split_quality_sim": render_split_quality_sim,
     "planner_scaling": render_planner_scaling,

@@ -37,9 +37,9 @@ SECTIONS = ("autopipe.errors", "autopipe.machine.*", "autopipe.planning.*", "aut
             "autopipe.cli.main", "autopipe.cli.demo", "autopipe.cli.measure")
 #: Where the machine and planning modules stand in the data flow; modules not named here
 #: follow, by name.
-MODULE_ORDER = ("device", "timing", "passes", "speed", "link", "options", "trace", "hf_compat", "inplace",
-                "segment_graphs", "profile", "rank_profile", "affine_fit", "scaling", "costgraph", "costmodel",
-                "problem", "partitioner", "baselines", "schedules", "simulator", "timeline", "planner", "plan",
+MODULE_ORDER = ("device", "timing", "passes", "speed", "link", "link_cache", "options", "trace", "hf_compat", "inplace",
+                "segment_graphs", "profile", "default_loss", "rank_profile", "affine_fit", "scaling", "costgraph", "costmodel",
+                "problem", "partitioner", "baselines", "peers", "schedules", "simulator", "timeline", "link_choice", "planner", "plan",
                 "plan_records", "plan_file")
 
 INTRO = """\

@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import inspect
 import multiprocessing.process
+import os
 import subprocess
 import sys
 import types
@@ -46,6 +47,12 @@ import torch
 from autopipe.models import seed_transformer
 from autopipe.planning.profile import profile_segments
 from autopipe.planning.trace import trace
+
+# Plans in tests must not depend on this host's link, nor a test write to the home folder: the
+# planner's link measurement (autopipe.planning.link_choice) and its cache file are off unless
+# a test turns them on (tests/test_link_default.py). Child processes inherit this.
+os.environ.setdefault("AUTOPIPE_MEASURE_LINK", "0")
+os.environ.setdefault("AUTOPIPE_LINK_CACHE", "0")
 
 LANES = ("unit", "distributed", "slow")
 TESTS = Path(__file__).resolve().parent

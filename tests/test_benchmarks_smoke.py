@@ -37,6 +37,26 @@ def _finite_positive(x: float) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
+def test_peers_measures_every_peer_against_the_best_layer_split(tmp_path):
+    data = _run("peers", tmp_path / "peers.json")
+    assert data["benchmark"] == "peers"
+    (row,) = data["rows"]
+    assert set(row["stages"]) == {"2", "4"}
+    assert len(row["layer_s"]) == len(row["layers"]) and all(_finite_positive(t) for t in row["layer_s"])
+    for p, entry in row["stages"].items():
+        methods = entry["methods"]
+        assert {"autopipe", "best_layer_split"} <= set(methods) and len(methods) >= 4, "the peers are compared"
+        assert methods["best_layer_split"]["bottleneck_vs_best"] == 1.0
+        for name, m in methods.items():
+            if m["split"] is None:
+                assert m["not_applicable"], f"{name}: a peer without a split says why"
+                continue
+            assert len(m["split"]) == int(p) - 1 and len(m["stage_s"]) == int(p)
+            assert all(_finite_positive(t) for t in m["stage_s"])
+        if p == "2":
+            assert all(_finite_positive(m["step_s"]) for m in methods.values() if m["split"]), "real 2-rank steps"
+
+
 def test_split_quality_compares_every_method_on_measured_stages_and_real_steps(tmp_path):
     data = _run("split_quality", tmp_path / "sq.json")
     assert data["benchmark"] == "split_quality"

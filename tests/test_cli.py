@@ -141,7 +141,7 @@ def test_plan_prints_the_split_the_stages_and_the_baselines(planned):
     assert result.returncode == 0, result.stderr
     assert "split_spec = {" in result.stdout and "SplitPoint.BEGINNING" in result.stdout
     assert "Stages (times per micro-batch)" in result.stdout
-    assert "equal_layers" in result.stdout and "rank 1 |" in result.stdout
+    assert "deepspeed_uniform" in result.stdout and "rank 1 |" in result.stdout
 
 
 def test_plan_saves_a_plan_that_loads(planned):

@@ -16,6 +16,7 @@ MODULES = [
     "autopipe.planning.profile",
     "autopipe.planning.partitioner",
     "autopipe.planning.baselines",
+    "autopipe.planning.peers",
     "autopipe.planning.planner",
     "autopipe.planning.costmodel",
     "autopipe.planning.problem",

@@ -71,9 +71,9 @@ def _cache_settings(model: nn.Module) -> dict[str, object]:
     return {path: config.use_cache for path, config in hf_compat.cache_configs(model)}
 
 
-def _partition(model: nn.Module, kwargs: dict) -> autopipe.Plan:
+def _partition(model: nn.Module, kwargs: dict, **extra: object) -> autopipe.Plan:
     return autopipe.partition(model, 2, example_kwargs=kwargs, cost="flops",
-                              profiling=autopipe.ProfileOptions(progress=False))
+                              profiling=autopipe.ProfileOptions(progress=False), **extra)
 
 
 # --------------------------------------------------------------------------- Hugging Face models
@@ -149,7 +149,7 @@ def test_cut_bytes_in_the_batch_size_with_use_cache_given_as_a_keyword():
 def test_hf_model_with_the_cache_already_off_gets_no_note():
     model, kwargs = _gpt2()
     model.config.use_cache = False
-    plan = _partition(model, kwargs)
+    plan = _partition(model, kwargs, loss_fn=False)  # no loss note either (tests/test_loss_default.py)
     assert plan.notes == []
     assert CACHE_NOTE not in plan.report()
     assert model.config.use_cache is False
@@ -157,7 +157,7 @@ def test_hf_model_with_the_cache_already_off_gets_no_note():
 
 def test_model_without_hf_config_gets_no_note(small_transformer):
     model, args = small_transformer
-    plan = autopipe.partition(model, 2, example_args=args, cost="flops",
+    plan = autopipe.partition(model, 2, example_args=args, cost="flops", loss_fn=False,
                               profiling=autopipe.ProfileOptions(progress=False))
     assert plan.notes == []
     assert CACHE_NOTE not in plan.report()

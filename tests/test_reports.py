@@ -133,6 +133,8 @@ def test_report_data_gives_each_stage_its_share_of_the_memory_limit(plan, data):
 
 def test_report_data_rates_each_baseline_against_the_plan(plan, data):
     for b, row in zip(plan.baselines, data["baselines"]):
+        if b.reason:  # not applicable: no split to rate
+            continue
         assert row["slowdown"] == pytest.approx(b.predicted_step_s / plan.predicted_step_s)
 
 
@@ -168,7 +170,7 @@ def test_terminal_report_shows_split_spec_stages_baselines_and_timeline(plan, da
     print_plan(data, console=make_console(), gantt=plan_timeline(plan).to_text())
     out = capsys.readouterr().out
     assert f'"{plan.split_points[0]}": SplitPoint.BEGINNING' in out
-    assert "Stages (times per micro-batch)" in out and "equal_layers" in out
+    assert "Stages (times per micro-batch)" in out and "deepspeed_uniform" in out
     assert "rank 0 |" in out and "rank 1 |" in out
 
 
@@ -324,4 +326,6 @@ def test_reports_say_what_the_step_spends_after_its_last_action(plan):
                                               "loss_broadcast_s": plan.step_tail.loss_broadcast_s,
                                               "shared_grads_s": plan.step_tail.shared_grads_s}
     text = plan_to_markdown(data)
-    assert f"spends {plan.step_tail_s() * 1e3:.2f} ms once" in text and "merge outputs" in text
+    assert f"spends {plan.step_tail_s() * 1e3:.2f} ms once" in text and "loss broadcast" in text
+    # A training step keeps no outputs (torch 2.10 and later), so there is no merge to report.
+    assert ("merge outputs" in text) == (plan.step_tail.merge_outputs_s > 0)

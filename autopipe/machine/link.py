@@ -21,7 +21,7 @@ import statistics
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -71,6 +71,32 @@ class LinkMeasurement:
         """A JSON-ready dict of every field."""
         out = asdict(self)
         out["devices"] = list(self.devices)
+        return out
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> LinkMeasurement:
+        """The measurement :meth:`to_dict` wrote.
+
+        Raises:
+            ValueError: ``raw`` lacks a field or holds a bandwidth that is not > 0 or a
+                latency < 0 (the message names the field).
+
+        Example:
+            >>> m = LinkMeasurement(2e9, 1e-4, [1024, 2048], [1e-4, 1e-4], [[1e-4], [1e-4]], 0.0, "gloo", ("cpu", "cpu"))
+            >>> LinkMeasurement.from_dict(m.to_dict()) == m
+            True
+        """
+        names = [f.name for f in fields(cls)]
+        if not isinstance(raw, dict) or any(n not in raw for n in names):
+            missing = [n for n in names if not isinstance(raw, dict) or n not in raw]
+            raise ValueError(f"a link measurement needs the fields {names}; missing {missing}")
+        out = cls(**{n: raw[n] for n in names})
+        out.devices = (str(out.devices[0]), str(out.devices[1]))
+        bandwidth, latency = out.bandwidth_bytes_per_s, out.latency_s
+        if not (isinstance(bandwidth, (int, float)) and 0 < bandwidth < float("inf")):
+            raise ValueError(f"bandwidth_bytes_per_s={bandwidth!r} must be a finite number > 0")
+        if not (isinstance(latency, (int, float)) and 0 <= latency < float("inf")):
+            raise ValueError(f"latency_s={latency!r} must be a finite number >= 0")
         return out
 
     def summary(self) -> str:

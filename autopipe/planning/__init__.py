@@ -6,7 +6,8 @@
 2. **Profile.** :mod:`.profile` measures each segment between split points (time, memory,
    the tensors crossing each cut) on graphs from :mod:`.segment_graphs`; :mod:`.scaling`
    fits those costs across micro-batch sizes (:mod:`.affine_fit`); :mod:`.rank_profile`
-   profiles in every rank at once.
+   profiles in every rank at once; :mod:`.default_loss` picks the loss the last stage is
+   charged with when the caller names none.
 3. **Cost graph.** :mod:`.costgraph` holds the segments' costs and the bytes crossing each
    cut; :mod:`.problem` turns them into the partitioner's numbers.
 4. **Search.** :mod:`.partitioner` finds the split points that minimise the bottleneck
@@ -14,7 +15,7 @@
    :mod:`.simulator` plays one out into a :mod:`.timeline`; :mod:`.costmodel` is the one
    place that turns stage numbers into times and bytes; :mod:`.schedule_options` costs
    each schedule and micro-batch count the planner compares; :mod:`.baselines` computes
-   the splits other tools would pick.
+   the splits other tools would pick, by those tools' rules in :mod:`.peers`.
 5. **Plan.** :mod:`.planner` ties it together (:func:`~autopipe.planning.planner.partition`,
    with the option groups of :mod:`.options`); :mod:`.plan_assembly` builds the
    :mod:`.plan` (typed parts in :mod:`.plan_records`), which :mod:`.plan_file` saves and

@@ -59,6 +59,18 @@ class ProfileOptions:
             timed beside them (:class:`autopipe.machine.passes.WholePass`); None = on
             CUDA only, where segments timed one by one add up to more than the model.
         progress: Show progress on stderr while tracing and profiling.
+        measure_link: Whether the planner measures the link between two processes on this
+            host (:func:`autopipe.machine.link_cache.loopback_link`: two spawned processes,
+            a few seconds, then kept per host) for the ranks whose ``Device`` gives no
+            ``bandwidth`` or ``latency_s``. None (default): only where it can matter: the
+            profile is measured on the CPU (co-located ranks), no process group is running,
+            and the split with the assumed default link differs from the split with free
+            communication (:mod:`autopipe.planning.link_choice`); ``AUTOPIPE_MEASURE_LINK=0``
+            in the environment turns this off. :class:`autopipe.Pipeline` plans inside its
+            process group, so with None it keeps the assumed link. True: whenever a rank's
+            link is not given (also on CUDA, between GPUs 0 and 1; under ``Pipeline``, rank 0
+            measures while the other ranks wait for the plan). False: never; the assumed
+            default is used. ``plan.notes`` says which link was charged.
 
     Raises:
         ValueError: a field out of range (the message names it and says what is accepted).
@@ -74,6 +86,7 @@ class ProfileOptions:
     flush_cache: bool = True
     fit_to_whole: bool | None = None
     progress: bool = True
+    measure_link: bool | None = None
 
     def __post_init__(self) -> None:
         # Checked here so that a bad value fails where it is written, not once profiling starts.
@@ -82,6 +95,7 @@ class ProfileOptions:
         check_bool("ProfileOptions flush_cache", self.flush_cache)
         check_bool("ProfileOptions fit_to_whole", self.fit_to_whole, allow_none=True)
         check_bool("ProfileOptions progress", self.progress)
+        check_bool("ProfileOptions measure_link", self.measure_link, allow_none=True)
         if not (self.device is None or isinstance(self.device, str) or type(self.device).__name__ == "device"):
             raise ValueError(f"ProfileOptions device={self.device!r} must be None, a string such as 'cuda:0' "
                              "or a torch.device")

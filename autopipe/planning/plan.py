@@ -83,13 +83,14 @@ class StagePlan:
 class BaselinePlan:
     """A split users could pick by hand or with another tool, costed by the same model."""
 
-    name: str  # "equal_layers", "balanced_params", "block_partition", ...
+    name: str  # "deepspeed_parameters", "torchgpipe_time", ... (autopipe.planning.baselines.BASELINES)
     description: str  # one line: where the method comes from
     split_points: list[str]  # its split points (module names), in order
     bottleneck_s: float  # its heaviest stage under the same cost model
     predicted_step_s: float  # its predicted step time under the same schedule
     peak_bytes: int  # its heaviest stage's predicted memory
     fits_memory: bool = True
+    reason: str = ""  # "not applicable: ..." when the tool's rule gives no split here (split_points empty)
 
 
 @dataclass
@@ -125,7 +126,7 @@ class Plan:
     search: SearchRecord | None = None  # how the split was found (None: not searched)
     alternatives: list[ScheduleAlternative] = field(default_factory=list)  # with schedule/n_microbatches "auto"
     notes: list[str] = field(default_factory=list)  # what autopipe changed or assumed to make the plan
-    loss: LossCost | None = None  # the loss charged to the last stage, when loss_fn was given
+    loss: LossCost | None = None  # the loss charged to the last stage: given, or assumed for a language model
     whole_pass: WholePass | None = None  # the whole graph timed beside the segments
     global_batch: int | None = None  # samples per optimizer step, when given
     scaling_fit_error: dict[str, float] = field(default_factory=dict)  # quantity -> worst relative fit error

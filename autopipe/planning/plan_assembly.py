@@ -17,11 +17,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 from ..machine.device import Device
 from . import costmodel
-from .baselines import BASELINES, evaluate_baselines, layer_units
+from .baselines import BASELINES, evaluate_baselines
 from .costgraph import CostGraph
 from .partitioner import PartitionProblem, PartitionResult
 from .plan import BaselinePlan, Plan, StagePlan
@@ -63,8 +61,11 @@ def make_plan(
     ranks = stage_ranks(sched, len(rank_devices), v)
     stage_devices = [rank_devices[r] for r in ranks]
     baselines = []
-    seg_param_bytes = np.array([c.param_bytes for c in costs], dtype=float)
-    for name, r in evaluate_baselines(layer_units(traced), problem, seg_param_bytes).items():
+    for name, r in evaluate_baselines(traced, costs, problem).items():
+        if isinstance(r, str):  # the tool's rule gives no split for this model
+            baselines.append(BaselinePlan(name=name, description=BASELINES[name], split_points=[], bottleneck_s=0.0,
+                                          predicted_step_s=0.0, peak_bytes=0, fits_memory=False, reason=r))
+            continue
         baselines.append(BaselinePlan(
             name=name,
             description=BASELINES[name],

@@ -236,6 +236,7 @@ def plan_from_data(data: Any, cls: type[Plan] | None = None, *, path: str | None
     baseline_checks = {
         "name": lambda f, v: c.text(f, v, nonempty=True), "description": c.text, "split_points": c.names,
         "bottleneck_s": c.number, "predicted_step_s": c.number, "peak_bytes": c.integer, "fits_memory": c.flag,
+        "reason": c.text,
     }
     assert set(baseline_checks) == {f.name for f in fields(BaselinePlan)}, "BaselinePlan fields changed"
     kw["baselines"] = [BaselinePlan(**c.record(f"baselines[{i}]", b, baseline_checks, required_fields(BaselinePlan)))

@@ -33,10 +33,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .._checks import accepts_old_keywords, check_at_most, check_choice, check_int
 from . import schedules as sim
 from .costgraph import CostGraph, SegmentCost, build_cost_graph
+from .link_choice import choose_link, link_mode
 from ..machine.device import (Device, format_bytes, default_action_overhead_s, default_copy_bandwidth, default_link,
                                optimizer_state_factor, sends_are_lazy)
 from ..errors import InfeasibleMemoryError
@@ -45,7 +47,8 @@ from .plan_assembly import make_plan
 from .plan_file import MAX_STAGES
 from .options import PARTITION_OLD_KEYWORDS, ProfileOptions, fold_old_partition_keywords, resolve_devices
 from ..machine.timing import resolve_device
-from .profile import COST_SOURCES, LossCost, profile_loss, profile_segments
+from .default_loss import charged_loss
+from .profile import COST_SOURCES, LossCost, profile_segments
 from .scaling import ScaledProfile, profile_scaling
 from .problem import build_problem
 from .schedule_options import ScheduleOption, auto_schedule_options, cost_option, inflight_per_stage
@@ -133,6 +136,12 @@ def partition(
             holds what it saves (for a language model, the log-softmax over the vocabulary)
             until that micro-batch's backward; with both given, its time and saved bytes
             (:func:`autopipe.planning.profile.profile_loss`) are charged to the last stage.
+            Without ``loss_fn`` (None), a language model's output (vocabulary logits over
+            integer token inputs) is charged the token cross-entropy it trains with, against
+            random token ids; any other output is costed without a loss. ``plan.notes`` (and
+            so the report) says which (:mod:`autopipe.planning.default_loss`).
+            ``loss_fn=False`` costs the last stage without a loss and says nothing (a
+            pipeline that runs no loss).
         cost: Where the segment costs come from: ``"measured"`` (default; timed on
             ``profiling.device``), ``"flops"`` or ``"params"`` (estimated); or a profile to
             reuse, which skips measuring (the same costs always give the same plan): a list of
@@ -190,11 +199,12 @@ def partition(
     wanted = _resolve_options(n_gpus, schedule, n_microbatches, global_batch, stages_per_rank, costs, scaling)
     opt_name, opt_factor = optimizer_state_factor(optimizer)
     rank_devices = resolve_devices(n_gpus, devices, memory)
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"loss_fn={loss_fn!r} must be callable as loss_fn(output, target)")
-    if (loss_fn is None) != (example_target is None):
+    if loss_fn is not None and loss_fn is not False and not callable(loss_fn):
+        raise TypeError(f"loss_fn={loss_fn!r} must be callable as loss_fn(output, target), None (assume the "
+                        "model's usual loss) or False (no loss)")
+    if (loss_fn is None or loss_fn is False) != (example_target is None):
         raise ValueError("give loss_fn and example_target together (the loss is measured on one micro-batch's "
-                         f"target), got loss_fn={'set' if loss_fn is not None else None}, "
+                         f"target), got loss_fn={'set' if callable(loss_fn) else loss_fn}, "
                          f"example_target={'set' if example_target is not None else None}")
     if profiling is None:
         profiling = ProfileOptions()
@@ -226,16 +236,58 @@ def partition(
                                   cost=cost_source, traced=traced, **measure)
     if not wanted.auto_microbatches and costs is None:
         costs = profile_segments(traced, cost=cost_source, **measure)
-    loss = None
-    if loss_fn is not None:
-        loss = profile_loss(model, traced.example_args, traced.example_kwargs, loss_fn, example_target,
-                            device=dev, warmup=profiling.warmup, repeats=profiling.repeats)
-        if cost_source != "measured":  # estimated segment times: the loss adds its memory, not a measured time
-            loss = replace(loss, fwd_s=0.0, bwd_s=0.0)
+    # The loss given, or the one a model of this kind trains with (default_loss), or a note saying there is none.
+    loss, loss_note = charged_loss(model, traced, loss_fn, example_target, device=dev, warmup=profiling.warmup,
+                                   repeats=profiling.repeats, cost_source=cost_source,
+                                   profile_given=not isinstance(cost, str))
     graphs = _cost_graphs(traced, wanted.n_microbatches, global_batch, costs=costs,
                           scaling=scaling if wanted.auto_microbatches else None, loss=loss)
 
-    # ---- search: the best split for each (micro-batches, schedule) option, then the fastest that fits
+    # ---- search: the best split for each (micro-batches, schedule) option, then the fastest that fits;
+    # the default link is measured on this host where assuming it would decide the split (link_choice)
+    mode, why = link_mode(profiling.measure_link, device_type=dev.type, cost_source=cost_source,
+                          devices=rank_devices, in_process_group=dist.is_available() and dist.is_initialized())
+
+    def search(link: tuple[float, float]) -> tuple[tuple[list[ScheduleOption], ScheduleOption, float], str]:
+        found = _search_options(link, graphs=graphs, pairs_for=pairs_for, traced=traced, n_gpus=n_gpus,
+                                rank_devices=rank_devices, opt_factor=opt_factor, objective=objective,
+                                device_type=dev.type, several=wanted.several)
+        o = found[1]  # the split as the note names it: split points, schedule, micro-batches
+        names = [traced.candidates[c - 1].name for c in o.result.cuts]
+        return found, (f"{names} ({o.schedule}" + (f" x{o.stages_per_rank}" if o.stages_per_rank > 1 else "")
+                       + f", {o.n_microbatches} micro-batches)")
+
+    link_choice, (options, chosen, planner_s) = choose_link(search, assumed=default_link(dev.type), mode=mode,
+                                                            device_type=dev.type, why=why)
+    limits = None
+    if any(math.isfinite(d.memory_bytes) for d in rank_devices):
+        limits = [int(d.memory_bytes) if math.isfinite(d.memory_bytes) else -1 for d in rank_devices]
+    plan = make_plan(
+        traced, graphs[chosen.n_microbatches], chosen,
+        optimizer=opt_name, optimizer_factor=opt_factor, rank_devices=rank_devices,
+        cost_source=cost_source, objective=objective, device=str(dev), planner_s=planner_s,
+        memory_limit_bytes=limits, alternatives=options if wanted.several else (),
+    )
+    if traced.notes:  # what autopipe changed to capture the model (a Hugging Face KV cache turned off)
+        plan.notes = list(traced.notes)
+    if link_choice.source == "measured" or mode == "auto":  # a default that was put to the test: say how it went
+        plan.notes = [*plan.notes, link_choice.note()]
+    if loss_note:  # a loss assumed, or none costed: never silently
+        plan.notes = [*plan.notes, loss_note]
+    plan.loss = loss
+    plan.whole_pass = getattr(costs, "whole", None)  # what the whole graph took beside the segments
+    plan.global_batch = global_batch
+    if wanted.auto_microbatches and scaling is not None:
+        plan.scaling_fit_error = {k: max(v) if v else 0.0 for k, v in scaling.fit_error.items()}
+    return plan
+
+
+def _search_options(
+    link: tuple[float, float], *, graphs: Mapping[int, CostGraph], pairs_for: Mapping[int, list[tuple[str, int]]],
+    traced: TracedModel, n_gpus: int, rank_devices: Sequence[Device], opt_factor: float, objective: str,
+    device_type: str, several: bool,
+) -> tuple[list[ScheduleOption], ScheduleOption, float]:
+    """Every option costed with ``link`` as the default link, the fastest that fits, and the seconds taken."""
     t0 = time.perf_counter()
     options = []
     for mm, graph in graphs.items():
@@ -243,11 +295,11 @@ def partition(
             option = ScheduleOption(schedule=sched, stages_per_rank=v, n_microbatches=mm)
             try:
                 cost_option(option, traced=traced, cost_graph=graph, n_gpus=n_gpus, rank_devices=rank_devices,
-                            optimizer_factor=opt_factor, link_default=default_link(dev.type), objective=objective,
-                            overhead_default=default_action_overhead_s(dev.type),
-                            lazy_sends=sends_are_lazy(dev.type), copy_bandwidth=default_copy_bandwidth(dev.type))
+                            optimizer_factor=opt_factor, link_default=link, objective=objective,
+                            overhead_default=default_action_overhead_s(device_type),
+                            lazy_sends=sends_are_lazy(device_type), copy_bandwidth=default_copy_bandwidth(device_type))
             except InfeasibleMemoryError as e:
-                if not wanted.several:
+                if not several:
                     raise
                 option.reason = str(e).split(";")[0]
             options.append(option)
@@ -260,24 +312,7 @@ def partition(
             + "; ".join(f"{o.schedule} x{o.stages_per_rank} needs "
                         f"{_fmt_rank_peak(o)}" for o in options)
         )
-    chosen = min(usable, key=lambda o: (o.predicted_step_s, max(o.rank_peak_bytes)))
-    limits = None
-    if any(math.isfinite(d.memory_bytes) for d in rank_devices):
-        limits = [int(d.memory_bytes) if math.isfinite(d.memory_bytes) else -1 for d in rank_devices]
-    plan = make_plan(
-        traced, graphs[chosen.n_microbatches], chosen,
-        optimizer=opt_name, optimizer_factor=opt_factor, rank_devices=rank_devices,
-        cost_source=cost_source, objective=objective, device=str(dev), planner_s=planner_s,
-        memory_limit_bytes=limits, alternatives=options if wanted.several else (),
-    )
-    if traced.notes:  # what autopipe changed to capture the model (a Hugging Face KV cache turned off)
-        plan.notes = list(traced.notes)
-    plan.loss = loss
-    plan.whole_pass = getattr(costs, "whole", None)  # what the whole graph took beside the segments
-    plan.global_batch = global_batch
-    if wanted.auto_microbatches and scaling is not None:
-        plan.scaling_fit_error = {k: max(v) if v else 0.0 for k, v in scaling.fit_error.items()}
-    return plan
+    return options, min(usable, key=lambda o: (o.predicted_step_s, max(o.rank_peak_bytes))), planner_s
 
 
 @dataclass

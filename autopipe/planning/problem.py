@@ -29,13 +29,29 @@ import numpy as np
 import torch
 
 from ..machine.device import Device
-from .costgraph import CostGraph
+from . import schedules
+from .costgraph import CostGraph, SegmentCost
 from .costmodel import state_bytes, step_backward_s
 from .partitioner import PartitionProblem
 from .trace import TracedModel
 
-__all__ = ["build_problem", "state_sizes", "state_tensors", "tensor_reads", "rank_overcount_bytes",
+__all__ = ["build_problem", "merged_output_bytes", "state_sizes", "state_tensors", "tensor_reads", "rank_overcount_bytes",
            "tied_gradient_bytes"]
+
+
+def merged_output_bytes(costs: Sequence[SegmentCost]) -> float:
+    """Bytes of one micro-batch's output that a training step's last stage keeps to merge.
+
+    Zero on a torch whose schedules can return no outputs
+    (:func:`autopipe.planning.schedules.training_merges_outputs`): training never needs them.
+
+    Example:
+        >>> merged_output_bytes([])
+        0.0
+    """
+    if not costs or not schedules.training_merges_outputs():
+        return 0.0
+    return float(costs[-1].out_bytes)
 
 
 def build_problem(
@@ -77,10 +93,10 @@ def build_problem(
             nbytes, trainable = sizes.get(name, (0, False))
             b += state_bytes(nbytes, nbytes if trainable else 0, optimizer_factor)
         static.append(b)
-    # torch's last stage keeps every micro-batch's output until the step ends (it returns
-    # them merged), so the model's output is held n_microbatches times on that stage.
+    # On a torch whose training step returns its outputs, the last stage keeps every
+    # micro-batch's output until the step ends (merged_output_bytes; zero otherwise).
     if static:
-        static[-1] += n_microbatches * costs[-1].out_bytes
+        static[-1] += n_microbatches * merged_output_bytes(costs)
     bw, lat = [], []
     for s in range(num_stages - 1):
         d = stage_devices[s]

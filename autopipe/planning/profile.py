@@ -61,8 +61,8 @@ from .costgraph import SegmentCost, requires_grad_map, tensor_bytes
 from .segment_graphs import copy_to_device, segment_modules
 from .trace import TracedModel
 
-__all__ = ["COST_SOURCES", "profile_segments", "profile_loss", "LossCost", "SegmentCosts", "fit_to_whole_default",
-           "room_for_whole", "check_flush_cache", "check_runs", "check_fit_to_whole"]
+__all__ = ["COST_SOURCES", "profile_segments", "profile_loss", "model_output", "LossCost", "SegmentCosts",
+           "fit_to_whole_default", "room_for_whole", "check_flush_cache", "check_runs", "check_fit_to_whole"]
 
 #: Accepted values of the ``cost`` argument.
 COST_SOURCES = ("measured", "flops", "params")
@@ -386,6 +386,7 @@ def profile_loss(
     device: str | torch.device | None = None,
     warmup: int = 2,
     repeats: int = 5,
+    output: Any = None,
 ) -> LossCost:
     """Measure ``loss_fn(model output, target)``: forward, backward and saved bytes per micro-batch.
 
@@ -403,6 +404,8 @@ def profile_loss(
 
     Keyword Args:
         device, warmup, repeats: As for :func:`profile_segments`.
+        output: The model's output on this micro-batch when the caller already has it
+            (:func:`model_output`); None runs the model once.
 
     Returns:
         A :class:`LossCost`.
@@ -420,10 +423,8 @@ def profile_loss(
     """
     dev = resolve_device(device)
     timer = Timer(dev)
-    # As traced: a Hugging Face model's KV cache off (it is no part of what the loss sees).
-    kwargs, _ = hf_compat.training_kwargs(model, example_kwargs)
-    with torch.no_grad(), _model_state_preserved(model), hf_compat.training_config(model):
-        output = model(*example_args, **kwargs)
+    if output is None:
+        output = model_output(model, example_args, example_kwargs)
     output = tree_map(lambda t: t.detach().to(dev) if isinstance(t, torch.Tensor) else t, output)
     target = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, target)
     first = next((t for t in tree_leaves((tuple(example_args), dict(example_kwargs or {})))
@@ -452,6 +453,21 @@ def profile_loss(
             bwd.append(b)
     return LossCost(fwd_s=per_run_s(fwd), bwd_s=per_run_s(bwd), act_bytes=counter.total,
                     batch=batch)
+
+
+def model_output(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: Mapping[str, Any] | None) -> Any:
+    """The model's output on one micro-batch, as the last stage produces it for the loss.
+
+    Runs the model once without gradients, as traced (a Hugging Face model's KV cache off,
+    :mod:`autopipe.planning.hf_compat`), and leaves its buffers and the RNG state as they were.
+
+    Example:
+        >>> model_output(torch.nn.Linear(4, 3), (torch.randn(2, 4),), None).shape
+        torch.Size([2, 3])
+    """
+    kwargs, _ = hf_compat.training_kwargs(model, example_kwargs)
+    with torch.no_grad(), _model_state_preserved(model), hf_compat.training_config(model):
+        return model(*example_args, **kwargs)
 
 
 def _estimate_times(costs: list[SegmentCost], cost: str, device_flops: float) -> None:

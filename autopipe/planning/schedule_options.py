@@ -23,7 +23,7 @@ from .costgraph import CostGraph, SegmentCost
 from .costmodel import StepTail
 from .partitioner import PartitionProblem, PartitionResult, candidate_partitions, solve_bottleneck
 from .plan_records import ScheduleAlternative
-from .problem import build_problem, rank_overcount_bytes, tied_gradient_bytes
+from .problem import build_problem, merged_output_bytes, rank_overcount_bytes, tied_gradient_bytes
 from .schedules import stage_ranks, validate_schedule
 from .trace import TracedModel
 
@@ -101,7 +101,7 @@ def split_step_tail(traced: TracedModel, problem: PartitionProblem, cuts: Sequen
                     copy_bandwidth: float) -> StepTail:
     """The once-per-step tail of the split at ``cuts`` (:func:`costmodel.step_tail`), on the first link."""
     return costmodel.step_tail(
-        n_microbatches=n_microbatches, out_bytes=costs[-1].out_bytes if costs else 0.0,
+        n_microbatches=n_microbatches, out_bytes=merged_output_bytes(costs),
         n_ranks=max(ranks) + 1 if len(ranks) else 1,
         bandwidth=float(problem.bandwidth[0]) if len(problem.bandwidth) else math.inf,
         latency_s=float(problem.latency_s[0]) if len(problem.latency_s) else 0.0,
@@ -178,7 +178,7 @@ def cost_option(
         stage_act_bytes=[int(problem.act_bytes[i:j].sum()) for i, j in zip(edges, edges[1:])],
         cut_fwd_bytes=[problem.cut_fwd_bytes[k] for k in cuts], cut_bwd_bytes=[problem.cut_bwd_bytes[k] for k in cuts],
         split_backward=sched in schedules.SPLIT_BACKWARD_SCHEDULES,
-        merge_bytes=m * costs[-1].out_bytes if costs else 0.0,
+        merge_bytes=m * merged_output_bytes(costs),
         overcount=rank_overcount_bytes(traced, cuts, ranks, optimizer_factor))
     option.fits = all(pk <= d.memory_bytes for pk, d in zip(option.rank_peak_bytes, rank_devices))
     option.step_lower_bound_s = costmodel.step_lower_bound_s(

@@ -21,6 +21,7 @@ schedule.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 from unittest import mock
@@ -39,6 +40,7 @@ __all__ = [
     "MAX_SCHEDULE_SIZE",
     "SEND_RETENTION",
     "SPLIT_BACKWARD_SCHEDULES",
+    "TRAINING_STEP_KWARGS",
     "Action",
     "action_inputs",
     "action_order",
@@ -49,8 +51,32 @@ __all__ = [
     "default_stages_per_rank",
     "schedule_class",
     "stage_ranks",
+    "training_merges_outputs",
     "validate_schedule",
 ]
+
+#: What a training step passes to torch's ``schedule.step``: no outputs returned, so the last
+#: stage keeps none (``return_outputs``, torch 2.10 and later, pytorch/pytorch#165822). With an
+#: older torch the last stage keeps every micro-batch's output and concatenates them at the
+#: end of the step, and the planner charges that merge (:func:`training_merges_outputs`).
+TRAINING_STEP_KWARGS: dict[str, Any] = (
+    {"return_outputs": False}
+    if "return_outputs" in inspect.signature(torch_schedules.PipelineScheduleSingle.step).parameters else {}
+)
+
+
+def training_merges_outputs() -> bool:
+    """Whether a training step's last stage keeps and concatenates every micro-batch's output.
+
+    False on torch 2.10 and later, where :data:`TRAINING_STEP_KWARGS` asks for no outputs;
+    the planner then charges no merge time or memory to the last stage.
+
+    Example:
+        >>> training_merges_outputs() == ("return_outputs" not in TRAINING_STEP_KWARGS)
+        True
+    """
+    return "return_outputs" not in TRAINING_STEP_KWARGS
+
 
 #: Canonical names of the schedules autopipe can simulate and run, in torch's spelling.
 SCHEDULES: tuple[str, ...] = (

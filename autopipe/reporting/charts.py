@@ -276,7 +276,8 @@ def baselines_figure(data: dict[str, Any]) -> Figure:
     """
     summary = data["summary"]
     rows = [("autopipe", summary["split_points"], summary["predicted_step_s"], True, True)]
-    rows += [(b["name"], b["split_points"], b["predicted_step_s"], b["fits_memory"], False) for b in data["baselines"]]
+    rows += [(b["name"], b["split_points"], b["predicted_step_s"], b["fits_memory"], False) for b in data["baselines"]
+             if not b.get("reason")]
     tscale, tunit = _time_unit(max(r[2] for r in rows))
     fig = Figure(figsize=(9, 0.55 * len(rows) + 1.5), layout="constrained")
     ax = fig.subplots()

@@ -100,7 +100,8 @@ def report_data(
         timeline = plan_timeline(plan)
     ranks = stage_ranks_of(plan)
     step = plan.predicted_step_s
-    best_baseline = min((b for b in plan.baselines if b.fits_memory), key=lambda b: b.predicted_step_s, default=None)
+    best_baseline = min((b for b in plan.baselines if b.fits_memory and not b.reason),
+                        key=lambda b: b.predicted_step_s, default=None)
     summary = {
         "model": plan.model_name,
         "num_stages": plan.num_stages,
@@ -138,7 +139,7 @@ def report_data(
             "cut_comm_s": comm[s.index] if s.index < len(comm) else None,
         })
     baselines = [
-        {**asdict(b), "slowdown": (b.predicted_step_s / step) if step > 0 else math.nan}
+        {**asdict(b), "slowdown": (b.predicted_step_s / step) if step > 0 and not b.reason else math.nan}
         for b in plan.baselines
     ]
     layers = []

@@ -127,6 +127,9 @@ def baseline_table(data: dict[str, Any]) -> Table:
              format_seconds(s["predicted_step_s"]), "1.00x",
              format_bytes(max(st["peak_bytes"] for st in data["stages"])), "yes"]]
     for b in data["baselines"]:
+        if b.get("reason"):  # the tool's rule gives no split for this model
+            rows.append([b["name"], b["reason"], "-", "-", "-", "-", "-"])
+            continue
         rows.append([b["name"], ", ".join(b["split_points"]) or "-", format_seconds(b["bottleneck_s"]),
                      format_seconds(b["predicted_step_s"]), f"{b['slowdown']:.2f}x", format_bytes(b["peak_bytes"]),
                      "yes" if b["fits_memory"] else "NO"])

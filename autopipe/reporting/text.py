@@ -97,6 +97,9 @@ def plan_to_text(plan: "Plan") -> str:
         out += ["", "the same model split the usual ways (same costs, same schedule):"]
         rows = []
         for b in plan.baselines:
+            if b.reason:  # the tool's rule gives no split for this model
+                rows.append([b.name, b.reason, "-", "-", "-", "-", "-"])
+                continue
             speedup = b.predicted_step_s / plan.predicted_step_s if plan.predicted_step_s > 0 else float("nan")
             rows.append([
                 b.name, ", ".join(b.split_points) or "-", format_seconds(b.bottleneck_s),

@@ -58,7 +58,7 @@ def sum_shared_grads(shared: Shared, state: Mapping[str, torch.Tensor],
     Example::
 
         before = grads_before(shared, state)
-        schedule.step(x, target=y, losses=losses)
+        schedule.step(x, target=y, losses=losses, return_outputs=False)
         sum_shared_grads(shared, state, use_leaves, before)   # every copy: the summed gradient
     """
     fold_use_leaf_grads(use_leaves, state)

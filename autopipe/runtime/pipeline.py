@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_map
 from .._checks import check_int
 from ..planning.options import PlannerOptions
 from ..planning.plan import Plan
-from ..planning.schedules import stage_ranks
+from ..planning.schedules import TRAINING_STEP_KWARGS, stage_ranks
 from .checkpointing import resolve_checkpoint_stages
 from .compat import to_stage_device
 from .distributed import (DEFAULT_TIMEOUT_S, close_at_exit, default_device, destroy_groups, hold_process_group,
@@ -92,9 +92,12 @@ class Pipeline:
         timeout_s: collective timeout when the pipeline creates the process group itself.
         planner: :class:`~autopipe.planning.options.PlannerOptions` for
             :func:`autopipe.planning.planner.partition` when the pipeline plans (no ``plan``
-            or ``split_points``); with ``example_target`` (one micro-batch's target) the
-            planner also charges ``loss_fn``'s time and saved bytes to the last stage. The
-            profile runs on ``device`` unless ``planner.profiling.device`` says otherwise.
+            or ``split_points``). The planner charges ``loss_fn``'s time and saved bytes to
+            the last stage, measured against ``planner.example_target`` (one micro-batch's
+            target) or, without it, a target derived from the model's output
+            (:func:`autopipe.planning.default_loss.pipeline_loss`; the plan's notes say when
+            none can be). The profile runs on ``device`` unless ``planner.profiling.device``
+            says otherwise.
         profile_in_ranks: when the pipeline plans: True has every rank profile the model at
             once (:func:`autopipe.planning.rank_profile.profile_in_ranks`) and rank 0 plan from
             the mean of their profiles; False has rank 0 profile alone while the others wait.
@@ -252,7 +255,8 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         stage_args, stage_kwargs, stage_target = self._place(args, kwargs, target)
         with self._failures.guard("step", self.rank):
-            self._train_schedule.step(*stage_args, target=stage_target, losses=losses, **stage_kwargs)
+            self._train_schedule.step(*stage_args, target=stage_target, losses=losses, **TRAINING_STEP_KWARGS,
+                                      **stage_kwargs)
             loss = self._share_loss(losses)  # also tells every rank whether any rank failed
         # Every copy of a parameter shared by stages or ranks gets the sum of their gradients.
         sum_shared_grads(self._shared, self._state, self._use_leaves, before)

@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 
 from .._checks import check_int
+from ..planning.default_loss import pipeline_loss
 from ..planning.options import PARTITION_OLD_KEYWORDS, PlannerOptions, ProfileOptions, fold_old_partition_keywords
 from ..planning.plan import Plan, StagePlan
 from ..planning.schedules import canonical_schedule_name, validate_schedule
@@ -41,7 +42,7 @@ from .distributed import broadcast_object, gather_digests
 from .stages import SINGLE_STAGE_SCHEDULES
 
 __all__ = ["PlanRequest", "PipelineLayout", "settle_plan", "check_model_and_inputs", "planner_from_options",
-           "deprecated_keywords", "profile_in_ranks_by_default", "rank_profile_settings"]
+           "deprecated_keywords", "profile_in_ranks_by_default", "rank_profile_settings", "planner_kwargs"]
 
 
 @dataclass(frozen=True)
@@ -215,9 +216,8 @@ def _plan_on_rank0(request: PlanRequest, model: nn.Module, example_args: tuple, 
     # Measure where the stages will run.
     profiling = planner.profiling or ProfileOptions()
     profiling = replace(profiling, device=profiling.device if profiling.device is not None else device)
-    kwargs = {**planner.partition_kwargs(), "profiling": profiling}
-    if planner.example_target is not None and loss_fn is not None:  # the loss is charged to the last stage
-        kwargs["loss_fn"] = loss_fn
+    kwargs, loss_note = planner_kwargs(planner, model, example_args, example_kwargs, loss_fn)
+    kwargs["profiling"] = profiling
     profile_together = request.profile_in_ranks
     if profile_together is None:
         profile_together = profile_in_ranks_by_default(world_size, planner)
@@ -234,6 +234,8 @@ def _plan_on_rank0(request: PlanRequest, model: nn.Module, example_args: tuple, 
             found = partition(model, n_ranks, example_args=example_args, example_kwargs=example_kwargs,
                               schedule=schedule, n_microbatches=n_microbatches, stages_per_rank=stages_per_rank,
                               **kwargs)
+            if loss_note:  # the pipeline's loss could not be costed: the plan says so
+                found.notes = [*found.notes, loss_note]
             outcome = ("ok", found.to_dict())
         except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
             error = e
@@ -244,6 +246,27 @@ def _plan_on_rank0(request: PlanRequest, model: nn.Module, example_args: tuple, 
             raise error
         raise RuntimeError(f"planning failed on rank 0, so no rank can build its stages: {outcome[1]}")
     return Plan.from_dict(outcome[1])
+
+
+def planner_kwargs(planner: PlannerOptions, model: nn.Module, example_args: tuple, example_kwargs: dict | None,
+                   loss_fn: Callable | None) -> tuple[dict[str, Any], str | None]:
+    """The keywords the pipeline passes to ``partition`` (before ``profiling``), and a plan note or None.
+
+    The planner's options as set, and the pipeline's own loss: the last stage runs
+    ``loss_fn``, so the plan is costed with it, against ``planner.example_target`` or a
+    target derived from the model's output
+    (:func:`autopipe.planning.default_loss.pipeline_loss`); a pipeline without ``loss_fn``
+    is costed without a loss. The note says when ``loss_fn`` could not be costed.
+
+    Example::
+
+        kwargs, note = planner_kwargs(PlannerOptions(cost="flops"), model, (x_mb,), None, loss_fn)
+        plan = autopipe.partition(model, 2, example_args=(x_mb,), **kwargs)   # the split Pipeline plans
+    """
+    kwargs = planner.partition_kwargs()
+    loss_kwargs, note = pipeline_loss(model, example_args, example_kwargs, loss_fn,
+                                      kwargs.pop("example_target", None))
+    return {**kwargs, **loss_kwargs}, note
 
 
 def _check_ranks_agree(plan: Plan, schedule: str, n_microbatches: int, stages_per_rank: int,

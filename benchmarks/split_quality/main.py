@@ -3,8 +3,9 @@
 For each zoo model with uneven layers this script
 
 1. plans a 2-stage pipeline with ``autopipe.partition`` (1F1B, 4 micro-batches by default),
-   which also reports the splits three baselines would choose: equal layers (Megatron-LM /
-   torchtitan), balanced parameters (DeepSpeed) and torchgpipe's block partition;
+   which also reports the split each peer tool would choose (``plan.baselines``: DeepSpeed
+   0.19.8 ``parameters`` and ``uniform``, torchtitan 0.3.0's default, torchgpipe 0.0.7
+   ``balance_by_time``, torchpippy 0.2.0, the FLOPs DP of torchtitan PR #2113), where it applies;
 2. **scans every legal split point** (``trace(...).split_point_names``): builds the two
    stages with ``torch.distributed.pipelining.pipeline()`` and times each stage's forward +
    backward in one process (stage 0's output feeds stage 1; stage 1's input gradient flows
@@ -46,7 +47,8 @@ from _pipebench import (  # noqa: E402
 import autopipe  # noqa: E402
 from autopipe.planning.trace import trace  # noqa: E402
 
-BASELINE_ORDER = ("equal_layers", "balanced_params", "block_partition")
+BASELINE_ORDER = ("deepspeed_parameters", "deepspeed_uniform", "torchtitan_default", "torchgpipe_time",
+                  "pippy_equal_size", "flops_dp")
 QUICK_MODELS = ("seed_transformer", "cnn", "mlp")
 
 
@@ -123,7 +125,8 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log) -> dict[str
         "autopipe": {"split_point": plan.split_points[0], "predicted_bottleneck_s": plan.bottleneck_s,
                      "predicted_step_s": plan.predicted_step_s},
     }
-    for b in sorted(plan.baselines, key=lambda b: BASELINE_ORDER.index(b.name) if b.name in BASELINE_ORDER else 9):
+    applicable = [b for b in plan.baselines if not b.reason]  # a peer whose rule gives no split here is left out
+    for b in sorted(applicable, key=lambda b: BASELINE_ORDER.index(b.name) if b.name in BASELINE_ORDER else 9):
         methods[b.name] = {"split_point": b.split_points[0], "predicted_bottleneck_s": b.bottleneck_s,
                            "predicted_step_s": b.predicted_step_s}
     log(f"  {name}: {len(candidates)} split points; autopipe cuts at {plan.split_points[0]!r}, baselines at "

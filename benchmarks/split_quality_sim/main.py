@@ -7,16 +7,17 @@ counted) and then, for p = 2, 4, 8, 16, 32, plans the model with
 
 * autopipe's predicted step time (the simulated 1F1B step, ``4p`` micro-batches) and its
   bottleneck stage (compute + communication per micro-batch);
-* the same two figures for each baseline split - equal layers (Megatron-LM / torchtitan),
-  balanced parameters (DeepSpeed), torchgpipe's block partition - costed by the same model
-  and simulated under the same schedule;
+* the same two figures for each peer tool's split (``plan.baselines``: DeepSpeed 0.19.8
+  ``parameters`` and ``uniform``, torchtitan 0.3.0's default, torchgpipe 0.0.7
+  ``balance_by_time``, torchpippy 0.2.0 ``split_into_equal_size``, the FLOPs DP of torchtitan
+  PR #2113) - costed by the same model and simulated under the same schedule;
 * the ideal lower bounds beside them: ``lower_bound_s`` = max(total compute / p, heaviest
   segment) for the bottleneck, and the plan's ``step_lower_bound_s`` for the step.
 
 Everything here is the cost model's prediction; ``benchmarks/split_quality`` and
 ``benchmarks/prediction_accuracy`` check the model against real runs. The models are
-deeper than in those benchmarks (16-32 blocks) so 32 stages are possible; a baseline that
-cannot make p stages (fewer blocks than stages) is reported as missing.
+deeper than in those benchmarks (16-32 blocks) so 32 stages are possible; a peer whose rule
+gives no split for a model or stage count (``plan.baselines[i].reason``) is reported as missing.
 
     python benchmarks/split_quality_sim/main.py            # 7 models, p = 2 ... 32
     python benchmarks/split_quality_sim/main.py --quick    # 3 models, p = 2, 4, 8
@@ -63,7 +64,8 @@ QUICK: dict[str, dict[str, Any]] = {
     "mlp": dict(zoo="mlp", batch=32),
 }
 SMOKE = {"mlp": dict(zoo="mlp", widths=(16, 160, 16, 64, 16, 128, 16), batch=4)}
-BASELINE_ORDER = ("equal_layers", "balanced_params", "block_partition")
+BASELINE_ORDER = ("deepspeed_parameters", "deepspeed_uniform", "torchtitan_default", "torchgpipe_time",
+                  "pippy_equal_size", "flops_dp")
 
 
 def bench_model(name: str, config: dict[str, Any], stages: list[int], opts: argparse.Namespace, log) -> dict[str, Any]:
@@ -89,7 +91,8 @@ def bench_model(name: str, config: dict[str, Any], stages: list[int], opts: argp
             "lower_bound_s": plan.lower_bound_s, "step_lower_bound_s": plan.search.step_lower_bound_s if plan.search else None,
             "baselines": {},
         }
-        for b in sorted(plan.baselines, key=lambda b: BASELINE_ORDER.index(b.name) if b.name in BASELINE_ORDER else 9):
+        applicable = [b for b in plan.baselines if not b.reason]  # a peer whose rule gives no split here is left out
+        for b in sorted(applicable, key=lambda b: BASELINE_ORDER.index(b.name) if b.name in BASELINE_ORDER else 9):
             entry["baselines"][b.name] = {"bottleneck_s": b.bottleneck_s, "step_s": b.predicted_step_s,
                                           "step_vs_autopipe": b.predicted_step_s / plan.predicted_step_s}
         entry["autopipe"]["bottleneck_vs_lower_bound"] = plan.bottleneck_s / plan.lower_bound_s

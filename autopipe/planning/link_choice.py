@@ -1,0 +1,194 @@
+"""Which link the planner charges between ranks when the user gives none.
+
+The default link (:func:`autopipe.machine.device.default_link`) is an assumption about a
+host. Where it is too slow, cuts with large tensors crossing them (a U-Net's skip
+connections) look dearer than they are and the planner avoids them for nothing. So, with
+``ProfileOptions(measure_link=None)`` (the default), the planner asks whether the
+assumption decides anything:
+
+1. plan with the assumed link, and again with free communication (:data:`FREE_LINK`);
+2. the same split both ways: the link does not decide the split, nothing is measured and
+   the assumed link stays in the plan;
+3. different splits, on co-located CPU ranks: measure the loopback link once per host
+   (:func:`autopipe.machine.link_cache.loopback_link`) and plan with it; the plan's notes
+   and its recorded links say so.
+
+Nothing is measured where the user gave a link (a ``Device`` with ``bandwidth`` or
+``latency_s``), where the costs are estimated (``cost="flops"`` or ``"params"``: planning
+for hardware one may not have), inside a process group (the ranks are busy waiting for
+the plan), or with ``AUTOPIPE_MEASURE_LINK=0`` in the environment.
+
+Example:
+    >>> from autopipe.machine.link import LinkMeasurement
+    >>> fake = LinkMeasurement(8e9, 3e-5, [1024, 1 << 20], [3e-5, 1.6e-4], [[3e-5], [1.6e-4]], 0.0, "gloo",
+    ...                        ("cpu", "cpu"))
+    >>> def search(link):  # a cut at 2 unless a byte costs over 0.2 ns
+    ...     cuts = (2,) if 1 / link[0] < 2e-10 else (1,)
+    ...     return cuts, cuts
+    >>> choice, cuts = choose_link(search, assumed=(2e9, 1e-4), mode="auto", measure=lambda: fake)
+    >>> choice.source, cuts
+    ('measured', (2,))
+    >>> choose_link(search, assumed=(2e9, 1e-4), mode="never")[0].source
+    'assumed'
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from .._checks import check_bool
+from ..machine.device import Device
+from ..machine.link import LinkMeasurement
+from ..machine.link_cache import MeasureFn, loopback_link
+
+__all__ = ["LinkChoice", "choose_link", "link_mode", "FREE_LINK", "MODES"]
+
+#: A link on which communication costs nothing: what the split would be if links were free.
+FREE_LINK = (math.inf, 0.0)
+
+#: What :func:`choose_link` may do: measure only if the link decides the split, always, never.
+MODES = ("auto", "always", "never")
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class LinkChoice:
+    """The default link the planner charged, where it came from, and why.
+
+    ``source`` is ``"assumed"`` (:func:`autopipe.machine.device.default_link`) or
+    ``"measured"`` (``measurement`` holds the figures).
+    """
+
+    bandwidth: float
+    latency_s: float
+    source: str
+    reason: str
+    measurement: LinkMeasurement | None = None
+
+    @property
+    def link(self) -> tuple[float, float]:
+        """``(bandwidth bytes/s, latency s)``, as the planner's ``link_default``."""
+        return self.bandwidth, self.latency_s
+
+    def note(self) -> str:
+        """One sentence for ``plan.notes``: the link charged and why."""
+        figures = f"{self.bandwidth / 1e9:.3g} GB/s and {self.latency_s * 1e6:.3g} us per message"
+        if self.source == "measured":
+            return f"link between ranks measured on this host: {figures} ({self.reason})"
+        return f"link between ranks assumed: {figures} ({self.reason})"
+
+
+def link_mode(measure_link: bool | None, *, device_type: str, cost_source: str,
+              devices: Sequence[Device], in_process_group: bool) -> tuple[str, str]:
+    """``(mode, why)``: whether :func:`choose_link` may measure, from the planner's inputs.
+
+    ``measure_link`` is :attr:`autopipe.ProfileOptions.measure_link`: True measures whenever
+    some rank's link is not given, False never; None measures only if the link decides the
+    split (``"auto"``), and only under the conditions listed in this module's docstring.
+
+    Raises:
+        ValueError: ``measure_link`` is not True, False or None; or it is True on a device
+            type whose link cannot be measured here (neither ``"cpu"`` nor ``"cuda"``).
+
+    Example:
+        >>> link_mode(None, device_type="cpu", cost_source="flops", devices=[Device()] * 2, in_process_group=False)
+        ('never', 'the costs are estimated, not measured on this host')
+        >>> link_mode(None, device_type="cpu", cost_source="measured", devices=[Device()] * 2,
+        ...           in_process_group=False)[0]
+        'auto'
+    """
+    check_bool("ProfileOptions measure_link", measure_link, allow_none=True)
+    given = all(d.bandwidth is not None and d.latency_s is not None for d in devices)
+    if measure_link is False:
+        return "never", "ProfileOptions(measure_link=False)"
+    if len(devices) < 2:
+        return "never", "one rank: no link"
+    if measure_link is True:
+        if given:
+            return "never", "every Device gives its link"
+        if device_type not in ("cpu", "cuda"):
+            raise ValueError(f"ProfileOptions measure_link=True: a link is measured between 'cpu' processes or "
+                             f"'cuda' GPUs, not on device type {device_type!r}; give Device(bandwidth=..., "
+                             "latency_s=...) instead")
+        return "always", "ProfileOptions(measure_link=True)"
+    if any(d.bandwidth is not None or d.latency_s is not None for d in devices):
+        return "never", "a Device gives its link"
+    if cost_source != "measured":
+        return "never", "the costs are estimated, not measured on this host"
+    if device_type != "cpu":
+        return "never", f"the default for {device_type} ranks; measure yours with measure_link or measure_devices"
+    if in_process_group:
+        return "never", "planned inside a process group, whose ranks wait for the plan"
+    if os.environ.get("AUTOPIPE_MEASURE_LINK", "").strip().lower() in ("0", "false", "no", "off"):
+        return "never", "AUTOPIPE_MEASURE_LINK=0"
+    return "auto", "the link may decide the split"
+
+
+def choose_link(
+    search: Callable[[tuple[float, float]], tuple[R, Hashable]], *, assumed: tuple[float, float], mode: str,
+    device_type: str = "cpu", measure: MeasureFn | None = None, why: str = "",
+) -> tuple[LinkChoice, R]:
+    """Run ``search`` with the link that ``mode`` calls for, and say which link it was.
+
+    Args:
+        search: Plans with a default link ``(bandwidth, latency_s)``; returns
+            ``(result, split)``, ``split`` being what identifies the chosen split (the cut
+            points, the schedule): two links give "the same split" when these are equal.
+        assumed: The assumed default link.
+        mode: One of :data:`MODES` (:func:`link_mode` picks it).
+        device_type: Whose loopback link to measure.
+        measure: What measures the link when it is not kept
+            (:func:`autopipe.machine.link_cache.loopback_link`'s ``measure``); default
+            :func:`~autopipe.machine.link_cache.measure_in_fresh_process`.
+        why: Why ``mode`` is what it is, for the note when nothing is measured.
+
+    Returns:
+        The :class:`LinkChoice` and ``search``'s result with that link.
+
+    In ``"auto"`` mode a measurement that fails (no free port, a killed process) leaves
+    the assumed link in place and the reason says so; in ``"always"`` mode it raises.
+
+    Raises:
+        ValueError: ``mode`` is not one of :data:`MODES`.
+        RuntimeError, TimeoutError: in ``"always"`` mode, the measurement failed.
+
+    Example:
+        >>> choice, result = choose_link(lambda link: ("plan", (3,)), assumed=(2e9, 1e-4), mode="auto",
+        ...                              measure=lambda: 1 / 0)  # the same split: never measured
+        >>> choice.source, choice.reason
+        ('assumed', 'the split is the same with free communication')
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not one of {list(MODES)}")
+    if mode == "never":
+        return LinkChoice(*assumed, source="assumed", reason=why or "not measured"), search(assumed)[0]
+    if mode == "auto":
+        result, split = search(assumed)
+        _, free_split = search(FREE_LINK)
+        if split == free_split:
+            return LinkChoice(*assumed, source="assumed", reason="the split is the same with free communication"), result
+        reason = (f"the assumed {assumed[0] / 1e9:.3g} GB/s and {assumed[1] * 1e6:.3g} us gave the split "
+                  f"{_show(split)}, free communication {_show(free_split)}")
+    else:
+        reason = why or "asked for"
+    try:
+        link = loopback_link(device_type, measure=measure)
+    except (RuntimeError, TimeoutError, OSError, ValueError) as e:
+        if mode == "always":  # asked for by name: a failure is the caller's to see
+            raise
+        # A default that could not be checked stays the default; the note says why.
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        failed = f"{reason}; measuring it failed ({first_line[:200]})"
+        return LinkChoice(*assumed, source="assumed", reason=failed), result
+    choice = LinkChoice(link.bandwidth_bytes_per_s, link.latency_s, source="measured", reason=reason,
+                        measurement=link)
+    return choice, search(choice.link)[0]
+
+
+def _show(split: Any) -> str:
+    return str(list(split)) if isinstance(split, tuple) and all(isinstance(x, int) for x in split) else str(split)
