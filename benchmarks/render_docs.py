@@ -178,11 +178,16 @@ def render_peers(d: dict[str, Any], behind: list[str]) -> str:
             rows.append(cells)
             a = m["autopipe"]
             for key, what in (("bottleneck_vs_best", "measured bottleneck"), ("step_vs_best", "real 2-rank step")):
-                if a.get(key) is not None and a[key] > 1 + PEER_BEHIND:
-                    winner = min((c for c in cols if m.get(c, {}).get(key) is not None), key=lambda c: m[c][key])
-                    behind.append(f"peers, {r['model']} at {p} stages: autopipe's {what} is {a[key]:.2f}× the best "
-                                  f"layer-level split's (`{', '.join(a['split'])}`; best `{', '.join(m[best]['split'])}`"
-                                  f"; {winner} {m[winner][key]:.2f}×).")
+                if a.get(key) is None:
+                    continue
+                winner = min((c for c in cols if m.get(c, {}).get(key) is not None), key=lambda c: m[c][key])
+                # Behind: over 5% slower than the best layer-level split, or than any peer.
+                if a[key] > 1 + PEER_BEHIND or a[key] > m[winner][key] * (1 + PEER_BEHIND):
+                    lead = f", {winner} {m[winner][key]:.2f}× (`{', '.join(m[winner]['split'])}`)" \
+                        if winner != "autopipe" else ""
+                    behind.append(f"peers, {r['model']} at {p} stages, {what} over the best layer-level split's "
+                                  f"(`{', '.join(m[best]['split'])}`): autopipe {a[key]:.2f}× "
+                                  f"(`{', '.join(a['split'])}`){lead}.")
     rows.append(["**median**", "", *(f"**{ratio(statistics.median(column[c]))}**" if column[c] else "–" for c in cols)])
     return ("Each cell: the split's compute-only bottleneck (slowest stage's forward + backward, loss on the last "
             "stage, no communication) over the best layer-level split's, re-measured side by side; in brackets at "
