@@ -372,12 +372,13 @@ def render_prediction_accuracy(d: dict[str, Any], behind: list[str]) -> str:
 
 def render_schedule_memory(d: dict[str, Any], behind: list[str]) -> str:
     """Per variant and rank: the measured peak of one step and its ratio to GPipe's."""
-    rows = [[r.get("variant"), r.get("rank"), mib(r.get("peak_step_bytes")), r.get("predicted_inflight_microbatches"),
-             ratio(r.get("vs_gpipe"))] for r in d.get("rows", [])]
+    rows = [[r.get("variant"), r.get("n_microbatches", "–"), r.get("rank"), mib(r.get("peak_step_bytes")),
+             r.get("predicted_inflight_microbatches"), ratio(r.get("vs_gpipe"))] for r in d.get("rows", [])]
     split = ", ".join(f"`{s}`" for s in d.get("split_points", []))
     return (f"{d.get('model')}, {d.get('batch')}, split at {split or '–'}. Peak: bytes the step allocates "
             "beyond what existed before it (parameters, gradients and receive buffers excluded).\n\n"
-            + table(["variant", "rank", "peak MiB", "micro-batches in flight (planner)", "÷ GPipe"], rows))
+            + table(["variant", "micro-batches", "rank", "peak MiB", "micro-batches in flight (planner)", "÷ GPipe"],
+                    rows))
 
 
 def render_trace_profile(d: dict[str, Any], behind: list[str]) -> str:

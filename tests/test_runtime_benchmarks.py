@@ -34,5 +34,8 @@ def test_runtime_overhead_compares_autopipe_with_hand_written_torch(tmp_path):
 def test_schedule_memory_measures_every_variant_on_every_rank(tmp_path):
     data = _run("schedule_memory", tmp_path / "sm.json")
     seen = {(r["variant"], r["rank"]) for r in data["rows"]}
-    assert seen == {(v, r) for v in ("GPipe", "1F1B", "1F1B+checkpointing") for r in (0, 1)}
+    variants = ("GPipe", "1F1B", "1F1B+checkpointing", "1F1B, 4x micro-batches")
+    assert seen == {(v, r) for v in variants for r in (0, 1)}
+    m = {r["variant"]: r["n_microbatches"] for r in data["rows"]}
+    assert m["1F1B, 4x micro-batches"] == 4 * m["1F1B"]
     assert all(r["peak_step_bytes"] > 0 for r in data["rows"])

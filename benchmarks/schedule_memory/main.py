@@ -47,7 +47,11 @@ SIZES = {  # (vocab, d_model, heads, d_ff, layers, seq_len, microbatch, n_microb
     "smoke": (100, 16, 2, 32, 2, 8, 2, 4),
 }
 SPLIT = ["layers.2"]
-VARIANTS = (("GPipe", "GPipe", False), ("1F1B", "1F1B", False), ("1F1B+checkpointing", "1F1B", True))
+# (label, schedule, activation checkpointing, micro-batches as a multiple of m). The last one
+# checks that a 1F1B step's memory does not grow with the micro-batch count: a training step
+# keeps no outputs, so the last stage holds one micro-batch in flight however many there are.
+VARIANTS = (("GPipe", "GPipe", False, 1), ("1F1B", "1F1B", False, 1), ("1F1B+checkpointing", "1F1B", True, 1),
+            ("1F1B, 4x micro-batches", "1F1B", False, 4))
 
 
 def worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
@@ -59,27 +63,29 @@ def worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         return nn.functional.cross_entropy(out.reshape(-1, vocab), y.reshape(-1))
 
     g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, vocab, (mb * m, seq), generator=g).to(device)
-    y = torch.randint(0, vocab, (mb * m, seq), generator=g).to(device)
+    most = max(factor for *_, factor in VARIANTS)
+    x = torch.randint(0, vocab, (mb * m * most, seq), generator=g).to(device)
+    y = torch.randint(0, vocab, (mb * m * most, seq), generator=g).to(device)
     torch.manual_seed(0)
     model = SeedTransformer(vocab, d_model=d, num_heads=h, d_ff=ff, num_layers=layers, max_len=512, dropout=0.0)
     result: dict[str, Any] = {}
-    for label, schedule, checkpointing in VARIANTS:
+    for label, schedule, checkpointing, factor in VARIANTS:
         pipe = Pipeline(model, example_args=(x[:mb].cpu(),), loss_fn=loss_fn, split_points=split,
-                        schedule=schedule, n_microbatches=m, checkpoint_stages=checkpointing, device=device)
-        pipe.step(x, target=y)  # warm-up: gradients and receive buffers now exist
+                        schedule=schedule, n_microbatches=m * factor, checkpoint_stages=checkpointing, device=device)
+        xb, yb = x[:mb * m * factor], y[:mb * m * factor]
+        pipe.step(xb, target=yb)  # warm-up: gradients and receive buffers now exist
         pipe.zero_grad(set_to_none=False)  # keep the gradient tensors: they are not activations
         dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             before = torch.cuda.memory_allocated(device)
-            pipe.step(x, target=y)
+            pipe.step(xb, target=yb)
             torch.cuda.synchronize(device)
             peak = torch.cuda.max_memory_allocated(device) - before
         else:
             with LiveBytes() as counter:
-                pipe.step(x, target=y)
+                pipe.step(xb, target=yb)
             peak = counter.peak
         dist.barrier()
         result[label] = {"peak_step_bytes": int(peak)}
@@ -99,11 +105,12 @@ def main(argv: list[str] | None = None) -> None:
     vocab, d, h, ff, layers, seq, mb, m = SIZES[size]
     ranks = run_world(worker, 2, {"device": args.device, "size": size}, device=args.device, timeout_s=3000)
     rows = []
-    for label, schedule, checkpointing in VARIANTS:
+    for label, schedule, checkpointing, factor in VARIANTS:
         # Equal stage times suffice: the in-flight count depends on the order, not the durations.
-        inflight = simulate([1.0, 1.0], [2.0, 2.0], schedule=schedule, n_microbatches=m).peak_inflight
+        inflight = simulate([1.0, 1.0], [2.0, 2.0], schedule=schedule, n_microbatches=m * factor).peak_inflight
         for rank, measured in enumerate(ranks):
-            rows.append({"variant": label, "rank": rank, "peak_step_bytes": measured[label]["peak_step_bytes"],
+            rows.append({"variant": label, "rank": rank, "n_microbatches": m * factor,
+                         "peak_step_bytes": measured[label]["peak_step_bytes"],
                          "predicted_inflight_microbatches": inflight[rank],
                          "vs_gpipe": measured[label]["peak_step_bytes"] / measured["GPipe"]["peak_step_bytes"]})
     out = args.out or str(Path(__file__).parent / ("results_quick.json" if size != "full" else "results.json"))
