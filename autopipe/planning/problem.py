@@ -35,8 +35,8 @@ from .costmodel import state_bytes, step_backward_s
 from .partitioner import PartitionProblem
 from .trace import TracedModel
 
-__all__ = ["build_problem", "merged_output_bytes", "state_sizes", "state_tensors", "tensor_reads", "rank_overcount_bytes",
-           "tied_gradient_bytes"]
+__all__ = ["build_problem", "merged_output_bytes", "state_sizes", "state_tensors", "tensor_reads",
+           "rank_overcount_bytes", "tied_gradient_bytes"]
 
 
 def merged_output_bytes(costs: Sequence[SegmentCost]) -> float:
