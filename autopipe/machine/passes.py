@@ -40,8 +40,26 @@ from torch.utils._pytree import tree_leaves
 
 from .timing import TimerLike, per_run_s
 
-__all__ = ["SavedBytes", "forward_backward", "timed_backward", "time_alone", "accumulate", "RoundEntry",
+__all__ = ["SavedBytes", "storage_key", "forward_backward", "timed_backward", "time_alone", "accumulate", "RoundEntry",
            "time_in_rounds", "time_accumulation", "measure_backward_start_s", "WholePass"]
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """What identifies the memory ``t`` lives in: its data pointer, or on the meta device its storage.
+
+    Every tensor on the meta device has data pointer 0, so there the storage object's identity
+    stands in; a tensor that is not strided (sparse) is identified by itself.
+
+    Example:
+        >>> a = torch.empty(3, 4, device="meta")
+        >>> storage_key(a) == storage_key(a.view(12)), storage_key(a) == storage_key(torch.empty(3, device="meta"))
+        (True, False)
+    """
+    if t.layout != torch.strided:
+        return id(t)
+    if t.device.type == "meta":
+        return t.untyped_storage()._cdata  # the StorageImpl's address: shared by views, unique per storage
+    return t.data_ptr()
 
 
 class SavedBytes:
@@ -65,7 +83,7 @@ class SavedBytes:
         self.total = 0
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        ptr = t.data_ptr() if t.layout == torch.strided else id(t)
+        ptr = storage_key(t)
         key = (ptr, tuple(t.shape))
         if ptr not in self.param_ptrs and key not in self.seen:
             self.seen.add(key)

@@ -265,8 +265,11 @@ def charged_loss(
         if chosen.loss_fn is None:
             return None, chosen.note
         loss_fn, example_target, note = chosen.loss_fn, chosen.target, chosen.note
+    # On the meta device the model is not run (its eager code may read values, as Hugging Face
+    # masks do): the loss gets the output's shapes from the trace instead.
+    output = traced_output(traced) if device.type == "meta" else None
     loss = profile_loss(model, traced.example_args, traced.example_kwargs, loss_fn, example_target,
-                        device=device, warmup=warmup, repeats=repeats)
+                        device=device, warmup=warmup, repeats=repeats, output=output)
     if cost_source != "measured" or (note is not None and profile_given):
         loss = LossCost(fwd_s=0.0, bwd_s=0.0, act_bytes=loss.act_bytes, batch=loss.batch)
         if note is not None and cost_source == "measured":

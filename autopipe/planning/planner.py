@@ -46,6 +46,7 @@ from .plan import Plan
 from .plan_assembly import make_plan
 from .plan_file import MAX_STAGES
 from .options import PARTITION_OLD_KEYWORDS, ProfileOptions, fold_old_partition_keywords, resolve_devices
+from ..machine.speed import measure_device_flops
 from ..machine.timing import resolve_device
 from .default_loss import charged_loss
 from .profile import COST_SOURCES, LossCost, profile_segments
@@ -56,7 +57,7 @@ from .trace import TracedModel, trace
 
 __all__ = [
     "partition", "build_problem", "make_plan", "cost_option", "inflight_per_stage",
-    "ScheduleOption", "auto_schedule_options", "OBJECTIVES",
+    "ScheduleOption", "auto_schedule_options", "OBJECTIVES", "on_meta_device",
 ]
 
 #: Accepted values of ``objective``.
@@ -214,6 +215,17 @@ def partition(
     dev = resolve_device(profiling.device)
     measure = dict(device=dev, warmup=profiling.warmup, repeats=profiling.repeats, progress=profiling.progress,
                    flush_cache=profiling.flush_cache, fit_to_whole=profiling.fit_to_whole)
+    if on_meta_device(model):
+        # Shapes and no weights (a model built under torch.device("meta")): nothing to time, so
+        # the costs are counted on the meta device, FLOPs at the profiling device's rate.
+        if cost_source == "measured" and costs is None and scaling is None:
+            raise ValueError("the model's parameters are on the meta device, so there is nothing to time: "
+                             "use cost='flops' (counted FLOPs, bytes from shapes) or cost='params', or pass a "
+                             "profile taken elsewhere as cost=")
+        if wanted.auto_microbatches:
+            raise ValueError("n_microbatches='auto' profiles the model at several batch sizes, which a model "
+                             "on the meta device cannot run; give n_microbatches as a number")
+        measure.update(device=torch.device("meta"), device_flops=measure_device_flops(dev))
 
     # ---- trace, profile, cost graph (one per micro-batch count)
     traced = trace(model, example_args, example_kwargs)
@@ -237,7 +249,8 @@ def partition(
     if not wanted.auto_microbatches and costs is None:
         costs = profile_segments(traced, cost=cost_source, **measure)
     # The loss given, or the one a model of this kind trains with (default_loss), or a note saying there is none.
-    loss, loss_note = charged_loss(model, traced, loss_fn, example_target, device=dev, warmup=profiling.warmup,
+    loss, loss_note = charged_loss(model, traced, loss_fn, example_target, device=measure["device"],
+                                   warmup=profiling.warmup,
                                    repeats=profiling.repeats, cost_source=cost_source,
                                    profile_given=not isinstance(cost, str))
     graphs = _cost_graphs(traced, wanted.n_microbatches, global_batch, costs=costs,
@@ -280,6 +293,18 @@ def partition(
     if wanted.auto_microbatches and scaling is not None:
         plan.scaling_fit_error = {k: max(v) if v else 0.0 for k, v in scaling.fit_error.items()}
     return plan
+
+
+def on_meta_device(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds any parameter or buffer on the meta device (shapes, no data).
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     lin = torch.nn.Linear(2, 2)
+        >>> on_meta_device(lin), on_meta_device(torch.nn.Linear(2, 2))
+        (True, False)
+    """
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
 def _search_options(

@@ -54,7 +54,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from . import hf_compat
 from .._checks import check_int
 from .._progress import progress_iter
-from ..machine.passes import SavedBytes, WholePass, forward_backward, time_accumulation, time_alone, time_in_rounds
+from ..machine.passes import (SavedBytes, WholePass, forward_backward, storage_key, time_accumulation, time_alone,
+                              time_in_rounds)
 from ..machine.speed import measure_device_flops
 from ..machine.timing import CacheFlusher, Timer, per_run_s, resolve_device
 from .costgraph import SegmentCost, requires_grad_map, tensor_bytes
@@ -321,7 +322,7 @@ def _profile(
             def make_inputs(named: list[tuple[str, Any]] = [(n, env[n]) for n in sm.inputs]) -> list[Any]:
                 return fresh_leaves(named)
 
-            counter = SavedBytes({p.data_ptr() for _, p in state})
+            counter = SavedBytes({storage_key(p) for _, p in state})
             with FlopCounterMode(display=False) as flop_counter:
                 _, _, out = forward_backward(module, make_inputs(), trainable, timer, counter)
             flops = float(flop_counter.get_total_flops())
