@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
 import autopipe
 from autopipe.models import seed_transformer
-from autopipe.planning.planner import on_meta_device
+from autopipe.planning import profile as profile_module
 from autopipe.planning.profile import profile_segments
+from autopipe.planning.segment_graphs import copy_to_device, on_meta_device, stand_in
 from autopipe.planning.trace import trace
 
 QUIET = autopipe.ProfileOptions(progress=False)
@@ -43,18 +47,57 @@ def test_a_meta_model_plans_exactly_as_the_materialized_one(schedule):
     assert all(t.is_meta for t in meta.parameters()), "the user's model is left on the meta device"
 
 
-def test_a_meta_model_plans_from_counted_flops_with_its_loss():
+def test_a_meta_model_plans_from_counted_flops_with_its_loss(tmp_path):
     (meta, args), _ = _both(vocab_size=1000, num_layers=4, seq_len=16)
     plan = autopipe.partition(meta, 2, args, cost="flops", n_microbatches=4, profiling=QUIET)
+    # The planning process's peak host memory is in the plan, its report and its file.
+    assert plan.planning_peak_rss_bytes > 0 and "peak host memory" in plan.report()
+    plan.save(tmp_path / "plan.json")
+    assert autopipe.Plan.load(tmp_path / "plan.json").planning_peak_rss_bytes == plan.planning_peak_rss_bytes
     assert len(plan.split_points) == 1 and plan.cost_source == "flops"
     assert plan.loss is not None and plan.loss.act_bytes >= 4 * 16 * 1000 * 4  # the log-softmax of the logits
     assert plan.predicted_step_s > 0
 
 
-def test_a_meta_model_refuses_measured_costs_before_any_work():
-    (meta, args), _ = _both(vocab_size=100, num_layers=2, seq_len=8)
-    with pytest.raises(ValueError, match=r"meta device.*cost='flops'"):
-        autopipe.partition(meta, 2, args, profiling=QUIET)
+def test_measured_costs_of_a_meta_model_time_one_materialized_segment_at_a_time(monkeypatch):
+    (meta, meta_args), (real, real_args) = _both(vocab_size=1000, num_layers=3, seq_len=16)
+    live: list = []
+    most_alive = 0
+
+    def copy_and_count(module, device):
+        nonlocal most_alive
+        copied = copy_to_device(module, device)
+        live.append(weakref.ref(copied))
+        gc.collect()
+        most_alive = max(most_alive, sum(r() is not None for r in live))
+        return copied
+
+    monkeypatch.setattr(profile_module, "copy_to_device", copy_and_count)
+    on_meta = profile_segments(trace(meta, meta_args), device="cpu", warmup=0, repeats=1, progress=False)
+    on_cpu = profile_segments(trace(real, real_args), cost="flops", device="cpu", device_flops=1e9, progress=False)
+    assert len(live) == len(on_meta) and most_alive == 1, "one segment's copy alive at a time"
+    assert [(c.param_bytes, c.act_bytes, c.out_bytes, c.flops) for c in on_meta] == \
+        [(c.param_bytes, c.act_bytes, c.out_bytes, c.flops) for c in on_cpu]
+    assert all(c.fwd_s > 0 and c.bwd_s > 0 for c in on_meta if c.flops > 0)
+    assert all(t.is_meta for t in meta.parameters()), "the user's model is left on the meta device"
+
+
+def test_a_meta_model_plans_from_measured_costs_with_its_loss_timed():
+    (meta, args), _ = _both(vocab_size=1000, num_layers=4, seq_len=16)
+    plan = autopipe.partition(meta, 2, args, n_microbatches=4,
+                              profiling=autopipe.ProfileOptions(progress=False, warmup=0, repeats=1))
+    assert plan.cost_source == "measured" and len(plan.split_points) == 1
+    assert plan.loss is not None and plan.loss.fwd_s > 0 and plan.loss.act_bytes >= 4 * 16 * 1000 * 4
+
+
+def test_stand_in_values_are_finite_repeatable_and_valid_indices():
+    g1, g2 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    w = torch.empty(64, 64, device="meta")
+    a, b = stand_in(w, "cpu", g1), stand_in(w, "cpu", g2)
+    assert torch.equal(a, b) and torch.isfinite(a).all() and 0 < a.std().item() < 0.1
+    assert stand_in(torch.empty(3, dtype=torch.bool, device="meta"), "cpu").all()
+    real = torch.arange(4)
+    assert torch.equal(stand_in(real, "cpu"), real), "a tensor with values keeps them"
 
 
 def test_a_meta_model_refuses_automatic_micro_batches():

@@ -166,6 +166,14 @@ class Device:
         action_overhead_s: Seconds each pipeline action on this device costs beyond its
             compute (the runtime's own work); None = the default for the type.
         name: Shown in reports.
+        flops: FLOP/s at which counted costs (``cost="flops"`` or ``"params"``) are charged on
+            this device; None = measured on the profiling device. With every device's rate
+            given, a device's relative speed follows from it. Ignored by measured costs (the
+            profile timed the device itself). :meth:`preset` sets it from a data sheet.
+
+    Example:
+        >>> Device.preset("A100", efficiency=0.5).flops == 0.5 * 312e12
+        True
     """
 
     speed: float = 1.0
@@ -174,6 +182,7 @@ class Device:
     latency_s: float | None = None
     name: str = ""
     action_overhead_s: float | None = None
+    flops: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.speed, bool) or not isinstance(self.speed, (int, float)) or not self.speed > 0 or not math.isfinite(self.speed):
@@ -187,6 +196,58 @@ class Device:
             _check_seconds("Device latency_s", self.latency_s)
         if self.action_overhead_s is not None:
             _check_seconds("Device action_overhead_s", self.action_overhead_s)
+        if self.flops is not None and (isinstance(self.flops, bool) or not isinstance(self.flops, (int, float))
+                                       or not self.flops > 0 or not math.isfinite(self.flops)):
+            raise ValueError(f"Device flops={self.flops!r} must be a finite number of FLOP/s > 0 (or None: "
+                             "measured on the profiling device)")
+
+    @classmethod
+    def preset(cls, name: str, *, dtype: str = "bf16", efficiency: float | None = None,
+               link: str | None = None, memory: int | str | None = None) -> "Device":
+        """A device from published figures: an accelerator by name, its memory, link and FLOP rate.
+
+        For planning a cluster one does not have, with counted costs
+        (``autopipe.partition(meta_model, 8, args, cost="flops", devices=Device.preset("H100"))``).
+
+        Args:
+            name: an accelerator of :data:`autopipe.machine.presets.ACCELERATORS`
+                (``"A100"``, ``"H100"``, ``"H200"``; any case).
+            dtype: the dtype the model trains in, for the peak rate (``"bf16"``, ``"fp16"``,
+                ``"fp32"``: the TF32 tensor-core rate).
+            efficiency: share of the peak charged (default
+                :data:`~autopipe.machine.presets.DEFAULT_EFFICIENCY`, what large runs reach).
+            link: the link to the next device, a key of
+                :data:`~autopipe.machine.presets.LINKS` (``"nvlink4"``, ``"ib-ndr"``, ...);
+                default the accelerator's in-node link. Give the inter-node one to the last
+                device of a node.
+            memory: capacity in place of the data sheet's (a smaller part, or memory held back).
+
+        Raises:
+            ValueError: an unknown name, dtype or link (the message lists the known ones), or
+                an efficiency outside (0, 1].
+
+        Example:
+            >>> d = Device.preset("h100", link="ib-ndr")
+            >>> d.memory, d.bandwidth, d.name
+            ('80GB', 50000000000.0, 'H100')
+        """
+        from .presets import ACCELERATORS, DEFAULT_EFFICIENCY, LINKS  # the tables import nothing of ours
+
+        key = next((k for k in ACCELERATORS if isinstance(name, str) and k.lower() == name.lower()), None)
+        if key is None:
+            raise ValueError(f"Device.preset name={name!r} is not a known accelerator; use one of {sorted(ACCELERATORS)}")
+        acc = ACCELERATORS[key]
+        if dtype not in acc.peak_flops:
+            raise ValueError(f"Device.preset dtype={dtype!r} has no published rate for {key}; use one of "
+                             f"{sorted(acc.peak_flops)}")
+        eff = DEFAULT_EFFICIENCY if efficiency is None else efficiency
+        if isinstance(eff, bool) or not isinstance(eff, (int, float)) or not 0 < eff <= 1:
+            raise ValueError(f"Device.preset efficiency={efficiency!r} must be a share of the peak in (0, 1]")
+        link_name = acc.link if link is None else link
+        if link_name not in LINKS:
+            raise ValueError(f"Device.preset link={link!r} is not a known link; use one of {sorted(LINKS)}")
+        return cls(memory=acc.memory if memory is None else memory, bandwidth=LINKS[link_name].bandwidth,
+                   latency_s=LINKS[link_name].latency_s, name=key, flops=eff * acc.peak_flops[dtype])
 
     @property
     def memory_bytes(self) -> float:

@@ -40,6 +40,7 @@ from torch.export.graph_signature import OutputKind
 from torch.utils._pytree import tree_leaves, tree_map, tree_unflatten
 
 from .profile import LossCost, model_output, profile_loss
+from .segment_graphs import on_meta_device
 from .trace import TracedModel
 
 __all__ = ["AssumedLoss", "assumed_loss", "token_cross_entropy", "logits_of", "lm_vocabulary", "traced_output",
@@ -184,14 +185,15 @@ def assumed_loss(model: torch.nn.Module, traced: TracedModel) -> AssumedLoss:
 
 
 def example_target_for(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: Mapping[str, Any] | None,
-                       loss_fn: Callable[[Any, Any], torch.Tensor]) -> tuple[Any, Any]:
+                       loss_fn: Callable[[Any, Any], torch.Tensor], output: Any = None) -> tuple[Any, Any]:
     """One micro-batch's target that ``loss_fn`` accepts, derived from the model's output.
 
     Runs the model once (no gradients) and tries, in order: for a language model's output,
     token ids over its vocabulary; a tensor shaped like the output's first floating tensor
     (regression, soft labels); integer class indices over the logits' last dimension.
     A candidate is taken when ``loss_fn(output, candidate)`` gives a tensor that depends
-    on the output.
+    on the output. An ``output`` given (e.g. :func:`traced_output` of a meta-device model)
+    is used instead of running the model.
 
     Returns:
         ``(target, output)``: the target, or None when no candidate works, and the output
@@ -203,7 +205,8 @@ def example_target_for(model: torch.nn.Module, example_args: Sequence[Any], exam
         >>> target.shape, target.dtype
         (torch.Size([2, 3]), torch.float32)
     """
-    output = model_output(model, example_args, example_kwargs)
+    if output is None:
+        output = model_output(model, example_args, example_kwargs)
     generator = torch.Generator().manual_seed(_TARGET_SEED)
     candidates = []
     logits = logits_of(output)
@@ -265,9 +268,9 @@ def charged_loss(
         if chosen.loss_fn is None:
             return None, chosen.note
         loss_fn, example_target, note = chosen.loss_fn, chosen.target, chosen.note
-    # On the meta device the model is not run (its eager code may read values, as Hugging Face
-    # masks do): the loss gets the output's shapes from the trace instead.
-    output = traced_output(traced) if device.type == "meta" else None
+    # A model on the meta device is not run (its eager code may read values, as Hugging Face
+    # masks do): the loss gets the output's shapes from the trace, and stand-in values where timed.
+    output = traced_output(traced) if on_meta_device(model) else None
     loss = profile_loss(model, traced.example_args, traced.example_kwargs, loss_fn, example_target,
                         device=device, warmup=warmup, repeats=repeats, output=output)
     if cost_source != "measured" or (note is not None and profile_given):
@@ -279,7 +282,7 @@ def charged_loss(
 
 def pipeline_loss(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: Mapping[str, Any] | None,
                   loss_fn: Callable[[Any, Any], torch.Tensor] | None,
-                  example_target: Any = None) -> tuple[dict[str, Any], str | None]:
+                  example_target: Any = None, output: Any = None) -> tuple[dict[str, Any], str | None]:
     """The loss keywords for :func:`autopipe.partition` when a pipeline that runs ``loss_fn`` plans.
 
     The pipeline's last stage runs ``loss_fn``, so the plan is costed with it, never with an
@@ -306,7 +309,7 @@ def pipeline_loss(model: torch.nn.Module, example_args: Sequence[Any], example_k
         return {"loss_fn": False}, None
     if example_target is not None:
         return {"loss_fn": loss_fn, "example_target": example_target}, None
-    target, _ = example_target_for(model, example_args, example_kwargs, loss_fn)
+    target, _ = example_target_for(model, example_args, example_kwargs, loss_fn, output)
     if target is not None:
         return {"loss_fn": loss_fn, "example_target": target}, None
     return {"loss_fn": False}, (

@@ -72,6 +72,8 @@ class StagePlan:
     recv_bytes: int  # bytes received from the previous stage per micro-batch, forward
     inflight_microbatches: int = 1  # micro-batches whose activations are held at the peak
     device: str = ""  # name of the device the stage is planned for (heterogeneous plans)
+    peak_bytes_kept: int = 0  # predicted peak keeping its activations (0: not recorded)
+    peak_bytes_recomputed: int = 0  # predicted peak recomputing them in the backward (0: not recorded)
 
     @property
     def time_s(self) -> float:
@@ -117,11 +119,13 @@ class Plan:
     memory_limit_bytes: list[int] | None = None  # per device, when given
     optimizer: str = "adam"
     planner_s: float = 0.0  # time the exact search took
+    planning_peak_rss_bytes: int | None = None  # the planning process's peak resident memory (machine.host_memory)
     model_name: str = ""
     segment_names: list[str] = field(default_factory=list)  # one per cost-graph segment
     segments: list[PlanSegment] = field(default_factory=list)  # the profile the plan was made from
     machine: MachineModel = field(default_factory=MachineModel)  # links, per-action overhead, lazy sends
     step_tail: StepTail = field(default_factory=StepTail)  # once-per-step work beside the actions
+    recompute_stages: list[int] = field(default_factory=list)  # stages recomputing their activations in backward
     rank_peak_bytes: list[int] = field(default_factory=list)  # per rank, predicted peak memory
     search: SearchRecord | None = None  # how the split was found (None: not searched)
     alternatives: list[ScheduleAlternative] = field(default_factory=list)  # with schedule/n_microbatches "auto"

@@ -202,8 +202,10 @@ def plan_from_data(data: Any, cls: type[Plan] | None = None, *, path: str | None
         "memory_limit_bytes": lambda f, v: None if v is None else c.sequence(f, v, _memory_limit(c)),
         "optimizer": c.text,
         "planner_s": c.number,
+        "planning_peak_rss_bytes": lambda f, v: None if v is None else c.integer(f, v, 0),
         "model_name": c.text,
         "segment_names": lambda f, v: c.sequence(f, v, c.text),
+        "recompute_stages": lambda f, v: c.sequence(f, v, lambda g, x: c.integer(g, x, 0, MAX_STAGES)),
         # The typed parts are checked once the stage count is known, below.
         **({"extras": c.mapping} if version == 1 else {k: (lambda f, v: v) for k in TYPED_FIELDS}),
     }
@@ -215,6 +217,10 @@ def plan_from_data(data: Any, cls: type[Plan] | None = None, *, path: str | None
 
     p, m = kw["num_stages"], kw["n_microbatches"]
     _check_counts(c, kw)
+    again = kw.get("recompute_stages", [])
+    if again != sorted(set(again)) or any(x >= p for x in again):
+        c.fail("recompute_stages", f"recompute_stages={show(again)} must be distinct stage indices in 0..{p - 1}, "
+               "in increasing order")
     if split_spec is not None and split_spec != {name: "BEGINNING" for name in kw["split_points"]}:
         c.fail("split_spec", f"split_spec={show(split_spec)} disagrees with split_points="
                f"{show(kw['split_points'])}; it must map each split point to 'BEGINNING'")
@@ -224,7 +230,8 @@ def plan_from_data(data: Any, cls: type[Plan] | None = None, *, path: str | None
         "fqns": lambda f, v: c.sequence(f, v, c.text),
         "first_segment": c.integer, "last_segment": c.integer,
         "fwd_s": c.number, "bwd_s": c.number, "comm_s": c.number,
-        **{k: c.integer for k in ("param_bytes", "act_bytes", "peak_bytes", "send_bytes", "recv_bytes")},
+        **{k: c.integer for k in ("param_bytes", "act_bytes", "peak_bytes", "send_bytes", "recv_bytes",
+                                  "peak_bytes_kept", "peak_bytes_recomputed")},
         "inflight_microbatches": lambda f, v: c.integer(f, v, 0, m),
         "device": c.text,
     }

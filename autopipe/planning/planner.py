@@ -46,6 +46,7 @@ from .plan import Plan
 from .plan_assembly import make_plan
 from .plan_file import MAX_STAGES
 from .options import PARTITION_OLD_KEYWORDS, ProfileOptions, fold_old_partition_keywords, resolve_devices
+from ..machine.host_memory import PeakResidentMemory
 from ..machine.speed import measure_device_flops
 from ..machine.timing import resolve_device
 from .default_loss import charged_loss
@@ -53,11 +54,12 @@ from .profile import COST_SOURCES, LossCost, profile_segments
 from .scaling import ScaledProfile, profile_scaling
 from .problem import build_problem
 from .schedule_options import ScheduleOption, auto_schedule_options, cost_option, inflight_per_stage
+from .segment_graphs import on_meta_device
 from .trace import TracedModel, trace
 
 __all__ = [
     "partition", "build_problem", "make_plan", "cost_option", "inflight_per_stage",
-    "ScheduleOption", "auto_schedule_options", "OBJECTIVES", "on_meta_device",
+    "ScheduleOption", "auto_schedule_options", "OBJECTIVES",
 ]
 
 #: Accepted values of ``objective``.
@@ -215,19 +217,22 @@ def partition(
     dev = resolve_device(profiling.device)
     measure = dict(device=dev, warmup=profiling.warmup, repeats=profiling.repeats, progress=profiling.progress,
                    flush_cache=profiling.flush_cache, fit_to_whole=profiling.fit_to_whole)
+    if cost_source != "measured" and any(d.flops is not None for d in rank_devices):
+        rank_devices = _speeds_from_flops(rank_devices)
+        measure["device_flops"] = rank_devices[0].flops  # counted seconds at the first device's rate
     if on_meta_device(model):
-        # Shapes and no weights (a model built under torch.device("meta")): nothing to time, so
-        # the costs are counted on the meta device, FLOPs at the profiling device's rate.
-        if cost_source == "measured" and costs is None and scaling is None:
-            raise ValueError("the model's parameters are on the meta device, so there is nothing to time: "
-                             "use cost='flops' (counted FLOPs, bytes from shapes) or cost='params', or pass a "
-                             "profile taken elsewhere as cost=")
+        # Shapes and no weights (a model built under torch.device("meta")). Measured costs time
+        # one segment at a time, copied to the profiling device with stand-in values; counted
+        # ones are counted on the meta device, FLOPs at the profiling device's rate.
         if wanted.auto_microbatches:
-            raise ValueError("n_microbatches='auto' profiles the model at several batch sizes, which a model "
-                             "on the meta device cannot run; give n_microbatches as a number")
-        measure.update(device=torch.device("meta"), device_flops=measure_device_flops(dev))
+            raise ValueError("n_microbatches='auto' profiles the whole model at several batch sizes, which a "
+                             "model on the meta device cannot run; give n_microbatches as a number")
+        if cost_source != "measured":
+            measure["device"] = torch.device("meta")
+            measure.setdefault("device_flops", measure_device_flops(dev))
 
     # ---- trace, profile, cost graph (one per micro-batch count)
+    host_memory = PeakResidentMemory().start()  # what planning needs of the host, for the plan to say
     traced = trace(model, example_args, example_kwargs)
     # The stage count against the legal split points as soon as tracing knows them, before
     # torch's schedule orders (whose cost grows with ranks x micro-batches) or any profiling.
@@ -292,19 +297,29 @@ def partition(
     plan.global_batch = global_batch
     if wanted.auto_microbatches and scaling is not None:
         plan.scaling_fit_error = {k: max(v) if v else 0.0 for k, v in scaling.fit_error.items()}
+    plan.planning_peak_rss_bytes = host_memory.stop()
     return plan
 
 
-def on_meta_device(model: torch.nn.Module) -> bool:
-    """Whether ``model`` holds any parameter or buffer on the meta device (shapes, no data).
+def _speeds_from_flops(rank_devices: Sequence[Device]) -> list[Device]:
+    """The devices with their relative speeds set from their FLOP rates (counted costs).
 
-    Example:
-        >>> with torch.device("meta"):
-        ...     lin = torch.nn.Linear(2, 2)
-        >>> on_meta_device(lin), on_meta_device(torch.nn.Linear(2, 2))
-        (True, False)
+    The counted seconds are charged at the first device's rate, so a device's speed is its
+    rate over that one.
+
+    Raises:
+        ValueError: some devices give a rate and others not, or one gives both a rate and a speed.
     """
-    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    missing = [i for i, d in enumerate(rank_devices) if d.flops is None]
+    if missing:
+        raise ValueError(f"devices {missing} give no flops while others do; give every device its FLOP rate "
+                         "(Device(flops=...) or Device.preset(...)) or none")
+    both = [i for i, d in enumerate(rank_devices) if d.speed != 1.0]
+    if both:
+        raise ValueError(f"devices {both} give both speed and flops; with counted costs the speed follows "
+                         "from the flops, give one of them")
+    ref = rank_devices[0].flops
+    return [replace(d, speed=d.flops / ref) for d in rank_devices]
 
 
 def _search_options(

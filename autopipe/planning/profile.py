@@ -59,7 +59,7 @@ from ..machine.passes import (SavedBytes, WholePass, forward_backward, storage_k
 from ..machine.speed import measure_device_flops
 from ..machine.timing import CacheFlusher, Timer, per_run_s, resolve_device
 from .costgraph import SegmentCost, requires_grad_map, tensor_bytes
-from .segment_graphs import copy_to_device, segment_modules
+from .segment_graphs import copy_to_device, on_meta_device, segment_modules, stand_in
 from .trace import TracedModel
 
 __all__ = ["COST_SOURCES", "profile_segments", "profile_loss", "model_output", "LossCost", "SegmentCosts",
@@ -169,7 +169,10 @@ def profile_segments(
             When the model lives elsewhere, a copy of it is profiled there (the model is
             left where it is); only when the copy does not fit, each segment is copied
             there in turn and timed on its own (with a warning on CUDA: such times add up to
-            more than the model's, and nothing is fitted to the whole graph).
+            more than the model's, and nothing is fitted to the whole graph). A model on the
+            meta device is timed that way too: each segment is copied to ``device`` with
+            stand-in values (:func:`~autopipe.planning.segment_graphs.stand_in`) and freed
+            before the next, so the process never holds more than one segment's weights.
         warmup: Untimed runs before timing (measured source only).
         repeats: Timed runs; their mean is kept (:func:`~autopipe.machine.timing.per_run_s`;
             measured source only). When the model (or its copy) is on ``device``, each run is a
@@ -224,14 +227,15 @@ def profile_segments(
     gm = traced.graph_module
     if cost == "measured" and not _lives_on(gm, dev):
         # Time a copy of the whole model on the device when it fits: then the segments are
-        # timed in rounds beside the whole graph. Only when it does not, one segment at a time.
-        if room_for_whole(gm, dev):
+        # timed in rounds beside the whole graph. Only when it does not, one segment at a time;
+        # always so for a model on the meta device, which may be far bigger than the host.
+        if room_for_whole(gm, dev) and not on_meta_device(gm):
             try:
                 return _profile(traced, copy_to_device(gm, dev), dev, cost=cost, warmup=warmup, repeats=repeats,
                                 progress=progress, flush_cache=flush_cache, fit=fit)
             except torch.cuda.OutOfMemoryError:
                 pass  # the copy and what it held go with the exception
-        if dev.type == "cuda":
+        if dev.type == "cuda" and not on_meta_device(gm):
             torch.cuda.empty_cache()
             warnings.warn(
                 f"{traced.model_name} does not fit on {dev} whole for profiling: each segment is copied "
@@ -283,7 +287,7 @@ def _profile(
     flat_inputs, input_spec = tree_flatten((traced.example_args, traced.example_kwargs))
     env: dict[str, Any] = {}
     for name, val in zip(user_names, flat_inputs):
-        env[name] = val.to(dev) if isinstance(val, torch.Tensor) else val
+        env[name] = stand_in(val, dev) if isinstance(val, torch.Tensor) else val
     model_inputs = [(name, env[name]) for name in user_names]  # env drops them once read
     last_use: dict[str, int] = {}
     for k, sm in enumerate(seg_mods):
@@ -426,8 +430,8 @@ def profile_loss(
     timer = Timer(dev)
     if output is None:
         output = model_output(model, example_args, example_kwargs)
-    output = tree_map(lambda t: t.detach().to(dev) if isinstance(t, torch.Tensor) else t, output)
-    target = tree_map(lambda t: t.to(dev) if isinstance(t, torch.Tensor) else t, target)
+    output = tree_map(lambda t: stand_in(t.detach(), dev) if isinstance(t, torch.Tensor) else t, output)
+    target = tree_map(lambda t: stand_in(t, dev) if isinstance(t, torch.Tensor) else t, target)
     first = next((t for t in tree_leaves((tuple(example_args), dict(example_kwargs or {})))
                   if isinstance(t, torch.Tensor) and t.dim() > 0), None)
     batch = int(first.shape[0]) if first is not None else 1

@@ -4,7 +4,9 @@ The profiler (:mod:`autopipe.planning.profile`) runs every segment on its own, w
 tensors the previous segments produce: :func:`segment_modules` cuts the traced model's graph
 into one ``GraphModule`` per segment (sharing the model's parameters), and
 :func:`copy_to_device` copies a traced module to the device to profile on, the devices its
-graph names included.
+graph names included. A model built on the meta device has shapes and no values: its copy
+gets stand-in values (:func:`stand_in`), so that one segment at a time can be timed without
+ever holding the whole model.
 
 Example:
     >>> from autopipe.models import seed_transformer
@@ -27,7 +29,7 @@ import torch.fx as fx
 from .inplace import clone_inputs_written_in_place
 from .trace import TracedModel
 
-__all__ = ["SegmentModule", "segment_modules", "copy_to_device"]
+__all__ = ["SegmentModule", "segment_modules", "copy_to_device", "on_meta_device", "stand_in"]
 
 
 @dataclass
@@ -110,6 +112,45 @@ def _retarget(value: Any, dev: torch.device) -> Any:
     return value
 
 
+def on_meta_device(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds any parameter or buffer on the meta device (shapes, no values).
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     lin = torch.nn.Linear(2, 2)
+        >>> on_meta_device(lin), on_meta_device(torch.nn.Linear(2, 2))
+        (True, False)
+    """
+    return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+#: Standard deviation of the stand-in values of floating tensors: small, as weights start,
+#: so that a profiled segment's outputs stay finite through many layers.
+STAND_IN_STD = 0.02
+
+
+def stand_in(t: torch.Tensor, device: str | torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``t`` on ``device``; a tensor on the meta device gets values to run with.
+
+    The values only have to make the run take the time it takes in training: floating
+    tensors are drawn from N(0, 0.02²) (``generator`` makes them repeatable), booleans are
+    True (an attention mask that keeps every position) and integers are 0 (an index valid in
+    any table: token ids, positions).
+
+    Example:
+        >>> ids = stand_in(torch.empty(2, 3, dtype=torch.long, device="meta"), "cpu")
+        >>> ids.device.type, ids.sum().item()
+        ('cpu', 0)
+    """
+    dev = torch.device(device)
+    if not t.is_meta or dev.type == "meta":
+        return t.to(dev)
+    out = torch.empty(t.shape, dtype=t.dtype, device=dev)
+    if t.is_floating_point() or t.is_complex():
+        return out.normal_(0.0, STAND_IN_STD, generator=generator)
+    return out.fill_(True if t.dtype == torch.bool else 0)
+
+
 def copy_to_device(module: fx.GraphModule, device: str | torch.device) -> fx.GraphModule:
     """A copy of a traced (segment) module on ``device``, with the devices its graph names moved too.
 
@@ -120,7 +161,8 @@ def copy_to_device(module: fx.GraphModule, device: str | torch.device) -> fx.Gra
     would build tensors on the CPU and fail against the weights on the GPU. Every device a
     node names is set to ``device`` (as torch's own ``move_to_device_pass`` does for a whole
     ``ExportedProgram``), and plain tensor constants the graph reads are moved with the weights.
-    The given module is not changed.
+    The given module is not changed. Tensors on the meta device get stand-in values
+    (:func:`stand_in`, repeatable: the same module copies to the same values).
 
     Example:
         >>> from autopipe.models import seed_transformer
@@ -131,7 +173,12 @@ def copy_to_device(module: fx.GraphModule, device: str | torch.device) -> fx.Gra
         {'meta'}
     """
     dev = torch.device(device)
-    moved = copy.deepcopy(module).to(dev)
+    moved = copy.deepcopy(module)
+    generator = None
+    if on_meta_device(moved) and dev.type != "meta":
+        generator = torch.Generator(device=dev)
+        generator.manual_seed(0)
+    moved._apply(lambda t: stand_in(t, dev, generator))  # what Module.to does, with values for meta tensors
     for gm in moved.modules():
         if not isinstance(gm, fx.GraphModule):
             continue
@@ -145,6 +192,6 @@ def copy_to_device(module: fx.GraphModule, device: str | torch.device) -> fx.Gra
                 holder = gm.get_submodule(owner) if owner else gm
                 value = getattr(holder, name)
                 if isinstance(value, torch.Tensor) and value.device != dev:  # .to() moved weights and buffers
-                    setattr(holder, name, value.to(dev))
+                    setattr(holder, name, stand_in(value, dev))
         gm.recompile()
     return moved

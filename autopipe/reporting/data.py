@@ -24,6 +24,8 @@ import math
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from .recompute import recompute_lines
+
 if TYPE_CHECKING:
     from ..planning.costgraph import SegmentCost
     from ..planning.plan import Plan
@@ -121,15 +123,18 @@ def report_data(
         "device": plan.device,
         "optimizer": plan.optimizer,
         "planner_s": plan.planner_s,
+        "planning_peak_rss_bytes": plan.planning_peak_rss_bytes,
         "whole_pass": asdict(plan.whole_pass) if plan.whole_pass is not None else None,
         "notes": list(plan.notes),  # what autopipe changed or assumed to make the plan
+        "recompute_stages": list(plan.recompute_stages),
         "best_baseline": best_baseline.name if best_baseline else None,
         "speedup_over_best_baseline": (best_baseline.predicted_step_s / step) if best_baseline and step > 0 else None,
     }
     comm = cut_comm_s(plan)
     stages = []
     for s in plan.stages:
-        static = s.peak_bytes - s.inflight_microbatches * s.act_bytes
+        # A recomputing stage's peak holds its inputs instead: the kept peak, where recorded, gives the static part.
+        static = (s.peak_bytes_kept or s.peak_bytes) - s.inflight_microbatches * s.act_bytes
         stages.append({
             **asdict(s),
             "time_s": s.time_s,
@@ -138,6 +143,7 @@ def report_data(
             "capacity_bytes": _stage_capacity_bytes(plan, ranks[s.index]),
             "cut_comm_s": comm[s.index] if s.index < len(comm) else None,
         })
+    summary["recompute"] = recompute_lines(stages, plan.recompute_stages)
     baselines = [
         {**asdict(b), "slowdown": (b.predicted_step_s / step) if step > 0 and not b.reason else math.nan}
         for b in plan.baselines

@@ -81,11 +81,14 @@ def summary_lines(data: dict[str, Any]) -> list[str]:
                          "simulated step, though its heaviest stage is no lighter.")
     lines.append(
         f"Costs {s['cost_source']} on {s['device']}; memory includes {s['optimizer']} optimizer state; "
-        f"exact search took {format_seconds(s['planner_s'])}."
+        f"exact search took {format_seconds(s['planner_s'])}"
+        + (f"; planning's peak host memory was {format_bytes(s['planning_peak_rss_bytes'])}."
+           if s.get("planning_peak_rss_bytes") else ".")
     )
     if s.get("whole_pass"):
         lines.append(whole_pass_line(s["whole_pass"]))
     lines += [f"Note: {n}" for n in s.get("notes") or []]
+    lines += s.get("recompute") or []  # which stages recompute their activations, and why
     return lines
 
 

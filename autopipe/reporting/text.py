@@ -47,7 +47,9 @@ def plan_to_text(plan: "Plan") -> str:
         f"{plan.schedule} with {plan.n_microbatches} micro-batches"
         + (f", {plan.stages_per_rank} stages per rank" if plan.stages_per_rank > 1 else ""),
         f"costs: {plan.cost_source} on {plan.device}; optimizer state: {plan.optimizer}; "
-        f"search: exact ({plan.objective}), {format_seconds(plan.planner_s)}",
+        f"search: exact ({plan.objective}), {format_seconds(plan.planner_s)}"
+        + (f"; planning's peak host memory: {format_bytes(plan.planning_peak_rss_bytes)}"
+           if plan.planning_peak_rss_bytes else ""),
         *[f"note: {n}" for n in plan.notes],  # what autopipe changed or assumed to make the plan
         "",
         "split_spec = {" + ", ".join(f'"{n}": SplitPoint.BEGINNING' for n in plan.split_points) + "}",
@@ -81,6 +83,14 @@ def plan_to_text(plan: "Plan") -> str:
     if plan.memory_limit_bytes:
         out.append("memory limit per device: " + ", ".join(
             format_bytes(m) if m >= 0 else "unlimited" for m in plan.memory_limit_bytes))
+    if plan.recompute_stages:  # which stages recompute their activations, and why
+        from .recompute import recompute_lines  # here: recompute imports format_bytes from this module
+
+        limits = plan.memory_limit_bytes or []
+        stages = [{**asdict(s), "capacity_bytes": (limits[r] // plan.stages_per_rank
+                                                   if r < len(limits) and limits[r] >= 0 else None)}
+                  for s, r in zip(plan.stages, plan.stage_ranks)]
+        out += recompute_lines(stages, plan.recompute_stages)
     if plan.alternatives:
         out += ["", "schedules considered (schedule='auto'):"]
         rows = []

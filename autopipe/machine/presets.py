@@ -1,0 +1,66 @@
+"""Published figures of common accelerators and links, to plan for a cluster one does not have.
+
+:meth:`autopipe.Device.preset` turns a name into a :class:`~autopipe.machine.device.Device`:
+its memory, the link to the next device, and the FLOP rate at which counted costs
+(``cost="flops"``) are charged. The figures are the vendors' data-sheet values (dense,
+no sparsity) for the SXM parts; a rate a training run really reaches is a fraction of the
+peak, so :meth:`~autopipe.Device.preset` charges ``efficiency`` times the peak (default
+:data:`DEFAULT_EFFICIENCY`).
+
+Example:
+    >>> ACCELERATORS["H100"].memory
+    '80GB'
+    >>> LINKS["ib-ndr"].bandwidth
+    50000000000.0
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Accelerator", "Link", "ACCELERATORS", "LINKS", "DEFAULT_EFFICIENCY"]
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link between two pipeline neighbours: bytes per second in one direction, seconds per message."""
+
+    bandwidth: float
+    latency_s: float
+    source: str  # where the bandwidth is published
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """One accelerator's data-sheet figures."""
+
+    peak_flops: dict[str, float]  # dense FLOP/s per dtype ("bf16", "fp32": the TF32 tensor-core rate)
+    memory: str
+    link: str  # the usual link to a neighbour in the same node (a key of LINKS)
+    source: str
+
+
+# Message latencies are an order of magnitude for one NCCL point-to-point send, not a
+# data-sheet figure: they matter only for small activations at a cut.
+LINKS: dict[str, Link] = {
+    "nvlink3": Link(300e9, 10e-6, "NVIDIA A100 data sheet: NVLink 600 GB/s, both directions together"),
+    "nvlink4": Link(450e9, 10e-6, "NVIDIA H100 data sheet: NVLink 900 GB/s, both directions together"),
+    "pcie4": Link(32e9, 20e-6, "PCI Express 4.0 x16: 16 GT/s per lane, 16 lanes, one direction"),
+    "pcie5": Link(64e9, 20e-6, "PCI Express 5.0 x16: 32 GT/s per lane, 16 lanes, one direction"),
+    "ib-hdr": Link(25e9, 20e-6, "InfiniBand HDR: 200 Gb/s per port"),
+    "ib-ndr": Link(50e9, 20e-6, "InfiniBand NDR: 400 Gb/s per port"),
+}
+
+ACCELERATORS: dict[str, Accelerator] = {
+    "A100": Accelerator({"bf16": 312e12, "fp16": 312e12, "fp32": 156e12}, "80GB", "nvlink3",
+                        "NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB)"),
+    "H100": Accelerator({"bf16": 989e12, "fp16": 989e12, "fp32": 494e12}, "80GB", "nvlink4",
+                        "NVIDIA H100 Tensor Core GPU data sheet (SXM5)"),
+    "H200": Accelerator({"bf16": 989e12, "fp16": 989e12, "fp32": 494e12}, "141GB", "nvlink4",
+                        "NVIDIA H200 Tensor Core GPU data sheet (SXM)"),
+}
+
+#: Share of the peak FLOP rate a large training run reaches (its model FLOPs utilization).
+#: Published runs report about 0.4: 38-43% BF16 MFU for Llama 3 405B on H100s (Llama 3
+#: paper, 2024, Table 4), 46% for PaLM 540B on TPU v4 (PaLM paper, 2022).
+DEFAULT_EFFICIENCY = 0.4

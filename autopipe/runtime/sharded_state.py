@@ -1,0 +1,329 @@
+"""Checkpoints that reshard: the model and optimizer state of a pipeline, by original name.
+
+``torch.distributed.checkpoint`` (DCP) saves a dict of tensors from every rank into one
+checkpoint and loads it into any other set of ranks, matching entries by key. So a
+pipeline whose keys are the unsplit model's names (FQNs) resumes under another split,
+schedule or world size, or as the unsplit model, with DCP doing the resharding. This
+module gives each rank the dict it hands to ``dcp.save`` / ``dcp.load``:
+
+- :func:`model_state_dict`: every key of the unsplit model's ``state_dict()`` that this
+  rank holds (tied aliases included, as ``get_model_state_dict`` gives them), plus the
+  tensors no stage reads, which every rank keeps. A tensor several ranks hold (a tied
+  embedding on the first and last stage, or one no stage reads) is written once: DCP's
+  default save planner keeps one copy of an entry that several ranks give under the same
+  key (``dedup_save_plans``, torch 2.11 to 2.13). Loading fills every rank's copy.
+- :func:`optimizer_state_dict`: the optimizer's state in the flattened form of torch's
+  ``get_optimizer_state_dict(..., options=StateDictOptions(flatten_optimizer_state_dict=True))``:
+  ``state.<fqn>.<name>`` (``exp_avg``, ``exp_avg_sq``, ``step``) and
+  ``param_groups.<fqn>.<hyperparameter>`` for each parameter, by its first
+  ``named_parameters()`` name. The unsplit model saves and loads the same checkpoint with
+  torch's ``get_state_dict`` / ``set_state_dict``.
+
+Nothing here communicates: every check runs before ``dcp.save`` / ``dcp.load`` do.
+
+Example::
+
+    import torch.distributed.checkpoint as dcp
+    state = {"model": model_state_dict(pipe), "optim": optimizer_state_dict(pipe, opt)}
+    dcp.save(state, checkpoint_id="ckpt/step100")
+    # ... in a later run, with any split, schedule or world size:
+    state = {"model": model_state_dict(pipe), "optim": optimizer_state_dict(pipe, opt)}
+    dcp.load(state, checkpoint_id="ckpt/step100")
+    load_model_state_dict(pipe, state["model"]); load_optimizer_state_dict(pipe, opt, state["optim"])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .params import StateNames
+
+if TYPE_CHECKING:  # the Pipeline builds on this module's functions, never the reverse at run time
+    from .pipeline import Pipeline
+
+__all__ = ["model_state_dict", "load_model_state_dict", "optimizer_state_dict", "load_optimizer_state_dict"]
+
+_STATE = "state"
+_GROUPS = "param_groups"
+_LISTED = 8  # names shown in an error before "and N more"
+
+
+def model_state_dict(pipe: "Pipeline") -> dict[str, torch.Tensor]:
+    """This rank's part of the model's checkpoint: what ``dcp.save`` writes and ``dcp.load`` fills.
+
+    Keys are the unsplit model's ``state_dict()`` keys (tied aliases included, each pointing
+    at the same tensor); values are the live tensors, detached, so ``dcp.load`` writes into
+    the pipeline directly. The tensors no stage reads are in every rank's dict; DCP saves
+    one copy of them, and of a tensor tied across ranks.
+
+    Args:
+        pipe: the :class:`~autopipe.runtime.pipeline.Pipeline`.
+
+    Returns:
+        ``{fqn: tensor}``.
+
+    Example::
+
+        dcp.save({"model": model_state_dict(pipe)}, checkpoint_id=path)
+    """
+    names: StateNames = pipe._names
+    out: dict[str, torch.Tensor] = {}
+    for key in names.state_dict_keys:
+        canon = names.canonical.get(key, key)
+        tensor = pipe._state.get(canon)
+        if tensor is None:
+            tensor = pipe._unheld_state.get(canon)
+        if tensor is not None:
+            out[key] = tensor.detach()
+    return out
+
+
+@torch.no_grad()
+def load_model_state_dict(pipe: "Pipeline", state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Copy a model checkpoint into this rank's tensors (and the ones no stage reads).
+
+    ``state_dict`` is what ``dcp.load`` filled (then this copies each tensor onto itself),
+    or any dict keyed by the unsplit model's names that covers this rank's tensors: a full
+    ``model.state_dict()``, or ``get_model_state_dict(model)``. Keys of tensors other ranks
+    hold are ignored; any alias of a tied tensor will do. No communication.
+
+    Args:
+        pipe: the :class:`~autopipe.runtime.pipeline.Pipeline`.
+        state_dict: ``{fqn: tensor}``.
+
+    Raises:
+        TypeError: ``state_dict`` is not a mapping.
+        KeyError: names of this rank's tensors are missing, or keys are no name of the model
+            (a checkpoint of another model); both listed.
+        ValueError: a tensor's shape differs from the model's.
+
+    Example::
+
+        state = {"model": model_state_dict(pipe)}
+        dcp.load(state, checkpoint_id=path)
+        load_model_state_dict(pipe, state["model"])
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"state_dict must be a mapping of the model's names to tensors, got {type(state_dict).__name__}")
+    names: StateNames = pipe._names
+    targets = {**pipe._unheld_state, **{n: t for n, t in pipe._state.items() if n in names.canonical}}
+    unknown = [k for k in state_dict if k not in names.canonical]
+    given: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        if key in names.canonical:
+            given.setdefault(names.canonical[key], value)
+    missing = [n for n in targets if n not in given]
+    if unknown or missing:
+        raise KeyError(f"the state dict does not fit this pipeline (rank {pipe.rank}): missing names "
+                       f"{_listed(missing)}, names the model does not have {_listed(unknown)}")
+    for name, tensor in targets.items():
+        value = given[name]
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"state_dict[{name!r}] must be a tensor, got {type(value).__name__}")
+        if tuple(value.shape) != tuple(tensor.shape):
+            raise ValueError(f"{name!r} has shape {tuple(value.shape)} in the state dict but "
+                             f"{tuple(tensor.shape)} in the model")
+        if value is not tensor and value.data_ptr() != tensor.data_ptr():
+            tensor.copy_(value)
+
+
+def optimizer_state_dict(pipe: "Pipeline", optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's optimizer state, flattened by parameter name as torch's ``get_optimizer_state_dict``.
+
+    Keys are ``state.<fqn>.<name>`` for each state entry of each parameter (nested dicts
+    flattened with dots) and ``param_groups.<fqn>.<hyperparameter>`` for each
+    hyperparameter of each parameter's group, ``<fqn>`` being the parameter's first name in
+    the unsplit model's ``named_parameters()``. Tensor values are the optimizer's own, so
+    ``dcp.load`` writes into them. An optimizer without state yet (fresh, before its first
+    step) is given it first, as torch's helper does: one ``step()`` with zero gradients and
+    learning rate 0, which leaves the parameters and their gradients as they were.
+
+    A parameter held on several ranks has equal state on each (its gradients are summed
+    across them), so every copy gives the same entries and DCP writes them once.
+
+    Args:
+        pipe: the :class:`~autopipe.runtime.pipeline.Pipeline`.
+        optimizer: an optimizer over ``pipe.parameters()`` (or some of them).
+
+    Returns:
+        ``{flat key: tensor or number}``.
+
+    Raises:
+        ValueError: the optimizer holds a parameter this pipeline does not (before any
+            communication).
+
+    Example::
+
+        opt = torch.optim.AdamW(pipe.parameters())
+        dcp.save({"model": model_state_dict(pipe), "optim": optimizer_state_dict(pipe, opt)},
+                 checkpoint_id=path)
+    """
+    groups = _group_names(pipe, optimizer)
+    _initialize_state(optimizer)
+    flat: dict[str, Any] = {}
+    for group, fqns in zip(optimizer.param_groups, groups):
+        for param, fqn in zip(group["params"], fqns):
+            for name, value in optimizer.state.get(param, {}).items():
+                _flatten(f"{_STATE}.{fqn}.{name}", value, flat)
+    for group, fqns in zip(optimizer.param_groups, groups):
+        for fqn in fqns:
+            for key, value in group.items():
+                if key != "params":
+                    flat[f"{_GROUPS}.{fqn}.{key}"] = value
+    return flat
+
+
+def load_optimizer_state_dict(pipe: "Pipeline", optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+    """Load flattened optimizer state (by parameter name) into ``optimizer``.
+
+    ``state`` is the dict ``dcp.load`` filled from :func:`optimizer_state_dict`'s, or any
+    flattened optimizer state dict covering this rank's parameters (torch's
+    ``get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))``
+    of the unsplit model); entries of parameters other ranks hold are ignored. Each
+    parameter group takes its hyperparameters from its parameters' entries. A fresh
+    optimizer works: it is given state first (:func:`optimizer_state_dict`). No
+    communication.
+
+    Args:
+        pipe: the :class:`~autopipe.runtime.pipeline.Pipeline`.
+        optimizer: an optimizer over ``pipe.parameters()`` (or some of them), of the class
+            that saved the state.
+        state: ``{flat key: value}``.
+
+    Raises:
+        TypeError: ``state`` is not a mapping.
+        ValueError: the optimizer holds a parameter this pipeline does not, or the
+            parameters of one group have different saved hyperparameters.
+        KeyError: entries of this rank's parameters are missing, or keys name no parameter
+            of the model (a checkpoint of another model); both listed.
+
+    Example::
+
+        state = {"optim": optimizer_state_dict(pipe, opt)}
+        dcp.load(state, checkpoint_id=path)
+        load_optimizer_state_dict(pipe, opt, state["optim"])
+    """
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a mapping of flattened optimizer keys to values, got {type(state).__name__}")
+    groups = _group_names(pipe, optimizer)
+    names: StateNames = pipe._names
+    unknown = [k for k in state if _key_parameter(k, names) is None]
+    template = optimizer_state_dict(pipe, optimizer)  # gives a fresh optimizer its state
+    missing = [k for k in template if k not in state]
+    if unknown or missing:
+        raise KeyError(f"the optimizer state does not fit this pipeline (rank {pipe.rank}): missing keys "
+                       f"{_listed(missing)}, keys naming no parameter of the model {_listed(unknown)}")
+    loaded_state: dict[int, dict[str, Any]] = {}
+    loaded_groups: list[dict[str, Any]] = []
+    index = 0
+    for group, fqns in zip(optimizer.param_groups, groups):
+        hyper: dict[str, Any] = {}
+        for key in group:
+            if key == "params":
+                continue
+            values = [(fqn, state[f"{_GROUPS}.{fqn}.{key}"]) for fqn in fqns]
+            for fqn, value in values[1:]:
+                if not _same(value, values[0][1]):
+                    raise ValueError(f"parameters {values[0][0]!r} and {fqn!r} share a parameter group but were "
+                                     f"saved with {key}={values[0][1]!r} and {key}={value!r}")
+            hyper[key] = values[0][1] if values else group[key]
+        loaded_groups.append({**hyper, "params": list(range(index, index + len(fqns)))})
+        for param, fqn in zip(group["params"], fqns):
+            entries = optimizer.state.get(param, {})
+            if entries:
+                loaded_state[index] = {name: _unflatten(f"{_STATE}.{fqn}.{name}", value, state)
+                                       for name, value in entries.items()}
+            index += 1
+    optimizer.load_state_dict({"state": loaded_state, "param_groups": loaded_groups})
+
+
+# ---------------------------------------------------------------------------- helpers
+def _group_names(pipe: "Pipeline", optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """The canonical name of every parameter of every group of ``optimizer``."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    by_id = {id(p): n for n, p in pipe.named_parameters()}
+    groups: list[list[str]] = []
+    foreign = []
+    for g, group in enumerate(optimizer.param_groups):
+        fqns = []
+        for i, param in enumerate(group["params"]):
+            name = by_id.get(id(param))
+            if name is None:
+                foreign.append(f"param_groups[{g}]['params'][{i}] (shape {tuple(param.shape)})")
+            fqns.append(name)
+        groups.append(fqns)
+    if foreign:
+        raise ValueError(f"the optimizer holds parameters that are not this pipeline's (rank {pipe.rank}): "
+                         f"{_listed(foreign)}; build it over pipe.parameters()")
+    return groups
+
+
+@torch.no_grad()
+def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give a fresh optimizer its state: one step with zero gradients at learning rate 0.
+
+    Parameters and gradients are left as they were (torch's own helper, which needs no
+    gradients present, does the same step).
+    """
+    if optimizer.state:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    lrs = [group.get("lr") for group in optimizer.param_groups]
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p) if p.requires_grad else None
+        for group in optimizer.param_groups:
+            if "lr" in group:
+                group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs):
+            if lr is not None:
+                group["lr"] = lr
+        for p, grad in zip(params, grads):
+            p.grad = grad
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
+    if isinstance(value, Mapping):
+        for key, inner in value.items():
+            _flatten(f"{prefix}.{key}", inner, out)
+    else:
+        out[prefix] = value
+
+
+def _unflatten(prefix: str, template: Any, flat: Mapping[str, Any]) -> Any:
+    if isinstance(template, Mapping):
+        return {key: _unflatten(f"{prefix}.{key}", inner, flat) for key, inner in template.items()}
+    return flat[prefix]
+
+
+def _key_parameter(key: str, names: StateNames) -> str | None:
+    """The parameter a flattened optimizer key is about (``state.<fqn>.…``), or None."""
+    section, _, rest = key.partition(".")
+    if section not in (_STATE, _GROUPS):
+        return None
+    cut = rest.rfind(".")
+    while cut > 0:  # the longest name that is a parameter: an fqn itself has dots
+        head = rest[:cut]
+        if head in names.canonical and names.canonical[head] in names.parameter_names:
+            return names.canonical[head]
+        cut = rest.rfind(".", 0, cut)
+    return None
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return bool(a == b)
+
+
+def _listed(items: list[str]) -> str:
+    if len(items) <= _LISTED:
+        return str(items)
+    return f"{items[:_LISTED]} and {len(items) - _LISTED} more"
