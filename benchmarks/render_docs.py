@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))  # the checkout's autopipe, for its defaults
 
 # Order of the page; anything else found is appended.
 ORDER = ("peers", "split_quality", "split_quality_sim", "planner_scaling", "runtime_overhead", "prediction_accuracy",
-         "schedule_memory", "trace_profile", "gpu_one_rank", "models")
+         "schedule_memory", "trace_profile", "gpu_one_rank", "models", "meta_planning")
 TITLES = {
     "peers": "0. autopipe against the real peers (2 and 4 stages, measured)",
     "split_quality": "1. Split quality, measured (2 stages, real pipelines)",
@@ -45,6 +45,7 @@ TITLES = {
     "trace_profile": "7. Trace and profile time",
     "gpu_one_rank": "8. One GPU: the plan's step against torch's runtime on a single rank",
     "models": "9. Third-party models: plans, runtime and 2-rank pipelines",
+    "meta_planning": "10. Planning a model bigger than the host, from the meta device",
 }
 # What each benchmark measures, in a sentence or three; the folder's README has the method.
 ABOUT = {
@@ -75,6 +76,9 @@ ABOUT = {
         "On a GPU, does the plan's predicted step match torch's runtime? One rank (one GPU): 1F1B with one "
         "stage, Interleaved1F1B with two stages on the rank."),
     "models": "What autopipe does with stock models from other libraries, at their default settings.",
+    "meta_planning": (
+        "Can a model of over a billion parameters, built on the meta device, be planned on this host, and with "
+        "how much host memory? Measured costs time one segment at a time; counted ones run nothing."),
 }
 RERUN_OPTIONS = {"peers": "`--quick` for a short run, `--models`/`--stages` for a subset",
                  "gpu_one_rank": "needs one GPU; `--device cpu` runs it on the CPU",
@@ -357,9 +361,19 @@ def render_prediction_accuracy(d: dict[str, Any], behind: list[str]) -> str:
             behind.append(f"prediction accuracy: the median |error| of the step-time prediction is {head:.1%} "
                           f"(target: under 10%) over {s['run']} real 2-rank runs; median signed error "
                           f"{s.get('median_signed_error', 0):+.1%}.")
-    if s.get("median_abs_memory_error") is not None:
-        notes.append(f"Peak memory per rank: median |error| {apct(s['median_abs_memory_error'])} over every rank "
-                     "of every case (predicted: `plan.rank_peak_bytes`).")
+    memory_file = Path(__file__).parent / "prediction_accuracy" / "memory.json"
+    mem = json.loads(memory_file.read_text())["summary"] if memory_file.exists() else None
+    if mem and mem.get("median_abs_memory_error") is not None:
+        notes.append(f"Peak memory per rank (`prediction_accuracy/memory.json`, `main.py --memory-only`: plans "
+                     f"from FLOP-counted costs, no step timed): median |error| "
+                     f"{apct(mem['median_abs_memory_error'])}, largest {apct(mem['max_abs_memory_error'])}, "
+                     f"{mem['within_10pct']} of {mem['rank_figures']} rank figures within 10% "
+                     "(predicted: `plan.rank_peak_bytes`).")
+    elif s.get("median_abs_memory_error") is not None:
+        largest = s.get("max_abs_memory_error")
+        notes.append(f"Peak memory per rank: median |error| {apct(s['median_abs_memory_error'])}"
+                     + (f", largest {apct(largest)}" if largest is not None else "")
+                     + " over every rank of every case (predicted: `plan.rank_peak_bytes`).")
     machine = d.get("measured_machine") or {}
     if machine.get("link") and machine.get("overhead"):
         link, ov = machine["link"], machine["overhead"]
@@ -379,6 +393,18 @@ def render_schedule_memory(d: dict[str, Any], behind: list[str]) -> str:
             "beyond what existed before it (parameters, gradients and receive buffers excluded).\n\n"
             + table(["variant", "micro-batches", "rank", "peak MiB", "micro-batches in flight (planner)", "÷ GPipe"],
                     rows))
+
+
+def render_meta_planning(d: dict[str, Any], behind: list[str]) -> str:
+    """Per cost source: the model's size, planning time and peak host memory, the split and its balance."""
+    rows = [[r["cost"], f"{r['parameters'] / 1e9:.2f} B ({r['parameter_bytes'] / 2**30:.1f} GiB)",
+             f"{r['layers']} × seq {r['seq_len']}", f"{r['planning_s']:.0f} s",
+             f"{r['peak_rss_bytes'] / 2**30:.2f} GiB", ", ".join(f"`{p}`" for p in r["split_points"]),
+             f"{r['balance']:.3f}"] for r in d.get("rows", [])]
+    return (f"{d.get('model')}, {d.get('stages')} stages, {d.get('schedule')}. Peak host memory: the planning "
+            "process's `ru_maxrss` (one fresh process per row). Balance: the heaviest stage's forward+backward "
+            "over the lightest's, by the plan's own costs.\n\n"
+            + table(["costs", "parameters", "layers", "planning", "peak host memory", "split", "balance"], rows))
 
 
 def render_trace_profile(d: dict[str, Any], behind: list[str]) -> str:
@@ -450,6 +476,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any], list[str]], str]] = {
     "trace_profile": render_trace_profile,
     "gpu_one_rank": render_gpu_one_rank,
     "models": render_models,
+    "meta_planning": render_meta_planning,
 }
 
 

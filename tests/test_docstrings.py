@@ -15,6 +15,7 @@ MODULES = [
     "autopipe.planning.segment_graphs",
     "autopipe.planning.profile",
     "autopipe.planning.partitioner",
+    "autopipe.planning.recompute",
     "autopipe.planning.baselines",
     "autopipe.planning.peers",
     "autopipe.planning.planner",

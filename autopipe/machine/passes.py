@@ -63,10 +63,15 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 class SavedBytes:
-    """Counts the bytes autograd saves for backward, skipping parameters and duplicates.
+    """Counts the bytes autograd saves for backward: each storage once, parameters skipped.
 
     Pass :meth:`pack` to ``torch.autograd.graph.saved_tensors_hooks`` around a forward;
-    ``total`` is then what that forward keeps alive until its backward.
+    ``total`` is then what that forward keeps alive until its backward. A saved tensor keeps
+    its whole storage alive, so a storage is charged its size once however many views of it
+    are saved (batch norm and ReLU saving the same tensor, a view saved beside its base), and
+    an expanded tensor (stride 0) only the storage it really holds. ``saved`` maps each
+    storage (:func:`storage_key`) to its bytes, so the caller can tell which of them are
+    tensors it already knows (a segment's inputs and outputs).
 
     Example:
         >>> counter = SavedBytes(set())
@@ -79,15 +84,19 @@ class SavedBytes:
 
     def __init__(self, param_ptrs: set[int]) -> None:
         self.param_ptrs = param_ptrs
-        self.seen: set[tuple[int, tuple[int, ...]]] = set()
-        self.total = 0
+        self.saved: dict[int, int] = {}
+
+    @property
+    def total(self) -> int:
+        """Bytes of every storage saved, parameters excluded."""
+        return sum(self.saved.values())
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        ptr = storage_key(t)
-        key = (ptr, tuple(t.shape))
-        if ptr not in self.param_ptrs and key not in self.seen:
-            self.seen.add(key)
-            self.total += t.numel() * t.element_size()
+        key = storage_key(t)
+        if key not in self.param_ptrs:
+            nbytes = (t.untyped_storage().nbytes() if t.layout == torch.strided
+                      else t.numel() * t.element_size())
+            self.saved[key] = max(self.saved.get(key, 0), nbytes)
         return t
 
 

@@ -13,7 +13,9 @@ disagree with another. Times are per micro-batch and bytes per device unless a n
       bwd_s[s] = sum(seg.bwd_s + seg.accum_s * (m - 1) / m  for seg in i..j-1) / speed[s]
 
   (torch adds each micro-batch's weight gradients into the accumulated ones for every
-  micro-batch after the first: :func:`step_backward_s`);
+  micro-batch after the first: :func:`step_backward_s`); a stage that recomputes its
+  activations (activation checkpointing) runs its forward again inside its backward:
+  ``bwd_s[s] += fwd_s[s]`` (:func:`recompute_backward_s`);
 * cut time, one way, between stage ``c`` and ``c + 1`` (:func:`cut_time_s`)::
 
       max(fwd_bytes, bwd_bytes) / bandwidth + latency_s       (0 when nothing crosses)
@@ -31,11 +33,17 @@ disagree with another. Times are per micro-batch and bytes per device unless a n
 
       static = param_bytes + trainable_bytes * (1 + optimizer_factor)   (gradients, optimizer state)
       peak   = static + inflight * act_bytes
+      peak   = static + inflight * input_bytes + act_bytes                 (recomputing)
+
+  (a recomputing stage keeps only its inputs per micro-batch in flight, and one
+  micro-batch's activations while it recomputes them: :func:`held_act_bytes`);
 
 * per-rank peak memory (:func:`rank_peak_bytes`): the static bytes of the rank's stages
   (parameters, gradients, optimizer state) + the simulated peak of the activations and
-  sent tensors it keeps; on the last stage's rank at least its static bytes + the kept
-  outputs once more (torch concatenates them at the step's end);
+  sent tensors it keeps (a recomputing stage's inputs in place of its activations, plus
+  the largest activations of one micro-batch it recomputes); on the last stage's rank at
+  least its static bytes + the kept outputs once more (torch concatenates them at the
+  step's end);
 * lower bounds: on the heaviest stage (:func:`bottleneck_lower_bound_s`)
   ``max(sum(C) / sum(speed), max(C) / max(speed))``, and on the step under a schedule
   (:func:`step_lower_bound_s`) ``max(m * rank work + its actions' overhead,
@@ -69,6 +77,7 @@ if TYPE_CHECKING:
 __all__ = [
     "SegmentTimes", "StepTail", "step_backward_s", "stage_times_s", "cut_bytes", "cut_time_s", "cut_times_s",
     "step_tail", "simulate_step", "predicted_step_s", "state_bytes", "stage_peak_bytes", "rank_peak_bytes",
+    "recompute_backward_s", "held_act_bytes",
     "bottleneck_lower_bound_s", "step_lower_bound_s",
 ]
 
@@ -131,8 +140,41 @@ def step_backward_s(bwd_s: float, accum_s: float, n_microbatches: int) -> float:
     return bwd_s + accum_s * (m - 1) / m
 
 
+def recompute_backward_s(fwd_s: Any, bwd_s: Any, recompute: Any = True) -> Any:
+    """Backward seconds of a stage that recomputes (``recompute`` true): its forward again, then its backward.
+
+    Activation checkpointing keeps a stage's inputs instead of its saved activations and
+    runs the stage's forward once more when the backward needs them. Works on numbers and
+    elementwise on numpy arrays (``recompute`` a boolean array).
+
+    Example:
+        >>> recompute_backward_s(1.0, 2.0), recompute_backward_s(1.0, 2.0, recompute=False)
+        (3.0, 2.0)
+    """
+    if isinstance(fwd_s, np.ndarray) or isinstance(bwd_s, np.ndarray) or isinstance(recompute, np.ndarray):
+        return np.asarray(bwd_s, dtype=float) + np.where(recompute, np.asarray(fwd_s, dtype=float), 0.0)
+    return float(bwd_s + (fwd_s if recompute else 0.0))
+
+
+def held_act_bytes(act_bytes: Any, input_bytes: Any, recompute: Any) -> Any:
+    """Bytes a stage keeps per micro-batch in flight: its saved activations, or its inputs when it recomputes.
+
+    ``input_bytes`` are the bytes crossing into the stage (the cut's forward bytes; for the
+    first stage the model's inputs), which activation checkpointing keeps to run the
+    forward again. Works elementwise on numpy arrays.
+
+    Example:
+        >>> held_act_bytes(500, 20, recompute=True), held_act_bytes(500, 20, recompute=False)
+        (20, 500)
+    """
+    if isinstance(act_bytes, np.ndarray) or isinstance(input_bytes, np.ndarray) or isinstance(recompute, np.ndarray):
+        return np.where(recompute, input_bytes, act_bytes)
+    return input_bytes if recompute else act_bytes
+
+
 def stage_times_s(segments: Sequence[SegmentTimes], cuts: Sequence[int], n_microbatches: int,
-                  speed: Sequence[float] | None = None) -> tuple[list[float], list[float]]:
+                  speed: Sequence[float] | None = None,
+                  recompute: Sequence[int] = ()) -> tuple[list[float], list[float]]:
     """Per stage, forward and backward seconds per micro-batch of the split at ``cuts``.
 
     Args:
@@ -141,6 +183,8 @@ def stage_times_s(segments: Sequence[SegmentTimes], cuts: Sequence[int], n_micro
         cuts: the segment indices where stages 1 .. p-1 begin.
         n_microbatches: micro-batches per step (the gradient accumulation depends on it).
         speed: per stage, the relative speed of its device; None = all 1.
+        recompute: the stages that recompute their activations in the backward
+            (:func:`recompute_backward_s`).
 
     Returns:
         ``(fwd_s, bwd_s)``, one entry per stage each.
@@ -161,6 +205,10 @@ def stage_times_s(segments: Sequence[SegmentTimes], cuts: Sequence[int], n_micro
         part = segments[edges[s]:edges[s + 1]]
         fwd.append(sum(seg.fwd_s for seg in part) / speeds[s])
         bwd.append(sum(step_backward_s(seg.bwd_s, seg.accum_s, n_microbatches) for seg in part) / speeds[s])
+    again = set(int(s) for s in recompute)
+    if again - set(range(p)):
+        raise ValueError(f"recompute={sorted(again)} names stages outside 0..{p - 1}; give stage indices of this split")
+    bwd = [recompute_backward_s(f, b, s in again) for s, (f, b) in enumerate(zip(fwd, bwd))]
     return fwd, bwd
 
 
@@ -305,19 +353,31 @@ def state_bytes(param_bytes: float, trainable_bytes: float, optimizer_factor: fl
     return float(param_bytes + trainable_bytes * (1.0 + optimizer_factor))
 
 
-def stage_peak_bytes(static_bytes: float, act_bytes: float, inflight: int) -> float:
-    """A stage's peak on its own: ``static_bytes + inflight * act_bytes`` (micro-batches in flight at its peak).
+def stage_peak_bytes(static_bytes: Any, act_bytes: Any, inflight: Any, *, recompute: Any = False,
+                     input_bytes: Any = 0) -> Any:
+    """A stage's peak on its own, with ``inflight`` micro-batches in flight at its peak.
+
+    ``static_bytes + inflight * act_bytes``; a stage that recomputes keeps its inputs per
+    micro-batch and one micro-batch's activations while it recomputes them:
+    ``static_bytes + inflight * input_bytes + act_bytes``. Works elementwise on numpy
+    arrays (the partitioner costs many stages at once).
 
     Example:
         >>> stage_peak_bytes(340, 50, inflight=2)
         440.0
+        >>> stage_peak_bytes(340, 50, inflight=2, recompute=True, input_bytes=5)
+        400.0
     """
-    return float(static_bytes + inflight * act_bytes)
+    held = held_act_bytes(act_bytes, input_bytes, recompute)
+    extra = np.where(recompute, act_bytes, 0) if isinstance(recompute, np.ndarray) else (act_bytes if recompute else 0)
+    peak = static_bytes + inflight * held + extra
+    return peak if isinstance(peak, np.ndarray) else float(peak)
 
 
 def rank_peak_bytes(timeline: Timeline, *, stage_static_bytes: Sequence[float], stage_act_bytes: Sequence[int],
                     cut_fwd_bytes: Sequence[int], cut_bwd_bytes: Sequence[int], split_backward: bool,
-                    merge_bytes: float = 0.0, overcount: Sequence[float] | None = None) -> list[float]:
+                    merge_bytes: float = 0.0, overcount: Sequence[float] | None = None,
+                    recompute: Sequence[int] = (), stage_input_bytes: Sequence[float] | None = None) -> list[float]:
     """Per rank, the predicted peak bytes of one step of ``timeline``.
 
     The static bytes of the rank's stages (less ``overcount``: bytes counted on several of
@@ -337,6 +397,11 @@ def rank_peak_bytes(timeline: Timeline, *, stage_static_bytes: Sequence[float], 
         split_backward: the schedule splits the backward into input- and weight-gradient.
         merge_bytes: bytes of the outputs the last stage concatenates.
         overcount: per rank, static bytes counted more than once.
+        recompute: stages that recompute their activations: each keeps
+            ``stage_input_bytes[s]`` per micro-batch in flight instead of its activations
+            (:func:`held_act_bytes`), and its rank holds one micro-batch's activations more
+            while recomputing (the largest of its recomputing stages').
+        stage_input_bytes: per stage, the bytes crossing into it (needed with ``recompute``).
 
     Example:
         >>> t = simulate_step([1.0, 1.0], [2.0, 2.0], [], schedule="1F1B", n_microbatches=4, stages_per_rank=1)
@@ -350,6 +415,14 @@ def rank_peak_bytes(timeline: Timeline, *, stage_static_bytes: Sequence[float], 
     for c in range(p - 1):  # stage c sends forward over cut c; stage c + 1 sends the gradient back
         sent_fwd[c], sent_bwd[c + 1] = int(cut_fwd_bytes[c]), int(cut_bwd_bytes[c])
     act = [int(a) for a in stage_act_bytes]
+    again = sorted(set(int(s) for s in recompute))
+    if again and (stage_input_bytes is None or len(stage_input_bytes) != p):
+        raise ValueError(f"recompute={again} needs stage_input_bytes, one entry per stage ({p}); "
+                         f"got {stage_input_bytes!r}")
+    transient = {}  # rank -> one micro-batch's activations of its largest recomputing stage
+    for s in again:
+        transient[ranks[s]] = max(transient.get(ranks[s], 0), act[s])
+        act[s] = int(held_act_bytes(act[s], int(stage_input_bytes[s]), True))
     if split_backward:
         act = [a + f for a, f in zip(act, sent_fwd)]
     held = timeline.peak_activation_bytes(act, send_bytes=(sent_fwd, sent_bwd))
@@ -359,7 +432,7 @@ def rank_peak_bytes(timeline: Timeline, *, stage_static_bytes: Sequence[float], 
         static[r] += float(stage_static_bytes[s])
     if overcount is not None:
         static = [st - o for st, o in zip(static, overcount)]
-    peak = [float(h) + st for h, st in zip(held[:n_ranks], static)]
+    peak = [float(h) + st + transient.get(r, 0) for r, (h, st) in enumerate(zip(held[:n_ranks], static))]
     last = ranks[-1]
     peak[last] = max(peak[last], static[last] + merge_bytes)
     return peak

@@ -38,12 +38,13 @@ Example:
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..errors import InfeasibleMemoryError
-from .costmodel import link_busy_s
+from .costmodel import link_busy_s, recompute_backward_s, stage_peak_bytes
 
 __all__ = [
     "PartitionProblem",
@@ -72,6 +73,12 @@ class PartitionProblem:
         latency_s: (p-1,) fixed cost of one message on that link.
         inflight: (p,) micro-batches of activations stage s holds at its peak.
         capacity_bytes: (p,) memory of each stage's device (inf = unlimited).
+        fwd_s: (n,) forward seconds of each segment on a speed-1 device (part of
+            ``compute_s``): what a stage that recomputes its activations pays again in its
+            backward. None: recomputation is not considered (:mod:`.recompute`).
+        input_bytes: bytes of the model's inputs per micro-batch: what the first stage
+            keeps per micro-batch in flight when it recomputes (a later stage keeps its cut's
+            ``cut_fwd_bytes``).
     """
 
     compute_s: np.ndarray
@@ -85,6 +92,8 @@ class PartitionProblem:
     latency_s: np.ndarray
     inflight: np.ndarray
     capacity_bytes: np.ndarray
+    fwd_s: np.ndarray | None = None
+    input_bytes: float = 0.0
 
     def __post_init__(self) -> None:
         f = lambda a: np.asarray(a, dtype=np.float64)  # noqa: E731
@@ -109,6 +118,19 @@ class PartitionProblem:
             raise ValueError("speed and bandwidth must be > 0")
         if np.any(self.compute_s < 0) or np.any(self.latency_s < 0):
             raise ValueError("compute_s and latency_s must be >= 0")
+        if self.fwd_s is not None:
+            self.fwd_s = f(self.fwd_s)
+            if self.fwd_s.shape != (n,) or np.any(self.fwd_s < 0):
+                raise ValueError(f"fwd_s must hold {n} seconds >= 0 (one per segment), got {self.fwd_s!r}")
+        if not float(self.input_bytes) >= 0:
+            raise ValueError(f"input_bytes={self.input_bytes!r} must be a byte count >= 0")
+        self.input_bytes = float(self.input_bytes)
+
+    def stage_input_bytes(self) -> np.ndarray:
+        """(n,) bytes a stage starting at segment ``i`` receives per micro-batch: the model's inputs for ``i = 0``."""
+        out = self.cut_fwd_bytes[:-1].copy()
+        out[0] = self.input_bytes
+        return out
 
     @classmethod
     def uniform(
@@ -163,6 +185,7 @@ class PartitionResult:
     stage_mem_bytes: list[float]
     fits_memory: bool = True
     searched: dict = field(default_factory=dict)  # iterations, tolerance: how the answer was found
+    recompute: list[int] = field(default_factory=list)  # stages that recompute their activations
 
     @property
     def bottleneck_s(self) -> float:
@@ -175,16 +198,27 @@ class PartitionResult:
         return [(edges[s], edges[s + 1]) for s in range(len(self.cuts) + 1)]
 
 
-def evaluate(problem: PartitionProblem, cuts: list[int]) -> PartitionResult:
+def evaluate(problem: PartitionProblem, cuts: list[int], recompute: Sequence[int] = ()) -> PartitionResult:
     """Stage times and memory of the partition with the given ``cuts`` (no search).
 
+    ``recompute`` lists the stages that recompute their activations in the backward
+    (:func:`~autopipe.planning.costmodel.recompute_backward_s`,
+    :func:`~autopipe.planning.costmodel.stage_peak_bytes`); they need ``problem.fwd_s``.
+
     Raises:
-        ValueError: cuts not strictly increasing inside (0, n) or not p-1 of them.
+        ValueError: cuts not strictly increasing inside (0, n) or not p-1 of them; a
+            recomputing stage out of range or without ``fwd_s``.
     """
     n, p = problem.num_segments, problem.num_stages
     cuts = [int(c) for c in cuts]
     if len(cuts) != p - 1 or any(b <= a for a, b in zip([0, *cuts], [*cuts, n])):
         raise ValueError(f"cuts={cuts} must be {p - 1} strictly increasing segment indices in 1..{n - 1}")
+    again = sorted(set(int(s) for s in recompute))
+    if again and (problem.fwd_s is None or not set(again) <= set(range(p))):
+        raise ValueError(f"recompute={again} must be stage indices in 0..{p - 1} of a problem with fwd_s "
+                         "(the forward seconds a recomputing stage pays again)")
+    F = np.concatenate([[0.0], np.cumsum(problem.fwd_s)]) if problem.fwd_s is not None else None
+    into = problem.stage_input_bytes()
     C = np.concatenate([[0.0], np.cumsum(problem.compute_s)])
     S = np.concatenate([[0.0], np.cumsum(problem.static_bytes)])
     A = np.concatenate([[0.0], np.cumsum(problem.act_bytes)])
@@ -193,14 +227,16 @@ def evaluate(problem: PartitionProblem, cuts: list[int]) -> PartitionResult:
     times, comps, comms, mems = [], [], [], []
     for s in range(p):
         i, j = edges[s], edges[s + 1]
-        comp = (C[j] - C[i]) / problem.speed[s]
+        again_s = s in again
+        comp = recompute_backward_s(F[j] - F[i] if again_s else 0.0, C[j] - C[i], again_s) / problem.speed[s]
         comm = (links[s - 1][i] if s > 0 else 0.0) + (links[s][j] if s < p - 1 else 0.0)
         comps.append(float(comp))
         comms.append(float(comm))
         times.append(float(comp + comm))
-        mems.append(float(S[j] - S[i] + problem.inflight[s] * (A[j] - A[i])))
+        mems.append(stage_peak_bytes(S[j] - S[i], A[j] - A[i], problem.inflight[s], recompute=again_s,
+                                     input_bytes=into[i]))
     fits = all(m <= c for m, c in zip(mems, problem.capacity_bytes))
-    return PartitionResult(cuts, times, comps, comms, mems, fits_memory=fits)
+    return PartitionResult(cuts, times, comps, comms, mems, fits_memory=fits, recompute=again)
 
 
 # --------------------------------------------------------------------------- search

@@ -89,7 +89,8 @@ def make_plan(
     return Plan(
         num_stages=problem.num_stages,
         split_points=[traced.candidates[c - 1].name for c in result.cuts],
-        stages=stage_records(traced, cost_graph, problem, result, optimizer_factor, stage_devices, chosen.inflight, m),
+        stages=stage_records(traced, cost_graph, problem, result, optimizer_factor, stage_devices, chosen.inflight, m,
+                             recompute=chosen.recompute),
         schedule=sched,
         n_microbatches=m,
         bottleneck_s=result.bottleneck_s,
@@ -110,6 +111,7 @@ def make_plan(
             links=[Link(float(bw), float(lat)) for bw, lat in zip(problem.bandwidth, problem.latency_s)],
             action_overhead_s=[float(x) for x in chosen.action_overhead_s], lazy_sends=chosen.lazy_sends),
         step_tail=chosen.step_tail,
+        recompute_stages=list(chosen.recompute),
         rank_peak_bytes=[int(b) for b in chosen.rank_peak_bytes],
         search=SearchRecord(candidates=chosen.candidates, iterations=int(result.searched.get("iterations", 0)),
                             step_lower_bound_s=chosen.step_lower_bound_s,
@@ -136,11 +138,14 @@ def stage_fqns(traced: TracedModel, start_seg: int, end_seg: int) -> list[str]:
 def stage_records(
     traced: TracedModel, cost_graph: CostGraph, problem: PartitionProblem, result: PartitionResult,
     optimizer_factor: float, stage_devices: Sequence[Device], inflight: Sequence[int], n_microbatches: int,
+    recompute: Sequence[int] = (),
 ) -> list[StagePlan]:
     """One :class:`~autopipe.planning.plan.StagePlan` per stage of ``result``, its memory exact.
 
     A parameter several segments of one stage read counts once there (the search charged
-    it at every reader).
+    it at every reader). The stages in ``recompute`` recompute their activations: their
+    backward runs the forward again and their peak is the recomputing one; each stage
+    records both peaks (``peak_bytes_kept``, ``peak_bytes_recomputed``).
 
     Example:
         >>> stages = stage_records(traced, graph, problem, result, 2.0, [Device()] * 2, [2, 1], 4)  # doctest: +SKIP
@@ -148,7 +153,8 @@ def stage_records(
     costs = cost_graph.costs or []
     sizes = state_sizes(traced)
     edges = [0, *result.cuts, problem.num_segments]
-    fwd, bwd = split_stage_times_s(problem, result.cuts, costs, n_microbatches)
+    fwd, bwd = split_stage_times_s(problem, result.cuts, costs, n_microbatches, recompute)
+    into = problem.stage_input_bytes()
     records = []
     for s in range(problem.num_stages):
         i, j = edges[s], edges[s + 1]
@@ -159,6 +165,8 @@ def stage_records(
         trainable = sum(sizes[n][0] for n in names if n in sizes and sizes[n][1])
         act = int(sum(c.act_bytes for c in costs[i:j]))
         static = costmodel.state_bytes(param_bytes, trainable, optimizer_factor)
+        kept = int(costmodel.stage_peak_bytes(static, act, inflight[s]))
+        recomputed = int(costmodel.stage_peak_bytes(static, act, inflight[s], recompute=True, input_bytes=into[i]))
         records.append(StagePlan(
             index=s,
             fqns=stage_fqns(traced, i, j),
@@ -169,10 +177,12 @@ def stage_records(
             comm_s=float(result.stage_comm_s[s]),
             param_bytes=int(param_bytes),
             act_bytes=act,
-            peak_bytes=int(costmodel.stage_peak_bytes(static, act, inflight[s])),
+            peak_bytes=recomputed if s in recompute else kept,
             send_bytes=int(cost_graph.cut_fwd_bytes[j]) if j < problem.num_segments else 0,
             recv_bytes=int(cost_graph.cut_fwd_bytes[i]) if i > 0 else 0,
             inflight_microbatches=int(inflight[s]),
             device=stage_devices[s].name,
+            peak_bytes_kept=kept,
+            peak_bytes_recomputed=recomputed,
         ))
     return records

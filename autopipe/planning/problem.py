@@ -35,7 +35,7 @@ from .costmodel import state_bytes, step_backward_s
 from .partitioner import PartitionProblem
 from .trace import TracedModel
 
-__all__ = ["build_problem", "merged_output_bytes", "state_sizes", "state_tensors", "tensor_reads",
+__all__ = ["build_problem", "input_bytes", "merged_output_bytes", "state_sizes", "state_tensors", "tensor_reads",
            "rank_overcount_bytes", "tied_gradient_bytes"]
 
 
@@ -115,7 +115,21 @@ def build_problem(
         inflight=np.array(inflight, dtype=float),
         # A rank's memory is shared by its stages: each gets an equal part.
         capacity_bytes=np.array([d.memory_bytes / stages_per_rank for d in stage_devices], dtype=float),
+        # What a stage that recomputes its activations pays again, and what the first one keeps then.
+        fwd_s=np.array([c.fwd_s for c in costs], dtype=float),
+        input_bytes=input_bytes(traced),
     )
+
+
+def input_bytes(traced: TracedModel) -> float:
+    """Bytes of one micro-batch of the model's tensor inputs (what a recomputing first stage keeps).
+
+    Example:
+        >>> input_bytes(traced)  # doctest: +SKIP
+        64.0
+    """
+    leaves = torch.utils._pytree.tree_leaves((traced.example_args, traced.example_kwargs))
+    return float(sum(x.numel() * x.element_size() for x in leaves if isinstance(x, torch.Tensor)))
 
 
 def state_sizes(traced: TracedModel) -> dict[str, tuple[int, bool]]:

@@ -41,7 +41,7 @@ Example:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -300,6 +300,7 @@ def _profile(
                 else v for name, v in named]
 
     params_seen: set[int] = set()
+    saved_values: set[str] = set()  # graph values (segment inputs and outputs) some segment saves
     costs = SegmentCosts()
     # Time whole rounds over the model when no segment has to be copied to the device.
     in_rounds = cost == "measured" and _lives_on(gm, dev)
@@ -327,9 +328,12 @@ def _profile(
                 return fresh_leaves(named)
 
             counter = SavedBytes({storage_key(p) for _, p in state})
+            inputs = make_inputs()
             with FlopCounterMode(display=False) as flop_counter:
-                _, _, out = forward_backward(module, make_inputs(), trainable, timer, counter)
+                _, _, out = forward_backward(module, inputs, trainable, timer, counter)
             flops = float(flop_counter.get_total_flops())
+            act_bytes = _first_saved_bytes(counter, zip(sm.inputs, inputs), zip(sm.outputs, out), saved_values)
+            del inputs
             fwd_s = bwd_s = accum_s = 0.0  # timed in rounds below, or estimated, unless timed here
             if in_rounds:
                 rounds.append((module, make_inputs, trainable))
@@ -344,7 +348,7 @@ def _profile(
                     fwd_s=fwd_s,
                     bwd_s=bwd_s,
                     param_bytes=param_bytes,
-                    act_bytes=counter.total,
+                    act_bytes=act_bytes,
                     out_bytes=tensor_bytes(out_vals),
                     flops=flops,
                     trainable_param_bytes=trainable_bytes,
@@ -369,6 +373,37 @@ def _profile(
     if cost != "measured":
         _estimate_times(costs, cost, device_flops if device_flops else measure_device_flops(dev))
     return costs
+
+
+def _first_saved_bytes(counter: SavedBytes, inputs: Iterable[tuple[str, Any]], outputs: Iterable[tuple[str, Any]],
+                       saved_values: set[str]) -> int:
+    """The bytes a segment saves for backward that no earlier segment saved already.
+
+    A tensor that crosses from one segment to the next (a ReLU's output that the max-pool
+    after it saves too, a batch norm's input that the convolution before it produced) is
+    one storage however many segments save it, and a stage holding those segments holds it
+    once: it is charged to the first segment that saves it. ``saved_values`` holds the
+    names of the graph values saved so far and gains this segment's.
+
+    Example:
+        >>> c = SavedBytes(set())
+        >>> x = torch.ones(4, requires_grad=True)
+        >>> with torch.autograd.graph.saved_tensors_hooks(c.pack, lambda t: t):
+        ...     y = x.relu()
+        >>> seen = {"y"}  # an earlier segment saved y already
+        >>> _first_saved_bytes(c, [("x", x)], [("y", y)], seen), _first_saved_bytes(c, [], [], set())
+        (0, 16)
+    """
+    named = {storage_key(t): name for name, t in (*inputs, *outputs) if isinstance(t, torch.Tensor)}
+    total = 0
+    for key, nbytes in counter.saved.items():
+        name = named.get(key)
+        if name is None:
+            total += nbytes
+        elif name not in saved_values:
+            saved_values.add(name)
+            total += nbytes
+    return total
 
 
 @dataclass

@@ -16,16 +16,24 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from ..machine.device import Device
+import numpy as np
+
+from ..errors import InfeasibleMemoryError
+from ..machine.device import Device, format_bytes
 from . import costmodel, schedules
 from .costgraph import CostGraph, SegmentCost
 from .costmodel import StepTail
-from .partitioner import PartitionProblem, PartitionResult, candidate_partitions, solve_bottleneck
+from .partitioner import PartitionProblem, PartitionResult, candidate_partitions, evaluate, solve_bottleneck
+from .recompute import min_memory_with_recompute, recompute_candidates, solve_recompute
 from .plan_records import ScheduleAlternative
 from .problem import build_problem, merged_output_bytes, rank_overcount_bytes, tied_gradient_bytes
 from .schedules import stage_ranks, validate_schedule
 from .trace import TracedModel
+
+if TYPE_CHECKING:
+    from .timeline import Timeline
 
 __all__ = ["ScheduleOption", "cost_option", "auto_schedule_options", "inflight_per_stage", "split_stage_times_s",
            "split_cut_times_s", "split_step_tail", "predict_split_step_s"]
@@ -51,6 +59,7 @@ class ScheduleOption:
     copy_bandwidth: float = math.inf  # bytes/s into fresh memory (merging outputs, packing gradients)
     step_tail: StepTail = field(default_factory=StepTail)  # once-per-step work of the best split
     reason: str = ""  # why it was not usable, when it was not
+    recompute: list[int] = field(default_factory=list)  # stages that recompute their activations in the backward
 
     def summary(self) -> ScheduleAlternative:
         """The row the report's "alternatives considered" table shows."""
@@ -58,7 +67,8 @@ class ScheduleOption:
             schedule=self.schedule, stages_per_rank=self.stages_per_rank, n_microbatches=self.n_microbatches,
             predicted_step_s=self.predicted_step_s if math.isfinite(self.predicted_step_s) else None,
             peak_bytes=int(max(self.rank_peak_bytes)) if self.rank_peak_bytes else None,
-            fits=self.fits, split_points_count=len(self.result.cuts) if self.result else None, note=self.reason,
+            fits=self.fits, split_points_count=len(self.result.cuts) if self.result else None,
+            note=self.reason or (f"recomputes stages {self.recompute}" if self.recompute else ""),
         )
 
 
@@ -82,12 +92,13 @@ def inflight_per_stage(schedule: str, n_ranks: int, n_microbatches: int, stages_
 
 
 def split_stage_times_s(problem: PartitionProblem, cuts: Sequence[int], costs: Sequence[SegmentCost],
-                        n_microbatches: int) -> tuple[list[float], list[float]]:
+                        n_microbatches: int, recompute: Sequence[int] = ()) -> tuple[list[float], list[float]]:
     """Per stage of the split at ``cuts``, forward and backward seconds on its device.
 
-    :func:`autopipe.planning.costmodel.stage_times_s` with the stages' device speeds.
+    :func:`autopipe.planning.costmodel.stage_times_s` with the stages' device speeds and
+    the stages that recompute (``recompute``).
     """
-    return costmodel.stage_times_s(costs, cuts, n_microbatches, speed=problem.speed)
+    return costmodel.stage_times_s(costs, cuts, n_microbatches, speed=problem.speed, recompute=recompute)
 
 
 def split_cut_times_s(problem: PartitionProblem, cuts: Sequence[int]) -> list[float]:
@@ -109,10 +120,14 @@ def split_step_tail(traced: TracedModel, problem: PartitionProblem, cuts: Sequen
 
 
 def predict_split_step_s(problem: PartitionProblem, cuts: Sequence[int], costs: Sequence[SegmentCost],
-                         option: ScheduleOption, traced: TracedModel, ranks: Sequence[int]) -> float:
-    """Predicted step of the split at ``cuts`` under ``option``: the simulated schedule + the step's tail."""
+                         option: ScheduleOption, traced: TracedModel, ranks: Sequence[int],
+                         recompute: Sequence[int] = ()) -> float:
+    """Predicted step of the split at ``cuts`` under ``option``: the simulated schedule + the step's tail.
+
+    The stages in ``recompute`` run their forward again in their backward.
+    """
     m = option.n_microbatches
-    fwd, bwd = split_stage_times_s(problem, cuts, costs, m)
+    fwd, bwd = split_stage_times_s(problem, cuts, costs, m, recompute)
     return costmodel.predicted_step_s(
         fwd, bwd, split_cut_times_s(problem, cuts), schedule=option.schedule, n_microbatches=m,
         stages_per_rank=option.stages_per_rank, action_overhead_s=option.action_overhead_s,
@@ -135,8 +150,14 @@ def cost_option(
     ``"bottleneck"``), its step, tail, per-rank peak memory, whether it fits, and the step
     no split can beat under the schedule.
 
+    When memory binds (no split fits, or the split that ignores memory does not), splits
+    with some stages recomputing their activations join the candidates
+    (:func:`autopipe.planning.recompute.recompute_candidates`); every candidate recomputes
+    only the stages it needs to fit, per rank, and the fastest that fits wins
+    (``option.recompute``). With no memory limit, nothing recomputes.
+
     Raises:
-        InfeasibleMemoryError: no split of this option fits the devices' memory.
+        InfeasibleMemoryError: no split of this option fits the devices' memory, even recomputing.
 
     Example:
         >>> option = cost_option(ScheduleOption("1F1B", 1, 4), traced=traced, cost_graph=graph, n_gpus=2,
@@ -156,35 +177,106 @@ def cost_option(
         optimizer_factor=optimizer_factor, link_default=link_default, stages_per_rank=v, n_microbatches=m,
     )
     option.problem = problem
-    results = [solve_bottleneck(problem)] if objective == "bottleneck" else candidate_partitions(problem)
+    limited = bool(np.isfinite(problem.capacity_bytes).any()) and problem.fwd_s is not None
+    try:
+        results = [solve_bottleneck(problem)] if objective == "bottleneck" else candidate_partitions(problem)
+    except InfeasibleMemoryError:
+        if not limited:
+            raise
+        results = []
+    if limited and _memory_binds(problem, results):
+        # Splits the memory ruled out may fit with some stages recomputing; they compete on the step.
+        more = recompute_candidates(problem)
+        results += more[:1] if objective == "bottleneck" else more
+    if not results:
+        raise _infeasible_with_recompute(problem)
     option.candidates = len(results)
     best = None
     for r in results:
-        step = predict_split_step_s(problem, r.cuts, costs, option, traced, ranks)
-        if best is None or (step, r.bottleneck_s) < (best[0], best[1].bottleneck_s):
-            best = (step, r)
-    option.predicted_step_s, option.result = best
-    cuts = option.result.cuts
+        again, step, fits = _fit_ranks(option, problem, r, costs, traced, ranks, rank_devices, optimizer_factor,
+                                       limited)
+        if best is None or (not fits, step, r.bottleneck_s) < (not best[2], best[0], best[1].bottleneck_s):
+            best = (step, r, fits, again)
+    option.predicted_step_s, option.result, _, option.recompute = best
+    cuts, again = option.result.cuts, option.recompute
     option.step_tail = split_step_tail(traced, problem, cuts, costs, ranks, m, copy_bandwidth)
     # Memory per rank from the simulated timeline (stages on one rank peak at different times).
-    fwd, bwd = split_stage_times_s(problem, cuts, costs, m)
-    timeline = costmodel.simulate_step(fwd, bwd, split_cut_times_s(problem, cuts), schedule=sched, n_microbatches=m,
-                                       stages_per_rank=v, action_overhead_s=option.action_overhead_s,
-                                       lazy_sends=lazy_sends)
-    edges = [0, *cuts, problem.num_segments]
-    option.rank_peak_bytes = costmodel.rank_peak_bytes(
-        timeline,
-        stage_static_bytes=[float(problem.static_bytes[i:j].sum()) for i, j in zip(edges, edges[1:])],
-        stage_act_bytes=[int(problem.act_bytes[i:j].sum()) for i, j in zip(edges, edges[1:])],
-        cut_fwd_bytes=[problem.cut_fwd_bytes[k] for k in cuts], cut_bwd_bytes=[problem.cut_bwd_bytes[k] for k in cuts],
-        split_backward=sched in schedules.SPLIT_BACKWARD_SCHEDULES,
-        merge_bytes=m * merged_output_bytes(costs),
-        overcount=rank_overcount_bytes(traced, cuts, ranks, optimizer_factor))
+    option.rank_peak_bytes, timeline = _rank_peaks(option, problem, cuts, again, costs, traced, ranks,
+                                                   optimizer_factor)
     option.fits = all(pk <= d.memory_bytes for pk, d in zip(option.rank_peak_bytes, rank_devices))
     option.step_lower_bound_s = costmodel.step_lower_bound_s(
         problem, timeline, n_microbatches=m, stages_per_rank=v, rank_speed=[d.speed for d in rank_devices],
         action_overhead_s=option.action_overhead_s, tail=option.step_tail)
     return option
+
+
+def _memory_binds(problem: PartitionProblem, results: Sequence[PartitionResult]) -> bool:
+    """Whether memory changed the search: nothing fits, or the split that ignores memory does not fit."""
+    if not results:
+        return True
+    free = PartitionProblem(**{**problem.__dict__, "capacity_bytes": np.full_like(problem.capacity_bytes, np.inf)})
+    return not evaluate(problem, solve_bottleneck(free).cuts).fits_memory
+
+
+def _rank_peaks(option: ScheduleOption, problem: PartitionProblem, cuts: Sequence[int], again: Sequence[int],
+                costs: Sequence[SegmentCost], traced: TracedModel, ranks: Sequence[int],
+                optimizer_factor: float) -> tuple[list[float], Timeline]:
+    """Per rank, the predicted peak bytes of the split at ``cuts``, stages ``again`` recomputing; and its timeline."""
+    m = option.n_microbatches
+    fwd, bwd = split_stage_times_s(problem, cuts, costs, m, again)
+    timeline = costmodel.simulate_step(fwd, bwd, split_cut_times_s(problem, cuts), schedule=option.schedule,
+                                       n_microbatches=m, stages_per_rank=option.stages_per_rank,
+                                       action_overhead_s=option.action_overhead_s, lazy_sends=option.lazy_sends)
+    edges = [0, *cuts, problem.num_segments]
+    into = problem.stage_input_bytes()
+    peaks = costmodel.rank_peak_bytes(
+        timeline,
+        stage_static_bytes=[float(problem.static_bytes[i:j].sum()) for i, j in zip(edges, edges[1:])],
+        stage_act_bytes=[int(problem.act_bytes[i:j].sum()) for i, j in zip(edges, edges[1:])],
+        cut_fwd_bytes=[problem.cut_fwd_bytes[k] for k in cuts], cut_bwd_bytes=[problem.cut_bwd_bytes[k] for k in cuts],
+        split_backward=option.schedule in schedules.SPLIT_BACKWARD_SCHEDULES,
+        merge_bytes=m * merged_output_bytes(costs),
+        overcount=rank_overcount_bytes(traced, cuts, ranks, optimizer_factor),
+        recompute=again, stage_input_bytes=[float(into[i]) for i in edges[:-1]])
+    return peaks, timeline
+
+
+def _fit_ranks(option: ScheduleOption, problem: PartitionProblem, result: PartitionResult,
+               costs: Sequence[SegmentCost], traced: TracedModel, ranks: Sequence[int], rank_devices: Sequence[Device],
+               optimizer_factor: float, limited: bool) -> tuple[list[int], float, bool]:
+    """The stages of ``result`` to recompute so that every rank fits, its predicted step, and whether it fits.
+
+    Starts from the stages the split needs recomputing on its own (``result.recompute``);
+    while a rank is over its memory, one more of its stages recomputes, the one keeping the
+    most activation bytes. Recomputing only adds time, so no stage recomputes that need not.
+    """
+    again = list(result.recompute)
+    step = predict_split_step_s(problem, result.cuts, costs, option, traced, ranks, again)
+    if not limited:
+        return again, step, True
+    edges = [0, *result.cuts, problem.num_segments]
+    act = [float(problem.act_bytes[i:j].sum()) for i, j in zip(edges, edges[1:])]
+    while True:
+        peaks, _ = _rank_peaks(option, problem, result.cuts, again, costs, traced, ranks, optimizer_factor)
+        over = {r for r, (pk, d) in enumerate(zip(peaks, rank_devices)) if pk > d.memory_bytes}
+        more = [s for s in range(problem.num_stages) if ranks[s] in over and s not in again]
+        if not over or not more:
+            return again, step, not over
+        again = sorted([*again, max(more, key=lambda s: act[s])])
+        step = predict_split_step_s(problem, result.cuts, costs, option, traced, ranks, again)
+
+
+def _infeasible_with_recompute(problem: PartitionProblem) -> InfeasibleMemoryError:
+    """No split fits even with every stage free to recompute: what memory would."""
+    need = min_memory_with_recompute(problem)
+    caps = ", ".join(sorted({format_bytes(c) for c in problem.capacity_bytes}))
+    return InfeasibleMemoryError(
+        f"no split into {problem.num_stages} stages fits the memory given ({caps}), with activation "
+        f"recomputation considered for every stage; the smallest per-device memory that fits is "
+        f"{format_bytes(need)} (with {problem.num_stages} stages, this schedule and optimizer, recomputing where "
+        "it helps). Give more memory, more devices, or a schedule that holds fewer micro-batches (1F1B).",
+        min_memory_bytes=int(np.ceil(need)),
+    )
 
 
 def auto_schedule_options(n_gpus: int, n_microbatches: int, num_segments: int) -> list[tuple[str, int]]:

@@ -329,14 +329,70 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
                                                               action_overhead_s=overhead, **sim, tail=plan.step_tail)
             row["contention_factor"] = (sum(run_fwd) + sum(run_bwd)) / (sum(fwd) + sum(bwd))
         if "memory" in results[0]:
-            mem = [r["memory"][label] for r in results]
-            pred = plan.rank_peak_bytes
-            row["predicted_peak_bytes"] = pred
-            row["measured_peak_bytes"] = [x["peak_bytes"] for x in mem]
-            row["measured_memory"] = mem
-            row["memory_error"] = [(p - x["peak_bytes"]) / x["peak_bytes"] for p, x in zip(pred, mem)]
+            _add_memory(row, plan, [r["memory"][label] for r in results])
         rows.append(row)
     return rows, link
+
+
+def bench_memory(name: str, size: str, opts: argparse.Namespace, log) -> list[dict[str, Any]]:
+    """``--memory-only``: plan ``name`` for every schedule x micro-batch count from FLOP-counted
+    costs (deterministic splits, no timing), run each plan's steps on 2 ranks and compare the
+    plan's per-rank peak bytes with the measured ones; no step is timed."""
+    model, args = make_model(name, size)
+    with torch.no_grad():
+        target = make_target(model(*args))
+    profiling = autopipe.ProfileOptions(device=opts.device, progress=False)
+    cases = []
+    for sched, v in opts.schedule_list:
+        for m in opts.microbatches:
+            try:
+                plan = autopipe.partition(model, 2, example_args=args, schedule=sched, n_microbatches=m,
+                                          stages_per_rank=v, cost="flops", profiling=profiling,
+                                          loss_fn=ce_loss, example_target=target)
+            except ValueError as e:  # a combination torch cannot run (e.g. too few micro-batches)
+                log(f"  {name} {sched} x{m}: not planned: {e}")
+                continue
+            cases.append({"model": name, "schedule": sched, "stages_per_rank": v, "n_microbatches": m,
+                          "label": f"{sched}-{v}-{m}", "plan": plan})
+    job = {"model": name, "size": size, "device": opts.device, "rounds": 0, "steps": 0, "warmup_steps": 1,
+           "memory": True, "instrument": 0,
+           "variants": [{"label": c["label"], "plan": c["plan"].to_dict(), "schedule": c["schedule"],
+                         "n_microbatches": c["n_microbatches"], "stages_per_rank": c["stages_per_rank"]}
+                        for c in cases]}
+    results, failed = run_variants(job, device=opts.device, threads=opts.threads, timeout_s=opts.world_timeout,
+                                   log=log)
+    rows = []
+    for c in cases:
+        plan = c["plan"]
+        row: dict[str, Any] = {k: c[k] for k in ("model", "schedule", "stages_per_rank", "n_microbatches")}
+        row["split_points"] = plan.split_points
+        if c["label"] in failed or not results:
+            row["not_run"] = failed.get(c["label"], "no result")
+        else:
+            _add_memory(row, plan, [r["memory"][c["label"]] for r in results])
+            log(f"  {name:16s} {c['schedule']:15s} x{c['n_microbatches']:<2d} memory "
+                + ", ".join(f"{p / 2**20:.2f} MiB vs {x['peak_bytes'] / 2**20:.2f} ({e:+.1%})" for p, x, e in
+                            zip(row["predicted_peak_bytes"], row["measured_memory"], row["memory_error"])))
+        rows.append(row)
+    return rows
+
+
+def _add_memory(row: dict[str, Any], plan: autopipe.Plan, mem: list[dict[str, int]]) -> None:
+    """The plan's per-rank peak, the measured one (``mem``: per rank) and the signed error, into ``row``."""
+    pred = plan.rank_peak_bytes
+    row["predicted_peak_bytes"] = pred
+    row["measured_peak_bytes"] = [x["peak_bytes"] for x in mem]
+    row["measured_memory"] = mem
+    row["memory_error"] = [(p - x["peak_bytes"]) / x["peak_bytes"] for p, x in zip(pred, mem)]
+
+
+def summarise_memory(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Median and largest |memory error| over every rank of every case run, and how many are within 10%."""
+    errs = [abs(e) for r in rows for e in r.get("memory_error", [])]
+    return {"cases": len(rows), "run": sum("memory_error" in r for r in rows), "rank_figures": len(errs),
+            "median_abs_memory_error": median(errs) if errs else None,
+            "max_abs_memory_error": max(errs) if errs else None,
+            "within_10pct": sum(e <= 0.10 for e in errs)}
 
 
 #: Prediction columns: JSON key of the predicted step -> what it is.
@@ -414,6 +470,7 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out["median_signed_error"] = median(signed) if signed else None
     mem = [abs(e) for r in ok for e in r.get("memory_error", [])]
     out["median_abs_memory_error"] = median(mem) if mem else None
+    out["max_abs_memory_error"] = max(mem) if mem else None
     by_sched: dict[str, list[float]] = {}
     for r in ok:
         by_sched.setdefault(r["schedule"], []).append(r["errors"]["predicted_step_s"])
@@ -437,6 +494,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--no-memory", action="store_true")
+    ap.add_argument("--memory-only", action="store_true",
+                    help="only per-rank peak memory, predicted vs measured: plans from FLOP-counted costs, no step "
+                         "timed; writes memory.json (memory_<size>.json for --quick/--smoke)")
     ap.add_argument("--instrument-steps", type=int, default=2,
                     help="steps with every compute action timed inside the run (0: none)")
     ap.add_argument("--world-timeout", type=float, default=400.0)
@@ -461,7 +521,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     opts.schedule_list = [(s, v) for s, v in SCHEDULES if s in wanted]
     opts.microbatches = opts.microbatches or ([4] if size != "full" else [4, 8])
     opts.size = size
-    out = opts.out or str(Path(__file__).parent / ("results.json" if size == "full" else f"results_{size}.json"))
+    stem = "memory" if opts.memory_only else "results"
+    out = opts.out or str(Path(__file__).parent / (f"{stem}.json" if size == "full" else f"{stem}_{size}.json"))
     if opts.device == "cpu":
         torch.set_num_threads(opts.threads)
     if opts.device.startswith("cuda") and torch.cuda.device_count() < 2:
@@ -472,6 +533,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(msg, flush=True)
 
     t0, host_start = time.perf_counter(), host_info()
+    if opts.memory_only:
+        log(f"prediction accuracy, memory only: {names} x {[s for s, _ in opts.schedule_list]} x "
+            f"m={opts.microbatches}, device {opts.device}")
+        rows = [row for n in names for row in bench_memory(n, size, opts, log)]
+        summary = summarise_memory(rows)
+        log(f"memory over {summary['rank_figures']} rank figures: median |error| "
+            f"{summary['median_abs_memory_error']:.1%}, max {summary['max_abs_memory_error']:.1%}, "
+            f"{summary['within_10pct']} within 10%")
+        payload = {"benchmark": "prediction_accuracy", "mode": "memory_only", "size": size, "device": opts.device,
+                   "threads_per_process": opts.threads, "host_start": host_start, "host_end": host_info(),
+                   "summary": summary, "rows": rows, "wall_s": time.perf_counter() - t0}
+        path = write_result(out, payload)
+        log(f"wrote {path} ({payload['wall_s']:.0f} s)")
+        return payload
     # How much two ranks computing at once slow each other down here (1.0 = truly parallel).
     parallel = parallel_efficiency(threads=opts.threads) if opts.device == "cpu" else None
     if parallel:
