@@ -127,6 +127,22 @@ class ExportableRotaryEmbedding(nn.Module):
             )
         self.register_buffer("inv_freq", rotary.inv_freq.detach().clone(), persistent=False)
         self.attention_scaling = float(getattr(rotary, "attention_scaling", 1.0))
+        # What computes inv_freq again (reset_parameters) for a model built on the meta device.
+        self._rope_init = getattr(rotary, "compute_default_rope_parameters", None)
+        self._rope_config = getattr(rotary, "config", None)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Compute ``inv_freq`` from the model's config again, as the replaced module's constructor did.
+
+        A model built on the meta device has no values; ``inv_freq`` is a non-persistent
+        buffer, in no state dict, so this is how it gets them. Does nothing where the
+        replaced module brought no config (older transformers releases).
+        """
+        if self._rope_init is None or self._rope_config is None:
+            return
+        inv_freq, _ = self._rope_init(self._rope_config)
+        self.inv_freq.copy_(inv_freq)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # (batch, seq) x (head_dim / 2,) -> (batch, seq, head_dim / 2), angles in float32.

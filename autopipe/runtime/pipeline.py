@@ -47,6 +47,7 @@ from .compat import to_stage_device
 from .distributed import (DEFAULT_TIMEOUT_S, close_at_exit, default_device, destroy_groups, hold_process_group,
                           init_distributed, release_process_group)
 from .inference import Inference
+from .materialize import WeightSource, check_weight_arguments
 from .model_state import clip_grad_norm, full_state_dict, grads_before, load_local_state, sum_shared_grads
 from .plan_setup import PlanRequest, check_model_and_inputs, deprecated_keywords, settle_plan
 from .stage_timer import StageTimer, gather_stage_times
@@ -107,6 +108,12 @@ class Pipeline:
             bandwidth and caches, which a profile taken alone does not see
             (docs/training.md section 3). That profile takes ``planner.profiling``'s
             ``warmup`` / ``repeats`` / ``flush_cache`` / ``fit_to_whole``.
+        init_weights: for a model built on the meta device: ``init_weights(model)`` initializes
+            in place a private copy in which only this rank's tensors are real (the rest stay on
+            meta). Default: each submodule's ``reset_parameters()`` (Hugging Face:
+            ``_init_weights``) seeded by its name (:mod:`~autopipe.runtime.materialize`).
+        weights: a full state dict, ``.safetensors`` file or ``torch.distributed.checkpoint``
+            directory of the unsplit model; each rank reads only its own tensors.
 
     Deprecated keyword args (they still work, with a ``DeprecationWarning``, until the next
     release):
@@ -123,6 +130,9 @@ class Pipeline:
             on every rank before the model is traced. Values may differ: every copy of a
             parameter shared by several ranks is set to the copy of the rank using it first.
         RuntimeError: if no process group exists and torchrun's environment is missing.
+        KeyError / ValueError / UnwrittenTensorsError: ``weights`` lacks tensors of some rank or
+            has other shapes, or tensors of a meta-device model were left without a value
+            (named; on every rank, :mod:`~autopipe.runtime.materialize`).
 
     Example:
         >>> pipe = Pipeline(model, example_args=(x_mb,), loss_fn=loss_fn,  # doctest: +SKIP
@@ -148,12 +158,15 @@ class Pipeline:
         timeout_s: float = DEFAULT_TIMEOUT_S,
         planner: PlannerOptions | None = None,
         profile_in_ranks: bool | None = None,
+        init_weights: Callable[[nn.Module], Any] | None = None,
+        weights: WeightSource | None = None,
         n_stages: int | None = None,
         planner_options: Mapping[str, Any] | None = None,
     ) -> None:
         # ---- 1. everything that can be checked alone, before joining the job
         n_ranks, planner = deprecated_keywords(n_ranks, n_stages, planner, planner_options)
         example_args, example_kwargs = check_model_and_inputs(model, example_args, example_kwargs, loss_fn)
+        check_weight_arguments(model, init_weights, weights)
         request = PlanRequest.checked(model, plan=plan, split_points=split_points, n_ranks=n_ranks,
                                       schedule=schedule, n_microbatches=n_microbatches,
                                       stages_per_rank=stages_per_rank, planner=planner,
@@ -191,7 +204,8 @@ class Pipeline:
             model, self.plan, schedule=self.schedule, n_microbatches=self.n_microbatches,
             stage_ranks=self.stage_ranks, rank=self.rank, world_size=self.world_size, device=self.device,
             example=(tuple(example_args), dict(example_kwargs or {})), training=self.training,
-            checkpointed=resolve_checkpoint_stages(checkpoint_stages, self.num_stages))
+            checkpointed=resolve_checkpoint_stages(checkpoint_stages, self.num_stages),
+            init_weights=init_weights, weights=weights)
         self._batch = built.batch
         self._names = built.names
         self._train_modules = built.train_modules

@@ -33,12 +33,13 @@ import torch
 import torch.nn as nn
 
 from .._checks import check_int
-from ..planning.default_loss import pipeline_loss
+from ..planning.default_loss import pipeline_loss, traced_output
 from ..planning.options import PARTITION_OLD_KEYWORDS, PlannerOptions, ProfileOptions, fold_old_partition_keywords
 from ..planning.plan import Plan, StagePlan
 from ..planning.schedules import canonical_schedule_name, validate_schedule
-from ..planning.trace import resolve_example_inputs
+from ..planning.trace import resolve_example_inputs, trace
 from .distributed import broadcast_object, gather_digests
+from .materialize import on_meta, to_meta
 from .stages import SINGLE_STAGE_SCHEDULES
 
 __all__ = ["PlanRequest", "PipelineLayout", "settle_plan", "check_model_and_inputs", "planner_from_options",
@@ -213,6 +214,8 @@ def _plan_on_rank0(request: PlanRequest, model: nn.Module, example_args: tuple, 
                    comm_device: torch.device) -> Plan:
     """Profile (in every rank, or on rank 0 alone), plan on rank 0; every rank receives its plan, or its error."""
     planner = request.planner
+    if on_meta(model):  # a model on the meta device is planned from inputs on it too
+        example_args, example_kwargs = to_meta((tuple(example_args), example_kwargs))
     # Measure where the stages will run.
     profiling = planner.profiling or ProfileOptions()
     profiling = replace(profiling, device=profiling.device if profiling.device is not None else device)
@@ -264,8 +267,12 @@ def planner_kwargs(planner: PlannerOptions, model: nn.Module, example_args: tupl
         plan = autopipe.partition(model, 2, example_args=(x_mb,), **kwargs)   # the split Pipeline plans
     """
     kwargs = planner.partition_kwargs()
+    output = None
+    if loss_fn is not None and kwargs.get("example_target") is None and on_meta(model):
+        # A meta model cannot run (Hugging Face's mask code reads values): its output's shapes come from the trace.
+        output = traced_output(trace(model, to_meta(tuple(example_args)), to_meta(example_kwargs)))
     loss_kwargs, note = pipeline_loss(model, example_args, example_kwargs, loss_fn,
-                                      kwargs.pop("example_target", None))
+                                      kwargs.pop("example_target", None), output)
     return {**kwargs, **loss_kwargs}, note
 
 

@@ -35,12 +35,13 @@ from ..planning.inplace import clone_inputs_written_in_place
 from ..planning.plan import Plan
 from ..planning.schedules import SPLIT_BACKWARD_SCHEDULES, schedule_class
 from .checkpointing import checkpoint_stage
+from .materialize import WeightSource, load_weights, materialize_leftovers, materialize_rank, on_meta, to_meta
 from .compat import (VStage, guard_stage_boundaries, make_boundary_tensors_sendable, rename_nodes_shadowing_self,
                      safe_submodule_outlining, static_stage_meta)
 from .distributed import gather_digests
 from .model_io import ModelIO, TracedBatch, capture_export
 from .params import (StateNames, first_model_difference, first_use_ranks, model_signature, model_state_names,
-                     shared_parameters, stage_state, tie_aliases)
+                     shared_parameters, stage_state, tie_aliases, used_attribute_names)
 from .relay import relay_skip_connections
 from .step_failures import PlayThroughLoss, StepFailures, play_through_forward
 
@@ -180,13 +181,21 @@ class RankStages:
 
 def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbatches: int, stage_ranks: list[int],
                       rank: int, world_size: int, device: torch.device, example: tuple[tuple, dict],
-                      training: bool, checkpointed: Sequence[int]) -> RankStages:
+                      training: bool, checkpointed: Sequence[int],
+                      init_weights: Callable[[nn.Module], Any] | None = None,
+                      weights: WeightSource | None = None) -> RankStages:
     """Split a private copy of ``model`` at the plan's split points and build this rank's stages.
 
     Collective: every rank calls it with the same model and plan. The ranks first check
     that they were given the same model (names, shapes, dtypes, ties), then create the
     process groups of parameters shared across ranks and give every copy the value of the
     rank that uses it first.
+
+    A model on the meta device is split on the meta device (the example inputs too) and
+    only this rank's tensors are made real, then initialized by ``init_weights`` or the
+    default init, or loaded from ``weights``
+    (:func:`~autopipe.runtime.materialize.materialize_rank`). A real model given ``weights``
+    has this rank's tensors replaced by them.
 
     Raises:
         ValueError: the ranks were given different models (on every rank, naming the
@@ -209,32 +218,51 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
     names = model_state_names(local_model)
     num_stages = plan.num_stages
     split_spec = {name: SplitPoint.BEGINNING for name in plan.split_points}
-    train_pipe = split_model(local_model, split_spec, example, training=True, expected=num_stages)
+    meta = on_meta(local_model)
+    # A meta model is traced with meta inputs; the batch is still checked against the real example.
+    traced_example = to_meta(example) if meta else example
+    train_pipe = split_model(local_model, split_spec, traced_example, training=True, expected=num_stages)
     eval_pipe = None
     if _has_mode_dependent_modules(local_model):
         # torch.export bakes train/eval behaviour (dropout, batch-norm statistics) into the
         # graph, so inference in eval mode needs its own trace over the same tensors.
-        eval_pipe = split_model(local_model, split_spec, example, training=False, expected=num_stages)
+        eval_pipe = split_model(local_model, split_spec, traced_example, training=False, expected=num_stages)
 
     # What each stage uses, under the original names: every rank computes it for every
     # stage, so all ranks agree on which parameters are shared and by whom.
     all_states = [stage_state(train_pipe.get_stage_module(s), names) for s in range(num_stages)]
     held = set().union(*all_states)
-    unheld: dict[str, torch.Tensor] = {}
-    for key in names.state_dict_keys:
-        canon = names.canonical.get(key, key)
-        if canon not in held:
-            tensor = local_model.get_parameter(canon) if canon in names.parameter_names else local_model.get_buffer(canon)
-            unheld[canon] = tensor.detach().cpu().clone()
-
+    unheld_names = list(dict.fromkeys(names.canonical.get(k, k) for k in names.state_dict_keys
+                                      if names.canonical.get(k, k) not in held))
     stage_indices = [s for s, r in enumerate(stage_ranks) if r == rank]
+    if meta:
+        local_canon = list(dict.fromkeys(c for s in stage_indices for c in all_states[s]))
+        error: Exception | None = None
+        try:
+            local_state, unheld = materialize_rank(model, names, local_canon, device=device, extra=unheld_names,
+                                                   init_weights=init_weights, weights=weights)
+            for s in stage_indices:
+                module = train_pipe.get_stage_module(s)
+                tie_aliases(module, names, local_state)
+                materialize_leftovers(module, used_attribute_names(module))
+        except Exception as e:  # noqa: BLE001 - raised below, on every rank
+            error = e
+        _agree_on_materialization(error, rank, world_size)
+    else:
+        unheld = {}
+        for canon in unheld_names:
+            is_param = canon in names.parameter_names
+            tensor = local_model.get_parameter(canon) if is_param else local_model.get_buffer(canon)
+            unheld[canon] = tensor.detach().cpu().clone()
     split_backward = schedule in SPLIT_BACKWARD_SCHEDULES
     train_stages = [train_pipe.build_stage(s, device) for s in stage_indices]  # also rewrites device constants
     train_modules = {st.stage_index: st.submod for st in train_stages}
     state, use_leaves = _share_local_replicas(train_modules, names, leaf_per_use=split_backward)
     eval_modules = train_modules
     if eval_pipe is not None:
-        eval_modules = _build_eval_modules(eval_pipe, stage_indices, device, names, state, split_backward)
+        eval_modules = _build_eval_modules(eval_pipe, stage_indices, device, names, state, split_backward, meta)
+    if weights is not None and not meta:
+        load_weights({**unheld, **state}, names, weights)
     for s in checkpointed:
         if s in train_modules:
             checkpoint_stage(train_modules[s])
@@ -287,10 +315,14 @@ def _share_local_replicas(modules: Mapping[int, nn.Module], names: StateNames, *
 
 
 def _build_eval_modules(eval_pipe: Any, stage_indices: Sequence[int], device: torch.device, names: StateNames,
-                        state: Mapping[str, torch.Tensor], leaf_per_use: bool) -> dict[int, nn.Module]:
+                        state: Mapping[str, torch.Tensor], leaf_per_use: bool,
+                        meta: bool = False) -> dict[int, nn.Module]:
     """The eval-mode trace of this rank's stages, reading the training stages' tensors (every alias)."""
     modules: dict[int, nn.Module] = {}
     for s in stage_indices:
+        if meta:  # the training stages' tensors, before torch moves the module to the device
+            tie_aliases(eval_pipe.get_stage_module(s), names, state)
+            materialize_leftovers(eval_pipe.get_stage_module(s), used_attribute_names(eval_pipe.get_stage_module(s)))
         module = eval_pipe.build_stage(s, device).submod
         missing = sorted(set(stage_state(module, names)) - set(state))
         if missing:
@@ -300,6 +332,23 @@ def _build_eval_modules(eval_pipe: Any, stage_indices: Sequence[int], device: to
         tie_aliases(module, names, state, leaf_per_use=leaf_per_use)
         modules[s] = module.eval()
     return modules
+
+
+def _agree_on_materialization(error: Exception | None, rank: int, world_size: int) -> None:
+    """Raise on every rank when some rank could not give its tensors values (collective).
+
+    A rank that failed raises its own error; the others say which rank failed and why, so
+    none waits at a later collective for a rank that has stopped.
+    """
+    outcomes: list[Any] = [None] * world_size
+    dist.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = [(r, text) for r, text in enumerate(outcomes) if text is not None]
+    if failed:
+        r, text = failed[0]
+        raise RuntimeError(f"rank {r} could not materialize its stages of the meta-device model, so no rank "
+                           f"can run: {text}")
 
 
 def _check_same_model(model: nn.Module, world_size: int) -> None:

@@ -1,0 +1,478 @@
+"""Giving a model built on the meta device real tensors: this rank's only, initialized or loaded.
+
+A model built under ``with torch.device("meta"):`` has shapes and no data, so a pipeline
+can split it without ever holding it whole. Each rank then materializes only the tensors
+its own stages read (:func:`materialize_rank`), on its device, and gives them values:
+
+1. **Initialization.** Every tensor is first filled with a sentinel (NaN for floating
+   point, the smallest value for integers). Then either the user's ``init_weights(model)``
+   runs, or the default init: for each submodule owning some of this rank's tensors, Hugging
+   Face's ``_init_weights(module)`` (the root is a ``PreTrainedModel``) or the module's own
+   ``reset_parameters()``, under a random seed derived from the submodule's name
+   (:func:`module_seed`), so every rank and every split gives a tensor the same value.
+   The hook and the default init run on a private meta copy of the original model (its
+   own module classes), in which only this rank's tensors are real; the others stay on
+   meta, where torch's init functions do nothing.
+2. **Loading** (``weights=``): a full state dict, a ``.safetensors`` file or a
+   ``torch.distributed.checkpoint`` directory saved from the unsplit model's
+   ``state_dict()``; each rank reads only its own tensors' keys (any alias of a tied tensor).
+   Non-persistent buffers (Llama's rotary ``inv_freq``) are in no state dict: the init
+   computes them.
+
+A tensor that still holds the sentinel afterwards is an error naming it
+(:class:`UnwrittenTensorsError`), never silent garbage.
+
+Example::
+
+    with torch.device("meta"):
+        model, (x_mb,) = seed_transformer(vocab_size=1000, num_layers=4, seq_len=16)
+    pipe = autopipe.Pipeline(model, example_args=(x_mb.new_zeros(x_mb.shape, device="cpu"),),
+                             loss_fn=loss_fn, planner=autopipe.PlannerOptions(cost="flops"),
+                             weights="model.safetensors")
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import zlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+import torch.nn as nn
+
+from .params import StateNames
+
+__all__ = ["WeightSource", "UnwrittenTensorsError", "on_meta", "check_weight_arguments", "module_seed",
+           "default_init", "fill_sentinel", "unwritten", "read_weights", "load_weights", "materialize_rank",
+           "materialize_leftovers", "to_meta"]
+
+#: What ``weights=`` accepts: a state dict, or the path of a ``.safetensors`` file or a DCP directory.
+WeightSource = Union[Mapping[str, torch.Tensor], str, os.PathLike]
+
+
+class UnwrittenTensorsError(RuntimeError):
+    """Tensors of a meta-device model that neither the init nor the weights gave a value."""
+
+
+def on_meta(model: nn.Module) -> bool:
+    """Whether ``model`` holds any parameter or buffer on the meta device.
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     lin = nn.Linear(2, 2)
+        >>> on_meta(lin), on_meta(nn.Linear(2, 2))
+        (True, False)
+    """
+    return any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def to_meta(value: Any) -> Any:
+    """``value`` with every tensor in it replaced by a meta tensor of the same shape and dtype.
+
+    Example:
+        >>> to_meta(({"x": torch.ones(2, 3)}, 4))[0]["x"].device.type
+        'meta'
+    """
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta")
+                    if isinstance(t, torch.Tensor) else t, value)
+
+
+def check_weight_arguments(model: nn.Module, init_weights: Any, weights: Any) -> None:
+    """Check ``init_weights=`` and ``weights=`` before any work; raise naming the bad one.
+
+    ``init_weights`` initializes a model built on the meta device, so it is refused for a
+    model that already holds values (initialize that model before handing it over).
+    ``weights`` works for both: a real model's values are replaced by them.
+
+    Raises:
+        TypeError: ``init_weights`` is not callable, or ``weights`` is not a mapping or a path.
+        ValueError: ``init_weights`` for a model not on the meta device.
+        FileNotFoundError: ``weights`` names nothing on disk.
+
+    Example:
+        >>> check_weight_arguments(nn.Linear(2, 2), None, {"weight": torch.ones(2, 2)})
+        >>> check_weight_arguments(nn.Linear(2, 2), print, None)
+        Traceback (most recent call last):
+        ...
+        ValueError: init_weights=<built-in function print> initializes a model built on the meta device, but this model holds values already; initialize it yourself before building the Pipeline, or build it under `with torch.device("meta"):`
+    """
+    if init_weights is not None:
+        if not callable(init_weights):
+            raise TypeError(f"init_weights={init_weights!r} must be a callable init_weights(model) that "
+                            f"initializes the model's parameters and buffers in place, or None")
+        if not on_meta(model):
+            raise ValueError(f"init_weights={init_weights!r} initializes a model built on the meta device, but "
+                             f"this model holds values already; initialize it yourself before building the "
+                             f"Pipeline, or build it under `with torch.device(\"meta\"):`")
+    if weights is None or isinstance(weights, Mapping):
+        return
+    if not isinstance(weights, (str, os.PathLike)):
+        raise TypeError(f"weights must be a state dict (name -> tensor), the path of a .safetensors file or of "
+                        f"a torch.distributed.checkpoint directory, or None; got {type(weights).__name__}")
+    if not os.path.exists(weights):
+        raise FileNotFoundError(f"weights={os.fspath(weights)!r}: no such file or directory (a .safetensors "
+                                f"file or a torch.distributed.checkpoint directory)")
+
+
+def module_seed(name: str, base: int = 0) -> int:
+    """The random seed the default init uses for the submodule ``name``: the same on every rank.
+
+    Example:
+        >>> module_seed("layers.0.attention") == module_seed("layers.0.attention"), module_seed("") >= 0
+        (True, True)
+    """
+    return (zlib.crc32(name.encode()) + base) % (2 ** 63)
+
+
+@torch.no_grad()
+def fill_sentinel(tensors: Iterable[torch.Tensor]) -> None:
+    """Fill each tensor with the value :func:`unwritten` looks for: NaN, or an integer type's smallest value.
+
+    Boolean tensors have no value to spare and are left as they are.
+
+    Example:
+        >>> t, i = torch.zeros(2), torch.zeros(2, dtype=torch.long)
+        >>> fill_sentinel([t, i]); t.isnan().all().item(), (i == torch.iinfo(torch.long).min).all().item()
+        (True, True)
+    """
+    for t in tensors:
+        if t.is_floating_point() or t.is_complex():
+            t.fill_(float("nan"))
+        elif t.dtype != torch.bool:
+            t.fill_(torch.iinfo(t.dtype).min)
+
+
+@torch.no_grad()
+def unwritten(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    """The names of tensors that still hold a sentinel of :func:`fill_sentinel` somewhere.
+
+    Example:
+        >>> t = torch.zeros(3); fill_sentinel([t]); t[:2] = 1.0
+        >>> unwritten({"a": t, "b": torch.ones(2)})
+        ['a']
+    """
+    found = []
+    for name, t in tensors.items():
+        if t.is_floating_point() or t.is_complex():
+            bad = bool(torch.isnan(t).any())
+        elif t.dtype != torch.bool:
+            bad = bool((t == torch.iinfo(t.dtype).min).any())
+        else:
+            bad = False
+        if bad:
+            found.append(name)
+    return sorted(found)
+
+
+def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
+    return [t for t in (*module._parameters.values(), *module._buffers.values()) if t is not None]
+
+
+@torch.no_grad()
+def default_init(model: nn.Module, real: Iterable[torch.Tensor] | None = None, *, seed: int = 0) -> list[str]:
+    """Initialize ``model``'s submodules the way their own code does, each under its own seed.
+
+    A submodule is initialized when it owns some tensor of ``real`` (default: every tensor
+    not on the meta device): with the root's ``_init_weights(module)`` when the root is a
+    Hugging Face ``PreTrainedModel`` (which also recomputes rotary ``inv_freq`` buffers),
+    then with the submodule's ``reset_parameters()`` where that left some of its tensors
+    unwritten; otherwise with ``reset_parameters()`` alone. Each runs under
+    ``torch.manual_seed(module_seed(name, seed))`` inside a forked random state, so the
+    values depend only on the submodule's name, never on which other tensors are real here.
+
+    Returns:
+        The names of the submodules it initialized.
+
+    Example:
+        >>> a, b = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 2))
+        >>> default_init(a), default_init(b)
+        (['0', '1'], ['0'])
+        >>> torch.equal(a[0].weight, b[0].weight)
+        True
+    """
+    real_ids = {id(t) for t in (real if real is not None else
+                                (t for t in (*model.parameters(), *model.buffers()) if not t.is_meta))}
+    hf_init = getattr(model, "_init_weights", None) if _is_hf_model(model) else None
+    devices = sorted({t.device.index or 0 for t in (*model.parameters(), *model.buffers()) if t.device.type == "cuda"})
+    done = []
+    for name, module in model.named_modules():
+        if not any(id(t) in real_ids for t in _own_tensors(module)):
+            continue
+        reset = getattr(module, "reset_parameters", None)
+        if hf_init is None and not callable(reset):
+            continue  # a submodule with no init of its own: unwritten() reports its tensors
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(module_seed(name, seed))
+            if hf_init is not None:
+                hf_init(module)
+            # A submodule Hugging Face's init does not know (a model's own class) keeps its own init.
+            own = {str(i): t for i, t in enumerate(_own_tensors(module)) if id(t) in real_ids}
+            if callable(reset) and (hf_init is None or unwritten(own)):
+                reset()
+        done.append(name)
+    return done
+
+
+def _is_hf_model(model: nn.Module) -> bool:
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
+               for c in type(model).__mro__)
+
+
+def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    prefix, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(prefix) if prefix else model
+    if leaf in parent._parameters:
+        parent._parameters[leaf] = tensor
+    else:
+        parent._buffers[leaf] = tensor  # a non-persistent buffer stays one
+
+
+def _materialize_in(model: nn.Module, names: StateNames, canonical: Iterable[str],
+                    device_of: Callable[[str], torch.device]) -> dict[str, torch.Tensor]:
+    """Replace the meta tensors ``canonical`` of ``model`` by empty real ones, every alias pointing at one."""
+    made: dict[str, torch.Tensor] = {}
+    for canon in canonical:
+        old = model.get_parameter(canon) if canon in names.parameter_names else model.get_buffer(canon)
+        new = torch.empty(old.shape, dtype=old.dtype, device=device_of(canon))
+        if isinstance(old, nn.Parameter):
+            new = nn.Parameter(new, requires_grad=old.requires_grad)
+        for alias in names.aliases.get(canon, [canon]):
+            _set_tensor(model, alias, new)
+        made[canon] = new
+    return made
+
+
+def _canonical_of(model: nn.Module, names: StateNames) -> dict[int, str]:
+    out: dict[int, str] = {}
+    for named in (model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)):
+        for name, t in named:
+            out.setdefault(id(t), names.canonical.get(name, name))
+    return out
+
+
+def read_weights(source: WeightSource, wanted: Mapping[str, Sequence[str]],
+                 into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Read only the tensors ``wanted`` from a state dict, a ``.safetensors`` file or a DCP directory.
+
+    Args:
+        source: a mapping of names to tensors, the path of a ``.safetensors`` file, or a
+            ``torch.distributed.checkpoint`` directory saved from a model's ``state_dict()``.
+        wanted: canonical name -> every name it may be stored under (tied aliases), first
+            preferred.
+        into: canonical name -> the tensor the value goes to: a DCP directory's tensors of
+            the same shape and dtype are read straight into it (no second copy in memory).
+
+    Returns:
+        ``{canonical name: tensor}`` (on the CPU for files), for every name found.
+
+    Raises:
+        ImportError: a ``.safetensors`` file without the ``safetensors`` package.
+        ValueError: a path that is neither a ``.safetensors`` file nor a DCP directory.
+
+    Example:
+        >>> read_weights({"b.weight": torch.ones(1)}, {"a.weight": ["a.weight", "b.weight"]})
+        {'a.weight': tensor([1.])}
+    """
+    if isinstance(source, Mapping):
+        found = {c: next((k for k in keys if k in source), None) for c, keys in wanted.items()}
+        return {c: source[k] for c, k in found.items() if k is not None}
+    path = Path(source)
+    if path.is_dir():
+        return _read_dcp(path, wanted, into or {})
+    if path.suffix == ".safetensors":
+        return _read_safetensors(path, wanted)
+    raise ValueError(f"weights={os.fspath(source)!r} is neither a .safetensors file nor a "
+                     f"torch.distributed.checkpoint directory")
+
+
+def _read_safetensors(path: Path, wanted: Mapping[str, Sequence[str]]) -> dict[str, torch.Tensor]:
+    try:
+        from safetensors import safe_open
+    except ImportError as e:
+        raise ImportError(f"weights={os.fspath(path)!r} is a .safetensors file, which needs the safetensors "
+                          f"package: pip install safetensors") from e
+    out: dict[str, torch.Tensor] = {}
+    with safe_open(os.fspath(path), framework="pt", device="cpu") as f:
+        keys = set(f.keys())
+        for canon, names in wanted.items():
+            key = next((k for k in names if k in keys), None)
+            if key is not None:
+                out[canon] = f.get_tensor(key)
+    return out
+
+
+def _read_dcp(path: Path, wanted: Mapping[str, Sequence[str]],
+              into: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(os.fspath(path))
+    try:
+        stored = reader.read_metadata().state_dict_metadata
+    except (FileNotFoundError, OSError) as e:
+        raise ValueError(f"weights={os.fspath(path)!r} is a directory but no torch.distributed.checkpoint "
+                         f"(no readable .metadata): {e}") from e
+    request: dict[str, torch.Tensor] = {}
+    key_of: dict[str, str] = {}
+    for canon, names in wanted.items():
+        key = next((k for k in names if isinstance(stored.get(k), TensorStorageMetadata)), None)
+        if key is not None:
+            meta = stored[key]
+            target = into.get(canon)
+            if target is not None and tuple(target.shape) == tuple(meta.size) and target.dtype == meta.properties.dtype:
+                request[key] = target.detach()
+            else:
+                request[key] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+            key_of[canon] = key
+    if request:
+        # no_dist: each rank reads its own keys on its own, with no collective among the ranks.
+        dcp.load(request, storage_reader=reader, no_dist=True)
+    return {canon: request[key] for canon, key in key_of.items()}
+
+
+@torch.no_grad()
+def materialize_rank(model: nn.Module, names: StateNames, local: Iterable[str], *, device: torch.device,
+                     extra: Iterable[str] = (), init_weights: Callable[[nn.Module], Any] | None = None,
+                     weights: WeightSource | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Real, initialized or loaded tensors for this rank's canonical names of a meta-device ``model``.
+
+    The work happens on a private copy of ``model`` (the user's model is not touched), in
+    which only ``local`` (on ``device``) and ``extra`` (on the CPU: tensors no stage reads,
+    kept for a full state dict) become real. Then, in order: every tensor is filled with a
+    sentinel; the init runs (``init_weights(copy)``, else :func:`default_init` - only over
+    the submodules owning non-persistent buffers when ``weights`` is given, as the weights
+    hold everything else); the weights are read (:func:`read_weights`, this rank's keys only)
+    and copied in.
+
+    Args:
+        model: the original model, on the meta device.
+        names: its tensor names (:func:`~autopipe.runtime.params.model_state_names`).
+        local: canonical names this rank's stages read.
+        device: where ``local`` lives.
+        extra: canonical names to materialize on the CPU.
+        init_weights: ``init_weights(model)``, initializing in place every real tensor of the
+            copy (the others are on meta, where torch's init functions do nothing).
+        weights: see :func:`read_weights`; keys are the original model's names.
+
+    Returns:
+        ``(local tensors, extra tensors)``, by canonical name.
+
+    Raises:
+        KeyError: ``weights`` lacks tensors of this rank (listed).
+        ValueError: a tensor in ``weights`` has another shape than the model's.
+        UnwrittenTensorsError: tensors neither the init nor the weights wrote (listed, with
+            the fix).
+
+    Example::
+
+        local, unheld = materialize_rank(meta_model, names, ["layers.0.fc.weight"],
+                                         device=torch.device("cpu"), weights="model.safetensors")
+    """
+    local, extra = list(local), [c for c in extra if c not in set(local)]
+    work = copy.deepcopy(model)
+    made = _materialize_in(work, names, [*local, *extra],
+                           lambda c, loc=set(local): device if c in loc else torch.device("cpu"))
+    persistent = {names.canonical.get(k, k) for k in names.state_dict_keys}
+    fill_sentinel(made.values())
+    if init_weights is not None:
+        init_weights(work)
+    else:
+        targets = [t for c, t in made.items() if weights is None or c not in persistent]
+        if targets:
+            default_init(work, targets)
+    if weights is not None:
+        load_weights(made, names, weights)
+    missing = unwritten(made)
+    if missing:
+        fix = ("give weights= holding them, or an init_weights= that writes them" if init_weights is not None or
+               weights is not None else "give init_weights= (a callable that initializes the model in place) or "
+               "weights= (a state dict, .safetensors file or torch.distributed.checkpoint directory)")
+        raise UnwrittenTensorsError(
+            f"{len(missing)} tensors of this rank were left without a value after materializing the meta-device "
+            f"model: {missing[:20]}{' ...' if len(missing) > 20 else ''}. The default init runs each submodule's "
+            f"reset_parameters() (or Hugging Face's _init_weights), and no such init wrote these: {fix}")
+    return {c: made[c] for c in local}, {c: made[c] for c in extra}
+
+
+@torch.no_grad()
+def load_weights(targets: Mapping[str, torch.Tensor], names: StateNames, weights: WeightSource) -> None:
+    """Copy into ``targets`` (canonical name -> tensor) their values from ``weights``, reading only their keys.
+
+    Non-persistent buffers are skipped: no state dict holds them.
+
+    Raises:
+        KeyError: ``weights`` lacks some of ``targets`` (listed).
+        ValueError: a tensor in ``weights`` has another shape.
+
+    Example:
+        >>> from autopipe.runtime.params import model_state_names
+        >>> lin = nn.Linear(2, 2); targets = dict(lin.named_parameters())
+        >>> load_weights(targets, model_state_names(lin), {"weight": torch.ones(2, 2), "bias": torch.zeros(2)})
+        >>> lin.weight.sum().item()
+        4.0
+    """
+    persistent = {names.canonical.get(k, k) for k in names.state_dict_keys}
+    wanted = {c: names.aliases.get(c, [c]) for c in targets if c in persistent}
+    found = read_weights(weights, wanted, into=targets)
+    missing = sorted(c for c in wanted if c not in found)
+    if missing:
+        raise KeyError(f"weights={_describe(weights)} lacks {len(missing)} tensors this rank holds: "
+                       f"{missing[:20]}{' ...' if len(missing) > 20 else ''} (keys are the unsplit model's "
+                       f"state_dict() names; any alias of a tied tensor will do)")
+    for canon, value in found.items():
+        target = targets[canon]
+        if value.data_ptr() == target.data_ptr() and value.device == target.device:
+            continue  # read in place
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(f"{canon!r} has shape {tuple(value.shape)} in weights={_describe(weights)} but "
+                             f"{tuple(target.shape)} in the model")
+        target.copy_(value)
+
+
+def _describe(weights: WeightSource) -> str:
+    return f"<state dict of {len(weights)} tensors>" if isinstance(weights, Mapping) else repr(os.fspath(weights))
+
+
+def materialize_leftovers(module: nn.Module, used: set[str]) -> list[str]:
+    """Replace the meta tensors a stage module holds but never reads with placeholders that take no memory.
+
+    A stage module may carry tensors its code never reads (left over from the split);
+    torch would otherwise try to move them to the stage's device. A meta tensor it does
+    read is an error: nothing gave it a value.
+
+    Returns:
+        The names replaced.
+
+    Raises:
+        UnwrittenTensorsError: the module reads a meta tensor (named).
+
+    Example:
+        >>> with torch.device("meta"):
+        ...     lin = nn.Linear(2, 2)
+        >>> materialize_leftovers(lin, set()), lin.weight.device.type
+        (['weight', 'bias'], 'cpu')
+    """
+    replaced, read = [], []
+    for named in (module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)):
+        for name, t in list(named):
+            if not t.is_meta:
+                continue
+            if name in used:
+                read.append(name)
+                continue
+            # A zero-stride view of one element: the right shape, no memory.
+            placeholder = torch.zeros((), dtype=t.dtype).expand(t.shape)
+            if isinstance(t, nn.Parameter):
+                placeholder = nn.Parameter(placeholder, requires_grad=False)
+            _set_tensor(module, name, placeholder)
+            replaced.append(name)
+    if read:
+        raise UnwrittenTensorsError(
+            f"a stage reads tensors that are still on the meta device and are no parameter or buffer of the "
+            f"original model (constants made while tracing): {sorted(read)}; build this model on a real device")
+    return replaced
