@@ -19,7 +19,7 @@ import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
-__all__ = ["is_int", "check_int", "check_at_most", "check_choice", "check_bool", "accepts_old_keywords"]
+__all__ = ["is_int", "listed", "check_int", "check_at_most", "check_choice", "check_bool", "accepts_old_keywords"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -34,6 +34,17 @@ def is_int(value: Any) -> bool:
         is_int(3), is_int(True), is_int(3.0)   # (True, False, False)
     """
     return not isinstance(value, bool) and isinstance(value, numbers.Integral)
+
+
+def listed(items: Collection[Any], most: int = 8) -> str:
+    """``items`` for an error message: all of them, or the first ``most`` and how many more.
+
+    Example:
+        >>> listed(range(3)), listed([f"w{i}" for i in range(10)], most=2)
+        ('[0, 1, 2]', "['w0', 'w1'] and 8 more")
+    """
+    items = list(items)
+    return str(items) if len(items) <= most else f"{items[:most]} and {len(items) - most} more"
 
 
 def check_int(name: str, value: Any, minimum: int = 1, maximum: int | None = None, *, what: str = "",

@@ -20,8 +20,6 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from autopipe.models import seed_transformer
 from autopipe.runtime import Pipeline
-from autopipe.runtime.sharded_state import (load_model_state_dict, load_optimizer_state_dict, model_state_dict,
-                                            optimizer_state_dict)
 
 VOCAB, SEQ, MICROBATCH, N_MICROBATCHES = 40, 8, 2, 4
 LR = 1e-3
@@ -96,16 +94,16 @@ def four_stage(model: nn.Module, x_mb: torch.Tensor) -> Pipeline:
 def save_pipe(pipe: Pipeline, opt: torch.optim.Optimizer, path: str) -> list[str]:
     """``dcp.save`` the pipeline; the keys this rank wrote (after DCP's deduplication)."""
     planner = DefaultSavePlanner()
-    dcp.save({"model": model_state_dict(pipe), "optim": optimizer_state_dict(pipe, opt)}, checkpoint_id=path,
+    dcp.save({"model": pipe.state_dict(), "optim": pipe.optimizer_state_dict(opt)}, checkpoint_id=path,
              planner=planner)
     return sorted(item.index.fqn for item in planner.plan.items)
 
 
 def load_pipe(pipe: Pipeline, opt: torch.optim.Optimizer, path: str) -> None:
-    state = {"model": model_state_dict(pipe), "optim": optimizer_state_dict(pipe, opt)}
+    state = {"model": pipe.state_dict(), "optim": pipe.optimizer_state_dict(opt)}
     dcp.load(state, checkpoint_id=path)
-    load_model_state_dict(pipe, state["model"])
-    load_optimizer_state_dict(pipe, opt, state["optim"])
+    pipe.load_state_dict(state["model"])
+    pipe.load_optimizer_state_dict(opt, state["optim"])
 
 
 def gathered(value):
@@ -139,7 +137,7 @@ def resharding_run(rank: int, world_size: int, tmp: str) -> dict:
         trained = [pipe_step(pipe, opt, *data[0]), pipe_step(pipe, opt, *data[1])]
         result["before_save"] = max(max(differences(t, r).values()) for t, r in zip(trained, ref[:2]))
         result["written"] = gathered(save_pipe(pipe, opt, pipe_dir))
-        result["model_keys"] = sorted(model_state_dict(pipe))
+        result["model_keys"] = sorted(pipe.state_dict())
 
     # (a) a 4-stage Interleaved1F1B run, from other weights and a fresh optimizer, resumes.
     other, _ = make_model(seed=1)

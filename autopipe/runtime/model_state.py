@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .._checks import listed
 from .params import StateNames, fold_use_leaf_grads
 
 __all__ = ["grads_before", "sum_shared_grads", "clip_grad_norm", "full_state_dict", "load_local_state"]
@@ -149,13 +150,17 @@ def full_state_dict(local: Mapping[str, torch.Tensor], unheld: Mapping[str, torc
 
 @torch.no_grad()
 def load_local_state(state: Mapping[str, torch.Tensor], names: StateNames, state_dict: Mapping[str, torch.Tensor],
-                     *, strict: bool) -> None:
+                     *, strict: bool, where: str = "") -> None:
     """Copy into ``state`` (this rank's tensors by canonical name) what ``state_dict`` holds for them.
 
-    Keys are the original model's names; any alias of a tied tensor will do.
+    Keys are the original model's names; any alias of a tied tensor will do. A value that is
+    the target tensor itself (what ``dcp.load`` filled in place) is left alone.
+
+    Args:
+        where: names the pipeline in the error (``" (rank 1)"``).
 
     Raises:
-        TypeError: ``state_dict`` is not a mapping.
+        TypeError: ``state_dict`` is not a mapping, or a value is not a tensor.
         KeyError: (strict) names missing or unknown, listed.
         ValueError: a shape differs from the model's.
 
@@ -165,7 +170,7 @@ def load_local_state(state: Mapping[str, torch.Tensor], names: StateNames, state
         >>> load_local_state(state, model_state_names(model), nn.Linear(2, 2).state_dict(), strict=True)
     """
     if not isinstance(state_dict, Mapping):
-        raise TypeError(f"state_dict must be a mapping of names to tensors, got {type(state_dict).__name__}")
+        raise TypeError(f"state_dict must be a mapping of the model's names to tensors, got {type(state_dict).__name__}")
     unknown = sorted(k for k in state_dict if k not in names.canonical)
     by_canon: dict[str, torch.Tensor] = {}
     for key, value in state_dict.items():
@@ -173,11 +178,15 @@ def load_local_state(state: Mapping[str, torch.Tensor], names: StateNames, state
             by_canon.setdefault(names.canonical[key], value)
     missing = sorted(n for n in state if n not in by_canon)
     if strict and (unknown or missing):
-        raise KeyError(f"load_state_dict(strict=True): missing names {missing}, unknown names {unknown}")
+        raise KeyError(f"the state dict does not fit this pipeline{where}: missing names {listed(missing)}, "
+                       f"names the model does not have {listed(unknown)}")
     for name, tensor in state.items():
         if name in by_canon:
             value = by_canon[name]
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"state_dict[{name!r}] must be a tensor, got {type(value).__name__}")
             if tuple(value.shape) != tuple(tensor.shape):
-                raise ValueError(f"{name!r} has shape {tuple(value.shape)} in state_dict but "
+                raise ValueError(f"{name!r} has shape {tuple(value.shape)} in the state dict but "
                                  f"{tuple(tensor.shape)} in the model")
-            tensor.copy_(value)
+            if value is not tensor and value.data_ptr() != tensor.data_ptr():
+                tensor.copy_(value)

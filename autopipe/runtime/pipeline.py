@@ -48,6 +48,7 @@ from .distributed import (DEFAULT_TIMEOUT_S, close_at_exit, default_device, dest
                           init_distributed, release_process_group)
 from .inference import Inference
 from .materialize import WeightSource, check_weight_arguments
+from .sharded_state import load_model_state_dict, load_optimizer_state_dict, model_state_dict, optimizer_state_dict
 from .model_state import clip_grad_norm, full_state_dict, grads_before, load_local_state, sum_shared_grads
 from .plan_setup import PlanRequest, check_model_and_inputs, deprecated_keywords, settle_plan
 from .stage_timer import StageTimer, gather_stage_times
@@ -87,8 +88,10 @@ class Pipeline:
             ``2 * n_ranks`` for a hand split, else the planner's choice.
         stages_per_rank: stages held by each rank. Default: the plan's, else 1 for GPipe
             and 1F1B and 2 for the multi-stage schedules.
-        checkpoint_stages: activation checkpointing: False, True (every stage) or a list of
-            stage indices; a checkpointed stage recomputes its forward during backward.
+        checkpoint_stages: activation checkpointing: ``"plan"`` (the default: the stages the
+            plan chose to recompute, ``plan.recompute_stages``, none unless memory binds),
+            False, True (every stage) or a list of stage indices; a checkpointed stage
+            recomputes its forward during backward.
         device: where this rank runs; default CUDA ``LOCAL_RANK`` when present, else CPU.
         timeout_s: collective timeout when the pipeline creates the process group itself.
         planner: :class:`~autopipe.planning.options.PlannerOptions` for
@@ -153,7 +156,7 @@ class Pipeline:
         schedule: str | None = None,
         n_microbatches: int | None = None,
         stages_per_rank: int | None = None,
-        checkpoint_stages: bool | Sequence[int] = False,
+        checkpoint_stages: bool | Sequence[int] | str = "plan",
         device: torch.device | str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
         planner: PlannerOptions | None = None,
@@ -204,7 +207,7 @@ class Pipeline:
             model, self.plan, schedule=self.schedule, n_microbatches=self.n_microbatches,
             stage_ranks=self.stage_ranks, rank=self.rank, world_size=self.world_size, device=self.device,
             example=(tuple(example_args), dict(example_kwargs or {})), training=self.training,
-            checkpointed=resolve_checkpoint_stages(checkpoint_stages, self.num_stages),
+            checkpointed=resolve_checkpoint_stages(checkpoint_stages, self.num_stages, self.plan.recompute_stages),
             init_weights=init_weights, weights=weights)
         self._batch = built.batch
         self._names = built.names
@@ -498,44 +501,70 @@ class Pipeline:
         """The parameters and persistent buffers under the original model's names.
 
         Args:
-            full: False: this rank's tensors only (save one file per rank). True: the whole
-                model, gathered to every rank on the CPU, with every key of the unsplit
-                model's ``state_dict()`` (tied aliases included) - load it with
+            full: False: this rank's part, every key of the unsplit model's ``state_dict()``
+                it holds (tied aliases included) and the tensors no stage reads - what
+                ``torch.distributed.checkpoint`` saves and loads, resharding by name
+                (:func:`~autopipe.runtime.sharded_state.model_state_dict`). True: the whole
+                model, gathered to every rank on the CPU - load it with
                 ``model.load_state_dict``. Collective: every rank must call it.
 
         Returns:
-            ``{name: tensor}``; the local form holds detached views of the live tensors,
-            the full form CPU copies.
+            ``{name: tensor}``; the local form holds detached views of the live tensors
+            (``dcp.load`` writes into them), the full form CPU copies.
 
         Example:
+            >>> dcp.save({"model": pipe.state_dict(), "optim": pipe.optimizer_state_dict(opt)},
+            ...          checkpoint_id="ckpt/100")  # doctest: +SKIP
             >>> model.load_state_dict(pipe.state_dict(full=True))  # doctest: +SKIP
         """
-        local = {n: t.detach() for n, t in self._state.items() if n in self._names.canonical}
         if not full:
-            return local
+            return model_state_dict(self)
+        local = {n: t.detach() for n, t in self._state.items() if n in self._names.canonical}
         return full_state_dict(local, self._unheld_state, self._names, self.world_size)
 
-    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
-        """Copy values into this rank's parameters and buffers from a full or per-rank state dict.
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """``optimizer``'s state by parameter name, for ``torch.distributed.checkpoint``.
 
-        Keys are the original model's names; any alias of a tied tensor will do. Each rank
-        takes what it holds and ignores the rest, so the same full dict can be given to
-        every rank. No communication.
+        The flattened form of torch's ``get_optimizer_state_dict`` (``state.<name>.exp_avg``,
+        ``param_groups.<name>.lr``; :func:`~autopipe.runtime.sharded_state.optimizer_state_dict`),
+        so the checkpoint reshards and the unsplit model resumes from it with torch's
+        ``set_state_dict``. A fresh optimizer is given its state first. No communication.
 
-        Args:
-            state_dict: ``model.state_dict()`` of the unsplit model, ``pipe.state_dict(full=True)``
-                or this rank's ``pipe.state_dict()``.
-            strict: raise if a tensor of this rank is missing or a key is not a name of the
-                model.
+        Example:
+            >>> pipe.load_optimizer_state_dict(opt, pipe.optimizer_state_dict(opt))  # doctest: +SKIP
+        """
+        return optimizer_state_dict(self, optimizer)
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+        """Load :meth:`optimizer_state_dict`'s form into ``optimizer``; other ranks' entries are ignored.
 
         Raises:
-            KeyError: (strict) names missing or unknown, listed.
-            ValueError: a shape differs from the model's.
+            KeyError: entries missing or naming no parameter. ValueError: foreign parameters.
+        """
+        load_optimizer_state_dict(self, optimizer, state)
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
+        """Copy values into this rank's tensors from a full or per-rank state dict, or a DCP load.
+
+        Keys are the original model's names; any alias of a tied tensor will do. Each rank
+        takes what it holds (and the tensors no stage reads) and ignores the rest, so the same
+        full dict can be given to every rank. No communication.
+
+        Args:
+            state_dict: ``model.state_dict()`` of the unsplit model, ``pipe.state_dict(full=True)``,
+                this rank's ``pipe.state_dict()``, or what ``dcp.load`` filled.
+            strict: raise if a tensor of this rank is missing or a key is not a name of the model.
+
+        Raises:
+            KeyError: (strict) names missing or unknown, listed. ValueError: a shape differs.
 
         Example:
             >>> pipe.load_state_dict(torch.load("model.pt"))  # doctest: +SKIP
         """
-        load_local_state(self._state, self._names, state_dict, strict=strict)
+        if strict:
+            load_model_state_dict(self, state_dict)
+        else:
+            load_local_state({**self._unheld_state, **self._state}, self._names, state_dict, strict=False)
 
     # ------------------------------------------------------------------ failed steps and closing
     def _start_lifecycle(self) -> None:

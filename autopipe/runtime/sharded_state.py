@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._checks import listed
+from .model_state import load_local_state
 from .params import StateNames
 
 if TYPE_CHECKING:  # the Pipeline builds on this module's functions, never the reverse at run time
@@ -48,7 +50,6 @@ __all__ = ["model_state_dict", "load_model_state_dict", "optimizer_state_dict", 
 
 _STATE = "state"
 _GROUPS = "param_groups"
-_LISTED = 8  # names shown in an error before "and N more"
 
 
 def model_state_dict(pipe: "Pipeline") -> dict[str, torch.Tensor]:
@@ -106,28 +107,9 @@ def load_model_state_dict(pipe: "Pipeline", state_dict: Mapping[str, torch.Tenso
         dcp.load(state, checkpoint_id=path)
         load_model_state_dict(pipe, state["model"])
     """
-    if not isinstance(state_dict, Mapping):
-        raise TypeError(f"state_dict must be a mapping of the model's names to tensors, got {type(state_dict).__name__}")
     names: StateNames = pipe._names
     targets = {**pipe._unheld_state, **{n: t for n, t in pipe._state.items() if n in names.canonical}}
-    unknown = [k for k in state_dict if k not in names.canonical]
-    given: dict[str, Any] = {}
-    for key, value in state_dict.items():
-        if key in names.canonical:
-            given.setdefault(names.canonical[key], value)
-    missing = [n for n in targets if n not in given]
-    if unknown or missing:
-        raise KeyError(f"the state dict does not fit this pipeline (rank {pipe.rank}): missing names "
-                       f"{_listed(missing)}, names the model does not have {_listed(unknown)}")
-    for name, tensor in targets.items():
-        value = given[name]
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(f"state_dict[{name!r}] must be a tensor, got {type(value).__name__}")
-        if tuple(value.shape) != tuple(tensor.shape):
-            raise ValueError(f"{name!r} has shape {tuple(value.shape)} in the state dict but "
-                             f"{tuple(tensor.shape)} in the model")
-        if value is not tensor and value.data_ptr() != tensor.data_ptr():
-            tensor.copy_(value)
+    load_local_state(targets, names, state_dict, strict=True, where=f" (rank {pipe.rank})")
 
 
 def optimizer_state_dict(pipe: "Pipeline", optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -215,7 +197,7 @@ def load_optimizer_state_dict(pipe: "Pipeline", optimizer: torch.optim.Optimizer
     missing = [k for k in template if k not in state]
     if unknown or missing:
         raise KeyError(f"the optimizer state does not fit this pipeline (rank {pipe.rank}): missing keys "
-                       f"{_listed(missing)}, keys naming no parameter of the model {_listed(unknown)}")
+                       f"{listed(missing)}, keys naming no parameter of the model {listed(unknown)}")
     loaded_state: dict[int, dict[str, Any]] = {}
     loaded_groups: list[dict[str, Any]] = []
     index = 0
@@ -258,7 +240,7 @@ def _group_names(pipe: "Pipeline", optimizer: torch.optim.Optimizer) -> list[lis
         groups.append(fqns)
     if foreign:
         raise ValueError(f"the optimizer holds parameters that are not this pipeline's (rank {pipe.rank}): "
-                         f"{_listed(foreign)}; build it over pipe.parameters()")
+                         f"{listed(foreign)}; build it over pipe.parameters()")
     return groups
 
 
@@ -321,9 +303,3 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
     return bool(a == b)
-
-
-def _listed(items: list[str]) -> str:
-    if len(items) <= _LISTED:
-        return str(items)
-    return f"{items[:_LISTED]} and {len(items) - _LISTED} more"

@@ -1,4 +1,4 @@
-"""Build a Pipeline of a Llama-style model of over a billion parameters from the meta device, on 2 ranks.
+"""Build a Pipeline of a Llama-style model of over a billion parameters from the meta device, on 2 and 4 ranks.
 
 Every rank builds the model under ``torch.device("meta")`` (shapes, no values), the
 pipeline plans it from counted FLOPs, and each rank materializes and initializes (the
@@ -28,6 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT))  # the checkout, also when autopipe is not installed
+sys.path.insert(0, str(HERE.parent))  # benchmarks/_common
 RESULTS = HERE / "results.json"
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4,
                 vocab_size=32000, max_position_embeddings=2048)
@@ -92,34 +93,42 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=22)
     parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="pipeline sizes to build, one run each")
     parser.add_argument("--rank-out", help=argparse.SUPPRESS)  # internal: run as one rank, write here
     a = parser.parse_args()
     if a.rank_out:
         rank_main(a.layers, a.seq, a.rank_out)
         return
+    start = time.perf_counter()
+    runs = []
+    for n_ranks in a.ranks:
+        rows = _run(n_ranks, a.layers, a.seq)
+        for row in rows:
+            print(f"{n_ranks} ranks, rank {row['rank']} (stages {row['stages']}): {row['parameters'] / 1e9:.2f}B-parameter "
+                  f"model, {row['parameter_bytes'] / 2**30:.2f} GiB of parameters; this rank holds "
+                  f"{row['held_parameter_bytes'] / 2**30:.2f} GiB; resident after construction "
+                  f"{row['rss_after_construction_bytes'] / 2**30:.2f} GiB "
+                  f"({100 * row['rss_fraction_of_parameter_bytes']:.1f}%), of which "
+                  f"{row['rss_before_bytes'] / 2**30:.2f} GiB before construction (torch, transformers); peak "
+                  f"{row['peak_rss_bytes'] / 2**30:.2f} GiB; built in {row['construction_s']:.0f} s")
+        runs.append({"n_ranks": n_ranks, "ranks": rows})
+    result = {"model": "HF Llama (hidden 2048, 32 heads, 4 kv heads, vocab 32000), built on meta",
+              "layers": a.layers, "seq_len": a.seq, "schedule": "1F1B", "n_microbatches": 4, "cost": "flops",
+              "init": "default", "runs": runs, "wall_s": time.perf_counter() - start}
+    if a.layers == 22 and a.seq == 512:
+        from _common import write_result
+        write_result(RESULTS, result)
+        print(f"wrote {RESULTS}")
+
+
+def _run(n_ranks: int, layers: int, seq: int) -> list[dict]:
+    """One torchrun world of ``n_ranks`` processes building the pipeline; each rank's record."""
     with tempfile.TemporaryDirectory(prefix="meta-model-") as out_dir:
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                        __file__, "--layers", str(a.layers), "--seq", str(a.seq), "--rank-out", out_dir],
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                        str(n_ranks), __file__, "--layers", str(layers), "--seq", str(seq), "--rank-out", out_dir],
                        check=True, timeout=3600,
                        env={**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")})
-        rows = [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(2)]
-    for row in rows:
-        print(f"rank {row['rank']} (stages {row['stages']}): {row['parameters'] / 1e9:.2f}B-parameter model, "
-              f"{row['parameter_bytes'] / 2**30:.2f} GiB of parameters; this rank holds "
-              f"{row['held_parameter_bytes'] / 2**30:.2f} GiB; resident after construction "
-              f"{row['rss_after_construction_bytes'] / 2**30:.2f} GiB "
-              f"({100 * row['rss_fraction_of_parameter_bytes']:.1f}%), peak {row['peak_rss_bytes'] / 2**30:.2f} GiB "
-              f"({100 * row['peak_fraction_of_parameter_bytes']:.1f}%); of the resident, allocated by the rank "
-              f"(RssAnon) {row['rss_anon_bytes'] / 2**30:.2f} GiB "
-              f"({100 * row['anon_fraction_of_parameter_bytes']:.1f}%),"
-              f" mapped files (RssFile: libraries, shared by the ranks) {row['rss_file_bytes'] / 2**30:.2f} GiB; "
-              f"after gc and malloc_trim {row['rss_after_gc_and_malloc_trim_bytes'] / 2**30:.2f} GiB; "
-              f"before construction {row['rss_before_bytes'] / 2**30:.2f} GiB; built in {row['construction_s']:.0f} s")
-    result = {"layers": a.layers, "seq_len": a.seq, "schedule": "1F1B", "n_microbatches": 4, "cost": "flops",
-              "init": "default", "ranks": rows}
-    if a.layers == 22 and a.seq == 512:
-        RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {RESULTS}")
+        return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(n_ranks)]
 
 
 if __name__ == "__main__":
