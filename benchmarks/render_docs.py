@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))  # the checkout's autopipe, for its defaults
 
 # Order of the page; anything else found is appended.
 ORDER = ("peers", "split_quality", "split_quality_sim", "planner_scaling", "runtime_overhead", "prediction_accuracy",
-         "schedule_memory", "trace_profile", "gpu_one_rank", "models", "meta_planning")
+         "schedule_memory", "trace_profile", "gpu_one_rank", "models", "meta_planning", "recompute", "meta_model")
 TITLES = {
     "peers": "0. autopipe against the real peers (2 and 4 stages, measured)",
     "split_quality": "1. Split quality, measured (2 stages, real pipelines)",
@@ -46,6 +46,8 @@ TITLES = {
     "gpu_one_rank": "8. One GPU: the plan's step against torch's runtime on a single rank",
     "models": "9. Third-party models: plans, runtime and 2-rank pipelines",
     "meta_planning": "10. Planning a model bigger than the host, from the meta device",
+    "meta_model": "12. A pipeline built from the meta device: host memory per rank",
+    "recompute": "11. Recomputation the planner chooses",
 }
 # What each benchmark measures, in a sentence or three; the folder's README has the method.
 ABOUT = {
@@ -79,10 +81,16 @@ ABOUT = {
     "meta_planning": (
         "Can a model of over a billion parameters, built on the meta device, be planned on this host, and with "
         "how much host memory? Measured costs time one segment at a time; counted ones run nothing."),
+    "meta_model": (
+        "Does each rank of a `Pipeline` built from a meta-device model hold only its own stages? Resident "
+        "memory per rank after construction, against the whole model's parameter bytes."),
 }
-RERUN_OPTIONS = {"peers": "`--quick` for a short run, `--models`/`--stages` for a subset",
+RERUN_OPTIONS = {"recompute": "`--smoke` for a tiny run that only checks the script",
+                 "peers": "`--quick` for a short run, `--models`/`--stages` for a subset",
                  "gpu_one_rank": "needs one GPU; `--device cpu` runs it on the CPU",
-                 "models": "renders docs/models.md too; `--quick` skips the 2-rank pipelines"}
+                 "models": "renders docs/models.md too; `--quick` skips the 2-rank pipelines",
+                 "meta_planning": "`--layers 4 --seq 64` for a quick look",
+                 "meta_model": "`--ranks 2` for one world, `--layers 2 --seq 64` for a quick look"}
 BEHIND_TOL = 0.03  # a ratio within 3% counts as a tie: the split-quality target, and about the run-to-run noise
 TARGET_ERROR = 0.10  # the step-time prediction's target: median |error| under 10%
 
@@ -407,6 +415,28 @@ def render_meta_planning(d: dict[str, Any], behind: list[str]) -> str:
             + table(["costs", "parameters", "layers", "planning", "peak host memory", "split", "balance"], rows))
 
 
+def render_meta_model(d: dict[str, Any], behind: list[str]) -> str:
+    """Per world size and rank: the parameters the rank holds and its resident memory, as shares of the model's."""
+    rows = []
+    for run in d.get("runs", []):
+        for r in run["ranks"]:
+            whole = r["parameter_bytes"]
+            rows.append([run["n_ranks"], r["rank"], f"{r['held_parameter_bytes'] / whole:.1%}",
+                         f"{r['rss_before_bytes'] / 2**30:.2f} GiB",
+                         f"{r['rss_after_construction_bytes'] / 2**30:.2f} GiB ({r['rss_after_construction_bytes'] / whole:.1%})",
+                         f"{r['peak_rss_bytes'] / 2**30:.2f} GiB", f"{r['construction_s']:.0f} s"])
+            if r["rss_after_construction_bytes"] / whole > 0.60:
+                behind.append(f"meta_model: with {run['n_ranks']} ranks, rank {r['rank']}'s resident memory after "
+                              f"construction is {r['rss_after_construction_bytes'] / whole:.1%} of the parameter "
+                              "bytes (target: under 60%)")
+    first = (d.get("runs") or [{}])[0].get("ranks", [{}])[0]
+    size = f"{first.get('parameters', 0) / 1e9:.2f} B parameters, {first.get('parameter_bytes', 0) / 2**30:.2f} GiB"
+    return (f"{d.get('model')}: {size}; {d.get('schedule')}, planned from counted FLOPs, default init. Shares are "
+            "of the whole model's parameter bytes.\n\n"
+            + table(["ranks", "rank", "parameters held", "resident before", "resident after construction",
+                     "peak", "construction"], rows))
+
+
 def render_trace_profile(d: dict[str, Any], behind: list[str]) -> str:
     """The wall times of tracing and profiling, beside one plain step of the model."""
     rows = [["model", d.get("model")], ["tokens per micro-batch", " × ".join(map(str, d.get("tokens", [])))],
@@ -465,6 +495,28 @@ def render_generic(d: dict[str, Any], behind: list[str]) -> str:
     return "\n\n".join(out) or "(no tabular results)"
 
 
+def render_recompute(d: dict[str, Any], behind: list[str]) -> str:
+    """Per variant: split, recomputing stages, micro-batches, predicted and measured step, each against the planner's."""
+    rows = [[v["label"], ", ".join(f"`{p}`" for p in v["split_points"]),
+             ", ".join(map(str, v["recompute"])) or "none", v["n_microbatches"], ms(v["predicted_step_s"]),
+             ms(v["measured_step_s"]), ratio(v.get("predicted_vs_planner")), ratio(v.get("measured_vs_planner"))]
+            for v in d.get("variants", [])]
+    won = d.get("mixed_beats_both_at_same_m", {})
+    if not (won.get("predicted") and won.get("measured")):
+        behind.append("recomputation: the planner's mixed choice does not beat both checkpointing every stage and "
+                      "the best plan without recomputation at the same micro-batch count, predicted and measured; "
+                      "section 11.")
+    verdict = {(True, True): "beats both, predicted and measured",
+               (True, False): "beats both as predicted, not as measured",
+               (False, True): "beats both as measured, not as predicted",
+               (False, False): "does not beat both"}[(bool(won.get("predicted")), bool(won.get("measured")))]
+    return (f"{d.get('model')}, 2 gloo ranks on CPU, {d.get('schedule')}, costs {d.get('cost', 'measured')}; memory "
+            f"{mib(d.get('memory_per_device_bytes'))} MiB per device. At {d.get('n_microbatches')} micro-batches the "
+            f"planner's choice {verdict}. Measured: {d.get('measure')}.\n\n"
+            + table(["variant", "split", "recomputes", "micro-batches", "predicted ms", "measured ms",
+                     "predicted ÷ planner", "measured ÷ planner"], rows))
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any], list[str]], str]] = {
     "peers": render_peers,
     "split_quality": render_split_quality,
@@ -477,6 +529,8 @@ RENDERERS: dict[str, Callable[[dict[str, Any], list[str]], str]] = {
     "gpu_one_rank": render_gpu_one_rank,
     "models": render_models,
     "meta_planning": render_meta_planning,
+    "meta_model": render_meta_model,
+    "recompute": render_recompute,
 }
 
 

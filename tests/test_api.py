@@ -37,12 +37,12 @@ def _figures(plan: autopipe.Plan) -> tuple:
 # --------------------------------------------------------------------------- partition's signature
 
 
-def test_partition_takes_sixteen_parameters_the_profiling_ones_grouped():
+def test_partition_takes_few_parameters_the_profiling_ones_grouped():
     params = inspect.signature(autopipe.partition).parameters
     assert list(params) == [
         "model", "n_gpus", "example_args", "example_kwargs", "schedule", "n_microbatches", "global_batch",
         "stages_per_rank", "objective", "memory", "devices", "optimizer", "loss_fn", "example_target", "cost",
-        "profiling",
+        "profiling", "recompute",
     ]
     assert all(p.kind is p.KEYWORD_ONLY for p in list(params.values())[4:])
 

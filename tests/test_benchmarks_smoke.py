@@ -92,6 +92,18 @@ def test_prediction_accuracy_reports_signed_errors_and_memory_per_rank(tmp_path)
     assert data["summary"]["run"] == 1
 
 
+def test_recompute_compares_the_planners_choice_with_every_and_no_stage_recomputing(tmp_path):
+    data = _run("recompute", tmp_path / "rc.json")
+    assert data["benchmark"] == "recompute" and data["cost"] == "measured"
+    planner, *others = data["variants"]
+    assert planner["label"] == "planner" and 0 < len(planner["recompute"]) < 2  # some stages, not all
+    assert others, "at least one alternative to compare with"
+    for v in data["variants"]:
+        assert _finite_positive(v["predicted_step_s"]) and _finite_positive(v["measured_step_s"])
+        assert len(v["measured_steps_s"]) >= 1
+    assert set(data["mixed_beats_both_at_same_m"]) == {"predicted", "measured"}
+
+
 def test_gpu_one_rank_compares_the_plan_with_a_one_rank_pipeline(tmp_path):
     # On the CPU here (gloo, 1F1B only); on a GPU it also runs two stages on the one rank.
     data = _run("gpu_one_rank", tmp_path / "g.json", "--device", "cpu")

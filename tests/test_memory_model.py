@@ -9,8 +9,12 @@ that a whole-model forward saves, found by storage identity through
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from autopipe.machine.passes import SavedBytes
 from autopipe.planning.profile import profile_segments
@@ -91,3 +95,103 @@ def test_saved_bytes_charges_an_expanded_tensor_the_storage_it_holds() -> None:
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
         row.expand(4, 8) * other  # saves both factors; the expanded one holds one row
     assert counter.total == 8 * 4 + 4 * 8 * 4
+
+
+# --------------------------------------------------------------------------- the backward's working set
+
+
+def test_backward_working_set_is_the_gradients_the_backward_holds_at_once() -> None:
+    """Bias-free linear layers make the count exact by hand: while a layer's backward runs, the
+    gradient arriving at its output, its input's gradient and (accumulating into ``.grad``) the
+    fresh weight gradient are alive together; the input gradients alone leave out the last."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.Tanh(), nn.Linear(32, 64, bias=False))
+    costs = profile_segments(trace(model, (torch.randn(8, 16),)), cost="flops", progress=False)
+    f32 = 4
+    head = costs[-1]  # Linear(32, 64) on an input that carries a gradient
+    assert head.bwd_peak_bytes == f32 * (8 * 64 + 8 * 32 + 32 * 64)
+    assert head.bwd_input_peak_bytes == f32 * (8 * 64 + 8 * 32)
+    tanh = costs[1]  # no weights: the arriving gradient and the input's
+    assert tanh.bwd_peak_bytes == tanh.bwd_input_peak_bytes == f32 * (8 * 32 + 8 * 32)
+    first = costs[0]  # the model's input carries no gradient: no input gradient is made
+    assert first.bwd_peak_bytes == f32 * (8 * 32 + 16 * 32)
+    assert first.bwd_input_peak_bytes == f32 * 8 * 32
+
+
+class _CountStorages(TorchDispatchMode):
+    """The reference count: every storage an operator makes, alive until Python frees it (weak references)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = self.peak = 0
+        self.refs: list[weakref.ref] = []
+
+    def _drop(self, n: int) -> None:
+        self.now -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        res = func(*args, **(kwargs or {}))
+        ins = {a.untyped_storage().data_ptr() for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
+        for t in tree_leaves(res):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in ins:
+                n = t.untyped_storage().nbytes()
+                self.now += n
+                self.peak = max(self.peak, self.now)
+                self.refs.append(weakref.ref(t.untyped_storage(), lambda _r, n=n: self._drop(n)))
+        return res
+
+
+def test_backward_working_set_matches_storage_accounting_of_a_stage_backward() -> None:
+    """Each segment's figure against a stage-like backward of its module alone (``.grad`` already
+    there, ``Tensor.backward`` from an output gradient made inside the count): these modules
+    save only their input, which outlives the backward, so nothing is credited back."""
+    torch.manual_seed(0)
+    seg = nn.Sequential(nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 24))
+    model = nn.Sequential(nn.Linear(32, 32), seg)
+    costs = profile_segments(trace(model, (torch.randn(6, 32),)), cost="flops", progress=False)
+    reference = []
+    width = 32
+    for module in seg:
+        inp = torch.randn(6, width, requires_grad=True)
+        out = module(inp)
+        width = out.shape[-1]
+        for p in module.parameters():
+            p.grad = torch.zeros_like(p)
+        with _CountStorages() as count:
+            out.backward(torch.ones_like(out))
+        reference.append(count.peak)
+    assert [c.bwd_peak_bytes for c in costs[1:]] == reference
+
+
+def test_rank_peak_bytes_charges_a_stage_backward_working_set_once() -> None:
+    """1F1B, 2 stages: rank 0 runs F0 F1 B0 F2 B1 F3 B2 B3, rank 1 F0 B0 F1 B1 ...; each backward's
+    working set comes on top of what is held as it starts; the stage's first backward of the
+    step uses the input-gradient figure (its weight gradients become the .grad)."""
+    from autopipe.planning.costmodel import rank_peak_bytes, simulate_step
+
+    def peaks(m: int, work: tuple[list[int], list[int]] | None) -> list[float]:
+        t = simulate_step([1.0, 1.0], [2.0, 2.0], [], schedule="1F1B", n_microbatches=m, stages_per_rank=1)
+        return rank_peak_bytes(t, stage_static_bytes=[1000, 1000], stage_act_bytes=[100, 100], cut_fwd_bytes=[0],
+                               cut_bwd_bytes=[0], split_backward=False, stage_work_bytes=work)
+
+    assert peaks(4, None) == [1200.0, 1100.0]
+    assert peaks(4, ([50, 70], [50, 70])) == [1250.0, 1170.0]
+    assert peaks(8, ([50, 70], [50, 70])) == [1250.0, 1170.0]  # once, not per micro-batch
+    assert peaks(4, ([50, 70], [10, 20])) == [1250.0, 1170.0]  # later backwards accumulate
+    assert peaks(4, ([0, 0], [300, 20])) == [1500.0, 1120.0]  # the first backward of rank 0: 200 held
+
+
+def test_stage_work_bytes_takes_off_the_received_gradient_and_what_later_segments_freed() -> None:
+    from autopipe.planning.costmodel import stage_work_bytes
+
+    # Stage 0 = segments 0, 1; its last segment's arriving gradient (cut 2: 40) is a receive buffer.
+    assert stage_work_bytes([10, 50, 30, 20], [2], [0, 5, 40, 8, 0], [0, 0, 0, 0]) == [10, 30]
+    # Segment 2 runs after segment 3 freed its 25 saved bytes.
+    assert stage_work_bytes([10, 50, 30, 20], [2], [0, 5, 40, 8, 0], [0, 0, 0, 25]) == [10, 20]
+
+
+def test_old_plan_segments_without_working_set_load_with_zero() -> None:
+    from autopipe.planning.plan_records import PlanSegment
+
+    seg = PlanSegment(fwd_s=1e-3, bwd_s=2e-3, param_bytes=64, act_bytes=32, out_bytes=16)
+    assert seg.cost().bwd_peak_bytes == seg.cost().bwd_input_peak_bytes == 0

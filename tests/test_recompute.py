@@ -215,3 +215,84 @@ def test_cost_model_recompute_formulas():
     assert costmodel.recompute_backward_s(1.0, 2.0) == 3.0
     with pytest.raises(ValueError, match="recompute"):
         costmodel.stage_times_s([SegmentCost(1.0, 2.0, 0, 0, 0)] * 2, [1], 4, recompute=[2])
+
+
+class _Widen(nn.Module):
+    """A parameter-free module whose output is ``w`` floats per row: it sets the bytes sent at the cut after it."""
+
+    def __init__(self, w: int) -> None:
+        super().__init__()
+        self.w = w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x[:, :1].repeat(1, self.w))
+
+
+def _widening_case():
+    """Cut 7 sends 16 bytes, cut 6 1 kB: both are the lightest stage-0 splits, and cut 7 is preferred by both
+    of the partitioner's tie-breaks (balance, least communication) while holding one segment more."""
+    widths = [128] * 4 + [256, 64, 1] + [128] * 4 + [1]
+    model = nn.Sequential(*[_Widen(w) for w in widths])
+
+    def seg(k: int) -> SegmentCost:
+        fwd, act = {5: (0.1, 0), 6: (0.0, 1000), 7: (1.1, 1000)}.get(k, (1.0, 1000))
+        return SegmentCost(fwd_s=fwd, bwd_s=2 * fwd, param_bytes=0, act_bytes=act, out_bytes=64)
+
+    return model, (torch.randn(4, 8),), [seg(k) for k in range(len(widths))]
+
+
+def _plan_widening(memory, **kw):
+    model, args, costs = _widening_case()
+    dev = Device(memory=memory, bandwidth=1e12, latency_s=0.0, action_overhead_s=0.0)
+    return autopipe.partition(model, 2, example_args=args, cost=costs, devices=[dev, dev], loss_fn=False,
+                              schedule="1F1B", n_microbatches=8, **kw)
+
+
+def test_split_fitting_per_rank_without_recompute_is_found():
+    """A split that fits per stage but not per rank (its rank also holds the tensor it sent) is not the
+    only candidate: the search runs again under limits lowered by that difference, and the split that
+    fits per rank keeping every activation wins over recomputing."""
+    model, args, costs = _widening_case()
+    traced = trace(model, args)
+    graph = build_cost_graph(traced, costs)
+    roomy = Device(memory=10**9, bandwidth=1e12, latency_s=0.0, action_overhead_s=0.0)
+    option = cost_option(ScheduleOption("1F1B", 1, 8), traced=traced, cost_graph=graph, n_gpus=2,
+                         rank_devices=[roomy, roomy], optimizer_factor=2.0, link_default=(1e12, 0.0),
+                         objective="step")
+    ranks = stage_ranks("1F1B", 2, 1)
+    # The memory that cut 7 fits per stage exactly: per rank it is over by the bytes it sends.
+    memory = evaluate(option.problem, [7]).stage_mem_bytes[0]
+    peaks = {c: max(_rank_peaks(option, option.problem, [c], [], costs, traced, ranks, 2.0)[0]) for c in (6, 7)}
+    assert peaks[7] > memory >= peaks[6]
+    best_keeping = min(predict_split_step_s(option.problem, [c], costs, option, traced, ranks)
+                       for c in range(1, 12)
+                       if max(_rank_peaks(option, option.problem, [c], [], costs, traced, ranks, 2.0)[0]) <= memory)
+    plan = _plan_widening(memory)
+    assert plan.recompute_stages == [] and plan.split_points == ["6"]
+    assert plan.predicted_step_s == pytest.approx(best_keeping)
+    assert max(plan.rank_peak_bytes) <= memory
+
+
+def test_recompute_false_never_recomputes(chain):
+    memory = 12 * ACT + 4096
+    assert _plan(chain, memory).recompute_stages == [0]
+    keep = _plan(chain, memory, recompute=False)
+    assert keep.recompute_stages == [] and max(keep.rank_peak_bytes) <= memory
+    assert keep.predicted_step_s > _plan(chain, memory).predicted_step_s
+    # 9 segments' activations: stage 0 holding 2 micro-batches fits only recomputing.
+    assert _plan(chain, 9 * ACT).recompute_stages
+    with pytest.raises(InfeasibleMemoryError, match="activation checkpointing"):
+        _plan(chain, 9 * ACT, recompute=False)
+    with pytest.raises(ValueError, match=r"recompute='always'.*'auto'.*False"):
+        _plan(chain, memory, recompute="always")
+    assert autopipe.PlannerOptions(recompute=False).partition_kwargs() == {"recompute": False}
+
+
+def test_no_schedule_fits_says_recomputation_was_considered(chain):
+    model, args, _, costs = chain
+    dev = Device(memory=2 * ACT, bandwidth=1e12, latency_s=0.0, action_overhead_s=0.0)
+    kw = dict(example_args=args, cost=costs, devices=[dev, dev], loss_fn=False, schedule="auto", n_microbatches=8)
+    with pytest.raises(InfeasibleMemoryError, match="no schedule considered fits .* recomputation considered"):
+        autopipe.partition(model, 2, **kw)
+    with pytest.raises(InfeasibleMemoryError, match="recompute=False"):
+        autopipe.partition(model, 2, recompute=False, **kw)

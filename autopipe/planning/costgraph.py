@@ -60,6 +60,14 @@ class SegmentCost:
     # pipeline stages do it for every micro-batch after the first (an in-place add per
     # parameter), which a profile that takes the gradients with autograd.grad never pays.
     accum_s: float = 0.0
+    # Peak bytes its backward allocates beyond act_bytes (the gradient arriving at its output,
+    # those flowing back, the fresh weight gradients added into .grad, temporaries; autograd
+    # frees saved tensors as it goes): what a stage needs on top of all it holds while it runs
+    # a backward (autopipe.machine.working_set). bwd_input_peak_bytes: the same for the input
+    # gradients alone, as in a stage's first backward of a step, whose weight gradients become
+    # the .grad counted with the parameters.
+    bwd_peak_bytes: int = 0
+    bwd_input_peak_bytes: int = 0
 
     @property
     def time_s(self) -> float:

@@ -44,6 +44,10 @@ disagree with another. Times are per micro-batch and bytes per device unless a n
   the largest activations of one micro-batch it recomputes); on the last stage's rank at
   least its static bytes + the kept outputs once more (torch concatenates them at the
   step's end);
+* data parallel, ``dp`` replicas of each stage (:func:`dp_reduction_s`, :func:`dp_optimizer_factor`):
+  each rank's stages reduce their gradients after the step, not overlapped with it,
+  ``2 (dp-1)/dp * grad_bytes / bandwidth + 2 (dp-1) * latency_s`` each (a ring all-reduce, or
+  FSDP's all-gather + reduce-scatter); with FSDP ``static = P + T + T (2 + f) / dp``;
 * lower bounds: on the heaviest stage (:func:`bottleneck_lower_bound_s`)
   ``max(sum(C) / sum(speed), max(C) / max(speed))``, and on the step under a schedule
   (:func:`step_lower_bound_s`) ``max(m * rank work + its actions' overhead,
@@ -77,8 +81,9 @@ if TYPE_CHECKING:
 __all__ = [
     "SegmentTimes", "StepTail", "step_backward_s", "stage_times_s", "cut_bytes", "cut_time_s", "cut_times_s",
     "step_tail", "simulate_step", "predicted_step_s", "state_bytes", "stage_peak_bytes", "rank_peak_bytes",
-    "recompute_backward_s", "held_act_bytes",
-    "bottleneck_lower_bound_s", "step_lower_bound_s",
+    "recompute_backward_s", "held_act_bytes", "stage_work_bytes",
+    "bottleneck_lower_bound_s", "step_lower_bound_s", "DP_MODES", "ring_collective_s", "dp_reduction_s",
+    "dp_optimizer_factor",
 ]
 
 
@@ -377,7 +382,8 @@ def stage_peak_bytes(static_bytes: Any, act_bytes: Any, inflight: Any, *, recomp
 def rank_peak_bytes(timeline: Timeline, *, stage_static_bytes: Sequence[float], stage_act_bytes: Sequence[int],
                     cut_fwd_bytes: Sequence[int], cut_bwd_bytes: Sequence[int], split_backward: bool,
                     merge_bytes: float = 0.0, overcount: Sequence[float] | None = None,
-                    recompute: Sequence[int] = (), stage_input_bytes: Sequence[float] | None = None) -> list[float]:
+                    recompute: Sequence[int] = (), stage_input_bytes: Sequence[float] | None = None,
+                    stage_work_bytes: tuple[Sequence[int], Sequence[int]] | None = None) -> list[float]:
     """Per rank, the predicted peak bytes of one step of ``timeline``.
 
     The static bytes of the rank's stages (less ``overcount``: bytes counted on several of
@@ -402,6 +408,9 @@ def rank_peak_bytes(timeline: Timeline, *, stage_static_bytes: Sequence[float], 
             (:func:`held_act_bytes`), and its rank holds one micro-batch's activations more
             while recomputing (the largest of its recomputing stages').
         stage_input_bytes: per stage, the bytes crossing into it (needed with ``recompute``).
+        stage_work_bytes: ``(accumulating, first)``, per stage, what its backward allocates
+            beyond its saved activations (:func:`stage_work_bytes`): charged while each backward
+            of the stage runs, on top of all the rank holds then; its peak counts once.
 
     Example:
         >>> t = simulate_step([1.0, 1.0], [2.0, 2.0], [], schedule="1F1B", n_microbatches=4, stages_per_rank=1)
@@ -425,7 +434,8 @@ def rank_peak_bytes(timeline: Timeline, *, stage_static_bytes: Sequence[float], 
         act[s] = int(held_act_bytes(act[s], int(stage_input_bytes[s]), True))
     if split_backward:
         act = [a + f for a, f in zip(act, sent_fwd)]
-    held = timeline.peak_activation_bytes(act, send_bytes=(sent_fwd, sent_bwd))
+    held = timeline.peak_activation_bytes(act, send_bytes=(sent_fwd, sent_bwd), work_bytes=(
+        None if stage_work_bytes is None else tuple([int(w) for w in ws] for ws in stage_work_bytes)))
     n_ranks = max(ranks) + 1
     static = [0.0] * n_ranks
     for s, r in enumerate(ranks):
@@ -436,6 +446,43 @@ def rank_peak_bytes(timeline: Timeline, *, stage_static_bytes: Sequence[float], 
     last = ranks[-1]
     peak[last] = max(peak[last], static[last] + merge_bytes)
     return peak
+
+
+def stage_work_bytes(work: Sequence[int], cuts: Sequence[int], cut_bwd_bytes: Sequence[int],
+                     act_bytes: Sequence[int]) -> list[int]:
+    """Per stage, what its backward allocates beyond its saved activations, from its segments'
+    working sets (:attr:`~autopipe.planning.costgraph.SegmentCost.bwd_peak_bytes`, or
+    ``bwd_input_peak_bytes``), each measured alone with the gradient arriving at its output.
+
+    A stage runs its segments' backwards last to first, and autograd frees each segment's
+    saved activations when its backward is done; the rank model holds the stage's
+    activations until the whole backward ends, so a segment's working set counts less what
+    the segments after it in the stage have freed by then. The gradient arriving at a
+    segment inside a stage is made by the backward after it and is there; at the end of a
+    stage that sends on it arrives in a receive buffer torch allocates once, before the
+    step (held with the stage's buffers): it is taken off that segment's figure.
+
+    Args:
+        work: per segment, its working set.
+        cuts: the split (segment indices where stages 1, 2, ... start).
+        cut_bwd_bytes: per cut (index ``k``: before segment ``k``), the gradient bytes crossing it.
+        act_bytes: per segment, its saved activations.
+
+    Example:
+        >>> stage_work_bytes([10, 50, 30, 20], [2], [0, 5, 40, 8, 0], [0, 0, 0, 25])
+        [10, 20]
+    """
+    n = len(work)
+    edges = [0, *[int(c) for c in cuts], n]
+    out = []
+    for i, j in zip(edges, edges[1:]):
+        best, freed = 0, 0
+        for k in range(j - 1, i - 1, -1):  # backward order: the freed activations grow
+            arriving = int(cut_bwd_bytes[j]) if k == j - 1 and j < n else 0
+            best = max(best, int(work[k]) - arriving - freed)
+            freed += int(act_bytes[k])
+        out.append(best)
+    return out
 
 
 # --------------------------------------------------------------------------- lower bounds
@@ -493,3 +540,60 @@ def step_lower_bound_s(problem: PartitionProblem, timeline: Timeline, *, n_micro
     overhead = min(sum(action_overhead_s[e.stage] for e in timeline.per_rank(r)) for r in range(timeline.n_ranks))
     whole = float(problem.compute_s.sum() / max(problem.speed)) if len(problem.speed) else math.inf
     return float(max(n_microbatches * rank_work + overhead, whole) + tail.any_split_s)
+
+
+# --------------------------------------------------------------------------- data parallel
+
+#: How the gradients of a stage are reduced over its data-parallel replicas (the runtime's ``dp_mode``).
+DP_MODES = ("fsdp", "replicate")
+
+
+def ring_collective_s(nbytes: float, n: int, bandwidth: float, latency_s: float, *, passes: int = 1) -> float:
+    """Seconds of ``passes`` ring passes over ``n`` ranks: ``passes (n-1)/n * nbytes / bandwidth + passes (n-1) * latency_s``.
+
+    One pass is a reduce-scatter or an all-gather; an all-reduce is two. 0 on one rank.
+
+    Example::
+
+        >>> ring_collective_s(8e9, 4, 1e11, 1e-5, passes=2)  # all-reduce of 8 GB over 4 ranks
+        0.12006
+    """
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return passes * ((n - 1) / n * nbytes / bandwidth + (n - 1) * latency_s)
+
+
+def dp_reduction_s(mode: str, grad_bytes: float, dp: int, bandwidth: float, latency_s: float) -> float:
+    """Seconds one stage spends per step on its data-parallel collectives, not overlapped with the pipeline.
+
+    ``"replicate"``: one all-reduce of the stage's gradients after the step (two ring passes).
+    ``"fsdp"``: one all-gather of its parameters before its first forward (kept gathered for
+    the step) and one reduce-scatter of its gradients after its last backward: two passes
+    too, so both modes cost the same time; they differ in memory (:func:`dp_optimizer_factor`).
+
+    Example::
+
+        >>> dp_reduction_s("fsdp", 1e9, 2, 1e10, 0.0) == dp_reduction_s("replicate", 1e9, 2, 1e10, 0.0) == 0.1
+        True
+    """
+    if mode not in DP_MODES:
+        raise ValueError(f"mode={mode!r} is not a data-parallel mode; use one of {list(DP_MODES)}")
+    return ring_collective_s(grad_bytes, dp, bandwidth, latency_s, passes=2)
+
+
+def dp_optimizer_factor(optimizer_factor: float, dp: int, mode: str) -> float:
+    """The ``optimizer_factor`` that makes :func:`state_bytes` count a stage replicated ``dp`` times.
+
+    ``"replicate"`` keeps everything: the factor is unchanged. ``"fsdp"`` under a pipeline
+    holds the gathered parameters and the unsharded gradients through the step (they are
+    reduce-scattered after the last micro-batch) plus 1/dp of the parameters, gradients and
+    optimizer state: ``P + T + T (2 + f) / dp``, i.e. a factor ``(2 + f) / dp``.
+
+    Example::
+
+        >>> dp_optimizer_factor(2.0, 4, "fsdp"), dp_optimizer_factor(2.0, 4, "replicate")
+        (1.0, 2.0)
+    """
+    if mode not in DP_MODES:
+        raise ValueError(f"mode={mode!r} is not a data-parallel mode; use one of {list(DP_MODES)}")
+    return optimizer_factor if mode == "replicate" or dp <= 1 else (2.0 + optimizer_factor) / dp

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -274,7 +274,7 @@ def charged_loss(
     loss = profile_loss(model, traced.example_args, traced.example_kwargs, loss_fn, example_target,
                         device=device, warmup=warmup, repeats=repeats, output=output)
     if cost_source != "measured" or (note is not None and profile_given):
-        loss = LossCost(fwd_s=0.0, bwd_s=0.0, act_bytes=loss.act_bytes, batch=loss.batch)
+        loss = replace(loss, fwd_s=0.0, bwd_s=0.0)  # its bytes stay
         if note is not None and cost_source == "measured":
             note += " (its saved bytes only: the profile given as cost= holds no time for it)"
     return loss, note

@@ -122,6 +122,7 @@ class PlannerOptions:
     global_batch: int | None = None
     example_target: Any = None
     profiling: ProfileOptions | None = None
+    recompute: str | bool | None = None
 
     def __post_init__(self) -> None:
         if self.profiling is not None and not isinstance(self.profiling, ProfileOptions):

@@ -468,6 +468,8 @@ def solve_min_memory(problem: PartitionProblem) -> float:
         return None if reach is None else search.backtrack(float("inf"), reach)
 
     S_total = float(np.sum(problem.static_bytes) + problem.inflight.max() * np.sum(problem.act_bytes))
+    if not (ratio > 0).all():
+        return float("inf")  # a device with no memory holds no stage at any scale
     lo, hi = 0.0, max(S_total / ratio.min(), 1.0) * 1.01
     cuts = partition_at(hi)
     for _ in range(100):

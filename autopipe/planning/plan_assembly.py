@@ -80,6 +80,7 @@ def make_plan(
             name=seg.name, modules=list(seg.modules), fwd_s=c.fwd_s, bwd_s=c.bwd_s, param_bytes=int(c.param_bytes),
             act_bytes=int(c.act_bytes), out_bytes=int(c.out_bytes), flops=c.flops,
             trainable_param_bytes=int(c.trainable_param_bytes), accum_s=c.accum_s,
+            bwd_peak_bytes=int(c.bwd_peak_bytes), bwd_input_peak_bytes=int(c.bwd_input_peak_bytes),
             cut_fwd_bytes=int(cost_graph.cut_fwd_bytes[seg.index]),
             cut_bwd_bytes=int(cost_graph.cut_bwd_bytes[seg.index]),
         )

@@ -148,7 +148,8 @@ def _segments(c: FieldCheck, field: str, value: Any, shape: PlanShape, *,
     checks: dict[str, Callable[[str, Any], Any]] = {
         **{k: c.number for k in ("fwd_s", "bwd_s", "accum_s", "flops")},
         **{k: c.integer for k in ("param_bytes", "act_bytes", "out_bytes", "trainable_param_bytes",
-                                  "cut_fwd_bytes", "cut_bwd_bytes")},
+                                  "cut_fwd_bytes", "cut_bwd_bytes", "bwd_peak_bytes",
+                                  "bwd_input_peak_bytes")},
         "name": c.text, "modules": lambda f, v: c.sequence(f, v, c.text),
     }
     segments = c.sequence(field, value, lambda f, v: PlanSegment(**{
@@ -189,7 +190,8 @@ def _alternatives(c: FieldCheck, field: str, value: Any, *,
 
 def _loss(c: FieldCheck, field: str, value: Any) -> LossCost:
     return LossCost(**c.record(field, value, {"fwd_s": c.number, "bwd_s": c.number, "act_bytes": c.integer,
-                                              "batch": lambda f, v: c.integer(f, v, 1)}, required_fields(LossCost)))
+                                              "batch": lambda f, v: c.integer(f, v, 1),
+                                              "bwd_peak_bytes": c.integer}, required_fields(LossCost)))
 
 
 def _whole_pass(c: FieldCheck, field: str, value: Any, *, version: int) -> WholePass:

@@ -56,12 +56,15 @@ class PlanSegment:
     accum_s: float = 0.0  # gradient accumulation per micro-batch after the first
     cut_fwd_bytes: int = 0
     cut_bwd_bytes: int = 0
+    bwd_peak_bytes: int = 0  # its backward's working set beyond act_bytes (SegmentCost.bwd_peak_bytes)
+    bwd_input_peak_bytes: int = 0  # the same for the input gradients alone
 
     def cost(self) -> SegmentCost:
         """The segment's cost as the profile gave it (for ``partition(cost=...)``)."""
         return SegmentCost(fwd_s=self.fwd_s, bwd_s=self.bwd_s, param_bytes=self.param_bytes,
                            act_bytes=self.act_bytes, out_bytes=self.out_bytes, flops=self.flops,
-                           trainable_param_bytes=self.trainable_param_bytes, accum_s=self.accum_s)
+                           trainable_param_bytes=self.trainable_param_bytes, accum_s=self.accum_s,
+                           bwd_peak_bytes=self.bwd_peak_bytes, bwd_input_peak_bytes=self.bwd_input_peak_bytes)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,8 @@ import torch.distributed as dist
 from .._checks import accepts_old_keywords, check_at_most, check_choice, check_int
 from . import schedules as sim
 from .costgraph import CostGraph, SegmentCost, build_cost_graph
+from .data_parallel import plan_data_parallel
+from ..machine.topology import Topology
 from .link_choice import choose_link, link_mode
 from ..machine.device import (Device, format_bytes, default_action_overhead_s, default_copy_bandwidth, default_link,
                                optimizer_state_factor, sends_are_lazy)
@@ -82,12 +84,15 @@ def partition(
     stages_per_rank: int | None = None,
     objective: str = "step",
     memory: int | str | Sequence[int | str] | None = None,
-    devices: Device | Sequence[Device] | None = None,
-    optimizer: str | type = "adam",
+    devices: Device | Sequence[Device] | Topology | None = None,
+    optimizer: str | type | float = "adam",
     loss_fn: Any = None,
     example_target: Any = None,
     cost: str | Sequence[SegmentCost] | ScaledProfile = "measured",
     profiling: ProfileOptions | None = None,
+    recompute: str | bool = "auto",
+    data_parallel: int | str = 1,
+    dp_mode: str = "fsdp",
 ) -> Plan:
     """Find where to cut ``model`` into pipeline stages so the schedule runs fastest.
 
@@ -157,6 +162,10 @@ def partition(
             (device, warmup, repeats, flush_cache, fit_to_whole, progress); None = its
             defaults. With a profile given as ``cost``, its device still picks the defaults
             for the link and the cost per action.
+        recompute: ``"auto"`` (default): when memory binds, the planner may have some stages
+            recompute their activations in the backward (activation checkpointing) and picks
+            the fastest split that fits (``plan.recompute_stages``); ``False``: no stage
+            recomputes, only splits that fit keeping every activation are considered.
 
     The keywords ``device``, ``warmup``, ``repeats``, ``flush_cache``, ``fit_to_whole``,
     ``progress`` (now in ``profiling``), ``bandwidth``, ``latency_s``, ``action_overhead_s``
@@ -197,7 +206,17 @@ def partition(
     # Before anything sized by it (one Device per rank, torch's schedule orders); whether the
     # model has split points for this many is known only after tracing, below.
     check_at_most("n_gpus", n_gpus, MAX_STAGES, f"ranks (MAX_STAGES={MAX_STAGES})")
+    if not (data_parallel == 1 and type(data_parallel) is int) or isinstance(devices, Topology):
+        # Every (pp, dp) factorization of n_gpus, each pipeline planned by this function (data_parallel.py).
+        return plan_data_parallel(
+            partition, model, n_gpus, example_args, example_kwargs, data_parallel=data_parallel, dp_mode=dp_mode,
+            global_batch=global_batch, n_microbatches=n_microbatches, devices=devices, optimizer=optimizer,
+            schedule=schedule, stages_per_rank=stages_per_rank, objective=objective, memory=memory, loss_fn=loss_fn,
+            example_target=example_target, cost=cost, profiling=profiling, recompute=recompute)
     check_choice("objective", objective, OBJECTIVES)
+    if not (recompute is False or (isinstance(recompute, str) and recompute == "auto")):
+        raise ValueError(f"recompute={recompute!r} is not known; use 'auto' (recompute on the stages that need "
+                         "it when memory binds) or False (never recompute)")
     cost_source, costs, scaling = _cost_inputs(cost)
     wanted = _resolve_options(n_gpus, schedule, n_microbatches, global_batch, stages_per_rank, costs, scaling)
     opt_name, opt_factor = optimizer_state_factor(optimizer)
@@ -269,7 +288,8 @@ def partition(
     def search(link: tuple[float, float]) -> tuple[tuple[list[ScheduleOption], ScheduleOption, float], str]:
         found = _search_options(link, graphs=graphs, pairs_for=pairs_for, traced=traced, n_gpus=n_gpus,
                                 rank_devices=rank_devices, opt_factor=opt_factor, objective=objective,
-                                device_type=dev.type, several=wanted.several)
+                                device_type=dev.type, several=wanted.several,
+                                allow_recompute=recompute is not False)
         o = found[1]  # the split as the note names it: split points, schedule, micro-batches
         names = [traced.candidates[c - 1].name for c in o.result.cuts]
         return found, (f"{names} ({o.schedule}" + (f" x{o.stages_per_rank}" if o.stages_per_rank > 1 else "")
@@ -325,7 +345,7 @@ def _speeds_from_flops(rank_devices: Sequence[Device]) -> list[Device]:
 def _search_options(
     link: tuple[float, float], *, graphs: Mapping[int, CostGraph], pairs_for: Mapping[int, list[tuple[str, int]]],
     traced: TracedModel, n_gpus: int, rank_devices: Sequence[Device], opt_factor: float, objective: str,
-    device_type: str, several: bool,
+    device_type: str, several: bool, allow_recompute: bool = True,
 ) -> tuple[list[ScheduleOption], ScheduleOption, float]:
     """Every option costed with ``link`` as the default link, the fastest that fits, and the seconds taken."""
     t0 = time.perf_counter()
@@ -337,7 +357,8 @@ def _search_options(
                 cost_option(option, traced=traced, cost_graph=graph, n_gpus=n_gpus, rank_devices=rank_devices,
                             optimizer_factor=opt_factor, link_default=link, objective=objective,
                             overhead_default=default_action_overhead_s(device_type),
-                            lazy_sends=sends_are_lazy(device_type), copy_bandwidth=default_copy_bandwidth(device_type))
+                            lazy_sends=sends_are_lazy(device_type), copy_bandwidth=default_copy_bandwidth(device_type),
+                            allow_recompute=allow_recompute)
             except InfeasibleMemoryError as e:
                 if not several:
                     raise
@@ -346,9 +367,12 @@ def _search_options(
     planner_s = time.perf_counter() - t0
     usable = [o for o in options if o.result is not None and o.fits]
     if not usable:
-        # Every option fails memory: say what the most frugal one would need.
+        # Every option fails memory: say what the most frugal one would need, and whether
+        # recomputing activations was among what was tried.
+        tried = ("with activation recomputation considered for every stage" if allow_recompute else
+                 "keeping every activation (recompute=False; recompute='auto' lets stages recompute)")
         raise InfeasibleMemoryError(
-            "no schedule considered fits the memory given: "
+            f"no schedule considered fits the memory given, {tried}: "
             + "; ".join(f"{o.schedule} x{o.stages_per_rank} needs "
                         f"{_fmt_rank_peak(o)}" for o in options)
         )
@@ -488,7 +512,14 @@ def _with_loss(costs: Sequence[SegmentCost], loss: LossCost | None, scale: float
     if loss is not None and costs:
         last = costs[-1]
         costs[-1] = replace(last, fwd_s=last.fwd_s + loss.fwd_s * scale, bwd_s=last.bwd_s + loss.bwd_s * scale,
-                            act_bytes=last.act_bytes + int(loss.act_bytes * scale))
+                            act_bytes=last.act_bytes + int(loss.act_bytes * scale),
+                            # The loss's backward runs first, then the segment's, with its own output's
+                            # gradient (already in the segment's working set): the larger one counts. In
+                            # the step's first backward the segment's weight gradients, which the static
+                            # bytes hold from the start, do not exist yet while the loss's runs.
+                            bwd_peak_bytes=max(last.bwd_peak_bytes, int(loss.bwd_peak_bytes * scale)),
+                            bwd_input_peak_bytes=max(last.bwd_input_peak_bytes, int(
+                                loss.bwd_peak_bytes * scale) - last.trainable_param_bytes))
     return costs
 
 

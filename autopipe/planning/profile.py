@@ -58,6 +58,7 @@ from ..machine.passes import (SavedBytes, WholePass, forward_backward, storage_k
                               time_in_rounds)
 from ..machine.speed import measure_device_flops
 from ..machine.timing import CacheFlusher, Timer, per_run_s, resolve_device
+from ..machine.working_set import backward_working_bytes, working_bytes
 from .costgraph import SegmentCost, requires_grad_map, tensor_bytes
 from .segment_graphs import copy_to_device, on_meta_device, segment_modules, stand_in
 from .trace import TracedModel
@@ -334,6 +335,7 @@ def _profile(
             flops = float(flop_counter.get_total_flops())
             act_bytes = _first_saved_bytes(counter, zip(sm.inputs, inputs), zip(sm.outputs, out), saved_values)
             del inputs
+            work = backward_working_bytes(module, make_inputs())
             fwd_s = bwd_s = accum_s = 0.0  # timed in rounds below, or estimated, unless timed here
             if in_rounds:
                 rounds.append((module, make_inputs, trainable))
@@ -353,6 +355,8 @@ def _profile(
                     flops=flops,
                     trainable_param_bytes=trainable_bytes,
                     accum_s=accum_s,
+                    bwd_peak_bytes=work.accumulating,
+                    bwd_input_peak_bytes=work.first,
                 )
             )
             # Hand this segment's outputs to later segments; drop values nobody needs any more.
@@ -412,8 +416,14 @@ class LossCost:
 
     fwd_s: float
     bwd_s: float
-    act_bytes: int  # bytes the loss saves for its backward (e.g. the log-softmax of the logits)
+    # Bytes kept from the loss's forward to its backward: what the loss saves (e.g. the
+    # log-softmax of the logits) and the model output itself, which torch's last stage keeps
+    # for the backward whether the loss saves it or not; each storage once.
+    act_bytes: int
     batch: int  # the micro-batch size it was measured at (its first input's first dimension)
+    # Peak bytes its backward allocates beyond act_bytes (the output's gradient, temporaries):
+    # the start of the last stage's backward working set.
+    bwd_peak_bytes: int = 0
 
 
 def profile_loss(
@@ -483,6 +493,11 @@ def profile_loss(
     if not isinstance(loss, torch.Tensor) or not loss.requires_grad or not wrt:
         raise ValueError(f"loss_fn(output, target) must return a tensor that depends on the model output; "
                          f"got {type(loss).__name__}")
+    # torch's last stage keeps the output it hands the loss until that micro-batch's backward.
+    for t in wrt:
+        counter.pack(t)
+    out, wrt = leaves()
+    bwd_peak_bytes = working_bytes(lambda: loss_fn(out, target), wrt, [])
     fwd, bwd = [], []
     for i in range(warmup + repeats):
         out, wrt = leaves()
@@ -492,7 +507,7 @@ def profile_loss(
             fwd.append(f)
             bwd.append(b)
     return LossCost(fwd_s=per_run_s(fwd), bwd_s=per_run_s(bwd), act_bytes=counter.total,
-                    batch=batch)
+                    batch=batch, bwd_peak_bytes=bwd_peak_bytes)
 
 
 def model_output(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: Mapping[str, Any] | None) -> Any:

@@ -14,7 +14,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from .timeline import Timeline
 
 __all__ = ["ScheduleOption", "cost_option", "auto_schedule_options", "inflight_per_stage", "split_stage_times_s",
-           "split_cut_times_s", "split_step_tail", "predict_split_step_s"]
+           "split_cut_times_s", "split_step_tail", "predict_split_step_s", "predict_split"]
 
 
 @dataclass
@@ -135,6 +135,26 @@ def predict_split_step_s(problem: PartitionProblem, cuts: Sequence[int], costs: 
         tail=split_step_tail(traced, problem, cuts, costs, ranks, m, option.copy_bandwidth))
 
 
+def predict_split(option: ScheduleOption, cuts: Sequence[int], recompute: Sequence[int], *, traced: TracedModel,
+                  costs: Sequence[SegmentCost], optimizer_factor: float) -> tuple[float, list[float]]:
+    """Predicted step and per-rank peak bytes of any split of a costed ``option``, ``recompute`` stages recomputing.
+
+    The planner's own model (:func:`predict_split_step_s`, the per-rank memory of
+    :func:`cost_option`), for comparing a split or a recomputation choice it did not make.
+
+    Example:
+        >>> step, peaks = predict_split(option, [3], [0], traced=traced, costs=graph.costs,
+        ...                             optimizer_factor=2.0)  # doctest: +SKIP
+    """
+    if option.problem is None:
+        raise ValueError("option has no problem: cost it with cost_option first")
+    ranks = stage_ranks(option.schedule, option.problem.num_stages // option.stages_per_rank, option.stages_per_rank)
+    again = sorted(set(int(s) for s in recompute))
+    step = predict_split_step_s(option.problem, cuts, costs, option, traced, ranks, again)
+    peaks, _ = _rank_peaks(option, option.problem, cuts, again, costs, traced, ranks, optimizer_factor)
+    return step, peaks
+
+
 # --------------------------------------------------------------------------- one option, costed
 
 
@@ -142,6 +162,7 @@ def cost_option(
     option: ScheduleOption, *, traced: TracedModel, cost_graph: CostGraph, n_gpus: int,
     rank_devices: Sequence[Device], optimizer_factor: float, link_default: tuple[float, float], objective: str,
     overhead_default: float = 0.0, lazy_sends: bool = False, copy_bandwidth: float = math.inf,
+    allow_recompute: bool = True,
 ) -> ScheduleOption:
     """Find the best split for one schedule option and predict its step time and memory.
 
@@ -154,7 +175,13 @@ def cost_option(
     with some stages recomputing their activations join the candidates
     (:func:`autopipe.planning.recompute.recompute_candidates`); every candidate recomputes
     only the stages it needs to fit, per rank, and the fastest that fits wins
-    (``option.recompute``). With no memory limit, nothing recomputes.
+    (``option.recompute``). With no memory limit, or ``allow_recompute=False``, nothing
+    recomputes.
+
+    The partitioner checks memory per stage, while a rank also holds the tensors it sent:
+    where its best split fits per stage but not per rank, it searches again with each
+    stage's limit lowered by the difference (:func:`_tightened`), so that splits fitting per
+    rank without recomputing are among the candidates.
 
     Raises:
         InfeasibleMemoryError: no split of this option fits the devices' memory, even recomputing.
@@ -178,23 +205,29 @@ def cost_option(
     )
     option.problem = problem
     limited = bool(np.isfinite(problem.capacity_bytes).any()) and problem.fwd_s is not None
+    keep = (lambda pb: [solve_bottleneck(pb)]) if objective == "bottleneck" else candidate_partitions
     try:
-        results = [solve_bottleneck(problem)] if objective == "bottleneck" else candidate_partitions(problem)
+        results = keep(problem)
     except InfeasibleMemoryError:
-        if not limited:
+        if not (limited and allow_recompute):
             raise
         results = []
-    if limited and _memory_binds(problem, results):
+    gap = _rank_gap_fn(option, problem, costs, traced, ranks, optimizer_factor)
+    if limited:
+        # The partitioner counts memory per stage; a rank also holds the tensors it sent. Splits
+        # that fit per stage but not per rank are replaced by ones found under tightened limits.
+        results = _tightened(problem, keep, gap, results)
+    if limited and allow_recompute and _memory_binds(problem, results, gap):
         # Splits the memory ruled out may fit with some stages recomputing; they compete on the step.
-        more = recompute_candidates(problem)
-        results += more[:1] if objective == "bottleneck" else more
+        again = (lambda pb: recompute_candidates(pb)[:1]) if objective == "bottleneck" else recompute_candidates
+        results += _tightened(problem, again, gap, _search_or_none(again, problem))
     if not results:
         raise _infeasible_with_recompute(problem)
     option.candidates = len(results)
     best = None
     for r in results:
         again, step, fits = _fit_ranks(option, problem, r, costs, traced, ranks, rank_devices, optimizer_factor,
-                                       limited)
+                                       limited, allow_recompute)
         if best is None or (not fits, step, r.bottleneck_s) < (not best[2], best[0], best[1].bottleneck_s):
             best = (step, r, fits, again)
     option.predicted_step_s, option.result, _, option.recompute = best
@@ -210,12 +243,76 @@ def cost_option(
     return option
 
 
-def _memory_binds(problem: PartitionProblem, results: Sequence[PartitionResult]) -> bool:
-    """Whether memory changed the search: nothing fits, or the split that ignores memory does not fit."""
+def _memory_binds(problem: PartitionProblem, results: Sequence[PartitionResult],
+                  gap: Callable[[PartitionResult], np.ndarray]) -> bool:
+    """Whether memory changed the search: nothing fits, or the split that ignores memory does not fit.
+
+    "Fits" per rank (``gap`` is what each stage's rank holds beyond the stage's own peak).
+    """
     if not results:
         return True
     free = PartitionProblem(**{**problem.__dict__, "capacity_bytes": np.full_like(problem.capacity_bytes, np.inf)})
-    return not evaluate(problem, solve_bottleneck(free).cuts).fits_memory
+    split = evaluate(problem, solve_bottleneck(free).cuts)
+    return not (split.fits_memory and (np.array(split.stage_mem_bytes) + gap(split) <= problem.capacity_bytes).all())
+
+
+#: Rounds of tightening the per-stage limits to what the ranks hold (:func:`_tightened`).
+TIGHTEN_ROUNDS = 4
+
+
+def _rank_gap_fn(option: ScheduleOption, problem: PartitionProblem, costs: Sequence[SegmentCost],
+                 traced: TracedModel, ranks: Sequence[int], optimizer_factor: float) -> Callable[[PartitionResult], np.ndarray]:
+    """Per stage of a split, the bytes its rank's predicted peak exceeds the stage's own peak by.
+
+    A rank holds, beside its stages' activations, the tensors it sent until torch waits on
+    the send (and, with several stages per rank, the others' bytes): what the
+    partitioner's per-stage memory window does not count.
+    """
+    def gap(result: PartitionResult) -> np.ndarray:
+        peaks, _ = _rank_peaks(option, problem, result.cuts, result.recompute, costs, traced, ranks,
+                               optimizer_factor)
+        return np.maximum(np.array([peaks[r] for r in ranks]) - np.array(result.stage_mem_bytes), 0.0)
+    return gap
+
+
+def _tightened(problem: PartitionProblem, search: Callable[[PartitionProblem], list[PartitionResult]],
+               gap: Callable[[PartitionResult], np.ndarray], results: list[PartitionResult]) -> list[PartitionResult]:
+    """``results`` (what ``search`` found at the devices' limits) and the splits it finds under tightened limits.
+
+    While the first split found fits per stage but not per rank, each stage's limit is
+    lowered by what its rank holds beyond the stage (``gap``) and the search runs again, so
+    that the split fitting per rank that the per-stage window missed joins the candidates
+    (every candidate is then checked per rank). At most :data:`TIGHTEN_ROUNDS` rounds;
+    duplicates dropped.
+    """
+    out = list(results)
+    seen = {(tuple(r.cuts), tuple(r.recompute)) for r in out}
+    found, caps = out, problem.capacity_bytes
+    for _ in range(TIGHTEN_ROUNDS):
+        if not found:
+            break
+        need = np.array(found[0].stage_mem_bytes) + gap(found[0])
+        if (need <= problem.capacity_bytes * (1 + 1e-12)).all():
+            break
+        tighter = np.minimum(caps, problem.capacity_bytes - gap(found[0]))
+        if np.array_equal(tighter, caps) or not (tighter > 0).all():
+            break  # nothing new to find, or a stage left no room at all
+        caps = tighter
+        found = _search_or_none(search, PartitionProblem(**{**problem.__dict__, "capacity_bytes": caps}))
+        for r in found:
+            if (tuple(r.cuts), tuple(r.recompute)) not in seen:
+                seen.add((tuple(r.cuts), tuple(r.recompute)))
+                out.append(evaluate(problem, r.cuts, r.recompute))
+    return out
+
+
+def _search_or_none(search: Callable[[PartitionProblem], list[PartitionResult]],
+                    problem: PartitionProblem) -> list[PartitionResult]:
+    """``search(problem)``, or no split where nothing fits."""
+    try:
+        return [r for r in search(problem) if r is not None]
+    except InfeasibleMemoryError:
+        return []
 
 
 def _rank_peaks(option: ScheduleOption, problem: PartitionProblem, cuts: Sequence[int], again: Sequence[int],
@@ -237,13 +334,15 @@ def _rank_peaks(option: ScheduleOption, problem: PartitionProblem, cuts: Sequenc
         split_backward=option.schedule in schedules.SPLIT_BACKWARD_SCHEDULES,
         merge_bytes=m * merged_output_bytes(costs),
         overcount=rank_overcount_bytes(traced, cuts, ranks, optimizer_factor),
-        recompute=again, stage_input_bytes=[float(into[i]) for i in edges[:-1]])
+        recompute=again, stage_input_bytes=[float(into[i]) for i in edges[:-1]],
+        stage_work_bytes=tuple(costmodel.stage_work_bytes(w, cuts, problem.cut_bwd_bytes, problem.act_bytes)
+                               for w in ([c.bwd_peak_bytes for c in costs], [c.bwd_input_peak_bytes for c in costs])))
     return peaks, timeline
 
 
 def _fit_ranks(option: ScheduleOption, problem: PartitionProblem, result: PartitionResult,
                costs: Sequence[SegmentCost], traced: TracedModel, ranks: Sequence[int], rank_devices: Sequence[Device],
-               optimizer_factor: float, limited: bool) -> tuple[list[int], float, bool]:
+               optimizer_factor: float, limited: bool, allow_recompute: bool = True) -> tuple[list[int], float, bool]:
     """The stages of ``result`` to recompute so that every rank fits, its predicted step, and whether it fits.
 
     Starts from the stages the split needs recomputing on its own (``result.recompute``);
@@ -259,7 +358,7 @@ def _fit_ranks(option: ScheduleOption, problem: PartitionProblem, result: Partit
     while True:
         peaks, _ = _rank_peaks(option, problem, result.cuts, again, costs, traced, ranks, optimizer_factor)
         over = {r for r, (pk, d) in enumerate(zip(peaks, rank_devices)) if pk > d.memory_bytes}
-        more = [s for s in range(problem.num_stages) if ranks[s] in over and s not in again]
+        more = [s for s in range(problem.num_stages) if ranks[s] in over and s not in again and allow_recompute]
         if not over or not more:
             return again, step, not over
         again = sorted([*again, max(more, key=lambda s: act[s])])

@@ -93,7 +93,8 @@ class Timeline:
         return sorted((e for e in self.events if e.rank == rank), key=lambda e: e.start_s)
 
     def peak_activation_bytes(self, act_bytes: Sequence[int],
-                              send_bytes: tuple[Sequence[int], Sequence[int]] | None = None) -> list[int]:
+                              send_bytes: tuple[Sequence[int], Sequence[int]] | None = None,
+                              work_bytes: tuple[Sequence[int], Sequence[int]] | None = None) -> list[int]:
         """Peak bytes of saved activations per rank, weighting each stage by its own size.
 
         With several stages per rank the stages' in-flight counts peak at different times,
@@ -113,6 +114,11 @@ class Timeline:
                 to stage ``s + 1`` per micro-batch (its output; 0 for the last stage) and
                 the bytes it sends back to ``s - 1`` (its input's gradient; 0 for stage 0).
                 Sends between two stages of one rank move nothing and are not counted.
+            work_bytes: optional ``(accumulating, first)``, per stage, the bytes its backward
+                allocates beyond its saved activations with the weight gradients accumulated
+                into ``.grad`` and with the input gradients alone
+                (:func:`~autopipe.planning.costmodel.stage_work_bytes`), added while each of
+                its backward actions runs (:func:`inflight_peaks`).
 
         Returns:
             Per rank, the largest sum of ``act_bytes[s]`` over in-flight micro-batches (plus
@@ -140,7 +146,11 @@ class Timeline:
                 raise ValueError(f"send_bytes must be (fwd, bwd), each {self.n_stages} non-negative numbers "
                                  f"(one per stage), got {send_bytes!r}")
             sends = (fwd, bwd, SEND_RETENTION.get(self.schedule, "step"))
-        peaks = inflight_peaks(self.events, self.stage_ranks, weights=act_bytes, sends=sends)[0]
+        if work_bytes is not None and (len(work_bytes) != 2 or any(
+                len(w) != self.n_stages or any(b < 0 for b in w) for w in work_bytes)):
+            raise ValueError(f"work_bytes must be (accumulating, first), each {self.n_stages} non-negative numbers "
+                             f"(one per stage), got {work_bytes!r}")
+        peaks = inflight_peaks(self.events, self.stage_ranks, weights=act_bytes, sends=sends, work=work_bytes)[0]
         return [int(p) for p in peaks]
 
     def to_text(self, *, s_per_char: float | None = None, max_width: int = 160) -> str:
@@ -244,6 +254,7 @@ _KIND_NAMES = {
 def inflight_peaks(
     events: list[Event], ranks: list[int], *, weights: Sequence[float],
     sends: tuple[list[int], list[int], str] | None = None,
+    work: tuple[Sequence[float], Sequence[float]] | None = None,
 ) -> tuple[list[float], list[float]]:
     """Peak weighted in-flight micro-batches per rank and per stage.
 
@@ -261,6 +272,10 @@ def inflight_peaks(
         sends: optional ``(fwd, bwd, retention)``: per stage, the bytes sent on and back per
             micro-batch, and the schedule's :data:`~autopipe.planning.schedules.SEND_RETENTION`
             value ("next", "gpipe" or "step"), to add the sent tensors torch still holds.
+        work: optional ``(accumulating, first)``, per stage, what a backward action allocates
+            while it runs on top of everything the rank holds as it starts (its working set):
+            ``first`` for an input-gradient action and for the stage's first B or W of the
+            step (its weight gradients become the ``.grad``), ``accumulating`` for later ones.
 
     Returns:
         ``(per_rank, per_stage)``: the peak weighted sum per rank (sent tensors included),
@@ -278,9 +293,17 @@ def inflight_peaks(
     stage_now = [0] * len(ranks)
     stage_peak = [0] * len(ranks)
     kept = [0.0] * n_ranks  # bytes of sent tensors torch still holds, per rank
+    made_grads: set[int] = set()  # stages whose weight gradients exist (a B or W ran)
     last = len(ranks) - 1
     for e in sorted(events, key=lambda e: (e.rank, e.start_s)):  # stable: keeps run order
         s = e.stage
+        if work is not None and e.kind in (FULL_BACKWARD, INPUT_GRAD, WEIGHT_GRAD):
+            # The backward's working set comes on top of what the rank holds when it starts,
+            # this micro-batch's saved tensors included (they go only as the action ends).
+            later = e.kind != INPUT_GRAD and s in made_grads
+            rank_peak[e.rank] = max(rank_peak[e.rank], rank_now[e.rank] + kept[e.rank] + work[0 if later else 1][s])
+            if e.kind != INPUT_GRAD:
+                made_grads.add(s)
         if e.kind == FORWARD:
             stage_now[s] += 1
             rank_now[e.rank] += weights[s]

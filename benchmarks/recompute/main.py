@@ -1,23 +1,27 @@
-"""Recomputation the planner chooses: a memory-bound case planned three ways, predicted and measured.
+"""Recomputation the planner chooses: a memory-bound case planned several ways, predicted and measured.
 
-A stack of MLP blocks on 2 ranks under 1F1B with 8 micro-batches: stage 0 holds 2
-micro-batches of activations at its peak, stage 1 one, so with the memory given here the
-balanced split does not fit without recomputing on stage 0. Three plans of the same
-profile and memory:
+A model whose first half saves many activations per FLOP (wide MLP blocks with a chain of
+elementwise ops on the hidden tensor) and whose second half saves few (wide square layers:
+parameters and compute, little activation), on 2 ranks under 1F1B: stage 0 holds 2
+micro-batches of activations at its peak, stage 1 one. One measured profile, one memory per
+device at which the planner recomputes on stage 0 and not on stage 1, then:
 
-* **planner**: ``autopipe.partition(..., memory=M)``: it chooses, per stage, whether to
-  recompute (``plan.recompute_stages``);
+* **planner**: ``autopipe.partition(..., memory=M)`` (``recompute="auto"``): its split and
+  ``plan.recompute_stages``;
 * **checkpoint every stage**: every stage recomputes, at the split whose predicted step is
-  fastest that way;
-* **no recomputation**: the fastest split that fits without recomputing at the same
-  micro-batch count (stage 0 must stay small);
-* beside them, **no recomputation, more micro-batches**: the fastest split that fits
-  without recomputing with 2x or 4x as many smaller micro-batches of the same global batch
-  (another way a 1F1B step sheds activation memory, outside what the planner is asked here).
+  fastest so among those that fit (the planner's own per-rank memory model,
+  :func:`autopipe.planning.schedule_options.predict_split`);
+* **no recomputation**: ``autopipe.partition(..., memory=M, recompute=False)``, the best
+  plan the planner finds keeping every activation, at the same micro-batch count;
+* beside them, **no recomputation, more micro-batches**: ``recompute=False`` with 2x or 4x
+  as many smaller micro-batches of the same global batch (each size profiled), another way
+  a 1F1B step sheds activation memory, which the planner is not asked to choose here
+  (``n_microbatches`` is fixed).
 
-For each, the predicted step (the cost model on the profile) and the measured step of a
-real 2-rank gloo ``Pipeline`` on CPU, ``checkpoint_stages`` set to the variant's stages.
-The variants run interleaved, one step each per round, and the medians are reported.
+Each is predicted by the cost model on the measured profile and measured as a real 2-rank
+gloo ``Pipeline`` on CPU with ``checkpoint_stages`` set to the variant's stages: the
+variants run interleaved, one step each per round after two warm-up steps, and the median
+of the slower rank's step over the rounds is reported.
 
     python benchmarks/recompute/main.py            # full size
     python benchmarks/recompute/main.py --smoke    # a tiny run that only checks the script works
@@ -45,72 +49,85 @@ from _pipebench import host_info, run_world  # noqa: E402
 
 import autopipe  # noqa: E402
 from autopipe.errors import InfeasibleMemoryError  # noqa: E402
-from autopipe.machine.device import Device  # noqa: E402
-from autopipe.machine.speed import measure_device_flops  # noqa: E402
-from autopipe.planning import costmodel  # noqa: E402
+from autopipe.machine.device import Device, default_copy_bandwidth, sends_are_lazy  # noqa: E402
+from autopipe.planning.costgraph import build_cost_graph  # noqa: E402
 from autopipe.planning.plan import Plan  # noqa: E402
+from autopipe.planning.schedule_options import ScheduleOption, cost_option, predict_split  # noqa: E402
+from autopipe.planning.trace import trace  # noqa: E402
 from autopipe.runtime import Pipeline  # noqa: E402
 
-SIZES = {  # (blocks, d_model, hidden, micro-batch rows, micro-batches, rounds)
-    "full": (8, 64, 512, 1024, 8, 10),
-    "smoke": (6, 16, 64, 8, 8, 2),
+SIZES = {  # (wide blocks, dense layers, d, hidden, dense width, micro-batch rows, micro-batches, rounds)
+    "full": (4, 8, 128, 1024, 512, 256, 8, 7),
+    "smoke": (2, 2, 16, 64, 32, 8, 4, 1),
 }
 
 
-class Block(nn.Module):
-    """A residual MLP block: saves its input, the hidden pre-activation and the activation."""
+class Wide(nn.Module):
+    """A residual MLP block whose hidden tensor goes through several elementwise ops: many saved bytes per FLOP."""
 
     def __init__(self, d: int, hidden: int) -> None:
         super().__init__()
-        self.up, self.act, self.down = nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d)
+        self.up, self.down = nn.Linear(d, hidden), nn.Linear(hidden, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(self.act(self.up(x)))
+        h = nn.functional.gelu(self.up(x))
+        h = h * torch.sigmoid(h)
+        h = torch.tanh(h) + h
+        return x + self.down(h)
+
+
+class Dense(nn.Module):
+    """A square layer: parameters and FLOPs, and one row-width tensor saved."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x))
 
 
 def make_model(size: str) -> tuple[nn.Module, torch.Tensor]:
-    blocks, d, hidden, rows, _, _ = SIZES[size]
+    wide, dense, d, hidden, width, rows, _, _ = SIZES[size]
     torch.manual_seed(0)
-    model = nn.Sequential(*[Block(d, hidden) for _ in range(blocks)])
-    return model, torch.randn(rows, d)
+    layers = [Wide(d, hidden) for _ in range(wide)] + [nn.Linear(d, width)]
+    layers += [Dense(width) for _ in range(dense)] + [nn.Linear(width, d)]
+    return nn.Sequential(*layers), torch.randn(rows, d)
 
 
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(out, y)
 
 
-def predicted(plan: Plan, split_points: list[str], again: list[int], input_bytes: int) -> tuple[float, list[float]]:
-    """Predicted step and per-stage peak bytes of ``split_points`` under the plan's schedule, ``again`` recomputing."""
-    cuts = plan.segment_cuts(split_points)
-    fwd, bwd = costmodel.stage_times_s(plan.segments, cuts, plan.n_microbatches, recompute=again)
-    step = costmodel.predicted_step_s(fwd, bwd, plan.cut_comm_s(split_points), **plan.simulation_options(),
-                                      tail=plan.step_tail)
-    edges = [0, *cuts, len(plan.segments)]
-    peaks = []
-    for s, (i, j) in enumerate(zip(edges, edges[1:])):
-        segs = plan.segments[i:j]
-        static = costmodel.state_bytes(sum(g.param_bytes for g in segs), sum(g.trainable_param_bytes for g in segs),
-                                       2.0)
-        into = plan.segments[i].cut_fwd_bytes if i > 0 else input_bytes  # what a recomputing stage keeps
-        peaks.append(costmodel.stage_peak_bytes(static, sum(g.act_bytes for g in segs),
-                                                plan.stages[s].inflight_microbatches, recompute=s in again,
-                                                input_bytes=into))
-    return step, peaks
+def plan_at(model: nn.Module, x_mb: torch.Tensor, m: int, devs: list[Device], costs: Any, **kw: Any) -> Plan:
+    """A 1F1B plan of ``model`` from the profile ``costs`` (the loss already in its last segment)."""
+    return autopipe.partition(model, 2, example_args=(x_mb,), schedule="1F1B", n_microbatches=m, devices=devs,
+                              loss_fn=False, cost=costs, **kw)
 
 
-def best_split(plan: Plan, again: list[int], memory: float, input_bytes: int) -> tuple[list[str], float] | None:
-    """The split (one cut, 2 stages) with the fastest predicted step that fits ``memory`` with ``again`` recomputing."""
+def every_stage_recomputing(plan: Plan, model: nn.Module, x_mb: torch.Tensor, devs: list[Device]
+                            ) -> tuple[list[str], float] | None:
+    """The split, every stage recomputing, with the fastest predicted step that fits per rank; None if none fits."""
+    traced = trace(model, (x_mb,))
+    costs = plan.segment_costs()
+    link = plan.links()[0]
+    option = cost_option(ScheduleOption("1F1B", 1, plan.n_microbatches), traced=traced,
+                         cost_graph=build_cost_graph(traced, costs), n_gpus=2,
+                         rank_devices=[Device(bandwidth=link.bandwidth, latency_s=link.latency_s)] * 2,
+                         optimizer_factor=2.0, link_default=(link.bandwidth, link.latency_s), objective="step",
+                         overhead_default=plan.action_overhead_s()[0], lazy_sends=sends_are_lazy("cpu"),
+                         copy_bandwidth=default_copy_bandwidth("cpu"))
     best = None
-    for name in plan.segment_names[1:]:
-        step, peaks = predicted(plan, [name], again, input_bytes)
-        if max(peaks) <= memory and (best is None or step < best[1]):
-            best = ([name], step)
+    for c in range(1, len(costs)):
+        step, peaks = predict_split(option, [c], [0, 1], traced=traced, costs=costs, optimizer_factor=2.0)
+        if all(pk <= d.memory_bytes for pk, d in zip(peaks, devs)) and (best is None or step < best[1]):
+            best = ([plan.segment_names[c]], step)
     return best
 
 
 def worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     model, x_mb = make_model(job["size"])
-    _, _, _, rows, m, rounds = SIZES[job["size"]]
+    *_, rows, m, rounds = SIZES[job["size"]]
     g = torch.Generator().manual_seed(1)
     x = torch.randn(rows * m, x_mb.shape[1], generator=g)
     y = torch.randn(rows * m, x_mb.shape[1], generator=g)
@@ -132,6 +149,35 @@ def worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     return times
 
 
+def choose_memory(model: nn.Module, x_mb: torch.Tensor, m: int, free: Plan, costs: Any, link: Any
+                  ) -> tuple[int, Plan, Plan | None]:
+    """A memory, stepping down from the unlimited plan's peak, at which the planner recomputes on some stages only.
+
+    Among those where some split also fits keeping every activation, the one where the
+    planner's predicted lead over that plan is largest (predictions only: the measurement
+    does not choose the case); without such a memory, the largest one.
+    """
+    found = []
+    for frac in [x / 100 for x in range(95, 20, -5)]:
+        memory = int(frac * max(free.rank_peak_bytes))
+        devs = [Device(memory=memory, bandwidth=link.bandwidth, latency_s=link.latency_s)] * 2
+        try:
+            plan = plan_at(model, x_mb, m, devs, costs)
+        except InfeasibleMemoryError:
+            break  # nor any smaller limit
+        if 0 < len(plan.recompute_stages) < plan.num_stages:
+            try:
+                keep = plan_at(model, x_mb, m, devs, costs, recompute=False)
+            except InfeasibleMemoryError:
+                keep = None
+            lead = keep.predicted_step_s / plan.predicted_step_s if keep is not None else 0.0
+            found.append((keep is not None, lead, memory, plan, keep))
+    if not found:
+        raise SystemExit("no memory limit tried makes the planner recompute on some stages only")
+    *_, memory, plan, keep = max(found, key=lambda f: f[:3])
+    return memory, plan, keep
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="a tiny run that only checks the script works")
@@ -139,59 +185,41 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     size = "smoke" if args.smoke else "full"
     model, x_mb = make_model(size)
-    blocks, d, hidden, rows, m, rounds = SIZES[size]
-    # One FLOP rate for every plan, so their predictions compare (each partition would time its own).
-    flops = measure_device_flops(torch.device("cpu"))
-    dev = Device(flops=flops)
-    quick = autopipe.ProfileOptions(warmup=1, repeats=5 if size == "full" else 1, progress=False)
-    y_mb = torch.zeros_like(x_mb)
-    # One profile for every plan; no memory limit first, to size the limit from it.
-    free = autopipe.partition(model, 2, example_args=(x_mb,), schedule="1F1B", n_microbatches=m, devices=[dev, dev],
-                              loss_fn=loss_fn, example_target=y_mb, profiling=quick, cost="flops")
-    costs = free.segment_costs()
-    # Stepping down from what the plan without a limit needs: the largest memory at which the
-    # planner recomputes on some stages and not on others, preferring one where some split
-    # also fits without recomputing at this micro-batch count.
-    in_bytes = x_mb.numel() * x_mb.element_size()
-    found = []
-    for frac in [x / 100 for x in range(95, 30, -5)]:
-        memory = int(frac * max(free.rank_peak_bytes))
-        try:
-            plan = autopipe.partition(model, 2, example_args=(x_mb,), schedule="1F1B", n_microbatches=m,
-                                      devices=[Device(memory=memory, flops=flops)] * 2, loss_fn=loss_fn,
-                                      example_target=y_mb, cost=costs)
-        except InfeasibleMemoryError:
-            break  # nor any smaller limit
-        if 0 < len(plan.recompute_stages) < plan.num_stages:
-            found.append((best_split(plan, [], memory, in_bytes) is not None, memory, plan))
-    if not found:
-        raise SystemExit("no memory limit tried makes the planner recompute on some stages only")
-    _, memory, plan = max(found, key=lambda f: (f[0], f[1]))
-    every = best_split(plan, [0, 1], memory, in_bytes)
+    wide, dense, d, hidden, width, rows, m, rounds = SIZES[size]
+    quick = autopipe.ProfileOptions(warmup=2, repeats=10 if size == "full" else 1, progress=False)
+    # One measured profile (the loss charged to the last segment) for every plan at this micro-batch size.
+    free = autopipe.partition(model, 2, example_args=(x_mb,), schedule="1F1B", n_microbatches=m, loss_fn=loss_fn,
+                              example_target=torch.zeros_like(x_mb), profiling=quick)
+    costs, link = free.segment_costs(), free.links()[0]  # one link for every plan, so their predictions compare
+    memory, plan, keep = choose_memory(model, x_mb, m, free, costs, link)
+    devs = [Device(memory=memory, bandwidth=link.bandwidth, latency_s=link.latency_s)] * 2
     variants = [{"label": "planner", "split_points": list(plan.split_points), "recompute": list(plan.recompute_stages),
-                 "n_microbatches": m, "predicted_step_s": plan.predicted_step_s}]
+                 "n_microbatches": m, "predicted_step_s": plan.predicted_step_s,
+                 "predicted_peak_bytes": [int(b) for b in plan.rank_peak_bytes]}]
+    every = every_stage_recomputing(plan, model, x_mb, devs)
     if every is not None:
         variants.append({"label": "checkpoint every stage", "split_points": every[0], "recompute": [0, 1],
                          "n_microbatches": m, "predicted_step_s": every[1]})
-    # Without recomputing: the fastest split that fits at this micro-batch count; and, beside it,
-    # with 2x or 4x as many smaller micro-batches of the same global batch (each profiled at its
-    # size), which a 1F1B step can also trade for activation memory.
-    none = best_split(plan, [], memory, in_bytes)
-    if none is not None:
-        variants.append({"label": "no recomputation", "split_points": none[0], "recompute": [],
-                         "n_microbatches": m, "predicted_step_s": none[1]})
+    if keep is not None:
+        variants.append({"label": "no recomputation", "split_points": list(keep.split_points), "recompute": [],
+                         "n_microbatches": m, "predicted_step_s": keep.predicted_step_s,
+                         "predicted_peak_bytes": [int(b) for b in keep.rank_peak_bytes]})
     more = None
-    for k in (2, 4):
+    for k in (2, 4):  # the same global batch in more, smaller micro-batches, each size profiled
         mb = x_mb[: rows // k]
-        other = autopipe.partition(
-            model, 2, example_args=(mb,), schedule="1F1B", n_microbatches=m * k, devices=[dev, dev],
-            loss_fn=loss_fn, example_target=torch.zeros_like(mb), profiling=quick, cost="flops")
-        hit = best_split(other, [], memory, mb.numel() * mb.element_size())
-        if hit is not None and (more is None or hit[1] < more[1]):
-            more = (hit[0], hit[1], m * k)
+        try:
+            prof = autopipe.partition(model, 2, example_args=(mb,), schedule="1F1B", n_microbatches=m * k,
+                                      loss_fn=loss_fn, example_target=torch.zeros_like(mb), profiling=quick)
+            other = plan_at(model, mb, m * k, devs, prof.segment_costs(), recompute=False)
+        except InfeasibleMemoryError:
+            continue
+        if more is None or other.predicted_step_s < more.predicted_step_s:
+            more = other
     if more is not None:
-        variants.append({"label": "no recomputation, more micro-batches", "split_points": more[0], "recompute": [],
-                         "n_microbatches": more[2], "predicted_step_s": more[1]})
+        variants.append({"label": "no recomputation, more micro-batches", "split_points": list(more.split_points),
+                         "recompute": [], "n_microbatches": more.n_microbatches,
+                         "predicted_step_s": more.predicted_step_s,
+                         "predicted_peak_bytes": [int(b) for b in more.rank_peak_bytes]})
     ranks = run_world(worker, 2, {"size": size, "variants": variants}, timeout_s=3000)
     for v in variants:
         per_round = [max(r[v["label"]][k] for r in ranks) for k in range(rounds)]  # a step ends on its last rank
@@ -201,22 +229,29 @@ def main(argv: list[str] | None = None) -> None:
     for v in variants:
         v["predicted_vs_planner"] = v["predicted_step_s"] / planner["predicted_step_s"]
         v["measured_vs_planner"] = v["measured_step_s"] / planner["measured_step_s"]
+    same_m = [v for v in variants[1:] if v["n_microbatches"] == m]
     out = args.out or str(Path(__file__).parent / ("results_smoke.json" if size != "full" else "results.json"))
     payload = {
         "benchmark": "recompute",
         "question": "when memory binds, does recomputing on the stages the planner picks beat recomputing "
-                    "everywhere and the best split that recomputes nothing, predicted and measured?",
+                    "everywhere and the best plan that recomputes nothing, predicted and measured?",
         "device": "cpu", "ranks": 2, "backend": "gloo", "size": size, "schedule": "1F1B", "n_microbatches": m,
-        "model": f"{blocks} residual MLP blocks (d={d}, hidden={hidden}), micro-batch {rows} rows",
+        "cost": "measured",
+        "model": f"{wide} wide residual MLP blocks (d={d}, hidden={hidden}, elementwise chain), "
+                 f"then {dense} square layers of width {width}; micro-batch {rows} rows",
         "memory_per_device_bytes": memory,
         "planner_stage_peaks": [{"stage": st.index, "kept_bytes": st.peak_bytes_kept,
                                  "recomputed_bytes": st.peak_bytes_recomputed} for st in plan.stages],
+        "mixed_beats_both_at_same_m": {
+            "predicted": all(v["predicted_step_s"] > planner["predicted_step_s"] for v in same_m) and len(same_m) == 2,
+            "measured": all(v["measured_step_s"] > planner["measured_step_s"] for v in same_m) and len(same_m) == 2,
+        },
         "measure": f"median over {rounds} interleaved rounds of one training step, the slower rank's time",
         "host": host_info(), "variants": variants,
     }
     path = write_result(out, payload)
     for v in variants:
-        print(f"{v['label']:>24}: split {v['split_points']}, recompute {v['recompute']}, "
+        print(f"{v['label']:>36}: split {v['split_points']}, recompute {v['recompute']}, "
               f"m={v['n_microbatches']}: predicted "
               f"{v['predicted_step_s'] * 1e3:8.2f} ms, measured {v['measured_step_s'] * 1e3:8.2f} ms "
               f"({v['measured_vs_planner']:.2f}x the planner's)")
