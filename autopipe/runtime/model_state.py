@@ -24,8 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .._checks import listed
+from .data_parallel import local_tensor
 from .params import StateNames, fold_use_leaf_grads
 
 __all__ = ["grads_before", "sum_shared_grads", "clip_grad_norm", "full_state_dict", "load_local_state"]
@@ -43,7 +45,10 @@ def grads_before(shared: Shared, state: Mapping[str, torch.Tensor]) -> list[list
         >>> grads_before([(["w"], None)], {"w": w})
         [[tensor([3., 3.])]]
     """
-    return [[state[n].grad.clone() if state[n].grad is not None else None for n in names] for names, _ in shared]
+    # A DTensor's (FSDP-sharded) gradient counts by its local shard: the copies on other
+    # stages hold the same shard of the same parameter.
+    return [[local_tensor(state[n].grad).clone() if state[n].grad is not None else None for n in names]
+            for names, _ in shared]
 
 
 def sum_shared_grads(shared: Shared, state: Mapping[str, torch.Tensor],
@@ -67,25 +72,32 @@ def sum_shared_grads(shared: Shared, state: Mapping[str, torch.Tensor],
         params = [state[n] for n in names]
         deltas = []
         for p, prev in zip(params, previous):
-            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            g = local_tensor(p.grad) if p.grad is not None else torch.zeros_like(local_tensor(p))
             deltas.append((g - prev if prev is not None else g).reshape(-1))
         flat = torch.cat(deltas)
         dist.all_reduce(flat, group=group)
         offset = 0
         for p, prev in zip(params, previous):
-            chunk = flat[offset: offset + p.numel()].view_as(p)
-            offset += p.numel()
-            p.grad = chunk.clone() if prev is None else prev + chunk
+            local = local_tensor(p)
+            chunk = flat[offset: offset + local.numel()].view_as(local)
+            offset += local.numel()
+            summed = chunk.clone() if prev is None else prev + chunk
+            if p.grad is not None and local_tensor(p.grad) is not p.grad:
+                local_tensor(p.grad).copy_(summed)  # a sharded gradient keeps its DTensor
+            else:
+                p.grad = summed
 
 
 def clip_grad_norm(named_parameters: Sequence[tuple[str, nn.Parameter]], first_use: Mapping[str, int], *,
                    rank: int, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                   device: torch.device) -> torch.Tensor:
+                   device: torch.device, counts: bool = True) -> torch.Tensor:
     """Scale this rank's gradients so that the norm over every rank's is at most ``max_norm``.
 
     Each parameter counts on one rank only: ``first_use[name]``, where it is first used (its
     copies on other ranks hold the same, summed gradient after a step). One all-reduce on
-    ``device``; every gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``.
+    ``device``; every gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``. A rank with
+    ``counts=False`` adds nothing (a data-parallel replica whose gradients equal another's);
+    sharded (DTensor) gradients count by their local shards, which together make the whole.
 
     Returns:
         The global norm before clipping, in the gradients' dtype, the same on every rank.
@@ -105,7 +117,8 @@ def clip_grad_norm(named_parameters: Sequence[tuple[str, nn.Parameter]], first_u
     if not math.isfinite(max_norm):
         raise ValueError(f"max_norm={max_norm!r} must be finite")
     norm_type = float(norm_type)
-    counted = [p.grad for name, p in named_parameters if p.grad is not None and first_use.get(name, rank) == rank]
+    counted = [local_tensor(p.grad) for name, p in named_parameters
+               if counts and p.grad is not None and first_use.get(name, rank) == rank]
     if norm_type == math.inf:
         local = max((g.detach().abs().max().double() for g in counted), default=torch.zeros((), dtype=torch.float64))
         total = local.to(device).reshape(1)
@@ -123,24 +136,25 @@ def clip_grad_norm(named_parameters: Sequence[tuple[str, nn.Parameter]], first_u
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for _, p in named_parameters:
         if p.grad is not None:
-            p.grad.detach().mul_(coef.to(device=p.grad.device, dtype=p.grad.dtype))
+            local_tensor(p.grad).detach().mul_(coef.to(device=p.grad.device, dtype=p.grad.dtype))
     dtype = counted[0].dtype if counted else torch.float32
     return total.to(dtype)
 
 
 def full_state_dict(local: Mapping[str, torch.Tensor], unheld: Mapping[str, torch.Tensor], names: StateNames,
-                    world_size: int) -> dict[str, torch.Tensor]:
+                    world_size: int, *, sends: bool = True) -> dict[str, torch.Tensor]:
     """The whole model's state dict on every rank, on the CPU, with every key of the unsplit model's.
 
     ``local`` is this rank's tensors by canonical name, ``unheld`` the tensors no stage
-    reads; tied aliases get the same tensor.
+    reads; tied aliases get the same tensor. A rank with ``sends=False`` contributes nothing
+    (a data-parallel replica: the model is gathered from one replica only).
 
     Example::
 
         model.load_state_dict(full_state_dict(local, unheld, names, dist.get_world_size()))
     """
     gathered: list[dict[str, torch.Tensor] | None] = [None] * world_size
-    dist.all_gather_object(gathered, {n: t.cpu().clone() for n, t in local.items()})
+    dist.all_gather_object(gathered, {n: t.cpu().clone() for n, t in local.items()} if sends else {})
     merged: dict[str, torch.Tensor] = dict(unheld)
     for part in gathered:
         for n, t in part.items():
@@ -188,5 +202,12 @@ def load_local_state(state: Mapping[str, torch.Tensor], names: StateNames, state
             if tuple(value.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name!r} has shape {tuple(value.shape)} in the state dict but "
                                  f"{tuple(tensor.shape)} in the model")
-            if value is not tensor and value.data_ptr() != tensor.data_ptr():
+            if value is tensor:
+                continue
+            if isinstance(tensor, DTensor):  # this rank's shard of the full value, no communication
+                if not isinstance(value, DTensor):
+                    value = distribute_tensor(value.to(tensor.device), tensor.device_mesh, tensor.placements,
+                                              src_data_rank=None)
+                tensor.to_local().copy_(value.to_local())
+            elif value is not tensor and value.data_ptr() != tensor.data_ptr():
                 tensor.copy_(value)

@@ -28,7 +28,6 @@ What happens, on every rank:
 
 from __future__ import annotations
 
-import atexit
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -44,21 +43,22 @@ from ..planning.plan import Plan
 from ..planning.schedules import TRAINING_STEP_KWARGS, stage_ranks
 from .checkpointing import resolve_checkpoint_stages
 from .compat import to_stage_device
-from .distributed import (DEFAULT_TIMEOUT_S, close_at_exit, default_device, destroy_groups, hold_process_group,
-                          init_distributed, release_process_group)
+from .data_parallel import check_mesh_arguments, full_tensor, prepare_replicas, resolve_data_parallel
+from .distributed import DEFAULT_TIMEOUT_S, default_device, init_distributed
 from .inference import Inference
+from .lifecycle import PipelineLifecycle
 from .materialize import WeightSource, check_weight_arguments
 from .sharded_state import load_model_state_dict, load_optimizer_state_dict, model_state_dict, optimizer_state_dict
 from .model_state import clip_grad_norm, full_state_dict, grads_before, load_local_state, sum_shared_grads
 from .plan_setup import PlanRequest, check_model_and_inputs, deprecated_keywords, settle_plan
 from .stage_timer import StageTimer, gather_stage_times
 from .stages import MicrobatchMeanLoss, build_rank_stages, make_schedule
-from .step_failures import StepFailures, agree_on_failures, share_loss
+from .step_failures import agree_on_failures, share_loss
 
 __all__ = ["Pipeline"]
 
 
-class Pipeline:
+class Pipeline(PipelineLifecycle):
     """A model split into pipeline stages across the ranks of a ``torch.distributed`` job.
 
     Every rank constructs the ``Pipeline`` with the same arguments; each builds only its
@@ -117,6 +117,14 @@ class Pipeline:
             ``_init_weights``) seeded by its name (:mod:`~autopipe.runtime.materialize`).
         weights: a full state dict, ``.safetensors`` file or ``torch.distributed.checkpoint``
             directory of the unsplit model; each rank reads only its own tensors.
+        mesh: pipeline x data parallel: a 2-D ``DeviceMesh`` with dimensions ``"dp"`` and
+            ``"pp"``; each row along ``pp`` runs the whole pipeline (``n_ranks`` = pp) on its
+            shard of the global batch, and every stage's gradients are reduced over ``dp``
+            (:mod:`~autopipe.runtime.data_parallel`). Every rank is given the global batch.
+        dp_degree: the same with a ``(dp_degree, world / dp_degree)`` mesh built here
+            (consecutive ranks form a pipeline). Exclusive with ``mesh``.
+        dp_mode: how ``dp`` reduces: ``"fsdp"`` (FSDP2 ``fully_shard`` per stage, the default)
+            or ``"replicate"`` (whole parameters, gradients averaged by all-reduce).
 
     Deprecated keyword args (they still work, with a ``DeprecationWarning``, until the next
     release):
@@ -163,6 +171,9 @@ class Pipeline:
         profile_in_ranks: bool | None = None,
         init_weights: Callable[[nn.Module], Any] | None = None,
         weights: WeightSource | None = None,
+        mesh: Any = None,
+        dp_degree: int | None = None,
+        dp_mode: str = "fsdp",
         n_stages: int | None = None,
         planner_options: Mapping[str, Any] | None = None,
     ) -> None:
@@ -170,6 +181,7 @@ class Pipeline:
         n_ranks, planner = deprecated_keywords(n_ranks, n_stages, planner, planner_options)
         example_args, example_kwargs = check_model_and_inputs(model, example_args, example_kwargs, loss_fn)
         check_weight_arguments(model, init_weights, weights)
+        check_mesh_arguments(mesh, dp_degree, dp_mode)
         request = PlanRequest.checked(model, plan=plan, split_points=split_points, n_ranks=n_ranks,
                                       schedule=schedule, n_microbatches=n_microbatches,
                                       stages_per_rank=stages_per_rank, planner=planner,
@@ -185,18 +197,26 @@ class Pipeline:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL collectives use the current device
 
+        #: The data-parallel layout (:class:`~autopipe.runtime.data_parallel.DataParallel`), None for a pure pipeline.
+        self.data_parallel = resolve_data_parallel(mesh, dp_degree, dp_mode, world_size=self.world_size,
+                                                   device_type=self._comm_device().type)
+        dp = self.data_parallel
+        #: This rank's place in its pipeline (its rank when there is no data parallelism).
+        self.pp_rank: int = dp.pp_rank if dp else self.rank
+
         # ---- 3. one plan and schedule for all ranks
         layout = settle_plan(request, model, example_args, example_kwargs, loss_fn, rank=self.rank,
-                             world_size=self.world_size, device=self.device, comm_device=self._comm_device())
+                             world_size=self.world_size, device=self.device, comm_device=self._comm_device(),
+                             pp_size=dp.pp_size if dp else None)
         self.plan: Plan = layout.plan
         self.schedule: str = layout.schedule
         self.n_microbatches: int = layout.n_microbatches
         self.stages_per_rank: int = layout.stages_per_rank
         self.num_stages: int = layout.plan.num_stages
-        #: ``stage_ranks[s]`` is the rank that runs stage ``s``.
+        #: ``stage_ranks[s]`` is the (pp) rank that runs stage ``s``.
         self.stage_ranks: list[int] = stage_ranks(self.schedule, layout.n_ranks, self.stages_per_rank)
         #: The stages this rank runs, in pipeline order.
-        self.stage_indices: list[int] = [s for s, r in enumerate(self.stage_ranks) if r == self.rank]
+        self.stage_indices: list[int] = [s for s, r in enumerate(self.stage_ranks) if r == self.pp_rank]
         self.has_first_stage: bool = 0 in self.stage_indices
         self.has_last_stage: bool = self.num_stages - 1 in self.stage_indices
         self.training: bool = model.training
@@ -208,7 +228,10 @@ class Pipeline:
             stage_ranks=self.stage_ranks, rank=self.rank, world_size=self.world_size, device=self.device,
             example=(tuple(example_args), dict(example_kwargs or {})), training=self.training,
             checkpointed=resolve_checkpoint_stages(checkpoint_stages, self.num_stages, self.plan.recompute_stages),
-            init_weights=init_weights, weights=weights)
+            init_weights=init_weights, weights=weights, pp_rank=self.pp_rank,
+            replicas=dp.replicas if dp else None, pp_group=dp.pp_group if dp else None)
+        if dp:
+            prepare_replicas(dp, built, self.schedule)
         self._batch = built.batch
         self._names = built.names
         self._train_modules = built.train_modules
@@ -265,6 +288,7 @@ class Pipeline:
             raise RuntimeError("step() trains and needs a loss; construct the Pipeline with loss_fn=...")
         if not self.training:
             raise RuntimeError("step() trains, but the pipeline is in eval mode; call pipe.train() first")
+        args, kwargs, target = self._shard(args, kwargs, target)
         self._batch.check(args, kwargs, target, need_target=True)
         before = grads_before(self._shared, self._state)
         for _, leaf in self._use_leaves:  # a failed step's per-use gradients belong to no step
@@ -277,6 +301,8 @@ class Pipeline:
             loss = self._share_loss(losses)  # also tells every rank whether any rank failed
         # Every copy of a parameter shared by stages or ranks gets the sum of their gradients.
         sum_shared_grads(self._shared, self._state, self._use_leaves, before)
+        if self.data_parallel and self.data_parallel.mode == "replicate":
+            self.data_parallel.average_grads(self.parameters())
         return loss
 
     def measure_stage_times(self, *args: Any, target: Any, steps: int = 3, **kwargs: Any) -> dict[str, list[float]]:
@@ -311,7 +337,7 @@ class Pipeline:
         check_int("steps", steps, what="training steps to time")
         if self._train_schedule is None:
             raise RuntimeError("measure_stage_times() trains and needs a loss; construct the Pipeline with loss_fn=...")
-        self._batch.check(args, kwargs, target, need_target=True)
+        self._batch.check(*self._shard(args, kwargs, target), need_target=True)
         saved = [(p, p.grad) for p in self.parameters()]
         try:
             with StageTimer(self._train_stages, self.device) as timer:
@@ -348,6 +374,7 @@ class Pipeline:
         self._check_usable()
         if self._loss_fn is None:
             raise RuntimeError("evaluate() needs a loss; construct the Pipeline with loss_fn=...")
+        args, kwargs, target = self._shard(args, kwargs, target)
         self._batch.check(args, kwargs, target, need_target=True)
         with self._failures.guard("evaluate", self.rank):
             _, losses = self._run_inference(args, kwargs, target, with_loss=True)
@@ -373,6 +400,7 @@ class Pipeline:
             >>> pipe.eval(); logits = pipe(x)  # doctest: +SKIP
         """
         self._check_usable()
+        args, kwargs, _ = self._shard(args, kwargs, None)
         self._batch.check(args, kwargs, None, need_target=False)
         with self._failures.guard("forward", self.rank):
             output, _ = self._run_inference(args, kwargs, None, with_loss=False)
@@ -383,8 +411,16 @@ class Pipeline:
 
     def _share_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The mean loss on every rank; every rank raises if a rank failed (step_failures.share_loss)."""
+        if self.data_parallel:  # every replica's last stage adds its mean: the sum of dp equal shards' means
+            losses = [loss / self.data_parallel.dp_size for loss in losses]
         return share_loss(losses, self._failures, rank=self.rank, world_size=self.world_size,
                           has_last_stage=self.has_last_stage, device=self._comm_device())
+
+    def _shard(self, args: tuple, kwargs: dict, target: Any) -> tuple[tuple, dict, Any]:
+        """This replica's rows of the global batch (all of it without data parallelism)."""
+        if not self.data_parallel:
+            return args, kwargs, target
+        return self.data_parallel.shard((tuple(args), dict(kwargs), target), self.n_microbatches)
 
     def _run_inference(self, args: tuple, kwargs: dict, target: Any, *, with_loss: bool) -> tuple[Any, list]:
         if target is None:
@@ -467,8 +503,12 @@ class Pipeline:
             >>> loss = pipe.step(x, target=y)  # doctest: +SKIP
             >>> norm = pipe.clip_grad_norm_(1.0); opt.step()  # doctest: +SKIP
         """
-        return clip_grad_norm(self.named_parameters(), self._grad_norm_rank, rank=self.rank, max_norm=max_norm,
-                              norm_type=norm_type, error_if_nonfinite=error_if_nonfinite, device=self._comm_device())
+        dp = self.data_parallel
+        # Replicated gradients are equal in every replica: one replica counts. FSDP shards count all.
+        counts = dp is None or dp.mode == "fsdp" or dp.dp_rank == 0
+        return clip_grad_norm(self.named_parameters(), self._grad_norm_rank, rank=self.pp_rank, max_norm=max_norm,
+                              norm_type=norm_type, error_if_nonfinite=error_if_nonfinite, device=self._comm_device(),
+                              counts=counts)
 
     def train(self, mode: bool = True) -> "Pipeline":
         """Switch to training (``mode=True``) or evaluation behaviour; returns the pipeline.
@@ -519,8 +559,10 @@ class Pipeline:
         """
         if not full:
             return model_state_dict(self)
-        local = {n: t.detach() for n, t in self._state.items() if n in self._names.canonical}
-        return full_state_dict(local, self._unheld_state, self._names, self.world_size)
+        local = {n: full_tensor(t.detach()) for n, t in self._state.items() if n in self._names.canonical}
+        # Gathered from dp rank 0's replica only: the others hold the same model.
+        return full_state_dict(local, self._unheld_state, self._names, self.world_size,
+                               sends=self.data_parallel is None or self.data_parallel.dp_rank == 0)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """``optimizer``'s state by parameter name, for ``torch.distributed.checkpoint``.
@@ -565,84 +607,6 @@ class Pipeline:
             load_model_state_dict(self, state_dict)
         else:
             load_local_state({**self._unheld_state, **self._state}, self._names, state_dict, strict=False)
-
-    # ------------------------------------------------------------------ failed steps and closing
-    def _start_lifecycle(self) -> None:
-        """State for failed steps and :meth:`close`; makes interpreter exit call :meth:`close`."""
-        self._closed = False
-        self._failures = StepFailures()
-        # The default process group, when autopipe created it, is destroyed when the last
-        # pipeline holding it closes.
-        self._holds_group = hold_process_group(self)
-        self._close_at_exit = close_at_exit(self)
-
-    def close(self) -> None:
-        """Release what the pipeline holds for communication; safe to call again.
-
-        Drops the schedules and stages, destroys the process groups the pipeline created for
-        parameters shared across ranks, and destroys the default process group if autopipe
-        created it (no group existed when the first pipeline was built) and no other open
-        pipeline uses it. A group the user created is left alone. Every rank must close its
-        pipeline (as every rank built it). Called at interpreter exit for a pipeline still
-        open; a ``with Pipeline(...) as pipe:`` block calls it at its end.
-
-        Destroying the group before the interpreter shuts down is what lets a finished run
-        exit cleanly: gloo's worker threads release the last collective's tensors after the
-        call returned, and a thread that does so once shutdown has begun aborts the process.
-
-        After ``close()`` the parameters, :meth:`state_dict` (this rank's) and
-        :meth:`load_state_dict` still work; :meth:`step`, :meth:`evaluate` and
-        :meth:`forward` raise ``RuntimeError``.
-
-        Example:
-            >>> with Pipeline(model, example_args=(x_mb,), loss_fn=loss_fn) as pipe:  # doctest: +SKIP
-            ...     for x, y in loader:
-            ...         opt.zero_grad(); pipe.step(x, target=y); opt.step()
-            >>> pipe.close()  # closed already: nothing happens  # doctest: +SKIP
-        """
-        if getattr(self, "_closed", True):
-            return
-        self._closed = True
-        atexit.unregister(self._close_at_exit)
-        # The schedules and stages hold the process group and the step's buffers; a gloo
-        # group joins its threads only once nothing refers to it any more.
-        self._train_schedule = None
-        inference = getattr(self, "_inference", None)
-        if inference is not None:
-            inference.close()
-        self._train_stages = []
-        # getattr: a constructor that raised after joining the job leaves no _shared behind.
-        shared = getattr(self, "_shared", [])
-        self._shared = [(names, None) for names, _ in shared]
-        destroy_groups([group for _, group in shared if group is not None])
-        if self._holds_group:
-            self._holds_group = False
-            release_process_group(self)
-
-    @property
-    def closed(self) -> bool:
-        """True once :meth:`close` ran."""
-        return getattr(self, "_closed", False)
-
-    def __enter__(self) -> "Pipeline":
-        """``with Pipeline(...) as pipe:`` closes the pipeline when the block ends.
-
-        Example:
-            >>> with Pipeline(model, example_args=(x_mb,), loss_fn=loss_fn) as pipe:  # doctest: +SKIP
-            ...     loss = pipe.step(x, target=y)
-        """
-        return self
-
-    def __exit__(self, *exc_info: Any) -> None:
-        self.close()
-
-    def _check_usable(self) -> None:
-        """Raise if the pipeline was closed, or a failed step left it unable to run."""
-        if self.closed:
-            raise RuntimeError("the pipeline is closed (close() or the end of its with-block): build a new "
-                               "Pipeline to run more steps")
-        if self._failures.broken is not None:
-            raise RuntimeError(self._failures.broken)
 
     def __repr__(self) -> str:
         return (f"Pipeline(rank {self.rank}/{self.world_size}, stages {self.stage_indices} of "

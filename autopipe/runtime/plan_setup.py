@@ -131,7 +131,7 @@ class PipelineLayout:
 
 def settle_plan(request: PlanRequest, model: nn.Module, example_args: tuple, example_kwargs: dict | None,
                 loss_fn: Callable | None, *, rank: int, world_size: int, device: torch.device,
-                comm_device: torch.device) -> PipelineLayout:
+                comm_device: torch.device, pp_size: int | None = None) -> PipelineLayout:
     """One plan and schedule for every rank (collective).
 
     Args:
@@ -140,6 +140,8 @@ def settle_plan(request: PlanRequest, model: nn.Module, example_args: tuple, exa
         rank, world_size: this rank and the number of ranks.
         device: where this rank's stages run (and the planner measures).
         comm_device: where tensors travel for collectives (the CPU under gloo).
+        pp_size: the ranks one pipeline runs on: the mesh's ``pp`` size under data
+            parallelism, else (None) the world size.
 
     Raises:
         ValueError: the world size does not match the plan or ``n_ranks``, the schedule
@@ -154,6 +156,9 @@ def settle_plan(request: PlanRequest, model: nn.Module, example_args: tuple, exa
                              world_size=dist.get_world_size(), device=device, comm_device=device)
     """
     plan, schedule = request.plan, request.schedule
+    pipeline_ranks = world_size if pp_size is None else pp_size
+    where = "the world has" if pp_size is None else "the mesh's pp dimension has"
+    fix = "launch with --nproc {n}" if pp_size is None else "build the mesh with pp={n}"
     n_microbatches, stages_per_rank = request.n_microbatches, request.stages_per_rank
     # ---- the settings every rank derives from its own arguments (no communication)
     if plan is not None:
@@ -169,7 +174,7 @@ def settle_plan(request: PlanRequest, model: nn.Module, example_args: tuple, exa
                              f"{stages_per_rank} per rank, i.e. on {n_ranks} ranks")
     else:
         schedule = schedule or "1F1B"
-        n_ranks = request.n_ranks if request.n_ranks is not None else world_size
+        n_ranks = request.n_ranks if request.n_ranks is not None else pipeline_ranks
         stages_per_rank = stages_per_rank or (1 if schedule in SINGLE_STAGE_SCHEDULES else 2)
         if request.split_points is not None:
             n_microbatches = n_microbatches or 2 * n_ranks
@@ -180,11 +185,11 @@ def settle_plan(request: PlanRequest, model: nn.Module, example_args: tuple, exa
                     f"{n_ranks} ranks x stages_per_rank={stages_per_rank} need {stages} "
                     f"(give {stages - 1} split points)"
                 )
-    if n_ranks != world_size:
+    if n_ranks != pipeline_ranks:
         raise ValueError(
             f"the pipeline needs {n_ranks} ranks ({'the plan' if plan is not None else 'n_ranks'}: "
-            f"{n_ranks * stages_per_rank} stages, {stages_per_rank} per rank) but the world "
-            f"has {world_size} processes; launch with --nproc {n_ranks}"
+            f"{n_ranks * stages_per_rank} stages, {stages_per_rank} per rank) but {where} "
+            f"{pipeline_ranks} processes; {fix.format(n=n_ranks)}"
         )
     if n_microbatches is not None:
         validate_schedule(schedule, n_ranks, n_microbatches, stages_per_rank)

@@ -163,7 +163,7 @@ class RankStages:
             ``(canonical name, Parameter)`` (:func:`~autopipe.runtime.params.tie_aliases`).
         shared: ``(names, process group)`` for each set of parameters this rank shares with
             other ranks (group None = the whole world).
-        grad_norm_rank: the rank whose copy of each parameter counts in the global norm.
+        grad_norm_rank: the (pp) rank whose copy of each parameter counts in the global norm.
         unheld_state: tensors no stage reads, kept for a full checkpoint.
     """
 
@@ -183,7 +183,8 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
                       rank: int, world_size: int, device: torch.device, example: tuple[tuple, dict],
                       training: bool, checkpointed: Sequence[int],
                       init_weights: Callable[[nn.Module], Any] | None = None,
-                      weights: WeightSource | None = None) -> RankStages:
+                      weights: WeightSource | None = None, pp_rank: int | None = None,
+                      replicas: Sequence[Sequence[int]] | None = None, pp_group: Any = None) -> RankStages:
     """Split a private copy of ``model`` at the plan's split points and build this rank's stages.
 
     Collective: every rank calls it with the same model and plan. The ranks first check
@@ -196,6 +197,11 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
     default init, or loaded from ``weights``
     (:func:`~autopipe.runtime.materialize.materialize_rank`). A real model given ``weights``
     has this rank's tensors replaced by them.
+
+    Under data parallelism (:mod:`~autopipe.runtime.data_parallel`) ``stage_ranks`` and
+    ``pp_rank`` are places in one replica's pipeline, ``replicas[d][p]`` the global rank of
+    pp rank ``p`` in replica ``d``, and ``pp_group`` the group the stages send over; the
+    shared parameters' groups are made per replica. Left out: one replica, the world.
 
     Raises:
         ValueError: the ranks were given different models (on every rank, naming the
@@ -234,7 +240,10 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
     held = set().union(*all_states)
     unheld_names = list(dict.fromkeys(names.canonical.get(k, k) for k in names.state_dict_keys
                                       if names.canonical.get(k, k) not in held))
-    stage_indices = [s for s, r in enumerate(stage_ranks) if r == rank]
+    replicas = [list(r) for r in replicas] if replicas is not None else [list(range(world_size))]
+    pp_rank = rank if pp_rank is None else pp_rank
+    my_replica = next(r for r in replicas if rank in r)
+    stage_indices = [s for s, r in enumerate(stage_ranks) if r == pp_rank]
     if meta:
         local_canon = list(dict.fromkeys(c for s in stage_indices for c in all_states[s]))
         error: Exception | None = None
@@ -255,7 +264,7 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
             tensor = local_model.get_parameter(canon) if is_param else local_model.get_buffer(canon)
             unheld[canon] = tensor.detach().cpu().clone()
     split_backward = schedule in SPLIT_BACKWARD_SCHEDULES
-    train_stages = [train_pipe.build_stage(s, device) for s in stage_indices]  # also rewrites device constants
+    train_stages = [train_pipe.build_stage(s, device, pp_group) for s in stage_indices]  # also rewrites device constants
     train_modules = {st.stage_index: st.submod for st in train_stages}
     state, use_leaves = _share_local_replicas(train_modules, names, leaf_per_use=split_backward)
     eval_modules = train_modules
@@ -270,7 +279,8 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
         guard_stage_boundaries(module, fresh_outputs=split_backward)
     batch = TracedBatch(train_pipe.autopipe_io, example, n_microbatches)
     if schedule in V_SCHEDULES:
-        train_stages = [manual_stage(train_modules[s], s, num_stages, device, batch) for s in stage_indices]
+        train_stages = [manual_stage(train_modules[s], s, num_stages, device, batch, pp_group)
+                        for s in stage_indices]
     for module in train_modules.values():
         module.train(training)
 
@@ -278,14 +288,16 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
     # new_group is collective: every rank creates every group, in the same order.
     shared: list[tuple[list[str], Any]] = []
     stage_params = [[c for c in st if c in names.parameter_names] for st in all_states]
-    for ranks, group_names in shared_parameters(stage_params, stage_ranks):
-        group = None if len(ranks) == world_size else dist.new_group(list(ranks))
-        if rank in ranks:
-            shared.append((group_names, group))
+    for pp_ranks, group_names in shared_parameters(stage_params, stage_ranks):
+        for replica in replicas:  # each replica sums over its own pp ranks
+            ranks = [replica[p] for p in pp_ranks]
+            group = None if len(ranks) == world_size else dist.new_group(ranks)
+            if rank in ranks:
+                shared.append((group_names, group))
     # Each rank built its own model, so the copies start equal only if every rank seeded
     # alike; summed gradients keep them equal only if they start so.
     grad_norm_rank = first_use_ranks(stage_params, stage_ranks)
-    _copy_shared_from_first_use(shared, state, grad_norm_rank)
+    _copy_shared_from_first_use(shared, state, {n: my_replica[r] for n, r in grad_norm_rank.items()})
     return RankStages(batch=batch, names=names, train_modules=train_modules, eval_modules=eval_modules,
                       train_stages=train_stages, state=state, use_leaves=use_leaves, shared=shared,
                       grad_norm_rank=grad_norm_rank, unheld_state=unheld)
@@ -396,7 +408,7 @@ def _copy_shared_from_first_use(shared: Sequence[tuple[list[str], Any]], state: 
 
 
 def manual_stage(module: nn.Module, stage_index: int, num_stages: int, device: torch.device,
-                 batch: TracedBatch) -> PipelineStage:
+                 batch: TracedBatch, group: Any = None) -> PipelineStage:
     """A stage for a V schedule, which learns from the schedule which rank runs each neighbour.
 
     It is given the traced shapes of what it receives and sends
@@ -408,7 +420,7 @@ def manual_stage(module: nn.Module, stage_index: int, num_stages: int, device: t
     """
     first_inputs = tuple(batch.io.stage_inputs(*batch.example)) if stage_index == 0 else None
     inputs, outputs = static_stage_meta(module, first_inputs)
-    return VStage(module, stage_index, num_stages, device, input_args=inputs, output_args=outputs)
+    return VStage(module, stage_index, num_stages, device, input_args=inputs, output_args=outputs, group=group)
 
 
 def rewrap_stage(stage: PipelineStage, module: nn.Module) -> PipelineStage:

@@ -1,0 +1,295 @@
+"""Pipeline x data parallel: replicas of the same pipeline on a 2-D ``DeviceMesh``.
+
+The mesh has a ``"dp"`` and a ``"pp"`` dimension (torchtitan's names,
+``init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))``). Each row along
+``"pp"`` is one replica: a whole pipeline whose stages are placed by pp rank, talking point to
+point over the replica's ``pp`` group. Each column along ``"dp"`` holds the same stage in
+every replica; their gradients are reduced over that ``dp`` group, in one of two ways:
+
+``"fsdp"``
+    torch's FSDP2 ``fully_shard`` on every stage module over the ``dp`` sub-mesh: parameters,
+    gradients and optimizer state are sharded over the replicas; torch's pipeline stages
+    defer the gradient reduce-scatter to the last micro-batch's backward. Parameters stay
+    gathered between the forward and the backward of a step (``reshard_after_forward=False``,
+    torchtitan's choice under pipelining), so each step all-gathers each stage once.
+``"replicate"``
+    every replica keeps whole parameters; after each step the gradients are averaged over
+    ``dp`` with one all-reduce per stage.
+
+Every rank is given the global batch; replica ``d`` of ``dp`` runs rows
+``[d * B / dp, (d + 1) * B / dp)`` of it (:meth:`DataParallel.shard`).
+
+Example::
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    dp = DataParallel.from_mesh(mesh, mode="fsdp")
+    dp.replicas      # [[0, 1], [2, 3]]: the global ranks of each replica, by pp rank
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..planning.schedules import SPLIT_BACKWARD_SCHEDULES
+from .params import stage_state
+from .stages import V_SCHEDULES
+
+__all__ = ["DP_MODES", "DataParallel", "check_mesh_arguments", "resolve_data_parallel", "prepare_replicas",
+           "local_tensor", "full_tensor"]
+
+#: How gradients are reduced over the ``dp`` dimension.
+DP_MODES = ("fsdp", "replicate")
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of a DTensor, ``t`` itself otherwise.
+
+    Example:
+        >>> local_tensor(torch.ones(2)).shape
+        torch.Size([2])
+    """
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole of ``t``: a DTensor gathered (collective over its mesh), ``t`` itself otherwise.
+
+    Example:
+        >>> full_tensor(torch.ones(2)).shape
+        torch.Size([2])
+    """
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def check_mesh_arguments(mesh: Any, dp_degree: Any, dp_mode: Any) -> None:
+    """Check ``mesh``, ``dp_degree`` and ``dp_mode`` alone (no communication).
+
+    Raises:
+        ValueError / TypeError: both ``mesh`` and ``dp_degree`` given, a mesh that is not a 2-D
+            ``DeviceMesh`` named ``("dp", "pp")`` in some order, a ``dp_degree`` that is not a
+            positive integer, or a ``dp_mode`` other than ``"fsdp"`` / ``"replicate"``.
+
+    Example:
+        >>> check_mesh_arguments(None, 2, "fsdp")
+        >>> check_mesh_arguments(None, 0, "fsdp")
+        Traceback (most recent call last):
+        ...
+        ValueError: dp_degree=0 must be a positive integer (the number of data-parallel replicas)
+    """
+    if dp_mode not in DP_MODES:
+        raise ValueError(f"dp_mode={dp_mode!r} is not one of {list(DP_MODES)}")
+    if mesh is not None and dp_degree is not None:
+        raise ValueError(f"give either mesh= or dp_degree={dp_degree!r}, not both: the mesh already says how "
+                         f"many data-parallel replicas there are")
+    if dp_degree is not None and (isinstance(dp_degree, bool) or not isinstance(dp_degree, int) or dp_degree < 1):
+        raise ValueError(f"dp_degree={dp_degree!r} must be a positive integer (the number of data-parallel replicas)")
+    if mesh is None:
+        return
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim != 2 or sorted(names) != ["dp", "pp"]:
+        raise ValueError(f"mesh must be 2-D with dimensions named 'dp' and 'pp' (e.g. init_device_mesh(device, "
+                         f"(dp, pp), mesh_dim_names=('dp', 'pp'))); got {mesh.ndim}-D with names {names}")
+
+
+@dataclass
+class DataParallel:
+    """Where this rank sits in the ``dp x pp`` mesh, and the reductions over ``dp``.
+
+    Attributes:
+        mesh: the 2-D mesh.
+        mode: ``"fsdp"`` or ``"replicate"``.
+        dp_size / pp_size: the mesh's sizes.
+        dp_rank / pp_rank: this rank's coordinates (pp rank = its place in its pipeline).
+        replicas: ``replicas[d][p]`` is the global rank of pp rank ``p`` in replica ``d``.
+    """
+
+    mesh: DeviceMesh
+    mode: str
+    dp_size: int
+    pp_size: int
+    dp_rank: int
+    pp_rank: int
+    replicas: list[list[int]]
+
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh, *, mode: str) -> "DataParallel":
+        """Read the coordinates of this rank from ``mesh`` (no communication).
+
+        Example::
+
+            DataParallel.from_mesh(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp")), mode="fsdp")
+        """
+        names = list(mesh.mesh_dim_names)
+        grid = mesh.mesh.permute(names.index("dp"), names.index("pp"))
+        return cls(mesh=mesh, mode=mode, dp_size=grid.shape[0], pp_size=grid.shape[1],
+                   dp_rank=mesh.get_local_rank("dp"), pp_rank=mesh.get_local_rank("pp"),
+                   replicas=[[int(r) for r in row] for row in grid.tolist()])
+
+    @property
+    def pp_group(self) -> Any:
+        """The process group of this rank's pipeline (its replica)."""
+        return self.mesh.get_group("pp")
+
+    @property
+    def dp_group(self) -> Any:
+        """The process group of this rank's stage in every replica."""
+        return self.mesh.get_group("dp")
+
+    # ------------------------------------------------------------------ the batch
+    def shard(self, value: Any, n_microbatches: int) -> Any:
+        """This replica's rows of the global batch ``value`` (tensors with a batch dimension).
+
+        Raises:
+            ValueError: a tensor's first dimension is not divisible by ``dp x n_microbatches``.
+
+        Example::
+
+            x_local = dp.shard(x, 4)   # x: (16, 9) with dp=2 -> rows 0-7 or 8-15
+        """
+        parts = self.dp_size * n_microbatches
+        for t in tree_flatten(value)[0]:
+            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] % parts:
+                raise ValueError(
+                    f"a global batch of {t.shape[0]} rows (shape {tuple(t.shape)}) does not split into dp="
+                    f"{self.dp_size} replicas x n_microbatches={n_microbatches} micro-batches; give every rank "
+                    f"the global batch, with a first dimension divisible by {parts}")
+
+        def take(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor) or t.dim() == 0:
+                return t
+            rows = t.shape[0] // self.dp_size
+            return t.narrow(0, self.dp_rank * rows, rows)
+
+        return tree_map(take, value)
+
+    # ------------------------------------------------------------------ the stages
+    @torch.no_grad()
+    def synchronize(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Give every replica dp rank 0's values (parameters and buffers), as DDP does at its start.
+
+        Collective over each ``dp`` group. Each rank built its own copy of the model, so the
+        replicas start equal only if they seeded alike.
+        """
+        tensors = [t for t in tensors if t.numel()]
+        if not tensors:
+            return
+        flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
+        dist.broadcast(flat, src=self.replicas[0][self.pp_rank], group=self.dp_group)
+        offset = 0
+        for t in tensors:
+            t.copy_(flat[offset: offset + t.numel()].view_as(t).to(t.dtype))
+            offset += t.numel()
+
+    def shard_modules(self, modules: Mapping[int, nn.Module], stages: Sequence[Any]) -> None:
+        """FSDP2 ``fully_shard`` on every stage module over the ``dp`` sub-mesh (``"fsdp"`` only).
+
+        torch's pipeline stages recognise the sharded module: they turn the gradient
+        reduction off for all but the last micro-batch and reduce-scatter once at the end
+        of the step.
+        """
+        from torch.distributed.fsdp import fully_shard
+
+        dp_mesh = self.mesh["dp"]
+        for stage in stages:
+            module = modules[stage.stage_index]
+            # Gathered once per step, not once per micro-batch (torchtitan's setting under pipelining).
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
+            stage.submod = module
+
+    @torch.no_grad()
+    def average_grads(self, params: Iterable[torch.Tensor]) -> None:
+        """Average the gradients over the ``dp`` group, one all-reduce (``"replicate"`` only).
+
+        Gradients accumulated over earlier steps are equal on every replica already, so
+        averaging the whole gradient adds this step's mean and leaves them as they were.
+        """
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= self.dp_size
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset: offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def resolve_data_parallel(mesh: DeviceMesh | None, dp_degree: int | None, dp_mode: str, *, world_size: int,
+                          device_type: str) -> DataParallel | None:
+    """The data-parallel layout, or None for a pure pipeline (creates the mesh's process groups).
+
+    ``dp_degree`` builds a ``(dp_degree, world_size / dp_degree)`` mesh named ``("dp", "pp")``:
+    consecutive ranks form a pipeline. A ``dp_degree`` of 1 is a pure pipeline.
+
+    Raises:
+        ValueError: ``dp_degree`` does not divide the world size, or the mesh's size differs
+            from the world's (before any communication).
+
+    Example::
+
+        dp = resolve_data_parallel(None, 2, "fsdp", world_size=4, device_type="cpu")
+    """
+    if mesh is None and dp_degree is None:
+        return None
+    if mesh is not None:
+        if mesh.size() != world_size:
+            raise ValueError(f"the mesh holds {mesh.size()} ranks (dp x pp = {tuple(mesh.mesh.shape)}) but the world "
+                             f"has {world_size} processes; build the mesh over every rank")
+    else:
+        if world_size % dp_degree:
+            raise ValueError(f"dp_degree={dp_degree} does not divide the world size {world_size}: pp x dp must be "
+                             f"the world size")
+        if dp_degree == 1:
+            return None
+        mesh = init_device_mesh(device_type, (dp_degree, world_size // dp_degree), mesh_dim_names=("dp", "pp"))
+    return DataParallel.from_mesh(mesh, mode=dp_mode)
+
+
+def prepare_replicas(dp: DataParallel, built: Any, schedule: str) -> None:
+    """Make the replicas of this rank's stages equal, and shard them under ``"fsdp"`` (collective).
+
+    Every replica takes dp rank 0's parameters and buffers; with ``"fsdp"`` each stage module
+    is then sharded over ``dp`` and ``built.state`` points at the sharded parameters.
+
+    Raises:
+        ValueError: ``"fsdp"`` with a schedule that splits the backward or places stages in
+            a V, or with a model whose eval mode needs its own trace (dropout, batch
+            norm); ``"replicate"`` runs them.
+
+    Example::
+
+        prepare_replicas(dp, built, "1F1B")   # built: stages.build_rank_stages' result
+    """
+    if dp.mode == "fsdp":
+        if schedule in SPLIT_BACKWARD_SCHEDULES or schedule in V_SCHEDULES:
+            raise ValueError(f"dp_mode='fsdp' runs schedules with one whole backward per stage and looped "
+                             f"placement; schedule={schedule!r} is not one: use dp_mode='replicate'")
+        if any(built.eval_modules[s] is not built.train_modules[s] for s in built.train_modules):
+            raise ValueError("dp_mode='fsdp' shards the training trace's modules, but this model computes "
+                             "differently in eval mode (dropout or batch norm) and has a second trace that "
+                             "would not be sharded: use dp_mode='replicate'")
+    modules = list(built.train_modules.values())
+    seen: dict[int, torch.Tensor] = {}
+    for module in modules:
+        for t in (*module.parameters(), *module.buffers()):
+            seen.setdefault(id(t), t)
+    dp.synchronize(seen.values())
+    if dp.mode == "fsdp":
+        dp.shard_modules(built.train_modules, built.train_stages)
+        state: dict[str, torch.Tensor] = {}
+        for module in modules:
+            for canon, (_, tensor) in stage_state(module, built.names).items():
+                state.setdefault(canon, tensor)
+        built.state = state

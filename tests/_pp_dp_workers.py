@@ -1,0 +1,84 @@
+"""What each rank runs in the pipeline x data parallel tests (spawned by tests/_dist_utils.run_world).
+
+Four ranks form a ``dp=2 x pp=2`` mesh. Every rank is given the same global batch of 16
+sequences; each replica trains on its 8 (4 micro-batches of 2). The unsplit model, run in
+the same process on the whole global batch, is the reference every loss, gradient, norm and
+gathered state dict is compared with.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+from _runtime_workers import MICROBATCH, N_MICROBATCHES, SPLITS, loss_fn, tutorial_model
+from autopipe.runtime import Pipeline
+from autopipe.runtime.data_parallel import full_tensor
+
+DP = 2
+SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+MAX_NORM = 0.05
+
+
+def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """16 sequences (DP x N_MICROBATCHES x MICROBATCH): inputs and next-token targets, (16, 9) each."""
+    data = torch.stack([torch.arange(10) * (i + 1) % 100 for i in range(DP * N_MICROBATCHES * MICROBATCH)])
+    return data[:, :-1], data[:, 1:]
+
+
+def pp_dp_run(rank: int, world_size: int, dp_mode: str, use_mesh: bool) -> dict:
+    """Each schedule, untied and tied: one step against the unsplit model, the clipped norm, the
+    gathered state dict; then the errors of a badly named mesh and a global batch dp does not divide."""
+    mesh = init_device_mesh("cpu", (DP, world_size // DP), mesh_dim_names=("dp", "pp")) if use_mesh else None
+    results: dict = {f"{schedule}{'+tied' if tied else ''}": _case(schedule, dp_mode, tied, mesh)
+                     for tied in (False, True) for schedule in SCHEDULES}
+    x, y = global_batch()
+    bad_mesh = init_device_mesh("cpu", (DP, world_size // DP), mesh_dim_names=("data", "pp"))
+    results["bad_mesh_error"] = _error(lambda: Pipeline(tutorial_model(), example_args=(x[:MICROBATCH],),
+                                                        loss_fn=loss_fn, split_points=SPLITS[2], mesh=bad_mesh))
+    with Pipeline(tutorial_model(), example_args=(x[:MICROBATCH],), loss_fn=loss_fn, schedule="1F1B",
+                  n_microbatches=N_MICROBATCHES, split_points=SPLITS[2], dp_degree=DP, dp_mode=dp_mode) as pipe:
+        results["bad_batch_error"] = _error(lambda: pipe.step(x[:12], target=y[:12]))
+        results["step_after_error"] = pipe.step(x, target=y).item()  # nothing was left half-done
+    return results
+
+
+def _error(fn) -> str | None:
+    try:
+        fn()
+    except (TypeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _case(schedule: str, dp_mode: str, tied: bool, mesh) -> dict:
+    stages_per_rank = 1 if schedule in ("GPipe", "1F1B") else 2
+    model = tutorial_model(tied=tied)
+    x, y = global_batch()
+    dp_args = {"mesh": mesh} if mesh is not None else {"dp_degree": DP}
+    with Pipeline(model, example_args=(x[:MICROBATCH],), loss_fn=loss_fn, schedule=schedule,
+                  n_microbatches=N_MICROBATCHES, split_points=SPLITS[2 * stages_per_rank],
+                  stages_per_rank=stages_per_rank, dp_mode=dp_mode, **dp_args) as pipe:
+        loss = pipe.step(x, target=y)
+        ref = loss_fn(model(x), y)
+        ref.backward()
+        ref_grads = dict(model.named_parameters(remove_duplicate=False))
+        grad_diff = {n: float("inf") if p.grad is None else
+                     (full_tensor(p.grad) - ref_grads[n].grad).abs().max().item()
+                     for n, p in pipe.named_parameters()}
+        norm = pipe.clip_grad_norm_(MAX_NORM)
+        ref_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        clipped_diff = max((full_tensor(p.grad) - ref_grads[n].grad).abs().max().item()
+                           for n, p in pipe.named_parameters())
+        full = pipe.state_dict(full=True)
+        state_diff = max((full[k] - v).abs().max().item() for k, v in model.state_dict().items())
+        # Loading a full state dict writes each rank's part (its shard under FSDP).
+        shifted = {k: v + 1 if v.is_floating_point() else v for k, v in model.state_dict().items()}
+        pipe.load_state_dict(shifted)
+        reloaded = pipe.state_dict(full=True)
+        load_diff = max((reloaded[k] - v).abs().max().item() for k, v in shifted.items())
+        return {"loss": loss.item(), "ref_loss": ref.item(), "grad_diff": grad_diff,
+                "norm": norm.item(), "ref_norm": ref_norm.item(), "clipped_diff": clipped_diff,
+                "state_keys_match": sorted(full) == sorted(model.state_dict()), "state_diff": state_diff, "load_diff": load_diff,
+                "pp_rank": pipe.pp_rank, "dp_rank": pipe.data_parallel.dp_rank,
+                "stage_indices": pipe.stage_indices, "dp_mode": pipe.data_parallel.mode}
