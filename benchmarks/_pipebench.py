@@ -25,7 +25,6 @@ import os
 import statistics
 import time
 import traceback
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,13 +33,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.pipelining import SplitPoint, pipeline
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.weak import WeakIdKeyDictionary
 
 from autopipe._spawn import finish_rank, join_loopback_world, spawn_ranks
 from autopipe.models.zoo import build
 from autopipe.machine.timing import Timer, per_run_s
+from autopipe.machine.working_set import LiveStorage
 
 __all__ = [
     "BenchModel", "MODELS", "host_info", "make_model", "ce_loss", "make_target", "stack_microbatches",
@@ -340,47 +338,19 @@ def interpreter_modules(module: nn.Module) -> dict[str, int]:
 # --------------------------------------------------------------------------- memory
 
 
-class LiveBytes(TorchDispatchMode):
+class LiveBytes(LiveStorage):
     """Peak bytes of tensor storage allocated while the mode is active and still alive.
 
-    Every operator's output storage is counted once when it first appears and uncounted
-    when Python frees it (a weak reference callback), so ``peak`` is the high-water mark of
-    memory *allocated inside the block* - activations, gradients, temporaries, received
-    tensors. Storage that existed before the block (parameters, optimizer state) is not
-    in it; add it yourself. This is exact for what torch allocates through its operators
-    and independent of the host allocator, which makes it a fair CPU stand-in for
-    ``torch.cuda.max_memory_allocated`` (allocator caching and fragmentation excluded).
+    autopipe's own :class:`~autopipe.machine.working_set.LiveStorage`, which the profiler
+    measures the backward's working set with, under the name the benchmarks report: every
+    operator's output storage is counted once when it first appears and uncounted when
+    Python frees it, so ``peak`` is the high-water mark of memory *allocated inside the
+    block* - activations, gradients, temporaries, received tensors. Storage that existed
+    before the block (parameters, optimizer state) is not in it; add it yourself. This is
+    exact for what torch allocates through its operators and independent of the host
+    allocator, which makes it a fair CPU stand-in for ``torch.cuda.max_memory_allocated``
+    (allocator caching and fragmentation excluded).
     """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self._seen: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._refs: dict[int, weakref.ref] = {}
-
-    def _free(self, key: int, nbytes: int, _ref: Any) -> None:
-        self.live -= nbytes
-        self._refs.pop(key, None)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        out = func(*args, **(kwargs or {}))
-        # An output that shares an input's storage (a view, an in-place or out= op) allocated
-        # nothing; without this, a parameter made before the block would be counted the
-        # first time a view of it (``weight.t()``) appears.
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                st = t.untyped_storage()
-                if st in self._seen or (st.data_ptr() in inputs and st.nbytes() > 0):
-                    continue
-                n = st.nbytes()
-                self._seen[st] = n
-                key = id(st)
-                self._refs[key] = weakref.ref(st, lambda r, key=key, n=n: self._free(key, n, r))
-                self.live += n
-                self.peak = max(self.peak, self.live)
-        return out
 
 
 def _tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:

@@ -43,7 +43,7 @@ from typing import Any, Union
 import torch
 import torch.nn as nn
 
-from .params import StateNames
+from .params import StateNames, set_tensor
 
 __all__ = ["WeightSource", "UnwrittenTensorsError", "on_meta", "check_weight_arguments", "module_seed",
            "default_init", "fill_sentinel", "unwritten", "read_weights", "load_weights", "materialize_rank",
@@ -223,15 +223,6 @@ def _is_hf_model(model: nn.Module) -> bool:
                for c in type(model).__mro__)
 
 
-def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    prefix, _, leaf = name.rpartition(".")
-    parent = model.get_submodule(prefix) if prefix else model
-    if leaf in parent._parameters:
-        parent._parameters[leaf] = tensor
-    else:
-        parent._buffers[leaf] = tensor  # a non-persistent buffer stays one
-
-
 def _materialize_in(model: nn.Module, names: StateNames, canonical: Iterable[str],
                     device_of: Callable[[str], torch.device]) -> dict[str, torch.Tensor]:
     """Replace the meta tensors ``canonical`` of ``model`` by empty real ones, every alias pointing at one."""
@@ -242,7 +233,7 @@ def _materialize_in(model: nn.Module, names: StateNames, canonical: Iterable[str
         if isinstance(old, nn.Parameter):
             new = nn.Parameter(new, requires_grad=old.requires_grad)
         for alias in names.aliases.get(canon, [canon]):
-            _set_tensor(model, alias, new)
+            set_tensor(model, alias, new)
         made[canon] = new
     return made
 
@@ -469,7 +460,7 @@ def materialize_leftovers(module: nn.Module, used: set[str]) -> list[str]:
             placeholder = torch.zeros((), dtype=t.dtype).expand(t.shape)
             if isinstance(t, nn.Parameter):
                 placeholder = nn.Parameter(placeholder, requires_grad=False)
-            _set_tensor(module, name, placeholder)
+            set_tensor(module, name, placeholder)
             replaced.append(name)
     if read:
         raise UnwrittenTensorsError(

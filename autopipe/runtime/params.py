@@ -38,7 +38,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-__all__ = ["StateNames", "model_state_names", "used_attribute_names", "stage_state", "stage_aliases",
+__all__ = ["StateNames", "set_tensor", "model_state_names", "used_attribute_names", "stage_state", "stage_aliases",
            "shared_parameters", "first_use_ranks", "model_signature", "first_model_difference", "tie_aliases",
            "fold_use_leaf_grads"]
 
@@ -358,10 +358,10 @@ def tie_aliases(module: nn.Module, names: StateNames, state: Mapping[str, torch.
             reads += local_name in used
             if local_name in used and reads > 1 and leaf_per_use and isinstance(target, nn.Parameter):
                 leaf = nn.Parameter(target.detach(), requires_grad=target.requires_grad)  # shares the memory
-                _set_tensor(module, local_name, leaf)
+                set_tensor(module, local_name, leaf)
                 leaves.append((canon, leaf))
             else:
-                _set_tensor(module, local_name, target)
+                set_tensor(module, local_name, target)
     return leaves
 
 
@@ -383,8 +383,16 @@ def fold_use_leaf_grads(leaves: Sequence[tuple[str, nn.Parameter]], state: Mappi
         leaf.grad = None
 
 
-def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    """Make ``module``'s parameter or buffer ``name`` be ``tensor`` (the same object)."""
+def set_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """Make ``module``'s parameter or buffer ``name`` be ``tensor`` (the same object).
+
+    A non-persistent buffer stays one: it is replaced where it is registered.
+
+    Example:
+        >>> lin = nn.Linear(2, 2); w = nn.Parameter(torch.zeros(2, 2))
+        >>> set_tensor(lin, "weight", w); lin.weight is w
+        True
+    """
     prefix, _, leaf = name.rpartition(".")
     parent = module.get_submodule(prefix) if prefix else module
     if leaf in parent._parameters:
