@@ -42,7 +42,7 @@ def test_partition_takes_few_parameters_the_profiling_ones_grouped():
     assert list(params) == [
         "model", "n_gpus", "example_args", "example_kwargs", "schedule", "n_microbatches", "global_batch",
         "stages_per_rank", "objective", "memory", "devices", "optimizer", "loss_fn", "example_target", "cost",
-        "profiling", "recompute",
+        "profiling", "recompute", "data_parallel", "dp_mode",
     ]
     assert all(p.kind is p.KEYWORD_ONLY for p in list(params.values())[4:])
 

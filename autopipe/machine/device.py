@@ -271,18 +271,28 @@ OPTIMIZER_STATE_FACTORS = {
 }
 
 
-def optimizer_state_factor(optimizer: str | type) -> tuple[str, float]:
-    """(canonical name, state bytes per parameter byte) for an optimizer name or class.
+def optimizer_state_factor(optimizer: str | type | float) -> tuple[str, float]:
+    """(canonical name, state bytes per parameter byte) for an optimizer name or class, or that factor itself.
+
+    A number is the factor (a finite float >= 0: bytes of state per trainable parameter
+    byte), for an optimizer not listed or state shared out over data-parallel replicas.
 
     Raises:
         ValueError: unknown optimizer (the message lists the known ones).
+
+    Example::
+
+        >>> optimizer_state_factor("AdamW"), optimizer_state_factor(0.5)
+        (('adamw', 2.0), ('0.5 bytes per parameter byte', 0.5))
     """
+    if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool) and 0 <= optimizer < math.inf:
+        return f"{optimizer:g} bytes per parameter byte", float(optimizer)
     key = optimizer.__name__ if isinstance(optimizer, type) else optimizer
     if isinstance(key, str):
         k = key.lower().replace("-", "_")
         if k in OPTIMIZER_STATE_FACTORS:
             return k, OPTIMIZER_STATE_FACTORS[k]
     raise ValueError(
-        f"optimizer={optimizer!r} is not known; use one of {sorted(OPTIMIZER_STATE_FACTORS)} "
-        "or a torch.optim class such as torch.optim.AdamW"
+        f"optimizer={optimizer!r} is not known; use one of {sorted(OPTIMIZER_STATE_FACTORS)}, "
+        "a torch.optim class such as torch.optim.AdamW, or a number >= 0 (state bytes per parameter byte)"
     )

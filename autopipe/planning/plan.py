@@ -39,6 +39,7 @@ from . import costmodel
 from .costgraph import SegmentCost
 from .costmodel import StepTail
 from .plan_file import PLAN_FORMAT_VERSION, check_model_names, plan_from_data, read_plan_file
+from .dp_records import DataParallelRecord
 from .plan_records import Calibration, Link, MachineModel, PlanSegment, ScheduleAlternative, SearchRecord
 from ..machine.passes import WholePass
 from .profile import LossCost
@@ -135,6 +136,9 @@ class Plan:
     global_batch: int | None = None  # samples per optimizer step, when given
     scaling_fit_error: dict[str, float] = field(default_factory=dict)  # quantity -> worst relative fit error
     calibration: Calibration | None = None  # set by calibrate()
+    dp_degree: int = 1  # data-parallel replicas of the whole pipeline (pp x dp ranks in all)
+    dp_mode: str = ""  # how the replicas reduce gradients: "fsdp" or "replicate" ("" with dp_degree 1)
+    data_parallel: DataParallelRecord | None = None  # the factorizations compared (partition(data_parallel=...))
 
     # ------------------------------------------------------------------ derived
     @property
@@ -166,9 +170,14 @@ class Plan:
         return stage_ranks(self.schedule, self.num_stages // self.stages_per_rank, self.stages_per_rank)
 
     @property
+    def pp_degree(self) -> int:
+        """Pipeline ranks per replica (``num_stages // stages_per_rank``); ``pp_degree * dp_degree`` ranks in all."""
+        return self.num_stages // self.stages_per_rank
+
+    @property
     def microbatch_size(self) -> int | None:
-        """Samples per micro-batch, when the plan knows the global batch."""
-        return self.global_batch // self.n_microbatches if self.global_batch else None
+        """Samples per micro-batch, when the plan knows the global batch (split over ``dp_degree`` replicas)."""
+        return self.global_batch // (self.dp_degree * self.n_microbatches) if self.global_batch else None
 
     def baseline(self, name: str) -> BaselinePlan:
         """The baseline called ``name``; raises KeyError listing those present."""

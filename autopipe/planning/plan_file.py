@@ -46,6 +46,7 @@ from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanFileError
+from .dp_records import record_from_data
 from .plan_checks import MAX_PLAN_INT, MAX_STAGES, FieldCheck, required_fields, show
 from .plan_file_parts import TYPED_FIELDS, PlanShape, typed_from_extras, typed_parts
 from .schedules import MAX_SCHEDULE_SIZE, check_schedule_size, validate_schedule
@@ -206,6 +207,10 @@ def plan_from_data(data: Any, cls: type[Plan] | None = None, *, path: str | None
         "model_name": c.text,
         "segment_names": lambda f, v: c.sequence(f, v, c.text),
         "recompute_stages": lambda f, v: c.sequence(f, v, lambda g, x: c.integer(g, x, 0, MAX_STAGES)),
+        # Pipeline x data parallel (optional: files without them are one replica).
+        "dp_degree": lambda f, v: c.integer(f, v, 1, MAX_STAGES),
+        "dp_mode": lambda f, v: _dp_mode(c, f, v),
+        "data_parallel": lambda f, v: record_from_data(c, f, v),
         # The typed parts are checked once the stage count is known, below.
         **({"extras": c.mapping} if version == 1 else {k: (lambda f, v: v) for k in TYPED_FIELDS}),
     }
@@ -257,6 +262,12 @@ def plan_from_data(data: Any, cls: type[Plan] | None = None, *, path: str | None
     else:
         kw.update(typed_parts(c, {k: kw.pop(k) for k in TYPED_FIELDS if k in kw}, shape))
     return cls(**kw)
+
+
+def _dp_mode(c: FieldCheck, field: str, value: Any) -> str:
+    if value not in ("", "fsdp", "replicate"):
+        c.bad(field, value, "must be 'fsdp', 'replicate' or '' (one replica)")
+    return value
 
 
 def _memory_limit(c: FieldCheck) -> Callable[[str, Any], int]:

@@ -137,8 +137,8 @@ def partition(
             pipeline action costs beyond its compute (the runtime's own work, which the profile
             does not see; default 0.7 ms on CPU, 0 on CUDA; measure yours with
             :func:`autopipe.runtime.overhead_probe.measure_action_overhead`).
-        optimizer: Optimizer whose state counts toward memory ("adam", "sgd", ... or a
-            ``torch.optim`` class).
+        optimizer: Optimizer whose state counts toward memory ("adam", "sgd", ..., a
+            ``torch.optim`` class, or a number: state bytes per parameter byte).
         loss_fn, example_target: The training loss ``loss_fn(output, target)`` and one
             micro-batch's target. The last stage computes the loss of every micro-batch and
             holds what it saves (for a language model, the log-softmax over the vocabulary)
@@ -166,6 +166,18 @@ def partition(
             recompute their activations in the backward (activation checkpointing) and picks
             the fastest split that fits (``plan.recompute_stages``); ``False``: no stage
             recomputes, only splits that fit keeping every activation are considered.
+        data_parallel: Replicas of the pipeline (pipeline x data parallel): 1 (default, a pure
+            pipeline of ``n_gpus`` ranks), a count dividing ``n_gpus``, or ``"auto"`` to compare
+            every ``pp x dp`` factorization of ``n_gpus`` and keep the fastest that fits; needs
+            ``global_batch`` (each replica runs ``global_batch / dp`` samples in micro-batches of
+            the example's size). ``plan.pp_degree``, ``plan.dp_degree`` and
+            ``plan.data_parallel`` (every factorization, ranked) say what was chosen
+            (:mod:`autopipe.planning.data_parallel`). ``devices`` may then be a
+            :class:`~autopipe.machine.topology.Topology` (GPUs per node, the links inside and
+            between nodes).
+        dp_mode: How replicas reduce gradients: ``"fsdp"`` (default, parameters, gradients and
+            optimizer state sharded over the replicas), ``"replicate"`` (whole copies and an
+            all-reduce) or ``"auto"`` (both compared).
 
     The keywords ``device``, ``warmup``, ``repeats``, ``flush_cache``, ``fit_to_whole``,
     ``progress`` (now in ``profiling``), ``bandwidth``, ``latency_s``, ``action_overhead_s``

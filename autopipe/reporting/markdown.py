@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .data_parallel import dp_table
 from .tables import (Table, alternatives_table, baseline_table, layer_table, measured_table, split_spec_code,
                      stage_table, summary_lines, tail_note)
 
@@ -85,6 +86,9 @@ def plan_to_markdown(data: dict[str, Any], *, images: Mapping[str, str] | None =
     if alt is not None:
         out += ["## Alternatives considered", "", table_to_markdown(alt), ""]
         out += image("alternatives", "predicted step of each schedule considered")
+    dp = dp_table(data["plan"].get("data_parallel"))
+    if dp is not None:
+        out += ["## Pipeline x data parallel", "", table_to_markdown(dp), ""]
     measured = measured_table(data)
     if measured is not None:
         out += ["## Measured run", "", table_to_markdown(measured), ""]

@@ -91,6 +91,11 @@ def plan_to_text(plan: "Plan") -> str:
                                                    if r < len(limits) and limits[r] >= 0 else None)}
                   for s, r in zip(plan.stages, plan.stage_ranks)]
         out += recompute_lines(stages, plan.recompute_stages)
+    if plan.data_parallel is not None:  # every pp x dp factorization, fastest first
+        from .data_parallel import dp_table  # here: it imports the formatting from this module
+        table = dp_table(plan.to_dict()["data_parallel"])
+        if table is not None:
+            out += ["", table.title + ":", *_table(table.header, table.rows), *[f"  {n}" for n in table.notes]]
     if plan.alternatives:
         out += ["", "schedules considered (schedule='auto'):"]
         rows = []
