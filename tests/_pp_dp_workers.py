@@ -12,6 +12,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 
 from _runtime_workers import MICROBATCH, N_MICROBATCHES, SPLITS, loss_fn, tutorial_model
+import autopipe
 from autopipe.runtime import Pipeline
 from autopipe.runtime.data_parallel import full_tensor
 
@@ -40,6 +41,15 @@ def pp_dp_run(rank: int, world_size: int, dp_mode: str, use_mesh: bool) -> dict:
                   n_microbatches=N_MICROBATCHES, split_points=SPLITS[2], dp_degree=DP, dp_mode=dp_mode) as pipe:
         results["bad_batch_error"] = _error(lambda: pipe.step(x[:12], target=y[:12]))
         results["step_after_error"] = pipe.step(x, target=y).item()  # nothing was left half-done
+    # A plan made for pp x dp builds its mesh itself: no mesh= or dp_degree= given.
+    plan = autopipe.partition(tutorial_model(), world_size, (x[:MICROBATCH],), global_batch=len(x),
+                              data_parallel=DP, dp_mode=dp_mode, cost="flops", loss_fn=False,
+                              profiling=autopipe.ProfileOptions(progress=False))
+    with Pipeline(tutorial_model(), example_args=(x[:MICROBATCH],), loss_fn=loss_fn, plan=plan) as pipe:
+        dp = pipe.data_parallel
+        results["from_plan"] = {"plan": (plan.dp_degree, plan.dp_mode, plan.pp_degree),
+                                "built": (dp.dp_size, dp.mode, dp.pp_size) if dp else None,
+                                "loss": pipe.step(x, target=y).item()}
     return results
 
 

@@ -63,6 +63,14 @@ def test_tied_embedding_gradient_is_summed_within_each_replica(dp_mode):
 
 
 @pytest.mark.parametrize("dp_mode", ["fsdp", "replicate"])
+def test_a_plan_for_pp_x_dp_builds_its_mesh_from_the_plan(dp_mode):
+    for r in results(dp_mode):
+        case = r["from_plan"]
+        assert case["plan"] == (2, dp_mode, 2) and case["built"] == case["plan"]
+        assert case["loss"] > 0
+
+
+@pytest.mark.parametrize("dp_mode", ["fsdp", "replicate"])
 def test_bad_mesh_and_bad_global_batch_raise_clear_errors_on_every_rank(dp_mode):
     for r in results(dp_mode):
         assert "dimensions named 'dp' and 'pp'" in r["bad_mesh_error"] and "('data', 'pp')" in r["bad_mesh_error"]

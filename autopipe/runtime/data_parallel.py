@@ -43,7 +43,7 @@ from ..planning.schedules import SPLIT_BACKWARD_SCHEDULES
 from .params import stage_state
 from .stages import V_SCHEDULES
 
-__all__ = ["DP_MODES", "DataParallel", "check_mesh_arguments", "resolve_data_parallel", "prepare_replicas",
+__all__ = ["DP_MODES", "DataParallel", "data_parallel_from_plan", "check_mesh_arguments", "resolve_data_parallel", "prepare_replicas",
            "local_tensor", "full_tensor"]
 
 #: How gradients are reduced over the ``dp`` dimension.
@@ -68,6 +68,29 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
         torch.Size([2])
     """
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def data_parallel_from_plan(plan: Any, mesh: Any, dp_degree: int | None,
+                            dp_mode: str | None) -> tuple[int | None, str]:
+    """``(dp_degree, dp_mode)`` to build with: the caller's, else the plan's, else a pure pipeline and ``"fsdp"``.
+
+    A plan made with ``partition(..., data_parallel=)`` says how many replicas it was planned
+    for and how they reduce; the pipeline follows it unless told otherwise (``mesh=``,
+    ``dp_degree=`` or ``dp_mode=`` given).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> data_parallel_from_plan(SimpleNamespace(dp_degree=4, dp_mode="replicate"), None, None, None)
+        (4, 'replicate')
+        >>> data_parallel_from_plan(None, None, None, None)
+        (None, 'fsdp')
+    """
+    planned = plan is not None and getattr(plan, "dp_degree", 1) > 1
+    if mesh is None and dp_degree is None and planned:
+        dp_degree = plan.dp_degree
+    if dp_mode is None:
+        dp_mode = plan.dp_mode if planned and plan.dp_mode in DP_MODES else "fsdp"
+    return dp_degree, dp_mode
 
 
 def check_mesh_arguments(mesh: Any, dp_degree: Any, dp_mode: Any) -> None:

@@ -43,7 +43,8 @@ from ..planning.plan import Plan
 from ..planning.schedules import TRAINING_STEP_KWARGS, stage_ranks
 from .checkpointing import resolve_checkpoint_stages
 from .compat import to_stage_device
-from .data_parallel import check_mesh_arguments, full_tensor, prepare_replicas, resolve_data_parallel
+from .data_parallel import (check_mesh_arguments, data_parallel_from_plan, full_tensor, prepare_replicas,
+                            resolve_data_parallel)
 from .distributed import DEFAULT_TIMEOUT_S, default_device, init_distributed
 from .inference import Inference
 from .lifecycle import PipelineLifecycle
@@ -122,9 +123,11 @@ class Pipeline(PipelineLifecycle):
             shard of the global batch, and every stage's gradients are reduced over ``dp``
             (:mod:`~autopipe.runtime.data_parallel`). Every rank is given the global batch.
         dp_degree: the same with a ``(dp_degree, world / dp_degree)`` mesh built here
-            (consecutive ranks form a pipeline). Exclusive with ``mesh``.
-        dp_mode: how ``dp`` reduces: ``"fsdp"`` (FSDP2 ``fully_shard`` per stage, the default)
-            or ``"replicate"`` (whole parameters, gradients averaged by all-reduce).
+            (consecutive ranks form a pipeline). Exclusive with ``mesh``. Default: the
+            plan's ``dp_degree`` (a plan made with ``data_parallel=``), else none.
+        dp_mode: how ``dp`` reduces: ``"fsdp"`` (FSDP2 ``fully_shard`` per stage) or
+            ``"replicate"`` (whole parameters, gradients averaged by all-reduce). Default: the
+            plan's, else ``"fsdp"``.
 
     Deprecated keyword args (they still work, with a ``DeprecationWarning``, until the next
     release):
@@ -173,7 +176,7 @@ class Pipeline(PipelineLifecycle):
         weights: WeightSource | None = None,
         mesh: Any = None,
         dp_degree: int | None = None,
-        dp_mode: str = "fsdp",
+        dp_mode: str | None = None,
         n_stages: int | None = None,
         planner_options: Mapping[str, Any] | None = None,
     ) -> None:
@@ -181,11 +184,12 @@ class Pipeline(PipelineLifecycle):
         n_ranks, planner = deprecated_keywords(n_ranks, n_stages, planner, planner_options)
         example_args, example_kwargs = check_model_and_inputs(model, example_args, example_kwargs, loss_fn)
         check_weight_arguments(model, init_weights, weights)
-        check_mesh_arguments(mesh, dp_degree, dp_mode)
         request = PlanRequest.checked(model, plan=plan, split_points=split_points, n_ranks=n_ranks,
                                       schedule=schedule, n_microbatches=n_microbatches,
                                       stages_per_rank=stages_per_rank, planner=planner,
                                       profile_in_ranks=profile_in_ranks)
+        dp_degree, dp_mode = data_parallel_from_plan(request.plan, mesh, dp_degree, dp_mode)
+        check_mesh_arguments(mesh, dp_degree, dp_mode)
 
         # ---- 2. the job: rank, world size, device
         self.rank, self.world_size = init_distributed(timeout_s=timeout_s)
