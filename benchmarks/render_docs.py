@@ -377,6 +377,10 @@ def render_prediction_accuracy(d: dict[str, Any], behind: list[str]) -> str:
                      f"{apct(mem['median_abs_memory_error'])}, largest {apct(mem['max_abs_memory_error'])}, "
                      f"{mem['within_10pct']} of {mem['rank_figures']} rank figures within 10% "
                      "(predicted: `plan.rank_peak_bytes`).")
+        if mem["within_10pct"] < mem["rank_figures"]:
+            behind.append(f"prediction accuracy: {mem['rank_figures'] - mem['within_10pct']} of {mem['rank_figures']} "
+                          f"per-rank peak-memory predictions are off by more than 10% (largest "
+                          f"{apct(mem['max_abs_memory_error'])}; target: every rank within 10%); section 5.")
     elif s.get("median_abs_memory_error") is not None:
         largest = s.get("max_abs_memory_error")
         notes.append(f"Peak memory per rank: median |error| {apct(s['median_abs_memory_error'])}"
