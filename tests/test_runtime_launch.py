@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from autopipe.runtime.launch import parse_run_args
+from autopipe.runtime.launch import parse_run_args, torchrun_argv
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,6 +58,28 @@ def test_script_that_is_not_a_file_is_a_clear_error(tmp_path):
         parse_run_args([str(tmp_path / "missing.py"), "--nproc", "2"])
 
 
+def test_nnodes_and_rendezvous_may_come_before_or_after_the_script(script):
+    parsed = parse_run_args(["--nnodes", "2", script, "--nproc=1", "--rdzv-endpoint", "node0:29500", "--lr", "1"])
+    assert (parsed.nnodes, parsed.nproc, parsed.rdzv_endpoint, parsed.script_args) == (2, 1, "node0:29500", ["--lr", "1"])
+    assert torchrun_argv(script, 1, ["--lr", "1"], nnodes=2, rdzv_endpoint="node0:29500") == [
+        "--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", "--rdzv-endpoint=node0:29500", script, "--lr", "1"]
+    assert torchrun_argv(script, 2)[:2] == ["--standalone", "--nproc-per-node=2"], "one machine: standalone"
+
+
+@pytest.mark.parametrize("extra, match", [
+    ([], r"--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
+    (["--rdzv-endpoint", "node0"], r"needs --rdzv-endpoint HOST:PORT.*'node0'"),
+])
+def test_several_machines_need_a_rendezvous_address(script, extra, match):
+    with pytest.raises(ValueError, match=match):
+        parse_run_args([script, "--nnodes", "2", "--nproc", "1", *extra])
+
+
+def test_nnodes_must_be_a_positive_integer(script):
+    with pytest.raises(ValueError, match="--nnodes=0"):
+        parse_run_args([script, "--nnodes", "0", "--nproc", "1"])
+
+
 def _autopipe_run(*args: str) -> subprocess.CompletedProcess:
     # CPU ranks on gloo, also where GPUs are present (a one-GPU machine refuses --nproc 2)
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "CUDA_VISIBLE_DEVICES": ""}
@@ -72,6 +94,31 @@ def test_run_starts_nproc_ranks_with_the_scripts_arguments(script):
     folder = os.path.dirname(script)
     lines = [open(os.path.join(folder, f"rank{r}.txt")).read() for r in range(2)]
     assert lines == ["rank 0 of 2 args ['--steps', '5']", "rank 1 of 2 args ['--steps', '5']"]
+
+
+@pytest.mark.distributed
+def test_two_machines_meet_at_the_rendezvous(script):
+    # Two launchers on this host stand for two machines: each starts one process, and the
+    # c10d rendezvous on loopback makes them one world of two ranks.
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "autopipe", "run", script, "--nnodes", "2", "--nproc", "1",
+           "--rdzv-endpoint", f"127.0.0.1:{port}", "--steps", "1"]
+    nodes = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+             for _ in range(2)]
+    try:
+        codes = [n.wait(timeout=120) for n in nodes]
+    finally:
+        for n in nodes:
+            n.kill()
+    assert codes == [0, 0], [n.stderr.read()[-2000:] for n in nodes]
+    folder = os.path.dirname(script)
+    lines = sorted(open(os.path.join(folder, f"rank{r}.txt")).read() for r in range(2))
+    assert lines == ["rank 0 of 2 args ['--steps', '1']", "rank 1 of 2 args ['--steps', '1']"]
 
 
 @pytest.mark.distributed

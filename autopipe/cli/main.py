@@ -124,14 +124,16 @@ examples:
 """
 
 _RUN_HELP = """\
-usage: autopipe run SCRIPT [--nproc N] [SCRIPT ARGS ...]
+usage: autopipe run SCRIPT [--nproc N] [--nnodes M --rdzv-endpoint HOST:PORT] [SCRIPT ARGS ...]
 
 Start SCRIPT on N processes of this machine under torch.distributed.run (torchrun); inside
-it, autopipe.Pipeline builds each rank's stages.
+it, autopipe.Pipeline builds each rank's stages. Across M machines, run the same command on
+each with --nnodes M and the address of one of them as --rdzv-endpoint.
 
 examples:
   autopipe run train.py --nproc 2
   autopipe run train.py --nproc 4 --lr 0.1 --steps 100
+  autopipe run train.py --nnodes 2 --nproc 8 --rdzv-endpoint node0:29500 --steps 100
 """
 
 

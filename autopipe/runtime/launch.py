@@ -1,7 +1,7 @@
-"""``autopipe run script.py --nproc N [args]``: start a training script on N local processes.
+"""``autopipe run script.py --nproc N [args]``: start a training script on N processes per machine.
 
-A thin front on ``torch.distributed.run`` (torchrun) for one machine, so a user need not
-write a torchrun line::
+A thin front on ``torch.distributed.run`` (torchrun), so a user need not write a torchrun
+line::
 
     autopipe run train.py --nproc 2 --steps 50
     python -m autopipe run train.py --nproc 2 --steps 50
@@ -10,30 +10,42 @@ write a torchrun line::
 is ``torchrun --standalone --nproc-per-node 2 train.py --steps 50``: torchrun picks a free
 port, starts the processes with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set, and stops all
 of them when one fails. Inside the script, :class:`autopipe.Pipeline` picks the device
-(CUDA with NCCL where present, CPU with gloo otherwise). For several machines use torchrun
-itself (``--nnodes``, ``--rdzv-endpoint``); the script does not change.
+(CUDA with NCCL where present, CPU with gloo otherwise).
+
+Across machines, the same command on every machine with ``--nnodes`` and the address of
+one of them (the rendezvous: torchrun's c10d store, which assigns the node ranks)::
+
+    autopipe run train.py --nnodes 2 --nproc 8 --rdzv-endpoint node0.example:29500 --steps 50
+
+is ``torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint
+node0.example:29500 train.py --steps 50``; the script does not change.
 
     >>> parse_run_args(["train.py", "--nproc", "2", "--lr", "0.1"])  # doctest: +SKIP
-    RunArgs(script='train.py', nproc=2, script_args=['--lr', '0.1'])
+    RunArgs(script='train.py', nproc=2, script_args=['--lr', '0.1'], nnodes=1, rdzv_endpoint=None)
 """
 
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .._checks import check_int
 
-__all__ = ["RunArgs", "parse_run_args", "run_script", "main"]
+__all__ = ["RunArgs", "parse_run_args", "torchrun_argv", "run_script", "main"]
 
-USAGE = """usage: autopipe run SCRIPT [--nproc N] [SCRIPT ARGS ...]
-       autopipe run [--nproc N] SCRIPT [SCRIPT ARGS ...]
+USAGE = """usage: autopipe run SCRIPT [--nproc N] [--nnodes M --rdzv-endpoint HOST:PORT] [SCRIPT ARGS ...]
+       autopipe run [--nproc N] [--nnodes M --rdzv-endpoint HOST:PORT] SCRIPT [SCRIPT ARGS ...]
 
-Start SCRIPT on N processes of this machine under torch.distributed.run (torchrun).
-  --nproc N   number of processes (pipeline ranks); default: the number of GPUs.
-Everything after SCRIPT other than a leading --nproc goes to the script."""
+Start SCRIPT on N processes per machine under torch.distributed.run (torchrun).
+  --nproc N                  processes on this machine; default: the number of GPUs.
+  --nnodes M                 machines taking part (default 1); run the same command on each.
+  --rdzv-endpoint HOST:PORT  where the machines meet (one of them); needed with --nnodes > 1.
+autopipe's options come before SCRIPT or right after it; everything else goes to the script."""
+
+_OPTIONS = ("--nproc", "--nnodes", "--rdzv-endpoint")
 
 
 @dataclass
@@ -43,13 +55,17 @@ class RunArgs:
     script: str  # path of the Python script
     nproc: int  # processes on this machine
     script_args: list[str]  # arguments handed to the script unchanged
+    nnodes: int = 1  # machines taking part
+    rdzv_endpoint: str | None = None  # HOST:PORT where they meet (more than one machine)
 
 
 def parse_run_args(argv: Sequence[str]) -> RunArgs:
-    """Read ``[--nproc N] SCRIPT [--nproc N] [script args]``.
+    """Read ``[options] SCRIPT [options] [script args]``; the options are ``--nproc``,
+    ``--nnodes`` and ``--rdzv-endpoint``.
 
-    ``--nproc`` is autopipe's when it comes before the script or right after it; any
-    later argument, even another ``--nproc``, belongs to the script.
+    autopipe's options are taken before the script and right after it; from the first
+    argument that is not one of them on, everything belongs to the script, even another
+    ``--nproc``.
 
     Args:
         argv: the arguments after ``run``.
@@ -58,52 +74,77 @@ def parse_run_args(argv: Sequence[str]) -> RunArgs:
         A :class:`RunArgs`.
 
     Raises:
-        ValueError: no script, a script that is not a file, or ``--nproc`` missing its
-            value, not a positive integer, or absent on a machine without GPUs.
+        ValueError: no script, a script that is not a file, an option missing its value, a
+            count that is not a positive integer, ``--nproc`` absent on a machine without
+            GPUs, or ``--nnodes`` above 1 without a ``HOST:PORT`` ``--rdzv-endpoint``.
 
     Example:
         >>> parse_run_args(["--nproc=4", "train.py"]).nproc  # doctest: +SKIP
         4
     """
     args = list(argv)
-    nproc: int | None = None
+    given: dict[str, str] = {}
 
-    def take_nproc(i: int) -> int:
-        """Parse --nproc at args[i]; return how many arguments it used."""
-        nonlocal nproc
-        if args[i].startswith("--nproc="):
-            raw, used = args[i].split("=", 1)[1], 1
-        elif i + 1 < len(args):
-            raw, used = args[i + 1], 2
-        else:
-            raise ValueError("--nproc needs a value: the number of processes, e.g. --nproc 2")
-        try:
-            nproc = int(raw)
-        except ValueError:
-            raise ValueError(f"--nproc={raw!r} must be a positive integer") from None
-        if nproc < 1:
-            raise ValueError(f"--nproc={nproc} must be a positive integer")
-        return used
+    def take_options(i: int) -> int:
+        """Read autopipe's options from args[i] on; return the index after them."""
+        while i < len(args):
+            name, eq, value = args[i].partition("=")
+            if name not in _OPTIONS:
+                break
+            if eq:
+                i += 1
+            elif i + 1 < len(args):
+                value, i = args[i + 1], i + 2
+            else:
+                raise ValueError(f"{name} needs a value\n{USAGE}")
+            given[name] = value
+        return i
 
-    def is_nproc(i: int) -> bool:
-        return i < len(args) and (args[i] == "--nproc" or args[i].startswith("--nproc="))
-
-    i = 0
-    if is_nproc(i):
-        i += take_nproc(i)
+    i = take_options(0)
     if i >= len(args) or args[i].startswith("-"):
         raise ValueError(f"no script given\n{USAGE}")
     script = args[i]
-    i += 1
-    if is_nproc(i):
-        i += take_nproc(i)
+    i = take_options(i + 1)
     if not os.path.isfile(script):
         raise ValueError(f"script {script!r} is not a file")
+    nproc = _positive(given, "--nproc")
+    nnodes = _positive(given, "--nnodes") or 1
     if nproc is None:
         nproc = _gpu_count()
         if nproc == 0:
             raise ValueError("this machine has no GPU; say how many CPU processes to start with --nproc N")
-    return RunArgs(script=script, nproc=nproc, script_args=args[i:])
+    endpoint = given.get("--rdzv-endpoint")
+    if nnodes > 1 and (endpoint is None or not re.fullmatch(r"\[?[\w.:-]+\]?:\d+", endpoint)):
+        raise ValueError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (one of the machines, reachable from "
+                         f"all of them), got {endpoint!r}")
+    return RunArgs(script=script, nproc=nproc, script_args=args[i:], nnodes=nnodes, rdzv_endpoint=endpoint)
+
+
+def _positive(given: dict[str, str], name: str) -> int | None:
+    """The positive integer given for ``name``, None when it was not given."""
+    if name not in given:
+        return None
+    try:
+        value = int(given[name])
+    except ValueError:
+        raise ValueError(f"{name}={given[name]!r} must be a positive integer") from None
+    if value < 1:
+        raise ValueError(f"{name}={value} must be a positive integer")
+    return value
+
+
+def torchrun_argv(script: str, nproc: int, args: Sequence[str] = (), *, nnodes: int = 1,
+                  rdzv_endpoint: str | None = None) -> list[str]:
+    """The torchrun arguments ``autopipe run`` passes: standalone on one machine, c10d rendezvous across several.
+
+    Example:
+        >>> torchrun_argv("train.py", 8, ["--steps", "5"], nnodes=2, rdzv_endpoint="node0:29500")
+        ['--nnodes=2', '--nproc-per-node=8', '--rdzv-backend=c10d', '--rdzv-endpoint=node0:29500', 'train.py', '--steps', '5']
+    """
+    if nnodes == 1:
+        return ["--standalone", f"--nproc-per-node={nproc}", script, *args]
+    return [f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={rdzv_endpoint}", script, *args]
 
 
 def _gpu_count() -> int:
@@ -112,7 +153,8 @@ def _gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def run_script(script: str, nproc: int, args: Sequence[str] = ()) -> int:
+def run_script(script: str, nproc: int, args: Sequence[str] = (), *, nnodes: int = 1,
+               rdzv_endpoint: str | None = None) -> int:
     """Run ``script`` on ``nproc`` processes of this machine with torchrun; return the exit code.
 
     Args:
@@ -120,6 +162,8 @@ def run_script(script: str, nproc: int, args: Sequence[str] = ()) -> int:
         nproc: number of processes, >= 1. With GPUs, at most one per GPU (each process
             uses ``cuda:LOCAL_RANK``).
         args: arguments for the script.
+        nnodes: machines taking part; each runs this with the same arguments.
+        rdzv_endpoint: ``HOST:PORT`` where they meet (needed when ``nnodes > 1``).
 
     Returns:
         0 when every process succeeded, else the exit code of the first that failed.
@@ -141,9 +185,8 @@ def run_script(script: str, nproc: int, args: Sequence[str] = ()) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    torchrun_argv = ["--standalone", f"--nproc-per-node={nproc}", script, *args]
     try:
-        torchrun.main(torchrun_argv)
+        torchrun.main(torchrun_argv(script, nproc, args, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint))
     except ChildFailedError as e:  # torchrun has already printed which rank failed and why
         codes = [f.exitcode for f in e.failures.values() if f.exitcode]
         return codes[0] if codes and codes[0] > 0 else 1
@@ -169,7 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if argv else 2
     try:
         parsed = parse_run_args(argv)
-        return run_script(parsed.script, parsed.nproc, parsed.script_args)
+        return run_script(parsed.script, parsed.nproc, parsed.script_args, nnodes=parsed.nnodes,
+                          rdzv_endpoint=parsed.rdzv_endpoint)
     except ValueError as e:
         print(f"autopipe run: {e}", file=sys.stderr)
         return 2
