@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from autopipe.models.hf import gpt2_from_config
@@ -82,7 +81,9 @@ def main() -> None:
         if args.save:
             torch.save(full, args.save)
             print(f"saved {len(full)} tensors to {args.save}; load with model.load_state_dict(torch.load(...))")
-    dist.destroy_process_group()
+    # Releases the pipeline's process groups, and the default one it created, before the
+    # interpreter shuts down (gloo's threads must not outlive it).
+    pipe.close()
 
 
 if __name__ == "__main__":

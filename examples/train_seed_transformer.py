@@ -79,6 +79,7 @@ def train(schedule: str, args: argparse.Namespace) -> list[float]:
             step += 1
             if step == args.steps:
                 break
+    pipe.close()  # its process groups go now, not at interpreter exit
     return losses
 
 
@@ -94,6 +95,9 @@ def main() -> None:
     args = parser.parse_args()
 
     schedules = list(SCHEDULES) if args.schedule == "all" else [args.schedule]
+    # One process group for every pipeline below: the script creates it, so each pipeline's
+    # close() leaves it alone, and the script destroys it at the end.
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     summary = {s: train(s, args) for s in schedules}
     if dist.get_rank() == 0:
         print("\nschedule                first loss  last loss")
