@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT))  # the checkout's autopipe, for its defaults
 
 # Order of the page; anything else found is appended.
 ORDER = ("peers", "split_quality", "split_quality_sim", "planner_scaling", "runtime_overhead", "prediction_accuracy",
-         "schedule_memory", "trace_profile", "gpu_one_rank", "models", "meta_planning", "recompute", "meta_model")
+         "schedule_memory", "trace_profile", "gpu_one_rank", "models", "meta_planning", "recompute", "meta_model",
+         "scale_study")
 TITLES = {
     "peers": "0. autopipe against the real peers (2 and 4 stages, measured)",
     "split_quality": "1. Split quality, measured (2 stages, real pipelines)",
@@ -48,6 +49,7 @@ TITLES = {
     "meta_planning": "10. Planning a model bigger than the host, from the meta device",
     "meta_model": "12. A pipeline built from the meta device: host memory per rank",
     "recompute": "11. Recomputation the planner chooses",
+    "scale_study": "13. Pipeline × data parallel at scale, simulated",
 }
 # What each benchmark measures, in a sentence or three; the folder's README has the method.
 ABOUT = {
@@ -90,7 +92,8 @@ RERUN_OPTIONS = {"recompute": "`--smoke` for a tiny run that only checks the scr
                  "gpu_one_rank": "needs one GPU; `--device cpu` runs it on the CPU",
                  "models": "renders docs/models.md too; `--quick` skips the 2-rank pipelines",
                  "meta_planning": "`--layers 4 --seq 64` for a quick look",
-                 "meta_model": "`--ranks 2` for one world, `--layers 2 --seq 64` for a quick look"}
+                 "meta_model": "`--ranks 2` for one world, `--layers 2 --seq 64` for a quick look",
+                 "scale_study": "`--quick` for a tiny model that only checks the script"}
 BEHIND_TOL = 0.03  # a ratio within 3% counts as a tie: the split-quality target, and about the run-to-run noise
 TARGET_ERROR = 0.10  # the step-time prediction's target: median |error| under 10%
 
@@ -521,6 +524,20 @@ def render_recompute(d: dict[str, Any], behind: list[str]) -> str:
                      "predicted ÷ planner", "measured ÷ planner"], rows))
 
 
+def render_scale_study(d: dict[str, Any], behind: list[str]) -> str:
+    """Per model and GPU count: the pp x dp layout chosen, its step, throughput, memory, and the runners-up."""
+    rows = [[r["model"], r["n_gpus"], f"{r['pp']} × {r['dp']} {r['dp_mode'] or ''}", r["schedule"],
+             r["n_microbatches"], f"{r['step_s']:.2f} s", f"{r['tokens_per_s_per_gpu']:,.0f}",
+             f"{r['peak_bytes'] / 1e9:.1f} / {r['memory_bytes'] / 1e9:.0f} GB",
+             (r.get("torchtitan") or {}).get("layout", "–"),
+             "; ".join(f"{a['pp']}×{a['dp']} {a['mode']}: " + (f"{a['step_s']:.2f} s" if a["fits"] else "no fit")
+                       for a in r["alternatives"][1:4])] for r in d.get("rows", [])]
+    return (f"{d.get('machine_simulated')}; FLOP-counted costs, {d.get('seq_per_gpu')} sequences per GPU per step. "
+            "Predicted, not measured; torchtitan's column is the layout its paper reports at that size.\n\n"
+            + table(["model", "GPUs", "pp × dp", "schedule", "micro-batches", "step", "tokens/s/GPU", "peak memory",
+                     "torchtitan", "next layouts"], rows))
+
+
 RENDERERS: dict[str, Callable[[dict[str, Any], list[str]], str]] = {
     "peers": render_peers,
     "split_quality": render_split_quality,
@@ -535,6 +552,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any], list[str]], str]] = {
     "meta_planning": render_meta_planning,
     "meta_model": render_meta_model,
     "recompute": render_recompute,
+    "scale_study": render_scale_study,
 }
 
 

@@ -130,6 +130,14 @@ def _render_docs(results_dir: Path) -> str:
     return out.read_text()
 
 
+def test_scale_study_ranks_every_pp_dp_layout_of_each_gpu_count(tmp_path):
+    data = _run("scale_study", tmp_path / "scale.json")
+    assert [r["n_gpus"] for r in data["rows"]] == [8, 16]
+    for r in data["rows"]:
+        assert r["pp"] * r["dp"] == r["n_gpus"] and _finite_positive(r["step_s"])
+        assert {(a["pp"], a["dp"]) for a in r["alternatives"]} >= {(r["n_gpus"] // d, d) for d in (1, 2, 4, 8)}
+
+
 def test_render_docs_writes_markdown_from_results(tmp_path):
     _run("split_quality_sim", tmp_path / "split_quality_sim" / "results.json")
     text = _render_docs(tmp_path)

@@ -195,3 +195,128 @@ def test_old_plan_segments_without_working_set_load_with_zero() -> None:
 
     seg = PlanSegment(fwd_s=1e-3, bwd_s=2e-3, param_bytes=64, act_bytes=32, out_bytes=16)
     assert seg.cost().bwd_peak_bytes == seg.cost().bwd_input_peak_bytes == 0
+
+
+# --------------------------------------------------------------------------- views, gradients, the loss
+
+
+class _FusedQKV(nn.Module):
+    """One projection split three ways (GPT-2's attention): q, k and v are views of one storage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+        self.out = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(8, dim=-1)
+        return self.out(q * k * v)
+
+
+def test_views_at_an_offset_share_their_storage_key() -> None:
+    from autopipe.machine.passes import storage_key
+
+    x = torch.randn(4, 24, requires_grad=True)
+    q, k, v = x.split(8, dim=-1)
+    assert storage_key(q) == storage_key(k) == storage_key(v) == storage_key(x)
+    counter = SavedBytes(set())
+    with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+        k * v  # saves k and v: two views of x at offsets, one storage
+    assert counter.total == 4 * 24 * 4
+
+
+def test_split_projection_is_charged_its_storage_once() -> None:
+    torch.manual_seed(0)
+    model, x = _FusedQKV().train(), torch.randn(4, 8)
+    assert _profiled_act_bytes(model, x) == _storages_saved(model, x)
+
+
+def test_gradients_exist_only_from_a_stage_first_backward() -> None:
+    """GPipe, 2 stages, 4 micro-batches, 100 activation bytes each, static 1000 holding 300 of
+    gradients: a step starts with no .grad, so the peak is at the end of the first backward
+    (3 micro-batches held + the gradients), not 4 held + gradients."""
+    from autopipe.planning.costmodel import rank_peak_bytes, simulate_step
+
+    def peaks(grads: list[int] | None) -> list[float]:
+        t = simulate_step([1.0, 1.0], [2.0, 2.0], [], schedule="GPipe", n_microbatches=4, stages_per_rank=1)
+        return rank_peak_bytes(t, stage_static_bytes=[1000, 1000], stage_act_bytes=[100, 100], cut_fwd_bytes=[0],
+                               cut_bwd_bytes=[0], split_backward=False, stage_grad_bytes=grads)
+
+    assert peaks(None) == [1400.0, 1400.0]
+    assert peaks([300, 300]) == [1300.0, 1300.0]
+    assert peaks([50, 50]) == [1350.0, 1350.0]  # small gradients: the peak is the 4 held before it
+    assert peaks([0, 0]) == peaks(None)
+
+
+def test_first_backward_with_gradients_absent_uses_the_accumulating_working_set() -> None:
+    """A stage's first backward makes fresh weight gradients just as a later one does before
+    adding them in; with the gradients taken off until then, both use the same working set."""
+    from autopipe.planning.costmodel import rank_peak_bytes, simulate_step
+
+    t = simulate_step([1.0, 1.0], [2.0, 2.0], [], schedule="GPipe", n_microbatches=1, stages_per_rank=1)
+
+    def peak(grads: list[int] | None) -> float:
+        return rank_peak_bytes(t, stage_static_bytes=[1000, 1000], stage_act_bytes=[100, 100], cut_fwd_bytes=[0],
+                               cut_bwd_bytes=[0], split_backward=False, stage_work_bytes=([350, 0], [0, 0]),
+                               stage_grad_bytes=grads)[0]
+
+    assert peak([300, 300]) == 1000 - 300 + 100 + 350  # its one backward: fresh gradients, none before
+    assert peak(None) == 1000 + 100  # gradients held all step: the first backward makes no more
+
+
+class _Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 4)
+        self.mid = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mid(self.emb(ids)))
+
+
+def test_stage_grad_bytes_counts_a_tied_weight_once_per_rank() -> None:
+    from autopipe.planning.problem import stage_grad_bytes
+
+    traced = trace(_Tied(), (torch.randint(0, 16, (2, 3)),))
+    cut = next(c.position for c in traced.candidates if c.name == "head")
+    tied, mid = 16 * 4 * 4, 4 * 4 * 4 + 4 * 4
+    assert stage_grad_bytes(traced, [cut], [0, 1]) == [tied + mid, tied]  # a copy on each rank
+    assert stage_grad_bytes(traced, [cut], [0, 0]) == [mid, tied]  # one .grad, made by the last stage
+
+
+def test_loss_frees_what_it_saved_before_the_last_segment_backward() -> None:
+    """The loss saves its log-softmax beside the logits it is handed; by the time the head's
+    backward runs (working set: the logits' gradient and a fresh weight gradient) the loss has
+    freed the log-softmax, so the head's working set counts less that."""
+    from autopipe.planning.costgraph import SegmentCost
+    from autopipe.planning.planner import _with_loss
+    from autopipe.planning.profile import LossCost
+
+    head = SegmentCost(fwd_s=0.0, bwd_s=0.0, param_bytes=4000, act_bytes=100, out_bytes=2000,
+                       trainable_param_bytes=4000, bwd_peak_bytes=6000, bwd_input_peak_bytes=2100)
+    loss = LossCost(fwd_s=0.0, bwd_s=0.0, act_bytes=4000, batch=1, bwd_peak_bytes=3900)
+    (got,) = _with_loss([head], loss)
+    assert got.act_bytes == 4100
+    assert got.bwd_peak_bytes == max(6000 - 2000, 3900)
+    assert got.bwd_input_peak_bytes == 3900  # the loss's own, whole: nothing of the head's is made yet
+
+
+def test_weight_gradient_action_holds_fresh_gradients_of_the_stage_at_once() -> None:
+    """ZBV's W (torch's stage_backward_weight) makes fresh weight gradients a group at a time
+    before adding them in, so a stage after the first may hold up to all its gradients fresh
+    at once beside the accumulated ones; stage 0's W is a plain backward (its working set)."""
+    from autopipe.planning.costmodel import rank_peak_bytes, simulate_step
+
+    t = simulate_step([1.0] * 4, [2.0] * 4, [0.0] * 3, schedule="ZBVZeroBubble", n_microbatches=4, stages_per_rank=2)
+
+    def peaks(grads: list[int]) -> list[float]:
+        return rank_peak_bytes(t, stage_static_bytes=[1000] * 4, stage_act_bytes=[0] * 4, cut_fwd_bytes=[0] * 3,
+                               cut_bwd_bytes=[0] * 3, split_backward=True, stage_work_bytes=([10] * 4, [10] * 4),
+                               stage_grad_bytes=grads)
+
+    # Rank 0 holds stages 0 and 3, rank 1 stages 1 and 2; no activations, so the peak is a W.
+    assert peaks([0, 0, 0, 0]) == [2010.0, 2010.0]
+    assert peaks([500, 0, 0, 0]) == [2010.0, 2010.0]  # stage 0: its measured working set only
+    assert peaks([0, 500, 0, 0]) == [2010.0, 2500.0]  # stage 1: all 500 of its gradients fresh

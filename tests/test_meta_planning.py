@@ -116,3 +116,20 @@ def test_a_meta_language_model_from_hugging_face_plans_without_running_its_eager
                                            vocab_size=500, batch=1, seq_len=16)
     plan = autopipe.partition(model, 4, args, cost="flops", n_microbatches=8, profiling=QUIET)
     assert len(plan.split_points) == 3 and plan.loss is not None and plan.loss.act_bytes > 0
+
+
+def test_counted_attention_is_never_charged_silently():
+    # How counted costs charge fused attention depends on where they are counted; the plan says so.
+    hf = pytest.importorskip("autopipe.models.hf")
+    pytest.importorskip("transformers")
+    kw = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=500, batch=1, seq_len=16)
+    with torch.device("meta"):
+        meta, meta_args = hf.llama_from_config(**kw)
+    real, real_args = hf.llama_from_config(**kw)
+    on_meta = autopipe.partition(meta, 2, meta_args, cost="flops", n_microbatches=2, profiling=QUIET)
+    on_cpu = autopipe.partition(real, 2, real_args, cost="flops", n_microbatches=2, profiling=QUIET)
+    assert any("counted on the meta device as its unfused math" in n for n in on_meta.notes)
+    assert any("counted on the CPU" in n and "no FLOPs" in n for n in on_cpu.notes)
+    (plain, plain_args), _ = _both(vocab_size=100, num_layers=2, seq_len=8)
+    plain_plan = autopipe.partition(plain, 2, plain_args, cost="flops", n_microbatches=2, profiling=QUIET)
+    assert not any("scaled_dot_product_attention" in n for n in plain_plan.notes), "no fused attention, no note"

@@ -45,8 +45,10 @@ __all__ = ["SavedBytes", "storage_key", "forward_backward", "timed_backward", "t
 
 
 def storage_key(t: torch.Tensor) -> int:
-    """What identifies the memory ``t`` lives in: its data pointer, or on the meta device its storage.
+    """What identifies the memory ``t`` lives in: its storage's data pointer, or on the meta device its storage.
 
+    The storage's pointer, not the tensor's: views at an offset (the key and value that
+    ``split`` cuts from one fused projection) live in, and keep alive, the same storage.
     Every tensor on the meta device has data pointer 0, so there the storage object's identity
     stands in; a tensor that is not strided (sparse) is identified by itself.
 
@@ -54,12 +56,15 @@ def storage_key(t: torch.Tensor) -> int:
         >>> a = torch.empty(3, 4, device="meta")
         >>> storage_key(a) == storage_key(a.view(12)), storage_key(a) == storage_key(torch.empty(3, device="meta"))
         (True, False)
+        >>> q, k = torch.empty(2, 8).split(4, dim=1)
+        >>> storage_key(q) == storage_key(k)
+        True
     """
     if t.layout != torch.strided:
         return id(t)
     if t.device.type == "meta":
         return t.untyped_storage()._cdata  # the StorageImpl's address: shared by views, unique per storage
-    return t.data_ptr()
+    return t.untyped_storage().data_ptr()
 
 
 class SavedBytes:

@@ -383,7 +383,8 @@ def rank_peak_bytes(timeline: Timeline, *, stage_static_bytes: Sequence[float], 
                     cut_fwd_bytes: Sequence[int], cut_bwd_bytes: Sequence[int], split_backward: bool,
                     merge_bytes: float = 0.0, overcount: Sequence[float] | None = None,
                     recompute: Sequence[int] = (), stage_input_bytes: Sequence[float] | None = None,
-                    stage_work_bytes: tuple[Sequence[int], Sequence[int]] | None = None) -> list[float]:
+                    stage_work_bytes: tuple[Sequence[int], Sequence[int]] | None = None,
+                    stage_grad_bytes: Sequence[float] | None = None) -> list[float]:
     """Per rank, the predicted peak bytes of one step of ``timeline``.
 
     The static bytes of the rank's stages (less ``overcount``: bytes counted on several of
@@ -411,6 +412,8 @@ def rank_peak_bytes(timeline: Timeline, *, stage_static_bytes: Sequence[float], 
         stage_work_bytes: ``(accumulating, first)``, per stage, what its backward allocates
             beyond its saved activations (:func:`stage_work_bytes`): charged while each backward
             of the stage runs, on top of all the rank holds then; its peak counts once.
+        stage_grad_bytes: per stage, its weight gradients (in ``stage_static_bytes``), which
+            exist only from its first backward of the step on (``zero_grad()`` frees them).
 
     Example:
         >>> t = simulate_step([1.0, 1.0], [2.0, 2.0], [], schedule="1F1B", n_microbatches=4, stages_per_rank=1)
@@ -435,7 +438,8 @@ def rank_peak_bytes(timeline: Timeline, *, stage_static_bytes: Sequence[float], 
     if split_backward:
         act = [a + f for a, f in zip(act, sent_fwd)]
     held = timeline.peak_activation_bytes(act, send_bytes=(sent_fwd, sent_bwd), work_bytes=(
-        None if stage_work_bytes is None else tuple([int(w) for w in ws] for ws in stage_work_bytes)))
+        None if stage_work_bytes is None else tuple([int(w) for w in ws] for ws in stage_work_bytes)),
+        grad_bytes=None if stage_grad_bytes is None else [int(g) for g in stage_grad_bytes])
     n_ranks = max(ranks) + 1
     static = [0.0] * n_ranks
     for s, r in enumerate(ranks):

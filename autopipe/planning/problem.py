@@ -36,7 +36,7 @@ from .partitioner import PartitionProblem
 from .trace import TracedModel
 
 __all__ = ["build_problem", "input_bytes", "merged_output_bytes", "state_sizes", "state_tensors", "tensor_reads",
-           "rank_overcount_bytes", "tied_gradient_bytes"]
+           "rank_overcount_bytes", "stage_grad_bytes", "tied_gradient_bytes"]
 
 
 def merged_output_bytes(costs: Sequence[SegmentCost]) -> float:
@@ -208,6 +208,31 @@ def rank_overcount_bytes(traced: TracedModel, cuts: Sequence[int], ranks: Sequen
         copy_bytes = state_bytes(nbytes, nbytes if trainable else 0, optimizer_factor)
         for r, k in per_rank.items():
             out[r] += (k - 1) * copy_bytes
+    return out
+
+
+def stage_grad_bytes(traced: TracedModel, cuts: Sequence[int], ranks: Sequence[int]) -> list[float]:
+    """Per stage, the bytes of the weight gradients it makes: each trainable tensor once per rank.
+
+    A tensor read by several stages of one rank (a tied embedding and head under ZBV) has
+    one ``.grad`` there, charged to the last of those stages, whose backward runs first.
+
+    Example:
+        >>> stage_grad_bytes(traced, cuts=[3], ranks=[0, 1])  # doctest: +SKIP
+        [2048.0, 1024.0]
+    """
+    tensors = state_tensors(traced)
+    tensor_of = {name: ident for ident, (names, _, _) in tensors.items() for name in names}
+    edges = [0, *cuts, len(traced.segments)]
+    owner: dict[tuple[int, int], int] = {}  # (tensor, rank) -> the last stage on that rank reading it
+    for s, r in enumerate(ranks):
+        for seg in traced.segments[edges[s]:edges[s + 1]]:
+            for name in seg.param_names:
+                if name in tensor_of and tensors[tensor_of[name]][2]:
+                    owner[(tensor_of[name], r)] = s
+    out = [0.0] * len(ranks)
+    for (ident, _), s in owner.items():
+        out[s] += tensors[ident][1]
     return out
 
 

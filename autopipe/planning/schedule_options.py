@@ -28,7 +28,7 @@ from .costmodel import StepTail
 from .partitioner import PartitionProblem, PartitionResult, candidate_partitions, evaluate, solve_bottleneck
 from .recompute import min_memory_with_recompute, recompute_candidates, solve_recompute
 from .plan_records import ScheduleAlternative
-from .problem import build_problem, merged_output_bytes, rank_overcount_bytes, tied_gradient_bytes
+from .problem import build_problem, merged_output_bytes, rank_overcount_bytes, stage_grad_bytes, tied_gradient_bytes
 from .schedules import stage_ranks, validate_schedule
 from .trace import TracedModel
 
@@ -336,7 +336,8 @@ def _rank_peaks(option: ScheduleOption, problem: PartitionProblem, cuts: Sequenc
         overcount=rank_overcount_bytes(traced, cuts, ranks, optimizer_factor),
         recompute=again, stage_input_bytes=[float(into[i]) for i in edges[:-1]],
         stage_work_bytes=tuple(costmodel.stage_work_bytes(w, cuts, problem.cut_bwd_bytes, problem.act_bytes)
-                               for w in ([c.bwd_peak_bytes for c in costs], [c.bwd_input_peak_bytes for c in costs])))
+                               for w in ([c.bwd_peak_bytes for c in costs], [c.bwd_input_peak_bytes for c in costs])),
+        stage_grad_bytes=stage_grad_bytes(traced, cuts, ranks))
     return peaks, timeline
 
 

@@ -94,7 +94,8 @@ class Timeline:
 
     def peak_activation_bytes(self, act_bytes: Sequence[int],
                               send_bytes: tuple[Sequence[int], Sequence[int]] | None = None,
-                              work_bytes: tuple[Sequence[int], Sequence[int]] | None = None) -> list[int]:
+                              work_bytes: tuple[Sequence[int], Sequence[int]] | None = None,
+                              grad_bytes: Sequence[int] | None = None) -> list[int]:
         """Peak bytes of saved activations per rank, weighting each stage by its own size.
 
         With several stages per rank the stages' in-flight counts peak at different times,
@@ -119,6 +120,10 @@ class Timeline:
                 into ``.grad`` and with the input gradients alone
                 (:func:`~autopipe.planning.costmodel.stage_work_bytes`), added while each of
                 its backward actions runs (:func:`inflight_peaks`).
+            grad_bytes: optional, per stage, its weight gradients, which the caller's static
+                bytes hold for the whole step: a step starts with no ``.grad``
+                (``zero_grad()`` sets them to None), so until a stage's first backward ends
+                they are taken off (the result can then be negative).
 
         Returns:
             Per rank, the largest sum of ``act_bytes[s]`` over in-flight micro-batches (plus
@@ -150,7 +155,11 @@ class Timeline:
                 len(w) != self.n_stages or any(b < 0 for b in w) for w in work_bytes)):
             raise ValueError(f"work_bytes must be (accumulating, first), each {self.n_stages} non-negative numbers "
                              f"(one per stage), got {work_bytes!r}")
-        peaks = inflight_peaks(self.events, self.stage_ranks, weights=act_bytes, sends=sends, work=work_bytes)[0]
+        if grad_bytes is not None and (len(grad_bytes) != self.n_stages or any(b < 0 for b in grad_bytes)):
+            raise ValueError(f"grad_bytes must hold {self.n_stages} non-negative numbers (one per stage), "
+                             f"got {list(grad_bytes)!r}")
+        peaks = inflight_peaks(self.events, self.stage_ranks, weights=act_bytes, sends=sends, work=work_bytes,
+                               grads=grad_bytes)[0]
         return [int(p) for p in peaks]
 
     def to_text(self, *, s_per_char: float | None = None, max_width: int = 160) -> str:
@@ -255,6 +264,7 @@ def inflight_peaks(
     events: list[Event], ranks: list[int], *, weights: Sequence[float],
     sends: tuple[list[int], list[int], str] | None = None,
     work: tuple[Sequence[float], Sequence[float]] | None = None,
+    grads: Sequence[float] | None = None,
 ) -> tuple[list[float], list[float]]:
     """Peak weighted in-flight micro-batches per rank and per stage.
 
@@ -276,6 +286,8 @@ def inflight_peaks(
             while it runs on top of everything the rank holds as it starts (its working set):
             ``first`` for an input-gradient action and for the stage's first B or W of the
             step (its weight gradients become the ``.grad``), ``accumulating`` for later ones.
+        grads: optional, per stage, its weight gradients: absent when the step starts
+            (counted from ``-sum`` of the rank's), made by the stage's first B or W.
 
     Returns:
         ``(per_rank, per_stage)``: the peak weighted sum per rank (sent tensors included),
@@ -289,7 +301,9 @@ def inflight_peaks(
     """
     n_ranks = max(ranks) + 1
     rank_now = [0.0] * n_ranks
-    rank_peak = [0.0] * n_ranks
+    for s, r in enumerate(ranks):  # gradients are None until a backward makes them
+        rank_now[r] -= grads[s] if grads is not None else 0.0
+    rank_peak = list(rank_now)
     stage_now = [0] * len(ranks)
     stage_peak = [0] * len(ranks)
     kept = [0.0] * n_ranks  # bytes of sent tensors torch still holds, per rank
@@ -300,10 +314,21 @@ def inflight_peaks(
         if work is not None and e.kind in (FULL_BACKWARD, INPUT_GRAD, WEIGHT_GRAD):
             # The backward's working set comes on top of what the rank holds when it starts,
             # this micro-batch's saved tensors included (they go only as the action ends).
-            later = e.kind != INPUT_GRAD and s in made_grads
-            rank_peak[e.rank] = max(rank_peak[e.rank], rank_now[e.rank] + kept[e.rank] + work[0 if later else 1][s])
-            if e.kind != INPUT_GRAD:
-                made_grads.add(s)
+            # With ``grads`` the first B or W starts without them and makes them fresh, as a
+            # later one does before adding them in: the same working set.
+            later = e.kind != INPUT_GRAD and (s in made_grads or grads is not None)
+            ws = work[0 if later else 1][s]
+            if e.kind == WEIGHT_GRAD and grads is not None and s > 0:
+                # torch (2.13, stage_backward_weight) makes a W's fresh weight gradients a group
+                # at a time with torch.autograd.grad and adds them in after, the last group's
+                # still referenced: up to the stage's gradients at once. Stage 0's W runs a
+                # plain backward instead, as its working set was measured.
+                ws = max(ws, grads[s])
+            rank_peak[e.rank] = max(rank_peak[e.rank], rank_now[e.rank] + kept[e.rank] + ws)
+        if e.kind in (FULL_BACKWARD, WEIGHT_GRAD) and s not in made_grads:
+            made_grads.add(s)
+            if grads is not None:  # its .grad tensors exist from the end of this action on
+                rank_now[e.rank] += grads[s]
         if e.kind == FORWARD:
             stage_now[s] += 1
             rank_now[e.rank] += weights[s]
