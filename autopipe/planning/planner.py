@@ -61,7 +61,7 @@ from .trace import TracedModel, trace
 
 __all__ = [
     "partition", "build_problem", "make_plan", "cost_option", "inflight_per_stage",
-    "ScheduleOption", "auto_schedule_options", "OBJECTIVES", "counted_attention_note",
+    "ScheduleOption", "auto_schedule_options", "OBJECTIVES",
 ]
 
 #: Accepted values of ``objective``.
@@ -324,9 +324,6 @@ def partition(
         plan.notes = [*plan.notes, link_choice.note()]
     if loss_note:  # a loss assumed, or none costed: never silently
         plan.notes = [*plan.notes, loss_note]
-    attention = counted_attention_note(traced, cost_source, measure["device"]) if isinstance(cost, str) else None
-    if attention:
-        plan.notes = [*plan.notes, attention]
     plan.loss = loss
     plan.whole_pass = getattr(costs, "whole", None)  # what the whole graph took beside the segments
     plan.global_batch = global_batch
@@ -334,35 +331,6 @@ def partition(
         plan.scaling_fit_error = {k: max(v) if v else 0.0 for k, v in scaling.fit_error.items()}
     plan.planning_peak_rss_bytes = host_memory.stop()
     return plan
-
-
-def counted_attention_note(traced: TracedModel, cost_source: str, device: torch.device) -> str | None:
-    """The plan's note on how counted costs charge fused attention, where the model has any.
-
-    torch's FLOP counter knows the fused attention kernels of CUDA, not the CPU's, so counted
-    on the CPU an attention's own matmuls count no FLOPs; on the meta device attention runs
-    as its unfused math, which keeps the attention probabilities for the backward (sequence
-    length squared per head) where a fused GPU kernel keeps none. Neither is silent.
-
-    Example:
-        >>> traced = trace(torch.nn.Linear(2, 2), (torch.ones(1, 2),))
-        >>> counted_attention_note(traced, "flops", torch.device("cpu")) is None
-        True
-    """
-    if cost_source == "measured":
-        return None
-    sdpa = torch.ops.aten.scaled_dot_product_attention.default
-    if not any(n.target is sdpa for n in traced.graph_module.graph.nodes):
-        return None
-    if device.type == "meta":
-        return ("attention (scaled_dot_product_attention) counted on the meta device as its unfused math: its "
-                "FLOPs are counted, and its saved bytes include the attention probabilities, which a fused GPU "
-                "kernel does not keep, so long sequences overstate the attention stages' memory")
-    if device.type == "cpu":
-        return ("attention (scaled_dot_product_attention) counted on the CPU: torch's FLOP counter has no "
-                "formula for the CPU's fused kernel, so the attention's own matmuls count no FLOPs and the "
-                "attention stages are understated; measure (cost='measured') for attention-heavy models")
-    return None
 
 
 def _speeds_from_flops(rank_devices: Sequence[Device]) -> list[Device]:

@@ -12,7 +12,8 @@ tensors the previous segments produce for the example micro-batch:
   for every micro-batch after the first (the estimated sources below leave it at 0);
 * activation bytes are the tensors autograd saves for backward (counted with
   ``torch.autograd.graph.saved_tensors_hooks``), parameters excluded;
-* FLOPs come from ``torch.utils.flop_counter.FlopCounterMode`` on one run.
+* FLOPs come from ``torch.utils.flop_counter.FlopCounterMode`` on one run; counted costs
+  run attention as a fused kernel wherever they are counted (:mod:`.attention_count`).
 
 Other cost sources, for comparison or when measuring is not wanted:
 
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+import contextlib
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +54,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 from torch.utils.flop_counter import FlopCounterMode
 
 from . import hf_compat
+from .attention_count import ATTENTION_FLOPS, FusedAttention
 from .._checks import check_int
 from .._progress import progress_iter
 from ..machine.passes import (SavedBytes, WholePass, forward_backward, storage_key, time_accumulation, time_alone,
@@ -330,12 +333,15 @@ def _profile(
 
             counter = SavedBytes({storage_key(p) for _, p in state})
             inputs = make_inputs()
-            with FlopCounterMode(display=False) as flop_counter:
+            # Counted costs charge attention as a GPU's fused kernel wherever they are counted.
+            attention = FusedAttention() if cost != "measured" else contextlib.nullcontext()
+            with attention, FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS) as flop_counter:
                 _, _, out = forward_backward(module, inputs, trainable, timer, counter)
             flops = float(flop_counter.get_total_flops())
             act_bytes = _first_saved_bytes(counter, zip(sm.inputs, inputs), zip(sm.outputs, out), saved_values)
             del inputs
-            work = backward_working_bytes(module, make_inputs())
+            with attention:
+                work = backward_working_bytes(module, make_inputs())
             fwd_s = bwd_s = accum_s = 0.0  # timed in rounds below, or estimated, unless timed here
             if in_rounds:
                 rounds.append((module, make_inputs, trainable))
