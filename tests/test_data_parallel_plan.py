@@ -142,3 +142,16 @@ def test_topology_layout():
     assert [d.bandwidth for d in topo.pipeline_devices(16)].count(50e9) == 1  # the send from rank 7 to 8
     with pytest.raises(ValueError, match="inter='ib-xyz'"):
         Topology(inter="ib-xyz")
+
+
+def test_every_layout_is_planned_from_one_trace(model_costs, monkeypatch):
+    from autopipe.planning import trace as trace_module
+
+    exports = []
+    real = trace_module._trace
+    monkeypatch.setattr(trace_module, "_trace", lambda *a, **k: exports.append(1) or real(*a, **k))
+    plan = _plan(model_costs, global_batch=32, data_parallel="auto")
+    assert len(plan.data_parallel.factorizations) == 4 and len(exports) == 1
+    model, args, _ = model_costs
+    trace_module.trace(model, args)  # outside one planning call, every trace exports
+    assert len(exports) == 2

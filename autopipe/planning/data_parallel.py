@@ -42,6 +42,7 @@ from ..machine.topology import Topology
 from . import costmodel
 from .dp_records import DataParallelRecord, Factorization
 from .plan import Plan
+from .trace import traces_reused
 
 __all__ = ["DP_MODE_CHOICES", "check_data_parallel", "example_batch_size", "plan_data_parallel", "reduction_s"]
 
@@ -176,41 +177,43 @@ def plan_data_parallel(
     rows: list[Factorization] = []
     plans: dict[int, Plan] = {}  # id(row) -> its pipeline plan
     errors: list[Exception] = []
-    for dp in dps:
-        pp = n_gpus // dp
-        topo = isinstance(devices, Topology)
-        crossing = devices.crossing(pp, dp) if topo else ""
-        for mode in (modes if dp > 1 else [""]):
-            row = Factorization(pp=pp, dp=dp, mode=mode, crossing=crossing)
-            rows.append(row)
-            if global_batch is not None and global_batch % (dp * (1 if auto_m else b)):
-                row.reason = (f"skipped: global_batch={global_batch} is not a multiple of dp x micro-batch size "
-                              f"= {dp} x {b}")
-                continue
-            kwargs = dict(rest, devices=devices.pipeline_devices(pp, dp) if topo else devices,
-                          optimizer=costmodel.dp_optimizer_factor(opt_factor, dp, mode or "replicate"))
-            if global_batch is not None:
-                kwargs["global_batch"] = global_batch // dp
-                kwargs["n_microbatches"] = "auto" if auto_m else global_batch // (dp * b)
-            elif n_microbatches is not None:
-                kwargs["n_microbatches"] = n_microbatches
-            try:
-                sub = partition(model, pp, example_args, example_kwargs, **kwargs)
-            except (InfeasibleMemoryError, ValueError) as e:
-                errors.append(e)
-                row.reason = ("does not fit: " if isinstance(e, InfeasibleMemoryError) else "skipped: ") + str(e)
-                continue
-            link = _dp_link(devices, pp, dp, "cuda" if sub.device.startswith("cuda") else "cpu")
-            row.n_microbatches, row.schedule = sub.n_microbatches, sub.schedule
-            row.pipeline_step_s, row.reduction_s = sub.predicted_step_s, reduction_s(sub, dp, mode or "replicate", link)
-            row.peak_bytes = int(max(sub.rank_peak_bytes or [s.peak_bytes for s in sub.stages]))
-            row.fits = True
-            sub.optimizer = opt_name
-            plans[id(row)] = sub
-            sub.dp_degree, sub.dp_mode = dp, mode
-            sub.global_batch = global_batch
-            sub.data_parallel = DataParallelRecord(mode=mode, reduction_s=row.reduction_s, dp_bandwidth=link[0],
-                                                   dp_latency_s=link[1], crossing=crossing)
+    with traces_reused():  # every layout's pipeline is planned from the model's one trace
+        for dp in dps:
+            pp = n_gpus // dp
+            topo = isinstance(devices, Topology)
+            crossing = devices.crossing(pp, dp) if topo else ""
+            for mode in (modes if dp > 1 else [""]):
+                row = Factorization(pp=pp, dp=dp, mode=mode, crossing=crossing)
+                rows.append(row)
+                if global_batch is not None and global_batch % (dp * (1 if auto_m else b)):
+                    row.reason = (f"skipped: global_batch={global_batch} is not a multiple of dp x micro-batch size "
+                                  f"= {dp} x {b}")
+                    continue
+                kwargs = dict(rest, devices=devices.pipeline_devices(pp, dp) if topo else devices,
+                              optimizer=costmodel.dp_optimizer_factor(opt_factor, dp, mode or "replicate"))
+                if global_batch is not None:
+                    kwargs["global_batch"] = global_batch // dp
+                    kwargs["n_microbatches"] = "auto" if auto_m else global_batch // (dp * b)
+                elif n_microbatches is not None:
+                    kwargs["n_microbatches"] = n_microbatches
+                try:
+                    sub = partition(model, pp, example_args, example_kwargs, **kwargs)
+                except (InfeasibleMemoryError, ValueError) as e:
+                    errors.append(e)
+                    row.reason = ("does not fit: " if isinstance(e, InfeasibleMemoryError) else "skipped: ") + str(e)
+                    continue
+                link = _dp_link(devices, pp, dp, "cuda" if sub.device.startswith("cuda") else "cpu")
+                row.n_microbatches, row.schedule = sub.n_microbatches, sub.schedule
+                row.pipeline_step_s = sub.predicted_step_s
+                row.reduction_s = reduction_s(sub, dp, mode or "replicate", link)
+                row.peak_bytes = int(max(sub.rank_peak_bytes or [s.peak_bytes for s in sub.stages]))
+                row.fits = True
+                sub.optimizer = opt_name
+                plans[id(row)] = sub
+                sub.dp_degree, sub.dp_mode = dp, mode
+                sub.global_batch = global_batch
+                sub.data_parallel = DataParallelRecord(mode=mode, reduction_s=row.reduction_s, dp_bandwidth=link[0],
+                                                       dp_latency_s=link[1], crossing=crossing)
     usable = sorted((r for r in rows if r.fits), key=lambda r: (r.step_s, r.peak_bytes, r.pp))
     if not usable:
         detail = "; ".join(f"pp={r.pp} x dp={r.dp}{' ' + r.mode if r.mode else ''}: {r.reason}" for r in rows)

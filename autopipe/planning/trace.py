@@ -31,12 +31,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import io
 import os
 import re
 import sysconfig
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,8 +48,8 @@ from torch.export import ExportedProgram
 from . import hf_compat
 from ..errors import ModelExportError, MissingExampleInputsError
 
-__all__ = ["SplitCandidate", "Segment", "TracedModel", "trace", "resolve_example_inputs", "export_error",
-           "export_failure_kind", "module_spans"]
+__all__ = ["SplitCandidate", "Segment", "TracedModel", "trace", "traces_reused", "resolve_example_inputs",
+           "export_error", "export_failure_kind", "module_spans"]
 
 
 @dataclass(frozen=True)
@@ -412,6 +413,51 @@ def trace(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    reused = _REUSED.get()
+    key = (id(model), _inputs_key((example_args, example_kwargs)))
+    if reused is not None and key in reused:
+        return reused[key][1]
+    traced = _trace(model, example_args, example_kwargs)
+    if reused is not None:
+        reused[key] = (model, traced)  # the model is kept too, so that its id is not reused meanwhile
+    return traced
+
+
+# The traces of the innermost traces_reused() scope, by model and input shapes (None: no scope).
+_REUSED: contextvars.ContextVar[dict[Any, tuple[torch.nn.Module, TracedModel]] | None] = contextvars.ContextVar(
+    "autopipe_traces_reused", default=None)
+
+
+@contextlib.contextmanager
+def traces_reused() -> Iterator[None]:
+    """Within it, tracing a model again on inputs of the same shapes returns its first trace.
+
+    For one planning call that plans many pipelines of one model (every pp x dp layout, each
+    by ``partition``): exporting a large model takes far longer than searching its splits.
+    The model must not change within the scope; the traces go when it ends.
+
+    Example:
+        >>> model = torch.nn.Linear(2, 2)
+        >>> with traces_reused():
+        ...     trace(model, (torch.ones(1, 2),)) is trace(model, (torch.zeros(1, 2),))
+        True
+    """
+    token = _REUSED.set({})
+    try:
+        yield
+    finally:
+        _REUSED.reset(token)
+
+
+def _inputs_key(inputs: Any) -> str:
+    """What a trace depends on in its inputs: each tensor's shape, dtype and device; other values as written."""
+    leaves, spec = torch.utils._pytree.tree_flatten(inputs)
+    parts = [(tuple(x.shape), x.dtype, x.device.type) if isinstance(x, torch.Tensor) else repr(x) for x in leaves]
+    return repr((spec, parts))
+
+
+def _trace(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[str, Any] | None) -> TracedModel:
+    """:func:`trace`, always exporting."""
     args, kwargs = resolve_example_inputs(model, example_args, example_kwargs)
     # A Hugging Face KV cache is no trainable output and cannot leave an exported graph: it
     # is off for the capture (the graph keeps that), and the model's settings come back after.
