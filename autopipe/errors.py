@@ -38,11 +38,18 @@ class ModelExportError(AutopipeError, RuntimeError):
 
 
 class InfeasibleMemoryError(AutopipeError, ValueError):
-    """No split fits the given device memory; the message says the smallest memory that fits."""
+    """No split fits the given device memory; the message says the smallest memory that fits.
 
-    def __init__(self, message: str, *, min_memory_bytes: int | None = None) -> None:
+    ``min_memory_bytes``: that memory, where known. ``factorizations``: when pipeline x data
+    parallel was planned, every (pp, dp) layout tried, each with its own least memory
+    (:class:`autopipe.planning.dp_records.Factorization`); empty otherwise.
+    """
+
+    def __init__(self, message: str, *, min_memory_bytes: int | None = None,
+                 factorizations: list | None = None) -> None:
         super().__init__(message)
         self.min_memory_bytes = min_memory_bytes
+        self.factorizations = list(factorizations or [])
 
 
 class PlanFileError(AutopipeError, ValueError):

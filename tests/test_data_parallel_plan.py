@@ -49,6 +49,7 @@ def test_auto_ranks_every_factorization(ranked):
     assert all(r.peak_bytes and r.peak_bytes <= 15e6 for r in usable)
     one_stage = next(r for r in rows if r.pp == 1)
     assert not one_stage.fits and one_stage.reason.startswith("does not fit")
+    assert one_stage.min_memory_bytes > 15e6  # the least memory it would need, for a study to show
     assert all(r.reason.startswith("slower") for r in usable[1:])
     best = usable[0]
     assert (ranked.pp_degree, ranked.dp_degree, ranked.dp_mode) == (best.pp, best.dp, "fsdp")
@@ -155,3 +156,15 @@ def test_every_layout_is_planned_from_one_trace(model_costs, monkeypatch):
     model, args, _ = model_costs
     trace_module.trace(model, args)  # outside one planning call, every trace exports
     assert len(exports) == 2
+
+
+def test_when_no_layout_fits_the_error_carries_every_layout_and_its_least_memory(model_costs):
+    from autopipe.errors import InfeasibleMemoryError
+
+    dev = Device(memory="1MB", action_overhead_s=1e-3, bandwidth=1e9, latency_s=1e-5)
+    with pytest.raises(InfeasibleMemoryError, match="no pp x dp factorization of n_gpus=8 fits") as info:
+        _plan(model_costs, global_batch=32, data_parallel="auto", devices=dev)
+    rows = info.value.factorizations
+    assert sorted((r.pp, r.dp) for r in rows) == [(1, 8), (2, 4), (4, 2), (8, 1)]
+    assert all(not r.fits and r.min_memory_bytes > 1e6 for r in rows)
+    assert info.value.min_memory_bytes == min(r.min_memory_bytes for r in rows)

@@ -201,6 +201,7 @@ def plan_data_parallel(
                 except (InfeasibleMemoryError, ValueError) as e:
                     errors.append(e)
                     row.reason = ("does not fit: " if isinstance(e, InfeasibleMemoryError) else "skipped: ") + str(e)
+                    row.min_memory_bytes = getattr(e, "min_memory_bytes", None)
                     continue
                 link = _dp_link(devices, pp, dp, "cuda" if sub.device.startswith("cuda") else "cpu")
                 row.n_microbatches, row.schedule = sub.n_microbatches, sub.schedule
@@ -218,7 +219,9 @@ def plan_data_parallel(
     if not usable:
         detail = "; ".join(f"pp={r.pp} x dp={r.dp}{' ' + r.mode if r.mode else ''}: {r.reason}" for r in rows)
         if any(isinstance(e, InfeasibleMemoryError) for e in errors):
-            raise InfeasibleMemoryError(f"no pp x dp factorization of n_gpus={n_gpus} fits: {detail}")
+            needs = [r.min_memory_bytes for r in rows if r.min_memory_bytes is not None]
+            raise InfeasibleMemoryError(f"no pp x dp factorization of n_gpus={n_gpus} fits: {detail}",
+                                        min_memory_bytes=min(needs, default=None), factorizations=rows)
         if len({str(e) for e in errors}) == 1:
             raise errors[0]  # the same reason everywhere: a bad argument, unchanged
         raise ValueError(f"no pp x dp factorization of n_gpus={n_gpus} can be planned: {detail}")

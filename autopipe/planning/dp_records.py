@@ -36,6 +36,7 @@ class Factorization:
     fits: bool = False
     reason: str = ""  # why it was not usable (skipped, does not fit), or empty
     crossing: str = ""  # which dimension leaves a node: "none", "pp", "dp", "both" ("" without a Topology)
+    min_memory_bytes: int | None = None  # where it does not fit: the least per-device memory that would
 
     @property
     def step_s(self) -> float | None:
@@ -75,6 +76,7 @@ def record_from_data(c: FieldCheck, name: str, value: Any) -> DataParallelRecord
         "pp": lambda f, v: c.integer(f, v, 1, MAX_STAGES), "dp": lambda f, v: c.integer(f, v, 1, MAX_STAGES),
         "mode": c.text, "n_microbatches": maybe_int, "schedule": c.text, "pipeline_step_s": maybe_number,
         "reduction_s": maybe_number, "peak_bytes": maybe_int, "fits": c.flag, "reason": c.text, "crossing": c.text,
+        "min_memory_bytes": maybe_int,
     }
     top = {
         "mode": c.text, "reduction_s": c.number, "dp_bandwidth": lambda f, v: c.number(f, v, positive=True),

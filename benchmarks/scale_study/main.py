@@ -77,26 +77,39 @@ def plan_row(model: Any, args: Any, costs: Any, name: str, n_gpus: int, seq: int
     META_PROFILING = autopipe.ProfileOptions(device="meta", warmup=0, repeats=1, progress=False)
     global_batch = SEQ_PER_GPU * n_gpus
     start = time.perf_counter()
-    plan = autopipe.partition(model, n_gpus, args, cost=costs, devices=topo, global_batch=global_batch,
-                              data_parallel="auto", dp_mode="auto", schedule=schedule, optimizer=OPTIMIZER_FACTOR,
-                              profiling=META_PROFILING)
+    try:
+        plan = autopipe.partition(model, n_gpus, args, cost=costs, devices=topo, global_batch=global_batch,
+                                  data_parallel="auto", dp_mode="auto", schedule=schedule,
+                                  optimizer=OPTIMIZER_FACTOR, profiling=META_PROFILING)
+    except autopipe.InfeasibleMemoryError as e:  # no layout fits: each one's least memory is the result
+        plan, rows = None, e.factorizations
+    else:
+        rows = plan.data_parallel.factorizations if plan.data_parallel else []
     planning_s = time.perf_counter() - start
-    record = plan.data_parallel
-    step_s = plan.predicted_step_s + (record.reduction_s if record else 0.0)
-    best = record.factorizations[0] if record else None
     tokens = global_batch * seq
     alternatives = [{"pp": r.pp, "dp": r.dp, "mode": r.mode, "schedule": r.schedule, "n_microbatches": r.n_microbatches,
                      "step_s": r.step_s, "reduction_s": r.reduction_s, "peak_bytes": r.peak_bytes, "fits": r.fits,
-                     "crossing": r.crossing, "reason": r.reason} for r in (record.factorizations if record else [])]
+                     "min_memory_bytes": r.min_memory_bytes, "crossing": r.crossing, "reason": r.reason}
+                    for r in rows]
+    common = {"model": name, "n_gpus": n_gpus, "global_batch_seqs": global_batch, "global_batch_tokens": tokens,
+              "memory_bytes": topo.device.memory_bytes, "torchtitan": TORCHTITAN.get((name, n_gpus)),
+              "planning_s": planning_s, "alternatives": alternatives}
+    if plan is None:
+        return {**common, "fits": False, "pp": None, "dp": None, "dp_mode": None, "schedule": None,
+                "n_microbatches": None, "step_s": None, "tokens_per_s_per_gpu": None, "peak_bytes": None,
+                "least_memory_bytes": min((r.min_memory_bytes for r in rows if r.min_memory_bytes), default=None)}
+    record = plan.data_parallel
+    step_s = plan.predicted_step_s + (record.reduction_s if record else 0.0)
+    best = rows[0] if rows else None
     return {
-        "model": name, "n_gpus": n_gpus, "global_batch_seqs": global_batch, "global_batch_tokens": tokens,
+        **common, "fits": True,
         "pp": plan.pp_degree, "dp": plan.dp_degree, "dp_mode": plan.dp_mode, "schedule": plan.schedule,
         "n_microbatches": plan.n_microbatches, "split_points": len(plan.split_points),
+        "recompute_stages": list(plan.recompute_stages or []),
         "pipeline_step_s": plan.predicted_step_s, "reduction_s": record.reduction_s if record else 0.0,
         "step_s": step_s, "tokens_per_s": tokens / step_s, "tokens_per_s_per_gpu": tokens / step_s / n_gpus,
         "peak_bytes": best.peak_bytes if best else max(plan.rank_peak_bytes or [0]),
-        "memory_bytes": topo.device.memory_bytes, "crossing": best.crossing if best else "",
-        "torchtitan": TORCHTITAN.get((name, n_gpus)), "planning_s": planning_s, "alternatives": alternatives,
+        "crossing": best.crossing if best else "",
     }
 
 
@@ -120,6 +133,10 @@ def study(name: str, seq: int, gpu_counts: list[int], schedule: str) -> tuple[di
     for n in gpu_counts:
         row = plan_row(model, args, costs, name, n, seq, topo, schedule)
         rows.append(row)
+        if not row["fits"]:
+            print(f"  {n:4d} GPUs: no layout fits; the least memory any needs is "
+                  f"{row['least_memory_bytes'] / 1e9:.0f} GB (planned in {row['planning_s']:.1f} s)", flush=True)
+            continue
         print(f"  {n:4d} GPUs: pp={row['pp']} x dp={row['dp']} {row['dp_mode'] or '-'} {row['schedule']} "
               f"m={row['n_microbatches']}: step {row['step_s']:.2f} s, {row['tokens_per_s_per_gpu']:.0f} tok/s/GPU, "
               f"peak {row['peak_bytes'] / 1e9:.1f} GB (planned in {row['planning_s']:.1f} s)", flush=True)
