@@ -525,17 +525,59 @@ def render_recompute(d: dict[str, Any], behind: list[str]) -> str:
 
 
 def render_scale_study(d: dict[str, Any], behind: list[str]) -> str:
-    """Per model and GPU count: the pp x dp layout chosen, its step, throughput, memory, and the runners-up."""
-    rows = [[r["model"], r["n_gpus"], f"{r['pp']} × {r['dp']} {r['dp_mode'] or ''}", r["schedule"],
-             r["n_microbatches"], f"{r['step_s']:.2f} s", f"{r['tokens_per_s_per_gpu']:,.0f}",
-             f"{r['peak_bytes'] / 1e9:.1f} / {r['memory_bytes'] / 1e9:.0f} GB",
-             (r.get("torchtitan") or {}).get("layout", "–"),
-             "; ".join(f"{a['pp']}×{a['dp']} {a['mode']}: " + (f"{a['step_s']:.2f} s" if a["fits"] else "no fit")
-                       for a in r["alternatives"][1:4])] for r in d.get("rows", [])]
-    return (f"{d.get('machine_simulated')}; FLOP-counted costs, {d.get('seq_per_gpu')} sequences per GPU per step. "
-            "Predicted, not measured; torchtitan's column is the layout its paper reports at that size.\n\n"
-            + table(["model", "GPUs", "pp × dp", "schedule", "micro-batches", "step", "tokens/s/GPU", "peak memory",
-                     "torchtitan", "next layouts"], rows))
+    """Per model and GPU count: the pp x dp layout chosen, its step, throughput, memory; then against torchtitan."""
+    def gb(x: float | None) -> str:
+        return "–" if x is None else f"{x / 1e9:.0f} GB"
+
+    rows = []
+    for r in d.get("rows", []):
+        tt = (r.get("torchtitan") or {}).get("layout", "–")
+        if not r.get("fits", True):
+            rows.append([r["model"], r["n_gpus"], "none fits", "", "", "", "", "", f"needs {gb(r['least_memory_bytes'])}",
+                         tt])
+            continue
+        rows.append([r["model"], r["n_gpus"], f"{r['pp']} × {r['dp']} {r['dp_mode'] or ''}", r["schedule"],
+                     r["n_microbatches"], ", ".join(map(str, r.get("recompute_stages", []))) or "none",
+                     f"{r['step_s']:.2f} s", f"{r['tokens_per_s_per_gpu']:,.0f}",
+                     f"{r['peak_bytes'] / 1e9:.1f} / {r['memory_bytes'] / 1e9:.0f} GB", tt])
+    models = {m["model"]: m for m in d.get("models", [])}
+    sizes = "; ".join(f"{m['model']}: {m['parameters'] / 1e9:.2f} B parameters, {m['segments']} segments, "
+                      f"{gb(m.get('act_bytes_per_microbatch'))} of saved activations per 8192-token sequence"
+                      for m in models.values() if m["model"] != "tiny")
+    out = [f"{d.get('machine_simulated')}; FLOP-counted costs, {d.get('seq_per_gpu')} sequences per GPU per step, "
+           f"schedule {d.get('schedule')}. Predicted, not measured. {sizes}.",
+           table(["model", "GPUs", "pp × dp", "schedule", "micro-batches", "recomputing stages", "step",
+                  "tokens/s/GPU", "peak memory", "torchtitan"], rows)]
+    against = [_against_torchtitan(r) for r in d.get("rows", []) if r.get("torchtitan")]
+    if against:
+        out.append("**Against torchtitan's layouts.** autopipe composes pipeline and data parallelism only: "
+                   "a tensor-parallel degree of torchtitan's is matched here by as many pipeline stages. "
+                   "autopipe recomputes whole stages (a recomputing stage holds all of one micro-batch's "
+                   "activations while it recomputes), where torchtitan checkpoints each Transformer block.\n\n"
+                   + "\n".join(f"- {line}" for line in against))
+    return "\n\n".join(out)
+
+
+def _against_torchtitan(r: dict[str, Any]) -> str:
+    """One line: torchtitan's layout at this size, autopipe's choice, and how autopipe's model rates torchtitan's."""
+    tt = r["torchtitan"]
+    pp = tt["pp"] * tt["tp"]  # no tensor parallelism in autopipe: its ranks become pipeline stages
+    twin = next((a for a in r["alternatives"] if a["pp"] == pp and a["mode"] in ("fsdp", "")), None)
+    head = f"{r['model']} on {r['n_gpus']} GPUs: torchtitan runs {tt['layout']} ({tt['source']}); "
+    if not r.get("fits", True):
+        head += f"no pp × dp layout fits 80 GB in autopipe's model (the least needs {r['least_memory_bytes'] / 1e9:.0f} GB)"
+    else:
+        head += f"autopipe chose pp={r['pp']} × dp={r['dp']} {r['dp_mode'] or ''} ({r['step_s']:.2f} s)"
+    if twin is None:
+        return head + "."
+    name = f"pp={twin['pp']} × dp={twin['dp']}{' fsdp' if twin['mode'] else ''}"
+    if twin["fits"] and r.get("fits", True) and (twin["pp"], twin["dp"]) != (r["pp"], r["dp"]):
+        return head + f"; its {name} is predicted {twin['step_s'] / r['step_s'] - 1:.0%} slower ({twin['step_s']:.2f} s)."
+    if twin["fits"]:
+        return head + f"; the same layout as torchtitan's {name}."
+    need = twin.get("min_memory_bytes")
+    return head + (f"; its {name} does not fit: it needs {need / 1e9:.0f} GB per GPU, recomputing whole stages."
+                   if need else f"; its {name} is not usable: {twin['reason'][:200]}.")
 
 
 RENDERERS: dict[str, Callable[[dict[str, Any], list[str]], str]] = {

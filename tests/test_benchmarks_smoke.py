@@ -138,6 +138,30 @@ def test_scale_study_ranks_every_pp_dp_layout_of_each_gpu_count(tmp_path):
         assert {(a["pp"], a["dp"]) for a in r["alternatives"]} >= {(r["n_gpus"] // d, d) for d in (1, 2, 4, 8)}
 
 
+def test_scale_study_page_compares_each_reported_size_with_torchtitan():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("render_docs", BENCH / "render_docs.py")
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    tt = {"layout": "FSDP 8 (1D)", "fsdp": 8, "tp": 1, "pp": 1, "source": "Table 1"}
+    one_stage = {"pp": 1, "dp": 8, "mode": "fsdp", "fits": False, "min_memory_bytes": 120e9, "reason": "does not fit"}
+    chosen = {"pp": 2, "dp": 4, "mode": "fsdp", "fits": True, "step_s": 3.5, "reason": ""}
+    rows = [
+        {"model": "m", "n_gpus": 8, "pp": 2, "dp": 4, "dp_mode": "fsdp", "schedule": "1F1B", "n_microbatches": 4,
+         "step_s": 3.5, "tokens_per_s_per_gpu": 4000.0, "peak_bytes": 79e9, "memory_bytes": 80e9, "fits": True,
+         "torchtitan": tt, "alternatives": [chosen, one_stage]},
+        {"model": "m", "n_gpus": 16, "fits": False, "least_memory_bytes": 150e9, "memory_bytes": 80e9,
+         "torchtitan": {**tt, "layout": "FSDP 16"}, "alternatives": [{**one_stage, "dp": 16}]},
+    ]
+    behind: list[str] = []
+    text = render.render_scale_study({"rows": rows, "models": [], "machine_simulated": "H100"}, behind)
+    assert "| m | 8 | 2 × 4 fsdp |" in text and "| m | 16 | none fits |" in text and "needs 150 GB" in text
+    assert "m on 8 GPUs: torchtitan runs FSDP 8 (1D) (Table 1); autopipe chose pp=2 × dp=4 fsdp (3.50 s)" in text
+    assert "its pp=1 × dp=8 fsdp does not fit: it needs 120 GB per GPU" in text
+    assert "m on 16 GPUs: torchtitan runs FSDP 16 (Table 1); no pp × dp layout fits 80 GB" in text
+
+
 def test_render_docs_writes_markdown_from_results(tmp_path):
     _run("split_quality_sim", tmp_path / "split_quality_sim" / "results.json")
     text = _render_docs(tmp_path)

@@ -126,7 +126,8 @@ def study(name: str, seq: int, gpu_counts: list[int], schedule: str) -> tuple[di
     costs = profile_segments(trace(model, args), cost="flops", device="meta", device_flops=topo.device.flops,
                              progress=False)
     info = {"model": name, "config": MODELS[name], "parameters": n_params, "segments": len(costs),
-            "seq_len": seq, "profile_s": time.perf_counter() - start}
+            "seq_len": seq, "act_bytes_per_microbatch": sum(c.act_bytes for c in costs),
+            "param_bytes": sum(c.param_bytes for c in costs), "profile_s": time.perf_counter() - start}
     print(f"{name}: {n_params / 1e9:.2f}B parameters, {len(costs)} segments, traced and counted in "
           f"{info['profile_s']:.1f} s", flush=True)
     rows = []
