@@ -537,7 +537,7 @@ def render_scale_study(d: dict[str, Any], behind: list[str]) -> str:
                          tt])
             continue
         rows.append([r["model"], r["n_gpus"], f"{r['pp']} × {r['dp']} {r['dp_mode'] or ''}", r["schedule"],
-                     r["n_microbatches"], ", ".join(map(str, r.get("recompute_stages", []))) or "none",
+                     r["n_microbatches"], f"{len(r.get('recompute_stages', []))} of {r['pp']}",
                      f"{r['step_s']:.2f} s", f"{r['tokens_per_s_per_gpu']:,.0f}",
                      f"{r['peak_bytes'] / 1e9:.1f} / {r['memory_bytes'] / 1e9:.0f} GB", tt])
     models = {m["model"]: m for m in d.get("models", [])}
@@ -546,7 +546,7 @@ def render_scale_study(d: dict[str, Any], behind: list[str]) -> str:
                       for m in models.values() if m["model"] != "tiny")
     out = [f"{d.get('machine_simulated')}; FLOP-counted costs, {d.get('seq_per_gpu')} sequences per GPU per step, "
            f"schedule {d.get('schedule')}. Predicted, not measured. {sizes}.",
-           table(["model", "GPUs", "pp × dp", "schedule", "micro-batches", "recomputing stages", "step",
+           table(["model", "GPUs", "pp × dp", "schedule", "micro-batches", "stages recomputing", "step",
                   "tokens/s/GPU", "peak memory", "torchtitan"], rows)]
     against = [_against_torchtitan(r) for r in d.get("rows", []) if r.get("torchtitan")]
     if against:
@@ -576,8 +576,9 @@ def _against_torchtitan(r: dict[str, Any]) -> str:
     if twin["fits"]:
         return head + f"; the same layout as torchtitan's {name}."
     need = twin.get("min_memory_bytes")
-    return head + (f"; its {name} does not fit: it needs {need / 1e9:.0f} GB per GPU, recomputing whole stages."
-                   if need else f"; its {name} is not usable: {twin['reason'][:200]}.")
+    if need:
+        return head + f"; its {name} does not fit: it needs {need / 1e9:.0f} GB per GPU, recomputing whole stages."
+    return head + f"; its {name} {twin['reason'][:240].rstrip('.')}."
 
 
 RENDERERS: dict[str, Callable[[dict[str, Any], list[str]], str]] = {
