@@ -43,8 +43,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-import contextlib
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -334,7 +333,7 @@ def _profile(
             counter = SavedBytes({storage_key(p) for _, p in state})
             inputs = make_inputs()
             # Counted costs charge attention as a GPU's fused kernel wherever they are counted.
-            attention = FusedAttention() if cost != "measured" else contextlib.nullcontext()
+            attention = FusedAttention() if cost != "measured" else nullcontext()
             with attention, FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS) as flop_counter:
                 _, _, out = forward_backward(module, inputs, trainable, timer, counter)
             flops = float(flop_counter.get_total_flops())

@@ -82,7 +82,7 @@ def plan_row(model: Any, args: Any, costs: Any, name: str, n_gpus: int, seq: int
                                   data_parallel="auto", dp_mode="auto", schedule=schedule,
                                   optimizer=OPTIMIZER_FACTOR, profiling=META_PROFILING)
     except autopipe.InfeasibleMemoryError as e:  # no layout fits: each one's least memory is the result
-        plan, rows = None, e.factorizations
+        plan, rows, least = None, e.factorizations, e.min_memory_bytes
     else:
         rows = plan.data_parallel.factorizations if plan.data_parallel else []
     planning_s = time.perf_counter() - start
@@ -97,7 +97,7 @@ def plan_row(model: Any, args: Any, costs: Any, name: str, n_gpus: int, seq: int
     if plan is None:
         return {**common, "fits": False, "pp": None, "dp": None, "dp_mode": None, "schedule": None,
                 "n_microbatches": None, "step_s": None, "tokens_per_s_per_gpu": None, "peak_bytes": None,
-                "least_memory_bytes": min((r.min_memory_bytes for r in rows if r.min_memory_bytes), default=None)}
+                "least_memory_bytes": least}
     record = plan.data_parallel
     step_s = plan.predicted_step_s + (record.reduction_s if record else 0.0)
     best = rows[0] if rows else None
