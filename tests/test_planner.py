@@ -120,11 +120,23 @@ def test_memory_limit_is_respected(small_transformer, small_costs):
     assert tight.memory_limit_bytes == [limit, limit]
 
 
-def test_impossible_memory_names_the_smallest_that_fits(small_transformer, small_costs):
+def test_impossible_memory_names_memory_that_fits(small_transformer, small_costs):
     model, args = small_transformer
-    with pytest.raises(InfeasibleMemoryError, match="the smallest per-device memory that fits is") as info:
+    with pytest.raises(InfeasibleMemoryError, match="the least per-device memory found to fit is") as info:
         autopipe.partition(model, 2, example_args=args, memory="1KiB", cost=small_costs)
     assert info.value.min_memory_bytes > 1024
+
+
+@pytest.mark.parametrize("recompute", ["auto", False])
+def test_the_memory_an_error_names_is_enough_to_plan(small_transformer, small_costs, recompute):
+    # The figure counts what each rank holds (the tensors it sent too), not each stage alone:
+    # a user who gives it back as the limit gets a plan that fits.
+    model, args = small_transformer
+    with pytest.raises(InfeasibleMemoryError) as info:
+        autopipe.partition(model, 2, example_args=args, memory="1KiB", cost=small_costs, recompute=recompute)
+    need = info.value.min_memory_bytes
+    plan = autopipe.partition(model, 2, example_args=args, memory=need, cost=small_costs, recompute=recompute)
+    assert max(plan.rank_peak_bytes) <= need
 
 
 def test_flops_and_params_cost_sources_plan_too(small_transformer):

@@ -95,3 +95,20 @@ def test_model_that_does_not_export_names_the_reason_and_what_to_try():
 def test_non_module_is_rejected():
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         trace(lambda x: x, (torch.randn(1),))
+
+
+def test_a_finished_trace_leaves_no_graph_alive():
+    # torch's export keeps its last graph in a module-level map until the next export
+    # (autopipe.planning.trace.release_last_export); a trace must not pin it.
+    import gc
+    import weakref
+
+    from torch.fx.experimental import proxy_tensor
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    traced = trace(model, (torch.randn(3, 4),))
+    graph = weakref.ref(traced.exported.graph)
+    del traced
+    gc.collect()
+    assert graph() is None
+    assert not getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", {})

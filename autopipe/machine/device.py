@@ -30,19 +30,26 @@ _UNITS = {
 }
 
 
-def format_bytes(n: float) -> str:
+def format_bytes(n: float, *, round_up: bool = False) -> str:
     """Bytes in powers of 1024 for people to read: the inverse of :func:`parse_bytes`.
+
+    ``round_up`` rounds up to the digit shown instead of to the nearest, for memory a
+    message says is needed: given back as a limit, the figure shown must be enough.
 
     Example::
 
         >>> format_bytes(3 * 2**20)
         '3.0 MiB'
+        >>> format_bytes(9.32 * 2**30), format_bytes(9.32 * 2**30, round_up=True)
+        ('9.3 GiB', '9.4 GiB')
     """
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            if unit == "B":
+                return f"{math.ceil(n) if round_up else int(n)} B"
+            return f"{math.ceil(n * 10 - 1e-9) / 10 if round_up else n:.1f} {unit}"
         n /= 1024
-    return f"{n:.1f} TiB"
+    raise AssertionError("unreachable")  # the loop returns at TiB
 
 
 def parse_bytes(value: int | float | str, *, name: str = "memory") -> int:

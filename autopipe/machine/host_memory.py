@@ -21,7 +21,7 @@ import resource
 import sys
 from types import TracebackType
 
-__all__ = ["PeakResidentMemory", "resident_bytes"]
+__all__ = ["PeakResidentMemory", "resident_bytes", "return_freed_heap"]
 
 _STATUS = "/proc/self/status"
 
@@ -47,6 +47,30 @@ def resident_bytes() -> int | None:
     """
     kib = _status_kib("VmRSS")
     return None if kib is None else kib * 1024
+
+
+def return_freed_heap() -> bool:
+    """Give memory the process has freed back to the system (glibc's ``malloc_trim``); whether it could.
+
+    glibc keeps freed heap pages in the process, for its next allocations, unless they lie at
+    the heap's top. Building a pipeline frees tens of MiB of tracing objects in the middle of
+    the heap, so without this a rank's resident memory keeps them through training. A no-op
+    (False) where the C library is not glibc.
+
+    Example:
+        >>> return_freed_heap() in (True, False)
+        True
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # musl and others have no malloc_trim
+        return False
+    trim(0)
+    return True
 
 
 class PeakResidentMemory:

@@ -573,5 +573,5 @@ def _fmt_rank_peak(option: ScheduleOption) -> str:
     """What ``option`` would need, for the message of an :class:`InfeasibleMemoryError`."""
     if option.rank_peak_bytes:
 
-        return format_bytes(max(option.rank_peak_bytes)) + " on its fullest device"
+        return format_bytes(max(option.rank_peak_bytes), round_up=True) + " on its fullest device"
     return option.reason or "more memory"

@@ -206,13 +206,13 @@ def cost_option(
     option.problem = problem
     limited = bool(np.isfinite(problem.capacity_bytes).any()) and problem.fwd_s is not None
     keep = (lambda pb: [solve_bottleneck(pb)]) if objective == "bottleneck" else candidate_partitions
+    gap = _rank_gap_fn(option, problem, costs, traced, ranks, optimizer_factor)
     try:
         results = keep(problem)
-    except InfeasibleMemoryError:
+    except InfeasibleMemoryError as e:
         if not (limited and allow_recompute):
-            raise
+            raise _per_rank_least_memory(e, problem, gap) from None
         results = []
-    gap = _rank_gap_fn(option, problem, costs, traced, ranks, optimizer_factor)
     if limited:
         # The partitioner counts memory per stage; a rank also holds the tensors it sent. Splits
         # that fit per stage but not per rank are replaced by ones found under tightened limits.
@@ -222,7 +222,7 @@ def cost_option(
         again = (lambda pb: recompute_candidates(pb)[:1]) if objective == "bottleneck" else recompute_candidates
         results += _tightened(problem, again, gap, _search_or_none(again, problem))
     if not results:
-        raise _infeasible_with_recompute(problem)
+        raise _infeasible_with_recompute(problem, gap)
     option.candidates = len(results)
     best = None
     for r in results:
@@ -366,17 +366,65 @@ def _fit_ranks(option: ScheduleOption, problem: PartitionProblem, result: Partit
         step = predict_split_step_s(problem, result.cuts, costs, option, traced, ranks, again)
 
 
-def _infeasible_with_recompute(problem: PartitionProblem) -> InfeasibleMemoryError:
+def _infeasible_with_recompute(problem: PartitionProblem,
+                               gap: Callable[[PartitionResult], np.ndarray]) -> InfeasibleMemoryError:
     """No split fits even with every stage free to recompute: what memory would."""
-    need = min_memory_with_recompute(problem)
+    need = _least_rank_memory(problem, min_memory_with_recompute(problem), gap, recompute=True)
     caps = ", ".join(sorted({format_bytes(c) for c in problem.capacity_bytes}))
     return InfeasibleMemoryError(
         f"no split into {problem.num_stages} stages fits the memory given ({caps}), with activation "
-        f"recomputation considered for every stage; the smallest per-device memory that fits is "
-        f"{format_bytes(need)} (with {problem.num_stages} stages, this schedule and optimizer, recomputing where "
-        "it helps). Give more memory, more devices, or a schedule that holds fewer micro-batches (1F1B).",
+        f"recomputation considered for every stage; the least per-device memory found to fit is "
+        f"{format_bytes(need, round_up=True)} (with {problem.num_stages} stages, this schedule and optimizer, "
+        "recomputing where it helps). Give more memory, more devices, or a schedule that holds fewer micro-batches "
+        "(1F1B).",
         min_memory_bytes=int(np.ceil(need)),
     )
+
+
+def _per_rank_least_memory(error: InfeasibleMemoryError, problem: PartitionProblem,
+                           gap: Callable[[PartitionResult], np.ndarray]) -> InfeasibleMemoryError:
+    """The partitioner's error, its least memory checked per rank (no recomputation)."""
+    if error.min_memory_bytes is None:
+        return error
+    need = _least_rank_memory(problem, float(error.min_memory_bytes), gap, recompute=False)
+    caps = ", ".join(sorted({format_bytes(c) for c in problem.capacity_bytes}))
+    return InfeasibleMemoryError(
+        f"no split into {problem.num_stages} stages fits the memory given ({caps}); the least per-device "
+        f"memory found to fit is {format_bytes(need, round_up=True)} (with {problem.num_stages} stages, this schedule "
+        "and optimizer, keeping every activation). Give more memory, more devices, a schedule that holds fewer "
+        "micro-batches (1F1B), or let stages recompute (recompute='auto').",
+        min_memory_bytes=int(np.ceil(need)),
+    )
+
+
+def _least_rank_memory(problem: PartitionProblem, stage_need: float,
+                       gap: Callable[[PartitionResult], np.ndarray], *, recompute: bool) -> float:
+    """Per-device memory at which a split fits per rank, from the least that fits per stage.
+
+    The partitioner's least memory (``stage_need``) counts each stage's own peak; a rank also
+    holds what it sent until the send completes (``gap``). The splits that fit at
+    ``stage_need`` are checked per rank and the least they need returned, so that the memory
+    an error names is memory at which a split fits: an upper bound on the least, which a
+    search over every split per rank would give. The devices' ratios are kept.
+    """
+    caps = problem.capacity_bytes
+    ratio = caps / caps.max() if np.isfinite(caps).all() and caps.max() > 0 else np.ones(problem.num_stages)
+    if not np.isfinite(stage_need) or not (ratio > 0).all():
+        return stage_need
+    at_need = PartitionProblem(**{**problem.__dict__, "capacity_bytes": ratio * stage_need * (1 + 1e-9)})
+    try:
+        found = (recompute_candidates(at_need)[:LEAST_MEMORY_SPLITS] if recompute else
+                 candidate_partitions(at_need)[:LEAST_MEMORY_SPLITS])
+    except InfeasibleMemoryError:
+        found = []
+    if not found:
+        return stage_need
+    per_rank = min(float(((np.array(r.stage_mem_bytes) + gap(r)) / ratio).max()) for r in found)
+    return max(stage_need, per_rank)
+
+
+#: Splits fitting at the least per-stage memory that :func:`_least_rank_memory` checks per rank.
+LEAST_MEMORY_SPLITS = 8
 
 
 def auto_schedule_options(n_gpus: int, n_microbatches: int, num_segments: int) -> list[tuple[str, int]]:

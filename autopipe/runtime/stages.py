@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import copy
+import gc
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,10 +31,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 
+from ..machine.host_memory import return_freed_heap
 from ..planning import hf_compat
 from ..planning.inplace import clone_inputs_written_in_place
 from ..planning.plan import Plan
 from ..planning.schedules import SPLIT_BACKWARD_SCHEDULES, schedule_class
+from ..planning.trace import release_last_export
 from .checkpointing import checkpoint_stage
 from .materialize import WeightSource, load_weights, materialize_leftovers, materialize_rank, on_meta, to_meta
 from .compat import (VStage, guard_stage_boundaries, make_boundary_tensors_sendable, rename_nodes_shadowing_self,
@@ -84,6 +87,7 @@ def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict],
         with capture_export() as exported, safe_submodule_outlining():
             pipe = pipeline(model, tuple(example[0]), dict(example[1]) or None, split_spec=split_spec)
     finally:
+        release_last_export()
         model.train(was_training)
         for name, attrs in saved.items():
             module = model.get_submodule(name)
@@ -298,6 +302,11 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
     # alike; summed gradients keep them equal only if they start so.
     grad_norm_rank = first_use_ranks(stage_params, stage_ranks)
     _copy_shared_from_first_use(shared, state, {n: my_replica[r] for n, r in grad_norm_rank.items()})
+    # Tracing and splitting freed tens of MiB of Python objects (export's fake tensors and
+    # intermediate graphs, among them cycles only a collection frees): give the pages back to
+    # the system before training allocates.
+    gc.collect()
+    return_freed_heap()
     return RankStages(batch=batch, names=names, train_modules=train_modules, eval_modules=eval_modules,
                       train_stages=train_stages, state=state, use_leaves=use_leaves, shared=shared,
                       grad_norm_rank=grad_norm_rank, unheld_state=unheld)
