@@ -183,10 +183,9 @@ def release_last_export() -> int:
     torch's non-strict export (2.13.0 checked; the map came with its fake-tensor leak
     detector) fills a module-level map from fake-tensor ids to the nodes of the graph it
     traced, on every trace, and empties it only when the next trace starts. Until then the
-    map keeps that whole graph alive, with its fake tensors and metadata: about 1,700 nodes
-    for a 22-layer Llama, which a rank would otherwise carry through training. The map is
-    read only while an export runs, so emptying it after one is safe; on a torch without
-    the map this does nothing.
+    map keeps that whole graph alive, with its fake tensors and metadata, which a rank would
+    otherwise carry through training. The map is read only while an export runs (its leak
+    check), so emptying it after one is safe; on a torch without the map this does nothing.
 
     Example:
         >>> release_last_export() >= 0
