@@ -43,13 +43,13 @@ def format_bytes(n: float, *, round_up: bool = False) -> str:
         >>> format_bytes(9.32 * 2**30), format_bytes(9.32 * 2**30, round_up=True)
         ('9.3 GiB', '9.4 GiB')
     """
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            if unit == "B":
-                return f"{math.ceil(n) if round_up else int(n)} B"
-            return f"{math.ceil(n * 10 - 1e-9) / 10 if round_up else n:.1f} {unit}"
+    if abs(n) < 1024:
+        return f"{math.ceil(n) if round_up else int(n)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
         n /= 1024
-    raise AssertionError("unreachable")  # the loop returns at TiB
+        if abs(n) < 1024 or unit == "TiB":
+            break
+    return f"{math.ceil(n * 10 - 1e-9) / 10 if round_up else n:.1f} {unit}"
 
 
 def parse_bytes(value: int | float | str, *, name: str = "memory") -> int:

@@ -44,9 +44,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import InfeasibleMemoryError
+from ..machine.device import format_bytes
 from .costmodel import link_busy_s, recompute_backward_s, stage_peak_bytes
 
 __all__ = [
+    "capacity_shares",
+    "format_capacities",
     "PartitionProblem",
     "PartitionResult",
     "solve_bottleneck",
@@ -391,8 +394,8 @@ def solve_bottleneck(problem: PartitionProblem, *, rel_tol: float = 1e-9, max_it
         need = solve_min_memory(problem)
         raise InfeasibleMemoryError(
             f"no split into {problem.num_stages} stages fits the memory given "
-            f"({_fmt_caps(problem.capacity_bytes)}); the smallest per-device memory that fits is "
-            f"{_fmt_bytes(need)} (with {problem.num_stages} stages, this schedule and optimizer). "
+            f"({format_capacities(problem.capacity_bytes)}); the smallest per-device memory that fits is "
+            f"{format_bytes(need)} (with {problem.num_stages} stages, this schedule and optimizer). "
             "Give more memory, more devices, a schedule that holds fewer micro-batches (1F1B), "
             "or enable activation checkpointing.",
             min_memory_bytes=int(np.ceil(need)),
@@ -457,9 +460,7 @@ def solve_min_memory(problem: PartitionProblem) -> float:
 
     With unlimited capacities it is the least possible peak memory of the heaviest stage.
     """
-    p = problem.num_stages
-    caps = problem.capacity_bytes
-    ratio = caps / caps.max() if np.isfinite(caps).all() and caps.max() > 0 else np.ones(p)
+    ratio = capacity_shares(problem)
 
     def partition_at(c: float) -> list[int] | None:
         trial = PartitionProblem(**{**problem.__dict__, "capacity_bytes": ratio * c})
@@ -497,14 +498,27 @@ def brute_force(problem: PartitionProblem) -> PartitionResult | None:
     return best
 
 
-def _fmt_bytes(b: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(b) < 1024 or unit == "TiB":
-            return f"{b:.1f} {unit}" if unit != "B" else f"{int(b)} B"
-        b /= 1024
-    return f"{b:.1f} TiB"
+def capacity_shares(problem: PartitionProblem) -> np.ndarray:
+    """Each stage's device memory as a share of the largest: how a least-memory figure scales per device.
+
+    All ones where some device has no limit (or none has memory), so that every device is
+    asked for the same.
+
+    Example:
+        >>> capacity_shares(PartitionProblem.uniform([1.0, 1.0], 2, capacity_bytes=[4.0, 8.0])).tolist()
+        [0.5, 1.0]
+    """
+    caps = problem.capacity_bytes
+    if np.isfinite(caps).all() and caps.max() > 0:
+        return caps / caps.max()
+    return np.ones(problem.num_stages)
 
 
-def _fmt_caps(caps: np.ndarray) -> str:
-    vals = sorted(set(float(c) for c in caps))
-    return ", ".join(_fmt_bytes(c) for c in vals)
+def format_capacities(caps: np.ndarray) -> str:
+    """The distinct device memories, smallest first, for a message.
+
+    Example:
+        >>> format_capacities(np.array([2.0**30, 2.0**29, 2.0**30]))
+        '512.0 MiB, 1.0 GiB'
+    """
+    return ", ".join(format_bytes(c) for c in sorted(set(float(c) for c in caps)))

@@ -35,7 +35,7 @@ import itertools
 import numpy as np
 
 from .costmodel import recompute_backward_s, stage_peak_bytes
-from .partitioner import PartitionProblem, PartitionResult, evaluate
+from .partitioner import PartitionProblem, PartitionResult, capacity_shares, evaluate
 
 __all__ = ["solve_recompute", "recompute_candidates", "min_memory_with_recompute", "brute_force_recompute",
            "stage_tables"]
@@ -204,8 +204,7 @@ def min_memory_with_recompute(problem: PartitionProblem) -> float:
         >>> min_memory_with_recompute(prob)   # 3 x no input bytes + one micro-batch recomputed (8)
         8.0
     """
-    caps = problem.capacity_bytes
-    ratio = caps / caps.max() if np.isfinite(caps).all() and caps.max() > 0 else np.ones(problem.num_stages)
+    ratio = capacity_shares(problem)
     n = problem.num_segments
     best = np.full(n + 1, np.inf)
     best[0] = 0.0

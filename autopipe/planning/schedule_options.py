@@ -25,8 +25,9 @@ from ..machine.device import Device, format_bytes
 from . import costmodel, schedules
 from .costgraph import CostGraph, SegmentCost
 from .costmodel import StepTail
-from .partitioner import PartitionProblem, PartitionResult, candidate_partitions, evaluate, solve_bottleneck
-from .recompute import min_memory_with_recompute, recompute_candidates, solve_recompute
+from .partitioner import (PartitionProblem, PartitionResult, candidate_partitions, capacity_shares, evaluate,
+                          format_capacities, solve_bottleneck)
+from .recompute import min_memory_with_recompute, recompute_candidates
 from .plan_records import ScheduleAlternative
 from .problem import build_problem, merged_output_bytes, rank_overcount_bytes, stage_grad_bytes, tied_gradient_bytes
 from .schedules import stage_ranks, validate_schedule
@@ -370,15 +371,9 @@ def _infeasible_with_recompute(problem: PartitionProblem,
                                gap: Callable[[PartitionResult], np.ndarray]) -> InfeasibleMemoryError:
     """No split fits even with every stage free to recompute: what memory would."""
     need = _least_rank_memory(problem, min_memory_with_recompute(problem), gap, recompute=True)
-    caps = ", ".join(sorted({format_bytes(c) for c in problem.capacity_bytes}))
-    return InfeasibleMemoryError(
-        f"no split into {problem.num_stages} stages fits the memory given ({caps}), with activation "
-        f"recomputation considered for every stage; the least per-device memory found to fit is "
-        f"{format_bytes(need, round_up=True)} (with {problem.num_stages} stages, this schedule and optimizer, "
-        "recomputing where it helps). Give more memory, more devices, or a schedule that holds fewer micro-batches "
-        "(1F1B).",
-        min_memory_bytes=int(np.ceil(need)),
-    )
+    return _least_memory_error(problem, need, ", with activation recomputation considered for every stage",
+                               "recomputing where it helps",
+                               "Give more memory, more devices, or a schedule that holds fewer micro-batches (1F1B).")
 
 
 def _per_rank_least_memory(error: InfeasibleMemoryError, problem: PartitionProblem,
@@ -387,12 +382,18 @@ def _per_rank_least_memory(error: InfeasibleMemoryError, problem: PartitionProbl
     if error.min_memory_bytes is None:
         return error
     need = _least_rank_memory(problem, float(error.min_memory_bytes), gap, recompute=False)
-    caps = ", ".join(sorted({format_bytes(c) for c in problem.capacity_bytes}))
+    return _least_memory_error(problem, need, "", "keeping every activation",
+                               "Give more memory, more devices, a schedule that holds fewer micro-batches (1F1B), "
+                               "or let stages recompute (recompute='auto').")
+
+
+def _least_memory_error(problem: PartitionProblem, need: float, considered: str, how: str,
+                        advice: str) -> InfeasibleMemoryError:
+    """The error saying no split fits, naming ``need`` (rounded up) as memory that would."""
     return InfeasibleMemoryError(
-        f"no split into {problem.num_stages} stages fits the memory given ({caps}); the least per-device "
-        f"memory found to fit is {format_bytes(need, round_up=True)} (with {problem.num_stages} stages, this schedule "
-        "and optimizer, keeping every activation). Give more memory, more devices, a schedule that holds fewer "
-        "micro-batches (1F1B), or let stages recompute (recompute='auto').",
+        f"no split into {problem.num_stages} stages fits the memory given ({format_capacities(problem.capacity_bytes)})"
+        f"{considered}; the least per-device memory found to fit is {format_bytes(need, round_up=True)} (with "
+        f"{problem.num_stages} stages, this schedule and optimizer, {how}). {advice}",
         min_memory_bytes=int(np.ceil(need)),
     )
 
@@ -407,8 +408,7 @@ def _least_rank_memory(problem: PartitionProblem, stage_need: float,
     an error names is memory at which a split fits: an upper bound on the least, which a
     search over every split per rank would give. The devices' ratios are kept.
     """
-    caps = problem.capacity_bytes
-    ratio = caps / caps.max() if np.isfinite(caps).all() and caps.max() > 0 else np.ones(problem.num_stages)
+    ratio = capacity_shares(problem)
     if not np.isfinite(stage_need) or not (ratio > 0).all():
         return stage_need
     at_need = PartitionProblem(**{**problem.__dict__, "capacity_bytes": ratio * stage_need * (1 + 1e-9)})

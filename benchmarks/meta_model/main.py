@@ -45,19 +45,13 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32
                 vocab_size=32000, max_position_embeddings=2048)
 
 
-def _status_bytes(field: str) -> int:
-    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
+def _proc_bytes(field: str, path: str = "/proc/self/status") -> int | None:
+    """A ``kB`` memory field of a ``/proc/self`` file (``VmRSS``; ``Pss`` of ``smaps_rollup``) in bytes.
 
-
-def _rollup_bytes(field: str) -> int | None:
-    """A field of ``/proc/self/smaps_rollup`` (``Pss``) in bytes; None where the kernel has no such file."""
+    None where the kernel has no such file or field (``smaps_rollup`` is Linux 4.14 on).
+    """
     try:
-        with open("/proc/self/smaps_rollup") as f:
+        with open(path) as f:
             for line in f:
                 if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
@@ -91,14 +85,14 @@ def rank_main(layers: int, seq: int, plan_path: str, out_dir: str) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
-    before = _status_bytes("VmRSS")
+    before = _proc_bytes("VmRSS")
     start = time.perf_counter()
     pipe = autopipe.Pipeline(model, example_args=(torch.zeros(x_mb.shape, dtype=x_mb.dtype),), loss_fn=_loss_fn,
                              plan=plan_path)
     build_s = time.perf_counter() - start
-    rss, hwm = _status_bytes("VmRSS"), _status_bytes("VmHWM")
-    anon, file_backed = _status_bytes("RssAnon"), _status_bytes("RssFile")
-    pss = _rollup_bytes("Pss")
+    rss, hwm = _proc_bytes("VmRSS"), _proc_bytes("VmHWM")
+    anon, file_backed = _proc_bytes("RssAnon"), _proc_bytes("RssFile")
+    pss = _proc_bytes("Pss", "/proc/self/smaps_rollup")
     held = sum(p.numel() * p.element_size() for p in pipe.parameters())
     row = {
         "rank": pipe.rank, "stages": pipe.stage_indices, "split_points": pipe.plan.split_points,
