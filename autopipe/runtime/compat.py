@@ -113,6 +113,7 @@ def safe_submodule_outlining() -> Iterator[None]:
                         **kwargs: Any) -> Any:
         if module in flat_stages:
             inputs_to_state = _resolvable_first(module, inputs_to_state)
+        _hold_state_in_repeated_calls(module, inputs_to_state)
         return sink(module, inputs_to_state, *args, **kwargs)
 
     checked_outline._autopipe_checked = True  # type: ignore[attr-defined]
@@ -265,6 +266,41 @@ def _resolvable_first(module: nn.Module, inputs_to_state: dict[str, list[str]]) 
         return isinstance(_lookup(module, name), (torch.Tensor, torch.ScriptObject))
 
     return {key: sorted(names, key=lambda n: not held(n)) for key, names in inputs_to_state.items()}
+
+
+def _hold_state_in_repeated_calls(module: nn.Module, inputs_to_state: dict[str, list[str]]) -> None:
+    """Give each further call of a module (``emb@1``) the tensors its first call holds.
+
+    torch 2.11 to 2.13 (``_sink_params``, no upstream issue referenced): a module called
+    twice in one stage becomes ``emb`` and ``emb@1``; a tensor the stage receives as a graph
+    input (a weight tied to another stage's module) is placed in ``emb`` only, and sinking
+    it into ``emb@1``, which looks for it there, fails. The same tensor object is
+    registered in ``emb@1`` too, so both calls read one parameter.
+    """
+    state_names = {n for names in inputs_to_state.values() for n in names}
+    for path, sub in list(module.named_modules(remove_duplicate=False)):
+        if "@" not in path:
+            continue
+        plain = ".".join(part.split("@")[0] for part in path.split("."))
+        for name in state_names:
+            rest = name[len(plain) + 1:] if name.startswith(plain + ".") else ""
+            if not rest or _lookup(sub, rest) is not None:
+                continue
+            tensor = next((_lookup(module, n) for n in _aliases_of(inputs_to_state, name)
+                           if isinstance(_lookup(module, n), torch.Tensor)), None)
+            parent_path, _, leaf = rest.rpartition(".")
+            parent = _lookup(sub, parent_path) if parent_path else sub
+            if tensor is None or not isinstance(parent, nn.Module):
+                continue
+            if isinstance(tensor, nn.Parameter):
+                parent.register_parameter(leaf, tensor)
+            else:
+                parent.register_buffer(leaf, tensor)
+
+
+def _aliases_of(inputs_to_state: dict[str, list[str]], name: str) -> list[str]:
+    """Every state name given for the same graph input as ``name`` (the aliases of a tied tensor)."""
+    return next((names for names in inputs_to_state.values() if name in names), [name])
 
 
 def _lookup(module: nn.Module, dotted: str) -> Any:

@@ -30,6 +30,7 @@ the same model"; and it points every copy a rank holds of one tensor at a single
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -60,6 +61,26 @@ class StateNames:
     canonical: dict[str, str]
     aliases: dict[str, list[str]]
     parameter_names: frozenset[str]
+
+    def of_stage_name(self, local_name: str) -> str | None:
+        """The canonical name of a stage module's tensor, None for a constant made by tracing.
+
+        torch.export names the k-th further call of a module ``name@k`` (a block applied
+        twice); every call reads the one tensor of the unsplit model.
+
+        Example:
+            >>> names = StateNames([], {"shared.lin.weight": "shared.lin.weight"}, {}, frozenset())
+            >>> names.of_stage_name("shared@1.lin@1.weight")
+            'shared.lin.weight'
+        """
+        canon = self.canonical.get(local_name)
+        if canon is None and "@" in local_name:
+            canon = self.canonical.get(_CALL_INDEX.sub("", local_name))
+        return canon
+
+
+#: The suffix torch.export gives the second and later calls of one module (``shared@1``).
+_CALL_INDEX = re.compile(r"@\d+(?=\.|$)")
 
 
 def model_state_names(model: nn.Module) -> StateNames:
@@ -148,7 +169,7 @@ def stage_state(stage_module: nn.Module, names: StateNames) -> dict[str, tuple[s
     for named in (stage_module.named_parameters(remove_duplicate=False),
                   stage_module.named_buffers(remove_duplicate=False)):
         for local_name, tensor in named:
-            canon = names.canonical.get(local_name)
+            canon = names.of_stage_name(local_name)
             if canon is not None and local_name in used:
                 state.setdefault(canon, (local_name, tensor))
     return state
@@ -180,7 +201,7 @@ def stage_aliases(stage_module: nn.Module, names: StateNames) -> dict[str, list[
     for named in (stage_module.named_parameters(remove_duplicate=False),
                   stage_module.named_buffers(remove_duplicate=False)):
         for local_name, _ in named:
-            canon = names.canonical.get(local_name)
+            canon = names.of_stage_name(local_name)
             if canon is not None:
                 found[canon].append(local_name)
     return dict(found)
