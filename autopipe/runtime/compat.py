@@ -405,7 +405,7 @@ def make_boundary_tensors_sendable(stage_module: nn.Module, *, first: bool, last
         split.get_stage_module(1)._autopipe_wire   # {"inputs": {1: torch.int64}, "outputs": {}}
     """
     graph = stage_module.graph
-    wire: dict[str, dict[int, torch.dtype]] = {"inputs": {}, "outputs": {}}
+    wire: dict[str, dict[int, torch.dtype]] = {"inputs": {}, "outputs": {}, "traced": {}}
     changed = False
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for i, node in enumerate(placeholders):
@@ -438,10 +438,29 @@ def make_boundary_tensors_sendable(stage_module: nn.Module, *, first: bool, last
         values, _ = tree_flatten(output.args[0])
         for j, node in enumerate(values):
             val = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+            if isinstance(val, torch.Tensor) and val.is_floating_point():
+                wire["traced"][j] = val.dtype
             if isinstance(val, torch.Tensor) and _travels_as_float(val):
                 wire["outputs"][j] = val.dtype
                 node.meta["val"] = val.to(WIRE_DTYPE)  # what torch checks the sent value against
     stage_module._autopipe_wire = wire
+
+
+def _in_traced_dtype(value: Any, traced: torch.dtype, index: int) -> Any:
+    """A floating output in the dtype the receiving stage's buffer was traced with.
+
+    Under ``torch.autocast`` a stage can compute an output in bfloat16 that was traced in
+    float32; torch's receiving stage reads the bytes into a float32 buffer, so the value
+    would be misread. Widening is exact (the gradient is narrowed back by autograd); any
+    other difference is an error naming the output.
+    """
+    if not isinstance(value, torch.Tensor) or value.dtype == traced:
+        return value
+    if value.is_floating_point() and torch.finfo(value.dtype).bits < torch.finfo(traced).bits:
+        return value.to(traced)
+    raise TypeError(f"stage output {index} is {value.dtype} but was traced as {traced}, and the receiving "
+                    f"stage reads it as {traced}: run the step in the precision the pipeline was built in "
+                    f"(an autocast region may only narrow what the stages send)")
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -518,7 +537,7 @@ def guard_stage_boundaries(stage_module: nn.Module, *, fresh_outputs: bool = Fal
         True
     """
     inner = stage_module.forward
-    wire = getattr(stage_module, "_autopipe_wire", {"inputs": {}, "outputs": {}})
+    wire = getattr(stage_module, "_autopipe_wire", {"inputs": {}, "outputs": {}, "traced": {}})
 
     def sendable(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
@@ -544,6 +563,8 @@ def guard_stage_boundaries(stage_module: nn.Module, *, fresh_outputs: bool = Fal
         # A float output in the autograd graph: sent integers and received ones hang off it.
         anchor = next((j for j, v in enumerate(flat) if isinstance(v, torch.Tensor) and v.requires_grad
                        and j not in wire["outputs"]), None) if torch.is_grad_enabled() else None
+        for j, dtype in wire["traced"].items():
+            flat[j] = _in_traced_dtype(flat[j], dtype, j)
         for j, value in enumerate(flat):
             if j in wire["outputs"] and isinstance(value, torch.Tensor):
                 flat[j] = value.to(WIRE_DTYPE)

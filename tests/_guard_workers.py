@@ -1,0 +1,59 @@
+"""What each rank runs in tests/test_step_guards.py: steps that must give the unsplit model's
+numbers or raise a clear error on every rank, never a wrong number in silence.
+
+Each ``*_run`` function is one scenario; :func:`scenarios_run` runs several in one world.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+from autopipe.models import seed_transformer
+from autopipe.runtime import Pipeline
+
+N_MICROBATCHES = 4
+
+
+def scenarios_run(rank: int, world_size: int, scenarios: list[tuple[str, str, tuple]]) -> dict:
+    """Several scenarios in one world: ``{key: worker(rank, world_size, *args)}``."""
+    return {key: globals()[worker](rank, world_size, *args) for key, worker, args in scenarios}
+
+
+def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((output.float() - target) ** 2).mean()
+
+
+def token_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(output.float().flatten(0, 1), target.flatten())
+
+
+def _mlp_case() -> tuple[nn.Module, torch.Tensor, torch.Tensor, list[str], object]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
+    return model, torch.randn(8, 8), torch.randn(8, 4), ["2"], mse
+
+
+def _transformer_case() -> tuple[nn.Module, torch.Tensor, torch.Tensor, list[str], object]:
+    torch.manual_seed(0)
+    model, (x,) = seed_transformer(64, d_model=16, num_heads=2, d_ff=32, num_layers=2, batch=8, seq_len=6)
+    return model, x, torch.randint(0, 64, x.shape), ["layers.1.ffn.fc2"], token_loss
+
+
+def autocast_run(rank: int, world_size: int, kind: str) -> dict:
+    """One bfloat16-autocast step (a tensor crosses the cut in bfloat16) against the unsplit model's."""
+    model, x, y, split_points, loss_fn = {"mlp": _mlp_case, "transformer": _transformer_case}[kind]()
+    reference = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss = loss_fn(reference(x), y)
+    ref_loss.backward()
+    with Pipeline(model, example_args=(x[:2],), loss_fn=loss_fn, schedule="1F1B", n_microbatches=N_MICROBATCHES,
+                  split_points=split_points) as pipe:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = pipe.step(x, target=y)
+        ref = dict(reference.named_parameters())
+        grad_diff = max((p.grad - ref[n].grad).abs().max().item() for n, p in pipe.named_parameters())
+        grad_scale = max(ref[n].grad.abs().max().item() for n, _ in pipe.named_parameters())
+    return {"loss": loss.item(), "ref_loss": ref_loss.item(), "grad_diff": grad_diff, "grad_scale": grad_scale}
