@@ -57,3 +57,35 @@ def autocast_run(rank: int, world_size: int, kind: str) -> dict:
         grad_diff = max((p.grad - ref[n].grad).abs().max().item() for n, p in pipe.named_parameters())
         grad_scale = max(ref[n].grad.abs().max().item() for n, _ in pipe.named_parameters())
     return {"loss": loss.item(), "ref_loss": ref_loss.item(), "grad_diff": grad_diff, "grad_scale": grad_scale}
+
+
+class FunctionalDropout(nn.Module):
+    """Dropout as BART writes it (``F.dropout(x, p, self.training)``) and a branch on ``self.training``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.dropout(torch.tanh(self.a(x)), 0.5, self.training)
+        h = torch.tanh(self.b(h))
+        if self.training:  # SpecAugment-style: only in training
+            h = h * (torch.arange(8) % 2)
+        return self.c(h)
+
+
+def eval_mode_run(rank: int, world_size: int) -> dict:
+    """evaluate() and pipe(x) in eval mode against the unsplit model in eval mode."""
+    torch.manual_seed(0)
+    model = FunctionalDropout()
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    reference = copy.deepcopy(model).eval()
+    with Pipeline(model, example_args=(x[:2],), loss_fn=mse, schedule="1F1B", n_microbatches=N_MICROBATCHES,
+                  split_points=["b"]) as pipe:
+        pipe.eval()
+        loss = pipe.evaluate(x, target=y).item()
+        out = pipe(x)
+    with torch.no_grad():
+        expected = reference(x)
+    return {"loss_diff": abs(loss - mse(expected, y).item()),
+            "out_diff": None if out is None else (out - expected).abs().max().item()}

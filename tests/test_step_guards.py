@@ -56,3 +56,16 @@ def test_a_stage_output_in_another_dtype_than_traced_is_widened_or_refused():
     guard_stage_boundaries(wide)
     with pytest.raises(TypeError, match="stage output 0 is torch.float64 but was traced as torch.float32"):
         wide(torch.ones(2))
+
+
+@functools.lru_cache(maxsize=None)
+def eval_results() -> list[dict]:
+    return run_world(workers.eval_mode_run, 2, timeout_s=300)
+
+
+@pytest.mark.distributed
+def test_eval_mode_runs_the_eval_graph_of_functional_dropout_and_training_branches():
+    per_rank = eval_results()
+    for r in per_rank:
+        assert r["loss_diff"] < TOL, r
+    assert per_rank[0]["out_diff"] is None and per_rank[1]["out_diff"] < TOL, per_rank

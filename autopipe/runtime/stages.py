@@ -142,14 +142,29 @@ def run_generated_code(stage_module: nn.Module) -> int:
     return switched
 
 
-def _has_mode_dependent_modules(model: nn.Module) -> bool:
-    """True if train and eval mode compute differently: dropout with p > 0 or batch statistics."""
-    for m in model.modules():
-        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
-            return True
-        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats:
-            return True
-    return False
+def _stage_graphs(split: Any) -> list[list[tuple[str, list[str]]]]:
+    """Every stage's graphs as text, by module path and node: what the stage computes."""
+    return [[(path, [_node_text(n) for n in m.graph.nodes]) for path, m in split.get_stage_module(s).named_modules()
+             if isinstance(getattr(m, "graph", None), torch.fx.Graph)] for s in range(split.num_stages)]
+
+
+def _node_text(node: torch.fx.Node) -> str:
+    """The node's op, target and arguments; a dropout of probability 0 is the identity in either mode."""
+    args = node.args
+    if (node.op == "call_function" and getattr(node.target, "__name__", "").startswith(("dropout", "native_dropout"))
+            and len(args) == 3 and args[1] == 0):
+        args = args[:2]
+    return f"{node.name} = {node.op}[{node.target}]{args}{node.kwargs}"
+
+
+def _computes_alike(train_split: Any, eval_split: Any) -> bool:
+    """True if the train- and eval-mode traces are the same graphs.
+
+    Read from the graphs, not from module types: functional dropout
+    (``F.dropout(x, p, self.training)``), ``if self.training:`` branches and batch
+    statistics all show as a difference, whatever module holds them.
+    """
+    return _stage_graphs(train_split) == _stage_graphs(eval_split)
 
 
 @dataclass
@@ -232,11 +247,12 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
     # A meta model is traced with meta inputs; the batch is still checked against the real example.
     traced_example = to_meta(example) if meta else example
     train_pipe = split_model(local_model, split_spec, traced_example, training=True, expected=num_stages)
-    eval_pipe = None
-    if _has_mode_dependent_modules(local_model):
-        # torch.export bakes train/eval behaviour (dropout, batch-norm statistics) into the
-        # graph, so inference in eval mode needs its own trace over the same tensors.
-        eval_pipe = split_model(local_model, split_spec, traced_example, training=False, expected=num_stages)
+    # torch.export bakes train/eval behaviour (dropout, batch-norm statistics, branches on
+    # `self.training`) into the graph, so inference in eval mode needs its own trace over the
+    # same tensors wherever the two traces differ.
+    eval_pipe = split_model(local_model, split_spec, traced_example, training=False, expected=num_stages)
+    if _computes_alike(train_pipe, eval_pipe):
+        eval_pipe = None
 
     # What each stage uses, under the original names: every rank computes it for every
     # stage, so all ranks agree on which parameters are shared and by whom.
