@@ -89,3 +89,63 @@ def eval_mode_run(rank: int, world_size: int) -> dict:
         expected = reference(x)
     return {"loss_diff": abs(loss - mse(expected, y).item()),
             "out_diff": None if out is None else (out - expected).abs().max().item()}
+
+
+def _outcome(fn) -> str:
+    """``"ok"`` or ``"<ErrorType>: message"``."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test reads which error it was
+        return f"{type(e).__name__}: {e}"
+    return "ok"
+
+
+def rank_local_errors_run(rank: int, world_size: int) -> dict:
+    """Calls that one rank (or every rank) refuses, caught by the loop; later steps against the unsplit model.
+
+    The unsplit model takes the steps that ran on every rank: after the refused calls the
+    pipeline's losses must still be the unsplit model's.
+    """
+    model, x, y, split_points, _ = _mlp_case()
+    reference = copy.deepcopy(model)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+    def per_element(output, target):
+        return (output - target) ** 2
+
+    losses = {"mse": mse, "per_element": per_element, "python_float": lambda o, t: float(mse(o, t))}
+    chosen = {"name": "mse"}
+    out: dict = {"outcomes": {}, "losses": [], "ref_losses": []}
+    with Pipeline(model, example_args=(x[:2],), loss_fn=lambda o, t: losses[chosen["name"]](o, t),
+                  schedule="1F1B", n_microbatches=N_MICROBATCHES, split_points=split_points) as pipe:
+        opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+
+        def train_step(target) -> None:
+            opt.zero_grad()
+            out["losses"].append(pipe.step(x, target=target).item())
+            opt.step()
+            ref_opt.zero_grad()
+            ref_loss = mse(reference(x), y)
+            ref_loss.backward()
+            ref_opt.step()
+            out["ref_losses"].append(ref_loss.item())
+
+        train_step(y)
+        # Only the last stage's rank is given a target it cannot take.
+        bad = y.tolist() if rank == world_size - 1 else y
+        out["outcomes"]["one_rank_bad_target"] = _outcome(lambda: train_step(bad))
+        out["outcomes"]["numpy_target"] = _outcome(lambda: train_step(y.numpy()))
+        out["outcomes"]["wrong_batch_on_rank_0"] = _outcome(
+            lambda: pipe.step(x[:4] if rank == 0 else x, target=y))
+        for name in ("per_element", "python_float"):
+            chosen["name"] = name
+            out["outcomes"][name] = _outcome(lambda: pipe.step(x, target=y))
+            chosen["name"] = "mse"
+        opt.zero_grad()  # the failed steps' partial gradients
+        train_step(y)
+        train_step(y)
+        # Rank 0 evaluates while rank 1 steps: out of step.
+        out["outcomes"]["out_of_step"] = _outcome(
+            lambda: pipe.evaluate(x, target=y) if rank == 0 else pipe.step(x, target=y))
+        out["outcomes"]["after_out_of_step"] = _outcome(lambda: pipe.step(x, target=y))
+    return out

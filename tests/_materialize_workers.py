@@ -92,14 +92,26 @@ def seed_run(rank: int, world_size: int, safetensors_path: str, dcp_dir: str) ->
     }
 
 
-def unwritten_run(rank: int, world_size: int) -> str:
-    """The default init leaves the positional table (computed in __init__, no reset_parameters) unwritten."""
-    try:
-        Pipeline(seed_model(meta=True), example_args=example_args(), loss_fn=loss_fn, schedule="1F1B",
-                 n_microbatches=N_MICROBATCHES, split_points=SPLITS[2])
-    except Exception as e:  # noqa: BLE001 - the error each rank raises is the result
-        return f"{type(e).__name__}: {e}"
-    return "no error"
+def unwritten_run(rank: int, world_size: int) -> dict:
+    """The default init leaves the positional table (computed in __init__, no reset_parameters) unwritten.
+
+    The pipeline is built anyway; the first step refuses on every rank, and once the
+    state dict is loaded (PyTorch's usual order: build, then load) it steps as the unsplit model.
+    """
+    reference = seed_model(meta=False)
+    out: dict = {}
+    with Pipeline(seed_model(meta=True), example_args=example_args(), loss_fn=loss_fn, schedule="1F1B",
+                  n_microbatches=N_MICROBATCHES, split_points=SPLITS[2]) as pipe:
+        x, y = tutorial_batch(0)
+        try:
+            pipe.step(x, target=y)
+            out["first_step"] = "no error"
+        except Exception as e:  # noqa: BLE001 - the error each rank raises is the result
+            out["first_step"] = f"{type(e).__name__}: {e}"
+        pipe.load_state_dict(reference.state_dict())
+        pipe.zero_grad()
+        out["after_load"] = against_reference(pipe, reference, pipe.step(x, target=y), loss_fn(reference(x), y))
+    return out
 
 
 def _llama_batch() -> tuple[torch.Tensor, torch.Tensor]:

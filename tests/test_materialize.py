@@ -164,10 +164,14 @@ def test_the_eval_trace_of_a_meta_model_reads_the_loaded_tensors(seed_results):
         assert result["loss"] == pytest.approx(result["ref_loss"], abs=TOL)
 
 
-def test_the_default_init_leaving_a_tensor_unwritten_fails_on_every_rank():
-    messages = run_world(workers.unwritten_run, 2, timeout_s=200)
-    assert messages[0].startswith("UnwrittenTensorsError") and "pos_encoding.pe" in messages[0]
-    assert messages[1].startswith("RuntimeError: rank 0 could not materialize") and "pos_encoding.pe" in messages[1]
+def test_a_tensor_the_default_init_leaves_unwritten_fails_the_first_step_on_every_rank_until_loaded():
+    results = run_world(workers.unwritten_run, 2, timeout_s=200)
+    first = [r["first_step"] for r in results]
+    assert first[0].startswith("UnwrittenTensorsError") and "pos_encoding.pe" in first[0]
+    assert first[1].startswith("PipelineStepError: step() call 1 was refused on rank 0") and "pos_encoding.pe" in first[1]
+    for r in results:
+        after = r["after_load"]
+        assert abs(after["loss"] - after["ref_loss"]) < TOL and max(after["grad_diff"].values()) < TOL, after
 
 
 @functools.lru_cache(maxsize=None)

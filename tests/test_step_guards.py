@@ -69,3 +69,38 @@ def test_eval_mode_runs_the_eval_graph_of_functional_dropout_and_training_branch
     for r in per_rank:
         assert r["loss_diff"] < TOL, r
     assert per_rank[0]["out_diff"] is None and per_rank[1]["out_diff"] < TOL, per_rank
+
+
+@functools.lru_cache(maxsize=None)
+def rank_local_results() -> list[dict]:
+    # Collectives time out after 30 s: an error case that left a rank waiting fails the world.
+    return run_world(workers.rank_local_errors_run, 2, timeout_s=120, pg_timeout_s=30)
+
+
+@pytest.mark.distributed
+def test_a_call_one_rank_refuses_is_refused_on_every_rank_and_later_steps_stay_exact():
+    rank0, rank1 = rank_local_results()
+    assert rank1["outcomes"]["one_rank_bad_target"].startswith("ValueError: target holds a float")
+    assert rank0["outcomes"]["one_rank_bad_target"].startswith("PipelineStepError: step() call 2 was refused on rank 1")
+    assert rank0["outcomes"]["wrong_batch_on_rank_0"].startswith("ValueError: input args[0] of the batch has shape")
+    assert rank1["outcomes"]["wrong_batch_on_rank_0"].startswith("PipelineStepError:")
+    for r in (rank0, rank1):
+        assert r["outcomes"]["numpy_target"].startswith("ValueError: target holds a ndarray"), r["outcomes"]
+        assert len(r["losses"]) == 3
+        assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) < TOL, r
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("kind, what", [("per_element", "a tensor of shape (2, 4)"), ("python_float", "a float")])
+def test_a_loss_that_is_not_a_scalar_tensor_is_a_step_error_on_every_rank(kind, what):
+    for r in rank_local_results():
+        assert r["outcomes"][kind].startswith("PipelineStepError:"), r["outcomes"][kind]
+        assert f"loss_fn returned {what}" in r["outcomes"][kind]
+
+
+@pytest.mark.distributed
+def test_ranks_making_different_calls_raise_on_every_rank_and_stop():
+    for r in rank_local_results():
+        assert r["outcomes"]["out_of_step"].startswith("RuntimeError: the ranks are out of step"), r["outcomes"]
+        assert "rank 0 at its call" in r["outcomes"]["out_of_step"] and "(evaluate())" in r["outcomes"]["out_of_step"]
+        assert r["outcomes"]["after_out_of_step"].startswith("RuntimeError: the ranks are out of step")

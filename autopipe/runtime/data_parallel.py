@@ -301,8 +301,8 @@ def prepare_replicas(dp: DataParallel, built: Any, schedule: str) -> None:
                              f"placement; schedule={schedule!r} is not one: use dp_mode='replicate'")
         if any(built.eval_modules[s] is not built.train_modules[s] for s in built.train_modules):
             raise ValueError("dp_mode='fsdp' shards the training trace's modules, but this model computes "
-                             "differently in eval mode (dropout, batch norm or a branch on training) and has a second trace that "
-                             "would not be sharded: use dp_mode='replicate'")
+                             "differently in eval mode (dropout, batch norm or a branch on training) and has a "
+                             "second trace that would not be sharded: use dp_mode='replicate'")
     modules = list(built.train_modules.values())
     seen: dict[int, torch.Tensor] = {}
     for module in modules:

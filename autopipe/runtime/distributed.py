@@ -344,3 +344,23 @@ def destroy_groups(groups: Iterable[Any]) -> None:
             dist.destroy_process_group(group)
         except (ValueError, RuntimeError):  # the user destroyed every group already
             pass
+
+
+def raise_on_every_rank(error: BaseException | None, *, rank: int, world_size: int, what: str) -> None:
+    """Raise on every rank when some rank failed ``what`` (collective; one all-gather).
+
+    A rank that failed raises its own ``error``; the others a RuntimeError naming the first
+    failing rank and its error, so none waits at a later collective for a rank that stopped.
+
+    Example::
+
+        raise_on_every_rank(None, rank=0, world_size=2, what="load the state dict")  # no rank failed
+    """
+    texts: list[Any] = [None] * world_size
+    dist.all_gather_object(texts, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = [(r, text) for r, text in enumerate(texts) if text is not None]
+    if failed:
+        r, text = failed[0]
+        raise RuntimeError(f"rank {r} could not {what}, so no rank goes on: {text}")

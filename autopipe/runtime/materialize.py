@@ -43,6 +43,7 @@ from typing import Any, Union
 import torch
 import torch.nn as nn
 
+from .._checks import listed
 from .params import StateNames, set_tensor
 
 __all__ = ["WeightSource", "UnwrittenTensorsError", "on_meta", "check_weight_arguments", "module_seed",
@@ -303,11 +304,7 @@ def _read_dcp(path: Path, wanted: Mapping[str, Sequence[str]],
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     reader = dcp.FileSystemReader(os.fspath(path))
-    try:
-        stored = reader.read_metadata().state_dict_metadata
-    except (FileNotFoundError, OSError) as e:
-        raise ValueError(f"weights={os.fspath(path)!r} is a directory but no torch.distributed.checkpoint "
-                         f"(no readable .metadata): {e}") from e
+    stored = read_dcp_metadata(path, "weights").state_dict_metadata
     request: dict[str, torch.Tensor] = {}
     key_of: dict[str, str] = {}
     for canon, names in wanted.items():
@@ -326,10 +323,91 @@ def _read_dcp(path: Path, wanted: Mapping[str, Sequence[str]],
     return {canon: request[key] for canon, key in key_of.items()}
 
 
+def read_dcp_metadata(path: str | os.PathLike, argument: str) -> Any:
+    """The ``Metadata`` of a ``torch.distributed.checkpoint`` directory; a ValueError naming ``argument`` if unreadable.
+
+    A checkpoint whose writing was cut short leaves a truncated ``.metadata`` file, which
+    torch reports as a bare unpickling error.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        return dcp.FileSystemReader(os.fspath(path)).read_metadata()
+    except FileNotFoundError as e:
+        raise ValueError(f"{argument}={os.fspath(path)!r} is a directory but no torch.distributed.checkpoint "
+                         f"(no .metadata file): {e}") from e
+    except Exception as e:  # noqa: BLE001 - unpickling a damaged file raises many kinds
+        raise ValueError(f"{argument}={os.fspath(path)!r}: the checkpoint's .metadata cannot be read "
+                         f"({type(e).__name__}: {e}); the checkpoint is incomplete or damaged (was its writing "
+                         f"cut short?)") from e
+
+
+def stored_shapes(source: WeightSource) -> dict[str, tuple[int, ...]]:
+    """Every tensor name in a state dict, ``.safetensors`` file or DCP directory, with its shape; no value is read.
+
+    Example:
+        >>> stored_shapes({"w": torch.ones(2, 3)})
+        {'w': (2, 3)}
+    """
+    if isinstance(source, Mapping):
+        return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else () for k, v in source.items()}
+    path = Path(source)
+    if path.is_dir():
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        stored = read_dcp_metadata(path, "weights").state_dict_metadata
+        return {k: tuple(m.size) for k, m in stored.items() if isinstance(m, TensorStorageMetadata)}
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(os.fspath(path), framework="pt", device="cpu") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    raise ValueError(f"weights={os.fspath(source)!r} is neither a .safetensors file nor a "
+                     f"torch.distributed.checkpoint directory")
+
+
+def check_state_fits(stored: Mapping[str, tuple[int, ...]], names: StateNames, what: str) -> None:
+    """Raise unless ``stored`` (name -> shape) holds exactly the model's saved tensors, shaped as the model's.
+
+    As ``nn.Module.load_state_dict(strict=True)``: a name the model does not have (another
+    model's checkpoint), a saved tensor it lacks, or another shape is refused, listed. Any
+    alias of a tied tensor will do; non-persistent buffers are never required.
+
+    Args:
+        stored: what the source holds.
+        names: the model's tensor names and shapes.
+        what: the source, for the message (``"weights='ckpt'"``).
+
+    Example:
+        >>> from autopipe.runtime.params import model_state_names
+        >>> lin = nn.Linear(2, 2)
+        >>> check_state_fits({"weight": (2, 2), "bias": (2,), "extra": (1,)}, model_state_names(lin), "w")
+        Traceback (most recent call last):
+        ...
+        KeyError: "w does not fit the model: names the model does not have ['extra'] (another model's checkpoint?)"
+    """
+    unknown = sorted(k for k in stored if k not in names.canonical)
+    held = {names.canonical[k] for k in stored if k in names.canonical}
+    missing = [k for k in names.state_dict_keys if k == names.canonical.get(k, k)
+               and names.canonical.get(k, k) not in held]
+    problems = []
+    if unknown:
+        problems.append(f"names the model does not have {listed(unknown)} (another model's checkpoint?)")
+    if missing:
+        problems.append(f"missing names {listed(missing)}")
+    if problems:
+        raise KeyError(f"{what} does not fit the model: {'; '.join(problems)}")
+    for key, shape in stored.items():
+        expected = names.shapes.get(key, names.shapes.get(names.canonical[key]))
+        if expected is not None and tuple(shape) != tuple(expected):
+            raise ValueError(f"{key!r} has shape {tuple(shape)} in {what} but {tuple(expected)} in the model")
+
+
 @torch.no_grad()
 def materialize_rank(model: nn.Module, names: StateNames, local: Iterable[str], *, device: torch.device,
                      extra: Iterable[str] = (), init_weights: Callable[[nn.Module], Any] | None = None,
-                     weights: WeightSource | None = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+                     weights: WeightSource | None = None, unwritten_out: dict[str, torch.Tensor] | None = None
+                     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Real, initialized or loaded tensors for this rank's canonical names of a meta-device ``model``.
 
     The work happens on a private copy of ``model`` (the user's model is not touched), in
@@ -349,6 +427,8 @@ def materialize_rank(model: nn.Module, names: StateNames, local: Iterable[str], 
         init_weights: ``init_weights(model)``, initializing in place every real tensor of the
             copy (the others are on meta, where torch's init functions do nothing).
         weights: see :func:`read_weights`; keys are the original model's names.
+        unwritten_out: given, the tensors neither wrote are added to it (to be loaded before
+            they are used, :func:`check_written`) instead of raising.
 
     Returns:
         ``(local tensors, extra tensors)``, by canonical name.
@@ -376,25 +456,43 @@ def materialize_rank(model: nn.Module, names: StateNames, local: Iterable[str], 
         targets = [t for c, t in made.items() if weights is None or c not in persistent]
         if targets:
             default_init(work, targets)
+    loaded: set[str] = set()
     if weights is not None:
-        load_weights(made, names, weights)
-    missing = unwritten(made)
-    if missing:
-        fix = ("give weights= holding them, or an init_weights= that writes them" if init_weights is not None or
-               weights is not None else "give init_weights= (a callable that initializes the model in place) or "
-               "weights= (a state dict, .safetensors file or torch.distributed.checkpoint directory)")
-        raise UnwrittenTensorsError(
-            f"{len(missing)} tensors of this rank were left without a value after materializing the meta-device "
-            f"model: {missing[:20]}{' ...' if len(missing) > 20 else ''}. The default init runs each submodule's "
-            f"reset_parameters() (or Hugging Face's _init_weights), and no such init wrote these: {fix}")
+        loaded = load_weights(made, names, weights)
+    # A tensor read from weights= is written, whatever its value (NaN included).
+    left = {c: t for c, t in made.items() if c not in loaded}
+    if unwritten_out is not None:
+        unwritten_out.update(left)
+    else:
+        check_written(left)
     return {c: made[c] for c in local}, {c: made[c] for c in extra}
 
 
+def check_written(tensors: Mapping[str, torch.Tensor]) -> None:
+    """Raise :class:`UnwrittenTensorsError` if some of ``tensors`` still hold :func:`fill_sentinel`'s value.
+
+    Example:
+        >>> check_written({"w": torch.ones(2)})
+    """
+    missing = unwritten(tensors)
+    if missing:
+        raise UnwrittenTensorsError(
+            f"{len(missing)} tensors of this rank were left without a value after materializing the meta-device "
+            f"model: {listed(missing, most=20)}. The default init runs each submodule's reset_parameters() (or "
+            f"Hugging Face's _init_weights), and no such init wrote these: give init_weights= (a callable that "
+            f"initializes the model in place) or weights= (a state dict, .safetensors file or "
+            f"torch.distributed.checkpoint directory), or load them (load_state_dict, load_checkpoint) before "
+            f"the first step")
+
+
 @torch.no_grad()
-def load_weights(targets: Mapping[str, torch.Tensor], names: StateNames, weights: WeightSource) -> None:
+def load_weights(targets: Mapping[str, torch.Tensor], names: StateNames, weights: WeightSource) -> set[str]:
     """Copy into ``targets`` (canonical name -> tensor) their values from ``weights``, reading only their keys.
 
     Non-persistent buffers are skipped: no state dict holds them.
+
+    Returns:
+        The canonical names written.
 
     Raises:
         KeyError: ``weights`` lacks some of ``targets`` (listed).
@@ -403,7 +501,8 @@ def load_weights(targets: Mapping[str, torch.Tensor], names: StateNames, weights
     Example:
         >>> from autopipe.runtime.params import model_state_names
         >>> lin = nn.Linear(2, 2); targets = dict(lin.named_parameters())
-        >>> load_weights(targets, model_state_names(lin), {"weight": torch.ones(2, 2), "bias": torch.zeros(2)})
+        >>> sorted(load_weights(targets, model_state_names(lin), {"weight": torch.ones(2, 2), "bias": torch.zeros(2)}))
+        ['bias', 'weight']
         >>> lin.weight.sum().item()
         4.0
     """
@@ -412,7 +511,7 @@ def load_weights(targets: Mapping[str, torch.Tensor], names: StateNames, weights
     found = read_weights(weights, wanted, into=targets)
     missing = sorted(c for c in wanted if c not in found)
     if missing:
-        raise KeyError(f"weights={_describe(weights)} lacks {len(missing)} tensors this rank holds: "
+        raise KeyError(f"weights={describe_weights(weights)} lacks {len(missing)} tensors this rank holds: "
                        f"{missing[:20]}{' ...' if len(missing) > 20 else ''} (keys are the unsplit model's "
                        f"state_dict() names; any alias of a tied tensor will do)")
     for canon, value in found.items():
@@ -420,12 +519,14 @@ def load_weights(targets: Mapping[str, torch.Tensor], names: StateNames, weights
         if value.data_ptr() == target.data_ptr() and value.device == target.device:
             continue  # read in place
         if tuple(value.shape) != tuple(target.shape):
-            raise ValueError(f"{canon!r} has shape {tuple(value.shape)} in weights={_describe(weights)} but "
+            raise ValueError(f"{canon!r} has shape {tuple(value.shape)} in weights={describe_weights(weights)} but "
                              f"{tuple(target.shape)} in the model")
         target.copy_(value)
+    return set(found)
 
 
-def _describe(weights: WeightSource) -> str:
+def describe_weights(weights: WeightSource) -> str:
+    """``weights=`` in a message: a path as given, a state dict by its size."""
     return f"<state dict of {len(weights)} tensors>" if isinstance(weights, Mapping) else repr(os.fspath(weights))
 
 

@@ -223,7 +223,11 @@ class TracedBatch:
             if target is None:
                 raise ValueError("target=None: pass target=... for loss_fn(output, target)")
             for t in tree_flatten(target)[0]:
-                if isinstance(t, torch.Tensor) and (t.dim() == 0 or t.shape[0] % m):
+                if not isinstance(t, torch.Tensor):
+                    raise ValueError(
+                        f"target holds a {type(t).__name__}, but it is split into micro-batches along its first "
+                        f"dimension and must be a tensor (or tensors): pass torch.as_tensor(target)")
+                if t.dim() == 0 or t.shape[0] % m:
                     raise ValueError(
                         f"target has shape {tuple(t.shape)}, whose first dimension does not split "
                         f"into n_microbatches={m} equal micro-batches"

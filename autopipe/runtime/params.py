@@ -33,7 +33,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -55,12 +55,14 @@ class StateNames:
             ``named_parameters()`` / ``named_buffers()`` gives that tensor.
         aliases: canonical name -> all of its names, canonical first.
         parameter_names: canonical names that are parameters (the rest are buffers).
+        shapes: ``state_dict_keys`` -> the tensor's shape.
     """
 
     state_dict_keys: list[str]
     canonical: dict[str, str]
     aliases: dict[str, list[str]]
     parameter_names: frozenset[str]
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def of_stage_name(self, local_name: str) -> str | None:
         """The canonical name of a stage module's tensor, None for a constant made by tracing.
@@ -109,8 +111,10 @@ def model_state_names(model: nn.Module) -> StateNames:
             aliases[canon].append(name)
             if kind == "param":
                 parameter_names.add(canon)
+    saved = model.state_dict()
     return StateNames(
-        state_dict_keys=list(model.state_dict().keys()),
+        state_dict_keys=list(saved),
+        shapes={k: tuple(v.shape) for k, v in saved.items()},
         canonical=canonical,
         aliases=dict(aliases),
         parameter_names=frozenset(parameter_names),

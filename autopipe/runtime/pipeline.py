@@ -45,10 +45,11 @@ from .checkpointing import resolve_checkpoint_stages
 from .compat import to_stage_device
 from .data_parallel import (check_mesh_arguments, data_parallel_from_plan, full_tensor, prepare_replicas,
                             resolve_data_parallel)
-from .distributed import DEFAULT_TIMEOUT_S, default_device, init_distributed
+from .distributed import DEFAULT_TIMEOUT_S, default_device, init_distributed, raise_on_every_rank
 from .inference import Inference
 from .lifecycle import PipelineLifecycle
-from .materialize import WeightSource, check_weight_arguments
+from .materialize import (WeightSource, check_state_fits, check_weight_arguments, check_written,
+                          read_dcp_metadata)
 from .sharded_state import load_model_state_dict, load_optimizer_state_dict, model_state_dict, optimizer_state_dict
 from .model_state import clip_grad_norm, full_state_dict, grads_before, load_local_state, sum_shared_grads
 from .plan_setup import PlanRequest, check_model_and_inputs, deprecated_keywords, settle_plan
@@ -246,6 +247,7 @@ class Pipeline(PipelineLifecycle):
         self._shared = built.shared
         self._grad_norm_rank = built.grad_norm_rank
         self._unheld_state = built.unheld_state
+        self._unwritten = built.unwritten
         self._train_schedule = None
         if loss_fn is not None:
             self._train_schedule = make_schedule(self.schedule, self._train_stages, self.n_microbatches,
@@ -292,13 +294,11 @@ class Pipeline(PipelineLifecycle):
             raise RuntimeError("step() trains and needs a loss; construct the Pipeline with loss_fn=...")
         if not self.training:
             raise RuntimeError("step() trains, but the pipeline is in eval mode; call pipe.train() first")
-        args, kwargs, target = self._shard(args, kwargs, target)
-        self._batch.check(args, kwargs, target, need_target=True)
+        stage_args, stage_kwargs, stage_target = self._open("step", args, kwargs, target)
         before = grads_before(self._shared, self._state)
         for _, leaf in self._use_leaves:  # a failed step's per-use gradients belong to no step
             leaf.grad = None
         losses: list[torch.Tensor] = []
-        stage_args, stage_kwargs, stage_target = self._place(args, kwargs, target)
         with self._failures.guard("step", self.rank):
             self._train_schedule.step(*stage_args, target=stage_target, losses=losses, **TRAINING_STEP_KWARGS,
                                       **stage_kwargs)
@@ -378,10 +378,9 @@ class Pipeline(PipelineLifecycle):
         self._check_usable()
         if self._loss_fn is None:
             raise RuntimeError("evaluate() needs a loss; construct the Pipeline with loss_fn=...")
-        args, kwargs, target = self._shard(args, kwargs, target)
-        self._batch.check(args, kwargs, target, need_target=True)
+        placed = self._open("evaluate", args, kwargs, target)
         with self._failures.guard("evaluate", self.rank):
-            _, losses = self._run_inference(args, kwargs, target, with_loss=True)
+            _, losses = self._inference.run(*placed, training=self.training, with_loss=True)
             return self._share_loss(losses)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -404,10 +403,9 @@ class Pipeline(PipelineLifecycle):
             >>> pipe.eval(); logits = pipe(x)  # doctest: +SKIP
         """
         self._check_usable()
-        args, kwargs, _ = self._shard(args, kwargs, None)
-        self._batch.check(args, kwargs, None, need_target=False)
+        placed = self._open("forward", args, kwargs, None)
         with self._failures.guard("forward", self.rank):
-            output, _ = self._run_inference(args, kwargs, None, with_loss=False)
+            output, _ = self._inference.run(*placed, training=self.training, with_loss=False)
             agree_on_failures(self._failures, rank=self.rank, world_size=self.world_size, device=self._comm_device())
         return self._batch.io.unflatten_output(output) if self.has_last_stage else None
 
@@ -426,10 +424,28 @@ class Pipeline(PipelineLifecycle):
             return args, kwargs, target
         return self.data_parallel.shard((tuple(args), dict(kwargs), target), self.n_microbatches)
 
-    def _run_inference(self, args: tuple, kwargs: dict, target: Any, *, with_loss: bool) -> tuple[Any, list]:
-        if target is None:
-            target = self._inference.placeholder_target()
-        return self._inference.run(*self._place(args, kwargs, target), training=self.training, with_loss=with_loss)
+    def _open(self, call: str, args: tuple, kwargs: dict, target: Any) -> tuple[tuple, dict, Any]:
+        """This rank's share of the batch, checked and placed, once every rank agreed to start ``call``.
+
+        Collective (:meth:`~autopipe.runtime.step_failures.StepFailures.agree_to_start`): a
+        batch one rank refuses is refused on every rank, before any stage runs.
+        """
+        error: BaseException | None = None
+        placed: tuple[tuple, dict, Any] = ((), {}, None)
+        try:
+            if self._unwritten:  # loaded since construction, or still an error
+                check_written(self._unwritten)
+                self._unwritten = {}
+            args, kwargs, target = self._shard(args, kwargs, target)
+            self._batch.check(args, kwargs, target, need_target=call != "forward")
+            if target is None:
+                target = self._inference.placeholder_target()
+            placed = self._place(args, kwargs, target)
+        except Exception as e:  # noqa: BLE001 - raised by agree_to_start, after every rank has heard of it
+            error = e
+        self._failures.agree_to_start(call, error, rank=self.rank, world_size=self.world_size,
+                                      device=self._comm_device())
+        return placed
 
     def _place(self, args: tuple, kwargs: dict, target: Any) -> tuple[tuple, dict, Any]:
         """Inputs go to the first stage's rank, targets to the last's, on their device.
@@ -594,7 +610,10 @@ class Pipeline(PipelineLifecycle):
 
         Keys are the original model's names; any alias of a tied tensor will do. Each rank
         takes what it holds (and the tensors no stage reads) and ignores the rest, so the same
-        full dict can be given to every rank. No communication.
+        full dict can be given to every rank. Non-persistent buffers (Llama's rotary
+        ``inv_freq``) are never required: the model computes them. Collective: every rank
+        checks its names and shapes before writing anything, and if one rank's dict does not
+        fit, every rank raises.
 
         Args:
             state_dict: ``model.state_dict()`` of the unsplit model, ``pipe.state_dict(full=True)``,
@@ -603,14 +622,79 @@ class Pipeline(PipelineLifecycle):
 
         Raises:
             KeyError: (strict) names missing or unknown, listed. ValueError: a shape differs.
+            RuntimeError: on the other ranks, naming the rank whose dict did not fit.
 
         Example:
             >>> pipe.load_state_dict(torch.load("model.pt"))  # doctest: +SKIP
         """
-        if strict:
-            load_model_state_dict(self, state_dict)
-        else:
-            load_local_state({**self._unheld_state, **self._state}, self._names, state_dict, strict=False)
+        self._check_usable()
+        error: Exception | None = None
+        try:
+            if strict:
+                load_model_state_dict(self, state_dict)
+            else:
+                load_local_state({**self._unheld_state, **self._state}, self._names, state_dict, strict=False)
+        except Exception as e:  # noqa: BLE001 - raised below, on every rank
+            error = e
+        raise_on_every_rank(error, rank=self.rank, world_size=self.world_size, what="load the state dict")
+
+    def save_checkpoint(self, checkpoint_id: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Save the model (and ``optimizer``) as one ``torch.distributed.checkpoint`` directory.
+
+        Every rank writes its own tensors (``{"model": state_dict(), "optim":
+        optimizer_state_dict(optimizer)}``); any split, schedule or world size resumes from
+        it with :meth:`load_checkpoint`, and the unsplit model with torch's ``set_state_dict``.
+        Collective.
+
+        Example:
+            >>> pipe.save_checkpoint("ckpt/100", opt)  # doctest: +SKIP
+        """
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(self._checkpoint_state(optimizer), checkpoint_id=os.fspath(checkpoint_id))
+
+    def load_checkpoint(self, checkpoint_id: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Resume the model (and ``optimizer``) from a checkpoint of :meth:`save_checkpoint`.
+
+        Before anything is read, every rank checks the checkpoint's list of tensors against
+        the whole model: a name the model does not have (another model's checkpoint), a
+        tensor it lacks or another shape is refused on every rank. Collective.
+
+        Args:
+            checkpoint_id: the checkpoint's directory.
+            optimizer: an optimizer over :meth:`parameters` to resume too (a fresh one is fine).
+
+        Raises:
+            KeyError / ValueError: the checkpoint does not fit the model (named), or is
+                damaged (an unreadable ``.metadata``); on the other ranks a RuntimeError.
+
+        Example:
+            >>> opt = torch.optim.AdamW(pipe.parameters())  # doctest: +SKIP
+            >>> pipe.load_checkpoint("ckpt/100", opt)  # doctest: +SKIP
+        """
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        error: Exception | None = None
+        try:
+            stored = read_dcp_metadata(checkpoint_id, "checkpoint_id").state_dict_metadata
+            model = {k[len("model."):]: tuple(m.size) for k, m in stored.items()
+                     if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+            check_state_fits(model, self._names, f"checkpoint {os.fspath(checkpoint_id)!r}")
+        except Exception as e:  # noqa: BLE001 - raised below, on every rank
+            error = e
+        raise_on_every_rank(error, rank=self.rank, world_size=self.world_size, what="use the checkpoint")
+        state = self._checkpoint_state(optimizer)
+        dcp.load(state, checkpoint_id=os.fspath(checkpoint_id))
+        self.load_state_dict(state["model"])
+        if optimizer is not None:
+            self.load_optimizer_state_dict(optimizer, state["optim"])
+
+    def _checkpoint_state(self, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+        state: dict[str, Any] = {"model": self.state_dict()}
+        if optimizer is not None:
+            state["optim"] = self.optimizer_state_dict(optimizer)
+        return state
 
     def __repr__(self) -> str:
         return (f"Pipeline(rank {self.rank}/{self.world_size}, stages {self.stage_indices} of "

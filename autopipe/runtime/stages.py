@@ -38,10 +38,11 @@ from ..planning.plan import Plan
 from ..planning.schedules import SPLIT_BACKWARD_SCHEDULES, schedule_class
 from ..planning.trace import release_last_export
 from .checkpointing import checkpoint_stage
-from .materialize import WeightSource, load_weights, materialize_leftovers, materialize_rank, on_meta, to_meta
+from .materialize import (WeightSource, check_state_fits, describe_weights, load_weights, materialize_leftovers,
+                          materialize_rank, on_meta, stored_shapes, to_meta)
 from .compat import (VStage, guard_stage_boundaries, make_boundary_tensors_sendable, rename_nodes_shadowing_self,
                      safe_submodule_outlining, static_stage_meta)
-from .distributed import gather_digests
+from .distributed import gather_digests, raise_on_every_rank
 from .model_io import ModelIO, TracedBatch, capture_export
 from .params import (StateNames, first_model_difference, first_use_ranks, model_signature, model_state_names,
                      shared_parameters, stage_state, tie_aliases, used_attribute_names)
@@ -184,6 +185,8 @@ class RankStages:
             other ranks (group None = the whole world).
         grad_norm_rank: the (pp) rank whose copy of each parameter counts in the global norm.
         unheld_state: tensors no stage reads, kept for a full checkpoint.
+        unwritten: tensors of a meta-device model that neither the init nor ``weights`` gave a
+            value, by canonical name: they must be loaded before the first step.
     """
 
     batch: TracedBatch
@@ -196,6 +199,7 @@ class RankStages:
     shared: list[tuple[list[str], Any]]
     grad_norm_rank: dict[str, int]
     unheld_state: dict[str, torch.Tensor]
+    unwritten: dict[str, torch.Tensor]
 
 
 def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbatches: int, stage_ranks: list[int],
@@ -235,6 +239,13 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
     # Before anything is traced: ranks with different models would split differently and
     # disagree on the shared parameters' process groups.
     _check_same_model(model, world_size)
+    if weights is not None:  # the whole model on every rank, so every rank reaches the same verdict
+        misfit: Exception | None = None
+        try:
+            check_state_fits(stored_shapes(weights), model_state_names(model), f"weights={describe_weights(weights)}")
+        except Exception as e:  # noqa: BLE001 - raised below, on every rank
+            misfit = e
+        raise_on_every_rank(misfit, rank=rank, world_size=world_size, what="use weights=")
     local_model = copy.deepcopy(model)
     # The copy is private, so a Hugging Face KV cache simply stays off: it is no trainable
     # output and cannot leave a stage (autopipe.planning.hf_compat; the planner's report says so).
@@ -264,19 +275,21 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
     pp_rank = rank if pp_rank is None else pp_rank
     my_replica = next(r for r in replicas if rank in r)
     stage_indices = [s for s, r in enumerate(stage_ranks) if r == pp_rank]
+    pending: dict[str, torch.Tensor] = {}  # tensors left for the user to load before the first step
     if meta:
         local_canon = list(dict.fromkeys(c for s in stage_indices for c in all_states[s]))
         error: Exception | None = None
         try:
             local_state, unheld = materialize_rank(model, names, local_canon, device=device, extra=unheld_names,
-                                                   init_weights=init_weights, weights=weights)
+                                                   init_weights=init_weights, weights=weights, unwritten_out=pending)
             for s in stage_indices:
                 module = train_pipe.get_stage_module(s)
                 tie_aliases(module, names, local_state)
                 materialize_leftovers(module, used_attribute_names(module))
         except Exception as e:  # noqa: BLE001 - raised below, on every rank
             error = e
-        _agree_on_materialization(error, rank, world_size)
+        raise_on_every_rank(error, rank=rank, world_size=world_size,
+                            what="materialize its stages of the meta-device model")
     else:
         unheld = {}
         for canon in unheld_names:
@@ -325,7 +338,7 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
     return_freed_heap()
     return RankStages(batch=batch, names=names, train_modules=train_modules, eval_modules=eval_modules,
                       train_stages=train_stages, state=state, use_leaves=use_leaves, shared=shared,
-                      grad_norm_rank=grad_norm_rank, unheld_state=unheld)
+                      grad_norm_rank=grad_norm_rank, unheld_state=unheld, unwritten=pending)
 
 
 def _share_local_replicas(modules: Mapping[int, nn.Module], names: StateNames, *, leaf_per_use: bool
@@ -369,23 +382,6 @@ def _build_eval_modules(eval_pipe: Any, stage_indices: Sequence[int], device: to
         tie_aliases(module, names, state, leaf_per_use=leaf_per_use)
         modules[s] = module.eval()
     return modules
-
-
-def _agree_on_materialization(error: Exception | None, rank: int, world_size: int) -> None:
-    """Raise on every rank when some rank could not give its tensors values (collective).
-
-    A rank that failed raises its own error; the others say which rank failed and why, so
-    none waits at a later collective for a rank that has stopped.
-    """
-    outcomes: list[Any] = [None] * world_size
-    dist.all_gather_object(outcomes, None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    failed = [(r, text) for r, text in enumerate(outcomes) if text is not None]
-    if failed:
-        r, text = failed[0]
-        raise RuntimeError(f"rank {r} could not materialize its stages of the meta-device model, so no rank "
-                           f"can run: {text}")
 
 
 def _check_same_model(model: nn.Module, world_size: int) -> None:

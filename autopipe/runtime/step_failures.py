@@ -79,6 +79,7 @@ class StepFailures:
         self.broken: str | None = None
         self._forwards: dict[int, int] = {}  # stage index -> forwards run this step
         self._calls: dict[str, int] = {}  # "step" / "evaluate" / "forward" -> calls so far
+        self._opened = 0  # calls of any kind the ranks agreed to start
 
     @property
     def failed(self) -> bool:
@@ -151,6 +152,49 @@ class StepFailures:
         finally:
             self.stop()
 
+    def agree_to_start(self, call: str, error: BaseException | None, *, rank: int, world_size: int,
+                       device: torch.device) -> None:
+        """The opening collective of a call: every rank starts the same call, and its inputs passed their checks.
+
+        A rank whose inputs failed a check (``error``) would otherwise leave while the
+        others start the call's communication; if the loop catches the error and goes on,
+        the ranks pair different steps and every later loss is wrong. Each rank sends its
+        count of calls so far, the call's kind and whether its checks failed, in one
+        all-reduce. A rank whose checks failed raises its own error; the others raise
+        :class:`~autopipe.errors.PipelineStepError` naming it, and the pipeline stays usable.
+        Ranks at different calls (one skipped a call) raise on every rank, and the pipeline
+        must not run again.
+
+        Example::
+
+            failures.agree_to_start("step", None, rank=0, world_size=2, device=torch.device("cpu"))
+        """
+        self._opened += 1
+        rows = torch.zeros(world_size, 3, dtype=torch.float64, device=device)
+        rows[rank] = torch.tensor([self._opened, _CALL_KINDS.index(call), float(error is not None)],
+                                  dtype=torch.float64)
+        dist.all_reduce(rows)
+        calls = [(int(n), _CALL_KINDS[int(kind)]) for n, kind, _ in rows.tolist()]
+        if len(set(calls)) > 1:
+            at = ", ".join(f"rank {r} at its call {n} ({kind}())" for r, (n, kind) in enumerate(calls))
+            self.broken = (f"the ranks are out of step: {at}. Every rank must make the same calls of the pipeline "
+                           f"in the same order (a loop that catches an error on one rank must skip the same call "
+                           f"on every rank); this pipeline cannot run again: restart the job, or build a new "
+                           f"Pipeline on every rank")
+            raise RuntimeError(self.broken) from error
+        failed = [r for r, row in enumerate(rows.tolist()) if row[2] > 0]
+        if not failed:
+            return
+        texts: list[Any] = [None] * world_size
+        dist.all_gather_object(texts, one_line(error) if error is not None else "")
+        if error is not None:
+            raise error
+        failures = {r: texts[r] for r in failed}
+        listed = "; ".join(f"rank {r}: {text}" for r, text in failures.items())
+        raise PipelineStepError(
+            f"{call}() call {self._calls.get(call, 0) + 1} was refused on rank {', '.join(map(str, failed))} before "
+            f"it started: {listed}. No rank ran it; the pipeline is usable", failures=failures)
+
     def raise_if_a_rank_failed(self, flags: torch.Tensor, world_size: int) -> None:
         """Raise :class:`~autopipe.errors.PipelineStepError` on every rank if a rank's flag is set.
 
@@ -179,6 +223,9 @@ class StepFailures:
             failures=failures,
         ) from self.error
 
+
+#: The calls :meth:`StepFailures.agree_to_start` opens; the index is how a rank names its call.
+_CALL_KINDS = ("step", "evaluate", "forward")
 
 #: The dtypes a training loss may have; the index is how the last stage tells the others.
 LOSS_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
@@ -406,12 +453,22 @@ class PlayThroughLoss:
 
     def __call__(self, output: Any, target: Any, **kwargs: Any) -> torch.Tensor:
         if not self.failures.active:
-            return self.loss_fn(output, target, **kwargs)
+            return _scalar_loss(self.loss_fn(output, target, **kwargs))
         if not self.failures.failed:
             try:
-                return self.loss_fn(output, target, **kwargs)
+                return _scalar_loss(self.loss_fn(output, target, **kwargs))
             except Exception as e:  # noqa: BLE001 - recorded, raised on every rank at the step's end
                 self.failures.record(e, "loss_fn")
         floats = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
         device = floats[0].device if floats else torch.device("cpu")
         return _ZerosInGraph.apply((), torch.float32, device, *_graph_anchors(floats))
+
+
+def _scalar_loss(loss: Any) -> torch.Tensor:
+    """``loss`` if it is a tensor of one element; else a TypeError saying what a loss must be."""
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return loss
+    what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+            else f"a {type(loss).__name__}")
+    raise TypeError(f"loss_fn returned {what}; it must return the micro-batch's loss as a tensor of one element "
+                    f"(reduce it, e.g. with .mean(), and compute it from the output with torch operations)")
