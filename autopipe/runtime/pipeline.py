@@ -145,9 +145,10 @@ class Pipeline(PipelineLifecycle):
             on every rank before the model is traced. Values may differ: every copy of a
             parameter shared by several ranks is set to the copy of the rank using it first.
         RuntimeError: if no process group exists and torchrun's environment is missing.
-        KeyError / ValueError / UnwrittenTensorsError: ``weights`` lacks tensors of some rank or
-            has other shapes, or tensors of a meta-device model were left without a value
-            (named; on every rank, :mod:`~autopipe.runtime.materialize`).
+        KeyError / ValueError: ``weights`` does not hold exactly the model's tensors (names
+            it lacks or the model does not have, other shapes; named, on every rank,
+            :mod:`~autopipe.runtime.materialize`). Tensors of a meta-device model left without
+            a value are an ``UnwrittenTensorsError`` at the first step, unless loaded before.
 
     Example:
         >>> pipe = Pipeline(model, example_args=(x_mb,), loss_fn=loss_fn,  # doctest: +SKIP
