@@ -8,6 +8,7 @@ group to :class:`autopipe.Pipeline`, which then creates it and owns it.
 from __future__ import annotations
 
 import copy
+import datetime
 import gc
 import os
 import time
@@ -161,6 +162,12 @@ def closed_on_user_group_run(rank: int, world_size: int) -> dict:
     dist.all_reduce(t)  # the user's group still works
     after["all_reduce"] = t.item()
     pipe.close()  # a second time: nothing happens
+    # The user's own group after autopipe's is gone: it must not meet its leftovers.
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    result["user_group_after"] = total.item()
+    dist.destroy_process_group()
     try:
         pipe.step(x, target=y)
         after["step_after_close"] = "no error"
@@ -231,6 +238,12 @@ def owned_group_run(rank: int, world_size: int) -> dict:
     # The group object itself is gone: gloo joined its threads, which is what a clean exit needs.
     result.update(closed=pipe.closed, group_after=dist.is_initialized(), group_freed=group() is None)
     pipe.close()  # a second time: nothing happens
+    # The user's own group after autopipe's is gone: it must not meet its leftovers.
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=20))
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    result["user_group_after"] = total.item()
+    dist.destroy_process_group()
 
     second = build("1F1B", timeout_s=30)  # a new group, created the same way
     x, y = batch(2)

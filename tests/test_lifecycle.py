@@ -66,6 +66,10 @@ def test_a_pipeline_after_a_closed_one_creates_its_group_again():
     assert all(r["second_loss"] > 0 for r in owned_group_results())
 
 
+def test_a_group_the_user_creates_after_the_pipelines_closed_theirs_works():
+    assert [r["user_group_after"] for r in owned_group_results()] == [2.0, 2.0]
+
+
 def test_the_group_stays_while_another_open_pipeline_uses_it():
     for r in owned_group_results():
         assert r["group_after_first_of_two_closed"] is True

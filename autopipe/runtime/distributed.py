@@ -155,18 +155,15 @@ def init_distributed(
         torch.cuda.set_device(device)
     global _created_group, _groups_created
     timeout = datetime.timedelta(seconds=timeout_s)
-    if _groups_created == 0:
-        dist.init_process_group(backend=backend, timeout=timeout)
-    else:
-        # A group again after autopipe destroyed its last one (a second Pipeline after the
-        # first was closed). torch reuses the first group's store keys, where the peers'
-        # old addresses still lie (gloo then fails to connect); a prefix per group keeps
-        # them apart. Every rank creates and destroys its groups in the same order, so
-        # all ranks agree on the prefix.
-        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
-        store.set_timeout(timeout)
-        dist.init_process_group(backend=backend, store=dist.PrefixStore(f"autopipe_pg_{_groups_created}", store),
-                                rank=rank, world_size=world_size, timeout=timeout)
+    # Each group autopipe creates writes its peers' addresses under a prefix of its own. Under
+    # torchrun the store outlives the group, and a later group (autopipe's next one, or one the
+    # user creates after the pipeline closed) would otherwise find the old addresses under the
+    # same keys and fail to connect, or wait. Every rank creates and destroys its groups in
+    # the same order, so all ranks agree on the prefix.
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"autopipe_pg_{_groups_created}", store),
+                            rank=rank, world_size=world_size, timeout=timeout)
     if _groups_created == 0:
         atexit.register(_destroy_created_group_at_exit)
     _groups_created += 1
