@@ -149,3 +149,22 @@ def rank_local_errors_run(rank: int, world_size: int) -> dict:
             lambda: pipe.evaluate(x, target=y) if rank == 0 else pipe.step(x, target=y))
         out["outcomes"]["after_out_of_step"] = _outcome(lambda: pipe.step(x, target=y))
     return out
+
+
+def inference_mode_run(rank: int, world_size: int, schedule: str) -> dict:
+    """pipe(x) inside torch.inference_mode() under a V schedule (inference runs a backward), then a step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)), nn.Linear(8, 4))
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    reference = copy.deepcopy(model)
+    out: dict = {}
+    with Pipeline(model, example_args=(x[:2],), loss_fn=mse, schedule=schedule, stages_per_rank=2,
+                  n_microbatches=N_MICROBATCHES, split_points=["1", "2", "3"]) as pipe:
+        with torch.inference_mode():
+            output = pipe(x)
+        with torch.no_grad():
+            expected = reference(x)
+        out["out_diff"] = None if output is None else (output - expected).abs().max().item()
+        loss = pipe.step(x, target=y).item()
+        out["step_diff"] = abs(loss - mse(reference(x), y).item())
+    return out

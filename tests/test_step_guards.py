@@ -104,3 +104,12 @@ def test_ranks_making_different_calls_raise_on_every_rank_and_stop():
         assert r["outcomes"]["out_of_step"].startswith("RuntimeError: the ranks are out of step"), r["outcomes"]
         assert "rank 0 at its call" in r["outcomes"]["out_of_step"] and "(evaluate())" in r["outcomes"]["out_of_step"]
         assert r["outcomes"]["after_out_of_step"].startswith("RuntimeError: the ranks are out of step")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("schedule", ["ZBVZeroBubble", "DualPipeV"])
+def test_inference_under_inference_mode_with_a_v_schedule_leaves_the_pipeline_usable(schedule):
+    rank0, rank1 = run_world(workers.inference_mode_run, 2, schedule, timeout_s=120, pg_timeout_s=30)
+    # V placement: the last stage is on rank 0.
+    assert rank0["out_diff"] < TOL and rank1["out_diff"] is None, (rank0, rank1)
+    assert rank0["step_diff"] < TOL and rank1["step_diff"] < TOL

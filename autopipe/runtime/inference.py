@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..planning.schedules import schedule_class
 from .stages import V_SCHEDULES, MicrobatchMeanLoss, RankStages, make_schedule, manual_stage, rewrap_stage
@@ -127,7 +127,11 @@ class Inference:
         for p, _ in saved:
             p.grad = None
         try:
-            with torch.enable_grad():
+            # The backward needs autograd, also when the caller is inside torch.inference_mode():
+            # its inputs are then inference tensors, which autograd may not save, hence copies.
+            with torch.inference_mode(False), torch.enable_grad():
+                stage_args, stage_kwargs, stage_target = tree_map(
+                    _normal_tensor, (stage_args, stage_kwargs, stage_target))
                 output = schedule.step(*stage_args, target=stage_target, losses=losses, **stage_kwargs)
         finally:
             for p, grad in saved:
@@ -138,3 +142,8 @@ class Inference:
         """Drop the schedules and stages: they hold the process group and the calls' buffers."""
         self._schedules = {}
         self._train_stages = []
+
+
+def _normal_tensor(value: Any) -> Any:
+    """An inference tensor copied outside inference mode (autograd can save it); anything else as it is."""
+    return value.clone() if isinstance(value, torch.Tensor) and value.is_inference() else value
