@@ -113,3 +113,30 @@ def test_inference_under_inference_mode_with_a_v_schedule_leaves_the_pipeline_us
     # V placement: the last stage is on rank 0.
     assert rank0["out_diff"] < TOL and rank1["out_diff"] is None, (rank0, rank1)
     assert rank0["step_diff"] < TOL and rank1["step_diff"] < TOL
+
+
+def test_under_data_parallelism_a_wrongly_sized_batch_is_told_the_global_shape():
+    import torch
+
+    from autopipe.runtime.model_io import ModelIO, TracedBatch
+
+    example = ((torch.ones(2, 3),), {})
+    batch = TracedBatch(ModelIO.from_example(*example, None), example, 4)
+    # 8 rows: one replica's share (DDP's convention), where the pipeline takes the global batch of 16.
+    with pytest.raises(ValueError, match=r"shape \(8, 3\).*for each of dp=2 replicas.*pass a batch of shape \(16, 3\)"):
+        batch.check((torch.ones(8, 3),), {}, torch.ones(8), need_target=True, replicas=2)
+    batch.check((torch.ones(16, 3),), {}, torch.ones(16), need_target=True, replicas=2)
+
+
+def test_device_cuda_without_a_gpu_is_named_before_the_job_starts():
+    import torch
+    import torch.nn as nn
+
+    from autopipe.runtime import Pipeline
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="device='cuda', but this machine has no CUDA device"):
+        Pipeline(model, example_args=(torch.ones(1, 2),), split_points=["1"], device="cuda")
+    assert not torch.distributed.is_initialized()

@@ -112,6 +112,30 @@ def default_device() -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def check_device(device: Any) -> torch.device:
+    """``device=`` as a ``torch.device``, or a ValueError naming it when this machine has no such device.
+
+    Example:
+        >>> check_device("cpu")
+        device(type='cpu')
+    """
+    try:
+        checked = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device={device!r} is not a device torch knows ({e}); use 'cpu', 'cuda', 'cuda:N' "
+                         f"or a torch.device") from e
+    if checked.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"device={device!r}, but this machine has no CUDA device torch can use "
+                             f"(torch {torch.__version__}, built for CUDA: {torch.version.cuda or 'no'}); "
+                             f"use device='cpu' or leave device out")
+        if checked.index is not None and checked.index >= count:
+            raise ValueError(f"device={device!r}, but this machine has {count} CUDA device(s): "
+                             f"cuda:0 to cuda:{count - 1}")
+    return checked
+
+
 def init_distributed(
     *, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> tuple[int, int]:

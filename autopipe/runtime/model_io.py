@@ -188,9 +188,15 @@ class TracedBatch:
         """The first stage's tensors for a batch (:meth:`ModelIO.stage_inputs`), keywords as traced."""
         return self.io.stage_inputs(tuple(args), self.as_traced(kwargs))
 
-    def check(self, args: tuple, kwargs: dict, target: Any, *, need_target: bool) -> None:
-        """Raise ``ValueError`` unless the batch splits into micro-batches shaped like the traced one."""
-        m = self.n_microbatches
+    def check(self, args: tuple, kwargs: dict, target: Any, *, need_target: bool, replicas: int = 1) -> None:
+        """Raise ``ValueError`` unless the batch splits into micro-batches shaped like the traced one.
+
+        With ``replicas`` > 1 (data parallelism) the batch is the global one, which splits into
+        ``replicas`` shards of ``n_microbatches`` micro-batches each.
+        """
+        m = self.n_microbatches * replicas
+        split = f"n_microbatches={self.n_microbatches} micro-batches" + (
+            f" for each of dp={replicas} replicas (the global batch)" if replicas > 1 else "")
         if len(args) != len(self.example[0]):
             raise ValueError(f"the batch has {len(args)} positional inputs, but the pipeline was traced with "
                              f"{len(self.example[0])}")
@@ -216,8 +222,7 @@ class TracedBatch:
             if tuple(x.shape) != expected:
                 raise ValueError(
                     f"input {label} of the batch has shape {tuple(x.shape)}, which does not split into "
-                    f"n_microbatches={m} micro-batches shaped like the example {tuple(ex.shape)}; "
-                    f"pass a batch of shape {expected}"
+                    f"{split} shaped like the example {tuple(ex.shape)}; pass a batch of shape {expected}"
                 )
         if need_target:
             if target is None:
@@ -230,7 +235,7 @@ class TracedBatch:
                 if t.dim() == 0 or t.shape[0] % m:
                     raise ValueError(
                         f"target has shape {tuple(t.shape)}, whose first dimension does not split "
-                        f"into n_microbatches={m} equal micro-batches"
+                        f"into {split} of equal size"
                     )
 
 

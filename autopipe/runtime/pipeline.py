@@ -45,7 +45,7 @@ from .checkpointing import resolve_checkpoint_stages
 from .compat import to_stage_device
 from .data_parallel import (check_mesh_arguments, data_parallel_from_plan, full_tensor, prepare_replicas,
                             resolve_data_parallel)
-from .distributed import DEFAULT_TIMEOUT_S, default_device, init_distributed, raise_on_every_rank
+from .distributed import DEFAULT_TIMEOUT_S, check_device, default_device, init_distributed, raise_on_every_rank
 from .inference import Inference
 from .lifecycle import PipelineLifecycle
 from .materialize import (WeightSource, check_state_fits, check_weight_arguments, check_written,
@@ -193,6 +193,8 @@ class Pipeline(PipelineLifecycle):
         dp_degree, dp_mode = data_parallel_from_plan(request.plan, mesh, dp_degree, dp_mode)
         check_mesh_arguments(mesh, dp_degree, dp_mode)
 
+        if device is not None:
+            check_device(device)
         # ---- 2. the job: rank, world size, device
         self.rank, self.world_size = init_distributed(timeout_s=timeout_s)
         self._start_lifecycle()
@@ -437,8 +439,10 @@ class Pipeline(PipelineLifecycle):
             if self._unwritten:  # loaded since construction, or still an error
                 check_written(self._unwritten)
                 self._unwritten = {}
+            # The global batch is checked, so a wrong size is named as the caller gave it.
+            self._batch.check(args, kwargs, target, need_target=call != "forward",
+                              replicas=self.data_parallel.dp_size if self.data_parallel else 1)
             args, kwargs, target = self._shard(args, kwargs, target)
-            self._batch.check(args, kwargs, target, need_target=call != "forward")
             if target is None:
                 target = self._inference.placeholder_target()
             placed = self._place(args, kwargs, target)
