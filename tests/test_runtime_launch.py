@@ -136,3 +136,11 @@ def test_run_exits_with_the_failing_ranks_code(script):
 def test_examples_run_under_autopipe_run(example, args):
     done = _autopipe_run(os.path.join(REPO, "examples", example), "--nproc", "2", *args)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_nproc_beyond_what_the_cores_can_run_is_refused(script):
+    import os
+
+    too_many = 4 * (os.cpu_count() or 1) + 1
+    with pytest.raises(ValueError, match=f"--nproc {too_many} is more processes than this machine can run"):
+        parse_run_args([script, "--nproc", str(too_many)])

@@ -46,6 +46,8 @@ Start SCRIPT on N processes per machine under torch.distributed.run (torchrun).
 autopipe's options come before SCRIPT or right after it; everything else goes to the script."""
 
 _OPTIONS = ("--nproc", "--nnodes", "--rdzv-endpoint")
+#: CPU processes allowed per core without a GPU (a test of pipeline x data parallel runs 4 on 2 cores).
+_CPU_RANKS_PER_CORE = 4
 
 
 @dataclass
@@ -113,6 +115,11 @@ def parse_run_args(argv: Sequence[str]) -> RunArgs:
         nproc = _gpu_count()
         if nproc == 0:
             raise ValueError("this machine has no GPU; say how many CPU processes to start with --nproc N")
+    cores = os.cpu_count() or 1
+    if nproc > _CPU_RANKS_PER_CORE * cores:
+        raise ValueError(f"--nproc {nproc} is more processes than this machine can run: it has {cores} CPU cores, "
+                         f"and more than {_CPU_RANKS_PER_CORE} processes a core only compete for them (at most "
+                         f"{_CPU_RANKS_PER_CORE * cores})")
     endpoint = given.get("--rdzv-endpoint")
     if nnodes > 1 and (endpoint is None or not re.fullmatch(r"\[?[\w.:-]+\]?:\d+", endpoint)):
         raise ValueError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (one of the machines, reachable from "
