@@ -194,3 +194,19 @@ def test_pipeline_step_split_at_in_place_ops_matches_unsplit(case):
     for r in results:
         assert abs(r["loss"] - r["ref_loss"]) <= TOL
         assert max(r["grad_diff"].values()) <= TOL, r["grad_diff"]
+
+
+def test_a_write_into_what_a_dropout_of_zero_returned_writes_the_input():
+    # aten.dropout returns its input itself when p = 0 or train = False, though its schema
+    # declares no alias (Wav2Vec2: a feature dropout of 0.0, then SpecAugment's masked write).
+    class MaskAfterDropout(nn.Module):
+        def forward(self, x):
+            h = nn.functional.dropout(x, 0.0, True)
+            h[:, 0] = 0.0
+            return h * 2
+
+    gm = torch.export.export(MaskAfterDropout().train(), (torch.randn(2, 3),)).module()
+    assert clone_inputs_written_in_place(gm.graph) == ["x"]
+    x = torch.randn(2, 3, requires_grad=True)
+    gm(x).sum().backward()  # without the copy: "a leaf Variable that requires grad ... in-place"
+    assert torch.equal(x.grad[:, 0], torch.zeros(2)) and torch.equal(x.grad[:, 1:], torch.full((2, 2), 2.0))

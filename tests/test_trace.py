@@ -112,3 +112,38 @@ def test_a_finished_trace_leaves_no_graph_alive():
     gc.collect()
     assert graph() is None
     assert not getattr(proxy_tensor, "_FAKE_TENSOR_ID_TO_PROXY_MAP_FOR_EXPORT", {})
+
+
+def test_random_numbers_drawn_with_numpy_while_tracing_are_named_as_frozen():
+    import numpy as np
+
+    from autopipe.planning.trace import FrozenRandomnessWarning
+
+    class NumpyMask(nn.Module):
+        def forward(self, x):
+            mask = torch.from_numpy(np.random.rand(*x.shape) < 0.5)  # SpecAugment draws its mask so
+            return x.masked_fill(mask, 0.0)
+
+    with pytest.warns(FrozenRandomnessWarning, match="NumpyMask's forward drew random numbers with NumPy"):
+        trace(NumpyMask(), (torch.randn(2, 3),))
+
+
+def test_layerdrop_in_a_hugging_face_config_is_named_with_the_line_to_change():
+    class Config:  # as a transformers config holds it: an attribute of the instance
+        def __init__(self):
+            self.layerdrop = 0.1
+
+    class LayerDrop(nn.Module):
+        config = Config()
+
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(3, 3)
+
+        def forward(self, x):
+            if torch.rand([]) < self.config.layerdrop:  # Hugging Face's LayerDrop
+                return x
+            return self.layer(x)
+
+    with pytest.raises(ModelExportError, match=r"LayerDrop.*set model.config.layerdrop = 0.0"):
+        trace(LayerDrop().train(), (torch.randn(2, 3),))

@@ -218,7 +218,8 @@ def _labels(batch: int, seed: int, classes: int) -> torch.Tensor:
     return torch.randint(0, classes, (batch,), generator=_generator(seed + 1))
 
 
-_STOCHASTIC_KEYS = ("dropout", "pdrop", "drop_path", "drop_rate", "layerdrop")
+_STOCHASTIC_KEYS = ("dropout", "pdrop", "drop_path", "drop_rate", "layerdrop", "mask_time_prob",
+                    "mask_feature_prob")
 
 
 def _hf_config(config_class: str, dropout: bool, **sizes: Any) -> Any:
@@ -315,6 +316,20 @@ def _whisper(batch: int, dropout: bool, seed: int) -> Built:
     features = torch.randn(batch, 16, 32, generator=_generator(seed))
     return Built(model if dropout else _no_dropout_modules(model), (features,),
                  {"decoder_input_ids": _tokens(batch, seed, offset=2)}, _tokens(batch, seed, offset=1), lm_loss)
+
+
+def _wav2vec2(batch: int, dropout: bool, seed: int) -> Built:
+    # layerdrop=0.0 is the one setting changed from the stock config besides the sizes: LayerDrop
+    # skips a whole layer when a random draw says so, a Python decision torch.export cannot capture.
+    config = _hf_config("Wav2Vec2Config", dropout, vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=LAYERS,
+                        num_attention_heads=HEADS, intermediate_size=2 * WIDTH, conv_dim=(WIDTH,) * 7,
+                        num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=HEADS, layerdrop=0.0)
+    model = _hf_model("Wav2Vec2ForCTC", config)
+    samples = 4160  # 12 frames after the feature encoder (stride 320), more than SpecAugment's mask length of 10
+    frames = int(model._get_feat_extract_output_lengths(samples))
+    audio = torch.randn(batch, samples, generator=_generator(seed))
+    return Built(model if dropout else _no_dropout_modules(model), (audio,), {}, _tokens(batch, seed, seq=frames),
+                 lm_loss)
 
 
 def _hf_image(model_class: str, config_class: str, **sizes: Any) -> Callable[[int, bool, int], Built]:
@@ -451,6 +466,11 @@ def _entries() -> list[ThirdPartyModel]:
                         features="encoder and decoder share the embedding, tied head, relative position bias"),
         ThirdPartyModel("whisper", "encoder-decoder", t, "WhisperForConditionalGeneration", _whisper,
                         features="convolutional audio encoder, cross-attention, tied head"),
+        ThirdPartyModel("wav2vec2", "encoder", t, "Wav2Vec2ForCTC", _wav2vec2,
+                        pipeline_split="wav2vec2.encoder.layers.1",
+                        features="audio: convolutional feature encoder, SpecAugment masks drawn with NumPy (frozen "
+                                 "into the traced graph; autopipe warns), in-place masking after a dropout of 0, "
+                                 "config.layerdrop=0.0 (LayerDrop cannot be traced)"),
         ThirdPartyModel("switch_transformers", "encoder-decoder", t, "SwitchTransformersForConditionalGeneration",
                         _switch, unsupported=_SWITCH_REASON, features="expert-capacity routing"),
         ThirdPartyModel("vit", vit, t, "ViTForImageClassification",

@@ -132,15 +132,41 @@ def check_split(built: Built, split_points: list[str] | tuple[str, ...]) -> floa
     model = copy.deepcopy(built.model)
     hf_compat.turn_off_cache(model)
     kwargs = hf_compat.training_kwargs(model, built.example_kwargs)[0]
+    # A model drawing with NumPy or Python (SpecAugment) draws at tracing time; the reference
+    # then draws the same numbers, so both runs compute with one mask.
+    host_state = _seed_host_random(0)
     pipe = split_model(model, {name: SplitPoint.BEGINNING for name in split_points}, (args, kwargs),
                        training=True, expected=len(split_points) + 1)
     io = pipe.autopipe_io
     with torch.random.fork_rng(devices=[]), hf_compat.training_config(built.model):
         torch.manual_seed(0)
+        _seed_host_random(0)
         reference = built.model(*args, **kwargs)
+        _restore_host_random(host_state)
         torch.manual_seed(0)
         output = io.unflatten_output(pipe(*io.stage_inputs(args, kwargs)))
     return output_difference(reference, output)
+
+
+def _seed_host_random(seed: int) -> tuple:
+    """Seed NumPy's and Python's generators; return their states before."""
+    import random
+
+    import numpy as np
+
+    state = (random.getstate(), np.random.get_state())
+    random.seed(seed)
+    np.random.seed(seed)
+    return state
+
+
+def _restore_host_random(state: tuple) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(state[0])
+    np.random.set_state(state[1])
 
 
 def pipeline_step_vs_unsplit(rank: int, world_size: int, name: str, n_microbatches: int = 4) -> dict[str, Any]:

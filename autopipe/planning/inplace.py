@@ -115,6 +115,13 @@ def _subgraphs(node: fx.Node, owner: torch.nn.Module | None) -> list[tuple[fx.Gr
     return found
 
 
+#: Operators whose schema declares no alias but which return their input itself in some
+#: cases: dropout with p = 0 or train = False (Wav2Vec2's feature projection dropout of 0.0,
+#: then SpecAugment's in-place masking of its result).
+_MAY_RETURN_INPUT = {torch.ops.aten.dropout.default, torch.ops.aten.feature_dropout.default,
+                     torch.ops.aten.alpha_dropout.default, torch.ops.aten.feature_alpha_dropout.default}
+
+
 def _analyse(graph: fx.Graph, owner: torch.nn.Module | None) -> tuple[list[fx.Node], set[int], set[int]]:
     """The graph's placeholders, the indices of those it writes, and of those its output may alias."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -142,6 +149,8 @@ def _analyse(graph: fx.Graph, owner: torch.nn.Module | None) -> tuple[list[fx.No
                     written |= reached
                 if _result_may_alias(argument, schema):
                     result |= reached
+            if node.target in _MAY_RETURN_INPUT and node.args:
+                result |= roots(node.args[0])
             if result:
                 shares[node] = result
         elif node.op == "call_function" and node.target is operator.getitem:

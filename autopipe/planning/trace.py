@@ -37,6 +37,7 @@ import os
 import re
 import sysconfig
 import traceback
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -169,12 +170,48 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     """
     try:
         # export prints long guard/warning logs for some models; keep the user's terminal clean.
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), warn_if_host_randomness_is_frozen(model):
             return torch.export.export(model, args, kwargs)
     except Exception as e:  # noqa: BLE001 - re-raised with advice, cause kept
         raise export_error(model, e) from e
     finally:
         release_last_export()
+
+
+class FrozenRandomnessWarning(UserWarning):
+    """The model drew random numbers with NumPy or Python while it was traced: they are constants in the graph."""
+
+
+@contextlib.contextmanager
+def warn_if_host_randomness_is_frozen(model: torch.nn.Module) -> Iterator[None]:
+    """Warn when the traced forward draws from NumPy's or Python's random generator.
+
+    torch.export records torch's random operators as operators, drawn anew at every call,
+    but a number drawn with ``numpy.random`` or ``random`` while tracing is a plain value:
+    it becomes a constant of the graph, and every step reuses it (Wav2Vec2's SpecAugment
+    masks the same frames every step). Seen from the generators' states, before and after.
+
+    Example:
+        >>> with warn_if_host_randomness_is_frozen(torch.nn.Identity()):
+        ...     pass
+    """
+    import random
+
+    import numpy as np
+
+    def states() -> tuple:
+        _, keys, pos, has_gauss, gauss = np.random.get_state()
+        return random.getstate(), keys.tobytes(), pos, has_gauss, gauss
+
+    before = states()
+    yield
+    if states() != before:
+        warnings.warn(
+            f"{type(model).__name__}'s forward drew random numbers with NumPy or Python's random module while it "
+            f"was traced: they are now constants of the graph, the same at every step (a random mask drawn this "
+            f"way, as Hugging Face's SpecAugment draws mask_time_indices, masks the same positions every step). "
+            f"Draw them with torch (torch.rand, torch.bernoulli), or turn that feature off (Wav2Vec2, HuBERT: "
+            f"config.apply_spec_augment=False)", FrozenRandomnessWarning, stacklevel=3)
 
 
 def release_last_export() -> int:
@@ -311,12 +348,20 @@ def export_error(model: torch.nn.Module, error: BaseException) -> ModelExportErr
     if len(reason) > 300:
         reason = reason[:297] + "..."
     where = _user_frame(error)
+    advice = _EXPORT_ADVICE[kind]
+    layerdrop = {k: v for k, v in getattr(getattr(model, "config", None), "__dict__", {}).items()
+                 if "layerdrop" in k and isinstance(v, float) and v > 0}
+    if kind == "data-dependent" and layerdrop and model.training:
+        # Hugging Face's LayerDrop: `if torch.rand([]) < layerdrop: skip the layer`, decided in Python.
+        fields = ", ".join(f"model.config.{k} = 0.0" for k in layerdrop)
+        advice = (f"this model skips whole layers at random in training (LayerDrop: {layerdrop}), a decision "
+                  f"a graph cannot hold; set {fields} before building the pipeline. Otherwise: {advice}")
     return ModelExportError(
         f"torch.export could not capture {type(model).__name__} as one graph: {reason}\n"
         + (f"Where: {where}\n" if where else "")
         + "torch.distributed.pipelining captures the model the same way (torch.export, non-strict), so "
         "autopipe cannot split this model as it is.\n"
-        f"What to try: {_EXPORT_ADVICE[kind]} See https://pytorch.org/docs/stable/export.html",
+        f"What to try: {advice} See https://pytorch.org/docs/stable/export.html",
         kind=kind,
     )
 

@@ -36,7 +36,7 @@ from ..planning import hf_compat
 from ..planning.inplace import clone_inputs_written_in_place
 from ..planning.plan import Plan
 from ..planning.schedules import SPLIT_BACKWARD_SCHEDULES, schedule_class
-from ..planning.trace import release_last_export
+from ..planning.trace import release_last_export, warn_if_host_randomness_is_frozen
 from .checkpointing import checkpoint_stage
 from .materialize import (WeightSource, check_state_fits, describe_weights, load_weights, materialize_leftovers,
                           materialize_rank, on_meta, stored_shapes, to_meta)
@@ -85,7 +85,7 @@ def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict],
         saved[name] = {k: module.__dict__[k] for k in ("forward", "_orig_forward") if k in module.__dict__}
     model.train(training)
     try:
-        with capture_export() as exported, safe_submodule_outlining():
+        with capture_export() as exported, safe_submodule_outlining(), warn_if_host_randomness_is_frozen(model):
             pipe = pipeline(model, tuple(example[0]), dict(example[1]) or None, split_spec=split_spec)
     finally:
         release_last_export()
