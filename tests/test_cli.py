@@ -82,6 +82,7 @@ def workdir(tmp_path_factory) -> Path:
 def planned(workdir) -> tuple[subprocess.CompletedProcess, Path]:
     """`autopipe plan` with every output, run once for the tests that read its files."""
     out = workdir / "plan_out"
+    out.mkdir(exist_ok=True)
     result = run_cli("plan", "tiny.py:make", "--gpus", "2", *FAST, "--memory", "256MiB",
                      "--out", str(out / "plan.json"), "--report", str(out / "report.html"),
                      "--report", str(out / "report.md"), "--report", str(out / "report.json"),
@@ -281,6 +282,12 @@ def test_factory_returning_the_wrong_thing_is_one_line(workdir):
                           "wrong_type() returned int", "(model, example_args)")
 
 
+def test_an_output_into_a_missing_folder_is_one_line_before_any_work(workdir):
+    result = run_cli("plan", "tiny.py:make", "--gpus", "2", "--out", "no_such_folder/plan.json", cwd=workdir)
+    assert_one_line_error(result, "--out", "the folder 'no_such_folder' does not exist")
+    assert not (workdir / "no_such_folder").exists()
+
+
 def test_unwritable_output_path_is_one_line_before_any_work(workdir):
     (workdir / "a_file").write_text("x")
     result = run_cli("plan", "tiny.py:make", "--gpus", "2", "--out", "a_file/plan.json", cwd=workdir)
@@ -296,6 +303,8 @@ def test_unwritable_output_path_is_one_line_before_any_work(workdir):
     (["profile", "tiny.py:wrong_model"], ["returned a str where the model should be"]),
     (["profile", "tiny.py:explodes"], ["explodes() raised RuntimeError: the factory exploded"]),
     (["profile", "tiny.py:make", "--set", "bogus=1"], ["does not accept the options"]),
+    (["profile", "tiny.py:make", "--set", "num_layers=two"],
+     ["calling make() with --set {'num_layers': 'two'} raised TypeError", "check the values given with --set"]),
     (["plan", "tiny.py:make", "--gpus", "2", "--report", "r.pdf"], ["--report", ".html"]),
     (["plan", "tiny.py:make", "--gpus", "2", "--schedule", "fast"], ["schedule 'fast' is not known"]),
     (["plan", "tiny.py:make", "--gpus", "2", "--memory", "lots"], ["memory='lots'"]),

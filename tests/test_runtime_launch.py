@@ -144,3 +144,32 @@ def test_nproc_beyond_what_the_cores_can_run_is_refused(script):
     too_many = 4 * (os.cpu_count() or 1) + 1
     with pytest.raises(ValueError, match=f"--nproc {too_many} is more processes than this machine can run"):
         parse_run_args([script, "--nproc", str(too_many)])
+
+
+def test_ctrl_c_stops_the_ranks_with_one_line_from_the_launcher(tmp_path):
+    import signal
+    import time
+
+    script = tmp_path / "sleepy.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, time
+        open(os.path.join({str(tmp_path)!r}, "started" + os.environ["RANK"]), "w").close()
+        time.sleep(120)
+    """))
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # Its own session, so the interrupt reaches the launcher and the ranks as a terminal's Ctrl-C does.
+    proc = subprocess.Popen([sys.executable, "-m", "autopipe", "run", str(script), "--nproc", "2"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not all((tmp_path / f"started{r}").exists() for r in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, (out, err)
+    assert "autopipe run: interrupted (SIGINT); the 2 processes were stopped" in err
+    assert "SignalException" not in err and "autopipe/cli/main.py" not in err, err

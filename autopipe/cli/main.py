@@ -388,7 +388,6 @@ def _write_plan_outputs(plan: Any, args: argparse.Namespace, data: dict[str, Any
 
     written: list[Path] = []
     if getattr(args, "out", None):
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         plan.save(args.out)
         written.append(Path(args.out))
     for path in args.report:
@@ -439,7 +438,6 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     if args.png:
         from ..reporting.charts import layer_cost_figure
 
-        Path(args.png).parent.mkdir(parents=True, exist_ok=True)
         layer_cost_figure(rows, title=f"Per-layer cost - {traced.model_name}").savefig(args.png, dpi=110)
         written.append(Path(args.png))
     _print_written(written)

@@ -214,22 +214,31 @@ def _call_factory(spec: str, module: Any, name: str, options: dict[str, Any], wh
         raise ModelSpecError(f"MODEL={spec!r}: {where} has no factory {name!r}; {hint}")
     if not callable(factory):
         raise ModelSpecError(f"MODEL={spec!r}: {name} is a {type(factory).__name__}, not a function returning a model")
+    try:  # the names are checked against the signature: an error from inside is about a value
+        inspect.signature(factory).bind(**options)
+    except TypeError as e:
+        raise ModelSpecError(f"MODEL={spec!r}: {name}() does not accept the options {options}: {e}") from e
+    except ValueError:  # no signature to read (a builtin): the call says
+        pass
     try:
         result = factory(**options)
-    except TypeError as e:
-        if options and "argument" in str(e):
-            raise ModelSpecError(f"MODEL={spec!r}: {name}() does not accept the options {options}: {e}") from e
-        raise ModelSpecError(f"MODEL={spec!r}: calling {name}() raised {_one_line(e)}") from e
     except Exception as e:  # noqa: BLE001
-        raise ModelSpecError(f"MODEL={spec!r}: calling {name}() raised {_one_line(e)}") from e
+        given = f" with --set {options}" if options else ""
+        raise ModelSpecError(f"MODEL={spec!r}: calling {name}(){given} raised {_one_line(e)}"
+                             + ("; check the values given with --set" if options else "")) from e
     return _check_result(spec, f"{name}()", result, f"factory {name} in {where}", options)
 
 
 def _call_zoo(spec: str, factory: Any, options: dict[str, Any]) -> LoadedModel:
     try:
+        inspect.signature(factory).bind(**options)
+    except TypeError as e:
+        raise ModelSpecError(f"MODEL={spec!r}: the zoo model does not accept the options {options}: {e}") from e
+    try:
         result = factory(**options)
     except Exception as e:  # noqa: BLE001
-        raise ModelSpecError(f"MODEL={spec!r}: building the zoo model raised {_one_line(e)}") from e
+        raise ModelSpecError(f"MODEL={spec!r}: building the zoo model with --set {options} raised {_one_line(e)}; "
+                             f"check the values given with --set") from e
     return _check_result(spec, spec, result, f"zoo model {spec!r} (autopipe.models.zoo)", options)
 
 

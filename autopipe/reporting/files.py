@@ -49,7 +49,8 @@ def check_writable(path: str | os.PathLike, *, what: str = "output", directory: 
     """Fail early, before minutes of profiling, if ``path`` cannot be written.
 
     Args:
-        path: a file to create or replace (or a folder, with ``directory=True``).
+        path: a file to create or replace, in a folder that exists (or a folder, with
+            ``directory=True``, which may be created).
 
     Keyword Args:
         what: how the message names the path (the option it came from).
@@ -59,8 +60,9 @@ def check_writable(path: str | os.PathLike, *, what: str = "output", directory: 
         The path as a ``Path``.
 
     Raises:
-        OSError: the path is a folder where a file is wanted (or the reverse), or its
-            nearest existing parent folder is not writable; the message names ``what``.
+        OSError: the path is a folder where a file is wanted (or the reverse), a file's
+            folder does not exist, or the nearest existing parent folder is not writable;
+            the message names ``what``.
 
     Example:
         >>> check_writable("/tmp/plan.json", what="--out").name
@@ -77,6 +79,10 @@ def check_writable(path: str | os.PathLike, *, what: str = "output", directory: 
             raise OSError(f"{what} {os.fspath(path)!r} is not writable")
         return p
     parent = p.parent if str(p.parent) else Path(".")
+    if not directory and not parent.exists():
+        # A mistyped folder would otherwise appear silently, and the file in it go unnoticed.
+        raise OSError(f"{what} {os.fspath(path)!r}: the folder {os.fspath(parent)!r} does not exist; create it "
+                      f"first (mkdir -p {os.fspath(parent)})")
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():

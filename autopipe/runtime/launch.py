@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -190,6 +191,7 @@ def run_script(script: str, nproc: int, args: Sequence[str] = (), *, nnodes: int
             f"{n_gpus}, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run on CPU processes"
         )
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
@@ -197,6 +199,12 @@ def run_script(script: str, nproc: int, args: Sequence[str] = (), *, nnodes: int
     except ChildFailedError as e:  # torchrun has already printed which rank failed and why
         codes = [f.exitcode for f in e.failures.values() if f.exitcode]
         return codes[0] if codes and codes[0] > 0 else 1
+    except (KeyboardInterrupt, SignalException) as e:
+        # Ctrl-C (or a SIGTERM): torchrun has stopped the ranks; its own traceback says nothing more.
+        signum = int(getattr(e, "sigval", signal.SIGINT))
+        print(f"autopipe run: interrupted ({signal.Signals(signum).name}); the {nproc} processes were stopped",
+              file=sys.stderr)
+        return 128 + signum
     return 0
 
 
