@@ -416,3 +416,20 @@ def test_fit_to_whole_reaches_the_profile_is_checked_first_and_is_reported(round
     assert "segments scaled x" in plan.report()
     plan = autopipe.partition(model, 2, example_args=args, profiling=QUICK_CPU)
     assert rounds_seen[-1] == (True, False) and "segments not scaled to it" in plan.report()
+
+
+@pytest.mark.parametrize("memory", [[1024, 2 ** 40], [2 ** 40, 1024]])
+def test_with_unequal_devices_the_memory_named_is_what_the_smaller_device_needs(small_transformer, small_costs,
+                                                                                memory):
+    # Each device given max(its memory, the figure) fits; scaling both devices by one factor
+    # named hundreds of TiB for a 1 KiB device beside a 1 TiB one.
+    model, args = small_transformer
+    with pytest.raises(InfeasibleMemoryError, match=r"least per-device memory found to fit is .*a device that "
+                                                    r"has more keeps its own") as info:
+        autopipe.partition(model, 2, example_args=args, memory=memory, cost=small_costs)
+    need = info.value.min_memory_bytes
+    with pytest.raises(InfeasibleMemoryError) as equal:
+        autopipe.partition(model, 2, example_args=args, memory="1KiB", cost=small_costs)
+    assert need <= equal.value.min_memory_bytes
+    plan = autopipe.partition(model, 2, example_args=args, memory=[max(m, need) for m in memory], cost=small_costs)
+    assert all(peak <= max(m, need) for peak, m in zip(plan.rank_peak_bytes, memory))

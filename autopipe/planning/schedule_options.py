@@ -26,7 +26,7 @@ from . import costmodel, schedules
 from .costgraph import CostGraph, SegmentCost
 from .costmodel import StepTail
 from .partitioner import (PartitionProblem, PartitionResult, candidate_partitions, capacity_shares, evaluate,
-                          format_capacities, solve_bottleneck)
+                          format_capacities, solve_bottleneck, solve_min_memory)
 from .recompute import min_memory_with_recompute, recompute_candidates
 from .plan_records import ScheduleAlternative
 from .problem import build_problem, merged_output_bytes, rank_overcount_bytes, stage_grad_bytes, tied_gradient_bytes
@@ -390,10 +390,12 @@ def _per_rank_least_memory(error: InfeasibleMemoryError, problem: PartitionProbl
 def _least_memory_error(problem: PartitionProblem, need: float, considered: str, how: str,
                         advice: str) -> InfeasibleMemoryError:
     """The error saying no split fits, naming ``need`` (rounded up) as memory that would."""
+    caps = problem.capacity_bytes
+    others = " (a device that has more keeps its own)" if np.isfinite(caps).all() and caps.min() < caps.max() else ""
     return InfeasibleMemoryError(
         f"no split into {problem.num_stages} stages fits the memory given ({format_capacities(problem.capacity_bytes)})"
-        f"{considered}; the least per-device memory found to fit is {format_bytes(need, round_up=True)} (with "
-        f"{problem.num_stages} stages, this schedule and optimizer, {how}). {advice}",
+        f"{considered}; the least per-device memory found to fit is {format_bytes(need, round_up=True)}{others} "
+        f"(with {problem.num_stages} stages, this schedule and optimizer, {how}). {advice}",
         min_memory_bytes=int(np.ceil(need)),
     )
 
@@ -406,8 +408,18 @@ def _least_rank_memory(problem: PartitionProblem, stage_need: float,
     holds what it sent until the send completes (``gap``). The splits that fit at
     ``stage_need`` are checked per rank and the least they need returned, so that the memory
     an error names is memory at which a split fits: an upper bound on the least, which a
-    search over every split per rank would give. The devices' ratios are kept.
+    search over every split per rank would give.
+
+    The figure is memory for every device: with unequal devices, what the smaller ones need
+    while the larger keep theirs (``max(memory, figure)`` fits, since equal devices of the
+    figure do). Scaling every device by the same factor instead would name, for a small
+    device beside a large one, a size no device needs.
     """
+    caps = problem.capacity_bytes
+    if np.isfinite(caps).all() and caps.min() < caps.max():
+        equal = PartitionProblem(**{**problem.__dict__, "capacity_bytes": np.full(problem.num_stages, caps.min())})
+        least = min_memory_with_recompute(equal) if recompute else solve_min_memory(equal)
+        return _least_rank_memory(equal, float(least), gap, recompute=recompute)
     ratio = capacity_shares(problem)
     if not np.isfinite(stage_need) or not (ratio > 0).all():
         return stage_need
