@@ -433,3 +433,24 @@ def test_with_unequal_devices_the_memory_named_is_what_the_smaller_device_needs(
     assert need <= equal.value.min_memory_bytes
     plan = autopipe.partition(model, 2, example_args=args, memory=[max(m, need) for m in memory], cost=small_costs)
     assert all(peak <= max(m, need) for peak, m in zip(plan.rank_peak_bytes, memory))
+
+
+def test_the_memory_an_error_names_is_close_to_the_least_that_plans(small_transformer):
+    # The planner is asked at memories on a 0.25% ladder below the figure: none of them below
+    # 99% of the figure may plan (the figure would then be more than needed).
+    model, args = small_transformer
+    costs = autopipe.partition(model, 2, example_args=args, cost="flops", profiling=QUIET).segment_costs()
+    with pytest.raises(InfeasibleMemoryError) as info:
+        autopipe.partition(model, 2, example_args=args, memory="1KiB", cost=costs, recompute="auto")
+    need = info.value.min_memory_bytes
+
+    def plans(memory: int) -> bool:
+        try:
+            autopipe.partition(model, 2, example_args=args, memory=memory, cost=costs, recompute="auto")
+        except InfeasibleMemoryError:
+            return False
+        return True
+
+    below = [int(need * (0.9 + 0.0025 * k)) for k in range(36)]  # 90% to 98.75% of the figure
+    assert not [m for m in below if plans(m)], "the planner fits memory well below the figure the error names"
+    assert plans(need)

@@ -423,20 +423,30 @@ def _least_rank_memory(problem: PartitionProblem, stage_need: float,
     ratio = capacity_shares(problem)
     if not np.isfinite(stage_need) or not (ratio > 0).all():
         return stage_need
-    at_need = PartitionProblem(**{**problem.__dict__, "capacity_bytes": ratio * stage_need * (1 + 1e-9)})
-    try:
-        found = (recompute_candidates(at_need)[:LEAST_MEMORY_SPLITS] if recompute else
-                 candidate_partitions(at_need)[:LEAST_MEMORY_SPLITS])
-    except InfeasibleMemoryError:
-        found = []
-    if not found:
+    def least_found(memory: float) -> float:
+        """The least per-rank memory of the splits the search finds at ``memory``; inf for none."""
+        at = PartitionProblem(**{**problem.__dict__, "capacity_bytes": ratio * memory * (1 + 1e-9)})
+        search = ((lambda pb: recompute_candidates(pb)[:LEAST_MEMORY_SPLITS]) if recompute else
+                  (lambda pb: candidate_partitions(pb)[:LEAST_MEMORY_SPLITS]))
+        # As the planner searches: also under limits tightened by what each rank holds beyond its stage.
+        found = _tightened(at, search, gap, _search_or_none(search, at))
+        return min((float(((np.array(r.stage_mem_bytes) + gap(r)) / ratio).max()) for r in found), default=np.inf)
+
+    per_rank = least_found(stage_need)
+    if not np.isfinite(per_rank):
         return stage_need
-    per_rank = min(float(((np.array(r.stage_mem_bytes) + gap(r)) / ratio).max()) for r in found)
+    # The splits found at the per-stage least can need more per rank than others found with a
+    # little more memory: the least on a ladder between the two that fits per rank is named.
+    for memory in np.geomspace(stage_need, per_rank, LEAST_MEMORY_LADDER)[1:-1]:
+        if least_found(memory) <= memory * (1 + 1e-9):
+            return float(max(stage_need, memory))
     return max(stage_need, per_rank)
 
 
 #: Splits fitting at the least per-stage memory that :func:`_least_rank_memory` checks per rank.
 LEAST_MEMORY_SPLITS = 8
+#: Memories between the per-stage least and the first that fits per rank that are tried.
+LEAST_MEMORY_LADDER = 16
 
 
 def auto_schedule_options(n_gpus: int, n_microbatches: int, num_segments: int) -> list[tuple[str, int]]:
