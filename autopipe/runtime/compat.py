@@ -277,30 +277,18 @@ def _hold_state_in_repeated_calls(module: nn.Module, inputs_to_state: dict[str, 
     it into ``emb@1``, which looks for it there, fails. The same tensor object is
     registered in ``emb@1`` too, so both calls read one parameter.
     """
-    state_names = {n for names in inputs_to_state.values() for n in names}
     for path, sub in list(module.named_modules(remove_duplicate=False)):
-        if "@" not in path:
-            continue
         plain = ".".join(part.split("@")[0] for part in path.split("."))
-        for name in state_names:
-            rest = name[len(plain) + 1:] if name.startswith(plain + ".") else ""
-            if not rest or _lookup(sub, rest) is not None:
-                continue
-            tensor = next((_lookup(module, n) for n in _aliases_of(inputs_to_state, name)
-                           if isinstance(_lookup(module, n), torch.Tensor)), None)
-            parent_path, _, leaf = rest.rpartition(".")
-            parent = _lookup(sub, parent_path) if parent_path else sub
-            if tensor is None or not isinstance(parent, nn.Module):
-                continue
-            if isinstance(tensor, nn.Parameter):
-                parent.register_parameter(leaf, tensor)
-            else:
-                parent.register_buffer(leaf, tensor)
-
-
-def _aliases_of(inputs_to_state: dict[str, list[str]], name: str) -> list[str]:
-    """Every state name given for the same graph input as ``name`` (the aliases of a tied tensor)."""
-    return next((names for names in inputs_to_state.values() if name in names), [name])
+        for aliases in inputs_to_state.values() if "@" in path else ():
+            held = next((t for t in map(lambda n: _lookup(module, n), aliases) if isinstance(t, torch.Tensor)), None)
+            for rest in (n[len(plain) + 1:] for n in aliases if n.startswith(plain + ".")):
+                parent_path, _, leaf = rest.rpartition(".")
+                parent = _lookup(sub, parent_path) if parent_path else sub
+                if held is not None and isinstance(parent, nn.Module) and _lookup(sub, rest) is None:
+                    if isinstance(held, nn.Parameter):
+                        parent.register_parameter(leaf, held)
+                    else:
+                        parent.register_buffer(leaf, held)
 
 
 def _lookup(module: nn.Module, dotted: str) -> Any:

@@ -221,8 +221,10 @@ class TracedBatch:
             expected = (ex.shape[0] * m, *ex.shape[1:])
             if tuple(x.shape) != expected:
                 raise ValueError(
-                    f"input {label} of the batch has shape {tuple(x.shape)}, which does not split into "
-                    f"{split} shaped like the example {tuple(ex.shape)}; pass a batch of shape {expected}"
+                    f"input {label} of the batch has shape {tuple(x.shape)}"
+                    + (f" (a global batch of {x.shape[0] if x.dim() else 0} rows)" if replicas > 1 else "")
+                    + f", which does not split into {split} shaped like the example {tuple(ex.shape)}; "
+                    f"pass a batch of shape {expected}"
                 )
         if need_target:
             if target is None:

@@ -35,23 +35,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._pytree import tree_map
 
 from .._checks import check_int
 from ..planning.options import PlannerOptions
 from ..planning.plan import Plan
 from ..planning.schedules import TRAINING_STEP_KWARGS, stage_ranks
 from .checkpointing import resolve_checkpoint_stages
-from .compat import to_stage_device
 from .data_parallel import (check_mesh_arguments, data_parallel_from_plan, full_tensor, prepare_replicas,
                             resolve_data_parallel)
-from .distributed import DEFAULT_TIMEOUT_S, check_device, default_device, init_distributed, raise_on_every_rank
+from .call_inputs import CallInputs
+from .distributed import DEFAULT_TIMEOUT_S, check_device, default_device, init_distributed
 from .inference import Inference
 from .lifecycle import PipelineLifecycle
-from .materialize import (WeightSource, check_state_fits, check_weight_arguments, check_written,
-                          read_dcp_metadata)
-from .sharded_state import load_model_state_dict, load_optimizer_state_dict, model_state_dict, optimizer_state_dict
-from .model_state import clip_grad_norm, full_state_dict, grads_before, load_local_state, sum_shared_grads
+from .materialize import WeightSource, check_weight_arguments
+from .sharded_state import (load_checkpoint, load_model_state_dict, load_optimizer_state_dict, model_state_dict,
+                            optimizer_state_dict, save_checkpoint)
+from .model_state import clip_grad_norm, full_state_dict, grads_before, sum_shared_grads
 from .plan_setup import PlanRequest, check_model_and_inputs, deprecated_keywords, settle_plan
 from .stage_timer import StageTimer, gather_stage_times
 from .stages import MicrobatchMeanLoss, build_rank_stages, make_schedule
@@ -250,7 +249,6 @@ class Pipeline(PipelineLifecycle):
         self._shared = built.shared
         self._grad_norm_rank = built.grad_norm_rank
         self._unheld_state = built.unheld_state
-        self._unwritten = built.unwritten
         self._train_schedule = None
         if loss_fn is not None:
             self._train_schedule = make_schedule(self.schedule, self._train_stages, self.n_microbatches,
@@ -259,6 +257,10 @@ class Pipeline(PipelineLifecycle):
         self._inference = Inference(built, num_stages=self.num_stages, schedule=self.schedule,
                                     n_microbatches=self.n_microbatches, loss_fn=loss_fn, failures=self._failures,
                                     device=self.device)
+        self._inputs = CallInputs(built.batch, dp, n_microbatches=self.n_microbatches,
+                                  has_first_stage=self.has_first_stage, has_last_stage=self.has_last_stage,
+                                  device=self.device, placeholder_target=self._inference.placeholder_target,
+                                  unwritten=built.unwritten)
 
     def _comm_device(self) -> torch.device:
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -344,7 +346,7 @@ class Pipeline(PipelineLifecycle):
         check_int("steps", steps, what="training steps to time")
         if self._train_schedule is None:
             raise RuntimeError("measure_stage_times() trains and needs a loss; construct the Pipeline with loss_fn=...")
-        self._batch.check(*self._shard(args, kwargs, target), need_target=True)
+        self._batch.check(*self._inputs.shard(args, kwargs, target), need_target=True)
         saved = [(p, p.grad) for p in self.parameters()]
         try:
             with StageTimer(self._train_stages, self.device) as timer:
@@ -421,51 +423,10 @@ class Pipeline(PipelineLifecycle):
         return share_loss(losses, self._failures, rank=self.rank, world_size=self.world_size,
                           has_last_stage=self.has_last_stage, device=self._comm_device())
 
-    def _shard(self, args: tuple, kwargs: dict, target: Any) -> tuple[tuple, dict, Any]:
-        """This replica's rows of the global batch (all of it without data parallelism)."""
-        if not self.data_parallel:
-            return args, kwargs, target
-        return self.data_parallel.shard((tuple(args), dict(kwargs), target), self.n_microbatches)
-
     def _open(self, call: str, args: tuple, kwargs: dict, target: Any) -> tuple[tuple, dict, Any]:
-        """This rank's share of the batch, checked and placed, once every rank agreed to start ``call``.
-
-        Collective (:meth:`~autopipe.runtime.step_failures.StepFailures.agree_to_start`): a
-        batch one rank refuses is refused on every rank, before any stage runs.
-        """
-        error: BaseException | None = None
-        placed: tuple[tuple, dict, Any] = ((), {}, None)
-        try:
-            if self._unwritten:  # loaded since construction, or still an error
-                check_written(self._unwritten)
-                self._unwritten = {}
-            # The global batch is checked, so a wrong size is named as the caller gave it.
-            self._batch.check(args, kwargs, target, need_target=call != "forward",
-                              replicas=self.data_parallel.dp_size if self.data_parallel else 1)
-            args, kwargs, target = self._shard(args, kwargs, target)
-            if target is None:
-                target = self._inference.placeholder_target()
-            placed = self._place(args, kwargs, target)
-        except Exception as e:  # noqa: BLE001 - raised by agree_to_start, after every rank has heard of it
-            error = e
-        self._failures.agree_to_start(call, error, rank=self.rank, world_size=self.world_size,
-                                      device=self._comm_device())
-        return placed
-
-    def _place(self, args: tuple, kwargs: dict, target: Any) -> tuple[tuple, dict, Any]:
-        """Inputs go to the first stage's rank, targets to the last's, on their device.
-
-        The first stage takes the model's inputs flat and positional, in the traced order
-        (:class:`~autopipe.runtime.model_io.ModelIO`): keyword inputs are matched by name,
-        never by position.
-        """
-        stage_args: tuple = ()
-        if self.has_first_stage:
-            stage_args = tuple(to_stage_device(t, self.device) for t in self._batch.stage_inputs(args, kwargs))
-        stage_target = None
-        if self.has_last_stage and target is not None:
-            stage_target = tree_map(lambda t: to_stage_device(t, self.device), target)
-        return stage_args, {}, stage_target
+        """This rank's share of the batch, placed, once every rank agreed to start ``call`` (collective)."""
+        return self._inputs.open(call, args, kwargs, target, self._failures, rank=self.rank,
+                                 world_size=self.world_size, comm_device=self._comm_device())
 
     # ------------------------------------------------------------------ nn.Module-like surface
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -633,15 +594,7 @@ class Pipeline(PipelineLifecycle):
             >>> pipe.load_state_dict(torch.load("model.pt"))  # doctest: +SKIP
         """
         self._check_usable()
-        error: Exception | None = None
-        try:
-            if strict:
-                load_model_state_dict(self, state_dict)
-            else:
-                load_local_state({**self._unheld_state, **self._state}, self._names, state_dict, strict=False)
-        except Exception as e:  # noqa: BLE001 - raised below, on every rank
-            error = e
-        raise_on_every_rank(error, rank=self.rank, world_size=self.world_size, what="load the state dict")
+        load_model_state_dict(self, state_dict, strict=strict)
 
     def save_checkpoint(self, checkpoint_id: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Save the model (and ``optimizer``) as one ``torch.distributed.checkpoint`` directory.
@@ -654,9 +607,7 @@ class Pipeline(PipelineLifecycle):
         Example:
             >>> pipe.save_checkpoint("ckpt/100", opt)  # doctest: +SKIP
         """
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save(self._checkpoint_state(optimizer), checkpoint_id=os.fspath(checkpoint_id))
+        save_checkpoint(self, checkpoint_id, optimizer)
 
     def load_checkpoint(self, checkpoint_id: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Resume the model (and ``optimizer``) from a checkpoint of :meth:`save_checkpoint`.
@@ -677,29 +628,7 @@ class Pipeline(PipelineLifecycle):
             >>> opt = torch.optim.AdamW(pipe.parameters())  # doctest: +SKIP
             >>> pipe.load_checkpoint("ckpt/100", opt)  # doctest: +SKIP
         """
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-        error: Exception | None = None
-        try:
-            stored = read_dcp_metadata(checkpoint_id, "checkpoint_id").state_dict_metadata
-            model = {k[len("model."):]: tuple(m.size) for k, m in stored.items()
-                     if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-            check_state_fits(model, self._names, f"checkpoint {os.fspath(checkpoint_id)!r}")
-        except Exception as e:  # noqa: BLE001 - raised below, on every rank
-            error = e
-        raise_on_every_rank(error, rank=self.rank, world_size=self.world_size, what="use the checkpoint")
-        state = self._checkpoint_state(optimizer)
-        dcp.load(state, checkpoint_id=os.fspath(checkpoint_id))
-        self.load_state_dict(state["model"])
-        if optimizer is not None:
-            self.load_optimizer_state_dict(optimizer, state["optim"])
-
-    def _checkpoint_state(self, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-        state: dict[str, Any] = {"model": self.state_dict()}
-        if optimizer is not None:
-            state["optim"] = self.optimizer_state_dict(optimizer)
-        return state
+        load_checkpoint(self, checkpoint_id, optimizer)
 
     def __repr__(self) -> str:
         return (f"Pipeline(rank {self.rank}/{self.world_size}, stages {self.stage_indices} of "

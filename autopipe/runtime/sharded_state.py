@@ -19,7 +19,8 @@ module gives each rank the dict it hands to ``dcp.save`` / ``dcp.load``:
   ``named_parameters()`` name. The unsplit model saves and loads the same checkpoint with
   torch's ``get_state_dict`` / ``set_state_dict``.
 
-Nothing here communicates: every check runs before ``dcp.save`` / ``dcp.load`` do.
+Every check runs before ``dcp.save`` / ``dcp.load`` do; a rank whose check fails makes every
+rank raise (one all-gather), so none waits for it.
 
 Example::
 
@@ -34,19 +35,23 @@ Example::
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._checks import listed
+from .distributed import raise_on_every_rank
+from .materialize import check_state_fits, read_dcp_metadata
 from .model_state import load_local_state
 from .params import StateNames
 
 if TYPE_CHECKING:  # the Pipeline builds on this module's functions, never the reverse at run time
     from .pipeline import Pipeline
 
-__all__ = ["model_state_dict", "load_model_state_dict", "optimizer_state_dict", "load_optimizer_state_dict"]
+__all__ = ["model_state_dict", "load_model_state_dict", "optimizer_state_dict", "load_optimizer_state_dict",
+           "save_checkpoint", "load_checkpoint"]
 
 _STATE = "state"
 _GROUPS = "param_groups"
@@ -83,22 +88,25 @@ def model_state_dict(pipe: "Pipeline") -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def load_model_state_dict(pipe: "Pipeline", state_dict: Mapping[str, torch.Tensor]) -> None:
+def load_model_state_dict(pipe: "Pipeline", state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
     """Copy a model checkpoint into this rank's tensors (and the ones no stage reads).
 
     ``state_dict`` is what ``dcp.load`` filled (then this copies each tensor onto itself),
     or any dict keyed by the unsplit model's names that covers this rank's tensors: a full
     ``model.state_dict()``, or ``get_model_state_dict(model)``. Keys of tensors other ranks
-    hold are ignored; any alias of a tied tensor will do. No communication.
+    hold are ignored; any alias of a tied tensor will do; non-persistent buffers are never
+    asked for. Collective: each rank checks before writing anything, and if one rank's dict
+    does not fit, every rank raises (a RuntimeError naming that rank on the others).
 
     Args:
         pipe: the :class:`~autopipe.runtime.pipeline.Pipeline`.
         state_dict: ``{fqn: tensor}``.
+        strict: refuse missing names and names the model does not have.
 
     Raises:
         TypeError: ``state_dict`` is not a mapping.
-        KeyError: names of this rank's tensors are missing, or keys are no name of the model
-            (a checkpoint of another model); both listed.
+        KeyError: (strict) names of this rank's tensors are missing, or keys are no name of
+            the model (a checkpoint of another model); both listed.
         ValueError: a tensor's shape differs from the model's.
 
     Example::
@@ -109,7 +117,12 @@ def load_model_state_dict(pipe: "Pipeline", state_dict: Mapping[str, torch.Tenso
     """
     names: StateNames = pipe._names
     targets = {**pipe._unheld_state, **{n: t for n, t in pipe._state.items() if n in names.canonical}}
-    load_local_state(targets, names, state_dict, strict=True, where=f" (rank {pipe.rank})")
+    error: Exception | None = None
+    try:
+        load_local_state(targets, names, state_dict, strict=strict, where=f" (rank {pipe.rank})")
+    except Exception as e:  # noqa: BLE001 - raised below, on every rank
+        error = e
+    raise_on_every_rank(error, rank=pipe.rank, world_size=pipe.world_size, what="load the state dict")
 
 
 def optimizer_state_dict(pipe: "Pipeline", optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -303,3 +316,54 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
     return bool(a == b)
+
+
+def save_checkpoint(pipe: "Pipeline", checkpoint_id: str | os.PathLike,
+                    optimizer: torch.optim.Optimizer | None = None) -> None:
+    """``dcp.save`` of ``{"model": model_state_dict(pipe), "optim": optimizer_state_dict(pipe, optimizer)}``.
+
+    Example::
+
+        save_checkpoint(pipe, "ckpt/100", opt)
+    """
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_checkpoint_state(pipe, optimizer), checkpoint_id=os.fspath(checkpoint_id))
+
+
+def load_checkpoint(pipe: "Pipeline", checkpoint_id: str | os.PathLike,
+                    optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Check a checkpoint of :func:`save_checkpoint` against the whole model on every rank, then load it.
+
+    Raises:
+        KeyError / ValueError: on a rank whose check failed (names, shapes, a damaged
+            ``.metadata``); RuntimeError on the others.
+
+    Example::
+
+        load_checkpoint(pipe, "ckpt/100", opt)
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    error: Exception | None = None
+    try:
+        stored = read_dcp_metadata(checkpoint_id, "checkpoint_id").state_dict_metadata
+        model = {k[len("model."):]: tuple(m.size) for k, m in stored.items()
+                 if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+        check_state_fits(model, pipe._names, f"checkpoint {os.fspath(checkpoint_id)!r}")
+    except Exception as e:  # noqa: BLE001 - raised below, on every rank
+        error = e
+    raise_on_every_rank(error, rank=pipe.rank, world_size=pipe.world_size, what="use the checkpoint")
+    state = _checkpoint_state(pipe, optimizer)
+    dcp.load(state, checkpoint_id=os.fspath(checkpoint_id))
+    pipe.load_state_dict(state["model"])
+    if optimizer is not None:
+        pipe.load_optimizer_state_dict(optimizer, state["optim"])
+
+
+def _checkpoint_state(pipe: "Pipeline", optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    state: dict[str, Any] = {"model": model_state_dict(pipe)}
+    if optimizer is not None:
+        state["optim"] = optimizer_state_dict(pipe, optimizer)
+    return state
