@@ -253,3 +253,23 @@ def owned_group_run(rank: int, world_size: int) -> dict:
     # The exit hook holds the pipeline weakly: an unreferenced pipeline is collected.
     result["garbage_collected"] = collected() is None
     return result
+
+
+def agent_store_worker(fn: Callable, rank: int, world_size: int, port: int, out_dir: str, args: tuple) -> None:
+    """Spawned rank as torchrun starts it: the store is the launcher's, and it outlives every group."""
+    os.environ.update(TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0")
+    own_group_worker(fn, rank, world_size, port, out_dir, args)
+
+
+def user_group_after_close_run(rank: int, world_size: int) -> float:
+    """The pipeline's group is closed; then the user makes one, rank 1 a little after rank 0."""
+    with build("1F1B", timeout_s=20) as pipe:
+        x, y = batch(1)
+        pipe.step(x, target=y)
+    if rank == 1:  # rank 0 reads rank 1's address first: an old one, if the store still has it
+        time.sleep(2)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=15))
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    dist.destroy_process_group()
+    return total.item()

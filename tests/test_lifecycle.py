@@ -70,6 +70,21 @@ def test_a_group_the_user_creates_after_the_pipelines_closed_theirs_works():
     assert [r["user_group_after"] for r in owned_group_results()] == [2.0, 2.0]
 
 
+def test_under_torchruns_store_a_users_group_after_the_pipeline_closed_finds_no_old_addresses():
+    from torch.distributed import TCPStore
+
+    stores = []  # the launcher's store, as torchrun's agent holds it: alive for the whole run
+
+    def make_args(rank, port, out_dir):
+        if not stores:
+            stores.append(TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False))
+        return (workers.user_group_after_close_run, rank, 2, port, out_dir, ())
+
+    outcomes, killed, _ = spawn_ranks(workers.agent_store_worker, 2, make_args, timeout_s=120,
+                                      prefix="autopipe-lifecycle-")
+    assert not killed and outcomes == [("ok", 2.0), ("ok", 2.0)], outcomes
+
+
 def test_the_group_stays_while_another_open_pipeline_uses_it():
     for r in owned_group_results():
         assert r["group_after_first_of_two_closed"] is True
