@@ -44,7 +44,7 @@ from .checkpointing import resolve_checkpoint_stages
 from .data_parallel import (check_mesh_arguments, data_parallel_from_plan, full_tensor, prepare_replicas,
                             resolve_data_parallel)
 from .call_inputs import CallInputs
-from .distributed import DEFAULT_TIMEOUT_S, check_device, default_device, init_distributed
+from .distributed import DEFAULT_TIMEOUT_S, check_device, default_device, init_distributed, raise_on_every_rank
 from .inference import Inference
 from .lifecycle import PipelineLifecycle
 from .materialize import WeightSource, check_weight_arguments
@@ -594,7 +594,12 @@ class Pipeline(PipelineLifecycle):
             >>> pipe.load_state_dict(torch.load("model.pt"))  # doctest: +SKIP
         """
         self._check_usable()
-        load_model_state_dict(self, state_dict, strict=strict)
+        error: Exception | None = None
+        try:
+            load_model_state_dict(self, state_dict, strict=strict)
+        except Exception as e:  # noqa: BLE001 - raised below, on every rank
+            error = e
+        raise_on_every_rank(error, rank=self.rank, world_size=self.world_size, what="load the state dict")
 
     def save_checkpoint(self, checkpoint_id: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Save the model (and ``optimizer``) as one ``torch.distributed.checkpoint`` directory.

@@ -19,8 +19,8 @@ module gives each rank the dict it hands to ``dcp.save`` / ``dcp.load``:
   ``named_parameters()`` name. The unsplit model saves and loads the same checkpoint with
   torch's ``get_state_dict`` / ``set_state_dict``.
 
-Every check runs before ``dcp.save`` / ``dcp.load`` do; a rank whose check fails makes every
-rank raise (one all-gather), so none waits for it.
+Every check runs before ``dcp.save`` / ``dcp.load`` do; :func:`load_checkpoint` makes every rank
+raise when one rank's check fails (one all-gather), so none waits for it.
 
 Example::
 
@@ -95,8 +95,9 @@ def load_model_state_dict(pipe: "Pipeline", state_dict: Mapping[str, torch.Tenso
     or any dict keyed by the unsplit model's names that covers this rank's tensors: a full
     ``model.state_dict()``, or ``get_model_state_dict(model)``. Keys of tensors other ranks
     hold are ignored; any alias of a tied tensor will do; non-persistent buffers are never
-    asked for. Collective: each rank checks before writing anything, and if one rank's dict
-    does not fit, every rank raises (a RuntimeError naming that rank on the others).
+    asked for. Every name and shape is checked before anything is written. No communication
+    (:meth:`~autopipe.runtime.pipeline.Pipeline.load_state_dict` makes every rank raise when
+    one rank's dict does not fit).
 
     Args:
         pipe: the :class:`~autopipe.runtime.pipeline.Pipeline`.
@@ -117,12 +118,7 @@ def load_model_state_dict(pipe: "Pipeline", state_dict: Mapping[str, torch.Tenso
     """
     names: StateNames = pipe._names
     targets = {**pipe._unheld_state, **{n: t for n, t in pipe._state.items() if n in names.canonical}}
-    error: Exception | None = None
-    try:
-        load_local_state(targets, names, state_dict, strict=strict, where=f" (rank {pipe.rank})")
-    except Exception as e:  # noqa: BLE001 - raised below, on every rank
-        error = e
-    raise_on_every_rank(error, rank=pipe.rank, world_size=pipe.world_size, what="load the state dict")
+    load_local_state(targets, names, state_dict, strict=strict, where=f" (rank {pipe.rank})")
 
 
 def optimizer_state_dict(pipe: "Pipeline", optimizer: torch.optim.Optimizer) -> dict[str, Any]:
