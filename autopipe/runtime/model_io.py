@@ -23,7 +23,7 @@ keeps those specs and converts in both directions, matching keyword inputs **by 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -247,12 +247,13 @@ def _describe(spec: TreeSpec) -> str:
 
 
 @contextlib.contextmanager
-def capture_export() -> Iterator[list]:
+def capture_export(before_split: Callable[[Any], None] | None = None) -> Iterator[list]:
     """Keep the ``ExportedProgram`` that ``torch.distributed.pipelining.pipeline()`` traces.
 
     ``pipeline()`` exports the model and keeps only the split graph; its input and output
     specs are what :class:`ModelIO` needs. Yields a list that holds the program afterwards
     (empty on a torch whose ``Pipe`` exports differently; the caller then falls back).
+    ``before_split(program)`` runs before the split; an exception it raises stops ``pipeline()``.
 
     Example:
         >>> with capture_export() as captured:  # doctest: +SKIP
@@ -273,6 +274,8 @@ def capture_export() -> Iterator[list]:
     def traced(*args: Any, **kwargs: Any) -> Any:
         exported = original.__func__(*args, **kwargs)
         captured.append(exported)
+        if before_split is not None:
+            before_split(exported)
         return exported
 
     Pipe._trace_with_export = staticmethod(traced)

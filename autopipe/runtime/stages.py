@@ -61,13 +61,16 @@ V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 
 
 def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict], *, training: bool,
-                expected: int) -> Any:
+                expected: int, unless_graph: list[str] | None = None) -> Any:
     """``pipeline()`` on ``model`` in the given mode, each stage module ready to run split.
 
     The model's forwards are left as they were: torch's ``annotate_split_points`` wraps the
     split modules' ``forward`` in place, and a second ``pipeline()`` on the same model would
     then wrap the wrapper. The returned ``Pipe`` carries ``autopipe_io``, the
     :class:`~autopipe.runtime.model_io.ModelIO` of the traced call.
+
+    With ``unless_graph`` (another trace's :func:`graph_text`), the split is skipped and None
+    returned when this trace computes the same graph: the export alone tells.
 
     Raises:
         ValueError: the split did not give ``expected`` stages (a split point that is not
@@ -84,9 +87,17 @@ def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict],
         module = model.get_submodule(name)
         saved[name] = {k: module.__dict__[k] for k in ("forward", "_orig_forward") if k in module.__dict__}
     model.train(training)
+
+    def stop_if_alike(program: Any) -> None:
+        if unless_graph is not None and graph_text(program.graph) == unless_graph:
+            raise _SameGraph
+
     try:
-        with capture_export() as exported, safe_submodule_outlining(), warn_if_host_randomness_is_frozen(model):
+        with capture_export(stop_if_alike) as exported, safe_submodule_outlining(), \
+                warn_if_host_randomness_is_frozen(model):
             pipe = pipeline(model, tuple(example[0]), dict(example[1]) or None, split_spec=split_spec)
+    except _SameGraph:
+        return None
     finally:
         release_last_export()
         model.train(was_training)
@@ -103,6 +114,8 @@ def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict],
     #: How a call's (args, kwargs) map to stage 0's flat inputs, and the last stage's
     #: outputs back to what the model returns.
     pipe.autopipe_io = ModelIO.from_example(tuple(example[0]), dict(example[1]), exported[0] if exported else None)
+    #: What the traced program computes (:func:`graph_text`), to compare another mode's trace with.
+    pipe.autopipe_graph = graph_text(exported[0].graph) if exported else None
     # torch's schedules and stages only pass tensors between neighbouring stages.
     relay_skip_connections(pipe)
     for s in range(pipe.num_stages):
@@ -143,29 +156,29 @@ def run_generated_code(stage_module: nn.Module) -> int:
     return switched
 
 
-def _stage_graphs(split: Any) -> list[list[tuple[str, list[str]]]]:
-    """Every stage's graphs as text, by module path and node: what the stage computes."""
-    return [[(path, [_node_text(n) for n in m.graph.nodes]) for path, m in split.get_stage_module(s).named_modules()
-             if isinstance(getattr(m, "graph", None), torch.fx.Graph)] for s in range(split.num_stages)]
+class _SameGraph(Exception):
+    """Raised inside ``pipeline()`` to skip a split whose trace equals another's."""
 
 
-def _node_text(node: torch.fx.Node) -> str:
-    """The node's op, target and arguments; a dropout of probability 0 is the identity in either mode."""
-    args = node.args
-    if (node.op == "call_function" and getattr(node.target, "__name__", "").startswith(("dropout", "native_dropout"))
-            and len(args) == 3 and args[1] == 0):
-        args = args[:2]
-    return f"{node.name} = {node.op}[{node.target}]{args}{node.kwargs}"
+def graph_text(graph: torch.fx.Graph) -> list[str]:
+    """What a traced graph computes, node by node, read from the graph (not from module types).
 
+    A dropout of probability 0 is the identity in either mode, so its ``train`` flag is left
+    out: a model whose dropout is off computes alike in train and eval mode.
 
-def _computes_alike(train_split: Any, eval_split: Any) -> bool:
-    """True if the train- and eval-mode traces are the same graphs.
-
-    Read from the graphs, not from module types: functional dropout
-    (``F.dropout(x, p, self.training)``), ``if self.training:`` branches and batch
-    statistics all show as a difference, whatever module holds them.
+    Example:
+        >>> gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
+        >>> graph_text(gm.graph)[0]
+        'input_1 = placeholder[input]()'
     """
-    return _stage_graphs(train_split) == _stage_graphs(eval_split)
+    def text(node: torch.fx.Node) -> str:
+        args = node.args
+        if (node.op == "call_function" and getattr(node.target, "__name__", "").startswith(("dropout", "native_dropout"))
+                and len(args) == 3 and args[1] == 0):
+            args = args[:2]
+        return f"{node.name} = {node.op}[{node.target}]{args}" + (f"{node.kwargs}" if node.kwargs else "")
+
+    return [text(n) for n in graph.nodes]
 
 
 @dataclass
@@ -261,9 +274,8 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
     # torch.export bakes train/eval behaviour (dropout, batch-norm statistics, branches on
     # `self.training`) into the graph, so inference in eval mode needs its own trace over the
     # same tensors wherever the two traces differ.
-    eval_pipe = split_model(local_model, split_spec, traced_example, training=False, expected=num_stages)
-    if _computes_alike(train_pipe, eval_pipe):
-        eval_pipe = None
+    eval_pipe = split_model(local_model, split_spec, traced_example, training=False, expected=num_stages,
+                            unless_graph=train_pipe.autopipe_graph)
 
     # What each stage uses, under the original names: every rank computes it for every
     # stage, so all ranks agree on which parameters are shared and by whom.
