@@ -91,7 +91,7 @@ def eval_mode_run(rank: int, world_size: int) -> dict:
             "out_diff": None if out is None else (out - expected).abs().max().item()}
 
 
-def _outcome(fn) -> str:
+def outcome(fn) -> str:
     """``"ok"`` or ``"<ErrorType>: message"``."""
     try:
         fn()
@@ -133,21 +133,21 @@ def rank_local_errors_run(rank: int, world_size: int) -> dict:
         train_step(y)
         # Only the last stage's rank is given a target it cannot take.
         bad = y.tolist() if rank == world_size - 1 else y
-        out["outcomes"]["one_rank_bad_target"] = _outcome(lambda: train_step(bad))
-        out["outcomes"]["numpy_target"] = _outcome(lambda: train_step(y.numpy()))
-        out["outcomes"]["wrong_batch_on_rank_0"] = _outcome(
+        out["outcomes"]["one_rank_bad_target"] = outcome(lambda: train_step(bad))
+        out["outcomes"]["numpy_target"] = outcome(lambda: train_step(y.numpy()))
+        out["outcomes"]["wrong_batch_on_rank_0"] = outcome(
             lambda: pipe.step(x[:4] if rank == 0 else x, target=y))
         for name in ("per_element", "python_float"):
             chosen["name"] = name
-            out["outcomes"][name] = _outcome(lambda: pipe.step(x, target=y))
+            out["outcomes"][name] = outcome(lambda: pipe.step(x, target=y))
             chosen["name"] = "mse"
         opt.zero_grad()  # the failed steps' partial gradients
         train_step(y)
         train_step(y)
         # Rank 0 evaluates while rank 1 steps: out of step.
-        out["outcomes"]["out_of_step"] = _outcome(
+        out["outcomes"]["out_of_step"] = outcome(
             lambda: pipe.evaluate(x, target=y) if rank == 0 else pipe.step(x, target=y))
-        out["outcomes"]["after_out_of_step"] = _outcome(lambda: pipe.step(x, target=y))
+        out["outcomes"]["after_out_of_step"] = outcome(lambda: pipe.step(x, target=y))
     return out
 
 

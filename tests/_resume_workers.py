@@ -10,6 +10,7 @@ import os
 import torch
 import torch.nn as nn
 
+from _guard_workers import outcome
 from _materialize_workers import LLAMA, llama_loss
 from autopipe.runtime import Pipeline
 
@@ -78,14 +79,6 @@ def resume_run(rank: int, world_size: int, first: str, then: str, checkpoint: st
     return {"loss_diff": abs(loss - ref_losses[2]), "param_diff": param_diff}
 
 
-def _outcome(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test reads which error it was
-        return f"{type(e).__name__}: {e}"
-    return "ok"
-
-
 def misfit_run(rank: int, world_size: int, checkpoint: str) -> dict:
     """Checkpoints and weights that do not fit: refused on every rank, nothing written."""
     out: dict = {}
@@ -94,7 +87,7 @@ def misfit_run(rank: int, world_size: int, checkpoint: str) -> dict:
     torch.distributed.barrier()
     with build(llama(1), "pp=2") as pipe:
         before = {n: t.clone() for n, t in pipe.state_dict().items()}
-        out["other_model"] = _outcome(lambda: pipe.load_checkpoint(checkpoint))
+        out["other_model"] = outcome(lambda: pipe.load_checkpoint(checkpoint))
         out["unchanged"] = all(torch.equal(before[n], t) for n, t in pipe.state_dict().items())
         torch.distributed.barrier()
         if rank == 0:  # a checkpoint whose writing was cut short
@@ -104,17 +97,17 @@ def misfit_run(rank: int, world_size: int, checkpoint: str) -> dict:
             with open(path, "wb") as f:
                 f.write(data[: len(data) // 2])
         torch.distributed.barrier()
-        out["truncated"] = _outcome(lambda: pipe.load_checkpoint(checkpoint))
+        out["truncated"] = outcome(lambda: pipe.load_checkpoint(checkpoint))
         # Only rank 1 is given a dict with a wrong shape: every rank raises.
         state = {n: t.clone() for n, t in pipe.state_dict(full=True).items()}
         if rank == 1:
             state["lm_head.weight"] = torch.zeros(3, 3)
-        out["one_rank_bad_shape"] = _outcome(lambda: pipe.load_state_dict(state))
+        out["one_rank_bad_shape"] = outcome(lambda: pipe.load_state_dict(state))
     full = llama(2).state_dict()
     extra = {**full, "model.layers.9.mlp.up_proj.weight": torch.zeros(2, 2)}
-    out["weights_unknown_name"] = _outcome(lambda: build_with_weights(extra))
+    out["weights_unknown_name"] = outcome(lambda: build_with_weights(extra))
     missing = {k: v for k, v in full.items() if k != "model.norm.weight"}
-    out["weights_missing_name"] = _outcome(lambda: build_with_weights(missing))
+    out["weights_missing_name"] = outcome(lambda: build_with_weights(missing))
     return out
 
 

@@ -47,7 +47,7 @@ Start SCRIPT on N processes per machine under torch.distributed.run (torchrun).
 autopipe's options come before SCRIPT or right after it; everything else goes to the script."""
 
 _OPTIONS = ("--nproc", "--nnodes", "--rdzv-endpoint")
-#: CPU processes allowed per core without a GPU (a test of pipeline x data parallel runs 4 on 2 cores).
+#: CPU processes allowed per core (the pipeline x data parallel tests start 4 on 2 cores).
 _CPU_RANKS_PER_CORE = 4
 
 
