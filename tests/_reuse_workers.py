@@ -21,14 +21,16 @@ MICROBATCH = 2
 N_MICROBATCHES = 4
 SEQ = 5
 
-# case -> (schedule, stages_per_rank, split points)
+# case -> (schedule, stages_per_rank, split points, ranks)
 CASES = {
     # stage 0: both look-ups and the block's first call; stage 1: its second call and the head.
-    "1F1B": ("1F1B", 1, ["l2"]),
+    "1F1B": ("1F1B", 1, ["l2"], 2),
+    # three stages on three ranks: the block on stages 0 and 1, the embedding on 0 and 2.
+    "1F1B-3-stages": ("1F1B", 1, ["l1", "l3"], 3),
     # stages 0 and 2 on rank 0 call the block; the head is on stage 3 (rank 1).
-    "Interleaved1F1B": ("Interleaved1F1B", 2, ["l1", "l2", "l3"]),
+    "Interleaved1F1B": ("Interleaved1F1B", 2, ["l1", "l2", "l3"], 2),
     # V placement: the block on stages 0 (rank 0) and 2 (rank 1); look-ups and head on rank 0.
-    "ZBVZeroBubble": ("ZBVZeroBubble", 2, ["l1", "l2", "l3"]),
+    "ZBVZeroBubble": ("ZBVZeroBubble", 2, ["l1", "l2", "l3"], 2),
 }
 
 
@@ -72,7 +74,7 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def reuse_run(rank: int, world_size: int, case: str) -> dict:
     """3 AdamW steps of the pipeline and the unsplit model; then evaluate both ways."""
-    schedule, per_rank, split_points = CASES[case]
+    schedule, per_rank, split_points, _ = CASES[case]
     torch.manual_seed(0)
     model = ReuseLM()
     reference = copy.deepcopy(model)

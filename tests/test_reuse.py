@@ -1,4 +1,4 @@
-"""Modules and weights used several times, with the uses spread over stages (CPU, gloo, 2 ranks).
+"""Modules and weights used several times, with the uses spread over stages (CPU, gloo, 2 or 3 ranks).
 
 One embedding is looked up twice on the first stage and is also the output layer on the
 last; one block is called on both sides of a cut (torch.export names its second call
@@ -23,7 +23,7 @@ ALL_PARAMS = {"emb.weight", "head.weight", "shared.lin.weight", "shared.lin.bias
 
 @functools.lru_cache(maxsize=None)
 def results(case: str) -> list[dict]:
-    return run_world(workers.reuse_run, 2, case, timeout_s=300)
+    return run_world(workers.reuse_run, workers.CASES[case][3], case, timeout_s=300)
 
 
 pytestmark = [pytest.mark.distributed, pytest.mark.parametrize("case", list(workers.CASES))]
