@@ -283,13 +283,14 @@ class Pipeline(PipelineLifecycle):
 
         Raises:
             ValueError: if the batch does not split into ``n_microbatches`` micro-batches
-                shaped like ``example_args``, or ``target`` is missing (before any
-                communication).
+                shaped like ``example_args``, or ``target`` is missing or not a tensor (before
+                any stage runs; the other ranks then raise PipelineStepError).
             RuntimeError: if the pipeline has no ``loss_fn``, is in eval mode, is closed, or
-                cannot run again after an error that could not be played through.
+                cannot run again after an error that could not be played through, or the
+                ranks are out of step (they called different methods).
             PipelineStepError: on every rank, when a stage's forward or ``loss_fn`` raised
-                on some rank in this step (:mod:`~autopipe.runtime.step_failures`); the next
-                step runs normally.
+                on some rank in this step, or some rank refused its inputs
+                (:mod:`~autopipe.runtime.step_failures`); the next step runs normally.
 
         Example:
             >>> opt.zero_grad(); loss = pipe.step(x, target=y); opt.step()  # doctest: +SKIP
