@@ -388,8 +388,7 @@ def check_state_fits(stored: Mapping[str, tuple[int, ...]], names: StateNames, w
     """
     unknown = sorted(k for k in stored if k not in names.canonical)
     held = {names.canonical[k] for k in stored if k in names.canonical}
-    missing = [k for k in names.state_dict_keys if k == names.canonical.get(k, k)
-               and names.canonical.get(k, k) not in held]
+    missing = [c for c in names.saved if c not in held]
     problems = []
     if unknown:
         problems.append(f"names the model does not have {listed(unknown)} (another model's checkpoint?)")
@@ -448,7 +447,7 @@ def materialize_rank(model: nn.Module, names: StateNames, local: Iterable[str], 
     work = copy.deepcopy(model)
     made = _materialize_in(work, names, [*local, *extra],
                            lambda c, loc=set(local): device if c in loc else torch.device("cpu"))
-    persistent = {names.canonical.get(k, k) for k in names.state_dict_keys}
+    persistent = set(names.saved)
     fill_sentinel(made.values())
     if init_weights is not None:
         init_weights(work)
@@ -506,7 +505,7 @@ def load_weights(targets: Mapping[str, torch.Tensor], names: StateNames, weights
         >>> lin.weight.sum().item()
         4.0
     """
-    persistent = {names.canonical.get(k, k) for k in names.state_dict_keys}
+    persistent = set(names.saved)
     wanted = {c: names.aliases.get(c, [c]) for c in targets if c in persistent}
     found = read_weights(weights, wanted, into=targets)
     missing = sorted(c for c in wanted if c not in found)

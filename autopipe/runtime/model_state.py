@@ -190,9 +190,8 @@ def load_local_state(state: Mapping[str, torch.Tensor], names: StateNames, state
     for key, value in state_dict.items():
         if key in names.canonical:
             by_canon.setdefault(names.canonical[key], value)
-    # Non-persistent buffers (Llama's rotary inv_freq) are computed by the model, never saved.
-    persistent = {names.canonical.get(k, k) for k in names.state_dict_keys}
-    missing = sorted(n for n in state if n not in by_canon and n in persistent)
+    saved = set(names.saved)  # non-persistent buffers (Llama's rotary inv_freq) are in no state dict
+    missing = sorted(n for n in state if n not in by_canon and n in saved)
     if strict and (unknown or missing):
         raise KeyError(f"the state dict does not fit this pipeline{where}: missing names {listed(missing)}, "
                        f"names the model does not have {listed(unknown)}")
@@ -200,10 +199,9 @@ def load_local_state(state: Mapping[str, torch.Tensor], names: StateNames, state
         value = by_canon.get(name, tensor)
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"state_dict[{name!r}] must be a tensor, got {type(value).__name__}")
-        expected = names.shapes.get(name, tuple(tensor.shape))  # a sharded tensor's full shape
-        if tuple(value.shape) != tuple(expected) and tuple(value.shape) != tuple(tensor.shape):
+        if tuple(value.shape) != tuple(tensor.shape):  # a DTensor's shape is the full one
             raise ValueError(f"{name!r} has shape {tuple(value.shape)} in the state dict but "
-                             f"{tuple(expected)} in the model")
+                             f"{tuple(tensor.shape)} in the model")
     for name, tensor in state.items():
         if name in by_canon:
             value = by_canon[name]

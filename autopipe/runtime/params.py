@@ -64,6 +64,16 @@ class StateNames:
     parameter_names: frozenset[str]
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
+    @property
+    def saved(self) -> list[str]:
+        """The canonical names a state dict holds, in its order: every tensor but non-persistent buffers.
+
+        Example:
+            >>> model_state_names(nn.Linear(2, 2)).saved
+            ['weight', 'bias']
+        """
+        return list(dict.fromkeys(self.canonical.get(k, k) for k in self.state_dict_keys))
+
     def of_stage_name(self, local_name: str) -> str | None:
         """The canonical name of a stage module's tensor, None for a constant made by tracing.
 

@@ -252,10 +252,11 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
     # Before anything is traced: ranks with different models would split differently and
     # disagree on the shared parameters' process groups.
     _check_same_model(model, world_size)
+    names = model_state_names(model)  # the private copy below has the same names
     if weights is not None:  # the whole model on every rank, so every rank reaches the same verdict
         misfit: Exception | None = None
         try:
-            check_state_fits(stored_shapes(weights), model_state_names(model), f"weights={describe_weights(weights)}")
+            check_state_fits(stored_shapes(weights), names, f"weights={describe_weights(weights)}")
         except Exception as e:  # noqa: BLE001 - raised below, on every rank
             misfit = e
         raise_on_every_rank(misfit, rank=rank, world_size=world_size, what="use weights=")
@@ -264,7 +265,6 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
     # output and cannot leave a stage (autopipe.planning.hf_compat; the planner's report says so).
     hf_compat.turn_off_cache(local_model)
     example = (example[0], hf_compat.training_kwargs(local_model, example[1])[0])
-    names = model_state_names(local_model)
     num_stages = plan.num_stages
     split_spec = {name: SplitPoint.BEGINNING for name in plan.split_points}
     meta = on_meta(local_model)
@@ -281,8 +281,7 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
     # stage, so all ranks agree on which parameters are shared and by whom.
     all_states = [stage_state(train_pipe.get_stage_module(s), names) for s in range(num_stages)]
     held = set().union(*all_states)
-    unheld_names = list(dict.fromkeys(names.canonical.get(k, k) for k in names.state_dict_keys
-                                      if names.canonical.get(k, k) not in held))
+    unheld_names = [c for c in names.saved if c not in held]
     replicas = [list(r) for r in replicas] if replicas is not None else [list(range(world_size))]
     pp_rank = rank if pp_rank is None else pp_rank
     my_replica = next(r for r in replicas if rank in r)

@@ -185,12 +185,9 @@ class StepFailures:
         failed = [r for r, row in enumerate(rows.tolist()) if row[2] > 0]
         if not failed:
             return
-        texts: list[Any] = [None] * world_size
-        dist.all_gather_object(texts, one_line(error) if error is not None else "")
+        failures, listed = _gather_failures(one_line(error) if error is not None else "", failed, world_size)
         if error is not None:
             raise error
-        failures = {r: texts[r] for r in failed}
-        listed = "; ".join(f"rank {r}: {text}" for r, text in failures.items())
         raise PipelineStepError(
             f"{call}() call {self._calls.get(call, 0) + 1} was refused on rank {', '.join(map(str, failed))} before "
             f"it started: {listed}. No rank ran it; the pipeline is usable", failures=failures)
@@ -209,10 +206,7 @@ class StepFailures:
         failed = [r for r, flag in enumerate(flags.tolist()) if flag > 0]
         if not failed:
             return
-        texts: list[Any] = [None] * world_size
-        dist.all_gather_object(texts, self.describe())
-        failures = {r: texts[r] for r in failed}
-        listed = "; ".join(f"rank {r}: {text}" for r, text in failures.items())
+        failures, listed = _gather_failures(self.describe(), failed, world_size)
         gradients = "; zero the gradients before it, as this step's are partial" if self.call.startswith(
             "step") else ""
         raise PipelineStepError(
@@ -222,6 +216,14 @@ class StepFailures:
             f"normally{gradients}",
             failures=failures,
         ) from self.error
+
+
+def _gather_failures(mine: str, failed: list[int], world_size: int) -> tuple[dict[int, str], str]:
+    """Every failing rank's error text (collective: one all-gather), and them in one line."""
+    texts: list[Any] = [None] * world_size
+    dist.all_gather_object(texts, mine)
+    failures = {r: texts[r] for r in failed}
+    return failures, "; ".join(f"rank {r}: {text}" for r, text in failures.items())
 
 
 #: The calls :meth:`StepFailures.agree_to_start` opens; the index is how a rank names its call.
