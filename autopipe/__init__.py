@@ -36,6 +36,7 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "partition": "planning.planner",
     "Pipeline": "runtime",
+    "tune": "runtime.tuning",
     "Plan": "planning.plan",
     "Device": "machine.device",
     "ProfileOptions": "planning.options",
@@ -96,3 +97,4 @@ if TYPE_CHECKING:  # for editors and type checkers: the same names, imported eag
     from .planning.scaling import profile_scaling  # noqa: F401
     from .planning.simulator import simulate  # noqa: F401
     from .runtime import Pipeline  # noqa: F401
+    from .runtime.tuning import tune  # noqa: F401

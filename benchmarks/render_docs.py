@@ -32,11 +32,12 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # the checkout's autopipe, for its defaults
 
 # Order of the page; anything else found is appended.
-ORDER = ("peers", "split_quality", "split_quality_sim", "planner_scaling", "runtime_overhead", "prediction_accuracy",
+ORDER = ("peers", "real_steps", "split_quality", "split_quality_sim", "planner_scaling", "runtime_overhead", "prediction_accuracy",
          "schedule_memory", "trace_profile", "gpu_one_rank", "models", "meta_planning", "recompute", "meta_model",
          "scale_study")
 TITLES = {
     "peers": "0. autopipe against the real peers (2 and 4 stages, measured)",
+    "real_steps": "0b. Every layer-level split of stock decoder LMs, real steps against predictions",
     "split_quality": "1. Split quality, measured (2 stages, real pipelines)",
     "split_quality_sim": "2. Split quality at scale, simulated from measured segment costs",
     "planner_scaling": "3. Planner scaling",
@@ -57,6 +58,11 @@ ABOUT = {
         "The split each tool would pick, reproduced exactly on the layer list that tool is given, against "
         "autopipe's and the best layer-level split, all measured side by side."
     ),
+    "real_steps": (
+        "On stock Hugging Face decoder LMs (their own classes and default configs, small sizes), is the split "
+        "autopipe chooses the fastest when it runs, and does the plan predict every split's real step? Every "
+        "layer-level 2-stage split runs as a real 2-rank `autopipe.Pipeline` (gloo, 1F1B, 4 micro-batches), "
+        "interleaved; `autopipe.tune` then runs in the same world."),
     "split_quality": (
         "Is autopipe's 2-stage split as good as the best split there is, measured rather than predicted? "
         "Every legal split point's stages are timed in one process to find the exhaustive best; autopipe's "
@@ -88,6 +94,7 @@ ABOUT = {
         "per rank after construction, against the whole model's parameter bytes."),
 }
 RERUN_OPTIONS = {"recompute": "`--smoke` for a tiny run that only checks the script",
+                 "real_steps": "`--quick` for two models, `--models` for a subset",
                  "peers": "`--quick` for a short run, `--models`/`--stages` for a subset",
                  "gpu_one_rank": "needs one GPU; `--device cpu` runs it on the CPU",
                  "models": "renders docs/models.md too; `--quick` skips the 2-rank pipelines",
@@ -212,6 +219,46 @@ def render_peers(d: dict[str, Any], behind: list[str]) -> str:
             "[comparison.md](comparison.md).\n\n" + table(["model", "stages", *cols], rows))
 
 
+def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
+    """Per model: the chosen, the FLOPs DP's and tune's split against the fastest; every split's prediction."""
+    rows, detail = [], []
+    for r in d["rows"]:
+        errors = [abs(s["prediction_error"]) for s in r["splits"].values()]
+        tuned = r.get("tuned") or {}
+        plans = r.get("partition_splits") or []
+        same = f"{plans.count(r['chosen'])}/{len(plans)}" if plans else "–"
+        own = r.get("pipeline_splits") or []
+        rows.append([r["model"], f"`{r['chosen']}`", ratio(r["chosen_vs_fastest"]), f"`{r['fastest']}`",
+                     ratio(r.get("flops_dp_vs_fastest")), f"`{tuned.get('label', '–')}` ({ratio(tuned.get('vs_fastest'))})",
+                     apct(statistics.median(errors)), apct(max(errors)), same,
+                     ", ".join(f"`{x}`" for x in own) or "–"])
+        if r["chosen_vs_fastest"] > 1 + BEHIND_TOL:
+            behind.append(f"real steps, {r['model']}: autopipe's split `{r['chosen']}` stepped "
+                          f"{r['chosen_vs_fastest']:.3f}× the fastest layer-level split's (`{r['fastest']}`).")
+        if max(errors) > TARGET_ERROR:
+            behind.append(f"real steps, {r['model']}: a split's predicted step is off by {max(errors):.1%} "
+                          f"(target: every split within {TARGET_ERROR:.0%}).")
+        plans = r.get("partition_splits") or []
+        if len(set(plans)) > 1:
+            behind.append(f"real steps, {r['model']}: {len(plans)} plans of the same model gave "
+                          f"{len(set(plans))} different splits ({', '.join(sorted(set(plans)))}).")
+        for label, sp in r["splits"].items():
+            detail.append([r["model"], f"`{label}`" + ("" if sp["layer_level"] else " (inside a layer)"),
+                           f"{sp['measured_step_s'] * 1e3:.1f} ms", f"{sp['predicted_step_s'] * 1e3:.1f} ms",
+                           pct(sp["prediction_error"]), ratio(sp["vs_fastest"])])
+    return ("Each split's step is the median over interleaved rounds of the slower rank's step; \"÷ fastest\" is "
+            "over the fastest split measured in the same world. The FLOPs DP is torch PR #179212's partitioner "
+            "(`autopipe/planning/peers.py`); `tune` is `autopipe.tune(plan, candidates=3)` in the same world. "
+            "\"Same split\": how many of the `partition()` calls, each with a fresh profile, gave the split "
+            "measured here; \"Pipeline's own plan\": the split `autopipe.Pipeline` chose planning for itself "
+            "on the 2 ranks (profiled in both at once).\n\n"
+            + table(["model", "autopipe's split", "÷ fastest", "fastest split", "FLOPs DP ÷ fastest",
+                     "tune kept (÷ fastest)", "median |pred. error|", "max |pred. error|",
+                     "same split, partition() runs", "Pipeline's own plan"], rows)
+            + "\n\nEvery split, predicted against measured:\n\n"
+            + table(["model", "split", "measured step", "predicted step", "error", "÷ fastest"], detail))
+
+
 def render_split_quality(d: dict[str, Any], behind: list[str]) -> str:
     """One row per model: autopipe's cut against the exhaustive best, and the baselines' real steps."""
     baselines = list(dict.fromkeys(k for r in d["rows"] for k in r["methods"]
@@ -277,12 +324,19 @@ def render_split_quality_sim(d: dict[str, Any], behind: list[str]) -> str:
                      *(f"{b} ÷ autopipe" for b in baselines)], rows))
 
 
+PLANNER_TARGET_S = 2.0  # the exact search over 100,000 segments into 128 stages
+
+
 def render_planner_scaling(d: dict[str, Any], behind: list[str]) -> str:
     """Segments × stages: median milliseconds of the exact search."""
     stages = sorted({r["stages"] for r in d["rows"]})
     segs = sorted({r["segments"] for r in d["rows"]})
     cell = {(r["segments"], r["stages"]): r["median_s"] for r in d["rows"]}
     rows = [[f"{n:,}", *(ms(cell.get((n, p))) for p in stages)] for n in segs]
+    largest = cell.get((100_000, 128))
+    if largest is not None and largest > PLANNER_TARGET_S:
+        behind.append(f"planner scaling: 100,000 segments into 128 stages took {largest:.2f} s "
+                      f"(target: under {PLANNER_TARGET_S:.0f} s).")
     return (f"Median of {d.get('repeats')} runs of `solve_bottleneck` (exact min-max search with communication "
             "and memory), in milliseconds.\n\n" + table(["segments", *(f"{p} stages" for p in stages)], rows))
 
@@ -596,6 +650,7 @@ def _against_torchtitan(r: dict[str, Any]) -> str:
 
 RENDERERS: dict[str, Callable[[dict[str, Any], list[str]], str]] = {
     "peers": render_peers,
+    "real_steps": render_real_steps,
     "split_quality": render_split_quality,
     "split_quality_sim": render_split_quality_sim,
     "planner_scaling": render_planner_scaling,

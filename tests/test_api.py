@@ -49,7 +49,7 @@ def test_partition_takes_few_parameters_the_profiling_ones_grouped():
 
 def test_the_top_level_holds_the_entry_points_and_each_resolves_without_a_warning():
     assert autopipe.__all__ == [
-        "partition", "Pipeline", "Plan", "Device", "ProfileOptions", "PlannerOptions", "simulate",
+        "partition", "Pipeline", "tune", "Plan", "Device", "ProfileOptions", "PlannerOptions", "simulate",
         "profile_scaling", "measure_link", "AutopipeError", "InfeasibleMemoryError", "PipelineStepError",
     ]
     with warnings.catch_warnings():
@@ -168,7 +168,7 @@ def test_the_old_profiling_keywords_warn_and_plan_the_same(small_transformer, mo
     import autopipe.planning.profile as profile
 
     model, args = small_transformer
-    monkeypatch.setattr(profile, "measure_device_flops", lambda *a, **k: 1e9)  # the same estimate both times
+    monkeypatch.setattr(profile, "counting_flops", lambda *a, **k: 1e9)  # the same estimate both times
     with pytest.warns(DeprecationWarning, match=r"warmup= is deprecated, use profiling=ProfileOptions\(warmup="):
         old = autopipe.partition(model, 2, args, cost="flops", device="cpu", warmup=0, repeats=1, progress=False,
                                  flush_cache=False, fit_to_whole=False)

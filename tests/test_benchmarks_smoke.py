@@ -286,3 +286,19 @@ def test_models_page_is_rendered_from_the_results_alone(tmp_path):
     benchmarks_page = _render_docs(tmp_path)
     assert "## 9. Third-party models" in benchmarks_page and "**1 work end to end**" in benchmarks_page
     assert "third-party models: 1 of 4 stock models fail" in benchmarks_page and "(bad)" in benchmarks_page
+
+
+def test_real_steps_measures_every_layer_split_and_tunes(tmp_path):
+    data = _run("real_steps", tmp_path / "real.json")
+    assert data["benchmark"] == "real_steps"
+    (row,) = data["rows"]
+    splits = row["splits"]
+    assert row["chosen"] in splits and row["fastest"] in splits
+    assert sum(s["layer_level"] for s in splits.values()) >= 3, "every layer-level split runs"
+    for s in splits.values():
+        assert _finite_positive(s["measured_step_s"]) and _finite_positive(s["predicted_step_s"])
+        assert len(s["in_run"]["fwd_s"]) == 2
+    assert min(s["vs_fastest"] for s in splits.values()) == 1.0
+    tuned = row["tuned"]
+    assert tuned["split_points"][0] == splits[row["chosen"]]["split"], "tune starts from the plan's own split"
+    assert 0 <= tuned["chosen"] < len(tuned["split_points"]) and all(_finite_positive(t) for t in tuned["measured_step_s"])

@@ -15,6 +15,7 @@ from torch import nn
 
 import autopipe
 from autopipe import Device, ProfileOptions
+from autopipe.machine.device import CPU_STEP_MESSAGE_S, default_link
 from autopipe.machine.link import LinkMeasurement
 from autopipe.machine.link_cache import (cache_file, forget_links, host_key, loopback_link, measure_in_fresh_process,
                                           remember_link)
@@ -22,8 +23,8 @@ from autopipe.planning.costgraph import SegmentCost
 from autopipe.planning.link_choice import FREE_LINK, choose_link, link_mode
 from autopipe.planning.plan import Plan
 
-#: The assumed CPU link (autopipe.machine.device.default_link("cpu")).
-ASSUMED = (2e9, 1e-4)
+#: The assumed CPU link: 2 GB/s, and a message as it costs inside a step.
+ASSUMED = default_link("cpu")
 WIDE = 50_000  # the one wide tensor: 2 x 50000 float32 = 400 kB across the balanced cut
 
 
@@ -101,7 +102,9 @@ def test_a_different_split_measures_once_then_keeps_the_link_in_this_process():
     measure = Counted()
     choice, (_, cuts) = choose_link(by_link, assumed=ASSUMED, mode="auto", measure=measure)
     assert measure.calls == 1 and cuts == (2,)
-    assert choice.source == "measured" and choice.link == (1e12, 1e-6) and choice.measurement is measure.link
+    # An idle ping-pong's 1 us is what the wire costs; inside a step a CPU message costs more.
+    assert choice.source == "measured" and choice.link == (1e12, CPU_STEP_MESSAGE_S)
+    assert choice.measurement is measure.link
     assert "[1]" in choice.reason and "[2]" in choice.reason  # both splits named
     assert "measured on this host" in choice.note()
     again, _ = choose_link(by_link, assumed=ASSUMED, mode="auto", measure=measure)
@@ -274,10 +277,10 @@ def test_a_measured_link_is_recorded_in_the_plan_its_notes_and_its_file(tmp_path
     remember_link(fake_link(1e12, 1e-6))
     plan = plan_wide(measure_link=True)
     assert plan.split_points == ["2"]
-    assert [(lk.bandwidth, lk.latency_s) for lk in plan.links()] == [(1e12, 1e-6)]
+    assert [(lk.bandwidth, lk.latency_s) for lk in plan.links()] == [(1e12, CPU_STEP_MESSAGE_S)]
     note = [n for n in plan.notes if n.startswith("link between ranks")]
-    assert note == ["link between ranks measured on this host: 1e+03 GB/s and 1 us per message "
-                    "(ProfileOptions(measure_link=True))"]
+    assert note == ["link between ranks measured on this host: 1e+03 GB/s and 500 us per message (idle 1 us; a "
+                    "message inside a step waits for a core) (ProfileOptions(measure_link=True))"]
     assert note[0] in plan.report()
     # The report re-costs on the recorded link: the same step the search predicted.
     assert plan.simulated_step_s() == pytest.approx(plan.predicted_step_s, rel=1e-9)
@@ -302,7 +305,7 @@ def test_the_automatic_choice_keeps_the_assumed_link_where_it_decides_nothing(mo
                               n_microbatches=4, loss_fn=False, profiling=ProfileOptions(progress=False))
     # Nothing was kept, so a measurement would have started a process: the unit lane fails on that.
     assert plan.links()[0].bandwidth == ASSUMED[0]
-    assert "link between ranks assumed: 2 GB/s and 100 us per message (the split is the same with free " \
+    assert "link between ranks assumed: 2 GB/s and 500 us per message (the split is the same with free " \
            "communication)" in plan.notes
 
 

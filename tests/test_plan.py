@@ -11,6 +11,7 @@ import pytest
 from torch.distributed.pipelining import SplitPoint
 
 from autopipe.errors import PlanFileError
+from autopipe.machine.device import default_link
 from autopipe.planning.plan import PLAN_FORMAT_VERSION, BaselinePlan, Plan, StagePlan
 from autopipe.planning.plan_file import READ_FORMAT_VERSIONS
 from autopipe.planning.plan_records import Link, MachineModel
@@ -179,8 +180,8 @@ def test_a_plan_without_an_overhead_record_charges_none():
 def test_a_plan_without_links_charges_its_device_types_link():
     plan = _plan()
     plan.stages[0].send_bytes = 2 * 10**6
-    assert plan.links() == [Link(2e9, 1e-4)]  # CPU's default link
-    assert plan.cut_comm_s() == pytest.approx([1e-3 + 1e-4])
+    assert plan.links() == [Link(*default_link("cpu"))]  # CPU's default link
+    assert plan.cut_comm_s() == pytest.approx([2e6 / default_link("cpu")[0] + default_link("cpu")[1]])
     plan.machine = MachineModel(links=[Link(1e9, 0.0)])
     assert plan.cut_comm_s() == pytest.approx([2e-3])
 
@@ -228,3 +229,18 @@ def test_calibrating_scales_the_profile_of_each_stage_by_its_factor():
     assert plan.segments == before  # the original is untouched
     assert cal.segment_costs()[0] == replace(before[0], fwd_s=cal.segments[0].fwd_s, bwd_s=cal.segments[0].bwd_s,
                                              accum_s=cal.segments[0].accum_s).cost()
+
+
+def test_a_tuning_record_is_saved_and_read_back_and_a_bad_one_is_refused(tmp_path):
+    from autopipe.planning.plan_records import TuningRecord
+
+    plan = _plan()
+    plan.tuning = TuningRecord(split_points=[["layers.1"], ["layers.2"]], predicted_step_s=[0.02, 0.021],
+                               measured_step_s=[0.025, 0.023], rounds=5, chosen=1)
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json").tuning == plan.tuning
+    data = json.loads((tmp_path / "plan.json").read_text())
+    data["tuning"]["chosen"] = 2
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(PlanFileError, match="tuning"):
+        Plan.load(tmp_path / "bad.json")

@@ -19,7 +19,7 @@ import math
 import re
 from dataclasses import dataclass
 
-__all__ = ["Device", "parse_bytes", "parse_bandwidth", "default_link", "default_action_overhead_s", "sends_are_lazy",
+__all__ = ["Device", "parse_bytes", "parse_bandwidth", "default_link", "step_message_s", "CPU_STEP_MESSAGE_S", "default_action_overhead_s", "sends_are_lazy",
            "default_copy_bandwidth", "OPTIMIZER_STATE_FACTORS", "optimizer_state_factor"]
 
 _UNITS = {
@@ -110,16 +110,36 @@ def _check_seconds(name: str, value: object) -> float:
     return float(value)
 
 
+#: Seconds one message costs inside a running training step between CPU ranks that share a
+#: host's cores: each tensor a stage sends waits for a core that the ranks' compute holds, so it
+#: costs several times what an idle ping-pong measures (about 0.1 ms over loopback gloo).
+#: Fitted to real 2-rank steps of six decoder LMs on a 2-core host (benchmarks/real_steps,
+#: docs/design.md, "what a message costs inside a step").
+CPU_STEP_MESSAGE_S = 500e-6
+
 #: Default link between neighbouring devices, per device type: (bytes/s, seconds per message).
-#: CPU: gloo over loopback TCP, about what `python -m autopipe.cli.measure` finds on a quiet
-#: shared host (docs/costs-and-measurement.md section 5).
+#: CPU: gloo over loopback TCP, the bandwidth about what `python -m autopipe.cli.measure` finds
+#: on a quiet shared host (docs/costs-and-measurement.md section 5), a message as inside a step.
 #: CUDA: a conservative PCIe-class peer link (NVLink is 10x faster: pass bandwidth= to say so).
-_DEFAULT_LINKS = {"cpu": (2e9, 100e-6), "cuda": (10e9, 20e-6)}
+_DEFAULT_LINKS = {"cpu": (2e9, CPU_STEP_MESSAGE_S), "cuda": (10e9, 20e-6)}
 
 
 def default_link(device_type: str) -> tuple[float, float]:
     """(bandwidth bytes/s, latency s) assumed between stages when none is given."""
     return _DEFAULT_LINKS.get(device_type, _DEFAULT_LINKS["cuda"])
+
+
+def step_message_s(device_type: str, measured_latency_s: float) -> float:
+    """Seconds per message the planner charges for a link measured idle between ranks of ``device_type``.
+
+    CPU ranks sharing a host pay at least :data:`CPU_STEP_MESSAGE_S` per message inside a
+    step, which an idle measurement does not see; elsewhere the measurement stands.
+
+    Example:
+        >>> step_message_s("cpu", 1e-4), step_message_s("cuda", 1e-5)
+        (0.0005, 1e-05)
+    """
+    return max(measured_latency_s, CPU_STEP_MESSAGE_S) if device_type == "cpu" else measured_latency_s
 
 
 #: Default seconds each pipeline action (F, B, I, W) costs beyond its compute, per device type.

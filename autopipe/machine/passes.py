@@ -304,9 +304,12 @@ def time_in_rounds(
             ratios = [w / s for w, s in zip(samples[n], map(sum, zip(*samples[:n]))) if s > 0]
             return statistics.median(ratios) if ratios else 1.0
 
+        totals = [sum(f[r] + b[r] for f, b in zip(fwd_times[:n], bwd_times[:n])) for r in range(repeats)]
+        middle = statistics.median(totals) if totals else 0.0
         whole_pass = WholePass(*means[n], *(sum(t[j] for t in means[:n]) for j in range(3)),
                                scales=(round_ratio(fwd_times), round_ratio(bwd_times), round_ratio(acc_times)),
-                               fitted=fit)
+                               fitted=fit,
+                               round_spread=(max(totals) - min(totals)) / middle if middle > 0 else 0.0)
     if fit and whole_pass is not None:
         # The whole graph pays every fixed cost once, as a stage does: no start to take off.
         sf, sb, sa = whole_pass.scales
@@ -398,3 +401,6 @@ class WholePass:
     segments_accum_s: float
     scales: tuple[float, float, float]
     fitted: bool
+    # How much the rounds disagreed: (slowest - fastest) / median of each round's summed segment
+    # times (forward + backward). On a busy host it is large, and the split can change between runs.
+    round_spread: float = 0.0

@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections.abc import Sequence
@@ -26,7 +27,7 @@ from .device import Device, parse_bytes
 from .link import DEFAULT_SIZES_BYTES, LinkMeasurement, check_sizes_bytes, measure_link
 from .timing import Timer, resolve_device
 
-__all__ = ["measure_device_flops", "measure_device_speed", "measure_devices"]
+__all__ = ["measure_device_flops", "counting_flops", "measure_device_speed", "measure_devices"]
 
 
 def measure_device_flops(device: str | torch.device | None = None, *, size: int = 1024, repeats: int = 5) -> float:
@@ -45,6 +46,25 @@ def measure_device_flops(device: str | torch.device | None = None, *, size: int 
     timer.time(lambda: a @ b)  # warm-up: kernel selection, thread pool start
     times = [timer.time(lambda: a @ b)[0] for _ in range(repeats)]
     return 2.0 * size**3 / max(statistics.median(times), 1e-12)
+
+
+def counting_flops(device: str | torch.device) -> float:
+    """The FLOP rate that turns counted FLOPs into seconds on ``device``: measured once per process.
+
+    ``cost="flops"`` plans of one model in one process then agree exactly; measured anew
+    each time, the rate would move with the host's load, and with it any split decided by
+    compute against fixed costs (a message, an action's overhead).
+
+    Example:
+        >>> counting_flops("cpu") == counting_flops("cpu")
+        True
+    """
+    return _counting_flops(str(resolve_device(device)))
+
+
+@functools.lru_cache(maxsize=None)
+def _counting_flops(device: str) -> float:
+    return measure_device_flops(device)
 
 
 def measure_device_speed(

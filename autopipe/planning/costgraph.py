@@ -109,6 +109,10 @@ class CostGraph:
     cut_fwd_bytes: list[int]
     cut_bwd_bytes: list[int]
     cut_tensors: list[list[str]]  # names of the graph values crossing each cut
+    # Messages crossing each cut per micro-batch: torch's stages send every tensor on its own,
+    # and a gradient back for every floating-point one (whether the model needs it or not).
+    cut_fwd_messages: list[int] = field(default_factory=list)
+    cut_bwd_messages: list[int] = field(default_factory=list)
     edges: list[TensorEdge] = field(default_factory=list)
     segment_modules: list[list[str]] = field(default_factory=list)  # per segment, the modules it runs
     segment_num_nodes: list[int] = field(default_factory=list)  # per segment, its exported graph nodes
@@ -172,6 +176,16 @@ def tensor_bytes(value: Any) -> int:
         if isinstance(leaf, torch.Tensor):
             total += leaf.numel() * leaf.element_size()
     return total
+
+
+def tensor_count(value: Any) -> tuple[int, int]:
+    """How many tensors ``value`` holds, and how many of them are floating point.
+
+    A pipeline stage sends each tensor as its own message, and torch's stages send a
+    gradient back for each floating-point one.
+    """
+    tensors = [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
+    return len(tensors), sum(1 for t in tensors if t.is_floating_point() or t.is_complex())
 
 
 def _is_float(value: Any) -> bool:
@@ -249,6 +263,7 @@ def build_cost_graph(traced: TracedModel, costs: list[SegmentCost] | None = None
     fwd = [0] * (n + 1)
     bwd = [0] * (n + 1)
     crossing: list[list[str]] = [[] for _ in range(n + 1)]
+    fwd_msgs, bwd_msgs = [0] * (n + 1), [0] * (n + 1)
 
     for producer, src in seg_of.items():
         consumers = set()
@@ -262,11 +277,14 @@ def build_cost_graph(traced: TracedModel, costs: list[SegmentCost] | None = None
             continue
         nbytes = tensor_bytes(producer.meta.get("val"))
         grad = nbytes if requires_grad.get(producer, False) else 0
+        messages, float_messages = tensor_count(producer.meta.get("val"))
         last = max(consumers)
         # The tensor is live across every cut between its producer and its last consumer.
         for k in range(max(src, 0) + 1, min(last, n - 1) + 1):
             fwd[k] += nbytes
             bwd[k] += grad
+            fwd_msgs[k] += messages
+            bwd_msgs[k] += float_messages
             crossing[k].append(producer.name)
         if src >= 0:
             for c in consumers:
@@ -276,12 +294,15 @@ def build_cost_graph(traced: TracedModel, costs: list[SegmentCost] | None = None
                     edge[1] += grad
                     edge[2].append(producer.name)
     fwd[0] = fwd[n] = bwd[0] = bwd[n] = 0
+    fwd_msgs[0] = fwd_msgs[n] = bwd_msgs[0] = bwd_msgs[n] = 0
     crossing[0], crossing[n] = [], []
     cg = CostGraph(
         segment_names=[s.name for s in traced.segments],
         cut_fwd_bytes=fwd,
         cut_bwd_bytes=bwd,
         cut_tensors=crossing,
+        cut_fwd_messages=fwd_msgs,
+        cut_bwd_messages=bwd_msgs,
         edges=[TensorEdge(a, b, nbytes, grad, tuple(names)) for (a, b), (nbytes, grad, names) in edges.items()],
         segment_modules=[list(s.modules) for s in traced.segments],
         segment_num_nodes=[s.end - s.start for s in traced.segments],

@@ -18,7 +18,11 @@ disagree with another. Times are per micro-batch and bytes per device unless a n
   ``bwd_s[s] += fwd_s[s]`` (:func:`recompute_backward_s`);
 * cut time, one way, between stage ``c`` and ``c + 1`` (:func:`cut_time_s`)::
 
-      max(fwd_bytes, bwd_bytes) / bandwidth + latency_s       (0 when nothing crosses)
+      max(fwd_bytes, bwd_bytes) / bandwidth + latency_s * messages   (0 when nothing crosses)
+
+  where ``messages`` is the number of tensors crossing (torch's stages send each on its
+  own, and a gradient back for each floating-point one): a cut where a mask and position
+  tensors cross beside the hidden state pays the latency four times, not once;
 
 * the step's tail, work done once per step around the schedule's actions (:func:`step_tail`)::
 
@@ -230,48 +234,59 @@ def cut_bytes(fwd_bytes: float, bwd_bytes: float) -> float:
     return max(fwd_bytes, bwd_bytes)
 
 
-def cut_time_s(fwd_bytes: float, bwd_bytes: float, bandwidth: float, latency_s: float) -> float:
-    """One-way seconds of one stage boundary: ``max(fwd_bytes, bwd_bytes) / bandwidth + latency_s``.
+def cut_time_s(fwd_bytes: float, bwd_bytes: float, bandwidth: float, latency_s: float,
+               messages: float = 1) -> float:
+    """One-way seconds of one stage boundary: ``max(fwd_bytes, bwd_bytes) / bandwidth + latency_s * messages``.
 
-    The simulator delays each transfer by it (:func:`cut_bytes` of the two directions); a
-    cut nothing crosses costs nothing, not even the latency.
+    The simulator delays each transfer by it (:func:`cut_bytes` of the two directions;
+    ``messages`` the larger count of tensors either way); a cut nothing crosses costs
+    nothing, not even the latency.
 
     Example:
         >>> cut_time_s(0, 0, bandwidth=1e9, latency_s=1e-4)
         0.0
+        >>> round(cut_time_s(1000, 1000, bandwidth=1e9, latency_s=1e-4, messages=4), 9)  # 1 us + 4 x 100 us
+        0.000401
     """
     nbytes = cut_bytes(fwd_bytes, bwd_bytes)
-    return float(nbytes / bandwidth + (latency_s if nbytes else 0.0))
+    return float(nbytes / bandwidth + (latency_s * max(messages, 1) if nbytes else 0.0))
 
 
 def cut_times_s(fwd_bytes: Sequence[float], bwd_bytes: Sequence[float], bandwidth: Sequence[float],
-                latency_s: Sequence[float]) -> list[float]:
-    """:func:`cut_time_s` of every stage boundary; each argument has one entry per cut.
+                latency_s: Sequence[float], messages: Sequence[float] | None = None) -> list[float]:
+    """:func:`cut_time_s` of every stage boundary; each argument has one entry per cut (``messages``: 1 each).
 
     Example:
         >>> cut_times_s([1e9, 0], [5e8, 0], bandwidth=[1e9, 1e9], latency_s=[0.5, 0.5])
         [1.5, 0.0]
     """
     n = len(fwd_bytes)
-    if not len(bwd_bytes) == len(bandwidth) == len(latency_s) == n:
-        raise ValueError(f"fwd_bytes, bwd_bytes, bandwidth and latency_s must have one entry per cut; got lengths "
-                         f"{n}, {len(bwd_bytes)}, {len(bandwidth)}, {len(latency_s)}")
-    return [cut_time_s(f, b, bw, lat) for f, b, bw, lat in zip(fwd_bytes, bwd_bytes, bandwidth, latency_s)]
+    msgs = [1] * n if messages is None else list(messages)
+    if not len(bwd_bytes) == len(bandwidth) == len(latency_s) == len(msgs) == n:
+        raise ValueError(f"fwd_bytes, bwd_bytes, bandwidth, latency_s and messages must have one entry per cut; "
+                         f"got lengths {n}, {len(bwd_bytes)}, {len(bandwidth)}, {len(latency_s)}, {len(msgs)}")
+    return [cut_time_s(f, b, bw, lat, k) for f, b, bw, lat, k in zip(fwd_bytes, bwd_bytes, bandwidth, latency_s, msgs)]
 
 
-def link_busy_s(fwd_bytes: Any, bwd_bytes: Any, bandwidth: float, latency_s: float) -> Any:
+def link_busy_s(fwd_bytes: Any, bwd_bytes: Any, bandwidth: float, latency_s: float,
+                fwd_messages: Any = None, bwd_messages: Any = None) -> Any:
     """Seconds one micro-batch keeps a stage boundary's link busy: both directions summed.
 
     The bottleneck search charges a stage for its link this way (the activations go one
-    way and their gradients come back over the same link); each direction that carries
-    anything pays the latency once. Works on numbers and elementwise on numpy arrays.
+    way and their gradients come back over the same link); every message pays the
+    latency: ``fwd_messages`` and ``bwd_messages`` per direction (default: one for a
+    direction that carries anything). Works on numbers and elementwise on numpy arrays.
 
     Example:
         >>> link_busy_s(1e9, 5e8, bandwidth=1e9, latency_s=0.5)
         2.5
+        >>> link_busy_s(1e9, 5e8, bandwidth=1e9, latency_s=0.5, fwd_messages=3, bwd_messages=1)
+        3.5
     """
     fwd, bwd = np.asarray(fwd_bytes, dtype=float), np.asarray(bwd_bytes, dtype=float)
-    t = (fwd + bwd) / bandwidth + latency_s * ((fwd > 0).astype(float) + (bwd > 0).astype(float))
+    f_msgs = (fwd > 0).astype(float) if fwd_messages is None else np.maximum(np.asarray(fwd_messages, float), fwd > 0)
+    b_msgs = (bwd > 0).astype(float) if bwd_messages is None else np.maximum(np.asarray(bwd_messages, float), bwd > 0)
+    t = (fwd + bwd) / bandwidth + latency_s * np.where(fwd + bwd > 0, f_msgs + b_msgs, 0.0)
     return float(t) if t.ndim == 0 else t
 
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .._checks import check_bool
-from ..machine.device import Device
+from ..machine.device import Device, step_message_s
 from ..machine.link import LinkMeasurement
 from ..machine.link_cache import MeasureFn, loopback_link
 
@@ -79,6 +79,9 @@ class LinkChoice:
         """One sentence for ``plan.notes``: the link charged and why."""
         figures = f"{self.bandwidth / 1e9:.3g} GB/s and {self.latency_s * 1e6:.3g} us per message"
         if self.source == "measured":
+            idle = self.measurement.latency_s if self.measurement is not None else self.latency_s
+            if idle < self.latency_s:  # the in-step cost of a message, not the idle ping-pong's
+                figures += f" (idle {idle * 1e6:.3g} us; a message inside a step waits for a core)"
             return f"link between ranks measured on this host: {figures} ({self.reason})"
         return f"link between ranks assumed: {figures} ({self.reason})"
 
@@ -185,8 +188,9 @@ def choose_link(
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
         failed = f"{reason}; measuring it failed ({first_line[:200]})"
         return LinkChoice(*assumed, source="assumed", reason=failed), result
-    choice = LinkChoice(link.bandwidth_bytes_per_s, link.latency_s, source="measured", reason=reason,
-                        measurement=link)
+    # An idle ping-pong measures the wire; a message inside a step between CPU ranks costs more.
+    choice = LinkChoice(link.bandwidth_bytes_per_s, step_message_s(device_type, link.latency_s), source="measured",
+                        reason=reason, measurement=link)
     return choice, search(choice.link)[0]
 
 

@@ -82,6 +82,8 @@ class PartitionProblem:
         input_bytes: bytes of the model's inputs per micro-batch: what the first stage
             keeps per micro-batch in flight when it recomputes (a later stage keeps its cut's
             ``cut_fwd_bytes``).
+        cut_fwd_messages / cut_bwd_messages: (n+1,) tensors crossing the cut before segment
+            k each way; each pays the link's latency. None: one where bytes cross.
     """
 
     compute_s: np.ndarray
@@ -97,6 +99,8 @@ class PartitionProblem:
     capacity_bytes: np.ndarray
     fwd_s: np.ndarray | None = None
     input_bytes: float = 0.0
+    cut_fwd_messages: np.ndarray | None = None
+    cut_bwd_messages: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         f = lambda a: np.asarray(a, dtype=np.float64)  # noqa: E731
@@ -125,6 +129,13 @@ class PartitionProblem:
             self.fwd_s = f(self.fwd_s)
             if self.fwd_s.shape != (n,) or np.any(self.fwd_s < 0):
                 raise ValueError(f"fwd_s must hold {n} seconds >= 0 (one per segment), got {self.fwd_s!r}")
+        for name in ("cut_fwd_messages", "cut_bwd_messages"):
+            given = getattr(self, name)
+            nbytes = self.cut_fwd_bytes if name == "cut_fwd_messages" else self.cut_bwd_bytes
+            value = (nbytes > 0).astype(np.float64) if given is None else f(given)
+            if value.shape != (n + 1,) or np.any(value < 0):
+                raise ValueError(f"{name} must hold {n + 1} message counts >= 0 (one per cut), got {given!r}")
+            setattr(self, name, value)
         if not float(self.input_bytes) >= 0:
             raise ValueError(f"input_bytes={self.input_bytes!r} must be a byte count >= 0")
         self.input_bytes = float(self.input_bytes)
@@ -172,9 +183,17 @@ class PartitionProblem:
 
     def link_s(self, link: int) -> np.ndarray:
         """(n+1,) seconds to move every cut's tensors (both directions) over ``link``."""
-        t = link_busy_s(self.cut_fwd_bytes, self.cut_bwd_bytes, self.bandwidth[link], self.latency_s[link])
+        t = link_busy_s(self.cut_fwd_bytes, self.cut_bwd_bytes, self.bandwidth[link], self.latency_s[link],
+                        self.cut_fwd_messages, self.cut_bwd_messages)
         t[0] = t[-1] = 0.0  # the model's own inputs and outputs cross no link
         return t
+
+    def link_at_s(self, link: int, cut: int) -> float:
+        """Seconds to move cut ``cut``'s tensors (both directions) over ``link``: one entry of :meth:`link_s`."""
+        if cut <= 0 or cut >= self.num_segments:
+            return 0.0
+        return float(link_busy_s(self.cut_fwd_bytes[cut], self.cut_bwd_bytes[cut], self.bandwidth[link],
+                                 self.latency_s[link], self.cut_fwd_messages[cut], self.cut_bwd_messages[cut]))
 
 
 @dataclass
@@ -226,13 +245,12 @@ def evaluate(problem: PartitionProblem, cuts: list[int], recompute: Sequence[int
     S = np.concatenate([[0.0], np.cumsum(problem.static_bytes)])
     A = np.concatenate([[0.0], np.cumsum(problem.act_bytes)])
     edges = [0, *cuts, n]
-    links = [problem.link_s(s) for s in range(p - 1)]
     times, comps, comms, mems = [], [], [], []
     for s in range(p):
         i, j = edges[s], edges[s + 1]
         again_s = s in again
         comp = recompute_backward_s(F[j] - F[i] if again_s else 0.0, C[j] - C[i], again_s) / problem.speed[s]
-        comm = (links[s - 1][i] if s > 0 else 0.0) + (links[s][j] if s < p - 1 else 0.0)
+        comm = (problem.link_at_s(s - 1, i) if s > 0 else 0.0) + (problem.link_at_s(s, j) if s < p - 1 else 0.0)
         comps.append(float(comp))
         comms.append(float(comm))
         times.append(float(comp + comm))
@@ -280,18 +298,33 @@ class _Search:
         self.C = np.concatenate([[0.0], np.cumsum(problem.compute_s)])
         S = np.concatenate([[0.0], np.cumsum(problem.static_bytes)])
         A = np.concatenate([[0.0], np.cumsum(problem.act_bytes)])
-        links = [problem.link_s(s) for s in range(p - 1)]
+        alike: dict[tuple[float, float], np.ndarray] = {}  # links of equal bandwidth and latency (most) share one
+        links = []
+        for s in range(p - 1):
+            key = (float(problem.bandwidth[s]), float(problem.latency_s[s]))
+            if key not in alike:
+                alike[key] = problem.link_s(s)
+            links.append(alike[key])
         zero = np.zeros(n + 1)
         self.link_in = [links[s - 1] if s > 0 else zero for s in range(p)]
         self.link_out = [links[s] if s < p - 1 else zero for s in range(p)]
-        j = np.arange(n + 1)
-        self.window_lo = []
-        for s in range(p):
-            M = S + problem.inflight[s] * A  # nondecreasing: memory is a prefix-sum difference
-            # smallest i with M[j] - M[i] <= cap  <=>  M[i] >= M[j] - cap
-            lo = np.searchsorted(M, M - problem.capacity_bytes[s] * (1 + 1e-12), side="left")
-            self.window_lo.append(np.minimum(lo, j))
-        self.j = j
+        self.S, self.A = S, A
+        # speed_after[s]: the summed speed of stages s .. p-1 (how much compute they can take per second).
+        self.speed_after = np.concatenate([np.cumsum(problem.speed[::-1])[::-1], [0.0]])
+
+    def window_lo(self, s: int, js: np.ndarray, base: int = 0) -> np.ndarray:
+        """For each end ``j`` in ``js``: the first start ``i >= base`` whose stage ``s`` fits its memory (``<= j``).
+
+        The stage's memory ``M[j] - M[i]`` (``M = S + inflight * A``, nondecreasing) must be
+        at most its capacity: ``M[i] >= M[j] - capacity``. Only ``M[base : max(js) + 1]`` is
+        built, so a narrow band costs little.
+        """
+        if not np.isfinite(self.pb.capacity_bytes[s]):
+            return np.minimum(np.full(len(js), base), js)
+        top = int(js.max()) + 1 if len(js) else base
+        M = self.S[base:top] + self.pb.inflight[s] * self.A[base:top]
+        lo = base + np.searchsorted(M, M[js - base] - self.pb.capacity_bytes[s] * (1 + 1e-12), side="left")
+        return np.minimum(lo, js)
 
     def reachable(self, T: float) -> list[np.ndarray] | None:
         """Boolean reach[s][i]: stages 0..s-1 can end exactly at cut i with every stage <= T."""
@@ -311,7 +344,7 @@ class _Search:
             hi = min(n, max(hi, a + 1))
             js = np.arange(a + 1, hi + 1)
             V = np.where(reach[s][a : b + 1], C[a : b + 1] - sp * self.link_in[s][a : b + 1], -np.inf)
-            lo = self.window_lo[s][js]
+            lo = self.window_lo(s, js, a)
             if np.isfinite(T):
                 # Links cost >= 0, so a stage ending at j cannot start before C[j] - speed*T.
                 lo = np.maximum(lo, np.searchsorted(C, C[js] - sp * T * (1 + 1e-12), side="left"))
@@ -322,6 +355,11 @@ class _Search:
             ok_band = np.isfinite(best) & (best >= need - sp * tol)
             ok = np.zeros(n + 1, dtype=bool)
             ok[js] = ok_band
+            if np.isfinite(T) and s + 1 < p:
+                # The stages after this one take at most T each: an end that leaves them more
+                # compute than that can lead nowhere. Dropping it keeps the next band narrow.
+                left = T * self.speed_after[s + 1] * (1 + 1e-12)
+                ok[: int(np.searchsorted(C, C[n] - left, side="left"))] = False
             if not ok.any():
                 return None
             reach.append(ok)
@@ -345,7 +383,7 @@ class _Search:
         tol = 1e-12 * max(T, 1e-300)
         for s in range(self.p - 1, 0, -1):
             sp = self.pb.speed[s]
-            lo = int(self.window_lo[s][j])
+            lo = int(self.window_lo(s, np.array([j]))[0])
             cand = np.arange(lo, j)
             cand = cand[reach[s][cand]]
             value = self.C[cand] - sp * self.link_in[s][cand]
@@ -363,6 +401,10 @@ class _Search:
             cuts.append(i)
             j = i
         return cuts[::-1]
+
+
+#: Thresholds (times the lower bound on the heaviest stage) tried for a first split, in order.
+_FIRST_THRESHOLDS = (1.001, 1.01, 1.1, 1.5, 2.0, 4.0, 16.0)
 
 
 def solve_bottleneck(problem: PartitionProblem, *, rel_tol: float = 1e-9, max_iter: int = 200) -> PartitionResult:
@@ -389,7 +431,19 @@ def solve_bottleneck(problem: PartitionProblem, *, rel_tol: float = 1e-9, max_it
         ([1, 4], 3.0)
     """
     search = _Search(problem)
-    reach = search.reachable(float("inf"))
+    # No stage can be lighter than the ideal share of compute or the heaviest single segment.
+    lo = max(search.C[-1] / problem.speed.sum(), (problem.compute_s / problem.speed.max()).max()) * (1 - 1e-12)
+    # A first split from thresholds a little above that bound: near the optimum the bands of
+    # reachable cuts are narrow and each test is cheap, where an unbounded one visits every cut.
+    reach, T = None, float("inf")
+    for factor in _FIRST_THRESHOLDS:
+        reach = search.reachable(lo * factor)
+        if reach is not None:
+            T = lo * factor
+            break
+        lo = lo * factor  # infeasible at this threshold: the optimum lies above it
+    else:
+        reach = search.reachable(T)
     if reach is None:
         need = solve_min_memory(problem)
         raise InfeasibleMemoryError(
@@ -400,11 +454,9 @@ def solve_bottleneck(problem: PartitionProblem, *, rel_tol: float = 1e-9, max_it
             "or enable activation checkpointing.",
             min_memory_bytes=int(np.ceil(need)),
         )
-    hi_cuts = search.backtrack(float("inf"), reach)
+    hi_cuts = search.backtrack(T, reach)
     hi = evaluate(problem, hi_cuts).bottleneck_s
     best_cuts = hi_cuts
-    # No stage can be lighter than the ideal share of compute or the heaviest single segment.
-    lo = max(search.C[-1] / problem.speed.sum(), (problem.compute_s / problem.speed.max()).max()) * (1 - 1e-12)
     it = 0
     while hi - lo > rel_tol * hi and it < max_iter:
         it += 1

@@ -40,7 +40,8 @@ from .costgraph import SegmentCost
 from .costmodel import StepTail
 from .plan_file import PLAN_FORMAT_VERSION, check_model_names, plan_from_data, read_plan_file
 from .dp_records import DataParallelRecord
-from .plan_records import Calibration, Link, MachineModel, PlanSegment, ScheduleAlternative, SearchRecord
+from .plan_records import (Calibration, Link, MachineModel, PlanSegment, ScheduleAlternative, SearchRecord,
+                           TuningRecord)
 from ..machine.passes import WholePass
 from .profile import LossCost
 from .schedules import stage_ranks
@@ -136,6 +137,7 @@ class Plan:
     global_batch: int | None = None  # samples per optimizer step, when given
     scaling_fit_error: dict[str, float] = field(default_factory=dict)  # quantity -> worst relative fit error
     calibration: Calibration | None = None  # set by calibrate()
+    tuning: TuningRecord | None = None  # set by autopipe.tune: the real steps measured
     dp_degree: int = 1  # data-parallel replicas of the whole pipeline (pp x dp ranks in all)
     dp_mode: str = ""  # how the replicas reduce gradients: "fsdp" or "replicate" ("" with dp_degree 1)
     data_parallel: DataParallelRecord | None = None  # the factorizations compared (partition(data_parallel=...))
@@ -273,7 +275,10 @@ class Plan:
             firsts = self.segment_cuts(split_points)
             fwd = [self.segments[k].cut_fwd_bytes for k in firsts]
         bwd = [self.segments[k].cut_bwd_bytes if k < len(self.segments) else f for k, f in zip(firsts, fwd)]
-        return costmodel.cut_times_s(fwd, bwd, [lk.bandwidth for lk in links], [lk.latency_s for lk in links])
+        messages = [max(self.segments[k].cut_fwd_messages, self.segments[k].cut_bwd_messages)
+                    if k < len(self.segments) else 1 for k in firsts]
+        return costmodel.cut_times_s(fwd, bwd, [lk.bandwidth for lk in links], [lk.latency_s for lk in links],
+                                     messages)
 
     def segment_cuts(self, split_points: Sequence[str]) -> list[int]:
         """The segment indices where stages 1 .. p-1 begin for ``split_points`` (names of the plan's segments).

@@ -25,7 +25,7 @@ from .partitioner import PartitionProblem, PartitionResult
 from .plan import BaselinePlan, Plan, StagePlan
 from .plan_records import Link, MachineModel, PlanSegment, SearchRecord
 from .problem import state_sizes
-from .schedule_options import ScheduleOption, predict_split_step_s, split_stage_times_s
+from .schedule_options import ScheduleOption, fit_ranks, split_stage_times_s
 from .schedules import stage_ranks
 from .trace import TracedModel, module_spans
 
@@ -46,6 +46,7 @@ def make_plan(
     planner_s: float,
     memory_limit_bytes: list[int] | None,
     alternatives: Sequence[ScheduleOption] = (),
+    allow_recompute: bool = True,
 ) -> Plan:
     """Assemble the Plan of the chosen option: split points, stages, predictions, baselines.
 
@@ -61,19 +62,23 @@ def make_plan(
     ranks = stage_ranks(sched, len(rank_devices), v)
     stage_devices = [rank_devices[r] for r in ranks]
     baselines = []
+    limited = any(d.memory_bytes < float("inf") for d in rank_devices)
     for name, r in evaluate_baselines(traced, costs, problem).items():
         if isinstance(r, str):  # the tool's rule gives no split for this model
             baselines.append(BaselinePlan(name=name, description=BASELINES[name], split_points=[], bottleneck_s=0.0,
                                           predicted_step_s=0.0, peak_bytes=0, fits_memory=False, reason=r))
             continue
+        # Costed as the search costed it among its candidates: per rank, recomputing where it must to fit.
+        _, step, fits = fit_ranks(chosen, problem, r, costs, traced, ranks, rank_devices, optimizer_factor, limited,
+                                  allow_recompute)
         baselines.append(BaselinePlan(
             name=name,
             description=BASELINES[name],
             split_points=[traced.candidates[c - 1].name for c in r.cuts],
             bottleneck_s=r.bottleneck_s,
-            predicted_step_s=predict_split_step_s(problem, r.cuts, costs, chosen, traced, ranks),
+            predicted_step_s=step,
             peak_bytes=int(max(r.stage_mem_bytes)),
-            fits_memory=r.fits_memory,
+            fits_memory=fits,
         ))
     segments = [
         PlanSegment(
@@ -83,6 +88,8 @@ def make_plan(
             bwd_peak_bytes=int(c.bwd_peak_bytes), bwd_input_peak_bytes=int(c.bwd_input_peak_bytes),
             cut_fwd_bytes=int(cost_graph.cut_fwd_bytes[seg.index]),
             cut_bwd_bytes=int(cost_graph.cut_bwd_bytes[seg.index]),
+            cut_fwd_messages=int(problem.cut_fwd_messages[seg.index]),
+            cut_bwd_messages=int(problem.cut_bwd_messages[seg.index]),
         )
         for seg, c in zip(traced.segments, costs)
     ]

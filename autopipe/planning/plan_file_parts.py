@@ -21,7 +21,8 @@ from typing import Any, NamedTuple
 
 from .costmodel import StepTail
 from .plan_checks import MAX_STAGES, FieldCheck, required_fields
-from .plan_records import Calibration, Link, MachineModel, PlanSegment, ScheduleAlternative, SearchRecord
+from .plan_records import (Calibration, Link, MachineModel, PlanSegment, ScheduleAlternative, SearchRecord,
+                           TuningRecord)
 from ..machine.passes import WholePass
 from .profile import LossCost
 from .schedules import MAX_SCHEDULE_SIZE
@@ -31,7 +32,7 @@ __all__ = ["TYPED_FIELDS", "PlanShape", "typed_parts", "typed_from_extras"]
 
 #: The Plan fields beyond the stages and baselines, each checked by :func:`typed_parts`.
 TYPED_FIELDS = ("segments", "machine", "step_tail", "rank_peak_bytes", "search", "alternatives", "notes", "loss",
-                "whole_pass", "global_batch", "scaling_fit_error", "calibration")
+                "whole_pass", "global_batch", "scaling_fit_error", "calibration", "tuning")
 
 
 class PlanShape(NamedTuple):
@@ -78,6 +79,8 @@ def typed_parts(c: FieldCheck, raw: dict[str, Any], shape: PlanShape) -> dict[st
         out["scaling_fit_error"] = _fit_error(c, "scaling_fit_error", raw["scaling_fit_error"])
     if raw.get("calibration") is not None:
         out["calibration"] = _calibration(c, "calibration", raw["calibration"], shape)
+    if raw.get("tuning") is not None:
+        out["tuning"] = _tuning(c, "tuning", raw["tuning"])
     return out
 
 
@@ -148,7 +151,8 @@ def _segments(c: FieldCheck, field: str, value: Any, shape: PlanShape, *,
     checks: dict[str, Callable[[str, Any], Any]] = {
         **{k: c.number for k in ("fwd_s", "bwd_s", "accum_s", "flops")},
         **{k: c.integer for k in ("param_bytes", "act_bytes", "out_bytes", "trainable_param_bytes",
-                                  "cut_fwd_bytes", "cut_bwd_bytes", "bwd_peak_bytes",
+                                  "cut_fwd_bytes", "cut_bwd_bytes", "cut_fwd_messages", "cut_bwd_messages",
+                                  "bwd_peak_bytes",
                                   "bwd_input_peak_bytes")},
         "name": c.text, "modules": lambda f, v: c.sequence(f, v, c.text),
     }
@@ -199,6 +203,7 @@ def _whole_pass(c: FieldCheck, field: str, value: Any, *, version: int) -> Whole
     checks: dict[str, Callable[[str, Any], Any]] = {
         **{k: c.number for k in ("segments_fwd_s", "segments_bwd_s", "fwd_s", "bwd_s", "accum_s", "segments_accum_s")},
         "scales": lambda f, v: c.sequence(f, v, c.number, None if version == 1 else 3), "fitted": c.flag,
+        "round_spread": c.number,
     }
     required = required_fields(WholePass) - ({"accum_s", "segments_accum_s", "scales"} if version == 1 else set())
     whole = {k: v for k, v in c.record(field, value, checks, required, open_ended=version == 1).items()
@@ -223,3 +228,15 @@ def _calibration(c: FieldCheck, field: str, value: Any, shape: PlanShape) -> Cal
 
     return Calibration(**c.record(field, value, {"fwd_factor": factors, "bwd_factor": factors},
                                   required_fields(Calibration)))
+
+
+def _tuning(c: FieldCheck, field: str, value: Any) -> TuningRecord:
+    record = c.record(field, value, {
+        "split_points": lambda f, v: c.sequence(f, v, lambda g, x: c.sequence(g, x, c.text)),
+        "predicted_step_s": lambda f, v: c.sequence(f, v, c.number),
+        "measured_step_s": lambda f, v: c.sequence(f, v, c.number),
+        "rounds": lambda f, v: c.integer(f, v, 1), "chosen": c.integer}, required_fields(TuningRecord))
+    n = len(record["split_points"])
+    if not (len(record["predicted_step_s"]) == len(record["measured_step_s"]) == n and 0 <= record["chosen"] < n):
+        c.fail(field, f"{field} needs one predicted and one measured step per candidate ({n}) and chosen in 0..{n - 1}")
+    return TuningRecord(**record)

@@ -9,6 +9,7 @@ so that it can be re-simulated, calibrated, re-planned and reported without the 
 - :class:`SearchRecord`: how the split was found, and the step no split could beat;
 - :class:`ScheduleAlternative`: one row of the schedules ``schedule="auto"`` compared;
 - :class:`Calibration`: the factors :meth:`~autopipe.planning.plan.Plan.calibrate` applied.
+- :class:`TuningRecord`: the real steps :func:`autopipe.tune` measured, and which split won.
 
 The once-per-step tail is :class:`autopipe.planning.costmodel.StepTail`; the loss and the
 whole-graph timing are :class:`autopipe.planning.profile.LossCost` and
@@ -27,7 +28,8 @@ from dataclasses import dataclass, field
 
 from .costgraph import SegmentCost
 
-__all__ = ["PlanSegment", "Link", "MachineModel", "SearchRecord", "ScheduleAlternative", "Calibration"]
+__all__ = ["PlanSegment", "Link", "MachineModel", "SearchRecord", "ScheduleAlternative", "Calibration",
+           "TuningRecord"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,9 @@ class PlanSegment:
     accum_s: float = 0.0  # gradient accumulation per micro-batch after the first
     cut_fwd_bytes: int = 0
     cut_bwd_bytes: int = 0
+    # Tensors crossing that cut each way (costgraph.CostGraph.cut_fwd_messages); each pays the latency.
+    cut_fwd_messages: int = 1
+    cut_bwd_messages: int = 1
     bwd_peak_bytes: int = 0  # its backward's working set beyond act_bytes (SegmentCost.bwd_peak_bytes)
     bwd_input_peak_bytes: int = 0  # the same for the input gradients alone
 
@@ -122,3 +127,18 @@ class Calibration:
 
     fwd_factor: list[float | None]
     bwd_factor: list[float | None]
+
+
+@dataclass(frozen=True)
+class TuningRecord:
+    """What :func:`autopipe.tune` measured: real steps of several splits on the ranks, the fastest kept.
+
+    Entry ``k`` of each list is candidate ``k``; ``chosen`` indexes the one the plan now holds.
+    A measured step is the median over ``rounds`` of the slowest rank's step time.
+    """
+
+    split_points: list[list[str]]
+    predicted_step_s: list[float]
+    measured_step_s: list[float]
+    rounds: int
+    chosen: int

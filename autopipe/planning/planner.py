@@ -49,13 +49,14 @@ from .plan_assembly import make_plan
 from .plan_file import MAX_STAGES
 from .options import PARTITION_OLD_KEYWORDS, ProfileOptions, fold_old_partition_keywords, resolve_devices
 from ..machine.host_memory import PeakResidentMemory
-from ..machine.speed import measure_device_flops
+from ..machine.speed import counting_flops
 from ..machine.timing import resolve_device
 from .default_loss import charged_loss
 from .profile import COST_SOURCES, LossCost, profile_segments
 from .scaling import ScaledProfile, profile_scaling
 from .problem import build_problem
 from .schedule_options import ScheduleOption, auto_schedule_options, cost_option, inflight_per_stage
+from .split_candidates import INSIDE_BLOCK_MARGIN
 from .segment_graphs import on_meta_device
 from .trace import TracedModel, trace
 
@@ -260,7 +261,7 @@ def partition(
                              "model on the meta device cannot run; give n_microbatches as a number")
         if cost_source != "measured":
             measure["device"] = torch.device("meta")
-            measure.setdefault("device_flops", measure_device_flops(dev))
+            measure.setdefault("device_flops", counting_flops(dev))
 
     # ---- trace, profile, cost graph (one per micro-batch count)
     host_memory = PeakResidentMemory().start()  # what planning needs of the host, for the plan to say
@@ -301,7 +302,7 @@ def partition(
         found = _search_options(link, graphs=graphs, pairs_for=pairs_for, traced=traced, n_gpus=n_gpus,
                                 rank_devices=rank_devices, opt_factor=opt_factor, objective=objective,
                                 device_type=dev.type, several=wanted.several,
-                                allow_recompute=recompute is not False)
+                                allow_recompute=recompute is not False, measured=cost_source == "measured")
         o = found[1]  # the split as the note names it: split points, schedule, micro-batches
         names = [traced.candidates[c - 1].name for c in o.result.cuts]
         return found, (f"{names} ({o.schedule}" + (f" x{o.stages_per_rank}" if o.stages_per_rank > 1 else "")
@@ -317,6 +318,7 @@ def partition(
         optimizer=opt_name, optimizer_factor=opt_factor, rank_devices=rank_devices,
         cost_source=cost_source, objective=objective, device=str(dev), planner_s=planner_s,
         memory_limit_bytes=limits, alternatives=options if wanted.several else (),
+        allow_recompute=recompute is not False,
     )
     if traced.notes:  # what autopipe changed to capture the model (a Hugging Face KV cache turned off)
         plan.notes = list(traced.notes)
@@ -326,11 +328,31 @@ def partition(
         plan.notes = [*plan.notes, loss_note]
     plan.loss = loss
     plan.whole_pass = getattr(costs, "whole", None)  # what the whole graph took beside the segments
+    if plan.whole_pass is not None and plan.whole_pass.round_spread > NOISY_PROFILE_SPREAD:
+        plan.notes = [*plan.notes, noisy_profile_note(plan.whole_pass.round_spread)]
     plan.global_batch = global_batch
     if wanted.auto_microbatches and scaling is not None:
         plan.scaling_fit_error = {k: max(v) if v else 0.0 for k, v in scaling.fit_error.items()}
     plan.planning_peak_rss_bytes = host_memory.stop()
     return plan
+
+
+#: Above this spread between a profile's rounds ((slowest - fastest) / median of the rounds'
+#: summed segment times) the plan says its profile is noisy. On a quiet host the rounds of a
+#: small model's profile differ by a few percent.
+NOISY_PROFILE_SPREAD = 0.25
+
+
+def noisy_profile_note(spread: float) -> str:
+    """The plan's note for a profile whose rounds disagreed by ``spread``.
+
+    Example:
+        >>> noisy_profile_note(0.4)[:40]
+        'the profile is noisy: its slowest and fa'
+    """
+    return (f"the profile is noisy: its slowest and fastest rounds differ by {spread:.0%} of the median round "
+            f"(over {NOISY_PROFILE_SPREAD:.0%}; other work on this host?), so another run may choose another "
+            "split; plan on a quiet host, or measure the best splits' real steps with autopipe.tune")
 
 
 def _speeds_from_flops(rank_devices: Sequence[Device]) -> list[Device]:
@@ -357,7 +379,7 @@ def _speeds_from_flops(rank_devices: Sequence[Device]) -> list[Device]:
 def _search_options(
     link: tuple[float, float], *, graphs: Mapping[int, CostGraph], pairs_for: Mapping[int, list[tuple[str, int]]],
     traced: TracedModel, n_gpus: int, rank_devices: Sequence[Device], opt_factor: float, objective: str,
-    device_type: str, several: bool, allow_recompute: bool = True,
+    device_type: str, several: bool, allow_recompute: bool = True, measured: bool = True,
 ) -> tuple[list[ScheduleOption], ScheduleOption, float]:
     """Every option costed with ``link`` as the default link, the fastest that fits, and the seconds taken."""
     t0 = time.perf_counter()
@@ -370,7 +392,8 @@ def _search_options(
                             optimizer_factor=opt_factor, link_default=link, objective=objective,
                             overhead_default=default_action_overhead_s(device_type),
                             lazy_sends=sends_are_lazy(device_type), copy_bandwidth=default_copy_bandwidth(device_type),
-                            allow_recompute=allow_recompute)
+                            allow_recompute=allow_recompute,
+                            inside_block_margin=INSIDE_BLOCK_MARGIN if measured else 0.0)
             except InfeasibleMemoryError as e:
                 if not several:
                     raise

@@ -118,6 +118,8 @@ def build_problem(
         # What a stage that recomputes its activations pays again, and what the first one keeps then.
         fwd_s=np.array([c.fwd_s for c in costs], dtype=float),
         input_bytes=input_bytes(traced),
+        cut_fwd_messages=np.array(cost_graph.cut_fwd_messages, dtype=float) if cost_graph.cut_fwd_messages else None,
+        cut_bwd_messages=np.array(cost_graph.cut_bwd_messages, dtype=float) if cost_graph.cut_bwd_messages else None,
     )
 
 

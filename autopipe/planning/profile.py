@@ -58,7 +58,7 @@ from .._checks import check_int
 from .._progress import progress_iter
 from ..machine.passes import (SavedBytes, WholePass, forward_backward, storage_key, time_accumulation, time_alone,
                               time_in_rounds)
-from ..machine.speed import measure_device_flops
+from ..machine.speed import counting_flops
 from ..machine.timing import CacheFlusher, Timer, per_run_s, resolve_device
 from ..machine.working_set import backward_working_bytes, working_bytes
 from .costgraph import SegmentCost, requires_grad_map, tensor_bytes
@@ -380,7 +380,7 @@ def _profile(
                 cost_k.fwd_s, cost_k.bwd_s, cost_k.accum_s = timed
 
     if cost != "measured":
-        _estimate_times(costs, cost, device_flops if device_flops else measure_device_flops(dev))
+        _estimate_times(costs, cost, device_flops if device_flops else counting_flops(dev))
     return costs
 
 

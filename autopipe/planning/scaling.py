@@ -46,7 +46,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 from .._checks import check_distinct_sizes, check_int
 from .affine_fit import evaluate, fit_affine, parse_expr
 from .costgraph import SegmentCost, build_cost_graph
-from ..machine.speed import measure_device_flops
+from ..machine.speed import counting_flops
 from ..machine.timing import resolve_device
 from .profile import COST_SOURCES, check_fit_to_whole, check_flush_cache, check_runs, profile_segments
 from .trace import TracedModel, resolve_example_inputs, trace
@@ -422,7 +422,7 @@ def profile_scaling(
     _check_traced(traced, model, base, int(batch_dim))
     dev = resolve_device(device)
     if cost != "measured" and device_flops is None:
-        device_flops = measure_device_flops(dev)  # once, so every size uses the same figure
+        device_flops = counting_flops(dev)  # once, so every size uses the same figure
 
     measured: dict[int, list[SegmentCost]] = {}
     measured_cuts: dict[int, tuple[list[int], list[int]]] = {}

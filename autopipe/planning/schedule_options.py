@@ -31,13 +31,14 @@ from .recompute import min_memory_with_recompute, recompute_candidates
 from .plan_records import ScheduleAlternative
 from .problem import build_problem, merged_output_bytes, rank_overcount_bytes, stage_grad_bytes, tied_gradient_bytes
 from .schedules import stage_ranks, validate_schedule
+from .split_candidates import layer_starts, more_candidates, prefer_layer_split
 from .trace import TracedModel
 
 if TYPE_CHECKING:
     from .timeline import Timeline
 
 __all__ = ["ScheduleOption", "cost_option", "auto_schedule_options", "inflight_per_stage", "split_stage_times_s",
-           "split_cut_times_s", "split_step_tail", "predict_split_step_s", "predict_split"]
+           "split_cut_times_s", "split_step_tail", "predict_split_step_s", "predict_split", "fit_ranks"]
 
 
 @dataclass
@@ -105,7 +106,8 @@ def split_stage_times_s(problem: PartitionProblem, cuts: Sequence[int], costs: S
 def split_cut_times_s(problem: PartitionProblem, cuts: Sequence[int]) -> list[float]:
     """One-way seconds of each stage boundary of the split at ``cuts`` (:func:`costmodel.cut_time_s`)."""
     return costmodel.cut_times_s([problem.cut_fwd_bytes[k] for k in cuts], [problem.cut_bwd_bytes[k] for k in cuts],
-                                 problem.bandwidth, problem.latency_s)
+                                 problem.bandwidth, problem.latency_s,
+                                 [max(problem.cut_fwd_messages[k], problem.cut_bwd_messages[k]) for k in cuts])
 
 
 def split_step_tail(traced: TracedModel, problem: PartitionProblem, cuts: Sequence[int],
@@ -163,7 +165,7 @@ def cost_option(
     option: ScheduleOption, *, traced: TracedModel, cost_graph: CostGraph, n_gpus: int,
     rank_devices: Sequence[Device], optimizer_factor: float, link_default: tuple[float, float], objective: str,
     overhead_default: float = 0.0, lazy_sends: bool = False, copy_bandwidth: float = math.inf,
-    allow_recompute: bool = True,
+    allow_recompute: bool = True, inside_block_margin: float = 0.0,
 ) -> ScheduleOption:
     """Find the best split for one schedule option and predict its step time and memory.
 
@@ -171,6 +173,11 @@ def cost_option(
     predicted step is lowest (``objective="step"``; the exact min-max split alone with
     ``"bottleneck"``), its step, tail, per-rank peak memory, whether it fits, and the step
     no split can beat under the schedule.
+
+    Beside the exact search's splits, the peers' splits, the best splits at layer boundaries
+    and (on small problems) every split compete on the predicted step
+    (:mod:`~autopipe.planning.split_candidates`); a cut inside a block wins only by more than
+    ``inside_block_margin`` (a fraction of the step).
 
     When memory binds (no split fits, or the split that ignores memory does not), splits
     with some stages recomputing their activations join the candidates
@@ -224,14 +231,19 @@ def cost_option(
         results += _tightened(problem, again, gap, _search_or_none(again, problem))
     if not results:
         raise _infeasible_with_recompute(problem, gap)
+    peers: list[list[int]] = []
+    if objective != "bottleneck":  # the step decides: the peers', the layer-level and (if few) every split compete
+        extra, peers = more_candidates(problem, traced, costs, results)
+        results = [*results, *extra]
     option.candidates = len(results)
-    best = None
+    scored = []
     for r in results:
-        again, step, fits = _fit_ranks(option, problem, r, costs, traced, ranks, rank_devices, optimizer_factor,
+        again, step, fits = fit_ranks(option, problem, r, costs, traced, ranks, rank_devices, optimizer_factor,
                                        limited, allow_recompute)
-        if best is None or (not fits, step, r.bottleneck_s) < (not best[2], best[0], best[1].bottleneck_s):
-            best = (step, r, fits, again)
-    option.predicted_step_s, option.result, _, option.recompute = best
+        scored.append((step, r, fits, again))
+    pick = prefer_layer_split([(step, r, fits) for step, r, fits, _ in scored], layer_starts(traced),
+                              margin=inside_block_margin, peers=peers)
+    option.predicted_step_s, option.result, _, option.recompute = scored[pick]
     cuts, again = option.result.cuts, option.recompute
     option.step_tail = split_step_tail(traced, problem, cuts, costs, ranks, m, copy_bandwidth)
     # Memory per rank from the simulated timeline (stages on one rank peak at different times).
@@ -342,7 +354,7 @@ def _rank_peaks(option: ScheduleOption, problem: PartitionProblem, cuts: Sequenc
     return peaks, timeline
 
 
-def _fit_ranks(option: ScheduleOption, problem: PartitionProblem, result: PartitionResult,
+def fit_ranks(option: ScheduleOption, problem: PartitionProblem, result: PartitionResult,
                costs: Sequence[SegmentCost], traced: TracedModel, ranks: Sequence[int], rank_devices: Sequence[Device],
                optimizer_factor: float, limited: bool, allow_recompute: bool = True) -> tuple[list[int], float, bool]:
     """The stages of ``result`` to recompute so that every rank fits, its predicted step, and whether it fits.

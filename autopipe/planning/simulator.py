@@ -273,10 +273,11 @@ def _place_in_time(
         if posted <= sent_s:  # the receive was waiting: the data moves at once
             return sent_s + wire
         # Sent first: it moves when the sender next calls into the library, i.e. when the
-        # action it is running at ``posted`` ends (at once if it is idle, i.e. waiting).
+        # action it is running at ``posted`` ends (at once if it is idle, i.e. waiting). An
+        # action that starts at that very instant was waiting in the library until then.
         busy = sender_busy[ranks[src]]
         j = bisect.bisect_right(busy, (posted, math.inf)) - 1
-        if j >= 0 and busy[j][0] <= posted < busy[j][1]:
+        if j >= 0 and busy[j][0] < posted < busy[j][1]:
             return busy[j][1] + wire
         return posted + wire
 

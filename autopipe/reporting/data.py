@@ -129,6 +129,7 @@ def report_data(
         "recompute_stages": list(plan.recompute_stages),
         "best_baseline": best_baseline.name if best_baseline else None,
         "speedup_over_best_baseline": (best_baseline.predicted_step_s / step) if best_baseline and step > 0 else None,
+        "objective": plan.objective,
     }
     comm = cut_comm_s(plan)
     stages = []

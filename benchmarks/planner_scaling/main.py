@@ -1,4 +1,4 @@
-"""How long the exact partition search takes: 100 / 1,000 / 10,000 segments into 2 ... 64 stages.
+"""How long the exact partition search takes: 100 ... 100,000 segments into 2 ... 128 stages.
 
 Synthetic problems with the features real ones have: uneven segment times (log-normal),
 communication on every cut, parameter and activation memory with a capacity that binds
@@ -49,11 +49,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu", help="accepted for symmetry; the search runs on the CPU")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results.json"))
     args = ap.parse_args(argv)
-    segments = [100, 1000] if args.quick else [100, 1000, 10000]
-    stages = [2, 8, 32] if args.quick else [2, 4, 8, 16, 32, 64]
+    segments = [100, 1000] if args.quick else [100, 1000, 10000, 100000]
+    stages = [2, 8, 32] if args.quick else [2, 4, 8, 16, 32, 64, 128]
     rows = []
     for n in segments:
         for p in stages:
+            if p > n // 10 or (n == 100000 and p < 32):  # a stage of under ten segments; the largest: deep only
+                continue
             problem = make_problem(n, p)
             times, iters = [], 0
             for _ in range(args.repeats):

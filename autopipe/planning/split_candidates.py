@@ -1,0 +1,149 @@
+"""The splits the planner compares by their predicted step, beyond those of the exact search.
+
+The exact search (:func:`~autopipe.planning.partitioner.candidate_partitions`) finds the
+split whose heaviest stage is lightest, and splits near it. The step a schedule runs is
+decided by more than the heaviest stage: where several splits share a bottleneck (a heavy
+head alone on a stage), where a schedule puts two stages on one rank (V-shaped placement),
+or where a cut sends several tensors, the simulated step ranks them differently. So
+:func:`~autopipe.planning.schedule_options.cost_option` also costs, and picks by predicted step:
+
+* the split each peer tool would choose (:mod:`~autopipe.planning.baselines`), so that the
+  plan is never predicted slower than an alternative it reports;
+* the best splits between the layers a framework sees (the embedding, each block, the head:
+  :func:`~autopipe.planning.baselines.layer_units`), found by the same exact search over the
+  layers;
+* every split, where there are at most :data:`BRUTE_FORCE_MAX` of them, so that on a small
+  problem the chosen split is the one whose simulated step is lowest.
+
+A cut inside a block is then kept only where it is predicted faster than the best split at
+layer boundaries by more than ``inside_block_margin`` (:func:`prefer_layer_split`): a profile's
+noise can make a cut inside a block look a little faster than it runs, and such a cut sends
+more tensors and means nothing to a user or a framework.
+
+Example:
+    >>> from autopipe.planning.partitioner import PartitionProblem
+    >>> problem = PartitionProblem.uniform([1.0, 1.0, 1.0, 1.0], 2)
+    >>> [r.cuts for r in every_split(problem)]
+    [[1], [2], [3]]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from ..errors import InfeasibleMemoryError
+from .baselines import BASELINES, baseline_split, layer_units
+from .costgraph import SegmentCost
+from .partitioner import PartitionProblem, PartitionResult, candidate_partitions, evaluate
+from .trace import TracedModel
+
+__all__ = ["BRUTE_FORCE_MAX", "INSIDE_BLOCK_MARGIN", "layer_starts", "layer_problem", "every_split",
+           "more_candidates", "prefer_layer_split"]
+
+#: Splits into stages that a small problem has at most for all of them to be costed.
+BRUTE_FORCE_MAX = 64
+#: How much faster a cut inside a block must be predicted than the best split at layer
+#: boundaries to be chosen, with measured costs: about the spread of a profile's segment
+#: times between runs on a quiet host (docs/design.md). Counted costs have no noise: 0.
+INSIDE_BLOCK_MARGIN = 0.03
+# Thresholds on the geometric ladder of the layer-level search (candidate_partitions' steps).
+_LAYER_STEPS = 4
+
+
+def layer_starts(traced: TracedModel) -> list[int]:
+    """The first segment of every layer a framework sees, in order (0 first)."""
+    return sorted(set(layer_units(traced).starts))
+
+
+def layer_problem(problem: PartitionProblem, starts: Sequence[int]) -> PartitionProblem:
+    """``problem`` with its segments merged into the layers that begin at ``starts``.
+
+    A split of the result at layer ``u`` is the split of ``problem`` at segment ``starts[u]``.
+    """
+    edges = [*starts, problem.num_segments]
+    merge = lambda a: np.add.reduceat(a, starts) if len(a) else a  # noqa: E731
+    at_cuts = lambda a: np.asarray(a)[edges]  # noqa: E731
+    return PartitionProblem(**{
+        **problem.__dict__,
+        "compute_s": merge(problem.compute_s), "static_bytes": merge(problem.static_bytes),
+        "act_bytes": merge(problem.act_bytes), "fwd_s": None if problem.fwd_s is None else merge(problem.fwd_s),
+        "cut_fwd_bytes": at_cuts(problem.cut_fwd_bytes), "cut_bwd_bytes": at_cuts(problem.cut_bwd_bytes),
+        "cut_fwd_messages": at_cuts(problem.cut_fwd_messages), "cut_bwd_messages": at_cuts(problem.cut_bwd_messages),
+    })
+
+
+def every_split(problem: PartitionProblem) -> list[PartitionResult]:
+    """Every split of ``problem`` into its stages (check the count with :func:`math.comb` first)."""
+    from itertools import combinations
+
+    n, p = problem.num_segments, problem.num_stages
+    return [evaluate(problem, list(c)) for c in combinations(range(1, n), p - 1)]
+
+
+def more_candidates(problem: PartitionProblem, traced: TracedModel, costs: Sequence[SegmentCost],
+                    have: Sequence[PartitionResult]) -> tuple[list[PartitionResult], list[list[int]]]:
+    """The splits to cost beside ``have``: every split of a small problem, the layer-level ones, the peers'.
+
+    Returns:
+        ``(new splits, the peers' cuts)``: splits not already in ``have``, and the cuts of
+        every peer split (those the plan reports), which the chosen split must not lose to.
+    """
+    seen = {tuple(r.cuts) for r in have}
+    out: list[PartitionResult] = []
+
+    def add(cuts: Sequence[int]) -> None:
+        if tuple(cuts) not in seen and len(cuts) == problem.num_stages - 1:
+            seen.add(tuple(cuts))
+            out.append(evaluate(problem, list(cuts)))
+
+    n, p = problem.num_segments, problem.num_stages
+    if p > 1 and math.comb(n - 1, p - 1) <= BRUTE_FORCE_MAX:
+        for r in every_split(problem):
+            add(r.cuts)
+    starts = layer_starts(traced)
+    if p > 1 and len(starts) >= p:
+        try:
+            for r in candidate_partitions(layer_problem(problem, starts), steps=_LAYER_STEPS):
+                add([starts[u] for u in r.cuts])
+        except InfeasibleMemoryError:  # no layer-level split fits: the segment-level search stands
+            pass
+    units = layer_units(traced)
+    peers = []
+    for name in BASELINES:
+        split = baseline_split(name, traced, costs, p, units)
+        if split.cuts is not None and len(split.cuts) == p - 1:
+            peers.append(list(split.cuts))
+            add(split.cuts)
+    return out, peers
+
+
+def prefer_layer_split(scored: Sequence[tuple[float, PartitionResult, bool]], starts: Sequence[int], *,
+                       margin: float, peers: Sequence[Sequence[int]] = ()) -> int:
+    """Index in ``scored`` of the split to choose: the fastest, or the fastest at layer boundaries within ``margin``.
+
+    ``scored`` holds ``(predicted step, split, fits)``. The split at layer boundaries is taken
+    only where it fits, is predicted at most ``1 + margin`` times the fastest's step, and no
+    slower than any of the ``peers``' splits (so the plan never reports a faster alternative).
+
+    Example:
+        >>> from types import SimpleNamespace as S
+        >>> prefer_layer_split([(1.00, S(cuts=[3]), True), (1.02, S(cuts=[4]), True)], [0, 4], margin=0.03)
+        1
+    """
+    def key(i: int) -> tuple[bool, float, float, list[int]]:  # ties: the lighter bottleneck, then the earlier cuts
+        step, split, fits = scored[i]
+        return (not fits, step, getattr(split, "bottleneck_s", 0.0), list(split.cuts))
+
+    best = min(range(len(scored)), key=key)
+    at_layers = set(starts)
+    layered = [i for i in range(len(scored)) if scored[i][2] and set(scored[i][1].cuts) <= at_layers]
+    if not layered or best in layered or not scored[best][2]:
+        return best
+    pick = min(layered, key=key)
+    peer_steps = [s for s, r, fits in scored if fits and [int(c) for c in r.cuts] in [list(c) for c in peers]]
+    if scored[pick][0] <= scored[best][0] * (1 + margin) and all(scored[pick][0] <= s for s in peer_steps):
+        return pick
+    return best

@@ -1,0 +1,140 @@
+"""Measure before committing: real steps of a plan's best few splits on the ranks, the fastest kept.
+
+The planner predicts a step; :func:`tune` measures it. On the ranks of the job it builds an
+:class:`~autopipe.runtime.pipeline.Pipeline` for each of the best few splits a plan knows
+(its own, then the splits it compared and reports, ``plan.baselines``, fastest predicted
+first), steps every one on the user's batch in interleaved rounds (A B C A B C ...), and keeps
+the split whose median step - the slowest rank's, agreed by an all-reduce - is lowest. Every
+rank takes the same decision from the same numbers, so the ranks cannot disagree on the
+split. The returned pipeline's plan records what was measured (``pipe.plan.tuning``: each
+split, its predicted and its measured step). The other pipelines are released.
+
+Tuning holds every candidate's stages at once while it measures (``candidates`` copies of
+this rank's stages and their gradients); with little memory to spare, tune fewer.
+
+Example (under ``torchrun --nproc-per-node 2``)::
+
+    plan = autopipe.partition(model, 2, (x_mb,))
+    pipe = autopipe.tune(model, x, target=y, plan=plan, loss_fn=loss_fn, example_args=(x_mb,))
+    print(pipe.plan.tuning)          # the splits, predicted and measured
+    for x, y in data:
+        pipe.step(x, target=y)
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._checks import check_int
+from ..planning.plan import Plan
+from ..planning.plan_records import TuningRecord
+from .pipeline import Pipeline
+
+__all__ = ["tune", "tuning_candidates"]
+
+
+def tuning_candidates(plan: Plan, count: int) -> list[tuple[list[str], float]]:
+    """The plan's own split and the fastest-predicted distinct splits it reports, at most ``count``.
+
+    Returns ``(split points, predicted step)`` pairs, the plan's own first, then the others
+    by predicted step. A reported split that does not fit its devices' memory is left out.
+
+    Example:
+        >>> [s for s, _ in tuning_candidates(plan, 2)]  # doctest: +SKIP
+        [['model.norm'], ['model.layers.3']]
+    """
+    count = check_int("candidates", count, 1)
+    out = [(list(plan.split_points), float(plan.predicted_step_s))]
+    others = sorted((b for b in plan.baselines if b.fits_memory and not b.reason and b.split_points),
+                    key=lambda b: b.predicted_step_s)
+    for b in others:
+        if len(out) >= count:
+            break
+        if all(list(b.split_points) != s for s, _ in out):
+            out.append((list(b.split_points), float(b.predicted_step_s)))
+    return out
+
+
+def tune(model: torch.nn.Module, *args: Any, target: Any, plan: Plan, candidates: int = 3, rounds: int = 5,
+         **pipeline_kwargs: Any) -> Pipeline:
+    """Build the best few splits of ``plan`` on the ranks, time real steps of each, return the fastest's Pipeline.
+
+    Collective: every rank calls it with the same arguments and the same batch, as for
+    :meth:`Pipeline.step`. Each candidate takes one untimed step, then ``rounds`` timed steps
+    in turn with the others; the parameters' gradients are cleared after each step, and no
+    optimizer runs, so the model's weights are as they were.
+
+    Args:
+        model: the model, as for :class:`Pipeline`.
+        *args: the model's inputs for a whole batch (``n_microbatches`` micro-batches).
+        target: what ``loss_fn`` compares the output with.
+        plan: the plan whose splits compete (:func:`tuning_candidates`).
+        candidates: how many splits to measure, >= 1 (the plan's own among them).
+        rounds: timed steps of each split, >= 1; the median decides.
+        **pipeline_kwargs: what :class:`Pipeline` takes beside the model and the plan
+            (``loss_fn`` and ``example_args`` at least).
+
+    Returns:
+        The fastest split's :class:`Pipeline`, ready to train; ``pipe.plan.tuning`` is a
+        :class:`~autopipe.planning.plan_records.TuningRecord` of every split measured.
+        Where the plan's own split wins, ``pipe.plan`` is the plan; otherwise the plan of
+        the split that won, as :class:`Pipeline` builds it from split points.
+
+    Raises:
+        ValueError: ``candidates`` or ``rounds`` is not a positive integer, or
+            ``pipeline_kwargs`` names ``plan`` or ``split_points`` (the candidates set them).
+        PipelineStepError: a step failed on some rank (every rank raises).
+
+    Example:
+        >>> pipe = autopipe.tune(model, x, target=y, plan=plan, loss_fn=loss_fn,
+        ...                      example_args=(x_mb,))  # doctest: +SKIP
+    """
+    rounds = check_int("rounds", rounds, 1)
+    splits = tuning_candidates(plan, candidates)
+    taken = sorted({"plan", "split_points"} & set(pipeline_kwargs))
+    if taken:
+        raise ValueError(f"tune() sets {taken} for each candidate; pass the plan as plan= and leave "
+                         f"{', '.join(taken)} out of the Pipeline's arguments")
+    layout = {"schedule": plan.schedule, "n_microbatches": plan.n_microbatches,
+              "stages_per_rank": plan.stages_per_rank}
+    pipes = []
+    for k, (split, _) in enumerate(splits):
+        own = {"plan": plan} if k == 0 else {"split_points": split, **layout}
+        pipes.append(Pipeline(model, **own, **pipeline_kwargs))
+    times = torch.zeros(len(pipes), rounds, dtype=torch.float64)
+    for r in range(-1, rounds):  # round -1 sets up buffers and communication: untimed
+        for k, pipe in enumerate(pipes):
+            pipe.zero_grad()
+            dist.barrier()
+            t0 = time.perf_counter()
+            pipe.step(*args, target=target)
+            _synchronize(pipe.device)
+            if r >= 0:
+                times[k, r] = time.perf_counter() - t0
+    for pipe in pipes:
+        pipe.zero_grad()
+    # The step of a split is its slowest rank's; every rank then reads the same numbers.
+    shared = times.to(pipes[0]._comm_device())
+    dist.all_reduce(shared, op=dist.ReduceOp.MAX)
+    measured = [statistics.median(row) for row in shared.cpu().tolist()]
+    best = min(range(len(pipes)), key=lambda k: (measured[k], k))
+    winner = pipes[best]
+    del pipes
+    gc.collect()
+    record = TuningRecord(split_points=[s for s, _ in splits], predicted_step_s=[p for _, p in splits],
+                          measured_step_s=measured, rounds=rounds, chosen=best)
+    winner.plan = copy.copy(winner.plan)
+    winner.plan.tuning = record
+    return winner
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,247 @@
+"""Real steps of every layer-level split of stock decoder LMs: measured, predicted, and what autopipe chose.
+
+For each Hugging Face decoder LM below (the library's own class, its default config with
+only the sizes made small, token ids in, logits out) this script
+
+1. plans 2 stages with ``autopipe.partition(model, 2, example_args)`` as a user would
+   (1F1B, 4 micro-batches, measured costs, the token cross-entropy the planner assumes for
+   a language model), and reads from the plan its predicted step for every split below
+   (:meth:`autopipe.Plan.split_step_s`: the same cost model and simulator);
+2. lists every **layer-level** split: each boundary between the layers a framework sees
+   (the embedding, each decoder layer, the final norm, the head:
+   :func:`autopipe.planning.baselines.layer_units`), plus autopipe's own split where it is
+   not one of them;
+3. runs all of them as real 2-rank :class:`autopipe.Pipeline` training steps (gloo on
+   127.0.0.1, one thread per rank), built side by side and stepped in interleaved rounds
+   (A B C A B C ...); a split's step is the median over the rounds of the slower rank's
+   step time. Inside the same world each split's stages are also timed in running steps
+   (:meth:`autopipe.Pipeline.measure_stage_times`);
+4. runs :func:`autopipe.tune` on the plan in the same world (its best three splits, measured
+   on the ranks) and records the split it keeps.
+
+It reports, per model: autopipe's measured step over the fastest measured split's, and
+every split's predicted step against its measured one. Nothing is asserted; the results go
+to ``results.json`` beside this file, which ``benchmarks/render_docs.py`` renders into
+``docs/benchmarks.md``. Hold the machine for it (``flock``): other work on the cores
+turns a fast split into a slow one.
+
+    python benchmarks/real_steps/main.py                      # 6 models, about 6 minutes on 2 cores
+    python benchmarks/real_steps/main.py --models llama gpt2  # a subset
+    python benchmarks/real_steps/main.py --quick              # 2 models, fewer rounds
+    python benchmarks/real_steps/main.py --smoke              # one tiny model: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from _common import write_result  # noqa: E402
+from _pipebench import host_info, median, run_world, stack_microbatches  # noqa: E402
+
+#: Model sizes. "full": 4 decoder layers of width 128 and an 8k-token vocabulary, so the head
+#: costs about as much as two layers (as in a real LM, where vocabulary x width is large);
+#: "smoke": the smallest that still has every layer kind, for the test suite.
+SIZES = {"full": dict(width=128, layers=4, heads=4, vocab=8000, batch=2, seq=32),
+         "smoke": dict(width=32, layers=2, heads=2, vocab=300, batch=2, seq=8)}
+#: name -> (transformers model class, config class)
+MODELS: dict[str, tuple[str, str]] = {
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config"),
+    "llama": ("LlamaForCausalLM", "LlamaConfig"),
+    "mistral": ("MistralForCausalLM", "MistralConfig"),
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config"),
+    "qwen3": ("Qwen3ForCausalLM", "Qwen3Config"),
+    "phi3": ("Phi3ForCausalLM", "Phi3Config"),
+}
+
+
+def config_sizes(name: str, size: str) -> dict[str, Any]:
+    """The config fields that make model ``name`` the size ``size``; every other field keeps its default."""
+    z = SIZES[size]
+    if name == "gpt2":
+        return dict(n_layer=z["layers"], n_embd=z["width"], n_head=z["heads"], vocab_size=z["vocab"], n_positions=256)
+    fields = dict(hidden_size=z["width"], num_hidden_layers=z["layers"], num_attention_heads=z["heads"],
+                  num_key_value_heads=z["heads"], intermediate_size=4 * z["width"], vocab_size=z["vocab"],
+                  max_position_embeddings=256)
+    if name == "qwen3":
+        fields["head_dim"] = z["width"] // z["heads"]
+    if name == "phi3":
+        fields["original_max_position_embeddings"] = 256
+    return fields
+
+
+QUICK_MODELS = ("llama", "gpt2")
+N_MICROBATCHES = 4
+
+
+def build(name: str, size: str = "full") -> tuple[torch.nn.Module, tuple[torch.Tensor], torch.Tensor]:
+    """Model ``name`` (seeded weights, no dropout), one micro-batch of token ids, and its next-token target."""
+    from autopipe.models.thirdparty import _hf_config, _hf_model, _no_dropout_modules
+
+    model_class, config_class = MODELS[name]
+    config = _hf_config(config_class, False, **config_sizes(name, size), use_cache=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = _no_dropout_modules(_hf_model(model_class, config))
+    z = SIZES[size]
+    ids = torch.randint(0, z["vocab"], (z["batch"], z["seq"] + 1), generator=torch.Generator().manual_seed(1))
+    return model, (ids[:, :-1].contiguous(),), ids[:, 1:].contiguous()
+
+
+def lm_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """Token cross-entropy on the model's logits (what the planner assumes when given no loss)."""
+    logits = output.logits if hasattr(output, "logits") else output
+    return torch.nn.functional.cross_entropy(logits.flatten(0, -2), target.flatten())
+
+
+def layer_splits(model: torch.nn.Module, args: tuple) -> list[list[str]]:
+    """Every 2-stage split at a boundary between the layers a framework sees, in model order."""
+    from autopipe.planning.baselines import layer_units
+    from autopipe.planning.trace import trace
+
+    traced = trace(model, args)
+    units = layer_units(traced)
+    return [[traced.segments[c].name] for c in units.segment_cuts(list(range(len(units.names) + 1)))]
+
+
+def step_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
+    """Build a Pipeline per split, step them in interleaved rounds; this rank's step times and stage times."""
+    import torch.distributed as dist
+
+    from autopipe import Pipeline
+
+    model, args, target_mb = build(job["model"], job["size"])
+    m = N_MICROBATCHES
+    batch, target = stack_microbatches(args, m), torch.cat([target_mb] * m)
+    # The Pipeline planning for itself, as a user constructs it (profiled in every rank at once).
+    planned = []
+    for _ in range(job.get("pipeline_plans", 0)):
+        auto = Pipeline(model, example_args=args, loss_fn=lm_loss, schedule="1F1B", n_microbatches=m,
+                        device=torch.device("cpu"))
+        planned.append(list(auto.plan.split_points))
+        del auto
+    pipes = {}
+    for label, split in job["splits"].items():
+        pipes[label] = Pipeline(model, example_args=args, loss_fn=lm_loss, schedule="1F1B", n_microbatches=m,
+                                split_points=split, device=torch.device("cpu"))
+        for _ in range(2):  # the first steps set up buffers and communication
+            pipes[label].zero_grad()
+            pipes[label].step(*batch, target=target)
+    times: dict[str, list[float]] = {label: [] for label in pipes}
+    for _ in range(job["rounds"]):
+        for label, pipe in pipes.items():
+            for _ in range(job["steps"]):
+                pipe.zero_grad()
+                dist.barrier()
+                t0 = time.perf_counter()
+                pipe.step(*batch, target=target)
+                times[label].append(time.perf_counter() - t0)
+    in_run = {label: pipe.measure_stage_times(*batch, target=target, steps=3) for label, pipe in pipes.items()}
+    del pipes
+    # autopipe.tune as a user would call it: the plan's best few splits, measured on the ranks.
+    from autopipe import Plan, tune
+
+    tuned = tune(model, *batch, target=target, plan=Plan.from_dict(job["plan"]), candidates=3, rounds=job["rounds"],
+                 loss_fn=lm_loss, example_args=args, device=torch.device("cpu"))
+    record = tuned.plan.tuning
+    return {"times": times, "in_run": in_run, "pipeline_plans": planned,
+            "tuned": {"split_points": record.split_points, "measured_step_s": record.measured_step_s,
+                      "predicted_step_s": record.predicted_step_s, "chosen": record.chosen}}
+
+
+def run_model(name: str, *, size: str, rounds: int, steps: int, plans: int, log) -> dict[str, Any]:
+    """Plan (``plans`` times, to see whether the split holds), list the splits, run them; one model's row."""
+    import autopipe
+
+    model, args, _ = build(name, size)
+    t0 = time.perf_counter()
+    plan = autopipe.partition(model, 2, args, schedule="1F1B", n_microbatches=N_MICROBATCHES)
+    planner_s = time.perf_counter() - t0
+    # The same call again, each with a fresh profile: a stable planner gives the same split every time.
+    replans = [list(autopipe.partition(model, 2, args, schedule="1F1B", n_microbatches=N_MICROBATCHES).split_points)
+               for _ in range(plans - 1)]
+    splits = {"+".join(s): s for s in layer_splits(model, args)}
+    layer_level = set(splits)
+    chosen = "+".join(plan.split_points)
+    splits.setdefault(chosen, list(plan.split_points))
+    flops = plan.baseline("flops_dp")
+    log(f"  {name}: autopipe chose {chosen} (planned in {planner_s:.1f} s); running {len(splits)} splits")
+    results = run_world(step_worker, 2, {"model": name, "size": size, "splits": splits, "rounds": rounds, "steps": steps,
+                                         "plan": plan.to_dict(), "pipeline_plans": 1 if plans > 1 else 0},
+                        timeout_s=900.0)
+    rows = {}
+    for label, split in splits.items():
+        # A step ends when its slower rank ends: pair the ranks' times step by step.
+        step = [max(a, b) for a, b in zip(results[0]["times"][label], results[1]["times"][label])]
+        rows[label] = {"split": split, "layer_level": label in layer_level, "measured_step_s": median(step),
+                       "predicted_step_s": plan.split_step_s(split), "in_run": results[0]["in_run"][label],
+                       "planned_stage_s": _planned_stage_times(plan, split)}
+    fastest = min(rows, key=lambda k: rows[k]["measured_step_s"])
+    for r in rows.values():
+        r["vs_fastest"] = r["measured_step_s"] / rows[fastest]["measured_step_s"]
+        r["prediction_error"] = r["predicted_step_s"] / r["measured_step_s"] - 1.0
+    tuned = results[0]["tuned"]
+    tuned_label = "+".join(tuned["split_points"][tuned["chosen"]])
+    flops_label = "+".join(flops.split_points) if flops.split_points else None
+    return {"model": name, "class": MODELS[name][0], "size": size, "planner_s": planner_s, "chosen": chosen,
+            "flops_dp": flops_label, "fastest": fastest, "chosen_vs_fastest": rows[chosen]["vs_fastest"],
+            "flops_dp_vs_fastest": rows[flops_label]["vs_fastest"] if flops_label in rows else None,
+            "tuned": {**tuned, "label": tuned_label,
+                      "vs_fastest": rows[tuned_label]["vs_fastest"] if tuned_label in rows else None},
+            "splits": rows, "plan_notes": list(plan.notes),
+            "partition_splits": ["+".join(x) for x in [list(plan.split_points), *replans]],
+            "pipeline_splits": ["+".join(x) for x in results[0]["pipeline_plans"]]}
+
+
+def _planned_stage_times(plan: Any, split: list[str]) -> dict[str, list[float]]:
+    """The plan's own forward and backward seconds per stage of ``split`` (per micro-batch)."""
+    from autopipe.planning.costmodel import stage_times_s
+
+    fwd, bwd = stage_times_s(plan.segments, plan.segment_cuts(split), plan.n_microbatches)
+    return {"fwd_s": fwd, "bwd_s": bwd}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", choices=sorted(MODELS), help="a subset of the models")
+    ap.add_argument("--quick", action="store_true", help=f"{', '.join(QUICK_MODELS)} only, fewer rounds")
+    ap.add_argument("--smoke", action="store_true", help="one tiny model, one round: checks the script")
+    ap.add_argument("--plans", type=int, default=5, help="partition() calls per model, each with a fresh profile, "
+                    "to see whether the split holds (default 5; 1 skips it and the Pipeline's own plan)")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 7, --quick 3)")
+    ap.add_argument("--out", default=str(Path(__file__).with_name("results.json")))
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)  # as each rank runs: the profile sees what a rank sees
+    os.environ.setdefault("AUTOPIPE_PROGRESS", "0")
+    names = a.models or (["gpt2"] if a.smoke else list(QUICK_MODELS) if a.quick else list(MODELS))
+    rounds = a.rounds or (1 if a.smoke else 3 if a.quick else 7)
+    size = "smoke" if a.smoke else "full"
+    start, t0 = host_info(), time.perf_counter()
+    rows = []
+    for name in names:
+        rows.append(run_model(name, size=size, rounds=rounds, steps=1 if a.smoke else 2, plans=1 if a.smoke else a.plans, log=print))
+        r = rows[-1]
+        print(f"    chosen {r['chosen']}: {r['chosen_vs_fastest']:.3f}x the fastest ({r['fastest']}); "
+              f"tune kept {r['tuned']['label']}; partition() x{len(r['partition_splits'])}: "
+              f"{sorted(set(r['partition_splits']))}; Pipeline: {r['pipeline_splits']}")
+        for label, s in r["splits"].items():
+            print(f"      {label:40s} measured {s['measured_step_s'] * 1e3:6.1f} ms  predicted "
+                  f"{s['predicted_step_s'] * 1e3:6.1f} ms  ({s['prediction_error']:+.1%})")
+    payload = {"benchmark": "real_steps", "schedule": "1F1B", "n_microbatches": N_MICROBATCHES, "stages": 2,
+               "threads_per_process": 1, "rounds": rounds, "steps_per_round": 1 if a.smoke else 2, "quick": a.quick,
+               "size": size, "sizes": SIZES[size],
+               "host_start": start, "host_end": host_info(), "rows": rows, "wall_s": time.perf_counter() - t0}
+    print(f"wrote {write_result(a.out, payload)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
