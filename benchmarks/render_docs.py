@@ -245,7 +245,7 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
         for label, sp in r["splits"].items():
             detail.append([r["model"], f"`{label}`" + ("" if sp["layer_level"] else " (inside a layer)"),
                            f"{sp['measured_step_s'] * 1e3:.1f} ms", f"{sp['predicted_step_s'] * 1e3:.1f} ms",
-                           pct(sp["prediction_error"]), ratio(sp["vs_fastest"])])
+                           pct(sp["prediction_error"]), pct(sp.get("in_ranks_error")), ratio(sp["vs_fastest"])])
     return ("Each split's step is the median over interleaved rounds of the slower rank's step; \"÷ fastest\" is "
             "over the fastest split measured in the same world. The FLOPs DP is torch PR #179212's partitioner "
             "(`autopipe/planning/peers.py`); `tune` is `autopipe.tune(plan, candidates=3)` in the same world. "
@@ -255,8 +255,11 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
             + table(["model", "autopipe's split", "÷ fastest", "fastest split", "FLOPs DP ÷ fastest",
                      "tune kept (÷ fastest)", "median |pred. error|", "max |pred. error|",
                      "same split, partition() runs", "Pipeline's own plan"], rows)
-            + "\n\nEvery split, predicted against measured:\n\n"
-            + table(["model", "split", "measured step", "predicted step", "error", "÷ fastest"], detail))
+            + "\n\nEvery split, predicted against measured: by `partition()`'s plan (profiled in one process "
+              "before the 2-rank world starts), and by the plan the `Pipeline` made for itself (both ranks "
+              "profiling at once, just before the steps):\n\n"
+            + table(["model", "split", "measured step", "predicted step", "error", "error, profiled in the ranks",
+                     "÷ fastest"], detail))
 
 
 def render_split_quality(d: dict[str, Any], behind: list[str]) -> str:

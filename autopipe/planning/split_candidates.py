@@ -46,9 +46,10 @@ __all__ = ["BRUTE_FORCE_MAX", "INSIDE_BLOCK_MARGIN", "layer_starts", "layer_prob
 #: Splits into stages that a small problem has at most for all of them to be costed.
 BRUTE_FORCE_MAX = 64
 #: How much faster a cut inside a block must be predicted than the best split at layer
-#: boundaries to be chosen, with measured costs: about the spread of a profile's segment
-#: times between runs on a quiet host (docs/design.md). Counted costs have no noise: 0.
-INSIDE_BLOCK_MARGIN = 0.03
+#: boundaries to be chosen, with measured costs: the spread of the predicted difference
+#: between two splits over repeated profiles on a quiet host (about 1 point either way;
+#: docs/design.md, finding 15). Counted costs have no noise: 0.
+INSIDE_BLOCK_MARGIN = 0.01
 # Thresholds on the geometric ladder of the layer-level search (candidate_partitions' steps).
 _LAYER_STEPS = 4
 

@@ -122,11 +122,13 @@ def step_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     m = N_MICROBATCHES
     batch, target = stack_microbatches(args, m), torch.cat([target_mb] * m)
     # The Pipeline planning for itself, as a user constructs it (profiled in every rank at once).
-    planned = []
+    planned, in_ranks = [], {}
     for _ in range(job.get("pipeline_plans", 0)):
         auto = Pipeline(model, example_args=args, loss_fn=lm_loss, schedule="1F1B", n_microbatches=m,
                         device=torch.device("cpu"))
         planned.append(list(auto.plan.split_points))
+        # Its plan's prediction of every split: a profile the ranks took together, just before the steps.
+        in_ranks = {label: auto.plan.split_step_s(split) for label, split in job["splits"].items()}
         del auto
     pipes = {}
     for label, split in job["splits"].items():
@@ -152,7 +154,7 @@ def step_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     tuned = tune(model, *batch, target=target, plan=Plan.from_dict(job["plan"]), candidates=3, rounds=job["rounds"],
                  loss_fn=lm_loss, example_args=args, device=torch.device("cpu"))
     record = tuned.plan.tuning
-    return {"times": times, "in_run": in_run, "pipeline_plans": planned,
+    return {"times": times, "in_run": in_run, "pipeline_plans": planned, "predicted_in_ranks_s": in_ranks,
             "tuned": {"split_points": record.split_points, "measured_step_s": record.measured_step_s,
                       "predicted_step_s": record.predicted_step_s, "chosen": record.chosen}}
 
@@ -182,12 +184,15 @@ def run_model(name: str, *, size: str, rounds: int, steps: int, plans: int, log)
         # A step ends when its slower rank ends: pair the ranks' times step by step.
         step = [max(a, b) for a, b in zip(results[0]["times"][label], results[1]["times"][label])]
         rows[label] = {"split": split, "layer_level": label in layer_level, "measured_step_s": median(step),
-                       "predicted_step_s": plan.split_step_s(split), "in_run": results[0]["in_run"][label],
-                       "planned_stage_s": _planned_stage_times(plan, split)}
+                       "predicted_step_s": plan.split_step_s(split),
+                       "predicted_in_ranks_s": results[0]["predicted_in_ranks_s"].get(label),
+                       "in_run": results[0]["in_run"][label], "planned_stage_s": _planned_stage_times(plan, split)}
     fastest = min(rows, key=lambda k: rows[k]["measured_step_s"])
     for r in rows.values():
         r["vs_fastest"] = r["measured_step_s"] / rows[fastest]["measured_step_s"]
         r["prediction_error"] = r["predicted_step_s"] / r["measured_step_s"] - 1.0
+        if r["predicted_in_ranks_s"] is not None:
+            r["in_ranks_error"] = r["predicted_in_ranks_s"] / r["measured_step_s"] - 1.0
     tuned = results[0]["tuned"]
     tuned_label = "+".join(tuned["split_points"][tuned["chosen"]])
     flops_label = "+".join(flops.split_points) if flops.split_points else None
@@ -234,7 +239,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{sorted(set(r['partition_splits']))}; Pipeline: {r['pipeline_splits']}")
         for label, s in r["splits"].items():
             print(f"      {label:40s} measured {s['measured_step_s'] * 1e3:6.1f} ms  predicted "
-                  f"{s['predicted_step_s'] * 1e3:6.1f} ms  ({s['prediction_error']:+.1%})")
+                  f"{s['predicted_step_s'] * 1e3:6.1f} ms  ({s['prediction_error']:+.1%}; profiled in the ranks "
+                  f"{s.get('in_ranks_error', float('nan')):+.1%})")
     payload = {"benchmark": "real_steps", "schedule": "1F1B", "n_microbatches": N_MICROBATCHES, "stages": 2,
                "threads_per_process": 1, "rounds": rounds, "steps_per_round": 1 if a.smoke else 2, "quick": a.quick,
                "size": size, "sizes": SIZES[size],
