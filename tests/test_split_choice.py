@@ -94,3 +94,20 @@ def test_a_cut_inside_a_block_wins_only_beyond_the_margin_and_never_against_a_pe
                               margin=0.03, peers=[[2]]) == 0
     # What does not fit never wins.
     assert prefer_layer_split([(0.5, inside, False), (1.02, layer, True)], starts, margin=0.0) == 1
+
+
+def test_a_profile_whose_rounds_disagree_is_called_noisy_in_the_plan():
+    from autopipe.machine.passes import WholePass
+    from autopipe.planning.planner import NOISY_PROFILE_SPREAD
+    from autopipe.planning.profile import SegmentCosts
+
+    model, args, costs = random_case(0, 6)
+    notes = {}
+    for spread in (0.02, NOISY_PROFILE_SPREAD + 0.1):
+        profile = SegmentCosts(costs)
+        profile.whole = WholePass(1.0, 2.0, 0.1, 1.0, 2.0, 0.1, scales=(1.0, 1.0, 1.0), fitted=False,
+                                  round_spread=spread)
+        plan = autopipe.partition(model, 2, args, cost=profile, n_microbatches=4, loss_fn=False, profiling=QUIET)
+        notes[spread] = [n for n in plan.notes if n.startswith("the profile is noisy")]
+    quiet, noisy = notes.values()
+    assert quiet == [] and len(noisy) == 1 and "autopipe.tune" in noisy[0] and "35%" in noisy[0]
