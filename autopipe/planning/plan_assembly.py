@@ -25,7 +25,7 @@ from .partitioner import PartitionProblem, PartitionResult
 from .plan import BaselinePlan, Plan, StagePlan
 from .plan_records import Link, MachineModel, PlanSegment, SearchRecord
 from .problem import state_sizes
-from .schedule_options import ScheduleOption, fit_ranks, split_stage_times_s
+from .schedule_options import ScheduleOption, fit_ranks, memory_limited, split_stage_times_s
 from .schedules import stage_ranks
 from .trace import TracedModel, module_spans
 
@@ -62,7 +62,7 @@ def make_plan(
     ranks = stage_ranks(sched, len(rank_devices), v)
     stage_devices = [rank_devices[r] for r in ranks]
     baselines = []
-    limited = any(d.memory_bytes < float("inf") for d in rank_devices)
+    limited = memory_limited(problem)
     for name, r in evaluate_baselines(traced, costs, problem).items():
         if isinstance(r, str):  # the tool's rule gives no split for this model
             baselines.append(BaselinePlan(name=name, description=BASELINES[name], split_points=[], bottleneck_s=0.0,

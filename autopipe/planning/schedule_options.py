@@ -31,14 +31,16 @@ from .recompute import min_memory_with_recompute, recompute_candidates
 from .plan_records import ScheduleAlternative
 from .problem import build_problem, merged_output_bytes, rank_overcount_bytes, stage_grad_bytes, tied_gradient_bytes
 from .schedules import stage_ranks, validate_schedule
-from .split_candidates import layer_starts, more_candidates, prefer_layer_split
+from .baselines import layer_units
+from .split_candidates import more_candidates, prefer_layer_split
 from .trace import TracedModel
 
 if TYPE_CHECKING:
     from .timeline import Timeline
 
 __all__ = ["ScheduleOption", "cost_option", "auto_schedule_options", "inflight_per_stage", "split_stage_times_s",
-           "split_cut_times_s", "split_step_tail", "predict_split_step_s", "predict_split", "fit_ranks"]
+           "split_cut_times_s", "split_step_tail", "predict_split_step_s", "predict_split", "fit_ranks",
+           "memory_limited"]
 
 
 @dataclass
@@ -212,7 +214,7 @@ def cost_option(
         optimizer_factor=optimizer_factor, link_default=link_default, stages_per_rank=v, n_microbatches=m,
     )
     option.problem = problem
-    limited = bool(np.isfinite(problem.capacity_bytes).any()) and problem.fwd_s is not None
+    limited = memory_limited(problem)
     keep = (lambda pb: [solve_bottleneck(pb)]) if objective == "bottleneck" else candidate_partitions
     gap = _rank_gap_fn(option, problem, costs, traced, ranks, optimizer_factor)
     try:
@@ -231,9 +233,10 @@ def cost_option(
         results += _tightened(problem, again, gap, _search_or_none(again, problem))
     if not results:
         raise _infeasible_with_recompute(problem, gap)
+    units = layer_units(traced)
     peers: list[list[int]] = []
     if objective != "bottleneck":  # the step decides: the peers', the layer-level and (if few) every split compete
-        extra, peers = more_candidates(problem, traced, costs, results)
+        extra, peers = more_candidates(problem, traced, costs, results, units)
         results = [*results, *extra]
     option.candidates = len(results)
     scored = []
@@ -241,7 +244,7 @@ def cost_option(
         again, step, fits = fit_ranks(option, problem, r, costs, traced, ranks, rank_devices, optimizer_factor,
                                        limited, allow_recompute)
         scored.append((step, r, fits, again))
-    pick = prefer_layer_split([(step, r, fits) for step, r, fits, _ in scored], layer_starts(traced),
+    pick = prefer_layer_split([(step, r, fits) for step, r, fits, _ in scored], units.starts,
                               margin=inside_block_margin, peers=peers)
     option.predicted_step_s, option.result, _, option.recompute = scored[pick]
     cuts, again = option.result.cuts, option.recompute
@@ -254,6 +257,11 @@ def cost_option(
         problem, timeline, n_microbatches=m, stages_per_rank=v, rank_speed=[d.speed for d in rank_devices],
         action_overhead_s=option.action_overhead_s, tail=option.step_tail)
     return option
+
+
+def memory_limited(problem: PartitionProblem) -> bool:
+    """Whether some stage's device has a memory limit the splits are checked against (and may recompute for)."""
+    return bool(np.isfinite(problem.capacity_bytes).any()) and problem.fwd_s is not None
 
 
 def _memory_binds(problem: PartitionProblem, results: Sequence[PartitionResult],

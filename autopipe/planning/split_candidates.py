@@ -35,12 +35,12 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import InfeasibleMemoryError
-from .baselines import BASELINES, baseline_split, layer_units
+from .baselines import BASELINES, LayerUnits, baseline_split
 from .costgraph import SegmentCost
 from .partitioner import PartitionProblem, PartitionResult, candidate_partitions, evaluate
 from .trace import TracedModel
 
-__all__ = ["BRUTE_FORCE_MAX", "INSIDE_BLOCK_MARGIN", "layer_starts", "layer_problem", "every_split",
+__all__ = ["BRUTE_FORCE_MAX", "INSIDE_BLOCK_MARGIN", "layer_problem", "every_split",
            "more_candidates", "prefer_layer_split"]
 
 #: Splits into stages that a small problem has at most for all of them to be costed.
@@ -52,11 +52,6 @@ BRUTE_FORCE_MAX = 64
 INSIDE_BLOCK_MARGIN = 0.01
 # Thresholds on the geometric ladder of the layer-level search (candidate_partitions' steps).
 _LAYER_STEPS = 4
-
-
-def layer_starts(traced: TracedModel) -> list[int]:
-    """The first segment of every layer a framework sees, in order (0 first)."""
-    return sorted(set(layer_units(traced).starts))
 
 
 def layer_problem(problem: PartitionProblem, starts: Sequence[int]) -> PartitionProblem:
@@ -85,8 +80,10 @@ def every_split(problem: PartitionProblem) -> list[PartitionResult]:
 
 
 def more_candidates(problem: PartitionProblem, traced: TracedModel, costs: Sequence[SegmentCost],
-                    have: Sequence[PartitionResult]) -> tuple[list[PartitionResult], list[list[int]]]:
+                    have: Sequence[PartitionResult], units: LayerUnits) -> tuple[list[PartitionResult], list[list[int]]]:
     """The splits to cost beside ``have``: every split of a small problem, the layer-level ones, the peers'.
+
+    ``units`` are the model's layers (:func:`~autopipe.planning.baselines.layer_units`).
 
     Returns:
         ``(new splits, the peers' cuts)``: splits not already in ``have``, and the cuts of
@@ -104,14 +101,13 @@ def more_candidates(problem: PartitionProblem, traced: TracedModel, costs: Seque
     if p > 1 and math.comb(n - 1, p - 1) <= BRUTE_FORCE_MAX:
         for r in every_split(problem):
             add(r.cuts)
-    starts = layer_starts(traced)
+    starts = units.starts
     if p > 1 and len(starts) >= p:
         try:
             for r in candidate_partitions(layer_problem(problem, starts), steps=_LAYER_STEPS):
                 add([starts[u] for u in r.cuts])
         except InfeasibleMemoryError:  # no layer-level split fits: the segment-level search stands
             pass
-    units = layer_units(traced)
     peers = []
     for name in BASELINES:
         split = baseline_split(name, traced, costs, p, units)
