@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from .._checks import check_int
+from ..machine.timing import synchronize
 from ..planning.plan import Plan
 from ..planning.plan_records import TuningRecord
 from .pipeline import Pipeline
@@ -115,7 +116,7 @@ def tune(model: torch.nn.Module, *args: Any, target: Any, plan: Plan, candidates
             dist.barrier()
             t0 = time.perf_counter()
             pipe.step(*args, target=target)
-            _synchronize(pipe.device)
+            synchronize(pipe.device)  # a GPU step ends when its kernels do
             if r >= 0:
                 times[k, r] = time.perf_counter() - t0
     for pipe in pipes:
@@ -133,8 +134,3 @@ def tune(model: torch.nn.Module, *args: Any, target: Any, plan: Plan, candidates
     winner.plan = copy.copy(winner.plan)
     winner.plan.tuning = record
     return winner
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
