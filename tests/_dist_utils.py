@@ -72,3 +72,11 @@ def run_world(fn: Callable, world_size: int, *args: Any, timeout_s: float = 120.
     if errors:
         raise WorldFailed(errors, dict(enumerate(exit_codes)))
     return [results[r][1] for r in range(world_size)]
+
+
+def token_batch(step: int, *, rows: int, seq: int, vocab: int) -> tuple[Any, Any]:
+    """Batch ``step`` of a token model: ids and targets, (rows, seq) each, the same on every rank."""
+    import torch
+
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, vocab, (rows, seq), generator=g), torch.randint(0, vocab, (rows, seq), generator=g)

@@ -13,6 +13,7 @@ import copy
 import torch
 import torch.nn as nn
 
+from _dist_utils import token_batch
 from autopipe.runtime import Pipeline
 
 VOCAB = 16
@@ -63,9 +64,7 @@ class ReuseLM(nn.Module):
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 + step)
-    n = MICROBATCH * N_MICROBATCHES
-    return torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    return token_batch(step, rows=MICROBATCH * N_MICROBATCHES, seq=SEQ, vocab=VOCAB)
 
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

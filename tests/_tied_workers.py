@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from _dist_utils import token_batch
 from autopipe.runtime import Pipeline
 
 VOCAB = 32
@@ -130,9 +131,7 @@ def tied_model(seed: int = 0, **options) -> TiedEncoderDecoder:
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Batch ``step``: token ids and targets, (MICROBATCH * N_MICROBATCHES, SEQ) each."""
-    g = torch.Generator().manual_seed(100 + step)
-    n = MICROBATCH * N_MICROBATCHES
-    return torch.randint(0, VOCAB, (n, SEQ), generator=g), torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    return token_batch(step, rows=MICROBATCH * N_MICROBATCHES, seq=SEQ, vocab=VOCAB)
 
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

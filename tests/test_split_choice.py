@@ -19,8 +19,8 @@ from torch import nn
 import autopipe
 from autopipe import ProfileOptions
 from autopipe.planning.costgraph import SegmentCost
-from autopipe.planning.partitioner import PartitionProblem
-from autopipe.planning.split_candidates import (BRUTE_FORCE_MAX, every_split, layer_problem, prefer_layer_split)
+from autopipe.planning.partitioner import PartitionProblem, every_split
+from autopipe.planning.split_candidates import BRUTE_FORCE_MAX, layer_problem, prefer_layer_split
 
 pytestmark = pytest.mark.unit
 

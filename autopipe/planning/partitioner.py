@@ -57,6 +57,7 @@ __all__ = [
     "candidate_partitions",
     "evaluate",
     "brute_force",
+    "every_split",
 ]
 
 
@@ -539,12 +540,21 @@ def solve_min_memory(problem: PartitionProblem) -> float:
     return float((mems / ratio).max())
 
 
+def every_split(problem: PartitionProblem) -> list[PartitionResult]:
+    """Every split of ``problem`` into its stages, evaluated (check the count with :func:`math.comb` first).
+
+    Example:
+        >>> [r.cuts for r in every_split(PartitionProblem.uniform([1.0, 1.0, 1.0, 1.0], 2))]
+        [[1], [2], [3]]
+    """
+    n, p = problem.num_segments, problem.num_stages
+    return [evaluate(problem, list(cuts)) for cuts in itertools.combinations(range(1, n), p - 1)]
+
+
 def brute_force(problem: PartitionProblem) -> PartitionResult | None:
     """The optimum by trying every set of cuts; for tests on small problems only."""
-    n, p = problem.num_segments, problem.num_stages
     best = None
-    for cuts in itertools.combinations(range(1, n), p - 1):
-        r = evaluate(problem, list(cuts))
+    for r in every_split(problem):
         if r.fits_memory and (best is None or r.bottleneck_s < best.bottleneck_s):
             best = r
     return best

@@ -22,9 +22,9 @@ more tensors and means nothing to a user or a framework.
 
 Example:
     >>> from autopipe.planning.partitioner import PartitionProblem
-    >>> problem = PartitionProblem.uniform([1.0, 1.0, 1.0, 1.0], 2)
-    >>> [r.cuts for r in every_split(problem)]
-    [[1], [2], [3]]
+    >>> problem = PartitionProblem.uniform([1.0, 2.0, 3.0], 2)
+    >>> layer_problem(problem, [0, 2]).compute_s.tolist()
+    [3.0, 3.0]
 """
 
 from __future__ import annotations
@@ -37,11 +37,10 @@ import numpy as np
 from ..errors import InfeasibleMemoryError
 from .baselines import BASELINES, LayerUnits, baseline_split
 from .costgraph import SegmentCost
-from .partitioner import PartitionProblem, PartitionResult, candidate_partitions, evaluate
+from .partitioner import PartitionProblem, PartitionResult, candidate_partitions, evaluate, every_split
 from .trace import TracedModel
 
-__all__ = ["BRUTE_FORCE_MAX", "INSIDE_BLOCK_MARGIN", "layer_problem", "every_split",
-           "more_candidates", "prefer_layer_split"]
+__all__ = ["BRUTE_FORCE_MAX", "INSIDE_BLOCK_MARGIN", "layer_problem", "more_candidates", "prefer_layer_split"]
 
 #: Splits into stages that a small problem has at most for all of them to be costed.
 BRUTE_FORCE_MAX = 64
@@ -69,14 +68,6 @@ def layer_problem(problem: PartitionProblem, starts: Sequence[int]) -> Partition
         "cut_fwd_bytes": at_cuts(problem.cut_fwd_bytes), "cut_bwd_bytes": at_cuts(problem.cut_bwd_bytes),
         "cut_fwd_messages": at_cuts(problem.cut_fwd_messages), "cut_bwd_messages": at_cuts(problem.cut_bwd_messages),
     })
-
-
-def every_split(problem: PartitionProblem) -> list[PartitionResult]:
-    """Every split of ``problem`` into its stages (check the count with :func:`math.comb` first)."""
-    from itertools import combinations
-
-    n, p = problem.num_segments, problem.num_stages
-    return [evaluate(problem, list(c)) for c in combinations(range(1, n), p - 1)]
 
 
 def more_candidates(problem: PartitionProblem, traced: TracedModel, costs: Sequence[SegmentCost],
