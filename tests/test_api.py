@@ -196,7 +196,10 @@ def test_the_old_profile_keywords_warn_and_plan_the_same(small_transformer, cost
     # cost= beside costs= named where the costs came from: the plan keeps saying so.
     with pytest.warns(DeprecationWarning):
         labelled = autopipe.partition(model, 2, args, costs=costs, cost="flops")
-    assert labelled.cost_source == "flops" and labelled.split_points == new.split_points
+    # (The split may differ: a plan labelled with counted costs takes an inside-block cut on any
+    # predicted gain, a measured one only past the profile's noise margin.)
+    assert labelled.cost_source == "flops"
+    assert [seg.fwd_s for seg in labelled.segments] == [seg.fwd_s for seg in new.segments]
 
 
 def test_the_old_scaling_keyword_warns_and_plans_the_same(small_transformer):

@@ -54,11 +54,13 @@ def test_the_step_tail_merges_broadcasts_and_all_reduces_tied_gradients():
                                copy_bandwidth=1e10, shared_bytes=[(4e6, 2), (1e6, 1)])
     assert tail.merge_outputs_s == pytest.approx(8 * 1e6 / 1e10)
     assert tail.loss_broadcast_s == 1e-5
+    assert tail.start_agreement_s == 1e-5  # every rank agrees to start: one small all-reduce
     # Packed and unpacked (2 copies), ring all-reduce over 2 ranks: 2 (h-1)/h of the bytes, 2 (h-1) hops;
     # a tied weight held on one rank costs nothing.
     assert tail.shared_grads_s == pytest.approx(2 * 4e6 / 1e10 + 2 * 1 / 2 * 4e6 / 1e9 + 2 * 1e-5)
-    assert tail.total_s == pytest.approx(tail.merge_outputs_s + tail.loss_broadcast_s + tail.shared_grads_s)
-    assert tail.any_split_s == pytest.approx(tail.merge_outputs_s + tail.loss_broadcast_s)
+    assert tail.total_s == pytest.approx(tail.merge_outputs_s + tail.loss_broadcast_s + tail.start_agreement_s
+                                         + tail.shared_grads_s)
+    assert tail.any_split_s == pytest.approx(tail.merge_outputs_s + tail.loss_broadcast_s + tail.start_agreement_s)
     one_rank = costmodel.step_tail(n_microbatches=8, out_bytes=0, n_ranks=1, bandwidth=1e9, latency_s=1e-5,
                                    copy_bandwidth=1e10)
     assert one_rank == StepTail()

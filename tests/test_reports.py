@@ -317,15 +317,17 @@ def test_merge_rank_traces_refuses_something_that_is_not_a_trace():
         merge_rank_traces([{"events": []}])
 
 
-def test_reports_say_what_the_step_spends_after_its_last_action(plan):
+def test_reports_say_what_the_step_spends_around_its_actions(plan):
     from autopipe.reporting.data import report_data
     from autopipe.reporting.markdown import plan_to_markdown
 
     data = report_data(plan)
     assert data["summary"]["step_tail_s"] == {"merge_outputs_s": plan.step_tail.merge_outputs_s,
                                               "loss_broadcast_s": plan.step_tail.loss_broadcast_s,
-                                              "shared_grads_s": plan.step_tail.shared_grads_s}
+                                              "shared_grads_s": plan.step_tail.shared_grads_s,
+                                              "start_agreement_s": plan.step_tail.start_agreement_s}
     text = plan_to_markdown(data)
     assert f"spends {plan.step_tail_s() * 1e3:.2f} ms once" in text and "loss broadcast" in text
+    assert "start agreement" in text
     # A training step keeps no outputs (torch 2.10 and later), so there is no merge to report.
     assert ("merge outputs" in text) == (plan.step_tail.merge_outputs_s > 0)

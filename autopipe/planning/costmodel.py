@@ -28,6 +28,7 @@ disagree with another. Times are per micro-batch and bytes per device unless a n
 
       merge_outputs_s  = m * out_bytes / copy_bandwidth
       loss_broadcast_s = latency_s                            (0 on one rank)
+      start_agreement_s = latency_s                           (0 on one rank)
       shared_grads_s   = sum over tied weights held on h > 1 ranks of
                          2 * nbytes / copy_bandwidth + 2 (h-1)/h * nbytes / bandwidth + 2 (h-1) * latency_s
 
@@ -55,7 +56,7 @@ disagree with another. Times are per micro-batch and bytes per device unless a n
 * lower bounds: on the heaviest stage (:func:`bottleneck_lower_bound_s`)
   ``max(sum(C) / sum(speed), max(C) / max(speed))``, and on the step under a schedule
   (:func:`step_lower_bound_s`) ``max(m * rank work + its actions' overhead,
-  sum(C) / max(speed)) + merge_outputs_s + loss_broadcast_s``.
+  sum(C) / max(speed)) + merge_outputs_s + loss_broadcast_s + start_agreement_s``.
 
 The module imports neither torch nor the simulator at import time; the simulator is
 loaded on the first prediction.
@@ -109,6 +110,8 @@ class StepTail:
       into the step's result (a copy into fresh memory);
     - ``loss_broadcast_s``: autopipe broadcasts the mean loss from the last rank (one
       latency), so every rank returns it;
+    - ``start_agreement_s``: before the first action every rank agrees to start the step (one
+      small all-reduce, one latency), so a rank whose inputs fail a check stops all of them;
     - ``shared_grads_s``: a tied parameter (GPT-2's embedding and head) whose readers landed
       on different ranks has its gradient summed across them (pack, ring all-reduce, unpack).
 
@@ -120,16 +123,17 @@ class StepTail:
     merge_outputs_s: float = 0.0
     loss_broadcast_s: float = 0.0
     shared_grads_s: float = 0.0
+    start_agreement_s: float = 0.0
 
     @property
     def total_s(self) -> float:
         """All of the tail: what the predicted step adds to the simulated schedule."""
-        return self.merge_outputs_s + self.loss_broadcast_s + self.shared_grads_s
+        return self.any_split_s + self.shared_grads_s
 
     @property
     def any_split_s(self) -> float:
-        """The part every split pays (merging outputs, the loss broadcast); tied gradients may not."""
-        return self.merge_outputs_s + self.loss_broadcast_s
+        """The part every split pays (merging outputs, the loss broadcast, the start); tied gradients may not."""
+        return self.merge_outputs_s + self.loss_broadcast_s + self.start_agreement_s
 
 
 # --------------------------------------------------------------------------- stage and cut times
@@ -309,12 +313,12 @@ def step_tail(*, n_microbatches: int, out_bytes: float, n_ranks: int, bandwidth:
         0.0004
     """
     merge = n_microbatches * out_bytes / copy_bandwidth
-    loss = latency_s if n_ranks > 1 else 0.0
+    loss = latency_s if n_ranks > 1 else 0.0  # the loss broadcast, and again the agreement to start
     shared = 0.0
     for nbytes, h in shared_bytes:
         if h > 1:  # ring all-reduce: 2(h-1)/h of the bytes each way, 2(h-1) hops
             shared += 2 * nbytes / copy_bandwidth + 2 * (h - 1) / h * nbytes / bandwidth + 2 * (h - 1) * latency_s
-    return StepTail(float(merge), float(loss), float(shared))
+    return StepTail(float(merge), float(loss), float(shared), float(loss))
 
 
 # --------------------------------------------------------------------------- the step

@@ -59,7 +59,7 @@ def typed_parts(c: FieldCheck, raw: dict[str, Any], shape: PlanShape) -> dict[st
         out["machine"] = MachineModel(**machine)
     if "step_tail" in raw:
         out["step_tail"] = StepTail(**c.record("step_tail", raw["step_tail"], dict.fromkeys(
-            ("merge_outputs_s", "loss_broadcast_s", "shared_grads_s"), c.number), frozenset()))
+            ("merge_outputs_s", "loss_broadcast_s", "shared_grads_s", "start_agreement_s"), c.number), frozenset()))
     if "rank_peak_bytes" in raw:
         out["rank_peak_bytes"] = _sized(c, "rank_peak_bytes", c.sequence("rank_peak_bytes", raw["rank_peak_bytes"],
                                                                          c.integer), shape.ranks)

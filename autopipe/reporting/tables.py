@@ -225,16 +225,16 @@ def measured_table(data: dict[str, Any]) -> Table | None:
 
 
 def tail_note(data: dict[str, Any]) -> str:
-    """A sentence on the step's once-per-step tail, which the timeline does not draw ('' if none).
+    """A sentence on the step's once-per-step work, which the timeline does not draw ('' if none).
 
     Example:
         >>> tail_note({"summary": {"step_tail_s": {"merge_outputs_s": 0.002}}})
-        ' After the last action the step also spends 2.00 ms once (merge outputs 2.00 ms), included in the predicted step.'
+        ' Around its actions the step also spends 2.00 ms once (merge outputs 2.00 ms), included in the predicted step.'
     """
     tail = data.get("summary", {}).get("step_tail_s") or {}
     total = sum(tail.values())
     if total <= 0:
         return ""
     parts = ", ".join(f"{k.removesuffix('_s').replace('_', ' ')} {v * 1e3:.2f} ms" for k, v in tail.items() if v > 0)
-    return (f" After the last action the step also spends {total * 1e3:.2f} ms once ({parts}), "
+    return (f" Around its actions the step also spends {total * 1e3:.2f} ms once ({parts}), "
             "included in the predicted step.")

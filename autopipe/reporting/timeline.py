@@ -5,8 +5,8 @@ model the planner used (:mod:`autopipe.planning.costmodel`): stage ``s`` runs ``
 ``bwd_s`` per micro-batch, and each cut delays each tensor by
 :func:`~autopipe.planning.costmodel.cut_time_s` (:meth:`Plan.cut_comm_s
 <autopipe.planning.plan.Plan.cut_comm_s>`). The result's ``step_s`` plus
-``plan.step_tail_s()`` (the once-per-step work after the schedule's last action: merging
-outputs, the loss broadcast, tied gradients) is the plan's ``predicted_step_s``.
+``plan.step_tail_s()`` (the once-per-step work around the schedule's actions: the ranks'
+agreement to start, merging outputs, the loss broadcast, tied gradients) is the plan's ``predicted_step_s``.
 
 Example:
     >>> from autopipe.planning.plan import Plan, StagePlan
