@@ -355,7 +355,8 @@ def test_split_backward_schedules_charge_the_copy_of_each_stage_output(monkeypat
     kw = dict(example_args=args, cost=counted_costs(model, args), schedule="ZBVZeroBubble", n_microbatches=4,
               profiling=QUIET_CPU)
     with_copies = autopipe.partition(model, 2, **kw)
-    monkeypatch.setattr(schedules, "SPLIT_BACKWARD_SCHEDULES", ())
+    spec = schedules.SCHEDULE_SPECS["ZBVZeroBubble"]
+    monkeypatch.setitem(schedules.SCHEDULE_SPECS, "ZBVZeroBubble", replace(spec, split_backward=False))
     without = autopipe.partition(model, 2, **kw)
     assert with_copies.split_points == without.split_points
     smallest_cut = min(st.send_bytes for st in with_copies.stages[:-1])

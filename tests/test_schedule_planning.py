@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 
 import pytest
+import torch
 
 import autopipe
 from autopipe.planning.profile import profile_segments
@@ -309,3 +310,24 @@ def test_calibration_scales_the_gradient_accumulation_with_the_rest_of_the_backw
         assert sum(c.step_bwd_s(4) for c in part) == pytest.approx(b)
         old = some[st.first_segment: st.last_segment + 1]
         assert [c.accum_s for c in part] == pytest.approx([2.0 * c.accum_s for c in old])
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"])
+def test_the_planner_and_the_runtime_read_one_schedule_record(small_transformer, costs, schedule):
+    # partition() and Pipeline left to their defaults hold the same stages per rank: the
+    # registry's, which also names torch's class.
+    from autopipe.planning.schedules import SCHEDULE_SPECS, schedule_class
+    from autopipe.runtime.plan_setup import PlanRequest, settle_plan
+
+    model, args = small_transformer
+    spec = SCHEDULE_SPECS[schedule]
+    assert schedule_class(schedule).__name__ == spec.torch_class
+    plan = autopipe.partition(model, 2, example_args=args, cost=costs, schedule=schedule, n_microbatches=4)
+    assert plan.stages_per_rank == spec.default_stages_per_rank
+    # The runtime settles a hand split against its own default before any communication: one
+    # split point short of the planner's stage count is refused, naming the same default.
+    short = plan.split_points[:-1]
+    request = PlanRequest.checked(model, split_points=short, schedule=schedule, n_microbatches=4)
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match=rf"2 ranks x stages_per_rank={plan.stages_per_rank} need {plan.num_stages}"):
+        settle_plan(request, model, args, None, None, rank=0, world_size=2, device=cpu, comm_device=cpu)

@@ -525,7 +525,7 @@ def test_non_integer_microbatch_count_is_a_type_error():
 
 def test_weight_grad_longer_than_the_backward_is_rejected():
     with pytest.raises(ValueError, match=r"wgrad_s\[0\] = 3.0 exceeds bwd_s\[0\] = 2.0"):
-        simulate([1.0], [2.0], schedule="InterleavedZeroBubble", n_microbatches=1,
+        simulate([1.0], [2.0], schedule="InterleavedZeroBubble", n_microbatches=1, stages_per_rank=1,
                  wgrad_s=[3.0])
 
 

@@ -124,8 +124,10 @@ def partition(
             count), and keeps the fastest that fits (``plan.microbatch_size``).
         global_batch: Samples per optimizer step. Needed for ``n_microbatches="auto"``;
             with a fixed ``n_microbatches`` it must be divisible by it.
-        stages_per_rank: Stages per rank for multi-stage schedules (default: 2 for the
-            V-shaped ones, 1 otherwise). The plan has ``n_gpus * stages_per_rank`` stages.
+        stages_per_rank: Stages per rank (default: 1 for GPipe and 1F1B, 2 for the others,
+            as :class:`~autopipe.Pipeline` runs them:
+            :func:`~autopipe.planning.schedules.default_stages_per_rank`). The plan has
+            ``n_gpus * stages_per_rank`` stages.
         objective: ``"step"`` (default): the split whose simulated step time under the
             schedule is lowest, among bottleneck-optimal and near-optimal splits;
             ``"bottleneck"``: the exact min-max split alone (fastest to compute).
@@ -488,7 +490,7 @@ def _resolve_options(
     except ValueError as e:  # the planner also takes "auto": say so beside torch's names
         raise ValueError(f"{e}, or 'auto' to compare them all") from None
     if stages_per_rank is None:
-        stages_per_rank = 2 if schedule in ("ZBVZeroBubble", "DualPipeV") else 1
+        stages_per_rank = sim.default_stages_per_rank(schedule)
     stages_per_rank = check_int("stages_per_rank", stages_per_rank)
     check_at_most("stages_per_rank", stages_per_rank, MAX_STAGES // n_gpus,
                   f"on n_gpus={n_gpus} (MAX_STAGES={MAX_STAGES} stages in all)")

@@ -352,7 +352,7 @@ def _rank_peaks(option: ScheduleOption, problem: PartitionProblem, cuts: Sequenc
         stage_static_bytes=[float(problem.static_bytes[i:j].sum()) for i, j in zip(edges, edges[1:])],
         stage_act_bytes=[int(problem.act_bytes[i:j].sum()) for i, j in zip(edges, edges[1:])],
         cut_fwd_bytes=[problem.cut_fwd_bytes[k] for k in cuts], cut_bwd_bytes=[problem.cut_bwd_bytes[k] for k in cuts],
-        split_backward=option.schedule in schedules.SPLIT_BACKWARD_SCHEDULES,
+        split_backward=schedules.schedule_spec(option.schedule).split_backward,
         merge_bytes=m * merged_output_bytes(costs),
         overcount=rank_overcount_bytes(traced, cuts, ranks, optimizer_factor),
         recompute=again, stage_input_bytes=[float(into[i]) for i in edges[:-1]],
@@ -480,10 +480,7 @@ def auto_schedule_options(n_gpus: int, n_microbatches: int, num_segments: int) -
         >>> auto_schedule_options(n_gpus=1, n_microbatches=2, num_segments=4)
         [('GPipe', 1), ('1F1B', 1)]
     """
-    pairs = [("GPipe", 1), ("1F1B", 1)]
-    for sched in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble"):
-        pairs += [(sched, 2), (sched, 4)]
-    pairs += [("ZBVZeroBubble", 2), ("DualPipeV", 2)]
+    pairs = [(spec.name, v) for spec in schedules.SCHEDULE_SPECS.values() for v in spec.auto_stages_per_rank]
     usable = []
     for sched, v in pairs:
         if n_gpus * v > num_segments or (n_gpus == 1 and v > 1):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 from unittest import mock
 
@@ -37,10 +38,11 @@ __all__ = [
     "INPUT_GRAD",
     "WEIGHT_GRAD",
     "SCHEDULES",
+    "SCHEDULE_SPECS",
+    "PLACEMENTS",
     "MAX_SCHEDULE_SIZE",
-    "SEND_RETENTION",
-    "SPLIT_BACKWARD_SCHEDULES",
     "TRAINING_STEP_KWARGS",
+    "ScheduleSpec",
     "Action",
     "action_inputs",
     "action_order",
@@ -50,6 +52,7 @@ __all__ = [
     "check_schedule_size",
     "default_stages_per_rank",
     "schedule_class",
+    "schedule_spec",
     "stage_ranks",
     "training_merges_outputs",
     "validate_schedule",
@@ -78,16 +81,68 @@ def training_merges_outputs() -> bool:
     return "return_outputs" not in TRAINING_STEP_KWARGS
 
 
+#: Where a schedule puts a rank's stages: one stage per rank ("single", torch's
+#: PipelineScheduleSingle), stage ``s`` on rank ``s % n_ranks`` ("looped"), or rank ``r``
+#: holding stages ``r`` and ``2 * n_ranks - 1 - r`` ("v").
+PLACEMENTS = ("single", "looped", "v")
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """What autopipe knows about one schedule: the one record every module reads.
+
+    Attributes:
+        name: the canonical spelling, torch's name without its ``Schedule`` prefix.
+        torch_class: the class in ``torch.distributed.pipelining.schedules``.
+        placement: one of :data:`PLACEMENTS`.
+        split_backward: the backward is two actions, input-grad (I) and weight-grad (W).
+            torch then detaches each stage's output in place, so autopipe's runtime sends a
+            copy of it (``autopipe.runtime.compat.guard_stage_boundaries``), one more tensor
+            per micro-batch.
+        send_retention: when torch waits on a sent tensor (and so frees it): ``"next"``
+            (1F1B: at its next send), ``"gpipe"`` (backward sends at the end of the step;
+            forward sends after the last forward, before the backward that frees those
+            outputs anyway, so they cost nothing extra) or ``"step"`` (every
+            ``_PipelineScheduleRuntime``: at the end of the step). Read from torch's
+            ``_step_microbatches`` of each class.
+        default_stages_per_rank: stages per rank when none is given, in planning and at run
+            time alike.
+        auto_stages_per_rank: the stages per rank ``schedule="auto"`` compares.
+
+    Example:
+        >>> spec = schedule_spec("zbvzerobubble")
+        >>> spec.name, spec.placement, spec.split_backward, spec.default_stages_per_rank
+        ('ZBVZeroBubble', 'v', True, 2)
+    """
+
+    name: str
+    torch_class: str
+    placement: str
+    split_backward: bool
+    send_retention: str
+    default_stages_per_rank: int
+    auto_stages_per_rank: tuple[int, ...]
+
+    def fixed_stages_per_rank(self) -> int | None:
+        """The only stages per rank the placement allows (1 single, 2 in a V), or None where any count runs."""
+        return {"single": 1, "v": 2}.get(self.placement)
+
+
+#: Every schedule autopipe can simulate and run, by canonical name, in torch's order of
+#: appearance. An interleaved (looped) schedule with one stage per rank is 1F1B with a
+#: deeper warm-up, so the looped ones default to 2 stages per rank.
+SCHEDULE_SPECS: dict[str, ScheduleSpec] = {spec.name: spec for spec in (
+    ScheduleSpec("GPipe", "ScheduleGPipe", "single", False, "gpipe", 1, (1,)),
+    ScheduleSpec("1F1B", "Schedule1F1B", "single", False, "next", 1, (1,)),
+    ScheduleSpec("Interleaved1F1B", "ScheduleInterleaved1F1B", "looped", False, "step", 2, (2, 4)),
+    ScheduleSpec("LoopedBFS", "ScheduleLoopedBFS", "looped", False, "step", 2, (2, 4)),
+    ScheduleSpec("InterleavedZeroBubble", "ScheduleInterleavedZeroBubble", "looped", True, "step", 2, (2, 4)),
+    ScheduleSpec("ZBVZeroBubble", "ScheduleZBVZeroBubble", "v", True, "step", 2, (2,)),
+    ScheduleSpec("DualPipeV", "ScheduleDualPipeV", "v", True, "step", 2, (2,)),
+)}
+
 #: Canonical names of the schedules autopipe can simulate and run, in torch's spelling.
-SCHEDULES: tuple[str, ...] = (
-    "GPipe",
-    "1F1B",
-    "Interleaved1F1B",
-    "LoopedBFS",
-    "InterleavedZeroBubble",
-    "ZBVZeroBubble",
-    "DualPipeV",
-)
+SCHEDULES: tuple[str, ...] = tuple(SCHEDULE_SPECS)
 
 #: Most (stage, micro-batch) pairs one step may hold: ``n_ranks * stages_per_rank *
 #: n_microbatches``. torch's order for a step, and the simulator's timeline of it, hold every
@@ -96,24 +151,22 @@ SCHEDULES: tuple[str, ...] = (
 #: (10**7 micro-batches) would exhaust the host's memory.
 MAX_SCHEDULE_SIZE = 2**18
 
-# torch's class for each schedule, looked up by name so a rename in torch fails loudly here.
-_TORCH_CLASS_NAMES = {
-    "GPipe": "ScheduleGPipe",
-    "1F1B": "Schedule1F1B",
-    "Interleaved1F1B": "ScheduleInterleaved1F1B",
-    "LoopedBFS": "ScheduleLoopedBFS",
-    "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
-    "ZBVZeroBubble": "ScheduleZBVZeroBubble",
-    "DualPipeV": "ScheduleDualPipeV",
-}
-# One stage per rank: torch's PipelineScheduleSingle subclasses.
-_SINGLE_STAGE = ("GPipe", "1F1B")
-# Two stages per rank in a V: rank r holds stages r and 2 * n_ranks - 1 - r.
-_V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
-
 # Action kinds, as in torch's _ComputationType: forward, full backward, input-grad, weight-grad.
 FORWARD, FULL_BACKWARD, INPUT_GRAD, WEIGHT_GRAD = "F", "B", "I", "W"
 _KINDS = (FORWARD, FULL_BACKWARD, INPUT_GRAD, WEIGHT_GRAD)
+
+
+def schedule_spec(name: str) -> ScheduleSpec:
+    """The :class:`ScheduleSpec` of a schedule name (any case, ``Schedule`` prefix optional).
+
+    Raises:
+        TypeError / ValueError: as :func:`canonical_schedule_name`.
+
+    Example:
+        >>> schedule_spec("Schedule1F1B").send_retention
+        'next'
+    """
+    return SCHEDULE_SPECS[canonical_schedule_name(name)]
 
 
 class Action(NamedTuple):
@@ -130,19 +183,6 @@ class Action(NamedTuple):
     def __str__(self) -> str:
         # torch's own spelling ("2F0" = stage 2 forward of micro-batch 0), so orders compare by eye.
         return f"{self.stage}{self.kind}{self.microbatch}"
-
-
-#: Schedules whose backward is two actions, input-grad (I) and weight-grad (W). torch then
-#: detaches each stage's output in place, so autopipe's runtime sends a copy of it
-#: (``autopipe.runtime.compat.guard_stage_boundaries``), one more tensor per micro-batch.
-SPLIT_BACKWARD_SCHEDULES: tuple[str, ...] = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-
-#: When torch waits on a sent tensor (and so frees it), per schedule: "next" (1F1B: at its
-#: next send), "gpipe" (backward sends at the end of the step; forward sends after the last
-#: forward, before the backward that frees those outputs anyway, so they cost nothing
-#: extra); every other schedule (``_PipelineScheduleRuntime``: "step") at the end of the
-#: step. Read from torch's ``_step_microbatches`` of each class.
-SEND_RETENTION: dict[str, str] = {"1F1B": "next", "GPipe": "gpipe"}
 
 
 # ---------------------------------------------------------------------------------------
@@ -197,20 +237,20 @@ def schedule_class(name: str) -> type:
         >>> schedule_class("gpipe").__name__
         'ScheduleGPipe'
     """
-    return getattr(torch_schedules, _TORCH_CLASS_NAMES[canonical_schedule_name(name)])
+    return getattr(torch_schedules, schedule_spec(name).torch_class)
 
 
 def default_stages_per_rank(schedule: str) -> int:
-    """Stages per rank a schedule takes when none is given: 2 for the V-shaped ones, else 1.
+    """Stages per rank a schedule takes when none is given: 1 for GPipe and 1F1B, else 2.
 
     Args:
-        schedule: a canonical name, an element of :data:`SCHEDULES`.
+        schedule: a schedule name (see :func:`schedule_spec`).
 
     Example:
         >>> default_stages_per_rank("DualPipeV"), default_stages_per_rank("1F1B")
         (2, 1)
     """
-    return 2 if schedule in _V_SHAPED else 1
+    return schedule_spec(schedule).default_stages_per_rank
 
 
 def validate_schedule(
@@ -229,8 +269,8 @@ def validate_schedule(
         name: schedule name (see :data:`SCHEDULES`).
         n_ranks: number of ranks (devices) in the pipeline, >= 1.
         n_microbatches: micro-batches per step, >= 1.
-        stages_per_rank: stages each rank holds; None means 2 for V-shaped schedules
-            (ZBVZeroBubble, DualPipeV) and 1 for the rest.
+        stages_per_rank: stages each rank holds; None means the schedule's default
+            (:func:`default_stages_per_rank`).
         check_order: False checks torch's counting rules alone, in constant time: neither
             the size bound nor torch's order (whose cost grows with the step).
 
@@ -256,13 +296,14 @@ def validate_schedule(
     if stages_per_rank is None:
         stages_per_rank = default_stages_per_rank(schedule)
     check_count("stages_per_rank", stages_per_rank)
-    if schedule in _SINGLE_STAGE and stages_per_rank != 1:
+    spec = SCHEDULE_SPECS[schedule]
+    if spec.placement == "single" and stages_per_rank != 1:
         raise ValueError(
             f"schedule {schedule!r} runs exactly 1 stage per rank, got stages_per_rank="
             f"{stages_per_rank}; use Interleaved1F1B, LoopedBFS or InterleavedZeroBubble "
             f"for more"
         )
-    if schedule in _V_SHAPED and stages_per_rank != 2:
+    if spec.placement == "v" and stages_per_rank != 2:
         raise ValueError(
             f"schedule {schedule!r} places exactly 2 stages per rank in a V, got "
             f"stages_per_rank={stages_per_rank}"
@@ -349,7 +390,7 @@ def stage_ranks(schedule: str, n_ranks: int, stages_per_rank: int | None = None)
     Args:
         schedule: schedule name.
         n_ranks: number of ranks, >= 1.
-        stages_per_rank: stages per rank; None = the schedule's default (2 for V, else 1).
+        stages_per_rank: stages per rank; None = the schedule's default (:func:`default_stages_per_rank`).
 
     Returns:
         ``ranks`` with ``ranks[s]`` the rank of stage ``s``.
@@ -367,7 +408,7 @@ def stage_ranks(schedule: str, n_ranks: int, stages_per_rank: int | None = None)
         stages_per_rank = default_stages_per_rank(schedule)
     check_count("stages_per_rank", stages_per_rank)
     n_stages = n_ranks * stages_per_rank
-    if schedule in _V_SHAPED:
+    if SCHEDULE_SPECS[schedule].placement == "v":
         return [s if s < n_ranks else 2 * n_ranks - 1 - s for s in range(n_stages)]
     return [s % n_ranks for s in range(n_stages)]
 
@@ -391,7 +432,7 @@ def action_order(
         schedule: schedule name.
         n_ranks: number of ranks, >= 1.
         n_microbatches: micro-batches per step, >= 1.
-        stages_per_rank: stages per rank; None = the schedule's default (2 for V, else 1).
+        stages_per_rank: stages per rank; None = the schedule's default (:func:`default_stages_per_rank`).
 
     Returns:
         ``order[rank]`` = that rank's actions in execution order.

@@ -71,9 +71,10 @@ def simulate(
         comm_s: seconds for a stage's output (forward) or input gradient (backward) to
             reach the neighbouring stage: one float for every cut, or one per cut
             (``n_stages - 1`` values, cut c between stage c and c + 1).
-        stages_per_rank: stages each rank holds; None = 2 for ZBVZeroBubble and DualPipeV
-            (torch requires it), 1 otherwise. Interleaved1F1B, LoopedBFS and
-            InterleavedZeroBubble take any value >= 1.
+        stages_per_rank: stages each rank holds; None = the schedule's default
+            (:func:`~autopipe.planning.schedules.default_stages_per_rank`: 1 for GPipe and 1F1B,
+            else 2). ZBVZeroBubble and DualPipeV need exactly 2; Interleaved1F1B, LoopedBFS
+            and InterleavedZeroBubble take any value >= 1.
         wgrad_s: per stage, the weight-grad share of ``bwd_s`` used when a zero-bubble
             schedule splits the backward into I (``bwd_s - wgrad_s``) and W (``wgrad_s``).
             Default: half of ``bwd_s``, the split zero-bubble papers assume for a layer

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._checks import check_int
-from .schedules import FORWARD, FULL_BACKWARD, INPUT_GRAD, SEND_RETENTION, WEIGHT_GRAD
+from .schedules import FORWARD, FULL_BACKWARD, INPUT_GRAD, SCHEDULE_SPECS, WEIGHT_GRAD
 
 __all__ = ["Event", "Timeline", "inflight_peaks"]
 
@@ -102,7 +102,7 @@ class Timeline:
         so ``peak_inflight * act_bytes`` would overstate memory; this walks the timeline.
 
         torch also keeps every tensor a rank has sent alive until it waits on the send, and
-        when it waits depends on the schedule class (:data:`~autopipe.planning.schedules.SEND_RETENTION`): the
+        when it waits depends on the schedule class (:attr:`ScheduleSpec.send_retention <autopipe.planning.schedules.ScheduleSpec>`): the
         multi-stage schedules (``_PipelineScheduleRuntime``) wait on all of a step's sends
         only at its end, GPipe on its backward sends at the end, 1F1B at its next send. A
         sent output is the stage's own output, which the stage keeps until that
@@ -150,7 +150,7 @@ class Timeline:
             if len(fwd) != self.n_stages or len(bwd) != self.n_stages or any(b < 0 for b in fwd + bwd):
                 raise ValueError(f"send_bytes must be (fwd, bwd), each {self.n_stages} non-negative numbers "
                                  f"(one per stage), got {send_bytes!r}")
-            sends = (fwd, bwd, SEND_RETENTION.get(self.schedule, "step"))
+            sends = (fwd, bwd, SCHEDULE_SPECS[self.schedule].send_retention if self.schedule in SCHEDULE_SPECS else "step")
         if work_bytes is not None and (len(work_bytes) != 2 or any(
                 len(w) != self.n_stages or any(b < 0 for b in w) for w in work_bytes)):
             raise ValueError(f"work_bytes must be (accumulating, first), each {self.n_stages} non-negative numbers "
@@ -280,7 +280,7 @@ def inflight_peaks(
         weights: per stage, what one in-flight micro-batch weighs (1 counts micro-batches,
             activation bytes give memory).
         sends: optional ``(fwd, bwd, retention)``: per stage, the bytes sent on and back per
-            micro-batch, and the schedule's :data:`~autopipe.planning.schedules.SEND_RETENTION`
+            micro-batch, and the schedule's :attr:`ScheduleSpec.send_retention <autopipe.planning.schedules.ScheduleSpec>`
             value ("next", "gpipe" or "step"), to add the sent tensors torch still holds.
         work: optional ``(accumulating, first)``, per stage, what a backward action allocates
             while it runs on top of everything the rank holds as it starts (its working set):

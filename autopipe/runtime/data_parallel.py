@@ -39,9 +39,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..planning.schedules import SPLIT_BACKWARD_SCHEDULES
+from ..planning.schedules import schedule_spec
 from .params import stage_state
-from .stages import V_SCHEDULES
 
 __all__ = ["DP_MODES", "DataParallel", "data_parallel_from_plan", "check_mesh_arguments", "resolve_data_parallel", "prepare_replicas",
            "local_tensor", "full_tensor"]
@@ -296,7 +295,8 @@ def prepare_replicas(dp: DataParallel, built: Any, schedule: str) -> None:
         prepare_replicas(dp, built, "1F1B")   # built: stages.build_rank_stages' result
     """
     if dp.mode == "fsdp":
-        if schedule in SPLIT_BACKWARD_SCHEDULES or schedule in V_SCHEDULES:
+        spec = schedule_spec(schedule)
+        if spec.split_backward or spec.placement == "v":
             raise ValueError(f"dp_mode='fsdp' runs schedules with one whole backward per stage and looped "
                              f"placement; schedule={schedule!r} is not one: use dp_mode='replicate'")
         if any(built.eval_modules[s] is not built.train_modules[s] for s in built.train_modules):

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ..planning.schedules import schedule_class
-from .stages import V_SCHEDULES, MicrobatchMeanLoss, RankStages, make_schedule, manual_stage, rewrap_stage
+from ..planning.schedules import schedule_class, schedule_spec
+from .stages import MicrobatchMeanLoss, RankStages, make_schedule, manual_stage, rewrap_stage
 from .step_failures import StepFailures
 
 __all__ = ["Inference", "zero_loss"]
@@ -79,7 +79,7 @@ class Inference:
         self._failures = failures
         self._device = device
         #: Whether torch can run this schedule forward-only (``schedule.eval``).
-        self.forward_only: bool = schedule not in V_SCHEDULES and hasattr(schedule_class(schedule), "eval")
+        self.forward_only: bool = schedule_spec(schedule).placement != "v" and hasattr(schedule_class(schedule), "eval")
         self._schedules: dict[tuple[bool, bool], Any] = {}  # (training, with_loss) -> schedule
 
     def placeholder_target(self) -> torch.Tensor | None:
@@ -92,7 +92,7 @@ class Inference:
         key = (training, with_loss)
         if key not in self._schedules:
             modules = self._train_modules if training else self._eval_modules
-            if self._schedule in V_SCHEDULES:
+            if schedule_spec(self._schedule).placement == "v":
                 stages = [manual_stage(modules[s], s, self._num_stages, self._device, self._batch) for s in modules]
             else:
                 # Fresh stage objects: a schedule keeps per-stage communication state that

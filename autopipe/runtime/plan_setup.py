@@ -36,11 +36,10 @@ from .._checks import check_int
 from ..planning.default_loss import pipeline_loss, traced_output
 from ..planning.options import PARTITION_OLD_KEYWORDS, PlannerOptions, ProfileOptions, fold_old_partition_keywords
 from ..planning.plan import Plan, StagePlan
-from ..planning.schedules import canonical_schedule_name, validate_schedule
+from ..planning.schedules import canonical_schedule_name, default_stages_per_rank, validate_schedule
 from ..planning.trace import resolve_example_inputs, trace
 from .distributed import broadcast_object, gather_digests
 from .materialize import on_meta, to_meta
-from .stages import SINGLE_STAGE_SCHEDULES
 
 __all__ = ["PlanRequest", "PipelineLayout", "settle_plan", "check_model_and_inputs", "planner_from_options",
            "deprecated_keywords", "profile_in_ranks_by_default", "rank_profile_settings", "planner_kwargs"]
@@ -175,7 +174,7 @@ def settle_plan(request: PlanRequest, model: nn.Module, example_args: tuple, exa
     else:
         schedule = schedule or "1F1B"
         n_ranks = request.n_ranks if request.n_ranks is not None else pipeline_ranks
-        stages_per_rank = stages_per_rank or (1 if schedule in SINGLE_STAGE_SCHEDULES else 2)
+        stages_per_rank = stages_per_rank or default_stages_per_rank(schedule)
         if request.split_points is not None:
             n_microbatches = n_microbatches or 2 * n_ranks
             stages = n_ranks * stages_per_rank

@@ -35,7 +35,7 @@ from ..machine.host_memory import return_freed_heap
 from ..planning import hf_compat
 from ..planning.inplace import clone_inputs_written_in_place
 from ..planning.plan import Plan
-from ..planning.schedules import SPLIT_BACKWARD_SCHEDULES, schedule_class
+from ..planning.schedules import schedule_class, schedule_spec
 from ..planning.trace import release_last_export, warn_if_host_randomness_is_frozen
 from .checkpointing import checkpoint_stage
 from .materialize import (WeightSource, check_state_fits, describe_weights, load_weights, materialize_leftovers,
@@ -49,16 +49,8 @@ from .params import (StateNames, first_model_difference, first_use_ranks, model_
 from .relay import relay_skip_connections
 from .step_failures import PlayThroughLoss, StepFailures, play_through_forward
 
-__all__ = ["SINGLE_STAGE_SCHEDULES", "V_SCHEDULES", "split_model", "run_generated_code", "RankStages",
+__all__ = ["split_model", "run_generated_code", "RankStages",
            "build_rank_stages", "manual_stage", "rewrap_stage", "MicrobatchMeanLoss", "make_schedule"]
-
-#: Schedules that run exactly one stage per rank (torch's PipelineScheduleSingle).
-SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
-#: Schedules that place a rank's two stages in a V (rank r: stages r and 2 * ranks - 1 - r).
-#: torch's Pipe.build_stage wires each stage's peers for the looped placement, so these get
-#: a manual PipelineStage, which learns its peers from the schedule.
-V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
-
 
 def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict], *, training: bool,
                 expected: int, unless_graph: list[str] | None = None) -> Any:
@@ -307,7 +299,7 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
             is_param = canon in names.parameter_names
             tensor = local_model.get_parameter(canon) if is_param else local_model.get_buffer(canon)
             unheld[canon] = tensor.detach().cpu().clone()
-    split_backward = schedule in SPLIT_BACKWARD_SCHEDULES
+    split_backward = schedule_spec(schedule).split_backward
     train_stages = [train_pipe.build_stage(s, device, pp_group) for s in stage_indices]  # also rewrites device constants
     train_modules = {st.stage_index: st.submod for st in train_stages}
     state, use_leaves = _share_local_replicas(train_modules, names, leaf_per_use=split_backward)
@@ -322,7 +314,9 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
     for module in {id(m): m for m in (*train_modules.values(), *eval_modules.values())}.values():
         guard_stage_boundaries(module, fresh_outputs=split_backward)
     batch = TracedBatch(train_pipe.autopipe_io, example, n_microbatches)
-    if schedule in V_SCHEDULES:
+    if schedule_spec(schedule).placement == "v":
+        # torch's Pipe.build_stage wires each stage's peers for the looped placement; a stage
+        # placed in a V is a manual PipelineStage, which learns its peers from the schedule.
         train_stages = [manual_stage(train_modules[s], s, num_stages, device, batch, pp_group)
                         for s in stage_indices]
     for module in train_modules.values():
@@ -514,5 +508,5 @@ def make_schedule(schedule: str, stages: list, n_microbatches: int, loss_fn: Cal
     # earlier steps.
     if "scale_grads" in inspect.signature(cls.__init__).parameters:
         kwargs["scale_grads"] = False
-    first = stages[0] if schedule in SINGLE_STAGE_SCHEDULES else stages
+    first = stages[0] if schedule_spec(schedule).placement == "single" else stages
     return cls(first, n_microbatches, **kwargs)
