@@ -228,7 +228,9 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
         plans = r.get("partition_splits") or []
         same = f"{plans.count(r['chosen'])}/{len(plans)}" if plans else "–"
         own = r.get("pipeline_splits") or []
-        rows.append([r["model"], f"`{r['chosen']}`", ratio(r["chosen_vs_fastest"]), f"`{r['fastest']}`",
+        per_world = r.get("chosen_vs_fastest_per_world") or []
+        rows.append([r["model"], f"`{r['chosen']}`", ratio(r["chosen_vs_fastest"]),
+                     ", ".join(ratio(x) for x in per_world) or "–", f"`{r['fastest']}`",
                      ratio(r.get("flops_dp_vs_fastest")), f"`{tuned.get('label', '–')}` ({ratio(tuned.get('vs_fastest'))})",
                      apct(statistics.median(errors)), apct(max(errors)), same,
                      ", ".join(f"`{x}`" for x in own) or "–"])
@@ -246,13 +248,17 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
             detail.append([r["model"], f"`{label}`" + ("" if sp["layer_level"] else " (inside a layer)"),
                            f"{sp['measured_step_s'] * 1e3:.1f} ms", f"{sp['predicted_step_s'] * 1e3:.1f} ms",
                            pct(sp["prediction_error"]), pct(sp.get("in_ranks_error")), ratio(sp["vs_fastest"])])
-    return ("Each split's step is the median over interleaved rounds of the slower rank's step; \"÷ fastest\" is "
-            "over the fastest split measured in the same world. The FLOPs DP is torch PR #179212's partitioner "
-            "(`autopipe/planning/peers.py`); `tune` is `autopipe.tune(plan, candidates=3)` in the same world. "
+    worlds = d.get("worlds", 1)
+    return (f"Each split runs in {worlds} fresh 2-rank world{'s' if worlds > 1 else ''}, one after another, "
+            "stepped in interleaved rounds in each; its step is the median over all of them of the slower rank's "
+            "step, and \"÷ fastest\" is over the fastest split's. \"Per world\": autopipe's split over the "
+            "fastest within each world alone (which of two close splits wins moves with the host's state). "
+            "The FLOPs DP is torch PR #179212's partitioner "
+            "(`autopipe/planning/peers.py`); `tune` is `autopipe.tune(plan, candidates=3)` in the first world. "
             "\"Same split\": how many of the `partition()` calls, each with a fresh profile, gave the split "
             "measured here; \"Pipeline's own plan\": the split `autopipe.Pipeline` chose planning for itself "
             "on the 2 ranks (profiled in both at once).\n\n"
-            + table(["model", "autopipe's split", "÷ fastest", "fastest split", "FLOPs DP ÷ fastest",
+            + table(["model", "autopipe's split", "÷ fastest", "per world", "fastest split", "FLOPs DP ÷ fastest",
                      "tune kept (÷ fastest)", "median |pred. error|", "max |pred. error|",
                      "same split, partition() runs", "Pipeline's own plan"], rows)
             + "\n\nEvery split, predicted against measured: by `partition()`'s plan (profiled in one process "

@@ -25,7 +25,7 @@ to ``results.json`` beside this file, which ``benchmarks/render_docs.py`` render
 ``docs/benchmarks.md``. Hold the machine for it (``flock``): other work on the cores
 turns a fast split into a slow one.
 
-    python benchmarks/real_steps/main.py                      # 6 models, about 6 minutes on 2 cores
+    python benchmarks/real_steps/main.py                      # 6 models x 3 worlds, about 15 minutes on 2 cores
     python benchmarks/real_steps/main.py --models llama gpt2  # a subset
     python benchmarks/real_steps/main.py --quick              # 2 models, fewer rounds
     python benchmarks/real_steps/main.py --smoke              # one tiny model: checks the script
@@ -137,15 +137,9 @@ def step_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         for _ in range(2):  # the first steps set up buffers and communication
             pipes[label].zero_grad()
             pipes[label].step(*batch, target=target)
-    times: dict[str, list[float]] = {label: [] for label in pipes}
-    for _ in range(job["rounds"]):
-        for label, pipe in pipes.items():
-            for _ in range(job["steps"]):
-                pipe.zero_grad()
-                dist.barrier()
-                t0 = time.perf_counter()
-                pipe.step(*batch, target=target)
-                times[label].append(time.perf_counter() - t0)
+    times = interleaved_steps(pipes, batch, target, rounds=job["rounds"], steps=job["steps"])
+    if not job.get("measure_more", True):  # a further world: its steps only
+        return {"times": times}
     in_run = {label: pipe.measure_stage_times(*batch, target=target, steps=3) for label, pipe in pipes.items()}
     del pipes
     # autopipe.tune as a user would call it: the plan's best few splits, measured on the ranks.
@@ -159,8 +153,30 @@ def step_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
                       "predicted_step_s": record.predicted_step_s, "chosen": record.chosen}}
 
 
-def run_model(name: str, *, size: str, rounds: int, steps: int, plans: int, log) -> dict[str, Any]:
-    """Plan (``plans`` times, to see whether the split holds), list the splits, run them; one model's row."""
+def interleaved_steps(pipes: dict[str, Any], batch: tuple, target: torch.Tensor, *, rounds: int,
+                      steps: int) -> dict[str, list[float]]:
+    """Each pipeline's step times over ``rounds`` interleaved rounds of ``steps`` steps (A B C A B C ...)."""
+    import torch.distributed as dist
+
+    times: dict[str, list[float]] = {label: [] for label in pipes}
+    for _ in range(rounds):
+        for label, pipe in pipes.items():
+            for _ in range(steps):
+                pipe.zero_grad()
+                dist.barrier()
+                t0 = time.perf_counter()
+                pipe.step(*batch, target=target)
+                times[label].append(time.perf_counter() - t0)
+    return times
+
+
+def run_model(name: str, *, size: str, rounds: int, steps: int, plans: int, worlds: int, log) -> dict[str, Any]:
+    """Plan (``plans`` times, to see whether the split holds), list the splits, run them; one model's row.
+
+    The splits run in ``worlds`` fresh 2-rank worlds one after another; a split's step is the
+    median over all of them, since which of two close splits wins moves with the host's
+    state from one world to the next.
+    """
     import autopipe
 
     model, args, _ = build(name, size)
@@ -176,14 +192,19 @@ def run_model(name: str, *, size: str, rounds: int, steps: int, plans: int, log)
     splits.setdefault(chosen, list(plan.split_points))
     flops = plan.baseline("flops_dp")
     log(f"  {name}: autopipe chose {chosen} (planned in {planner_s:.1f} s); running {len(splits)} splits")
-    results = run_world(step_worker, 2, {"model": name, "size": size, "splits": splits, "rounds": rounds, "steps": steps,
-                                         "plan": plan.to_dict(), "pipeline_plans": 1 if plans > 1 else 0},
-                        timeout_s=900.0)
+    job = {"model": name, "size": size, "splits": splits, "rounds": rounds, "steps": steps, "plan": plan.to_dict(),
+           "pipeline_plans": 1 if plans > 1 else 0}
+    results = run_world(step_worker, 2, job, timeout_s=900.0)
+    further = [run_world(step_worker, 2, {**job, "pipeline_plans": 0, "measure_more": False}, timeout_s=900.0)
+               for _ in range(worlds - 1)]
+    # A step ends when its slower rank ends: pair the ranks' times step by step, per world.
+    per_world = [{label: [max(a, b) for a, b in zip(w[0]["times"][label], w[1]["times"][label])] for label in splits}
+                 for w in [results, *further]]
     rows = {}
     for label, split in splits.items():
-        # A step ends when its slower rank ends: pair the ranks' times step by step.
-        step = [max(a, b) for a, b in zip(results[0]["times"][label], results[1]["times"][label])]
+        step = [t for w in per_world for t in w[label]]
         rows[label] = {"split": split, "layer_level": label in layer_level, "measured_step_s": median(step),
+                       "world_steps_s": [median(w[label]) for w in per_world],
                        "predicted_step_s": plan.split_step_s(split),
                        "predicted_in_ranks_s": results[0]["predicted_in_ranks_s"].get(label),
                        "in_run": results[0]["in_run"][label], "planned_stage_s": _planned_stage_times(plan, split)}
@@ -193,6 +214,7 @@ def run_model(name: str, *, size: str, rounds: int, steps: int, plans: int, log)
         r["prediction_error"] = r["predicted_step_s"] / r["measured_step_s"] - 1.0
         if r["predicted_in_ranks_s"] is not None:
             r["in_ranks_error"] = r["predicted_in_ranks_s"] / r["measured_step_s"] - 1.0
+    world_fastest = [min(w, key=lambda k: median(w[k])) for w in per_world]
     tuned = results[0]["tuned"]
     tuned_label = "+".join(tuned["split_points"][tuned["chosen"]])
     flops_label = "+".join(flops.split_points) if flops.split_points else None
@@ -201,7 +223,8 @@ def run_model(name: str, *, size: str, rounds: int, steps: int, plans: int, log)
             "flops_dp_vs_fastest": rows[flops_label]["vs_fastest"] if flops_label in rows else None,
             "tuned": {**tuned, "label": tuned_label,
                       "vs_fastest": rows[tuned_label]["vs_fastest"] if tuned_label in rows else None},
-            "splits": rows, "plan_notes": list(plan.notes),
+            "splits": rows, "plan_notes": list(plan.notes), "worlds": worlds,
+            "chosen_vs_fastest_per_world": [median(w[chosen]) / median(w[f]) for w, f in zip(per_world, world_fastest)],
             "partition_splits": ["+".join(x) for x in [list(plan.split_points), *replans]],
             "pipeline_splits": ["+".join(x) for x in results[0]["pipeline_plans"]]}
 
@@ -221,20 +244,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="one tiny model, one round: checks the script")
     ap.add_argument("--plans", type=int, default=5, help="partition() calls per model, each with a fresh profile, "
                     "to see whether the split holds (default 5; 1 skips it and the Pipeline's own plan)")
-    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 7, --quick 3)")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds per world (default 7, --quick 3)")
+    ap.add_argument("--worlds", type=int, default=None, help="fresh 2-rank worlds per model, their steps pooled "
+                    "(default 3, --quick and --smoke 1)")
     ap.add_argument("--out", default=str(Path(__file__).with_name("results.json")))
     a = ap.parse_args(argv)
     torch.set_num_threads(1)  # as each rank runs: the profile sees what a rank sees
     os.environ.setdefault("AUTOPIPE_PROGRESS", "0")
     names = a.models or (["gpt2"] if a.smoke else list(QUICK_MODELS) if a.quick else list(MODELS))
     rounds = a.rounds or (1 if a.smoke else 3 if a.quick else 7)
+    worlds = a.worlds or (1 if a.smoke or a.quick else 3)
     size = "smoke" if a.smoke else "full"
     start, t0 = host_info(), time.perf_counter()
     rows = []
     for name in names:
-        rows.append(run_model(name, size=size, rounds=rounds, steps=1 if a.smoke else 2, plans=1 if a.smoke else a.plans, log=print))
+        rows.append(run_model(name, size=size, rounds=rounds, steps=1 if a.smoke else 2, plans=1 if a.smoke else a.plans,
+                              worlds=worlds, log=print))
         r = rows[-1]
-        print(f"    chosen {r['chosen']}: {r['chosen_vs_fastest']:.3f}x the fastest ({r['fastest']}); "
+        print(f"    chosen {r['chosen']}: {r['chosen_vs_fastest']:.3f}x the fastest ({r['fastest']}; per world "
+              f"{', '.join(f'{x:.3f}' for x in r['chosen_vs_fastest_per_world'])}); "
               f"tune kept {r['tuned']['label']}; partition() x{len(r['partition_splits'])}: "
               f"{sorted(set(r['partition_splits']))}; Pipeline: {r['pipeline_splits']}")
         for label, s in r["splits"].items():
@@ -242,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{s['predicted_step_s'] * 1e3:6.1f} ms  ({s['prediction_error']:+.1%}; profiled in the ranks "
                   f"{s.get('in_ranks_error', float('nan')):+.1%})")
     payload = {"benchmark": "real_steps", "schedule": "1F1B", "n_microbatches": N_MICROBATCHES, "stages": 2,
-               "threads_per_process": 1, "rounds": rounds, "steps_per_round": 1 if a.smoke else 2, "quick": a.quick,
+               "threads_per_process": 1, "rounds": rounds, "worlds": worlds, "steps_per_round": 1 if a.smoke else 2, "quick": a.quick,
                "size": size, "sizes": SIZES[size],
                "host_start": start, "host_end": host_info(), "rows": rows, "wall_s": time.perf_counter() - t0}
     print(f"wrote {write_result(a.out, payload)}")
