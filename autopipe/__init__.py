@@ -26,7 +26,6 @@ The top level holds the entry points below; everything else is imported from its
 from __future__ import annotations
 
 import importlib
-import warnings
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -49,22 +48,6 @@ _PUBLIC = {
     "PipelineStepError": "errors",
 }
 
-# Names the top level exported in the previous release: they still resolve, with a
-# DeprecationWarning naming the module to import them from, until the next release.
-_MOVED = {
-    "StagePlan": "planning.plan",
-    "BaselinePlan": "planning.plan",
-    "parse_bytes": "machine.device",
-    "Timeline": "planning.timeline",
-    "SCHEDULES": "planning.schedules",
-    "ScaledProfile": "planning.scaling",
-    "measure_devices": "machine.speed",
-    "profile_in_ranks": "planning.rank_profile",
-    "MissingExampleInputsError": "errors",
-    "ModelExportError": "errors",
-    "PlanFileError": "errors",
-}
-
 __all__ = list(_PUBLIC)
 
 
@@ -74,12 +57,6 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(f".{module}", __name__), name)
         globals()[name] = value  # later lookups skip this function
         return value
-    module = _MOVED.get(name)
-    if module is not None:
-        # Not cached in globals(): every use from the top level warns until the caller moves.
-        warnings.warn(f"autopipe.{name} is deprecated; import it from autopipe.{module} "
-                      f"(from autopipe.{module} import {name})", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module(f".{module}", __name__), name)
     raise AttributeError(f"module 'autopipe' has no attribute {name!r}")
 
 

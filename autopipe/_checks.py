@@ -1,4 +1,4 @@
-"""Argument checks shared by every entry point, and the shim that keeps renamed keywords working.
+"""Argument checks shared by every entry point.
 
 Each check raises an error that names the argument, repeats the value given and says what
 is accepted, so that a bad call fails before any tracing, profiling or process start.
@@ -13,15 +13,11 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import numbers
-import warnings
-from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any, TypeVar
+from collections.abc import Collection, Sequence
+from typing import Any
 
-__all__ = ["is_int", "listed", "check_int", "check_at_most", "check_choice", "check_bool", "accepts_old_keywords"]
-
-F = TypeVar("F", bound=Callable[..., Any])
+__all__ = ["is_int", "listed", "check_int", "check_at_most", "check_choice", "check_bool"]
 
 
 def is_int(value: Any) -> bool:
@@ -139,46 +135,3 @@ def check_bool(name: str, value: Any, *, allow_none: bool = False) -> None:
     raise ValueError(f"{name}={value!r} must be " + ("True, False or None" if allow_none else "True or False"))
 
 
-def accepts_old_keywords(replacements: Mapping[str, str],
-                         convert: Callable[[dict[str, Any], dict[str, Any]], None]) -> Callable[[F], F]:
-    """Keep renamed keyword arguments working, with a ``DeprecationWarning`` naming the new spelling.
-
-    The decorated function's signature (``inspect.signature``, ``help()``) shows only the
-    new parameters; a call that uses an old keyword warns once per call, listing each old
-    keyword with its replacement, then ``convert(old, kwargs)`` moves the old values into
-    the new keywords. ``convert`` raises ``TypeError`` when a value is given both ways.
-
-    Args:
-        replacements: Old keyword -> what to use instead, as the warning shows it
-            (``"warmup": "profiling=ProfileOptions(warmup=...)"``).
-        convert: Called with the old keywords given and the remaining keyword arguments;
-            updates the latter in place.
-
-    Example::
-
-        def _fold(old, kwargs):
-            if "size" in kwargs:
-                raise TypeError("give size= or n=, not both")
-            kwargs["size"] = old["n"]
-
-        @accepts_old_keywords({"n": "size="}, _fold)
-        def make(*, size=1): ...
-
-        make(n=3)   # DeprecationWarning: make(): n= is deprecated; use size=
-    """
-
-    def decorate(fn: F) -> F:
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            old = {k: kwargs.pop(k) for k in [k for k in kwargs if k in replacements]}
-            if old:
-                warnings.warn(
-                    f"{fn.__name__}(): " + "; ".join(f"{k}= is deprecated, use {replacements[k]}" for k in old)
-                    + " (the old keywords will be removed in the next release)",
-                    DeprecationWarning, stacklevel=2)
-                convert(old, kwargs)
-            return fn(*args, **kwargs)
-
-        return wrapper  # type: ignore[return-value]
-
-    return decorate

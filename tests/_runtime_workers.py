@@ -8,7 +8,6 @@ so that the unsplit model, run in the same process on the same batch, is the ref
 
 from __future__ import annotations
 
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -328,13 +327,6 @@ def errors_run(rank: int, world_size: int, plan_path: str) -> dict:
     result["odd_target"] = _error(lambda: pipe.step(x, target=y[:7]))
     result["step_after_errors"] = pipe.step(x, target=y).item()  # nothing was half-sent
     result["n_ranks_mismatch"] = _error(lambda: build(model, "1F1B", 2, n_ranks=3, split_points=SPLITS[4][:2]))
-    # The keywords' former names still work for one release, each with a DeprecationWarning.
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        old = build(model, "1F1B", 2, n_stages=2, planner_options={"repeats": 1, "warmup": 0})
-    result["deprecated_warnings"] = sorted(str(w.message).split(" is deprecated")[0] for w in caught
-                                           if str(w.message).startswith("Pipeline("))
-    result["deprecated_step"] = old.step(x, target=y).item()
     result["plan_world_mismatch"] = _error(lambda: Pipeline(model, example_args=example_args(), loss_fn=loss_fn,
                                                              plan=plan_path, stages_per_rank=1))
     result["ranks_disagree"] = _error(lambda: build(model, "1F1B", 2, split_points=["layers.1" if rank == 0 else "layers.0"]))

@@ -1,8 +1,4 @@
-"""The public surface: partition()'s keywords, the top-level names, the shared argument checks.
-
-Also the keywords and names of the previous release, which still work for one release with
-a DeprecationWarning naming their replacement, and give the same result as the new spelling.
-"""
+"""The public surface: partition()'s keywords, the top-level names, the shared argument checks."""
 
 from __future__ import annotations
 
@@ -16,7 +12,7 @@ import pytest
 
 import autopipe
 from autopipe import Device, ProfileOptions
-from autopipe._checks import accepts_old_keywords, check_at_most, check_bool, check_choice, check_int
+from autopipe._checks import check_at_most, check_bool, check_choice, check_int
 from autopipe.planning.options import PlannerOptions, resolve_devices
 from autopipe.planning.profile import profile_segments
 
@@ -56,18 +52,6 @@ def test_the_top_level_holds_the_entry_points_and_each_resolves_without_a_warnin
         warnings.simplefilter("error")
         for name in autopipe.__all__:
             assert getattr(autopipe, name).__name__ == name
-
-
-@pytest.mark.parametrize("name, module", [
-    ("StagePlan", "autopipe.planning.plan"), ("SCHEDULES", "autopipe.planning.schedules"),
-    ("PlanFileError", "autopipe.errors"), ("profile_in_ranks", "autopipe.planning.rank_profile"),
-])
-def test_a_name_moved_off_the_top_level_still_resolves_and_says_where_it_lives(name, module):
-    import importlib
-
-    with pytest.warns(DeprecationWarning, match=rf"autopipe\.{name} is deprecated; import it from {module}"):
-        value = getattr(autopipe, name)
-    assert value is getattr(importlib.import_module(module), name)
 
 
 def test_an_unknown_top_level_name_is_an_attribute_error():
@@ -164,67 +148,6 @@ def test_planner_options_give_partition_keywords():
 # --------------------------------------------------------------------------- the previous release's keywords
 
 
-def test_the_old_profiling_keywords_warn_and_plan_the_same(small_transformer, monkeypatch):
-    import autopipe.planning.profile as profile
-
-    model, args = small_transformer
-    monkeypatch.setattr(profile, "counting_flops", lambda *a, **k: 1e9)  # the same estimate both times
-    with pytest.warns(DeprecationWarning, match=r"warmup= is deprecated, use profiling=ProfileOptions\(warmup="):
-        old = autopipe.partition(model, 2, args, cost="flops", device="cpu", warmup=0, repeats=1, progress=False,
-                                 flush_cache=False, fit_to_whole=False)
-    new = autopipe.partition(model, 2, args, cost="flops", profiling=ProfileOptions(
-        device="cpu", warmup=0, repeats=1, progress=False, flush_cache=False, fit_to_whole=False))
-    assert _figures(old) == _figures(new) and old.device == new.device == "cpu"
-
-
-def test_the_old_link_keywords_warn_and_plan_the_same(small_transformer, costs):
-    model, args = small_transformer
-    with pytest.warns(DeprecationWarning, match=r"bandwidth= is deprecated, use devices=Device\(bandwidth=\.\.\.\)"):
-        old = autopipe.partition(model, 2, args, cost=costs, bandwidth="1GB", latency_s=1e-3, memory="1GiB")
-    new = autopipe.partition(model, 2, args, cost=costs, devices=Device(bandwidth="1GB", latency_s=1e-3),
-                             memory="1GiB")
-    assert _figures(old) == _figures(new)
-    assert old.stages[0].comm_s != autopipe.partition(model, 2, args, cost=costs).stages[0].comm_s
-
-
-def test_the_old_profile_keywords_warn_and_plan_the_same(small_transformer, costs):
-    model, args = small_transformer
-    with pytest.warns(DeprecationWarning, match=r"costs= is deprecated, use cost="):
-        old = autopipe.partition(model, 2, args, costs=costs)
-    new = autopipe.partition(model, 2, args, cost=costs)
-    assert _figures(old) == _figures(new) and old.cost_source == new.cost_source == "measured"
-    # cost= beside costs= named where the costs came from: the plan keeps saying so.
-    with pytest.warns(DeprecationWarning):
-        labelled = autopipe.partition(model, 2, args, costs=costs, cost="flops")
-    # (The split may differ: a plan labelled with counted costs takes an inside-block cut on any
-    # predicted gain, a measured one only past the profile's noise margin.)
-    assert labelled.cost_source == "flops"
-    assert [seg.fwd_s for seg in labelled.segments] == [seg.fwd_s for seg in new.segments]
-
-
-def test_the_old_scaling_keyword_warns_and_plans_the_same(small_transformer):
-    from autopipe.planning.scaling import profile_scaling
-
-    model, args = small_transformer
-    scaled = profile_scaling(model, args, sizes=[1, 2, 4], cost="flops", progress=False)
-    kw = dict(n_microbatches="auto", global_batch=8)
-    with pytest.warns(DeprecationWarning, match=r"scaling= is deprecated, use cost=<the ScaledProfile>"):
-        old = autopipe.partition(model, 2, args, scaling=scaled, **kw)
-    new = autopipe.partition(model, 2, args, cost=scaled, **kw)
-    assert (old.n_microbatches, old.predicted_step_s) == (new.n_microbatches, new.predicted_step_s)
-
-
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(warmup=0, profiling=QUICK), r"give profiling=ProfileOptions\(...\) or warmup=, not both"),
-    (dict(costs=[], cost=[]), "give costs= or a profile as cost=, not both"),
-    (dict(costs=[], scaling=object()), "give one of costs= and scaling="),
-])
-def test_a_value_given_both_ways_is_an_error(small_transformer, kwargs, message):
-    model, args = small_transformer
-    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match=message):
-        autopipe.partition(model, 2, args, **kwargs)
-
-
 # --------------------------------------------------------------------------- the shared checks
 
 
@@ -252,24 +175,3 @@ def test_check_at_most_choice_and_bool():
     check_bool("flag", None, allow_none=True)
     with pytest.raises(ValueError, match="flag=None must be True or False"):
         check_bool("flag", None)
-
-
-def test_accepts_old_keywords_keeps_the_new_signature_and_converts():
-    def fold(old, kwargs):
-        if "size" in kwargs:
-            raise TypeError("give size= or n=, not both")
-        kwargs["size"] = old["n"]
-
-    @accepts_old_keywords({"n": "size="}, fold)
-    def make(*, size: int = 1) -> int:
-        """Make one."""
-        return size
-
-    assert list(inspect.signature(make).parameters) == ["size"] and make.__doc__ == "Make one."
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert make(size=2) == 2
-    with pytest.warns(DeprecationWarning, match=r"make\(\): n= is deprecated, use size="):
-        assert make(n=3) == 3
-    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="not both"):
-        make(n=3, size=2)

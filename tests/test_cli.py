@@ -218,7 +218,7 @@ def test_report_of_a_missing_file_is_one_line(tmp_path, capsys):
 
 
 def test_report_of_a_json_file_that_is_not_a_plan_is_one_line(tmp_path, capsys):
-    (tmp_path / "x.json").write_text('{"format_version": 1, "hello": 1}')
+    (tmp_path / "x.json").write_text('{"format_version": 2, "hello": 1}')
     assert main(["report", str(tmp_path / "x.json")]) != 0
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is not an autopipe plan" in err

@@ -12,7 +12,7 @@ import pytest
 import autopipe
 from autopipe.planning import costmodel
 from autopipe.planning.costmodel import StepTail
-from autopipe.planning.partitioner import PartitionProblem
+from autopipe.planning.partitioner import PartitionProblem, rank_work_lower_bound_s
 
 
 def _seg(fwd: float, bwd: float, accum: float = 0.0) -> SimpleNamespace:
@@ -103,13 +103,15 @@ def test_the_lower_bounds():
     timeline = costmodel.simulate_step([1.0, 1.0], [1.0, 1.0], [], schedule="1F1B", n_microbatches=4,
                                        stages_per_rank=1)
     tail = StepTail(merge_outputs_s=0.5, loss_broadcast_s=0.25, shared_grads_s=100.0)
-    bound = costmodel.step_lower_bound_s(problem, timeline, n_microbatches=4, stages_per_rank=1,
-                                         rank_speed=[1.0, 1.0], action_overhead_s=[0.0, 0.0], tail=tail)
     # Each rank does at least half the work (2 s) per micro-batch; tied gradients are not in the bound.
+    rank_work = rank_work_lower_bound_s(problem, 1, [1.0, 1.0])
+    assert rank_work == pytest.approx(2.0) == rank_work_lower_bound_s(problem, 2, [1.0, 1.0])
+    bound = costmodel.step_lower_bound_s(rank_work, 4.0, timeline, n_microbatches=4, action_overhead_s=[0.0, 0.0],
+                                         tail=tail)
     assert bound == pytest.approx(4 * 2.0 + 0.75)
     # 8 actions per rank, 0.1 s each.
-    paid = costmodel.step_lower_bound_s(problem, timeline, n_microbatches=4, stages_per_rank=1,
-                                        rank_speed=[1.0, 1.0], action_overhead_s=[0.1, 0.1], tail=StepTail())
+    paid = costmodel.step_lower_bound_s(rank_work, 4.0, timeline, n_microbatches=4, action_overhead_s=[0.1, 0.1],
+                                        tail=StepTail())
     assert paid == pytest.approx(8.0 + 8 * 0.1)
 
 

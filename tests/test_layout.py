@@ -90,3 +90,52 @@ def test_base_modules_import_no_layer() -> None:
         path = PACKAGE / f"{name}.py"
         for node, _ in _imports(path):
             assert _layer(_target(path, node)) is None, f"{name}.py imports {node.module}: base modules stay at the bottom"
+
+
+def _run_time_imports(path: Path) -> list[str]:
+    """The package modules ``path`` imports when it runs (module- or function-level), dotted below ``autopipe``.
+
+    Imports under ``if TYPE_CHECKING:`` are for type checkers only and do not run. ``from .x
+    import y`` counts as importing module ``x.y`` where that is a module, else ``x``.
+    """
+    tree = ast.parse(path.read_text())
+    here = list(path.relative_to(PACKAGE).parent.parts)
+    found: list[str] = []
+
+    def add(parts: list[str]) -> None:
+        for cut in range(len(parts), 0, -1):
+            base = PACKAGE.joinpath(*parts[:cut])
+            if base.with_suffix(".py").exists() or (base / "__init__.py").exists():
+                found.append(".".join(parts[:cut]))
+                return
+
+    def walk(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.ImportFrom) and child.level:
+                base = here[: len(here) - (child.level - 1)] if child.level > 1 else here
+                module = base + (child.module.split(".") if child.module else [])
+                for alias in child.names:
+                    add(module + [alias.name])
+            walk(child)
+
+    walk(tree)
+    return found
+
+
+def test_no_import_circles() -> None:
+    # A module's name below autopipe: "planning.plan"; a package's is its folder's ("planning").
+    def name(path: Path) -> str:
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    import networkx as nx
+
+    graph = nx.DiGraph()
+    for path in _modules():
+        for target in _run_time_imports(path):
+            if target != name(path) and not name(path).startswith(target + ".") and target:
+                graph.add_edge(name(path), target)  # a package's own __init__ is not a circle with its modules
+    circles = [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1]
+    assert not circles, f"import circles (module- or function-level imports): {circles}"

@@ -307,10 +307,10 @@ def test_the_plan_names_every_peer_and_says_why_one_does_not_apply(zoo_models):
     assert plan.baseline("deepspeed_uniform").split_points == ["up.0"]
 
 
-def test_a_version_1_plan_keeps_its_baselines_as_given():
+def test_a_saved_plan_keeps_its_baselines_as_given():
     from pathlib import Path
 
-    plan = autopipe.Plan.load(Path(__file__).parent / "data" / "plan_format_v1.json")
+    plan = autopipe.Plan.load(Path(__file__).parent / "data" / "plan_auto_calibrated.json")
     assert [b.name for b in plan.baselines] == ["equal_layers", "balanced_params", "block_partition"]
     assert all(b.reason == "" and b.split_points for b in plan.baselines)
 

@@ -16,9 +16,9 @@ from autopipe.planning.plan import PLAN_FORMAT_VERSION, BaselinePlan, Plan, Stag
 from autopipe.planning.plan_file import READ_FORMAT_VERSIONS
 from autopipe.planning.plan_records import Link, MachineModel
 
-#: A plan written by autopipe in format version 1 (typed parts in "extras"): schedule="auto",
-#: n_microbatches=4 with global_batch=8, a loss, memory limits, and calibrated once.
-V1_FILE = pathlib.Path(__file__).parent / "data" / "plan_format_v1.json"
+#: A plan written by autopipe: schedule="auto", n_microbatches=4 with global_batch=8, a loss,
+#: memory limits, and calibrated once.
+SAVED_FILE = pathlib.Path(__file__).parent / "data" / "plan_auto_calibrated.json"
 
 
 def _plan() -> Plan:
@@ -52,71 +52,15 @@ def test_newer_format_is_refused_naming_the_versions_read(tmp_path):
     data["format_version"] = PLAN_FORMAT_VERSION + 1
     (tmp_path / "p.json").write_text(json.dumps(data))
     with pytest.raises(PlanFileError, match=r"format_version=3 \(written by a newer autopipe\) is not supported; "
-                                            r"this autopipe reads versions \[1, 2\]") as info:
+                                            r"this autopipe reads versions \[2\]") as info:
         Plan.load(tmp_path / "p.json")
     assert info.value.field == "format_version"
-    assert READ_FORMAT_VERSIONS == (1, 2) and PLAN_FORMAT_VERSION == 2
+    assert READ_FORMAT_VERSIONS == (2,) and PLAN_FORMAT_VERSION == 2
 
 
 def test_a_plan_has_no_untyped_extras():
     assert not hasattr(_plan(), "extras")
     assert "extras" not in _plan().to_dict()
-
-
-def test_a_version_1_file_loads_into_the_typed_fields():
-    data = json.loads(V1_FILE.read_text())
-    assert data["format_version"] == 1
-    extras = data["extras"]
-    plan = Plan.load(V1_FILE)
-    assert [s.fwd_s for s in plan.segments] == [s["fwd_s"] for s in extras["segments"]]
-    assert [s.cut_bwd_bytes for s in plan.segments] == [s["cut_bwd_bytes"] for s in extras["segments"]]
-    assert plan.machine.links == [Link(b, lat) for b, lat in zip(extras["links"]["bandwidth"],
-                                                                 extras["links"]["latency_s"])]
-    assert plan.machine.action_overhead_s == extras["action_overhead_s"]
-    assert plan.machine.lazy_sends is extras["lazy_sends"]
-    assert plan.step_tail.total_s == pytest.approx(sum(extras["step_tail_s"].values()))
-    assert plan.rank_peak_bytes == extras["rank_peak_bytes"] and plan.stage_ranks == extras["stage_ranks"]
-    assert plan.search.candidates == extras["search"]["candidates"]
-    assert plan.search.step_lower_bound_s == extras["step_lower_bound_s"] and plan.search.step_gap == extras["step_gap"]
-    assert [a.schedule for a in plan.alternatives] == [a["schedule"] for a in extras["alternatives"]]
-    assert plan.loss.act_bytes == extras["loss"]["act_bytes"]
-    assert plan.global_batch == extras["global_batch"] and plan.microbatch_size == extras["microbatch_size"]
-    assert plan.calibration.fwd_factor == extras["calibration"]["fwd_factor"]
-    # The cut times it stored are recomputed from its links and bytes: the same numbers.
-    assert plan.cut_comm_s() == pytest.approx(extras["cut_comm_s"], rel=1e-12)
-    assert plan.simulated_step_s() == pytest.approx(plan.predicted_step_s, rel=1e-12)
-
-
-def test_a_version_1_file_is_saved_as_the_current_version(tmp_path):
-    plan = Plan.load(V1_FILE)
-    plan.save(tmp_path / "p.json")
-    assert json.loads((tmp_path / "p.json").read_text())["format_version"] == PLAN_FORMAT_VERSION
-    assert Plan.load(tmp_path / "p.json") == plan
-
-
-def test_version_1_notes_source_and_whole_pass_convert():
-    data = json.loads(V1_FILE.read_text())
-    data["extras"].update(notes=["config.use_cache was turned off"], source="split_points given by hand",
-                          whole_pass={"segments_fwd_s": 2e-3, "segments_bwd_s": 4e-3, "fwd_s": 1e-3, "bwd_s": 2e-3,
-                                      "scales": [0.5, 0.5], "fitted": True}, unread_entry={"kept": "no"})
-    plan = Plan.from_dict(data)
-    assert plan.notes == ["config.use_cache was turned off", "split_points given by hand"]
-    assert plan.whole_pass.scales == (0.5, 0.5, 1.0) and plan.whole_pass.accum_s == 0.0
-
-
-@pytest.mark.parametrize("entry, value, field", [
-    ("segments", lambda segs: [{**segs[0], "fwd_s": "fast"}, *segs[1:]], "extras.segments[0].fwd_s"),
-    ("links", lambda _: {"bandwidth": [0.0], "latency_s": [0.0]}, "extras.links.bandwidth[0]"),
-    ("step_tail_s", lambda _: {"merge_outputs_s": -1.0}, "extras.step_tail_s.merge_outputs_s"),
-    ("step_tail_s", lambda _: {"another_s": 1.0}, "extras.step_tail_s.another_s"),
-    ("calibration", lambda _: {"fwd_factor": [1.0, 1.0]}, "extras.calibration.bwd_factor"),
-])
-def test_a_bad_version_1_entry_is_named_as_the_file_spells_it(entry, value, field):
-    data = json.loads(V1_FILE.read_text())
-    data["extras"][entry] = value(data["extras"][entry])
-    with pytest.raises(PlanFileError) as info:
-        Plan.from_dict(data)
-    assert info.value.field == field and field in str(info.value)
 
 
 def test_a_version_2_file_has_no_extras():
@@ -219,7 +163,7 @@ def test_calibrating_a_plan_without_stage_times_takes_the_measured_ones():
 
 
 def test_calibrating_scales_the_profile_of_each_stage_by_its_factor():
-    plan = Plan.load(V1_FILE)
+    plan = Plan.load(SAVED_FILE)
     before = copy.deepcopy(plan.segments)
     cal = plan.calibrate([2 * st.time_s - 2 * st.comm_s for st in plan.stages])
     for st in plan.stages:

@@ -131,7 +131,7 @@ CORPUS: list[tuple[str, Mutation, str]] = [
     ("version-zero", _set("format_version", 0), "format_version"),
     ("version-as-string", _set("format_version", "1"), "format_version"),
     ("version-missing", _drop("format_version"), "format_version"),
-    ("version-1-with-typed-fields", _set("format_version", 1), "alternatives"),
+    ("version-1", _set("format_version", 1), "format_version"),
     # missing and unknown fields
     ("missing-n_microbatches", _drop("n_microbatches"), "n_microbatches"),
     ("missing-stages", _drop("stages"), "stages"),

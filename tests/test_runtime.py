@@ -274,12 +274,6 @@ def test_n_ranks_not_matching_world_size_is_a_clear_error(errors):
         assert r["n_ranks_mismatch"].startswith("ValueError") and "world has 2 processes" in r["n_ranks_mismatch"]
 
 
-def test_the_former_keywords_still_work_with_a_deprecation_warning(errors):
-    for r in errors:
-        assert r["deprecated_warnings"] == ["Pipeline(n_stages=)", "Pipeline(planner_options=)"]
-        assert r["deprecated_step"] == r["step_after_errors"]  # the same hand split, the same batch
-
-
 def test_plan_not_matching_world_size_is_a_clear_error(errors):
     for r in errors:
         assert r["plan_world_mismatch"].startswith("ValueError") and "3 ranks" in r["plan_world_mismatch"]
@@ -339,27 +333,12 @@ def test_missing_plan_file_is_a_clear_error(model_and_args, tmp_path):
         Pipeline(model, example_args=args, plan=tmp_path / "nope.json")
 
 
-def test_bad_counts_and_planner_options_are_named(model_and_args):
+def test_bad_counts_and_planner_settings_are_named(model_and_args):
     model, args = model_and_args
     with pytest.raises(ValueError, match=r"n_ranks=0 must be an integer >= 1"):
         Pipeline(model, example_args=args, n_ranks=0)
     with pytest.raises(TypeError, match=r"planner=\{'memory': '1GiB'\} must be an autopipe.PlannerOptions"):
         Pipeline(model, example_args=args, planner={"memory": "1GiB"})
-    with pytest.raises(TypeError, match="give n_ranks= .*not both"):
-        Pipeline(model, example_args=args, n_ranks=2, n_stages=2)
-
-
-def test_planner_options_become_typed_options_with_a_warning(model_and_args):
-    from autopipe.planning.options import PlannerOptions, ProfileOptions
-    from autopipe.runtime.plan_setup import planner_from_options
-
-    model, args = model_and_args
-    costs = [object()]
-    assert planner_from_options({"memory": "1GiB", "repeats": 3, "progress": False, "costs": costs}) == PlannerOptions(
-        memory="1GiB", profiling=ProfileOptions(repeats=3, progress=False), cost=costs)
-    with pytest.warns(DeprecationWarning, match=r"planner=autopipe.PlannerOptions\(\.\.\.\) instead"), \
-            pytest.raises(TypeError, match=r"planner_options has \['bogus'\].*accepted: .*'memory'"):
-        Pipeline(model, example_args=args, planner_options={"bogus": 1, "memory": "1GiB"})
 
 
 def test_without_a_job_the_error_says_how_to_launch(model_and_args, monkeypatch):

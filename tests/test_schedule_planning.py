@@ -186,16 +186,11 @@ def test_cpu_plans_model_gloos_lazy_sends_and_report_them(small_transformer, cos
     assert plan.simulation_options()["lazy_sends"] is False
 
 
-def test_a_device_keeps_its_own_overhead_over_the_call_wide_one(small_transformer, costs):
-    # The call-wide action_overhead_s= of the previous release fills in each Device without one.
+def test_each_device_carries_its_own_action_overhead(small_transformer, costs):
     model, args = small_transformer
-    devices = [autopipe.Device(action_overhead_s=1e-3), autopipe.Device()]
-    with pytest.warns(DeprecationWarning, match=r"action_overhead_s= is deprecated, use devices=Device"):
-        plan = autopipe.partition(model, 2, example_args=args, cost=costs, devices=devices, action_overhead_s=4e-3)
-    assert plan.action_overhead_s() == [1e-3, 4e-3]
-    same = autopipe.partition(model, 2, example_args=args, cost=costs, devices=[
+    plan = autopipe.partition(model, 2, example_args=args, cost=costs, devices=[
         autopipe.Device(action_overhead_s=1e-3), autopipe.Device(action_overhead_s=4e-3)])
-    assert (same.split_points, same.predicted_step_s) == (plan.split_points, plan.predicted_step_s)
+    assert plan.action_overhead_s() == [1e-3, 4e-3]
 
 
 @pytest.mark.parametrize("value", [-1e-3, float("inf"), "1ms", True])

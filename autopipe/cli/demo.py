@@ -228,7 +228,7 @@ def run_demo(
     from ..reporting.data import layer_rows, report_data, sort_layer_rows
     from ..reporting.files import write_json, write_report
     from ..reporting.terminal import make_console, print_layers, print_plan
-    from ..reporting.text import format_seconds
+    from ..reporting.units import format_seconds
     from ..reporting.timeline import plan_timeline, split_timeline
     from ..planning.trace import trace
 
@@ -343,7 +343,7 @@ def _busy_machine_note() -> str:
 def _print_training(console: Any, runs: list[dict[str, Any]], steps: int) -> None:
     from rich.table import Table
 
-    from ..reporting.text import format_seconds
+    from ..reporting.units import format_seconds
 
     table = Table(title="Loss per step (mean over micro-batches; the same data and initial weights for both splits)",
                   title_justify="left")

@@ -71,7 +71,6 @@ Example:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -80,7 +79,6 @@ import numpy as np
 
 
 if TYPE_CHECKING:
-    from .partitioner import PartitionProblem
     from .timeline import Timeline
 
 __all__ = [
@@ -524,45 +522,32 @@ def bottleneck_lower_bound_s(compute_s: Sequence[float], speed: Sequence[float])
     return max(float(c.sum() / v.sum()), float((c / v.max()).max()))
 
 
-def step_lower_bound_s(problem: PartitionProblem, timeline: Timeline, *, n_microbatches: int, stages_per_rank: int,
-                       rank_speed: Sequence[float], action_overhead_s: Sequence[float], tail: StepTail) -> float:
-    """A step time no split can beat under this schedule.
+def step_lower_bound_s(rank_work_s: float, whole_s: float, timeline: Timeline, *, n_microbatches: int,
+                       action_overhead_s: Sequence[float], tail: StepTail) -> float:
+    """A step time no split can beat under this schedule: ``max(m * rank_work_s + overhead, whole_s) + tail``.
 
-    Each rank does ``m`` micro-batches of its share of the work (with one stage per rank, at
-    least the bottleneck of the split that ignores communication and memory; with several,
-    the total over the ranks' summed speeds), and every one of its actions pays the
-    runtime's overhead; nor can the step be shorter than all the compute on the fastest
-    device. The merge and the loss broadcast come on top whatever the split.
+    Each rank does ``m`` micro-batches of at least ``rank_work_s`` (the partitioner's
+    :func:`~autopipe.planning.partitioner.rank_work_lower_bound_s`), and every one of its
+    actions pays the runtime's overhead; nor can the step be shorter than ``whole_s``, all the
+    compute on the fastest device. The merge, the loss broadcast and the agreement to start
+    come on top whatever the split.
 
     Args:
-        problem: the partitioner's numbers (``compute_s``, ``speed`` per stage).
+        rank_work_s: the least work per micro-batch some rank must do.
+        whole_s: all the compute on the fastest device.
         timeline: the schedule simulated on any split (only its per-rank actions are read).
-        n_microbatches, stages_per_rank: the schedule's counts.
-        rank_speed: per rank, the relative speed of its device.
+        n_microbatches: micro-batches per step.
         action_overhead_s: per stage, the overhead of each of its actions.
         tail: the split's :class:`StepTail`.
 
     Example:
-        >>> from autopipe.planning.partitioner import PartitionProblem
-        >>> prob = PartitionProblem.uniform(compute_s=[1.0, 1.0, 1.0, 1.0], num_stages=2)
         >>> t = simulate_step([1.0, 1.0], [1.0, 1.0], [], schedule="1F1B", n_microbatches=4, stages_per_rank=1)
-        >>> step_lower_bound_s(prob, t, n_microbatches=4, stages_per_rank=1, rank_speed=[1.0, 1.0],
-        ...                    action_overhead_s=[0.0, 0.0], tail=StepTail())
+        >>> step_lower_bound_s(2.0, 4.0, t, n_microbatches=4, action_overhead_s=[0.0, 0.0], tail=StepTail())
         8.0
     """
-    if stages_per_rank == 1:
-        from .partitioner import PartitionProblem, solve_bottleneck  # here: the partitioner imports this module
-
-        free = PartitionProblem(**{**problem.__dict__, "cut_fwd_bytes": np.zeros_like(problem.cut_fwd_bytes),
-                                   "cut_bwd_bytes": np.zeros_like(problem.cut_bwd_bytes),
-                                   "capacity_bytes": np.full_like(problem.capacity_bytes, np.inf)})
-        rank_work = solve_bottleneck(free).bottleneck_s
-    else:
-        rank_work = float(problem.compute_s.sum() / sum(rank_speed))
     # Every action of a rank also pays the runtime's overhead, one action after another.
     overhead = min(sum(action_overhead_s[e.stage] for e in timeline.per_rank(r)) for r in range(timeline.n_ranks))
-    whole = float(problem.compute_s.sum() / max(problem.speed)) if len(problem.speed) else math.inf
-    return float(max(n_microbatches * rank_work + overhead, whole) + tail.any_split_s)
+    return float(max(n_microbatches * rank_work_s + overhead, whole_s) + tail.any_split_s)
 
 
 # --------------------------------------------------------------------------- data parallel

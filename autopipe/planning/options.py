@@ -10,9 +10,7 @@ settings that most users never touch live here instead:
 
 The hardware (speed, memory, the link to the next device, the runtime's cost per action)
 is described by :class:`~autopipe.machine.device.Device`; :func:`resolve_devices` turns
-``partition``'s ``devices`` and ``memory`` into one Device per rank. This module also holds
-the conversion of ``partition``'s keywords from before these groups existed
-(:data:`PARTITION_OLD_KEYWORDS`), which still work for one release with a warning.
+``partition``'s ``devices`` and ``memory`` into one Device per rank.
 
 Example::
 
@@ -36,8 +34,7 @@ if TYPE_CHECKING:
     from .costgraph import SegmentCost
     from .scaling import ScaledProfile
 
-__all__ = ["ProfileOptions", "PlannerOptions", "resolve_devices", "PARTITION_OLD_KEYWORDS",
-           "fold_old_partition_keywords"]
+__all__ = ["ProfileOptions", "PlannerOptions", "resolve_devices"]
 
 
 @dataclass(frozen=True)
@@ -183,75 +180,3 @@ def resolve_devices(n_gpus: int, devices: Device | Sequence[Device] | None,
     else:
         mems = [parse_bytes(memory, name="memory")] * n_gpus
     return [replace(d, memory=m) for d, m in zip(ranks, mems)]
-
-
-# --------------------------------------------------------------------------- keywords of the previous release
-
-_PROFILE_KEYWORDS = ("device", "warmup", "repeats", "flush_cache", "fit_to_whole", "progress")
-_LINK_KEYWORDS = ("bandwidth", "latency_s", "action_overhead_s")
-
-#: partition()'s keywords from before the option groups -> what replaces each.
-PARTITION_OLD_KEYWORDS = {
-    **{k: f"profiling=ProfileOptions({k}=...)" for k in _PROFILE_KEYWORDS},
-    **{k: f"devices=Device({k}=...)" for k in _LINK_KEYWORDS},
-    "costs": "cost=<the list of SegmentCost>",
-    "scaling": "cost=<the ScaledProfile>",
-}
-
-
-class _SourcedCosts(list):
-    """A given profile with the cost source it was made from (the ``cost`` string that came with ``costs=``)."""
-
-    whole: Any = None
-    cost: str = "measured"
-
-
-def fold_old_partition_keywords(old: dict[str, Any], kwargs: dict[str, Any]) -> None:
-    """Move the keywords of :data:`PARTITION_OLD_KEYWORDS` into ``profiling``, ``devices`` and ``cost``.
-
-    The link keywords fill in each Device that does not set its own value. A value given
-    both ways (``warmup=`` beside ``profiling=``, ``costs=`` beside a list as ``cost=``) is a
-    ``TypeError``.
-
-    Example::
-
-        kwargs = {"cost": "measured"}
-        fold_old_partition_keywords({"warmup": 0, "bandwidth": 1e9}, kwargs)
-        # kwargs == {"cost": "measured", "profiling": ProfileOptions(warmup=0),
-        #            "devices": Device(bandwidth=1e9)}
-    """
-    profile = {k: old[k] for k in _PROFILE_KEYWORDS if k in old}
-    if profile:
-        if kwargs.get("profiling") is not None:
-            old_names = ", ".join(f"{k}=" for k in profile)
-            raise TypeError(f"partition(): give profiling=ProfileOptions(...) or {old_names}, not both")
-        kwargs["profiling"] = ProfileOptions(**profile)
-    link = {k: old[k] for k in _LINK_KEYWORDS if old.get(k) is not None}
-    if link:
-        devices = kwargs.get("devices")
-        if devices is None:
-            kwargs["devices"] = Device(**link)
-        elif isinstance(devices, Device):
-            kwargs["devices"] = _fill_link(devices, link)
-        elif isinstance(devices, Sequence) and not isinstance(devices, str):
-            kwargs["devices"] = [_fill_link(d, link) if isinstance(d, Device) else d for d in devices]
-        # anything else: partition names what devices= accepts
-    given = {k: old[k] for k in ("costs", "scaling") if old.get(k) is not None}
-    if len(given) == 2:
-        raise TypeError("partition(): give one of costs= and scaling= (both are now cost=), not both")
-    if given:
-        (name, value), = given.items()
-        source = kwargs.get("cost", "measured")
-        if not isinstance(source, str):
-            raise TypeError(f"partition(): give {name}= or a profile as cost=, not both")
-        if name == "costs" and source != "measured":
-            # cost="flops" beside costs= said where the costs came from: keep it with them.
-            value = _SourcedCosts(value)
-            value.whole = getattr(old["costs"], "whole", None)
-            value.cost = source
-        kwargs["cost"] = value
-
-
-def _fill_link(device: Device, link: dict[str, Any]) -> Device:
-    """``device`` with each link setting of ``link`` that it leaves unset."""
-    return replace(device, **{k: v for k, v in link.items() if getattr(device, k) is None})

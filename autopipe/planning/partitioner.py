@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -54,6 +54,7 @@ __all__ = [
     "PartitionResult",
     "solve_bottleneck",
     "solve_min_memory",
+    "rank_work_lower_bound_s",
     "candidate_partitions",
     "evaluate",
     "brute_force",
@@ -471,6 +472,26 @@ def solve_bottleneck(problem: PartitionProblem, *, rel_tol: float = 1e-9, max_it
     result = evaluate(problem, best_cuts)
     result.searched = {"iterations": it, "lower": float(lo), "upper": float(hi), "rel_tol": rel_tol}
     return result
+
+
+def rank_work_lower_bound_s(problem: PartitionProblem, stages_per_rank: int, rank_speed: Sequence[float]) -> float:
+    """The least work per micro-batch some rank must do, on any split of ``problem``.
+
+    With one stage per rank, the bottleneck of the best split once communication and memory
+    are set aside (:func:`solve_bottleneck` on a free copy); with several, the whole work over
+    the ranks' summed speeds.
+
+    Example:
+        >>> rank_work_lower_bound_s(PartitionProblem.uniform(compute_s=[1.0, 1.0, 1.0, 1.0], num_stages=2), 1,
+        ...                         [1.0, 1.0])
+        2.0
+    """
+    if stages_per_rank > 1:
+        return float(problem.compute_s.sum() / sum(rank_speed))
+    free = replace(problem, cut_fwd_bytes=np.zeros_like(problem.cut_fwd_bytes),
+                   cut_bwd_bytes=np.zeros_like(problem.cut_bwd_bytes),
+                   capacity_bytes=np.full_like(problem.capacity_bytes, np.inf))
+    return solve_bottleneck(free).bottleneck_s
 
 
 def candidate_partitions(

@@ -21,16 +21,13 @@ What is checked:
   (links, per-action overheads), the step tail, the search, the alternatives, the loss,
   the whole-graph timing and the calibration.
 
-Format versions: this autopipe writes :data:`PLAN_FORMAT_VERSION` (2). Version 1 held the
-typed parts in one open ``extras`` object; such files still load, each entry checked and
-converted to its typed field (named as the file spells it in errors:
-``extras.segments[0].fwd_s``); the entries derived from others (``cut_comm_s``,
-``stage_ranks``, ``microbatch_size``) are recomputed, and entries autopipe never read are
-dropped. Any other version is refused, naming it and the versions read.
+Format versions: this autopipe writes and reads :data:`PLAN_FORMAT_VERSION` (2); any other
+version is refused, naming it and the versions read.
 
 Example:
+    >>> from autopipe.planning.plan import Plan
     >>> from autopipe.planning.plan_file import plan_from_data
-    >>> plan_from_data(["not", "a", "plan"])
+    >>> plan_from_data(["not", "a", "plan"], Plan)
     Traceback (most recent call last):
     ...
     autopipe.errors.PlanFileError: plan data is not an autopipe plan: a plan is one JSON object, got list ['not', 'a', 'plan']
@@ -43,18 +40,21 @@ import numbers
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..errors import PlanFileError
 from .dp_records import record_from_data
 from .plan_checks import MAX_PLAN_INT, MAX_STAGES, FieldCheck, required_fields, show
-from .plan_file_parts import TYPED_FIELDS, PlanShape, typed_from_extras, typed_parts
+from .plan_file_parts import TYPED_FIELDS, PlanShape, typed_parts
+from .plan_records import BaselinePlan, StagePlan
 from .schedules import MAX_SCHEDULE_SIZE, check_schedule_size, validate_schedule
 
 if TYPE_CHECKING:
     import torch
 
-    from .plan import Plan
+#: The class a plan is built as: :class:`autopipe.planning.plan.Plan` or a subclass, which
+#: this module is handed rather than imports (the Plan reads its files through it).
+PlanT = TypeVar("PlanT")
 
 __all__ = ["PLAN_FORMAT_VERSION", "READ_FORMAT_VERSIONS", "MAX_PLAN_FILE_BYTES", "MAX_NESTING", "MAX_STAGES",
            "MAX_PLAN_INT", "read_plan_file", "plan_from_data", "check_model_names"]
@@ -62,8 +62,8 @@ __all__ = ["PLAN_FORMAT_VERSION", "READ_FORMAT_VERSIONS", "MAX_PLAN_FILE_BYTES",
 #: The plan file layout :meth:`Plan.save` writes; bumped whenever the layout changes.
 PLAN_FORMAT_VERSION = 2
 
-#: Every layout :meth:`Plan.load` reads: version 1 (typed parts in ``extras``) is converted.
-READ_FORMAT_VERSIONS = (1, 2)
+#: Every layout :meth:`Plan.load` reads.
+READ_FORMAT_VERSIONS = (PLAN_FORMAT_VERSION,)
 
 #: Largest plan file read, in bytes. A plan autopipe writes takes about 1 KB per segment
 #: of the model, so this holds tens of thousands of segments; a larger file is refused
@@ -151,12 +151,12 @@ def _check_nesting(check: FieldCheck, data: Any) -> None:
 # --------------------------------------------------------------------------- the plan
 
 
-def plan_from_data(data: Any, cls: type[Plan] | None = None, *, path: str | None = None) -> Plan:
-    """A :class:`~autopipe.planning.plan.Plan` (or ``cls``) from plan data, every field checked first.
+def plan_from_data(data: Any, cls: type[PlanT], *, path: str | None = None) -> PlanT:
+    """A ``cls`` (:class:`~autopipe.planning.plan.Plan` or a subclass) from plan data, every field checked first.
 
     Args:
         data: what ``json.load`` gives for a plan file (``Plan.to_dict()``'s layout).
-        cls: the Plan class to build (a subclass of Plan); default Plan.
+        cls: the Plan class to build.
         path: the file the data came from, named in errors.
 
     Raises:
@@ -165,12 +165,9 @@ def plan_from_data(data: Any, cls: type[Plan] | None = None, *, path: str | None
     Example:
         >>> from autopipe.planning.plan import Plan
         >>> plan = Plan.load("plan.json")  # doctest: +SKIP
-        >>> plan_from_data(plan.to_dict()) == plan  # doctest: +SKIP
+        >>> plan_from_data(plan.to_dict(), Plan) == plan  # doctest: +SKIP
         True
     """
-    from .plan import BaselinePlan, Plan, StagePlan
-
-    cls = cls or Plan
     c = FieldCheck(path)
     if not isinstance(data, Mapping):
         c.fail("", f"a plan is one JSON object, got {type(data).__name__} {show(data)}", not_a_plan=True)
@@ -212,11 +209,11 @@ def plan_from_data(data: Any, cls: type[Plan] | None = None, *, path: str | None
         "dp_mode": lambda f, v: _dp_mode(c, f, v),
         "data_parallel": lambda f, v: record_from_data(c, f, v),
         # The typed parts are checked once the stage count is known, below.
-        **({"extras": c.mapping} if version == 1 else {k: (lambda f, v: v) for k in TYPED_FIELDS}),
+        **{k: (lambda f, v: v) for k in TYPED_FIELDS},
     }
-    assert (set(top) - {"format_version", "split_spec", "extras"}) | set(TYPED_FIELDS) == {
-        f.name for f in fields(Plan)}, "plan fields changed"
-    kw = c.record("", data, top, required_fields(Plan) | {"format_version"})
+    assert set(top) - {"format_version", "split_spec"} == {
+        f.name for f in fields(cls)}, "plan fields changed"
+    kw = c.record("", data, top, required_fields(cls) | {"format_version"})
     kw.pop("format_version")
     split_spec = kw.pop("split_spec", None)
 
@@ -257,10 +254,7 @@ def plan_from_data(data: Any, cls: type[Plan] | None = None, *, path: str | None
         c.fail("memory_limit_bytes", f"memory_limit_bytes has {len(kw['memory_limit_bytes'])} entries but the plan "
                f"runs on {p // kw.get('stages_per_rank', 1)} ranks; give one per rank")
     shape = PlanShape(p, p // kw.get("stages_per_rank", 1), len(kw.get("segment_names", [])), stages)
-    if version == 1:
-        kw.update(typed_from_extras(c, kw.pop("extras", {}), shape))
-    else:
-        kw.update(typed_parts(c, {k: kw.pop(k) for k in TYPED_FIELDS if k in kw}, shape))
+    kw.update(typed_parts(c, {k: kw.pop(k) for k in TYPED_FIELDS if k in kw}, shape))
     return cls(**kw)
 
 
@@ -324,8 +318,8 @@ def _check_stage_order(c: FieldCheck, stages: list[dict[str, Any]], segment_name
 # --------------------------------------------------------------------------- the model
 
 
-def check_model_names(plan: Plan, model: torch.nn.Module) -> None:
-    """Refuse a plan whose split points are not submodules of ``model``.
+def check_model_names(plan: Any, model: torch.nn.Module) -> None:
+    """Refuse a plan (anything with ``split_points``) whose split points are not submodules of ``model``.
 
     Raises:
         PlanFileError: ``field="split_points"``, listing the unknown names and some of the

@@ -1,17 +1,15 @@
-"""The typed parts of a plan file, checked; and version 1's ``extras``, converted to them.
+"""The typed parts of a plan file, checked.
 
-:func:`typed_parts` checks the fields of format version 2 that
-:mod:`autopipe.planning.plan_records` types (the profile, the machine model, the step
-tail, the search, the alternatives, the loss, the whole-graph timing, the calibration);
-:func:`typed_from_extras` reads the same from a version-1 file's ``extras`` object, naming
-its entries as that file spells them (``extras.links.bandwidth[0]``). Both return the
-keyword arguments of :class:`~autopipe.planning.plan.Plan`.
+:func:`typed_parts` checks the fields that :mod:`autopipe.planning.plan_records` types (the
+profile, the machine model, the step tail, the search, the alternatives, the loss, the
+whole-graph timing, the calibration, the tuning) and returns them as keyword arguments of
+:class:`~autopipe.planning.plan.Plan`.
 
 Example:
     >>> from autopipe.planning.plan_checks import FieldCheck
     >>> shape = PlanShape(stages=2, ranks=2, segment_names=0, stage_records=[{"last_segment": 1}])
-    >>> typed_from_extras(FieldCheck(None), {"lazy_sends": True}, shape)["machine"].lazy_sends
-    True
+    >>> typed_parts(FieldCheck(None), {"notes": ["made by hand"]}, shape)["notes"]
+    ['made by hand']
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ from ..machine.passes import WholePass
 from .profile import LossCost
 from .schedules import MAX_SCHEDULE_SIZE
 
-__all__ = ["TYPED_FIELDS", "PlanShape", "typed_parts", "typed_from_extras"]
+__all__ = ["TYPED_FIELDS", "PlanShape", "typed_parts"]
 
 
 #: The Plan fields beyond the stages and baselines, each checked by :func:`typed_parts`.
@@ -45,7 +43,7 @@ class PlanShape(NamedTuple):
 
 
 def typed_parts(c: FieldCheck, raw: dict[str, Any], shape: PlanShape) -> dict[str, Any]:
-    """The typed fields of format version 2, each checked under its own name."""
+    """The typed fields of a plan file, each checked under its own name."""
 
     out: dict[str, Any] = {}
     if "segments" in raw:
@@ -72,7 +70,7 @@ def typed_parts(c: FieldCheck, raw: dict[str, Any], shape: PlanShape) -> dict[st
     if raw.get("loss") is not None:
         out["loss"] = _loss(c, "loss", raw["loss"])
     if raw.get("whole_pass") is not None:
-        out["whole_pass"] = _whole_pass(c, "whole_pass", raw["whole_pass"], version=2)
+        out["whole_pass"] = _whole_pass(c, "whole_pass", raw["whole_pass"])
     if raw.get("global_batch") is not None:
         out["global_batch"] = c.integer("global_batch", raw["global_batch"], 1)
     if "scaling_fit_error" in raw:
@@ -81,56 +79,6 @@ def typed_parts(c: FieldCheck, raw: dict[str, Any], shape: PlanShape) -> dict[st
         out["calibration"] = _calibration(c, "calibration", raw["calibration"], shape)
     if raw.get("tuning") is not None:
         out["tuning"] = _tuning(c, "tuning", raw["tuning"])
-    return out
-
-
-def typed_from_extras(c: FieldCheck, extras: dict[str, Any], shape: PlanShape) -> dict[str, Any]:
-    """Format version 1's ``extras``, checked under its own names and converted to the typed fields."""
-    out: dict[str, Any] = {}
-    if "segments" in extras:
-        out["segments"] = _segments(c, "extras.segments", extras["segments"], shape, open_ended=True)
-    links: list[Link] = []
-    if extras.get("links"):
-        given = c.record("extras.links", extras["links"], {
-            "bandwidth": lambda f, v: c.sequence(f, v, lambda g, x: c.number(g, x, positive=True), shape.stages - 1),
-            "latency_s": lambda f, v: c.sequence(f, v, c.number, shape.stages - 1),
-        }, frozenset({"bandwidth", "latency_s"}), open_ended=True)
-        links = [Link(bw, lat) for bw, lat in zip(given["bandwidth"], given["latency_s"])]
-    overhead = []
-    if "action_overhead_s" in extras:
-        overhead = c.sequence("extras.action_overhead_s", extras["action_overhead_s"], c.number, shape.stages)
-    lazy = c.flag("extras.lazy_sends", extras["lazy_sends"]) if "lazy_sends" in extras else False
-    out["machine"] = MachineModel(links=links, action_overhead_s=overhead, lazy_sends=lazy)
-    if extras.get("step_tail_s") is not None:
-        out["step_tail"] = StepTail(**c.record("extras.step_tail_s", extras["step_tail_s"], dict.fromkeys(
-            ("merge_outputs_s", "loss_broadcast_s", "shared_grads_s"), c.number), frozenset()))
-    if extras.get("rank_peak_bytes") is not None:
-        out["rank_peak_bytes"] = c.sequence("extras.rank_peak_bytes", extras["rank_peak_bytes"], c.integer,
-                                            shape.ranks)
-    if any(k in extras for k in ("search", "step_lower_bound_s", "step_gap")):  # the bound and gap sat beside it
-        given = c.record("extras.search", extras.get("search", {}), {"candidates": c.integer, "iterations": c.integer},
-                         frozenset(), open_ended=True)
-        out["search"] = SearchRecord(
-            candidates=given.get("candidates", 1), iterations=given.get("iterations", 0),
-            step_lower_bound_s=c.number("extras.step_lower_bound_s", extras.get("step_lower_bound_s", 0.0)),
-            step_gap=c.number("extras.step_gap", extras.get("step_gap", 0.0), signed=True))
-    if "alternatives" in extras:
-        out["alternatives"] = _alternatives(c, "extras.alternatives", extras["alternatives"], open_ended=True)
-    notes = c.sequence("extras.notes", extras["notes"], c.text) if "notes" in extras else []
-    if "source" in extras:  # who made a plan that autopipe did not search for
-        notes.append(c.text("extras.source", extras["source"]))
-    if notes:
-        out["notes"] = notes
-    if extras.get("loss") is not None:
-        out["loss"] = _loss(c, "extras.loss", extras["loss"])
-    if extras.get("whole_pass"):
-        out["whole_pass"] = _whole_pass(c, "extras.whole_pass", extras["whole_pass"], version=1)
-    if extras.get("global_batch") is not None:
-        out["global_batch"] = c.integer("extras.global_batch", extras["global_batch"], 1)
-    if extras.get("scaling_fit_error") is not None:
-        out["scaling_fit_error"] = _fit_error(c, "extras.scaling_fit_error", extras["scaling_fit_error"])
-    if "calibration" in extras:
-        out["calibration"] = _calibration(c, "extras.calibration", extras["calibration"], shape)
     return out
 
 
@@ -146,8 +94,7 @@ def _link(c: FieldCheck, field: str, value: Any) -> Link:
                                           "latency_s": c.number}, frozenset({"bandwidth", "latency_s"})))
 
 
-def _segments(c: FieldCheck, field: str, value: Any, shape: PlanShape, *,
-              open_ended: bool = False) -> list[PlanSegment]:
+def _segments(c: FieldCheck, field: str, value: Any, shape: PlanShape) -> list[PlanSegment]:
     checks: dict[str, Callable[[str, Any], Any]] = {
         **{k: c.number for k in ("fwd_s", "bwd_s", "accum_s", "flops")},
         **{k: c.integer for k in ("param_bytes", "act_bytes", "out_bytes", "trainable_param_bytes",
@@ -156,9 +103,8 @@ def _segments(c: FieldCheck, field: str, value: Any, shape: PlanShape, *,
                                   "bwd_input_peak_bytes")},
         "name": c.text, "modules": lambda f, v: c.sequence(f, v, c.text),
     }
-    segments = c.sequence(field, value, lambda f, v: PlanSegment(**{
-        k: x for k, x in c.record(f, v, checks, required_fields(PlanSegment), open_ended=open_ended).items()
-        if k in checks}))
+    segments = c.sequence(field, value, lambda f, v: PlanSegment(**c.record(f, v, checks,
+                                                                          required_fields(PlanSegment))))
     if shape.segment_names and segments and len(segments) != shape.segment_names:
         c.fail(field, f"{field} has {len(segments)} entries but segment_names has {shape.segment_names}; "
                "one per segment")
@@ -175,8 +121,7 @@ def _search(c: FieldCheck, field: str, value: Any) -> SearchRecord:
         "step_gap": lambda f, v: c.number(f, v, signed=True)}, frozenset()))
 
 
-def _alternatives(c: FieldCheck, field: str, value: Any, *,
-                  open_ended: bool = False) -> list[ScheduleAlternative]:
+def _alternatives(c: FieldCheck, field: str, value: Any) -> list[ScheduleAlternative]:
     def maybe_int(f: str, v: Any) -> int | None:
         return None if v is None else c.integer(f, v)
 
@@ -187,9 +132,8 @@ def _alternatives(c: FieldCheck, field: str, value: Any, *,
         "predicted_step_s": lambda f, v: c.number(f, v, none=True),
         "peak_bytes": maybe_int, "fits": c.flag, "note": c.text, "split_points_count": maybe_int,
     }
-    return c.sequence(field, value, lambda f, v: ScheduleAlternative(**{
-        k: x for k, x in c.record(f, v, checks, required_fields(ScheduleAlternative), open_ended=open_ended).items()
-        if k in checks}))
+    return c.sequence(field, value, lambda f, v: ScheduleAlternative(**c.record(
+        f, v, checks, required_fields(ScheduleAlternative))))
 
 
 def _loss(c: FieldCheck, field: str, value: Any) -> LossCost:
@@ -198,24 +142,13 @@ def _loss(c: FieldCheck, field: str, value: Any) -> LossCost:
                                               "bwd_peak_bytes": c.integer}, required_fields(LossCost)))
 
 
-def _whole_pass(c: FieldCheck, field: str, value: Any, *, version: int) -> WholePass:
-    """A :class:`~autopipe.machine.passes.WholePass`; version 1 could leave out the accumulation times."""
+def _whole_pass(c: FieldCheck, field: str, value: Any) -> WholePass:
     checks: dict[str, Callable[[str, Any], Any]] = {
         **{k: c.number for k in ("segments_fwd_s", "segments_bwd_s", "fwd_s", "bwd_s", "accum_s", "segments_accum_s")},
-        "scales": lambda f, v: c.sequence(f, v, c.number, None if version == 1 else 3), "fitted": c.flag,
-        "round_spread": c.number,
+        "scales": lambda f, v: c.sequence(f, v, c.number, 3), "fitted": c.flag, "round_spread": c.number,
     }
-    required = required_fields(WholePass) - ({"accum_s", "segments_accum_s", "scales"} if version == 1 else set())
-    whole = {k: v for k, v in c.record(field, value, checks, required, open_ended=version == 1).items()
-             if k in checks}
-    scales = list(whole.get("scales", []))
-    if version == 1:
-        if whole["fitted"] and len(scales) < 2:
-            c.fail(f"{field}.scales", f"{field}.scales needs the forward and backward scale (2 numbers or more) "
-                   "when fitted is true")
-        scales = (scales + [1.0, 1.0, 1.0])[:3]  # a pass without a scale was not scaled
-        whole = {"accum_s": 0.0, "segments_accum_s": 0.0, **whole}
-    return WholePass(**{**whole, "scales": tuple(scales)})
+    whole = c.record(field, value, checks, required_fields(WholePass))
+    return WholePass(**{**whole, "scales": tuple(whole["scales"])})
 
 
 def _fit_error(c: FieldCheck, field: str, value: Any) -> dict[str, float]:

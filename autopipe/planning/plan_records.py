@@ -1,8 +1,10 @@
-"""The typed parts of a :class:`~autopipe.planning.plan.Plan` beside its stages and baselines.
+"""The typed parts of a :class:`~autopipe.planning.plan.Plan`: its stages, baselines and records.
 
 A plan carries, besides where to cut, what it was made from and what the planner assumed,
 so that it can be re-simulated, calibrated, re-planned and reported without the model:
 
+- :class:`StagePlan`: one stage, its modules and predicted costs;
+- :class:`BaselinePlan`: a split another tool or rule would choose, costed the same way;
 - :class:`PlanSegment`: one segment of the profile, with the bytes crossing the cut before it;
 - :class:`Link` and :class:`MachineModel`: the links between stages, the runtime's
   overhead per action and whether sends are lazy, as the planner charged them;
@@ -28,8 +30,53 @@ from dataclasses import dataclass, field
 
 from .costgraph import SegmentCost
 
-__all__ = ["PlanSegment", "Link", "MachineModel", "SearchRecord", "ScheduleAlternative", "Calibration",
+__all__ = ["StagePlan", "BaselinePlan", "PlanSegment", "Link", "MachineModel", "SearchRecord", "ScheduleAlternative", "Calibration",
            "TuningRecord"]
+
+
+@dataclass
+class StagePlan:
+    """One pipeline stage of a plan: which modules it holds and what it is predicted to cost.
+
+    Times are per micro-batch, in seconds; bytes are per device (``param_bytes``,
+    ``peak_bytes``) or per micro-batch (``act_bytes``, ``send_bytes``, ``recv_bytes``).
+    """
+
+    index: int  # stage number, 0 = first
+    fqns: list[str]  # top-most module names whose code runs entirely in this stage
+    first_segment: int  # first segment (cost-graph node) of the stage
+    last_segment: int  # last segment, inclusive
+    fwd_s: float  # forward compute per micro-batch
+    bwd_s: float  # backward compute per micro-batch
+    comm_s: float  # time to send and receive this stage's boundary tensors, both directions
+    param_bytes: int  # parameters (and buffers) held by the stage
+    act_bytes: int  # activations saved for backward, per micro-batch in flight
+    peak_bytes: int  # predicted peak memory: params, grads, optimizer state, activations in flight
+    send_bytes: int  # bytes sent to the next stage per micro-batch, forward
+    recv_bytes: int  # bytes received from the previous stage per micro-batch, forward
+    inflight_microbatches: int = 1  # micro-batches whose activations are held at the peak
+    device: str = ""  # name of the device the stage is planned for (heterogeneous plans)
+    peak_bytes_kept: int = 0  # predicted peak keeping its activations (0: not recorded)
+    peak_bytes_recomputed: int = 0  # predicted peak recomputing them in the backward (0: not recorded)
+
+    @property
+    def time_s(self) -> float:
+        """Forward + backward + communication per micro-batch: the stage's pipeline period."""
+        return self.fwd_s + self.bwd_s + self.comm_s
+
+
+@dataclass
+class BaselinePlan:
+    """A split users could pick by hand or with another tool, costed by the same model."""
+
+    name: str  # "deepspeed_parameters", "torchgpipe_time", ... (autopipe.planning.baselines.BASELINES)
+    description: str  # one line: where the method comes from
+    split_points: list[str]  # its split points (module names), in order
+    bottleneck_s: float  # its heaviest stage under the same cost model
+    predicted_step_s: float  # its predicted step time under the same schedule
+    peak_bytes: int  # its heaviest stage's predicted memory
+    fits_memory: bool = True
+    reason: str = ""  # "not applicable: ..." when the tool's rule gives no split here (split_points empty)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._checks import accepts_old_keywords, check_at_most, check_choice, check_int
+from .._checks import check_at_most, check_choice, check_int
 from . import schedules as sim
 from .costgraph import CostGraph, SegmentCost, build_cost_graph
 from .data_parallel import plan_data_parallel
@@ -47,7 +47,7 @@ from ..errors import InfeasibleMemoryError
 from .plan import Plan
 from .plan_assembly import make_plan
 from .plan_file import MAX_STAGES
-from .options import PARTITION_OLD_KEYWORDS, ProfileOptions, fold_old_partition_keywords, resolve_devices
+from .options import ProfileOptions, resolve_devices
 from ..machine.host_memory import PeakResidentMemory
 from ..machine.speed import counting_flops
 from ..machine.timing import resolve_device
@@ -72,7 +72,6 @@ OBJECTIVES = ("step", "bottleneck")
 # --------------------------------------------------------------------------- entry point
 
 
-@accepts_old_keywords(PARTITION_OLD_KEYWORDS, fold_old_partition_keywords)
 def partition(
     model: torch.nn.Module,
     n_gpus: int,
@@ -199,8 +198,7 @@ def partition(
             the legal split points allow, or more (stage, micro-batch) pairs than
             ``MAX_SCHEDULE_SIZE``, right after tracing, before profiling.
         TypeError: an argument of the wrong kind (``profiling`` not a ProfileOptions,
-            ``devices`` not Devices), or a value given both under a deprecated keyword and
-            under its replacement.
+            ``devices`` not Devices).
         MissingExampleInputsError: no example inputs.
         ModelExportError: the model cannot be exported (with the exporter's reason).
         InfeasibleMemoryError: no split fits ``memory`` (the message says what would).

@@ -26,7 +26,7 @@ from . import costmodel, schedules
 from .costgraph import CostGraph, SegmentCost
 from .costmodel import StepTail
 from .partitioner import (PartitionProblem, PartitionResult, candidate_partitions, capacity_shares, evaluate,
-                          format_capacities, solve_bottleneck, solve_min_memory)
+                          format_capacities, rank_work_lower_bound_s, solve_bottleneck, solve_min_memory)
 from .recompute import min_memory_with_recompute, recompute_candidates
 from .plan_records import ScheduleAlternative
 from .problem import build_problem, merged_output_bytes, rank_overcount_bytes, stage_grad_bytes, tied_gradient_bytes
@@ -253,9 +253,11 @@ def cost_option(
     option.rank_peak_bytes, timeline = _rank_peaks(option, problem, cuts, again, costs, traced, ranks,
                                                    optimizer_factor)
     option.fits = all(pk <= d.memory_bytes for pk, d in zip(option.rank_peak_bytes, rank_devices))
+    rank_work = rank_work_lower_bound_s(problem, v, [d.speed for d in rank_devices])
+    whole = float(problem.compute_s.sum() / max(problem.speed)) if len(problem.speed) else math.inf
     option.step_lower_bound_s = costmodel.step_lower_bound_s(
-        problem, timeline, n_microbatches=m, stages_per_rank=v, rank_speed=[d.speed for d in rank_devices],
-        action_overhead_s=option.action_overhead_s, tail=option.step_tail)
+        rank_work, whole, timeline, n_microbatches=m, action_overhead_s=option.action_overhead_s,
+        tail=option.step_tail)
     return option
 
 

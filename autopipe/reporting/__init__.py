@@ -14,7 +14,8 @@ Example:
     >>> write_report(report_data(plan), "report.html")  # doctest: +SKIP
 """
 
-from .text import plan_to_text, format_bytes, format_seconds
+from .text import plan_to_text
+from .units import format_bytes, format_seconds
 from .data import report_data, layer_rows
 from .files import write_report
 from .timeline import plan_timeline

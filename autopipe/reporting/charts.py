@@ -33,7 +33,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from .tables import alternative_step_s
-from .text import format_seconds
+from .units import format_seconds
 
 __all__ = [
     "FIGURE_NAMES",

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .tables import Table
-from .text import format_bytes, format_seconds
+from .units import format_bytes, format_seconds
 
 __all__ = ["dp_table"]
 

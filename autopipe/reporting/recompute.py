@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .text import format_bytes
+from .units import format_bytes
 
 __all__ = ["recompute_lines"]
 

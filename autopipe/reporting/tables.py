@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .text import format_bytes, format_seconds, whole_pass_line
+from .units import format_bytes, format_seconds, whole_pass_line
 
 __all__ = [
     "Table",

@@ -120,7 +120,7 @@ def print_layers(rows: list[dict[str, Any]], *, console: Any = None, title: str 
     Example:
         >>> print_layers(layer_rows(traced, costs))  # doctest: +SKIP
     """
-    from .text import format_bytes, format_seconds
+    from .units import format_bytes, format_seconds
 
     console = console or make_console()
     table = layer_table(rows)

@@ -1,31 +1,27 @@
 """Plain-text report of a Plan: the stages, the predictions and the baselines beside them.
 
 Example:
-    >>> from autopipe.reporting.text import format_bytes, format_seconds
-    >>> format_bytes(3 * 2**20), format_seconds(0.0123)
-    ('3.0 MiB', '12.30 ms')
+    >>> from autopipe.planning.plan import Plan, StagePlan
+    >>> stages = [StagePlan(index=i, fqns=[f"layers.{i}"], first_segment=i, last_segment=i, fwd_s=1e-3,
+    ...                     bwd_s=2e-3, comm_s=0.0, param_bytes=0, act_bytes=0, peak_bytes=0, send_bytes=0,
+    ...                     recv_bytes=0) for i in range(2)]
+    >>> plan = Plan(num_stages=2, split_points=["layers.1"], stages=stages, schedule="1F1B", n_microbatches=4,
+    ...             bottleneck_s=3e-3, predicted_step_s=15e-3, lower_bound_s=3e-3)
+    >>> plan_to_text(plan).splitlines()[0]
+    'autopipe plan for model: 2 stages, 1F1B with 4 micro-batches'
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ..machine.device import format_bytes  # beside parse_bytes, its inverse; re-exported here for reports
+from .units import format_bytes, format_seconds, whole_pass_line
 
 if TYPE_CHECKING:
     from ..planning.plan import Plan
 
-__all__ = ["plan_to_text", "format_bytes", "format_seconds", "whole_pass_line"]
-
-
-def format_seconds(s: float) -> str:
-    """Seconds in the unit that reads best (s, ms, us)."""
-    if s >= 1:
-        return f"{s:.3f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s * 1e6:.1f} us"
+__all__ = ["plan_to_text"]
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
@@ -124,19 +120,3 @@ def plan_to_text(plan: "Plan") -> str:
         out += _table(["baseline", "split points", "bottleneck", "step", "autopipe faster by", "peak mem", "fits"], rows)
         out += [f"  {b.name}: {b.description}" for b in plan.baselines]
     return "\n".join(out)
-
-
-def whole_pass_line(whole: dict[str, Any]) -> str:
-    """One sentence on the profile's segments against the whole graph timed beside them (``WholePass`` as a dict).
-
-    Example:
-        >>> whole_pass_line(dict(segments_fwd_s=0.012, segments_bwd_s=0.02, fwd_s=0.008, bwd_s=0.01,
-        ...                      scales=(0.67, 0.5, 0.4), fitted=True))  # doctest: +NORMALIZE_WHITESPACE
-        'Profile: the segments timed one by one came to 12.00 ms forward and 20.00 ms backward, the whole graph
-        timed as one to 8.00 ms and 10.00 ms; segments scaled x0.67 and x0.50 to it.'
-    """
-    scaled = (f"segments scaled x{whole['scales'][0]:.2f} and x{whole['scales'][1]:.2f} to it" if whole["fitted"]
-              else "segments not scaled to it")
-    return (f"Profile: the segments timed one by one came to {format_seconds(whole['segments_fwd_s'])} forward "
-            f"and {format_seconds(whole['segments_bwd_s'])} backward, the whole graph timed as one to "
-            f"{format_seconds(whole['fwd_s'])} and {format_seconds(whole['bwd_s'])}; {scaled}.")

@@ -51,7 +51,7 @@ from .materialize import WeightSource, check_weight_arguments
 from .sharded_state import (load_checkpoint, load_model_state_dict, load_optimizer_state_dict, model_state_dict,
                             optimizer_state_dict, save_checkpoint)
 from .model_state import clip_grad_norm, full_state_dict, grads_before, sum_shared_grads
-from .plan_setup import PlanRequest, check_model_and_inputs, deprecated_keywords, settle_plan
+from .plan_setup import PlanRequest, check_model_and_inputs, settle_plan
 from .stage_timer import StageTimer, gather_stage_times
 from .stages import MicrobatchMeanLoss, build_rank_stages, make_schedule
 from .step_failures import agree_on_failures, share_loss
@@ -129,11 +129,6 @@ class Pipeline(PipelineLifecycle):
             ``"replicate"`` (whole parameters, gradients averaged by all-reduce). Default: the
             plan's, else ``"fsdp"``.
 
-    Deprecated keyword args (they still work, with a ``DeprecationWarning``, until the next
-    release):
-        n_stages: the former name of ``n_ranks``.
-        planner_options: a dict of partition's keywords; use ``planner`` instead.
-
     Raises:
         TypeError / ValueError: for a bad argument (named in the message), a schedule name
             that does not exist (the message lists those that do), a world size that does
@@ -178,11 +173,8 @@ class Pipeline(PipelineLifecycle):
         mesh: Any = None,
         dp_degree: int | None = None,
         dp_mode: str | None = None,
-        n_stages: int | None = None,
-        planner_options: Mapping[str, Any] | None = None,
     ) -> None:
         # ---- 1. everything that can be checked alone, before joining the job
-        n_ranks, planner = deprecated_keywords(n_ranks, n_stages, planner, planner_options)
         example_args, example_kwargs = check_model_and_inputs(model, example_args, example_kwargs, loss_fn)
         check_weight_arguments(model, init_weights, weights)
         request = PlanRequest.checked(model, plan=plan, split_points=split_points, n_ranks=n_ranks,

@@ -24,9 +24,8 @@ Example::
 from __future__ import annotations
 
 import os
-import warnings
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -34,15 +33,15 @@ import torch.nn as nn
 
 from .._checks import check_int
 from ..planning.default_loss import pipeline_loss, traced_output
-from ..planning.options import PARTITION_OLD_KEYWORDS, PlannerOptions, ProfileOptions, fold_old_partition_keywords
+from ..planning.options import PlannerOptions, ProfileOptions
 from ..planning.plan import Plan, StagePlan
 from ..planning.schedules import canonical_schedule_name, default_stages_per_rank, validate_schedule
 from ..planning.trace import resolve_example_inputs, trace
 from .distributed import broadcast_object, gather_digests
 from .materialize import on_meta, to_meta
 
-__all__ = ["PlanRequest", "PipelineLayout", "settle_plan", "check_model_and_inputs", "planner_from_options",
-           "deprecated_keywords", "profile_in_ranks_by_default", "rank_profile_settings", "planner_kwargs"]
+__all__ = ["PlanRequest", "PipelineLayout", "settle_plan", "check_model_and_inputs",
+           "profile_in_ranks_by_default", "rank_profile_settings", "planner_kwargs"]
 
 
 @dataclass(frozen=True)
@@ -336,62 +335,6 @@ def rank_profile_settings(profiling: ProfileOptions) -> dict[str, Any]:
     """
     return {"warmup": profiling.warmup, "repeats": profiling.repeats, "flush_cache": profiling.flush_cache,
             "fit_to_whole": profiling.fit_to_whole}
-
-
-def planner_from_options(planner_options: Mapping[str, Any]) -> PlannerOptions:
-    """:class:`~autopipe.planning.options.PlannerOptions` from the deprecated ``planner_options`` dict.
-
-    Keys named as a field of PlannerOptions keep their meaning; partition's keywords of the
-    previous release (``warmup``, ``costs``, ``bandwidth``, ...) go where partition now takes
-    them (``profiling``, ``cost``, ``devices``).
-
-    Raises:
-        TypeError: not a mapping, or keys the planner options do not take (named, with
-            the accepted ones).
-
-    Example:
-        >>> planner_from_options({"memory": "8GiB", "repeats": 3}).profiling.repeats
-        3
-    """
-    if not isinstance(planner_options, Mapping):
-        raise TypeError(f"planner_options={planner_options!r} must be a dict of the planner's settings; "
-                        f"pass planner=autopipe.PlannerOptions(...) instead")
-    new_names = [f.name for f in fields(PlannerOptions)]
-    unknown = sorted(k for k in planner_options if k not in new_names and k not in PARTITION_OLD_KEYWORDS)
-    if unknown:
-        raise TypeError(f"planner_options has {unknown}, which the planner options do not take; accepted: "
-                        f"{sorted([*new_names, *PARTITION_OLD_KEYWORDS])}")
-    kwargs = {k: v for k, v in planner_options.items() if k in new_names}
-    fold_old_partition_keywords({k: v for k, v in planner_options.items() if k in PARTITION_OLD_KEYWORDS}, kwargs)
-    return PlannerOptions(**kwargs)
-
-
-def deprecated_keywords(n_ranks: int | None, n_stages: int | None, planner: PlannerOptions | None,
-                        planner_options: Mapping[str, Any] | None) -> tuple[int | None, PlannerOptions | None]:
-    """``(n_ranks, planner)`` from the new keywords or the deprecated ones, with a warning for the latter.
-
-    Raises:
-        TypeError: a setting given under both names.
-
-    Example::
-
-        deprecated_keywords(None, 2, None, None)   # (2, None), warning that n_stages= is now n_ranks=
-    """
-    if n_stages is not None:
-        if n_ranks is not None:
-            raise TypeError("give n_ranks= (n_stages= is its deprecated name), not both")
-        warnings.warn("Pipeline(n_stages=) is deprecated and will be removed in the next release: it counts "
-                      "ranks; pass n_ranks= instead", DeprecationWarning, stacklevel=3)
-        n_ranks = n_stages
-    if planner_options is not None:
-        if planner is not None:
-            raise TypeError("give planner=autopipe.PlannerOptions(...) (planner_options= is its deprecated "
-                            "form), not both")
-        warnings.warn("Pipeline(planner_options=) is deprecated and will be removed in the next release; pass "
-                      "planner=autopipe.PlannerOptions(...) instead (its fields are named as partition's "
-                      "keywords)", DeprecationWarning, stacklevel=3)
-        planner = planner_from_options(planner_options)
-    return n_ranks, planner
 
 
 def check_model_and_inputs(model: Any, example_args: Any, example_kwargs: Any,
