@@ -62,7 +62,7 @@ ABOUT = {
         "On stock Hugging Face decoder LMs (their own classes and default configs, small sizes), is the split "
         "autopipe chooses the fastest when it runs, and does the plan predict every split's real step? Every "
         "layer-level 2-stage split runs as a real 2-rank `autopipe.Pipeline` (gloo, 1F1B, 4 micro-batches), "
-        "interleaved; `autopipe.tune` then runs in the same world."),
+        "interleaved, in several fresh worlds; `autopipe.tune` then runs in the first."),
     "split_quality": (
         "Is autopipe's 2-stage split as good as the best split there is, measured rather than predicted? "
         "Every legal split point's stages are timed in one process to find the exhaustive best; autopipe's "
@@ -249,7 +249,11 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
                            f"{sp['measured_step_s'] * 1e3:.1f} ms", f"{sp['predicted_step_s'] * 1e3:.1f} ms",
                            pct(sp["prediction_error"]), pct(sp.get("in_ranks_error")), ratio(sp["vs_fastest"])])
     worlds = d.get("worlds", 1)
-    return (f"Each split runs in {worlds} fresh 2-rank world{'s' if worlds > 1 else ''}, one after another, "
+    rerun = [f"{r['model']} (load average {'/'.join(map(str, r['host_start']['load_avg']))} → "
+             f"{'/'.join(map(str, r['host_end']['load_avg']))})" for r in d["rows"] if r.get("host_start")]
+    again = (f"Rows measured again in a later invocation, after other work on the host had disturbed them: "
+             f"{', '.join(rerun)}.\n\n" if rerun else "")
+    return again + (f"Each split runs in {worlds} fresh 2-rank world{'s' if worlds > 1 else ''}, one after another, "
             "stepped in interleaved rounds in each; its step is the median over all of them of the slower rank's "
             "step, and \"÷ fastest\" is over the fastest split's. \"Per world\": autopipe's split over the "
             "fastest within each world alone (which of two close splits wins moves with the host's state). "

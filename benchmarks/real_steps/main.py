@@ -114,8 +114,6 @@ def layer_splits(model: torch.nn.Module, args: tuple) -> list[list[str]]:
 
 def step_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     """Build a Pipeline per split, step them in interleaved rounds; this rank's step times and stage times."""
-    import torch.distributed as dist
-
     from autopipe import Pipeline
 
     model, args, target_mb = build(job["model"], job["size"])
@@ -180,6 +178,7 @@ def run_model(name: str, *, size: str, rounds: int, steps: int, plans: int, worl
     import autopipe
 
     model, args, _ = build(name, size)
+    host_start = host_info()
     t0 = time.perf_counter()
     plan = autopipe.partition(model, 2, args, schedule="1F1B", n_microbatches=N_MICROBATCHES)
     planner_s = time.perf_counter() - t0
@@ -224,6 +223,7 @@ def run_model(name: str, *, size: str, rounds: int, steps: int, plans: int, worl
             "tuned": {**tuned, "label": tuned_label,
                       "vs_fastest": rows[tuned_label]["vs_fastest"] if tuned_label in rows else None},
             "splits": rows, "plan_notes": list(plan.notes), "worlds": worlds,
+            "host_start": host_start, "host_end": host_info(),
             "chosen_vs_fastest_per_world": [median(w[chosen]) / median(w[f]) for w, f in zip(per_world, world_fastest)],
             "partition_splits": ["+".join(x) for x in [list(plan.split_points), *replans]],
             "pipeline_splits": ["+".join(x) for x in results[0]["pipeline_plans"]]}
