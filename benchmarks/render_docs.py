@@ -102,6 +102,9 @@ RERUN_OPTIONS = {"recompute": "`--smoke` for a tiny run that only checks the scr
                  "meta_model": "`--layers 2 --seq 64` for a quick look",
                  "scale_study": "`--quick` for a tiny model that only checks the script"}
 BEHIND_TOL = 0.03  # a ratio within 3% counts as a tie: the split-quality target, and about the run-to-run noise
+#: Where a renderer's section splits: above it, the headline on docs/benchmarks.md; below
+#: it, every row, on the benchmark's own generated RESULTS.md.
+DETAIL = "<!-- every row -->"
 TARGET_ERROR = 0.10  # the step-time prediction's target: median |error| under 10%
 
 
@@ -216,7 +219,9 @@ def render_peers(d: dict[str, Any], behind: list[str]) -> str:
             "2 stages, the real 2-rank step over the best split's. Below 1: faster than the best layer-level split "
             "(autopipe may cut inside a layer). n/a: the tool's rule does not apply to the model (the JSON says "
             "why). Peers as reproduced in `autopipe/planning/peers.py`, versions in "
-            "[comparison.md](comparison.md).\n\n" + table(["model", "stages", *cols], rows))
+            "[comparison.md](comparison.md). At 2 stages:\n\n"
+            + table(["model", "stages", *cols], [row for row in rows if row[1] in ("2", 2, "")])
+            + f"\n\n{DETAIL}\n\n" + table(["model", "stages", *cols], rows))
 
 
 def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
@@ -265,7 +270,7 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
             + table(["model", "autopipe's split", "÷ fastest", "per world", "fastest split", "FLOPs DP ÷ fastest",
                      "tune kept (÷ fastest)", "median |pred. error|", "max |pred. error|",
                      "same split, partition() runs", "Pipeline's own plan"], rows)
-            + "\n\nEvery split, predicted against measured: by `partition()`'s plan (profiled in one process "
+            + f"\n\n{DETAIL}\n\nEvery split, predicted against measured: by `partition()`'s plan (profiled in one process "
               "before the 2-rank world starts), and by the plan the `Pipeline` made for itself (both ranks "
               "profiling at once, just before the steps):\n\n"
             + table(["model", "split", "measured step", "predicted step", "error", "error, profiled in the ranks",
@@ -329,12 +334,23 @@ def render_split_quality_sim(d: dict[str, Any], behind: list[str]) -> str:
                 if x is not None and x < 1 - BEHIND_TOL:
                     behind.append(f"simulated, {r['model']} p={e['stages']}: {b}'s predicted step is {x:.3f}× autopipe's.")
             rows.append(cells)
+    header = ["model", "p", "autopipe step ms", "step ÷ bound", "bottleneck ÷ bound",
+              *(f"{b} ÷ autopipe" for b in baselines)]
+    shown = max({e["stages"] for r in d["rows"] for e in r["by_stages"]} & {8} or {2})
+    headline = [[f"{r['model']} ({r['segments']} segments)", *cells[1:]]
+                for r in d["rows"] for e, cells in zip(r["by_stages"], _rows_of(r, rows, d["rows"]))
+                if e["stages"] == shown]
     return (f"{d['schedule']} with {d['microbatch_factor']}·p micro-batches, costs measured on {d['device']}. "
             "*step ÷ bound*: autopipe's step over the plan's step lower bound; *bottleneck ÷ bound*: its heaviest "
             "stage over max(total compute / p, heaviest segment); baseline columns: the baseline's step ÷ "
-            "autopipe's (above 1: autopipe faster; –: the baseline cannot make p stages).\n\n"
-            + table(["model", "p", "autopipe step ms", "step ÷ bound", "bottleneck ÷ bound",
-                     *(f"{b} ÷ autopipe" for b in baselines)], rows))
+            f"autopipe's (above 1: autopipe faster; –: the baseline cannot make p stages). At p = {shown}:\n\n"
+            + table(header, headline) + f"\n\n{DETAIL}\n\n" + table(header, rows))
+
+
+def _rows_of(r: dict[str, Any], rows: list[list[Any]], all_rows: list[dict[str, Any]]) -> list[list[Any]]:
+    """The table rows of model row ``r`` (one per stage count), in the order they were built."""
+    start = sum(len(x["by_stages"]) for x in all_rows[:all_rows.index(r)])
+    return rows[start:start + len(r["by_stages"])]
 
 
 PLANNER_TARGET_S = 2.0  # the exact search over 100,000 segments into 128 stages
@@ -397,6 +413,10 @@ def _column_name(c: str) -> str:
     return c.replace("_step_s", "")
 
 
+#: The prediction columns docs/benchmarks.md shows; the rest are on the benchmark's RESULTS.md.
+HEADLINE_COLUMNS = ("predicted_step_s", "parent_profile_step_s", "in_ranks_step_s", "calibrated_step_s")
+
+
 def render_prediction_accuracy(d: dict[str, Any], behind: list[str]) -> str:
     """One row per prediction column: its error in the latest run and, pooled, over several runs."""
     s = d["summary"]
@@ -416,7 +436,9 @@ def render_prediction_accuracy(d: dict[str, Any], behind: list[str]) -> str:
         rows.append(row)
     out = [f"Signed error = (predicted − measured) ÷ measured; negative means the plan promised a faster step "
            f"than the real pipeline delivered. **{s['run']} of {s['cases']} cases ran** in the run shown; "
-           "every case's figures are in the benchmark's `results.json`.\n\n" + table(header, rows)]
+           "every case's figures are in the benchmark's `results.json`. The plan's own prediction and the main "
+           "alternatives (every alternative below the line):\n\n"
+           + table(header, [row for c, row in zip(cols, rows) if c in HEADLINE_COLUMNS])]
     notes = []
     if pooled:
         per_run = ", ".join(apct(r["columns"]["predicted_step_s"]["median_abs_error"]) for r in runs["runs"])
@@ -463,7 +485,7 @@ def render_prediction_accuracy(d: dict[str, Any], behind: list[str]) -> str:
                      f"link {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s and {link['latency_s'] * 1e6:.0f} µs "
                      f"per message, {ov['action_overhead_s'] * 1e3:.2f} ms of runtime overhead per action, ranks "
                      f"computing at once {ov['concurrent_slowdown']:.2f}× as slow as alone.")
-    return "\n\n".join(out + notes)
+    return "\n\n".join(out + notes) + f"\n\n{DETAIL}\n\n" + table(header, rows)
 
 
 def render_schedule_memory(d: dict[str, Any], behind: list[str]) -> str:
@@ -473,6 +495,9 @@ def render_schedule_memory(d: dict[str, Any], behind: list[str]) -> str:
     split = ", ".join(f"`{s}`" for s in d.get("split_points", []))
     return (f"{d.get('model')}, {d.get('batch')}, split at {split or '–'}. Peak: bytes the step allocates "
             "beyond what existed before it (parameters, gradients and receive buffers excluded).\n\n"
+            + "Rank 0:\n\n"
+            + table(["variant", "micro-batches", "rank", "peak MiB", "micro-batches in flight (planner)", "÷ GPipe"],
+                    [row for row in rows if row[2] == 0]) + f"\n\n{DETAIL}\n\n"
             + table(["variant", "micro-batches", "rank", "peak MiB", "micro-batches in flight (planner)", "÷ GPipe"],
                     rows))
 
@@ -511,6 +536,8 @@ def render_meta_model(d: dict[str, Any], behind: list[str]) -> str:
                 behind.append(f"meta_model: {run.get('name')}, rank {r['rank']}'s share of resident memory after "
                               f"construction is {pss / whole:.1%} of the parameter bytes (target: under 60%)")
     first = (d.get("runs") or [{}])[0].get("ranks", [{}])[0]
+    header = ["run", "rank", "parameters held", "before", "resident after construction", "share after construction",
+              "peak", "construction"]
     size = f"{first.get('parameters', 0) / 1e9:.2f} B parameters, {first.get('parameter_bytes', 0) / 2**30:.2f} GiB"
     return (f"{d.get('model')}: {size}; {d.get('schedule')}, {d.get('n_microbatches')} micro-batches, planned once "
             "from counted FLOPs into a plan file that every rank loads, default init. Shares are of the whole "
@@ -519,9 +546,11 @@ def render_meta_model(d: dict[str, Any], behind: list[str]) -> str:
             "about 0.11 GiB here) counts a share in each instead of in full; *before* is the process before the "
             "pipeline is built (Python, torch, transformers, the meta model). The target, each rank under 60%, is "
             "checked on the share, for the run whose split memory decides and for 4 ranks; split for time (no "
-            "memory limit), the first of 2 stages also holds the embedding, which costs no FLOPs.\n\n"
-            + table(["run", "rank", "parameters held", "before", "resident after construction",
-                     "share after construction", "peak", "construction"], rows))
+            "memory limit), the first of 2 stages also holds the embedding, which costs no FLOPs. Each run's "
+            "largest rank:\n\n"
+            + table(header, [max((r for r in rows if r[0] == name), key=lambda r: r[2])
+                             for name in dict.fromkeys(r[0] for r in rows)])
+            + f"\n\n{DETAIL}\n\n" + table(header, rows))
 
 
 def render_trace_profile(d: dict[str, Any], behind: list[str]) -> str:
@@ -541,15 +570,16 @@ def render_gpu_one_rank(d: dict[str, Any], behind: list[str]) -> str:
     rows = [[r["model"], r["schedule"], r["m"], ms(r["measured_s"], 2), ms(r["predicted_s"], 2),
              pct(r["predicted_s"] / r["measured_s"] - 1), f"{r['implied_overhead_s'] * 1e6:.0f}"]
             for r in d["rows"]]
+    header = ["model", "schedule", "m", "measured ms", "predicted ms", "error", "implied overhead per action µs"]
     err = s["median_abs_error_no_overhead"]
     if err > TARGET_ERROR:
         behind.append(f"one GPU ({s['device']}): the plan's step is off by {err * 100:.0f}% (median |error|, "
                       f"m = {s['check_m']}; target 10%); section 8.")
     return (f"Median |error| at m = {s['check_m']}: {err * 100:.1f}% as planned (no per-action overhead, the CUDA "
             f"default), {s['median_abs_error_fitted'] * 100:.1f}% with one overhead per action fitted on "
-            f"m = {s['fit_m']} ({s['overhead_fitted_s'] * 1e6:.0f} µs).\n\n"
-            + table(["model", "schedule", "m", "measured ms", "predicted ms", "error",
-                     "implied overhead per action µs"], rows))
+            f"m = {s['fit_m']} ({s['overhead_fitted_s'] * 1e6:.0f} µs). At m = {s['check_m']}:\n\n"
+            + table(header, [row for row in rows if row[2] == s["check_m"]]) + f"\n\n{DETAIL}\n\n"
+            + table(header, rows))
 
 
 def render_models(d: dict[str, Any], behind: list[str]) -> str:
@@ -624,10 +654,11 @@ def render_scale_study(d: dict[str, Any], behind: list[str]) -> str:
     sizes = "; ".join(f"{m['model']}: {m['parameters'] / 1e9:.2f} B parameters, {m['segments']} segments, "
                       f"{gb(m.get('act_bytes_per_microbatch'))} of saved activations per 8192-token sequence"
                       for m in models.values() if m["model"] != "tiny")
+    header = ["model", "GPUs", "pp × dp", "schedule", "micro-batches", "stages recomputing", "step", "tokens/s/GPU",
+              "peak memory", "torchtitan"]
     out = [f"{d.get('machine_simulated')}; FLOP-counted costs, {d.get('seq_per_gpu')} sequences per GPU per step, "
-           f"schedule {d.get('schedule')}. Predicted, not measured. {sizes}.",
-           table(["model", "GPUs", "pp × dp", "schedule", "micro-batches", "stages recomputing", "step",
-                  "tokens/s/GPU", "peak memory", "torchtitan"], rows)]
+           f"schedule {d.get('schedule')}. Predicted, not measured. {sizes}. The sizes torchtitan reports a layout "
+           "for:", table(header, [row for row in rows if row[-1] != "–"])]
     against = [_against_torchtitan(r) for r in d.get("rows", []) if r.get("torchtitan")]
     if against:
         out.append("**Against torchtitan's layouts.** autopipe composes pipeline and data parallelism only: "
@@ -635,7 +666,7 @@ def render_scale_study(d: dict[str, Any], behind: list[str]) -> str:
                    "autopipe recomputes whole stages (a recomputing stage holds all of one micro-batch's "
                    "activations while it recomputes), where torchtitan checkpoints each Transformer block.\n\n"
                    + "\n".join(f"- {line}" for line in against))
-    return "\n\n".join(out)
+    return "\n\n".join(out) + f"\n\n{DETAIL}\n\n" + table(header, rows)
 
 
 def _against_torchtitan(r: dict[str, Any]) -> str:
@@ -701,12 +732,13 @@ def load_results(results_dir: Path) -> dict[str, dict[str, Any]]:
     return found
 
 
-def render(results_dir: Path) -> str:
-    """The whole page for the results under ``results_dir``."""
+def render(results_dir: Path) -> tuple[str, dict[str, str]]:
+    """The whole page for the results under ``results_dir``, and each benchmark's every-row page by name."""
     results = load_results(results_dir)
     names = [n for n in ORDER if n in results] + sorted(n for n in results if n not in ORDER)
     behind: list[str] = []
     sections = []
+    details: dict[str, str] = {}
     for name in names:
         data = results[name]
         about = ABOUT.get(name) or readme_question(results_dir / name) or ""
@@ -718,9 +750,13 @@ def render(results_dir: Path) -> str:
         if "error" in data and len(data) == 1:
             body.append(f"\n{data['error']}")
         else:
-            body.append("\n" + machine_line(data))
+            body[-1] += " " + machine_line(data)  # one paragraph: how to rerun it, where it ran
             try:
-                body.append("\n" + RENDERERS.get(name, render_generic)(data, behind))
+                headline, _, rows = RENDERERS.get(name, render_generic)(data, behind).partition(DETAIL)
+                body.append("\n" + headline.rstrip())
+                if rows.strip():
+                    details[name] = f"{machine_line(data)}\n\n{rows.strip()}\n"
+                    body.append(f"\nEvery row: [benchmarks/{name}/RESULTS.md](../benchmarks/{name}/RESULTS.md).")
             except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:  # a format this renderer does not know
                 body.append(f"\n(could not render results.json: {type(e).__name__}: {e})\n\n"
                             + render_generic(data, behind))
@@ -738,10 +774,9 @@ def render(results_dir: Path) -> str:
         "within a section, not milliseconds across sections. What these measurements taught about the cost model "
         "is in [design.md](design.md).",
         "",
-        "```bash",
-        *(f"python benchmarks/{n}/main.py" for n in names),
-        "python benchmarks/render_docs.py   # rewrites this page",
-        "```",
+        "`python benchmarks/run_all.py` runs them all, one after another (`--only NAME ...` for some), and "
+        "`python benchmarks/render_docs.py` rewrites this page and each benchmark's RESULTS.md (every row of "
+        "the tables shown here in part).",
     ]
     if missing:
         head += ["", "Not run yet: " + ", ".join(f"`{n}`" for n in missing) + "."]
@@ -751,7 +786,7 @@ def render(results_dir: Path) -> str:
     else:
         head += ["Nowhere in these results: autopipe's split is within 3% of the exhaustive best and no baseline "
                  "beats it by more than 3%, and the median step-time error is under 10%."]
-    return "\n".join(head) + "\n\n" + "\n\n".join(sections) + "\n"
+    return "\n".join(head) + "\n\n" + "\n\n".join(sections) + "\n", details
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -760,9 +795,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--results", default=str(HERE), help="folder holding <benchmark>/results.json")
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
     args = ap.parse_args(argv)
-    text = render(Path(args.results))
+    text, details = render(Path(args.results))
     Path(args.out).write_text(text)
     print(f"wrote {args.out}")
+    for name, rows in details.items():
+        out = Path(args.results) / name / "RESULTS.md"
+        title = TITLES.get(name, name.replace("_", " ").capitalize())
+        out.write_text(f"# {title}: every row\n\n<!-- Generated by `python benchmarks/render_docs.py` from "
+                       f"results.json beside this file; the headline is in docs/benchmarks.md. -->\n\n{rows}")
+        print(f"wrote {out}")
 
 
 if __name__ == "__main__":

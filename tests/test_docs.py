@@ -11,7 +11,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-PAGES = sorted(DOCS.glob("*.md")) + [ROOT / "README.md"] + sorted((ROOT / "benchmarks").glob("*/README.md"))
+PAGES = (sorted(DOCS.glob("*.md")) + [ROOT / "README.md"] + sorted((ROOT / "benchmarks").glob("*/README.md"))
+         + sorted((ROOT / "benchmarks").glob("*/RESULTS.md")))
+#: docs/benchmarks.md holds each benchmark's headline; every row is on the benchmark's RESULTS.md.
+BENCHMARKS_PAGE_LINES = 300
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^\s*(```|~~~)")
 
@@ -54,6 +57,13 @@ def _anchors(path: Path) -> set[str]:
 def test_api_reference_is_generated_from_the_current_docstrings():
     text = _make_api().render()
     assert (DOCS / "api.md").read_text() == text, "docs/api.md is out of date: run python docs/make_api.py"
+
+
+def test_the_benchmarks_page_holds_headlines_and_links_every_row():
+    page = (DOCS / "benchmarks.md").read_text()
+    assert len(page.splitlines()) <= BENCHMARKS_PAGE_LINES, "move a section's detail below render_docs.DETAIL"
+    for results in sorted((ROOT / "benchmarks").glob("*/RESULTS.md")):
+        assert f"(../benchmarks/{results.parent.name}/RESULTS.md)" in page, f"nothing links {results}"
 
 
 def test_docstrings_become_markdown_sections_lists_and_code():
