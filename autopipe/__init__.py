@@ -40,6 +40,7 @@ _PUBLIC = {
     "Device": "machine.device",
     "ProfileOptions": "planning.options",
     "PlannerOptions": "planning.options",
+    "DataParallelOptions": "planning.options",
     "simulate": "planning.simulator",
     "profile_scaling": "planning.scaling",
     "measure_link": "machine.link",
@@ -68,7 +69,7 @@ if TYPE_CHECKING:  # for editors and type checkers: the same names, imported eag
     from .errors import AutopipeError, InfeasibleMemoryError, PipelineStepError  # noqa: F401
     from .machine.device import Device  # noqa: F401
     from .machine.link import measure_link  # noqa: F401
-    from .planning.options import PlannerOptions, ProfileOptions  # noqa: F401
+    from .planning.options import DataParallelOptions, PlannerOptions, ProfileOptions  # noqa: F401
     from .planning.plan import Plan  # noqa: F401
     from .planning.planner import partition  # noqa: F401
     from .planning.scaling import profile_scaling  # noqa: F401

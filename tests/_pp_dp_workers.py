@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from _runtime_workers import MICROBATCH, N_MICROBATCHES, SPLITS, loss_fn, tutorial_model
 import autopipe
+from autopipe import DataParallelOptions
 from autopipe.runtime import Pipeline
 from autopipe.runtime.data_parallel import full_tensor
 
@@ -36,14 +37,16 @@ def pp_dp_run(rank: int, world_size: int, dp_mode: str, use_mesh: bool) -> dict:
     x, y = global_batch()
     bad_mesh = init_device_mesh("cpu", (DP, world_size // DP), mesh_dim_names=("data", "pp"))
     results["bad_mesh_error"] = _error(lambda: Pipeline(tutorial_model(), example_args=(x[:MICROBATCH],),
-                                                        loss_fn=loss_fn, split_points=SPLITS[2], mesh=bad_mesh))
+                                                        loss_fn=loss_fn, split_points=SPLITS[2],
+                                                        data_parallel=DataParallelOptions(mesh=bad_mesh)))
     with Pipeline(tutorial_model(), example_args=(x[:MICROBATCH],), loss_fn=loss_fn, schedule="1F1B",
-                  n_microbatches=N_MICROBATCHES, split_points=SPLITS[2], dp_degree=DP, dp_mode=dp_mode) as pipe:
+                  n_microbatches=N_MICROBATCHES, split_points=SPLITS[2],
+                  data_parallel=DataParallelOptions(degree=DP, mode=dp_mode)) as pipe:
         results["bad_batch_error"] = _error(lambda: pipe.step(x[:12], target=y[:12]))
         results["step_after_error"] = pipe.step(x, target=y).item()  # nothing was left half-done
-    # A plan made for pp x dp builds its mesh itself: no mesh= or dp_degree= given.
+    # A plan made for pp x dp builds its mesh itself: no data_parallel= given.
     plan = autopipe.partition(tutorial_model(), world_size, (x[:MICROBATCH],), global_batch=len(x),
-                              data_parallel=DP, dp_mode=dp_mode, cost="flops", loss_fn=False,
+                              data_parallel=DataParallelOptions(degree=DP, mode=dp_mode), cost="flops", loss_fn=False,
                               profiling=autopipe.ProfileOptions(progress=False))
     with Pipeline(tutorial_model(), example_args=(x[:MICROBATCH],), loss_fn=loss_fn, plan=plan) as pipe:
         dp = pipe.data_parallel
@@ -65,10 +68,10 @@ def _case(schedule: str, dp_mode: str, tied: bool, mesh) -> dict:
     stages_per_rank = 1 if schedule in ("GPipe", "1F1B") else 2
     model = tutorial_model(tied=tied)
     x, y = global_batch()
-    dp_args = {"mesh": mesh} if mesh is not None else {"dp_degree": DP}
+    replicas = DataParallelOptions(mesh=mesh, mode=dp_mode) if mesh is not None else DataParallelOptions(DP, dp_mode)
     with Pipeline(model, example_args=(x[:MICROBATCH],), loss_fn=loss_fn, schedule=schedule,
                   n_microbatches=N_MICROBATCHES, split_points=SPLITS[2 * stages_per_rank],
-                  stages_per_rank=stages_per_rank, dp_mode=dp_mode, **dp_args) as pipe:
+                  stages_per_rank=stages_per_rank, data_parallel=replicas) as pipe:
         loss = pipe.step(x, target=y)
         ref = loss_fn(model(x), y)
         ref.backward()

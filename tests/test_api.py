@@ -38,14 +38,15 @@ def test_partition_takes_few_parameters_the_profiling_ones_grouped():
     assert list(params) == [
         "model", "n_gpus", "example_args", "example_kwargs", "schedule", "n_microbatches", "global_batch",
         "stages_per_rank", "objective", "memory", "devices", "optimizer", "loss_fn", "example_target", "cost",
-        "profiling", "recompute", "data_parallel", "dp_mode",
+        "profiling", "recompute", "data_parallel",
     ]
     assert all(p.kind is p.KEYWORD_ONLY for p in list(params.values())[4:])
 
 
 def test_the_top_level_holds_the_entry_points_and_each_resolves_without_a_warning():
     assert autopipe.__all__ == [
-        "partition", "Pipeline", "tune", "Plan", "Device", "ProfileOptions", "PlannerOptions", "simulate",
+        "partition", "Pipeline", "tune", "Plan", "Device", "ProfileOptions", "PlannerOptions", "DataParallelOptions",
+        "simulate",
         "profile_scaling", "measure_link", "AutopipeError", "InfeasibleMemoryError", "PipelineStepError",
     ]
     with warnings.catch_warnings():

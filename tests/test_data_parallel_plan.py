@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 import autopipe
+from autopipe import DataParallelOptions
 from autopipe.machine.device import Device
 from autopipe.machine.topology import Topology
 from autopipe.models import seed_transformer
@@ -108,7 +109,7 @@ def test_default_is_todays_plan(model_costs):
 
 
 def test_fixed_replicas_and_replicate_mode(model_costs):
-    plan = _plan(model_costs, global_batch=64, data_parallel=2, dp_mode="replicate")
+    plan = _plan(model_costs, global_batch=64, data_parallel=DataParallelOptions(degree=2, mode="replicate"))
     assert (plan.pp_degree, plan.dp_degree, plan.dp_mode) == (4, 2, "replicate")
     assert [r.dp for r in plan.data_parallel.factorizations] == [2]
 
@@ -117,7 +118,8 @@ def test_fixed_replicas_and_replicate_mode(model_costs):
     (dict(data_parallel=3, global_batch=48), "data_parallel=3 is not accepted"),
     (dict(data_parallel="most", global_batch=48), "data_parallel='most'"),
     (dict(data_parallel=2), "needs global_batch"),
-    (dict(data_parallel=2, global_batch=64, dp_mode="ddp"), "dp_mode='ddp'"),
+    (dict(data_parallel=DataParallelOptions(2, "ddp"), global_batch=64), "DataParallelOptions mode='ddp'"),
+    (dict(data_parallel=DataParallelOptions(2, mesh=object()), global_batch=64), "is for a Pipeline"),
     (dict(data_parallel=2, global_batch=64, n_microbatches=4), "n_microbatches=4 cannot be fixed"),
     (dict(data_parallel="auto", global_batch=6), "global_batch=6 does not split"),
     (dict(data_parallel=2, global_batch=64, devices=[Device()] * 4), "one Device"),
@@ -126,6 +128,12 @@ def test_errors_before_any_work(model_costs, kw, match, monkeypatch):
     monkeypatch.setattr("autopipe.planning.planner.trace", lambda *a, **k: pytest.fail("traced before the check"))
     with pytest.raises(ValueError, match=match):
         _plan(model_costs, **kw)
+
+
+def test_data_parallel_of_another_kind_is_named(model_costs):
+    with pytest.raises(TypeError, match=r"data_parallel=2.0 must be a replica count, 'auto' or an "
+                                        r"autopipe.DataParallelOptions"):
+        _plan(model_costs, data_parallel=2.0, global_batch=64)
 
 
 def test_cost_model_terms():

@@ -1,4 +1,4 @@
-"""Specification of pipeline x data parallel (``Pipeline(mesh=...)`` / ``dp_degree=``) on CPU.
+"""Specification of pipeline x data parallel (``Pipeline(data_parallel=...)``: a mesh or a degree) on CPU.
 
 Four gloo ranks form a ``dp=2 x pp=2`` mesh; both ways of reducing over ``dp`` (FSDP2
 ``fully_shard`` per stage, and replicated parameters averaged by all-reduce) train the seed
@@ -25,7 +25,7 @@ CASES = [f"{s}{t}" for t in ("", "+tied") for s in workers.SCHEDULES]
 
 @functools.lru_cache(maxsize=None)
 def results(dp_mode: str) -> list[dict]:
-    # The FSDP world is given a mesh, the replicated one dp_degree=: both ways of asking.
+    # The FSDP world is given a mesh, the replicated one a degree: both ways of asking.
     return run_world(workers.pp_dp_run, 4, dp_mode, dp_mode == "fsdp", timeout_s=240)
 
 
@@ -78,19 +78,19 @@ def test_bad_mesh_and_bad_global_batch_raise_clear_errors_on_every_rank(dp_mode)
         assert r["step_after_error"] > 0
 
 
-def test_mesh_and_dp_degree_together_are_refused():
-    with pytest.raises(ValueError, match="either mesh= or dp_degree=2, not both"):
+def test_mesh_and_degree_together_are_refused():
+    with pytest.raises(ValueError, match="give data_parallel a mesh or degree=2, not both"):
         check_mesh_arguments(object(), 2, "fsdp")
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
-def test_dp_degree_must_be_a_positive_integer(value):
-    with pytest.raises(ValueError, match=f"dp_degree={value!r} must be a positive integer"):
+def test_degree_must_be_a_positive_integer(value):
+    with pytest.raises(ValueError, match=f"data_parallel degree={value!r} must be a positive integer"):
         check_mesh_arguments(None, value, "fsdp")
 
 
-def test_unknown_dp_mode_lists_the_accepted():
-    with pytest.raises(ValueError, match=r"dp_mode='ddp' is not one of \['fsdp', 'replicate'\]"):
+def test_unknown_mode_lists_the_accepted():
+    with pytest.raises(ValueError, match=r"data_parallel mode='ddp' is not one of \['fsdp', 'replicate'\]"):
         check_mesh_arguments(None, 2, "ddp")
 
 
@@ -99,8 +99,8 @@ def test_mesh_must_be_a_device_mesh():
         check_mesh_arguments((2, 2), None, "fsdp")
 
 
-def test_dp_degree_that_does_not_divide_the_world_is_refused_before_any_group():
-    with pytest.raises(ValueError, match="dp_degree=3 does not divide the world size 4"):
+def test_degree_that_does_not_divide_the_world_is_refused_before_any_group():
+    with pytest.raises(ValueError, match="data_parallel degree=3 does not divide the world size 4"):
         resolve_data_parallel(None, 3, "fsdp", world_size=4, device_type="cpu")
     assert resolve_data_parallel(None, 1, "fsdp", world_size=4, device_type="cpu") is None
 

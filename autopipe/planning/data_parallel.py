@@ -46,7 +46,7 @@ from .trace import traces_reused
 
 __all__ = ["DP_MODE_CHOICES", "check_data_parallel", "example_batch_size", "plan_data_parallel", "reduction_s"]
 
-#: Accepted values of ``partition``'s ``dp_mode``: one of the runtime's modes, or both compared.
+#: Accepted values of ``DataParallelOptions.mode`` when planning: one of the runtime's modes, or both compared.
 DP_MODE_CHOICES = (*costmodel.DP_MODES, "auto")
 
 
@@ -85,8 +85,9 @@ def check_data_parallel(n_gpus: int, data_parallel: Any, dp_mode: Any, global_ba
         raise ValueError(f"data_parallel={data_parallel!r} is not accepted; use 'auto' (compare every factorization "
                          f"pp x dp of n_gpus={n_gpus}) or a replica count dividing n_gpus: {divisors}")
     if dp_mode not in DP_MODE_CHOICES:
-        raise ValueError(f"dp_mode={dp_mode!r} is not accepted; use one of {list(DP_MODE_CHOICES)} ('fsdp': FSDP2 "
-                         "shards each stage over its replicas, 'replicate': whole copies and an all-reduce)")
+        raise ValueError(f"DataParallelOptions mode={dp_mode!r} is not accepted; use one of "
+                         f"{list(DP_MODE_CHOICES)} ('fsdp': FSDP2 shards each stage over its replicas, "
+                         "'replicate': whole copies and an all-reduce)")
     modes = list(costmodel.DP_MODES) if dp_mode == "auto" else [dp_mode]
     wanted = divisors if auto else [data_parallel]
     if wanted == [1]:

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from .costgraph import SegmentCost
     from .scaling import ScaledProfile
 
-__all__ = ["ProfileOptions", "PlannerOptions", "resolve_devices"]
+__all__ = ["ProfileOptions", "PlannerOptions", "DataParallelOptions", "resolve_devices"]
 
 
 @dataclass(frozen=True)
@@ -96,6 +96,56 @@ class ProfileOptions:
         if not (self.device is None or isinstance(self.device, str) or type(self.device).__name__ == "device"):
             raise ValueError(f"ProfileOptions device={self.device!r} must be None, a string such as 'cuda:0' "
                              "or a torch.device")
+
+
+@dataclass(frozen=True)
+class DataParallelOptions:
+    """Pipeline × data parallelism: every stage replicated over data-parallel ranks.
+
+    ``partition(..., data_parallel=)`` and ``Pipeline(..., data_parallel=)`` take it, or a
+    replica count alone (``data_parallel=2`` is ``DataParallelOptions(degree=2)``).
+
+    Attributes:
+        degree: replicas of each stage, >= 1; ``"auto"`` (planning only) compares every
+            ``pp × dp`` factorization of the ranks. None: the plan's (a Pipeline), else 1.
+        mode: how the replicas reduce: ``"fsdp"`` (FSDP2 shards each stage's parameters,
+            gradients and optimizer state over its replicas), ``"replicate"`` (whole copies,
+            gradients all-reduced) or ``"auto"`` (planning only: both compared). None: the
+            plan's (a Pipeline), else ``"fsdp"``.
+        mesh: a 2-D ``DeviceMesh`` with dimensions ``"dp"`` and ``"pp"`` to run on (a
+            Pipeline only), in place of the ``(degree, world / degree)`` mesh built from
+            ``degree`` (consecutive ranks form a pipeline); give one of the two.
+
+    Example::
+
+        plan = autopipe.partition(model, 8, (x,), global_batch=64,
+                                  data_parallel=DataParallelOptions(degree="auto", mode="auto"))
+        pipe = autopipe.Pipeline(model, example_args=(x,), loss_fn=loss, plan=plan)   # follows the plan
+    """
+
+    degree: int | str | None = None
+    mode: str | None = None
+    mesh: Any = None
+
+    @classmethod
+    def of(cls, value: Any) -> DataParallelOptions:
+        """``value`` as options: None (nothing asked), a replica count or ``"auto"``, or the options themselves.
+
+        Raises:
+            TypeError: anything else, naming what is accepted.
+
+        Example:
+            >>> DataParallelOptions.of(2)
+            DataParallelOptions(degree=2, mode=None, mesh=None)
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
+            return cls(degree=value)
+        raise TypeError(f"data_parallel={value!r} must be a replica count, 'auto' or an "
+                        "autopipe.DataParallelOptions(degree=, mode=, mesh=)")
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from ..errors import InfeasibleMemoryError
 from .plan import Plan
 from .plan_assembly import make_plan
 from .plan_file import MAX_STAGES
-from .options import ProfileOptions, resolve_devices
+from .options import DataParallelOptions, ProfileOptions, resolve_devices
 from ..machine.host_memory import PeakResidentMemory
 from ..machine.speed import counting_flops
 from ..machine.timing import resolve_device
@@ -91,8 +91,7 @@ def partition(
     cost: str | Sequence[SegmentCost] | ScaledProfile = "measured",
     profiling: ProfileOptions | None = None,
     recompute: str | bool = "auto",
-    data_parallel: int | str = 1,
-    dp_mode: str = "fsdp",
+    data_parallel: int | str | DataParallelOptions = 1,
 ) -> Plan:
     """Find where to cut ``model`` into pipeline stages so the schedule runs fastest.
 
@@ -170,21 +169,17 @@ def partition(
             recomputes, only splits that fit keeping every activation are considered.
         data_parallel: Replicas of the pipeline (pipeline x data parallel): 1 (default, a pure
             pipeline of ``n_gpus`` ranks), a count dividing ``n_gpus``, or ``"auto"`` to compare
-            every ``pp x dp`` factorization of ``n_gpus`` and keep the fastest that fits; needs
+            every ``pp x dp`` factorization of ``n_gpus`` and keep the fastest that fits; or a
+            :class:`~autopipe.planning.options.DataParallelOptions` saying that and how the
+            replicas reduce gradients: mode ``"fsdp"`` (default: parameters, gradients and
+            optimizer state sharded over the replicas), ``"replicate"`` (whole copies and an
+            all-reduce) or ``"auto"`` (both compared). Replicas need
             ``global_batch`` (each replica runs ``global_batch / dp`` samples in micro-batches of
             the example's size). ``plan.pp_degree``, ``plan.dp_degree`` and
             ``plan.data_parallel`` (every factorization, ranked) say what was chosen
             (:mod:`autopipe.planning.data_parallel`). ``devices`` may then be a
             :class:`~autopipe.machine.topology.Topology` (GPUs per node, the links inside and
             between nodes).
-        dp_mode: How replicas reduce gradients: ``"fsdp"`` (default, parameters, gradients and
-            optimizer state sharded over the replicas), ``"replicate"`` (whole copies and an
-            all-reduce) or ``"auto"`` (both compared).
-
-    The keywords ``device``, ``warmup``, ``repeats``, ``flush_cache``, ``fit_to_whole``,
-    ``progress`` (now in ``profiling``), ``bandwidth``, ``latency_s``, ``action_overhead_s``
-    (now on ``devices``), ``costs`` and ``scaling`` (now ``cost``) still work for one
-    release, with a ``DeprecationWarning``.
 
     Returns:
         A :class:`~autopipe.planning.plan.Plan`. Use ``plan.split_spec`` with
@@ -219,10 +214,15 @@ def partition(
     # Before anything sized by it (one Device per rank, torch's schedule orders); whether the
     # model has split points for this many is known only after tracing, below.
     check_at_most("n_gpus", n_gpus, MAX_STAGES, f"ranks (MAX_STAGES={MAX_STAGES})")
-    if not (data_parallel == 1 and type(data_parallel) is int) or isinstance(devices, Topology):
+    replicas = DataParallelOptions.of(data_parallel)
+    if replicas.mesh is not None:
+        raise ValueError("data_parallel=DataParallelOptions(mesh=...) is for a Pipeline, which runs on the mesh; "
+                         "partition() plans for n_gpus ranks: give degree= (and mode=) instead")
+    degree, dp_mode = 1 if replicas.degree is None else replicas.degree, replicas.mode or "fsdp"
+    if not (degree == 1 and type(degree) is int) or isinstance(devices, Topology):
         # Every (pp, dp) factorization of n_gpus, each pipeline planned by this function (data_parallel.py).
         return plan_data_parallel(
-            partition, model, n_gpus, example_args, example_kwargs, data_parallel=data_parallel, dp_mode=dp_mode,
+            partition, model, n_gpus, example_args, example_kwargs, data_parallel=degree, dp_mode=dp_mode,
             global_batch=global_batch, n_microbatches=n_microbatches, devices=devices, optimizer=optimizer,
             schedule=schedule, stages_per_rank=stages_per_rank, objective=objective, memory=memory, loss_fn=loss_fn,
             example_target=example_target, cost=cost, profiling=profiling, recompute=recompute)

@@ -74,8 +74,8 @@ def data_parallel_from_plan(plan: Any, mesh: Any, dp_degree: int | None,
     """``(dp_degree, dp_mode)`` to build with: the caller's, else the plan's, else a pure pipeline and ``"fsdp"``.
 
     A plan made with ``partition(..., data_parallel=)`` says how many replicas it was planned
-    for and how they reduce; the pipeline follows it unless told otherwise (``mesh=``,
-    ``dp_degree=`` or ``dp_mode=`` given).
+    for and how they reduce; the pipeline follows it unless told otherwise (a mesh, a degree
+    or a mode given in ``data_parallel=``).
 
     Example:
         >>> from types import SimpleNamespace
@@ -93,27 +93,28 @@ def data_parallel_from_plan(plan: Any, mesh: Any, dp_degree: int | None,
 
 
 def check_mesh_arguments(mesh: Any, dp_degree: Any, dp_mode: Any) -> None:
-    """Check ``mesh``, ``dp_degree`` and ``dp_mode`` alone (no communication).
+    """Check the mesh, degree and mode of ``Pipeline(data_parallel=)`` alone (no communication).
 
     Raises:
-        ValueError / TypeError: both ``mesh`` and ``dp_degree`` given, a mesh that is not a 2-D
-            ``DeviceMesh`` named ``("dp", "pp")`` in some order, a ``dp_degree`` that is not a
-            positive integer, or a ``dp_mode`` other than ``"fsdp"`` / ``"replicate"``.
+        ValueError / TypeError: both a mesh and a degree given, a mesh that is not a 2-D
+            ``DeviceMesh`` named ``("dp", "pp")`` in some order, a degree that is not a
+            positive integer, or a mode other than ``"fsdp"`` / ``"replicate"``.
 
     Example:
         >>> check_mesh_arguments(None, 2, "fsdp")
         >>> check_mesh_arguments(None, 0, "fsdp")
         Traceback (most recent call last):
         ...
-        ValueError: dp_degree=0 must be a positive integer (the number of data-parallel replicas)
+        ValueError: data_parallel degree=0 must be a positive integer (the number of data-parallel replicas)
     """
     if dp_mode not in DP_MODES:
-        raise ValueError(f"dp_mode={dp_mode!r} is not one of {list(DP_MODES)}")
+        raise ValueError(f"data_parallel mode={dp_mode!r} is not one of {list(DP_MODES)}")
     if mesh is not None and dp_degree is not None:
-        raise ValueError(f"give either mesh= or dp_degree={dp_degree!r}, not both: the mesh already says how "
+        raise ValueError(f"give data_parallel a mesh or degree={dp_degree!r}, not both: the mesh already says how "
                          f"many data-parallel replicas there are")
     if dp_degree is not None and (isinstance(dp_degree, bool) or not isinstance(dp_degree, int) or dp_degree < 1):
-        raise ValueError(f"dp_degree={dp_degree!r} must be a positive integer (the number of data-parallel replicas)")
+        raise ValueError(f"data_parallel degree={dp_degree!r} must be a positive integer (the number of "
+                         "data-parallel replicas)")
     if mesh is None:
         return
     if not isinstance(mesh, DeviceMesh):
@@ -271,8 +272,8 @@ def resolve_data_parallel(mesh: DeviceMesh | None, dp_degree: int | None, dp_mod
                              f"has {world_size} processes; build the mesh over every rank")
     else:
         if world_size % dp_degree:
-            raise ValueError(f"dp_degree={dp_degree} does not divide the world size {world_size}: pp x dp must be "
-                             f"the world size")
+            raise ValueError(f"data_parallel degree={dp_degree} does not divide the world size {world_size}: pp x dp "
+                             "must be the world size")
         if dp_degree == 1:
             return None
         mesh = init_device_mesh(device_type, (dp_degree, world_size // dp_degree), mesh_dim_names=("dp", "pp"))
@@ -297,12 +298,12 @@ def prepare_replicas(dp: DataParallel, built: Any, schedule: str) -> None:
     if dp.mode == "fsdp":
         spec = schedule_spec(schedule)
         if spec.split_backward or spec.placement == "v":
-            raise ValueError(f"dp_mode='fsdp' runs schedules with one whole backward per stage and looped "
-                             f"placement; schedule={schedule!r} is not one: use dp_mode='replicate'")
+            raise ValueError(f"data_parallel mode 'fsdp' runs schedules with one whole backward per stage and "
+                             f"looped placement; schedule={schedule!r} is not one: use mode='replicate'")
         if any(built.eval_modules[s] is not built.train_modules[s] for s in built.train_modules):
-            raise ValueError("dp_mode='fsdp' shards the training trace's modules, but this model computes "
+            raise ValueError("data_parallel mode 'fsdp' shards the training trace's modules, but this model computes "
                              "differently in eval mode (dropout, batch norm or a branch on training) and has a "
-                             "second trace that would not be sharded: use dp_mode='replicate'")
+                             "second trace that would not be sharded: use mode='replicate'")
     modules = list(built.train_modules.values())
     seen: dict[int, torch.Tensor] = {}
     for module in modules:

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .._checks import check_int
-from ..planning.options import PlannerOptions
+from ..planning.options import DataParallelOptions, PlannerOptions
 from ..planning.plan import Plan
 from ..planning.schedules import TRAINING_STEP_KWARGS, stage_ranks
 from .checkpointing import resolve_checkpoint_stages
@@ -118,16 +118,17 @@ class Pipeline(PipelineLifecycle):
             ``_init_weights``) seeded by its name (:mod:`~autopipe.runtime.materialize`).
         weights: a full state dict, ``.safetensors`` file or ``torch.distributed.checkpoint``
             directory of the unsplit model; each rank reads only its own tensors.
-        mesh: pipeline x data parallel: a 2-D ``DeviceMesh`` with dimensions ``"dp"`` and
-            ``"pp"``; each row along ``pp`` runs the whole pipeline (``n_ranks`` = pp) on its
-            shard of the global batch, and every stage's gradients are reduced over ``dp``
-            (:mod:`~autopipe.runtime.data_parallel`). Every rank is given the global batch.
-        dp_degree: the same with a ``(dp_degree, world / dp_degree)`` mesh built here
-            (consecutive ranks form a pipeline). Exclusive with ``mesh``. Default: the
-            plan's ``dp_degree`` (a plan made with ``data_parallel=``), else none.
-        dp_mode: how ``dp`` reduces: ``"fsdp"`` (FSDP2 ``fully_shard`` per stage) or
-            ``"replicate"`` (whole parameters, gradients averaged by all-reduce). Default: the
-            plan's, else ``"fsdp"``.
+        data_parallel: pipeline x data parallel: a replica count, or a
+            :class:`~autopipe.planning.options.DataParallelOptions` with the count (``degree``:
+            a ``(degree, world / degree)`` mesh is built, consecutive ranks forming a pipeline)
+            or a 2-D ``DeviceMesh`` with dimensions ``"dp"`` and ``"pp"`` (``mesh``), and how
+            the replicas reduce (``mode``: ``"fsdp"``, FSDP2 ``fully_shard`` per stage, or
+            ``"replicate"``, whole parameters and gradients averaged by all-reduce). Each row
+            along ``pp`` runs the whole pipeline (``n_ranks`` = pp) on its shard of the global
+            batch, and every stage's gradients are reduced over ``dp``
+            (:mod:`~autopipe.runtime.data_parallel`); every rank is given the global batch.
+            Default: the plan's (a plan made with ``data_parallel=``), else none; a mode left
+            None is the plan's, else ``"fsdp"``.
 
     Raises:
         TypeError / ValueError: for a bad argument (named in the message), a schedule name
@@ -170,9 +171,7 @@ class Pipeline(PipelineLifecycle):
         profile_in_ranks: bool | None = None,
         init_weights: Callable[[nn.Module], Any] | None = None,
         weights: WeightSource | None = None,
-        mesh: Any = None,
-        dp_degree: int | None = None,
-        dp_mode: str | None = None,
+        data_parallel: int | DataParallelOptions | None = None,
     ) -> None:
         # ---- 1. everything that can be checked alone, before joining the job
         example_args, example_kwargs = check_model_and_inputs(model, example_args, example_kwargs, loss_fn)
@@ -181,7 +180,9 @@ class Pipeline(PipelineLifecycle):
                                       schedule=schedule, n_microbatches=n_microbatches,
                                       stages_per_rank=stages_per_rank, planner=planner,
                                       profile_in_ranks=profile_in_ranks)
-        dp_degree, dp_mode = data_parallel_from_plan(request.plan, mesh, dp_degree, dp_mode)
+        replicas = DataParallelOptions.of(data_parallel)
+        mesh = replicas.mesh
+        dp_degree, dp_mode = data_parallel_from_plan(request.plan, mesh, replicas.degree, replicas.mode)
         check_mesh_arguments(mesh, dp_degree, dp_mode)
 
         if device is not None:

@@ -3,7 +3,7 @@
 Each model is built on the meta device in bf16 (shapes only: no memory for its weights),
 traced once and its segments' FLOPs counted once on meta (``profile_segments(...,
 device="meta")``); that profile is then handed to ``autopipe.partition(..., cost=profile,
-global_batch=B, data_parallel="auto", dp_mode="auto")`` for every GPU count, so no layout
+global_batch=B, data_parallel=DataParallelOptions("auto", "auto"))`` for every GPU count, so no layout
 re-traces the model. The machine is H100s (``Device.preset("H100")``: 80 GB, 40% of the
 989 TFLOP/s bf16 peak) in nodes of 8, NVLink 4 inside a node and one 400 Gb/s InfiniBand NDR
 port per GPU between nodes (:class:`autopipe.machine.topology.Topology`).
@@ -79,7 +79,7 @@ def plan_row(model: Any, args: Any, costs: Any, name: str, n_gpus: int, seq: int
     start = time.perf_counter()
     try:
         plan = autopipe.partition(model, n_gpus, args, cost=costs, devices=topo, global_batch=global_batch,
-                                  data_parallel="auto", dp_mode="auto", schedule=schedule,
+                                  data_parallel=autopipe.DataParallelOptions("auto", "auto"), schedule=schedule,
                                   optimizer=OPTIMIZER_FACTOR, profiling=META_PROFILING)
     except autopipe.InfeasibleMemoryError as e:  # no layout fits: each one's least memory is the result
         plan, rows, least = None, e.factorizations, e.min_memory_bytes
