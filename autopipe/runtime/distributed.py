@@ -39,6 +39,7 @@ __all__ = [
     "check_timeout_s",
     "default_backend",
     "default_device",
+    "collective_device",
     "init_distributed",
     "created_process_group",
     "hold_process_group",
@@ -110,6 +111,16 @@ def default_device() -> torch.device:
             f"start at most {n_gpus} processes per machine (--nproc {n_gpus})"
         )
     return torch.device("cuda", local_rank)
+
+
+def collective_device(device: torch.device) -> torch.device:
+    """Where tensors for collectives live: ``device`` under NCCL, the CPU under gloo (which cannot send CUDA tensors).
+
+    Example::
+
+        collective_device(torch.device("cuda:0"))   # cuda:0 under NCCL, cpu under gloo
+    """
+    return device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def check_device(device: Any) -> torch.device:

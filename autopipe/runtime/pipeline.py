@@ -44,7 +44,8 @@ from .checkpointing import resolve_checkpoint_stages
 from .data_parallel import (check_mesh_arguments, data_parallel_from_plan, full_tensor, prepare_replicas,
                             resolve_data_parallel)
 from .call_inputs import CallInputs
-from .distributed import DEFAULT_TIMEOUT_S, check_device, default_device, init_distributed, raise_on_every_rank
+from .distributed import (DEFAULT_TIMEOUT_S, check_device, collective_device, default_device, init_distributed,
+                          raise_on_every_rank)
 from .inference import Inference
 from .lifecycle import PipelineLifecycle
 from .materialize import WeightSource, check_weight_arguments
@@ -256,7 +257,7 @@ class Pipeline(PipelineLifecycle):
                                   unwritten=built.unwritten)
 
     def _comm_device(self) -> torch.device:
-        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        return collective_device(self.device)
 
     # ------------------------------------------------------------------ running
     def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:

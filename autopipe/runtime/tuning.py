@@ -36,6 +36,7 @@ from .._checks import check_int
 from ..machine.timing import synchronize
 from ..planning.plan import Plan
 from ..planning.plan_records import TuningRecord
+from .distributed import collective_device
 from .pipeline import Pipeline
 
 __all__ = ["tune", "tuning_candidates"]
@@ -122,7 +123,7 @@ def tune(model: torch.nn.Module, *args: Any, target: Any, plan: Plan, candidates
     for pipe in pipes:
         pipe.zero_grad()
     # The step of a split is its slowest rank's; every rank then reads the same numbers.
-    shared = times.to(pipes[0]._comm_device())
+    shared = times.to(collective_device(pipes[0].device))
     dist.all_reduce(shared, op=dist.ReduceOp.MAX)
     measured = [statistics.median(row) for row in shared.cpu().tolist()]
     best = min(range(len(pipes)), key=lambda k: (measured[k], k))
