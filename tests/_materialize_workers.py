@@ -28,7 +28,7 @@ def seed_model(meta: bool, seed: int = 0, dropout: float = 0.0) -> SeedTransform
 
 
 def seed_init(model: nn.Module) -> None:
-    """An init_weights hook: every reset_parameters, and the positional table computed again."""
+    """An init function (weights=): every reset_parameters, and the positional table computed again."""
     from autopipe.models.transformer import PositionalEncoding
 
     torch.manual_seed(7)
@@ -57,7 +57,7 @@ def _seed_case(weights, schedule: str, *, meta: bool = True, **options) -> dict:
     pipe = Pipeline(seed_model(meta=meta, seed=5), example_args=example_args(), loss_fn=loss_fn, schedule=schedule,
                     n_microbatches=N_MICROBATCHES, weights=weights, **options)
     try:
-        if weights is None:  # the values the hook gave: the reference takes them
+        if weights is None or callable(weights):  # the values the init gave: the reference takes them
             reference.load_state_dict(pipe.state_dict(full=True))
         x, y = tutorial_batch(0)
         loss = pipe.step(x, target=y)
@@ -86,7 +86,7 @@ def seed_run(rank: int, world_size: int, safetensors_path: str, dcp_dir: str) ->
         "dict-ZBV": _seed_case(state, "ZBVZeroBubble", split_points=SPLITS[4]),
         "safetensors-Interleaved": _seed_case(safetensors_path, "Interleaved1F1B", split_points=SPLITS[4]),
         "dcp-1F1B": _seed_case(dcp_dir, "1F1B", split_points=SPLITS[2]),
-        "hook-1F1B": _seed_case(None, "1F1B", split_points=SPLITS[2], init_weights=seed_init),
+        "hook-1F1B": _seed_case(seed_init, "1F1B", split_points=SPLITS[2]),
         "real-model-dict": _seed_case(state, "1F1B", meta=False, split_points=SPLITS[2]),
         "dropout-eval": _dropout_eval_case(state),
     }

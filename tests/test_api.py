@@ -43,6 +43,16 @@ def test_partition_takes_few_parameters_the_profiling_ones_grouped():
     assert all(p.kind is p.KEYWORD_ONLY for p in list(params.values())[4:])
 
 
+def test_pipeline_takes_its_options_grouped():
+    params = inspect.signature(autopipe.Pipeline.__init__).parameters
+    assert list(params)[1:] == [
+        "model", "example_args", "example_kwargs", "loss_fn", "plan", "split_points", "n_ranks", "schedule",
+        "n_microbatches", "stages_per_rank", "checkpoint_stages", "device", "timeout_s", "planner",
+        "profile_in_ranks", "weights", "data_parallel",
+    ]
+    assert all(p.kind is p.KEYWORD_ONLY for p in list(params.values())[2:])
+
+
 def test_the_top_level_holds_the_entry_points_and_each_resolves_without_a_warning():
     assert autopipe.__all__ == [
         "partition", "Pipeline", "tune", "Plan", "Device", "ProfileOptions", "PlannerOptions", "DataParallelOptions",

@@ -66,7 +66,7 @@ def test_tensors_no_init_writes_are_an_error_naming_them_and_the_fix():
     with torch.device("meta"):
         model = Table()
     names = model_state_names(model)
-    with pytest.raises(UnwrittenTensorsError, match=r"\['pe'\].*init_weights=.*weights="):
+    with pytest.raises(UnwrittenTensorsError, match=r"\['pe'\].*give weights= \(a function init\(model\)"):
         materialize_rank(model, names, ["pe", "lin.weight"], device=torch.device("cpu"))
     # A hook that writes it, or weights holding it, fix it.
     local, _ = materialize_rank(model, names, ["pe"], device=torch.device("cpu"),
@@ -108,7 +108,7 @@ def test_weights_are_read_from_a_safetensors_file_and_a_dcp_directory(tmp_path):
 
 @pytest.mark.unit
 def test_bad_weight_arguments_are_refused_naming_them(tmp_path):
-    with pytest.raises(TypeError, match="init_weights=3"):
+    with pytest.raises(TypeError, match="weights=3 as an init function must be callable"):
         check_weight_arguments(_tied_meta(), 3, None)
     with pytest.raises(ValueError, match="holds values already"):
         check_weight_arguments(nn.Linear(2, 2), lambda m: None, None)
@@ -151,7 +151,7 @@ def test_a_meta_model_loaded_by_each_rank_trains_as_the_unsplit_model(seed_resul
     _check_equal_to_unsplit([r[case] for r in seed_results])
 
 
-def test_an_init_weights_hook_gives_the_values_every_rank_trains_from(seed_results):
+def test_an_init_function_as_weights_gives_the_values_every_rank_trains_from(seed_results):
     _check_equal_to_unsplit([r["hook-1F1B"] for r in seed_results])
 
 

@@ -14,7 +14,7 @@ The modules, in the order a pipeline's data flows through them:
   by hand or planned on rank 0 (after the ranks profile together), agreed across the ranks.
 - ``stages.py``: ``pipeline()`` on a private copy, this rank's stages and torch's schedules.
 - ``materialize.py``: a model built on the meta device gets real tensors for this rank's
-  stages only, initialized (``init_weights=`` or the default init) or loaded (``weights=``).
+  stages only, initialized (an init function as ``weights=``, or the default init) or loaded.
 - ``compat.py``: every workaround for a torch release's pipelining, each naming its releases.
 - ``relay.py``: skip connections relayed through the stages between producer and reader.
 - ``params.py``: original parameter names, tied parameters shared by stages.

@@ -5,8 +5,8 @@ can split it without ever holding it whole. Each rank then materializes only the
 its own stages read (:func:`materialize_rank`), on its device, and gives them values:
 
 1. **Initialization.** Every tensor is first filled with a sentinel (NaN for floating
-   point, the smallest value for integers). Then either the user's ``init_weights(model)``
-   runs, or the default init: for each submodule owning some of this rank's tensors, Hugging
+   point, the smallest value for integers). Then either the user's init function
+   (``Pipeline(weights=init)``) runs, or the default init: for each submodule owning some of this rank's tensors, Hugging
    Face's ``_init_weights(module)`` (the root is a ``PreTrainedModel``) or the module's own
    ``reset_parameters()``, under a random seed derived from the submodule's name
    (:func:`module_seed`), so every rank and every split gives a tensor the same value.
@@ -84,15 +84,15 @@ def to_meta(value: Any) -> Any:
 
 
 def check_weight_arguments(model: nn.Module, init_weights: Any, weights: Any) -> None:
-    """Check ``init_weights=`` and ``weights=`` before any work; raise naming the bad one.
+    """Check ``Pipeline(weights=)`` before any work: ``init_weights`` when it is a function, else ``weights``.
 
-    ``init_weights`` initializes a model built on the meta device, so it is refused for a
-    model that already holds values (initialize that model before handing it over).
-    ``weights`` works for both: a real model's values are replaced by them.
+    An init function initializes a model built on the meta device, so it is refused for a
+    model that already holds values (initialize that model before handing it over). A
+    state dict or checkpoint works for both: a real model's values are replaced by them.
 
     Raises:
         TypeError: ``init_weights`` is not callable, or ``weights`` is not a mapping or a path.
-        ValueError: ``init_weights`` for a model not on the meta device.
+        ValueError: an init function for a model not on the meta device.
         FileNotFoundError: ``weights`` names nothing on disk.
 
     Example:
@@ -100,21 +100,22 @@ def check_weight_arguments(model: nn.Module, init_weights: Any, weights: Any) ->
         >>> check_weight_arguments(nn.Linear(2, 2), print, None)
         Traceback (most recent call last):
         ...
-        ValueError: init_weights=<built-in function print> initializes a model built on the meta device, but this model holds values already; initialize it yourself before building the Pipeline, or build it under `with torch.device("meta"):`
+        ValueError: weights=<built-in function print> initializes a model built on the meta device, but this model holds values already; initialize it yourself before building the Pipeline, or build it under `with torch.device("meta"):`
     """
     if init_weights is not None:
         if not callable(init_weights):
-            raise TypeError(f"init_weights={init_weights!r} must be a callable init_weights(model) that "
-                            f"initializes the model's parameters and buffers in place, or None")
+            raise TypeError(f"weights={init_weights!r} as an init function must be callable as init(model), "
+                            f"initializing the model's parameters and buffers in place")
         if not on_meta(model):
-            raise ValueError(f"init_weights={init_weights!r} initializes a model built on the meta device, but "
+            raise ValueError(f"weights={init_weights!r} initializes a model built on the meta device, but "
                              f"this model holds values already; initialize it yourself before building the "
                              f"Pipeline, or build it under `with torch.device(\"meta\"):`")
     if weights is None or isinstance(weights, Mapping):
         return
     if not isinstance(weights, (str, os.PathLike)):
         raise TypeError(f"weights must be a state dict (name -> tensor), the path of a .safetensors file or of "
-                        f"a torch.distributed.checkpoint directory, or None; got {type(weights).__name__}")
+                        f"a torch.distributed.checkpoint directory, a function init(model), or None; got "
+                        f"{type(weights).__name__}")
     if not os.path.exists(weights):
         raise FileNotFoundError(f"weights={os.fspath(weights)!r}: no such file or directory (a .safetensors "
                                 f"file or a torch.distributed.checkpoint directory)")
@@ -478,8 +479,8 @@ def check_written(tensors: Mapping[str, torch.Tensor]) -> None:
         raise UnwrittenTensorsError(
             f"{len(missing)} tensors of this rank were left without a value after materializing the meta-device "
             f"model: {listed(missing, most=20)}. The default init runs each submodule's reset_parameters() (or "
-            f"Hugging Face's _init_weights), and no such init wrote these: give init_weights= (a callable that "
-            f"initializes the model in place) or weights= (a state dict, .safetensors file or "
+            f"Hugging Face's _init_weights), and no such init wrote these: give weights= (a function init(model) "
+            f"that initializes the model in place, a state dict, a .safetensors file or a "
             f"torch.distributed.checkpoint directory), or load them (load_state_dict, load_checkpoint) before "
             f"the first step")
 

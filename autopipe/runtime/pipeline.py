@@ -113,12 +113,13 @@ class Pipeline(PipelineLifecycle):
             bandwidth and caches, which a profile taken alone does not see
             (docs/training.md section 3). That profile takes ``planner.profiling``'s
             ``warmup`` / ``repeats`` / ``flush_cache`` / ``fit_to_whole``.
-        init_weights: for a model built on the meta device: ``init_weights(model)`` initializes
-            in place a private copy in which only this rank's tensors are real (the rest stay on
-            meta). Default: each submodule's ``reset_parameters()`` (Hugging Face:
+        weights: where the weights come from: a full state dict, ``.safetensors`` file or
+            ``torch.distributed.checkpoint`` directory of the unsplit model (each rank reads
+            only its own tensors), or, for a model built on the meta device, a function
+            ``init(model)`` that initializes in place a private copy in which only this rank's
+            tensors are real (the rest stay on meta). Default: the model's own values; on the
+            meta device, each submodule's ``reset_parameters()`` (Hugging Face:
             ``_init_weights``) seeded by its name (:mod:`~autopipe.runtime.materialize`).
-        weights: a full state dict, ``.safetensors`` file or ``torch.distributed.checkpoint``
-            directory of the unsplit model; each rank reads only its own tensors.
         data_parallel: pipeline x data parallel: a replica count, or a
             :class:`~autopipe.planning.options.DataParallelOptions` with the count (``degree``:
             a ``(degree, world / degree)`` mesh is built, consecutive ranks forming a pipeline)
@@ -170,12 +171,13 @@ class Pipeline(PipelineLifecycle):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         planner: PlannerOptions | None = None,
         profile_in_ranks: bool | None = None,
-        init_weights: Callable[[nn.Module], Any] | None = None,
-        weights: WeightSource | None = None,
+        weights: WeightSource | Callable[[nn.Module], Any] | None = None,
         data_parallel: int | DataParallelOptions | None = None,
     ) -> None:
         # ---- 1. everything that can be checked alone, before joining the job
         example_args, example_kwargs = check_model_and_inputs(model, example_args, example_kwargs, loss_fn)
+        # A function initializes a meta-device model; anything else is read for its values.
+        init_weights, weights = (weights, None) if callable(weights) else (None, weights)
         check_weight_arguments(model, init_weights, weights)
         request = PlanRequest.checked(model, plan=plan, split_points=split_points, n_ranks=n_ranks,
                                       schedule=schedule, n_microbatches=n_microbatches,
