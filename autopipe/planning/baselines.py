@@ -380,16 +380,18 @@ def _pippy(traced: TracedModel, p: int) -> BaselineSplit:
 
 
 def evaluate_baselines(
-    traced: TracedModel, costs: Sequence[SegmentCost], problem: PartitionProblem
+    traced: TracedModel, costs: Sequence[SegmentCost], problem: PartitionProblem, units: LayerUnits | None = None
 ) -> dict[str, PartitionResult | str]:
     """Every baseline under the same problem: its costed split, or the reason it gives none.
+
+    ``units``: the model's :func:`layer_units`, when already computed.
 
     Example:
         >>> results = evaluate_baselines(traced, costs, problem)  # doctest: +SKIP
         >>> sorted(results) == sorted(BASELINES)  # doctest: +SKIP
         True
     """
-    units = layer_units(traced)
+    units = units if units is not None else layer_units(traced)
     out: dict[str, PartitionResult | str] = {}
     for name in BASELINES:
         split = baseline_split(name, traced, costs, problem.num_stages, units)

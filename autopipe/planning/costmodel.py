@@ -311,12 +311,13 @@ def step_tail(*, n_microbatches: int, out_bytes: float, n_ranks: int, bandwidth:
         0.0004
     """
     merge = n_microbatches * out_bytes / copy_bandwidth
-    loss = latency_s if n_ranks > 1 else 0.0  # the loss broadcast, and again the agreement to start
+    message = latency_s if n_ranks > 1 else 0.0  # one small collective: the loss broadcast, the agreement to start
     shared = 0.0
     for nbytes, h in shared_bytes:
         if h > 1:  # ring all-reduce: 2(h-1)/h of the bytes each way, 2(h-1) hops
             shared += 2 * nbytes / copy_bandwidth + 2 * (h - 1) / h * nbytes / bandwidth + 2 * (h - 1) * latency_s
-    return StepTail(float(merge), float(loss), float(shared), float(loss))
+    return StepTail(merge_outputs_s=float(merge), loss_broadcast_s=float(message), shared_grads_s=float(shared),
+                    start_agreement_s=float(message))
 
 
 # --------------------------------------------------------------------------- the step

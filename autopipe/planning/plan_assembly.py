@@ -63,7 +63,9 @@ def make_plan(
     stage_devices = [rank_devices[r] for r in ranks]
     baselines = []
     limited = memory_limited(problem)
-    for name, r in evaluate_baselines(traced, costs, problem).items():
+    # The peers' splits the search already costed for this option, else found now (objective="bottleneck").
+    peers = chosen.baselines if chosen.baselines is not None else evaluate_baselines(traced, costs, problem)
+    for name, r in peers.items():
         if isinstance(r, str):  # the tool's rule gives no split for this model
             baselines.append(BaselinePlan(name=name, description=BASELINES[name], split_points=[], bottleneck_s=0.0,
                                           predicted_step_s=0.0, peak_bytes=0, fits_memory=False, reason=r))

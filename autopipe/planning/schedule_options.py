@@ -32,7 +32,7 @@ from .plan_records import ScheduleAlternative
 from .problem import build_problem, merged_output_bytes, rank_overcount_bytes, stage_grad_bytes, tied_gradient_bytes
 from .schedules import stage_ranks, validate_schedule
 from .baselines import layer_units
-from .split_candidates import more_candidates, prefer_layer_split
+from .split_candidates import more_candidates, peer_cuts, prefer_layer_split
 from .trace import TracedModel
 
 if TYPE_CHECKING:
@@ -63,6 +63,7 @@ class ScheduleOption:
     copy_bandwidth: float = math.inf  # bytes/s into fresh memory (merging outputs, packing gradients)
     step_tail: StepTail = field(default_factory=StepTail)  # once-per-step work of the best split
     reason: str = ""  # why it was not usable, when it was not
+    baselines: dict[str, PartitionResult | str] | None = None  # the peers' splits, where the search costed them
     recompute: list[int] = field(default_factory=list)  # stages that recompute their activations in the backward
 
     def summary(self) -> ScheduleAlternative:
@@ -236,8 +237,9 @@ def cost_option(
     units = layer_units(traced)
     peers: list[list[int]] = []
     if objective != "bottleneck":  # the step decides: the peers', the layer-level and (if few) every split compete
-        extra, peers = more_candidates(problem, traced, costs, results, units)
+        extra, option.baselines = more_candidates(problem, traced, costs, results, units)
         results = [*results, *extra]
+        peers = peer_cuts(option.baselines, problem.num_stages)
     option.candidates = len(results)
     scored = []
     for r in results:

@@ -123,10 +123,6 @@ class ScheduleSpec:
     default_stages_per_rank: int
     auto_stages_per_rank: tuple[int, ...]
 
-    def fixed_stages_per_rank(self) -> int | None:
-        """The only stages per rank the placement allows (1 single, 2 in a V), or None where any count runs."""
-        return {"single": 1, "v": 2}.get(self.placement)
-
 
 #: Every schedule autopipe can simulate and run, by canonical name, in torch's order of
 #: appearance. An interleaved (looped) schedule with one stage per rank is 1F1B with a

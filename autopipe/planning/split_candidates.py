@@ -35,12 +35,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from ..errors import InfeasibleMemoryError
-from .baselines import BASELINES, LayerUnits, baseline_split
+from .baselines import LayerUnits, evaluate_baselines
 from .costgraph import SegmentCost
 from .partitioner import PartitionProblem, PartitionResult, candidate_partitions, evaluate, every_split
 from .trace import TracedModel
 
-__all__ = ["BRUTE_FORCE_MAX", "INSIDE_BLOCK_MARGIN", "layer_problem", "more_candidates", "prefer_layer_split"]
+__all__ = ["BRUTE_FORCE_MAX", "INSIDE_BLOCK_MARGIN", "layer_problem", "more_candidates", "peer_cuts",
+           "prefer_layer_split"]
 
 #: Splits into stages that a small problem has at most for all of them to be costed.
 BRUTE_FORCE_MAX = 64
@@ -71,14 +72,16 @@ def layer_problem(problem: PartitionProblem, starts: Sequence[int]) -> Partition
 
 
 def more_candidates(problem: PartitionProblem, traced: TracedModel, costs: Sequence[SegmentCost],
-                    have: Sequence[PartitionResult], units: LayerUnits) -> tuple[list[PartitionResult], list[list[int]]]:
+                    have: Sequence[PartitionResult], units: LayerUnits
+                    ) -> tuple[list[PartitionResult], dict[str, PartitionResult | str]]:
     """The splits to cost beside ``have``: every split of a small problem, the layer-level ones, the peers'.
 
     ``units`` are the model's layers (:func:`~autopipe.planning.baselines.layer_units`).
 
     Returns:
-        ``(new splits, the peers' cuts)``: splits not already in ``have``, and the cuts of
-        every peer split (those the plan reports), which the chosen split must not lose to.
+        ``(new splits, the peers' splits)``: splits not already in ``have``, and
+        :func:`~autopipe.planning.baselines.evaluate_baselines` of the problem (the splits
+        the plan reports, which the chosen split must not lose to: :func:`peer_cuts`).
     """
     seen = {tuple(r.cuts) for r in have}
     out: list[PartitionResult] = []
@@ -99,13 +102,15 @@ def more_candidates(problem: PartitionProblem, traced: TracedModel, costs: Seque
                 add([starts[u] for u in r.cuts])
         except InfeasibleMemoryError:  # no layer-level split fits: the segment-level search stands
             pass
-    peers = []
-    for name in BASELINES:
-        split = baseline_split(name, traced, costs, p, units)
-        if split.cuts is not None and len(split.cuts) == p - 1:
-            peers.append(list(split.cuts))
-            add(split.cuts)
+    peers = evaluate_baselines(traced, costs, problem, units)
+    for cuts in peer_cuts(peers, p):
+        add(cuts)
     return out, peers
+
+
+def peer_cuts(peers: dict[str, PartitionResult | str], num_stages: int) -> list[list[int]]:
+    """The cuts of every peer's split into ``num_stages`` stages (a peer whose rule gives none is left out)."""
+    return [list(r.cuts) for r in peers.values() if not isinstance(r, str) and len(r.cuts) == num_stages - 1]
 
 
 def prefer_layer_split(scored: Sequence[tuple[float, PartitionResult, bool]], starts: Sequence[int], *,

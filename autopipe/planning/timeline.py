@@ -102,7 +102,8 @@ class Timeline:
         so ``peak_inflight * act_bytes`` would overstate memory; this walks the timeline.
 
         torch also keeps every tensor a rank has sent alive until it waits on the send, and
-        when it waits depends on the schedule class (:attr:`ScheduleSpec.send_retention <autopipe.planning.schedules.ScheduleSpec>`): the
+        when it waits depends on the schedule class
+        (:attr:`ScheduleSpec.send_retention <autopipe.planning.schedules.ScheduleSpec>`): the
         multi-stage schedules (``_PipelineScheduleRuntime``) wait on all of a step's sends
         only at its end, GPipe on its backward sends at the end, 1F1B at its next send. A
         sent output is the stage's own output, which the stage keeps until that
@@ -150,7 +151,8 @@ class Timeline:
             if len(fwd) != self.n_stages or len(bwd) != self.n_stages or any(b < 0 for b in fwd + bwd):
                 raise ValueError(f"send_bytes must be (fwd, bwd), each {self.n_stages} non-negative numbers "
                                  f"(one per stage), got {send_bytes!r}")
-            sends = (fwd, bwd, SCHEDULE_SPECS[self.schedule].send_retention if self.schedule in SCHEDULE_SPECS else "step")
+            spec = SCHEDULE_SPECS.get(self.schedule)
+            sends = (fwd, bwd, spec.send_retention if spec is not None else "step")
         if work_bytes is not None and (len(work_bytes) != 2 or any(
                 len(w) != self.n_stages or any(b < 0 for b in w) for w in work_bytes)):
             raise ValueError(f"work_bytes must be (accumulating, first), each {self.n_stages} non-negative numbers "
@@ -280,8 +282,9 @@ def inflight_peaks(
         weights: per stage, what one in-flight micro-batch weighs (1 counts micro-batches,
             activation bytes give memory).
         sends: optional ``(fwd, bwd, retention)``: per stage, the bytes sent on and back per
-            micro-batch, and the schedule's :attr:`ScheduleSpec.send_retention <autopipe.planning.schedules.ScheduleSpec>`
-            value ("next", "gpipe" or "step"), to add the sent tensors torch still holds.
+            micro-batch, and the schedule's
+            :attr:`ScheduleSpec.send_retention <autopipe.planning.schedules.ScheduleSpec>` value
+            ("next", "gpipe" or "step"), to add the sent tensors torch still holds.
         work: optional ``(accumulating, first)``, per stage, what a backward action allocates
             while it runs on top of everything the rank holds as it starts (its working set):
             ``first`` for an input-gradient action and for the stage's first B or W of the
