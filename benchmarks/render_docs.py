@@ -318,39 +318,34 @@ def render_split_quality(d: dict[str, Any], behind: list[str]) -> str:
 def render_split_quality_sim(d: dict[str, Any], behind: list[str]) -> str:
     """One row per model and stage count: autopipe's simulated step against the bound and the baselines."""
     baselines = list(dict.fromkeys(b for r in d["rows"] for e in r["by_stages"] for b in e.get("baselines", {})))
-    rows = []
+    # The headline shows one stage count (8 where it was run, else 2); every row goes below it.
+    shown = 8 if any(e["stages"] == 8 for r in d["rows"] for e in r["by_stages"]) else 2
+    rows, headline = [], []
     for r in d["rows"]:
         for e in r["by_stages"]:
-            name = f"{r['model']} ({r['segments']} segments)" if e is r["by_stages"][0] else ""
+            model = f"{r['model']} ({r['segments']} segments)"
             if "autopipe" not in e:
-                rows.append([name, e["stages"], "–", "–", "–", *("–" for _ in baselines)])
-                continue
-            a = e["autopipe"]
-            cells = [name, e["stages"], ms(a["step_s"]), ratio(a.get("step_vs_lower_bound")),
-                     ratio(a["bottleneck_vs_lower_bound"])]
-            for b in baselines:
-                x = e["baselines"].get(b, {}).get("step_vs_autopipe")
-                cells.append(ratio(x))
-                if x is not None and x < 1 - BEHIND_TOL:
-                    behind.append(f"simulated, {r['model']} p={e['stages']}: {b}'s predicted step is {x:.3f}× autopipe's.")
-            rows.append(cells)
+                cells = [model, e["stages"], "–", "–", "–", *("–" for _ in baselines)]
+            else:
+                a = e["autopipe"]
+                cells = [model, e["stages"], ms(a["step_s"]), ratio(a.get("step_vs_lower_bound")),
+                         ratio(a["bottleneck_vs_lower_bound"])]
+                for b in baselines:
+                    x = e["baselines"].get(b, {}).get("step_vs_autopipe")
+                    cells.append(ratio(x))
+                    if x is not None and x < 1 - BEHIND_TOL:
+                        behind.append(f"simulated, {r['model']} p={e['stages']}: {b}'s predicted step is "
+                                      f"{x:.3f}× autopipe's.")
+            if e["stages"] == shown:
+                headline.append(cells)
+            rows.append([model if e is r["by_stages"][0] else "", *cells[1:]])
     header = ["model", "p", "autopipe step ms", "step ÷ bound", "bottleneck ÷ bound",
               *(f"{b} ÷ autopipe" for b in baselines)]
-    shown = max({e["stages"] for r in d["rows"] for e in r["by_stages"]} & {8} or {2})
-    headline = [[f"{r['model']} ({r['segments']} segments)", *cells[1:]]
-                for r in d["rows"] for e, cells in zip(r["by_stages"], _rows_of(r, rows, d["rows"]))
-                if e["stages"] == shown]
     return (f"{d['schedule']} with {d['microbatch_factor']}·p micro-batches, costs measured on {d['device']}. "
             "*step ÷ bound*: autopipe's step over the plan's step lower bound; *bottleneck ÷ bound*: its heaviest "
             "stage over max(total compute / p, heaviest segment); baseline columns: the baseline's step ÷ "
             f"autopipe's (above 1: autopipe faster; –: the baseline cannot make p stages). At p = {shown}:\n\n"
             + table(header, headline) + f"\n\n{DETAIL}\n\n" + table(header, rows))
-
-
-def _rows_of(r: dict[str, Any], rows: list[list[Any]], all_rows: list[dict[str, Any]]) -> list[list[Any]]:
-    """The table rows of model row ``r`` (one per stage count), in the order they were built."""
-    start = sum(len(x["by_stages"]) for x in all_rows[:all_rows.index(r)])
-    return rows[start:start + len(r["by_stages"])]
 
 
 PLANNER_TARGET_S = 2.0  # the exact search over 100,000 segments into 128 stages
@@ -521,9 +516,10 @@ def render_meta_model(d: dict[str, Any], behind: list[str]) -> str:
     split is decided by memory or spreads the model over 4 ranks; the run split for time on
     2 ranks shows what the planner does when memory does not bind.
     """
-    rows = []
+    rows, largest = [], []  # every rank; each run's rank holding the most parameters
     for run in d.get("runs", []):
         checked = run.get("memory") is not None or run["n_ranks"] > 2
+        heaviest = max(run["ranks"], key=lambda r: r["held_parameter_bytes"])
         for r in run["ranks"]:
             whole = r["parameter_bytes"]
             pss = r.get("pss_after_construction_bytes")
@@ -532,6 +528,8 @@ def render_meta_model(d: dict[str, Any], behind: list[str]) -> str:
                          f"{r['rss_after_construction_bytes'] / 2**30:.2f} GiB ({r['rss_after_construction_bytes'] / whole:.1%})",
                          "—" if pss is None else f"{pss / 2**30:.2f} GiB ({pss / whole:.1%})",
                          f"{r['peak_rss_bytes'] / 2**30:.2f} GiB", f"{r['construction_s']:.0f} s"])
+            if r is heaviest:
+                largest.append(rows[-1])
             if checked and pss is not None and pss / whole > 0.60:
                 behind.append(f"meta_model: {run.get('name')}, rank {r['rank']}'s share of resident memory after "
                               f"construction is {pss / whole:.1%} of the parameter bytes (target: under 60%)")
@@ -548,8 +546,7 @@ def render_meta_model(d: dict[str, Any], behind: list[str]) -> str:
             "checked on the share, for the run whose split memory decides and for 4 ranks; split for time (no "
             "memory limit), the first of 2 stages also holds the embedding, which costs no FLOPs. Each run's "
             "largest rank:\n\n"
-            + table(header, [max((r for r in rows if r[0] == name), key=lambda r: r[2])
-                             for name in dict.fromkeys(r[0] for r in rows)])
+            + table(header, largest)
             + f"\n\n{DETAIL}\n\n" + table(header, rows))
 
 
