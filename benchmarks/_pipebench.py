@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch.distributed.pipelining import SplitPoint, pipeline
 from torch.utils._pytree import tree_leaves
 
+from autopipe import PlannerOptions
 from autopipe._spawn import finish_rank, join_loopback_world, spawn_ranks
 from autopipe.models.zoo import build
 from autopipe.machine.timing import Timer, per_run_s
@@ -505,7 +506,7 @@ def _profile_worker(rank: int, world: int, job: dict[str, Any]) -> list[dict[str
 
 def profile_in_world(name: str, size: str, *, world: int = 2, device: str = "cpu", threads: int = 1,
                      repeats: int = 15, timeout_s: float = 300.0) -> list[Any]:
-    """The profile ``world`` ranks take together before a job, as ``Pipeline(profile_in_ranks=True)`` does.
+    """The profile ``world`` ranks take together before a job, as a Pipeline does (``ProfileOptions(in_ranks=True)``).
 
     Spawns the ranks (each with ``threads`` torch threads, as they will train), has every one
     profile model ``name`` at once and returns the mean over the ranks as a list of
@@ -555,7 +556,7 @@ def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
     for v in job["variants"]:
         m = v["n_microbatches"]
         kw = dict(example_args=args, loss_fn=ce_loss, schedule=v["schedule"], n_microbatches=m,
-                  stages_per_rank=v["stages_per_rank"], device=device)
+                  planner=PlannerOptions(stages_per_rank=v["stages_per_rank"]), device=device)
         if "plan" in v:
             kw["plan"] = Plan.from_dict(v["plan"])
         else:

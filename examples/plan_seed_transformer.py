@@ -32,7 +32,7 @@ warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning
 def plan_and_check(model: torch.nn.Module, args: tuple, n_gpus: int, *, repeats: int = 5) -> autopipe.Plan:
     """Plans ``model`` for ``n_gpus``, prints the report, checks torch builds those stages."""
     plan = autopipe.partition(model, n_gpus=n_gpus, example_args=args,
-                              profiling=autopipe.ProfileOptions(repeats=repeats, progress=False))
+                              planner=autopipe.PlannerOptions(profiling=autopipe.ProfileOptions(repeats=repeats, progress=False)))
     print(plan.report())
     pipe = pipeline(copy.deepcopy(model), args, split_spec=plan.split_spec)
     if pipe.num_stages != plan.num_stages:

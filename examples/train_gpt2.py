@@ -55,8 +55,8 @@ def main() -> None:
         return nn.functional.cross_entropy(logits.reshape(-1, args.vocab), target.reshape(-1))
 
     pipe = Pipeline(model, example_args=(x_mb,), loss_fn=loss_fn, schedule=args.schedule,
-                    n_microbatches=args.microbatches, checkpoint_stages=args.checkpoint,
-                    planner=PlannerOptions(profiling=ProfileOptions(progress=False)))
+                    n_microbatches=args.microbatches,
+                    planner=PlannerOptions(profiling=ProfileOptions(progress=False), recompute=args.checkpoint))
     if pipe.rank == 0:
         print(pipe, flush=True)
         tied = [n for n, _ in pipe.named_parameters() if n == "transformer.wte.weight"]

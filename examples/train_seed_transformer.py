@@ -57,8 +57,8 @@ def train(schedule: str, args: argparse.Namespace) -> list[float]:
 
     # Change 1 of 2: the pipeline replaces the hand split and the schedule object.
     pipe = Pipeline(model, example_args=(x_mb,), loss_fn=compute_loss, schedule=schedule,
-                    n_microbatches=args.microbatches, checkpoint_stages=args.checkpoint,
-                    planner=PlannerOptions(profiling=ProfileOptions(progress=False)))
+                    n_microbatches=args.microbatches,
+                    planner=PlannerOptions(profiling=ProfileOptions(progress=False), recompute=args.checkpoint))
     if pipe.rank == 0:
         print(f"\n== {schedule}: split at {pipe.plan.split_points}, "
               f"{pipe.num_stages} stages on {pipe.world_size} ranks", flush=True)

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from autopipe.models import seed_transformer
 from autopipe.runtime import Pipeline
+from autopipe import PlannerOptions
 
 N_MICROBATCHES = 4
 
@@ -158,8 +159,8 @@ def inference_mode_run(rank: int, world_size: int, schedule: str) -> dict:
     x, y = torch.randn(8, 8), torch.randn(8, 4)
     reference = copy.deepcopy(model)
     out: dict = {}
-    with Pipeline(model, example_args=(x[:2],), loss_fn=mse, schedule=schedule, stages_per_rank=2,
-                  n_microbatches=N_MICROBATCHES, split_points=["1", "2", "3"]) as pipe:
+    with Pipeline(model, example_args=(x[:2],), loss_fn=mse, schedule=schedule, n_microbatches=N_MICROBATCHES,
+                  split_points=["1", "2", "3"], planner=PlannerOptions(stages_per_rank=2)) as pipe:
         with torch.inference_mode():
             output = pipe(x)
         with torch.no_grad():

@@ -16,6 +16,7 @@ import torch.nn as nn
 from autopipe.runtime import Pipeline
 
 from _runtime_workers import against_reference
+from autopipe import PlannerOptions
 
 MICROBATCH = 2
 N_MICROBATCHES = 4
@@ -126,8 +127,9 @@ def step_against_unsplit(rank: int, world_size: int, cases: list[tuple]) -> list
 
 def _case(schedule: str, stages_per_rank: int, split_points: tuple[str, ...]) -> dict:
     model, example = small_resnet()
-    pipe = Pipeline(model, example_args=example, loss_fn=loss_fn, schedule=schedule,
-                    n_microbatches=N_MICROBATCHES, stages_per_rank=stages_per_rank, split_points=list(split_points))
+    pipe = Pipeline(model, example_args=example, loss_fn=loss_fn, schedule=schedule, n_microbatches=N_MICROBATCHES,
+                    split_points=list(split_points),
+                    planner=PlannerOptions(stages_per_rank=stages_per_rank))
     g = torch.Generator().manual_seed(1)
     x = torch.randn(MICROBATCH * N_MICROBATCHES, 3, 8, 8, generator=g)
     y = torch.randint(0, CLASSES, (MICROBATCH * N_MICROBATCHES,), generator=g)

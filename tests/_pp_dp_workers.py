@@ -45,9 +45,9 @@ def pp_dp_run(rank: int, world_size: int, dp_mode: str, use_mesh: bool) -> dict:
         results["bad_batch_error"] = _error(lambda: pipe.step(x[:12], target=y[:12]))
         results["step_after_error"] = pipe.step(x, target=y).item()  # nothing was left half-done
     # A plan made for pp x dp builds its mesh itself: no data_parallel= given.
-    plan = autopipe.partition(tutorial_model(), world_size, (x[:MICROBATCH],), global_batch=len(x),
-                              data_parallel=DataParallelOptions(degree=DP, mode=dp_mode), cost="flops", loss_fn=False,
-                              profiling=autopipe.ProfileOptions(progress=False))
+    plan = autopipe.partition(tutorial_model(), world_size, (x[:MICROBATCH],),
+                              data_parallel=DataParallelOptions(degree=DP, mode=dp_mode), loss_fn=False,
+                              planner=autopipe.PlannerOptions(global_batch=len(x), cost="flops", profiling=autopipe.ProfileOptions(progress=False)))
     with Pipeline(tutorial_model(), example_args=(x[:MICROBATCH],), loss_fn=loss_fn, plan=plan) as pipe:
         dp = pipe.data_parallel
         results["from_plan"] = {"plan": (plan.dp_degree, plan.dp_mode, plan.pp_degree),
@@ -71,7 +71,7 @@ def _case(schedule: str, dp_mode: str, tied: bool, mesh) -> dict:
     replicas = DataParallelOptions(mesh=mesh, mode=dp_mode) if mesh is not None else DataParallelOptions(DP, dp_mode)
     with Pipeline(model, example_args=(x[:MICROBATCH],), loss_fn=loss_fn, schedule=schedule,
                   n_microbatches=N_MICROBATCHES, split_points=SPLITS[2 * stages_per_rank],
-                  stages_per_rank=stages_per_rank, data_parallel=replicas) as pipe:
+                  data_parallel=replicas, planner=autopipe.PlannerOptions(stages_per_rank=stages_per_rank)) as pipe:
         loss = pipe.step(x, target=y)
         ref = loss_fn(model(x), y)
         ref.backward()

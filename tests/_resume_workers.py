@@ -13,6 +13,7 @@ import torch.nn as nn
 from _guard_workers import outcome
 from _materialize_workers import LLAMA, llama_loss
 from autopipe.runtime import Pipeline
+from autopipe import PlannerOptions
 
 N_MICROBATCHES = 4
 # name -> (schedule, stages_per_rank, split points): 2 and 4 pipeline stages on 2 ranks.
@@ -40,7 +41,8 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def build(model: nn.Module, layout: str) -> Pipeline:
     schedule, per_rank, split_points = LAYOUTS[layout]
     return Pipeline(model, example_args=(batch(0)[0][:LLAMA["batch"]],), loss_fn=llama_loss, schedule=schedule,
-                    stages_per_rank=per_rank, split_points=split_points, n_microbatches=N_MICROBATCHES)
+                    split_points=split_points, n_microbatches=N_MICROBATCHES,
+                    planner=PlannerOptions(stages_per_rank=per_rank))
 
 
 def resume_run(rank: int, world_size: int, first: str, then: str, checkpoint: str) -> dict:

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from _dist_utils import token_batch
 from autopipe.runtime import Pipeline
+from autopipe import PlannerOptions
 
 VOCAB = 16
 D_MODEL = 8
@@ -78,7 +79,8 @@ def reuse_run(rank: int, world_size: int, case: str) -> dict:
     model = ReuseLM()
     reference = copy.deepcopy(model)
     pipe = Pipeline(model, example_args=(batch(0)[0][:MICROBATCH],), loss_fn=loss_fn, schedule=schedule,
-                    stages_per_rank=per_rank, split_points=split_points, n_microbatches=N_MICROBATCHES)
+                    split_points=split_points, n_microbatches=N_MICROBATCHES,
+                    planner=PlannerOptions(stages_per_rank=per_rank))
     opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     ref_params = dict(reference.named_parameters())

@@ -328,24 +328,25 @@ def errors_run(rank: int, world_size: int, plan_path: str) -> dict:
     result["step_after_errors"] = pipe.step(x, target=y).item()  # nothing was half-sent
     result["n_ranks_mismatch"] = _error(lambda: build(model, "1F1B", 2, n_ranks=3, split_points=SPLITS[4][:2]))
     result["plan_world_mismatch"] = _error(lambda: Pipeline(model, example_args=example_args(), loss_fn=loss_fn,
-                                                             plan=plan_path, stages_per_rank=1))
+                                                            plan=plan_path,
+                                                            planner=PlannerOptions(stages_per_rank=1)))
     result["ranks_disagree"] = _error(lambda: build(model, "1F1B", 2, split_points=["layers.1" if rank == 0 else "layers.0"]))
 
     # Planning: rank 0 runs the planner once; every rank builds the plan it broadcasts.
     calls = []
-    real_partition = autopipe.planning.planner.partition
+    real_partition = autopipe.planning.planner.plan_partition
 
     def counting_partition(*args, **kwargs):
         calls.append(1)
         return real_partition(*args, **kwargs)
 
-    autopipe.planning.planner.partition = counting_partition
+    autopipe.planning.planner.plan_partition = counting_partition
     try:
         planned = Pipeline(model, example_args=example_args(), loss_fn=loss_fn, schedule="1F1B",
                            n_microbatches=N_MICROBATCHES,
                            planner=PlannerOptions(profiling=ProfileOptions(progress=False, repeats=1, warmup=0)))
     finally:
-        autopipe.planning.planner.partition = real_partition
+        autopipe.planning.planner.plan_partition = real_partition
     result["planner_calls"] = len(calls)
     result["planned_split"] = planned.plan.split_points
     result["planned_step"] = planned.step(x, target=y).item()

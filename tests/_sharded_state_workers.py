@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from autopipe.models import seed_transformer
 from autopipe.runtime import Pipeline
+from autopipe import PlannerOptions
 
 VOCAB, SEQ, MICROBATCH, N_MICROBATCHES = 40, 8, 2, 4
 LR = 1e-3
@@ -88,7 +89,8 @@ def two_stage(model: nn.Module, x_mb: torch.Tensor) -> Pipeline:
 
 def four_stage(model: nn.Module, x_mb: torch.Tensor) -> Pipeline:
     return Pipeline(model, example_args=(x_mb,), loss_fn=loss_fn, split_points=["layers.1", "layers.2", "layers.3"],
-                    schedule="Interleaved1F1B", stages_per_rank=2, n_microbatches=N_MICROBATCHES)
+                    schedule="Interleaved1F1B", n_microbatches=N_MICROBATCHES,
+                    planner=PlannerOptions(stages_per_rank=2))
 
 
 def save_pipe(pipe: Pipeline, opt: torch.optim.Optimizer, path: str) -> list[str]:

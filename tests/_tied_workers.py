@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from _dist_utils import token_batch
 from autopipe.runtime import Pipeline
+from autopipe import PlannerOptions
 
 VOCAB = 32
 D_MODEL = 16
@@ -138,10 +139,11 @@ def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(output.reshape(-1, VOCAB), target.reshape(-1))
 
 
-def build(model: nn.Module, schedule: str, stages_per_rank: int, split_points: list[str], **options) -> Pipeline:
+def build(model: nn.Module, schedule: str, stages_per_rank: int, split_points: list[str],
+          recompute: bool | str = "auto") -> Pipeline:
     return Pipeline(model, example_args=(batch(0)[0][:MICROBATCH],), loss_fn=loss_fn, schedule=schedule,
-                    stages_per_rank=stages_per_rank, split_points=split_points, n_microbatches=N_MICROBATCHES,
-                    **options)
+                    split_points=split_points, n_microbatches=N_MICROBATCHES,
+                    planner=PlannerOptions(stages_per_rank=stages_per_rank, recompute=recompute))
 
 
 def _gather(t: torch.Tensor) -> list[torch.Tensor]:
@@ -207,7 +209,7 @@ def three_way_run(rank: int, world_size: int, case: str) -> dict:
     name, _, option = case.partition("+")
     schedule, per_rank, split = CASES[name]
     model = tied_model()
-    pipe = build(model, schedule, per_rank, split, checkpoint_stages=option == "checkpoint")
+    pipe = build(model, schedule, per_rank, split, recompute=option == "checkpoint")
     aliases = ["shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"]
     result = {"stage_indices": pipe.stage_indices, "alias": _alias_report(pipe, "shared.weight", aliases)}
     result.update(_train_against_unsplit(pipe, model))
@@ -336,7 +338,8 @@ def t5_run(rank: int, world_size: int, schedule: str) -> dict:
     x, y = batch(0)
     decoder_ids = y.roll(1, dims=1)
     pipe = Pipeline(model, example_args=(x[:MICROBATCH], decoder_ids[:MICROBATCH]), loss_fn=loss_fn,
-                    schedule=schedule, stages_per_rank=per_rank, split_points=split, n_microbatches=N_MICROBATCHES)
+                    schedule=schedule, split_points=split, n_microbatches=N_MICROBATCHES,
+                    planner=PlannerOptions(stages_per_rank=per_rank))
     loss = pipe.step(x, decoder_ids, target=y).item()
     ref = loss_fn(model(x, decoder_ids), y)
     ref.backward()

@@ -26,8 +26,8 @@ def tune_run(rank: int, world_size: int, candidates: int) -> dict:
     model = _model()
     reference = copy.deepcopy(model)
     x, y = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)), torch.randn(8, 4)
-    plan = autopipe.partition(model, world_size, (x[:2],), cost="flops", n_microbatches=N_MICROBATCHES,
-                              loss_fn=mse, example_target=y[:2])
+    plan = autopipe.partition(model, world_size, (x[:2],), n_microbatches=N_MICROBATCHES, loss_fn=mse,
+                              example_target=y[:2], planner=autopipe.PlannerOptions(cost="flops"))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     pipe = autopipe.tune(model, x, target=y, plan=plan, candidates=candidates, rounds=2, loss_fn=mse,
                          example_args=(x[:2],))
@@ -49,7 +49,8 @@ def bad_arguments_run(rank: int, world_size: int) -> dict:
     """tune() refuses what it sets itself and a non-positive count, before building anything."""
     model = _model()
     x = torch.randn(8, 16)
-    plan = autopipe.partition(model, world_size, (x[:2],), cost="flops", n_microbatches=N_MICROBATCHES)
+    plan = autopipe.partition(model, world_size, (x[:2],), n_microbatches=N_MICROBATCHES,
+                              planner=autopipe.PlannerOptions(cost="flops"))
     errors = {}
     for key, kwargs in {"split_points": {"split_points": ["2"]}, "rounds": {"rounds": 0},
                         "candidates": {"candidates": 0}}.items():

@@ -15,6 +15,7 @@ from autopipe import Device, ProfileOptions
 from autopipe._checks import check_at_most, check_bool, check_choice, check_int
 from autopipe.planning.options import PlannerOptions, resolve_devices
 from autopipe.planning.profile import profile_segments
+from _planning import partition_with
 
 QUICK = ProfileOptions(progress=False, warmup=0, repeats=1)
 
@@ -36,20 +37,20 @@ def _figures(plan: autopipe.Plan) -> tuple:
 def test_partition_takes_few_parameters_the_profiling_ones_grouped():
     params = inspect.signature(autopipe.partition).parameters
     assert list(params) == [
-        "model", "n_gpus", "example_args", "example_kwargs", "schedule", "n_microbatches", "global_batch",
-        "stages_per_rank", "objective", "memory", "devices", "optimizer", "loss_fn", "example_target", "cost",
-        "profiling", "recompute", "data_parallel",
+        "model", "n_gpus", "example_args", "example_kwargs", "loss_fn", "example_target", "schedule",
+        "n_microbatches", "planner", "data_parallel",
     ]
+    assert len(params) <= 12  # the rest lives in PlannerOptions, shared with Pipeline
     assert all(p.kind is p.KEYWORD_ONLY for p in list(params.values())[4:])
 
 
 def test_pipeline_takes_its_options_grouped():
     params = inspect.signature(autopipe.Pipeline.__init__).parameters
     assert list(params)[1:] == [
-        "model", "example_args", "example_kwargs", "loss_fn", "plan", "split_points", "n_ranks", "schedule",
-        "n_microbatches", "stages_per_rank", "checkpoint_stages", "device", "timeout_s", "planner",
-        "profile_in_ranks", "weights", "data_parallel",
+        "model", "example_args", "example_kwargs", "example_target", "loss_fn", "plan", "split_points", "schedule",
+        "n_microbatches", "planner", "data_parallel", "weights", "device", "timeout_s",
     ]
+    assert len(params) - 1 <= 14
     assert all(p.kind is p.KEYWORD_ONLY for p in list(params.values())[2:])
 
 
@@ -82,12 +83,13 @@ def test_importing_autopipe_does_not_import_torch():
 def test_one_device_stands_for_every_rank_and_memory_fills_it_in(small_transformer, costs):
     model, args = small_transformer
     one = Device(bandwidth="10GB", latency_s=1e-5, action_overhead_s=1e-3)
-    plan = autopipe.partition(model, 2, args, cost=costs, memory="1GiB", devices=one)
-    each = autopipe.partition(model, 2, args, cost=costs, devices=[
-        Device(memory="1GiB", bandwidth="10GB", latency_s=1e-5, action_overhead_s=1e-3) for _ in range(2)])
+    plan = autopipe.partition(model, 2, args, planner=PlannerOptions(cost=costs, memory="1GiB", devices=one))
+    each = autopipe.partition(model, 2, args, planner=PlannerOptions(cost=costs, devices=[
+        Device(memory="1GiB", bandwidth="10GB", latency_s=1e-5, action_overhead_s=1e-3) for _ in range(2)]))
     assert _figures(plan) == _figures(each)
     assert plan.action_overhead_s() == [1e-3, 1e-3] and plan.memory_limit_bytes == [2**30, 2**30]
-    slow_link = autopipe.partition(model, 2, args, cost=costs, devices=Device(bandwidth="1MB", action_overhead_s=1e-3))
+    slow_link = autopipe.partition(model, 2, args,
+                                   planner=PlannerOptions(cost=costs, devices=Device(bandwidth="1MB", action_overhead_s=1e-3)))
     assert slow_link.stages[0].comm_s > plan.stages[0].comm_s
 
 
@@ -117,13 +119,13 @@ def test_a_wrong_kind_of_argument_is_named_before_tracing(small_transformer, mon
     model, args = small_transformer
     monkeypatch.setattr(autopipe.planning.planner, "trace", lambda *a, **k: pytest.fail("traced first"))
     with pytest.raises(error, match=message):
-        autopipe.partition(model, 2, args, **kwargs)
+        partition_with(model, 2, args, **kwargs)
 
 
 def test_a_profile_of_one_size_with_auto_micro_batches_is_refused(small_transformer, costs):
     model, args = small_transformer
     with pytest.raises(ValueError, match="one micro-batch size's segment costs; with n_microbatches='auto'"):
-        autopipe.partition(model, 2, args, cost=costs, n_microbatches="auto", global_batch=8)
+        autopipe.partition(model, 2, args, n_microbatches="auto", planner=PlannerOptions(cost=costs, global_batch=8))
 
 
 def test_a_size_scaled_profile_with_a_fixed_count_is_refused(small_transformer):
@@ -132,7 +134,7 @@ def test_a_size_scaled_profile_with_a_fixed_count_is_refused(small_transformer):
     model, args = small_transformer
     scaled = profile_scaling(model, args, sizes=[1, 2], cost="flops", progress=False)
     with pytest.raises(ValueError, match=r"ScaledProfile, which is for n_microbatches='auto'.*costs_at\(b\)"):
-        autopipe.partition(model, 2, args, cost=scaled, n_microbatches=4)
+        autopipe.partition(model, 2, args, n_microbatches=4, planner=PlannerOptions(cost=scaled))
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -149,11 +151,14 @@ def test_profile_options_are_checked_where_they_are_written(kwargs, message):
         ProfileOptions(**kwargs)
 
 
-def test_planner_options_give_partition_keywords():
-    options = PlannerOptions(memory="16GiB", profiling=QUICK)
-    assert options.partition_kwargs() == {"memory": "16GiB", "profiling": QUICK}
+def test_planner_options_are_checked_where_they_are_written():
+    assert PlannerOptions.of(None) == PlannerOptions()
     with pytest.raises(TypeError, match="PlannerOptions profiling=.* must be an autopipe.ProfileOptions"):
         PlannerOptions(profiling={"warmup": 0})
+    with pytest.raises(ValueError, match="PlannerOptions objective='fast'"):
+        PlannerOptions(objective="fast")
+    with pytest.raises(TypeError, match=r"planner=\{'memory': 1\} must be an autopipe.PlannerOptions"):
+        PlannerOptions.of({"memory": 1})
 
 
 # --------------------------------------------------------------------------- the previous release's keywords

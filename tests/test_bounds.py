@@ -42,7 +42,7 @@ def test_absurd_n_gpus_is_refused_before_tracing_and_fast(small_transformer, mon
     model, args = small_transformer
     _forbid(monkeypatch, planner, "trace")
     with refused_within(), pytest.raises(ValueError, match=rf"n_gpus={n_gpus} .*use at most {MAX_STAGES} ranks"):
-        autopipe.partition(model, n_gpus, example_args=args, profiling=FAST)
+        autopipe.partition(model, n_gpus, example_args=args, planner=autopipe.PlannerOptions(profiling=FAST))
 
 
 def test_too_many_stages_for_the_split_points_is_refused_before_building_schedules(small_transformer, small_traced,
@@ -53,15 +53,15 @@ def test_too_many_stages_for_the_split_points_is_refused_before_building_schedul
     _forbid(monkeypatch, simulator, "action_order_and_source")
     _forbid(monkeypatch, planner, "profile_segments")
     with refused_within(), pytest.raises(ValueError, match=rf"use at most {small_traced.num_segments} stages"):
-        autopipe.partition(model, 1000, example_args=args, profiling=FAST)
+        autopipe.partition(model, 1000, example_args=args, planner=autopipe.PlannerOptions(profiling=FAST))
 
 
 def test_too_many_stages_per_rank_is_refused_before_tracing(small_transformer, monkeypatch):
     model, args = small_transformer
     _forbid(monkeypatch, planner, "trace")
     with refused_within(), pytest.raises(ValueError, match=r"stages_per_rank=1000000 .*use at most 50000"):
-        autopipe.partition(model, 2, example_args=args, schedule="Interleaved1F1B", stages_per_rank=10**6,
-                           profiling=FAST)
+        autopipe.partition(model, 2, example_args=args, schedule="Interleaved1F1B",
+                           planner=autopipe.PlannerOptions(stages_per_rank=10**6, profiling=FAST))
 
 
 # ---------------------------------------------------------------------- micro-batch counts
@@ -73,14 +73,16 @@ def test_absurd_micro_batch_count_is_refused_before_tracing(small_transformer, m
     _forbid(monkeypatch, schedules, "action_order_and_source")
     _forbid(monkeypatch, simulator, "action_order_and_source")
     with refused_within(), pytest.raises(ValueError, match=rf"n_microbatches=10000000 .*{MAX_SCHEDULE_SIZE}"):
-        autopipe.partition(model, 2, example_args=args, n_microbatches=10**7, profiling=FAST)
+        autopipe.partition(model, 2, example_args=args, n_microbatches=10**7,
+                           planner=autopipe.PlannerOptions(profiling=FAST))
 
 
 def test_a_step_past_the_schedule_bound_is_refused_before_profiling(small_transformer, monkeypatch):
     model, args = small_transformer
     _forbid(monkeypatch, planner, "profile_segments")
     with refused_within(), pytest.raises(ValueError, match=r"n_microbatches=100000 on 4 stages .*<= 65536"):
-        autopipe.partition(model, 4, example_args=args, n_microbatches=100_000, profiling=FAST)
+        autopipe.partition(model, 4, example_args=args, n_microbatches=100_000,
+                           planner=autopipe.PlannerOptions(profiling=FAST))
 
 
 def test_a_micro_batch_count_that_misses_a_huge_global_batch_is_refused_fast(small_transformer, monkeypatch):
@@ -88,7 +90,8 @@ def test_a_micro_batch_count_that_misses_a_huge_global_batch_is_refused_fast(sma
     model, args = small_transformer
     _forbid(monkeypatch, planner, "trace")
     with refused_within(), pytest.raises(ValueError, match=r"use one of \[1, 73, 137, 10001\]"):
-        autopipe.partition(model, 2, example_args=args, n_microbatches=4, global_batch=10**12 + 1, profiling=FAST)
+        autopipe.partition(model, 2, example_args=args, n_microbatches=4,
+                           planner=autopipe.PlannerOptions(global_batch=10**12 + 1, profiling=FAST))
 
 
 @pytest.mark.parametrize("schedule, n_ranks, stages_per_rank", [("1F1B", 4, 1), ("Interleaved1F1B", 2, 2)])
@@ -142,8 +145,8 @@ def test_device_times_that_are_not_numbers_get_a_clear_error(kwargs):
 
 def test_partition_takes_a_bandwidth_string_like_device(small_transformer):
     model, args = small_transformer
-    plan = autopipe.partition(model, 2, example_args=args, devices=Device(bandwidth="10GB"), cost="params",
-                              profiling=QUIET)
+    plan = autopipe.partition(model, 2, example_args=args,
+                              planner=autopipe.PlannerOptions(devices=Device(bandwidth="10GB"), cost="params", profiling=QUIET))
     assert [link.bandwidth for link in plan.machine.links] == [10e9]
 
 
@@ -189,5 +192,6 @@ def test_measure_link_refuses_a_timeout_torch_cannot_wait_for_before_starting_pr
 
 def test_bounds_leave_ordinary_plans_alone(small_transformer):
     model, args = small_transformer
-    plan = autopipe.partition(model, 2, example_args=args, cost="params", n_microbatches=8, profiling=QUIET)
+    plan = autopipe.partition(model, 2, example_args=args, n_microbatches=8,
+                              planner=autopipe.PlannerOptions(cost="params", profiling=QUIET))
     assert plan.num_stages == 2 and plan.n_microbatches == 8

@@ -121,8 +121,8 @@ def test_the_lower_bounds():
 @pytest.fixture(scope="module")
 def plan(small_transformer):
     model, args = small_transformer
-    return autopipe.partition(model, 2, example_args=args, cost="flops", n_microbatches=4,
-                              profiling=autopipe.ProfileOptions(device="cpu", progress=False))
+    return autopipe.partition(model, 2, example_args=args, n_microbatches=4,
+                              planner=autopipe.PlannerOptions(cost="flops", profiling=autopipe.ProfileOptions(device="cpu", progress=False)))
 
 
 def test_the_planner_the_plan_and_the_reports_predict_the_same_step(plan):

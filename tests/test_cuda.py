@@ -87,7 +87,7 @@ def test_profile_in_rounds_on_the_gpu() -> None:
 def test_partition_on_the_gpu() -> None:
     model, args = _small_model()
     plan = autopipe.partition(model, 2, args, n_microbatches=4,
-                              profiling=autopipe.ProfileOptions(device="cuda", progress=False))
+                              planner=autopipe.PlannerOptions(profiling=autopipe.ProfileOptions(device="cuda", progress=False)))
     assert plan.num_stages == 2
     # The CPU-resident model was profiled as a whole copy on the GPU, fitted to its whole graph.
     assert plan.whole_pass.fitted and "segments scaled x" in plan.report()

@@ -18,6 +18,7 @@ from autopipe.planning.profile import profile_segments
 from autopipe.planning.trace import trace
 from autopipe.reporting.data import report_data
 from autopipe.reporting.markdown import plan_to_markdown
+from _planning import partition_with
 
 pytestmark = pytest.mark.unit
 
@@ -32,7 +33,7 @@ def model_costs():
 
 def _plan(model_costs, n_gpus=8, **kw):
     model, args, costs = model_costs
-    return autopipe.partition(model, n_gpus, args, cost=costs, profiling=QUIET, **kw)
+    return partition_with(model, n_gpus, args, cost=costs, profiling=QUIET, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ from autopipe.reporting.data import report_data
 from autopipe.planning.trace import export_failure_kind, trace
 
 from _dist_utils import run_world
+from _planning import partition_with
 
 needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                         reason="transformers is not installed")
@@ -72,7 +73,7 @@ def _cache_settings(model: nn.Module) -> dict[str, object]:
 
 
 def _partition(model: nn.Module, kwargs: dict, **extra: object) -> autopipe.Plan:
-    return autopipe.partition(model, 2, example_kwargs=kwargs, cost="flops",
+    return partition_with(model, 2, example_kwargs=kwargs, cost="flops",
                               profiling=autopipe.ProfileOptions(progress=False), **extra)
 
 
@@ -129,7 +130,7 @@ def test_loss_is_profiled_on_the_output_without_a_cache():
         return nn.functional.cross_entropy(out.logits.reshape(-1, VOCAB), y.reshape(-1))
 
     plan = autopipe.partition(model, 2, example_kwargs=kwargs, loss_fn=loss_fn, example_target=kwargs["input_ids"],
-                              profiling=autopipe.ProfileOptions(progress=False, warmup=0, repeats=1))
+                              planner=autopipe.PlannerOptions(profiling=autopipe.ProfileOptions(progress=False, warmup=0, repeats=1)))
     assert caches and all(c is None for c in caches)
     assert plan.loss is not None and model.config.use_cache is True
 
@@ -157,8 +158,8 @@ def test_hf_model_with_the_cache_already_off_gets_no_note():
 
 def test_model_without_hf_config_gets_no_note(small_transformer):
     model, args = small_transformer
-    plan = autopipe.partition(model, 2, example_args=args, cost="flops", loss_fn=False,
-                              profiling=autopipe.ProfileOptions(progress=False))
+    plan = autopipe.partition(model, 2, example_args=args, loss_fn=False,
+                              planner=autopipe.PlannerOptions(cost="flops", profiling=autopipe.ProfileOptions(progress=False)))
     assert plan.notes == []
     assert CACHE_NOTE not in plan.report()
     assert trace(model, args).notes == []

@@ -173,7 +173,7 @@ def test_profile_runs_every_segment_with_in_place_cuts():
 def test_partition_with_measured_costs(n_gpus):
     model, example = workers.small_resnet()
     plan = autopipe.partition(model, n_gpus, example_args=example,
-                              profiling=autopipe.ProfileOptions(device="cpu", warmup=0, repeats=1, progress=False))
+                              planner=autopipe.PlannerOptions(profiling=autopipe.ProfileOptions(device="cpu", warmup=0, repeats=1, progress=False)))
     assert plan.num_stages == n_gpus
 
 

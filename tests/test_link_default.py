@@ -22,6 +22,7 @@ from autopipe.machine.link_cache import (cache_file, forget_links, host_key, loo
 from autopipe.planning.costgraph import SegmentCost
 from autopipe.planning.link_choice import FREE_LINK, choose_link, link_mode
 from autopipe.planning.plan import Plan
+from _planning import partition_with
 
 #: The assumed CPU link: 2 GB/s, and a message as it costs inside a step.
 ASSUMED = default_link("cpu")
@@ -72,8 +73,8 @@ def equal_costs(n: int = 4) -> list[SegmentCost]:
 
 def plan_wide(**profiling) -> Plan:
     model, args = wide_cut_model()
-    return autopipe.partition(model, 2, example_args=args, cost=equal_costs(), schedule="1F1B", n_microbatches=4,
-                              loss_fn=False, profiling=ProfileOptions(progress=False, **profiling))
+    return autopipe.partition(model, 2, example_args=args, schedule="1F1B", n_microbatches=4, loss_fn=False,
+                              planner=autopipe.PlannerOptions(cost=equal_costs(), profiling=ProfileOptions(progress=False, **profiling)))
 
 
 # ---------------------------------------------------------------- choose_link
@@ -267,8 +268,8 @@ def test_the_assumed_link_moves_the_wide_cut_and_free_communication_does_not():
     model, args = wide_cut_model()
     kwargs = dict(example_args=args, cost=equal_costs(), schedule="1F1B", n_microbatches=4, loss_fn=False,
                   profiling=ProfileOptions(progress=False, measure_link=False))
-    assumed = autopipe.partition(model, 2, **kwargs)
-    free = autopipe.partition(model, 2, devices=Device(bandwidth=1e15, latency_s=0.0), **kwargs)
+    assumed = partition_with(model, 2, **kwargs)
+    free = partition_with(model, 2, devices=Device(bandwidth=1e15, latency_s=0.0), **kwargs)
     assert assumed.split_points != free.split_points == ["2"]
     assert not any("link" in n for n in assumed.notes)  # measure_link=False: the plan keeps quiet
 
@@ -301,8 +302,9 @@ def test_the_automatic_choice_measures_when_the_link_decides_and_says_both_split
 def test_the_automatic_choice_keeps_the_assumed_link_where_it_decides_nothing(monkeypatch):
     monkeypatch.setenv("AUTOPIPE_MEASURE_LINK", "1")
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])  # every cut 64 bytes: the link cannot matter
-    plan = autopipe.partition(model, 2, example_args=(torch.randn(2, 8),), cost=equal_costs(), schedule="1F1B",
-                              n_microbatches=4, loss_fn=False, profiling=ProfileOptions(progress=False))
+    plan = autopipe.partition(model, 2, example_args=(torch.randn(2, 8),), schedule="1F1B", n_microbatches=4,
+                              loss_fn=False,
+                              planner=autopipe.PlannerOptions(cost=equal_costs(), profiling=ProfileOptions(progress=False)))
     # Nothing was kept, so a measurement would have started a process: the unit lane fails on that.
     assert plan.links()[0].bandwidth == ASSUMED[0]
     assert "link between ranks assumed: 2 GB/s and 500 us per message (the split is the same with free " \

@@ -23,6 +23,7 @@ from autopipe.reporting.data import report_data
 from autopipe.reporting.html import plan_to_html
 from autopipe.reporting.markdown import plan_to_markdown
 from autopipe.runtime.plan_setup import planner_kwargs
+from _planning import partition_with
 
 QUICK = autopipe.ProfileOptions(progress=False, warmup=0, repeats=1)
 HF_LMS = ["gpt2_tied", "gpt2_untied", "llama"]
@@ -46,7 +47,7 @@ def zoo_lm(name: str) -> tuple[nn.Module, tuple[Any, ...]]:
 
 
 def plan_of(model: nn.Module, args: tuple, **kwargs: Any) -> autopipe.Plan:
-    return autopipe.partition(model, 2, example_args=args, cost="flops", profiling=QUICK, **kwargs)
+    return partition_with(model, 2, example_args=args, cost="flops", profiling=QUICK, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +109,7 @@ def test_pipeline_plans_like_partition(lm_plans: dict, name: str) -> None:
     model, args, plan = _lm(lm_plans, name)
     kwargs, note = planner_kwargs(autopipe.PlannerOptions(cost="flops"), model, args, None, user_lm_loss)
     assert note is None and kwargs["loss_fn"] is user_lm_loss
-    piped = autopipe.partition(model, 2, example_args=args, profiling=QUICK, **kwargs)
+    piped = partition_with(model, 2, example_args=args, profiling=QUICK, **kwargs)
     assert piped.split_points == plan.split_points
     assert piped.loss.act_bytes == plan.loss.act_bytes
     assert [s.peak_bytes for s in piped.stages] == [s.peak_bytes for s in plan.stages]
@@ -178,7 +179,7 @@ def test_pipeline_loss_keywords() -> None:
     kwargs, note = pipeline_loss(model, args, None, F.cross_entropy, target)
     assert kwargs == {"loss_fn": F.cross_entropy, "example_target": target} and note is None
     kwargs, note = pipeline_loss(model, args, None, lambda out, y: torch.tensor(1.0))
-    assert kwargs == {"loss_fn": False} and note.startswith(NO_LOSS_NOTE) and "PlannerOptions(example_target" in note
+    assert kwargs == {"loss_fn": False} and note.startswith(NO_LOSS_NOTE) and "example_target=" in note
     with pytest.raises(ValueError, match="example_target.*no loss_fn"):
         pipeline_loss(model, args, None, None, target)
 
@@ -188,7 +189,7 @@ def test_planner_kwargs_keep_the_options_and_plan_without_a_derivable_loss() -> 
     options = autopipe.PlannerOptions(cost="flops", memory="1GiB")
     kwargs, note = planner_kwargs(options, model, args, None, lambda out, y: torch.tensor(1.0))
     assert kwargs == {"cost": "flops", "memory": "1GiB", "loss_fn": False} and note.startswith(NO_LOSS_NOTE)
-    plan = autopipe.partition(model, 2, example_args=args, profiling=QUICK, **kwargs)
+    plan = partition_with(model, 2, example_args=args, profiling=QUICK, **kwargs)
     assert plan.loss is None and not any(n.startswith("loss:") for n in plan.notes)
 
 
@@ -237,7 +238,7 @@ def test_a_pipeline_plans_with_its_own_loss_as_partition_does() -> None:
         no_target = found["no_target"]
         assert no_target["loss_bytes"] is None
         assert [n for n in no_target["notes"] if n.startswith(NO_LOSS_NOTE)] and \
-            "PlannerOptions(example_target" in no_target["notes"][-1]
+            "example_target=" in no_target["notes"][-1]
 
 
 def test_profile_loss_takes_the_output_already_computed() -> None:

@@ -15,6 +15,7 @@ from autopipe.planning.attention_count import attention_flops
 from autopipe.planning.profile import profile_segments
 from autopipe.planning.segment_graphs import copy_to_device, on_meta_device, stand_in
 from autopipe.planning.trace import trace
+from _planning import partition_with
 
 QUIET = autopipe.ProfileOptions(progress=False)
 
@@ -40,8 +41,8 @@ def test_a_meta_model_plans_exactly_as_the_materialized_one(schedule):
     (meta, meta_args), (real, real_args) = _both(vocab_size=1000, num_layers=4, seq_len=16)
     costs = profile_segments(trace(real, real_args), cost="flops", device_flops=1e9, progress=False)
     kw = dict(cost=costs, schedule=schedule, n_microbatches=4, profiling=QUIET)
-    planned = autopipe.partition(meta, 2, meta_args, **kw)
-    reference = autopipe.partition(real, 2, real_args, **kw)
+    planned = partition_with(meta, 2, meta_args, **kw)
+    reference = partition_with(real, 2, real_args, **kw)
     assert planned.split_points == reference.split_points
     assert planned.rank_peak_bytes == reference.rank_peak_bytes
     assert planned.loss.act_bytes == reference.loss.act_bytes > 0, "the assumed loss is charged on meta too"
@@ -50,7 +51,8 @@ def test_a_meta_model_plans_exactly_as_the_materialized_one(schedule):
 
 def test_a_meta_model_plans_from_counted_flops_with_its_loss(tmp_path):
     (meta, args), _ = _both(vocab_size=1000, num_layers=4, seq_len=16)
-    plan = autopipe.partition(meta, 2, args, cost="flops", n_microbatches=4, profiling=QUIET)
+    plan = autopipe.partition(meta, 2, args, n_microbatches=4,
+                              planner=autopipe.PlannerOptions(cost="flops", profiling=QUIET))
     # The planning process's peak host memory is in the plan, its report and its file.
     assert plan.planning_peak_rss_bytes > 0 and "peak host memory" in plan.report()
     plan.save(tmp_path / "plan.json")
@@ -86,7 +88,7 @@ def test_measured_costs_of_a_meta_model_time_one_materialized_segment_at_a_time(
 def test_a_meta_model_plans_from_measured_costs_with_its_loss_timed():
     (meta, args), _ = _both(vocab_size=1000, num_layers=4, seq_len=16)
     plan = autopipe.partition(meta, 2, args, n_microbatches=4,
-                              profiling=autopipe.ProfileOptions(progress=False, warmup=0, repeats=1))
+                              planner=autopipe.PlannerOptions(profiling=autopipe.ProfileOptions(progress=False, warmup=0, repeats=1)))
     assert plan.cost_source == "measured" and len(plan.split_points) == 1
     assert plan.loss is not None and plan.loss.fwd_s > 0 and plan.loss.act_bytes >= 4 * 16 * 1000 * 4
 
@@ -104,7 +106,8 @@ def test_stand_in_values_are_finite_repeatable_and_valid_indices():
 def test_a_meta_model_refuses_automatic_micro_batches():
     (meta, args), _ = _both(vocab_size=100, num_layers=2, seq_len=8)
     with pytest.raises(ValueError, match="n_microbatches='auto'"):
-        autopipe.partition(meta, 2, args, cost="flops", n_microbatches="auto", global_batch=8, profiling=QUIET)
+        autopipe.partition(meta, 2, args, n_microbatches="auto",
+                           planner=autopipe.PlannerOptions(cost="flops", global_batch=8, profiling=QUIET))
 
 
 def test_a_meta_language_model_from_hugging_face_plans_without_running_its_eager_code():
@@ -115,7 +118,8 @@ def test_a_meta_language_model_from_hugging_face_plans_without_running_its_eager
     with torch.device("meta"):
         model, args = hf.llama_from_config(num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
                                            vocab_size=500, batch=1, seq_len=16)
-    plan = autopipe.partition(model, 4, args, cost="flops", n_microbatches=8, profiling=QUIET)
+    plan = autopipe.partition(model, 4, args, n_microbatches=8,
+                              planner=autopipe.PlannerOptions(cost="flops", profiling=QUIET))
     assert len(plan.split_points) == 3 and plan.loss is not None and plan.loss.act_bytes > 0
 
 
@@ -139,5 +143,6 @@ def test_counted_attention_is_the_same_on_the_meta_device_and_the_cpu(monkeypatc
     monkeypatch.setattr(profile_module, "ATTENTION_FLOPS", {})  # the counter's own formulas only
     without = profile_segments(trace(meta, meta_args), cost="flops", device_flops=1e9, progress=False)
     assert sum(c.flops for c in on_meta) - sum(c.flops for c in without) == 2 * per_layer
-    plan = autopipe.partition(meta, 2, meta_args, cost="flops", n_microbatches=2, profiling=QUIET)
+    plan = autopipe.partition(meta, 2, meta_args, n_microbatches=2,
+                              planner=autopipe.PlannerOptions(cost="flops", profiling=QUIET))
     assert not any("attention" in n for n in plan.notes)

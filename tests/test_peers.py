@@ -296,8 +296,8 @@ def test_1f1b_simulation_of_equal_stages_is_fill_plus_steady_state():
 
 def test_the_plan_names_every_peer_and_says_why_one_does_not_apply(zoo_models):
     model, args, traced, costs, _ = zoo_models["unet"]
-    plan = autopipe.partition(model, 2, example_args=args, cost=costs,
-                              profiling=autopipe.ProfileOptions(device="cpu", progress=False))
+    plan = autopipe.partition(model, 2, example_args=args,
+                              planner=autopipe.PlannerOptions(cost=costs, profiling=autopipe.ProfileOptions(device="cpu", progress=False)))
     assert [b.name for b in plan.baselines] == list(BASELINES)
     titan = plan.baseline("torchtitan_default")
     assert titan.reason.startswith("not applicable: ") and titan.split_points == []
@@ -320,8 +320,8 @@ def test_every_report_says_not_applicable_with_the_reason(zoo_models):
     from autopipe.reporting.markdown import plan_to_markdown
 
     model, args, traced, costs, _ = zoo_models["mlp_sequential"]
-    plan = autopipe.partition(model, 2, example_args=args, cost=costs,
-                              profiling=autopipe.ProfileOptions(device="cpu", progress=False))
+    plan = autopipe.partition(model, 2, example_args=args,
+                              planner=autopipe.PlannerOptions(cost=costs, profiling=autopipe.ProfileOptions(device="cpu", progress=False)))
     reason = plan.baseline("torchtitan_default").reason
     assert "no list of repeated blocks" in reason
     data = report_data(plan)

@@ -34,8 +34,8 @@ Mutation = Callable[[dict[str, Any]], Any]
 def valid(small_transformer) -> dict[str, Any]:
     """A real plan as its file holds it, with per-segment costs, links, overheads and alternatives."""
     model, args = small_transformer
-    plan = autopipe.partition(model, 2, example_args=args, cost="params", schedule="auto",
-                              profiling=autopipe.ProfileOptions(progress=False))
+    plan = autopipe.partition(model, 2, example_args=args, schedule="auto",
+                              planner=autopipe.PlannerOptions(cost="params", profiling=autopipe.ProfileOptions(progress=False)))
     assert plan.num_stages >= 2 and plan.segments and plan.alternatives
     return json.loads(json.dumps(plan.to_dict()))
 

@@ -16,6 +16,7 @@ from autopipe.models import seed_transformer
 from autopipe.planning.profile import profile_segments
 from autopipe.planning.schedules import training_merges_outputs
 from autopipe.planning.trace import trace
+from _planning import partition_with
 
 QUICK = autopipe.ProfileOptions(progress=False, warmup=0, repeats=1)  # for partition
 QUICK_CPU = autopipe.ProfileOptions(device="cpu", progress=False, warmup=0, repeats=1)
@@ -43,7 +44,7 @@ def assert_plan_builds_and_matches(model: nn.Module, args: tuple, plan: autopipe
 @pytest.mark.parametrize("n_gpus", [2, 4])
 def test_seed_transformer_plan_builds_in_torch_and_reproduces_output(small_transformer, n_gpus):
     model, args = small_transformer
-    plan = autopipe.partition(model, n_gpus, example_args=args, profiling=QUICK)
+    plan = autopipe.partition(model, n_gpus, example_args=args, planner=autopipe.PlannerOptions(profiling=QUICK))
     assert plan.num_stages == n_gpus == len(plan.stages)
     assert len(plan.split_spec) == n_gpus - 1
     assert_plan_builds_and_matches(model, args, plan)
@@ -60,7 +61,8 @@ def test_every_split_point_the_tracer_offers_builds_in_torch(small_transformer, 
 def test_heavy_last_layer_is_not_split_by_equal_layers_as_torchtitan_splits():
     # A vocabulary of 8000 makes the output projection outweigh all four layers together.
     model, args = seed_transformer(vocab_size=8000, d_model=64, num_heads=4, d_ff=128, num_layers=4, batch=2, seq_len=32)
-    plan = autopipe.partition(model, 2, example_args=args, cost=counted_costs(model, args), profiling=QUIET_CPU)
+    plan = autopipe.partition(model, 2, example_args=args,
+                              planner=autopipe.PlannerOptions(cost=counted_costs(model, args), profiling=QUIET_CPU))
     equal = plan.baseline("torchtitan_default")
     assert plan.split_points != equal.split_points
     assert plan.bottleneck_s < equal.bottleneck_s
@@ -69,7 +71,8 @@ def test_heavy_last_layer_is_not_split_by_equal_layers_as_torchtitan_splits():
 
 def test_plan_stage_records_are_complete(small_transformer, small_costs):
     model, args = small_transformer
-    plan = autopipe.partition(model, 2, example_args=args, cost=small_costs, profiling=QUIET_CPU)
+    plan = autopipe.partition(model, 2, example_args=args,
+                              planner=autopipe.PlannerOptions(cost=small_costs, profiling=QUIET_CPU))
     first, last = plan.stages
     assert "embedding" in first.fqns and "out_linear" in last.fqns
     assert first.send_bytes == last.recv_bytes > 0
@@ -83,7 +86,7 @@ def test_partition_leaves_the_model_exactly_as_it_was(small_transformer):
     model, args = small_transformer
     before = {k: v.clone() for k, v in model.state_dict().items()}
     forwards = {name: m.forward for name, m in model.named_modules()}
-    autopipe.partition(model, 2, example_args=args, profiling=QUICK)
+    autopipe.partition(model, 2, example_args=args, planner=autopipe.PlannerOptions(profiling=QUICK))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
     assert all("forward" not in vars(m) for m in model.modules())  # not wrapped like pipeline() does
@@ -94,15 +97,15 @@ def test_partition_leaves_the_model_exactly_as_it_was(small_transformer):
 
 def test_same_profile_gives_the_same_plan(small_transformer, small_costs):
     model, args = small_transformer
-    a = autopipe.partition(model, 4, example_args=args, cost=small_costs)
-    b = autopipe.partition(model, 4, example_args=args, cost=small_costs)
+    a = autopipe.partition(model, 4, example_args=args, planner=autopipe.PlannerOptions(cost=small_costs))
+    b = autopipe.partition(model, 4, example_args=args, planner=autopipe.PlannerOptions(cost=small_costs))
     assert a.split_points == b.split_points
     assert a.to_dict()["stages"] == b.to_dict()["stages"]
 
 
 def test_plan_survives_save_and_load(small_transformer, small_costs, tmp_path):
     model, args = small_transformer
-    plan = autopipe.partition(model, 2, example_args=args, cost=small_costs)
+    plan = autopipe.partition(model, 2, example_args=args, planner=autopipe.PlannerOptions(cost=small_costs))
     plan.save(tmp_path / "plan.json")
     assert autopipe.Plan.load(tmp_path / "plan.json").split_spec == plan.split_spec
 
@@ -110,10 +113,11 @@ def test_plan_survives_save_and_load(small_transformer, small_costs, tmp_path):
 def test_memory_limit_is_respected(small_transformer, small_costs):
     model, args = small_transformer
     costs = small_costs
-    free = autopipe.partition(model, 2, example_args=args, cost=costs)
+    free = autopipe.partition(model, 2, example_args=args, planner=autopipe.PlannerOptions(cost=costs))
     limit = int(max(s.peak_bytes for s in free.stages) * 0.999)
     try:
-        tight = autopipe.partition(model, 2, example_args=args, cost=costs, memory=limit)
+        tight = autopipe.partition(model, 2, example_args=args,
+                                   planner=autopipe.PlannerOptions(cost=costs, memory=limit))
     except InfeasibleMemoryError:
         return  # the free plan was already the smallest: nothing else to check
     assert all(s.peak_bytes <= limit for s in tight.stages)
@@ -123,7 +127,8 @@ def test_memory_limit_is_respected(small_transformer, small_costs):
 def test_impossible_memory_names_memory_that_fits(small_transformer, small_costs):
     model, args = small_transformer
     with pytest.raises(InfeasibleMemoryError, match="the least per-device memory found to fit is") as info:
-        autopipe.partition(model, 2, example_args=args, memory="1KiB", cost=small_costs)
+        autopipe.partition(model, 2, example_args=args,
+                           planner=autopipe.PlannerOptions(memory="1KiB", cost=small_costs))
     assert info.value.min_memory_bytes > 1024
 
 
@@ -133,16 +138,19 @@ def test_the_memory_an_error_names_is_enough_to_plan(small_transformer, small_co
     # a user who gives it back as the limit gets a plan that fits.
     model, args = small_transformer
     with pytest.raises(InfeasibleMemoryError) as info:
-        autopipe.partition(model, 2, example_args=args, memory="1KiB", cost=small_costs, recompute=recompute)
+        autopipe.partition(model, 2, example_args=args,
+                           planner=autopipe.PlannerOptions(memory="1KiB", cost=small_costs, recompute=recompute))
     need = info.value.min_memory_bytes
-    plan = autopipe.partition(model, 2, example_args=args, memory=need, cost=small_costs, recompute=recompute)
+    plan = autopipe.partition(model, 2, example_args=args,
+                              planner=autopipe.PlannerOptions(memory=need, cost=small_costs, recompute=recompute))
     assert max(plan.rank_peak_bytes) <= need
 
 
 def test_flops_and_params_cost_sources_plan_too(small_transformer):
     model, args = small_transformer
     for cost in ("flops", "params"):
-        plan = autopipe.partition(model, 2, example_args=args, cost=cost, profiling=QUIET)
+        plan = autopipe.partition(model, 2, example_args=args,
+                                  planner=autopipe.PlannerOptions(cost=cost, profiling=QUIET))
         assert plan.cost_source == cost and plan.num_stages == 2
 
 
@@ -153,25 +161,26 @@ def test_flops_and_params_cost_sources_plan_too(small_transformer):
 def test_bad_n_gpus(small_transformer, n_gpus):
     model, args = small_transformer
     with pytest.raises(ValueError, match=r"n_gpus=.* must be an integer >= 1"):
-        autopipe.partition(model, n_gpus, example_args=args, profiling=QUICK)
+        autopipe.partition(model, n_gpus, example_args=args, planner=autopipe.PlannerOptions(profiling=QUICK))
 
 
 def test_more_stages_than_split_points(small_traced, small_transformer):
     model, args = small_transformer
     with pytest.raises(ValueError, match=rf"only {len(small_traced.candidates)} legal split points"):
-        autopipe.partition(model, 100, example_args=args, n_microbatches=100, profiling=QUICK)
+        autopipe.partition(model, 100, example_args=args, n_microbatches=100,
+                           planner=autopipe.PlannerOptions(profiling=QUICK))
 
 
 def test_unknown_cost_source(small_transformer):
     model, args = small_transformer
     with pytest.raises(ValueError, match="cost='magic' is not a cost source"):
-        autopipe.partition(model, 2, example_args=args, cost="magic")
+        autopipe.partition(model, 2, example_args=args, planner=autopipe.PlannerOptions(cost="magic"))
 
 
 def test_unknown_optimizer(small_transformer):
     model, args = small_transformer
     with pytest.raises(ValueError, match="optimizer='adamax2' is not known; use one of"):
-        autopipe.partition(model, 2, example_args=args, optimizer="adamax2")
+        autopipe.partition(model, 2, example_args=args, planner=autopipe.PlannerOptions(optimizer="adamax2"))
 
 
 def test_unknown_schedule_lists_the_known_ones(small_transformer):
@@ -184,7 +193,7 @@ def test_unknown_schedule_lists_the_known_ones(small_transformer):
 def test_bad_memory(small_transformer, memory):
     model, args = small_transformer
     with pytest.raises(ValueError, match="memory="):
-        autopipe.partition(model, 2, example_args=args, memory=memory)
+        autopipe.partition(model, 2, example_args=args, planner=autopipe.PlannerOptions(memory=memory))
 
 
 def test_missing_example_inputs():
@@ -213,7 +222,7 @@ def test_bad_arguments_fail_before_tracing(small_transformer, monkeypatch):
 
     monkeypatch.setattr(autopipe.planning.planner, "trace", must_not_trace)
     with pytest.raises(ValueError, match="optimizer="):
-        autopipe.partition(model, 2, example_args=args, optimizer="nope")
+        autopipe.partition(model, 2, example_args=args, planner=autopipe.PlannerOptions(optimizer="nope"))
 
 
 def test_tied_weights_count_in_every_stage_that_holds_a_copy():
@@ -221,7 +230,8 @@ def test_tied_weights_count_in_every_stage_that_holds_a_copy():
 
     model, args = gpt2_from_config(n_layer=2, n_embd=32, n_head=4, vocab_size=2000, seq_len=8)
     # These costs put the embedding and the head in different stages.
-    plan = autopipe.partition(model, 2, example_args=args, cost=counted_costs(model, args), profiling=QUIET_CPU)
+    plan = autopipe.partition(model, 2, example_args=args,
+                              planner=autopipe.PlannerOptions(cost=counted_costs(model, args), profiling=QUIET_CPU))
     wte = model.transformer.wte.weight
     wte_bytes = wte.numel() * wte.element_size()
 
@@ -252,7 +262,8 @@ def _example_models():
 def test_hugging_face_plans_build_in_torch_and_reproduce_output(name, factory, n_gpus):
     model, args = factory()
     model.eval()  # no dropout: outputs must match exactly
-    plan = autopipe.partition(model, n_gpus, example_args=args, cost="flops", profiling=QUIET)
+    plan = autopipe.partition(model, n_gpus, example_args=args,
+                              planner=autopipe.PlannerOptions(cost="flops", profiling=QUIET))
     assert plan.num_stages == n_gpus
     assert_plan_builds_and_matches(model, args, plan)
 
@@ -267,8 +278,8 @@ def test_1f1b_last_stage_peak_does_not_grow_with_the_micro_batch_count():
     costs = counted_costs(model, args)
     peaks = {}
     for m in (4, 16):
-        plan = autopipe.partition(model, 2, args, schedule="1F1B", n_microbatches=m, cost=costs, profiling=QUIET_CPU,
-                                  loss_fn=False)
+        plan = autopipe.partition(model, 2, args, schedule="1F1B", n_microbatches=m, loss_fn=False,
+                                  planner=autopipe.PlannerOptions(cost=costs, profiling=QUIET_CPU))
         peaks[m] = (plan.split_points, plan.rank_peak_bytes[-1])
         assert plan.step_tail.merge_outputs_s == 0.0
     assert peaks[16][0] == peaks[4][0]
@@ -288,7 +299,7 @@ def test_the_step_tail_charges_the_merge_the_loss_broadcast_and_tied_gradients_a
     m = 4
     # On the CPU, whose copy bandwidth the expected figures use, also where a GPU is present.
     kw = dict(example_args=args, n_microbatches=m, cost=counted_costs(model, args), profiling=QUIET_CPU)
-    split = autopipe.partition(model, 2, schedule="1F1B", **kw)
+    split = partition_with(model, 2, schedule="1F1B", **kw)
     link = split.machine.links[0]
     tail = split.step_tail
     logits_bytes = split.segments[-1].out_bytes
@@ -306,7 +317,7 @@ def test_the_step_tail_charges_the_merge_the_loss_broadcast_and_tied_gradients_a
                          latency_s=link.latency_s, copy_bandwidth=default_copy_bandwidth("cpu"),
                          shared_bytes=tied_gradient_bytes(traced, cuts, plan.stage_ranks))
 
-    v_plan = autopipe.partition(model, 2, schedule="ZBVZeroBubble", **kw)
+    v_plan = partition_with(model, 2, schedule="ZBVZeroBubble", **kw)
     for plan in (split, v_plan):  # whichever split the costs gave
         want = expected_tail(plan)
         assert (plan.step_tail.merge_outputs_s, plan.step_tail.loss_broadcast_s, plan.step_tail.shared_grads_s) == \
@@ -333,7 +344,7 @@ def test_the_last_ranks_peak_counts_kept_outputs_only_where_torch_keeps_them():
     model, args = gpt2_from_config(n_layer=2, n_embd=32, n_head=4, vocab_size=2000, seq_len=8)
     m = 64
     plan = autopipe.partition(model, 2, example_args=args, schedule="1F1B", n_microbatches=m,
-                              cost=counted_costs(model, args), profiling=QUIET_CPU)
+                              planner=autopipe.PlannerOptions(cost=counted_costs(model, args), profiling=QUIET_CPU))
     out_bytes = plan.segments[-1].out_bytes
     last = plan.stages[-1]
     static = last.peak_bytes - last.inflight_microbatches * last.act_bytes  # parameters, grads, Adam
@@ -354,10 +365,10 @@ def test_split_backward_schedules_charge_the_copy_of_each_stage_output(monkeypat
     model, args = gpt2_from_config(n_layer=2, n_embd=32, n_head=4, vocab_size=2000, seq_len=8)
     kw = dict(example_args=args, cost=counted_costs(model, args), schedule="ZBVZeroBubble", n_microbatches=4,
               profiling=QUIET_CPU)
-    with_copies = autopipe.partition(model, 2, **kw)
+    with_copies = partition_with(model, 2, **kw)
     spec = schedules.SCHEDULE_SPECS["ZBVZeroBubble"]
     monkeypatch.setitem(schedules.SCHEDULE_SPECS, "ZBVZeroBubble", replace(spec, split_backward=False))
-    without = autopipe.partition(model, 2, **kw)
+    without = partition_with(model, 2, **kw)
     assert with_copies.split_points == without.split_points
     smallest_cut = min(st.send_bytes for st in with_copies.stages[:-1])
     extra = [a - b for a, b in zip(with_copies.rank_peak_bytes, without.rank_peak_bytes)]
@@ -399,9 +410,10 @@ def test_flush_cache_reaches_the_profile_and_is_checked_first(flushers_built):
     with pytest.raises(ValueError, match=r"flush_cache='no' must be True or False"):
         autopipe.ProfileOptions(flush_cache="no")
     assert built == []  # refused before any profiling
-    autopipe.partition(model, 2, example_args=args, profiling=replace(QUICK_CPU, flush_cache=False))
+    autopipe.partition(model, 2, example_args=args,
+                       planner=autopipe.PlannerOptions(profiling=replace(QUICK_CPU, flush_cache=False)))
     assert built == []
-    autopipe.partition(model, 2, example_args=args, profiling=QUICK_CPU)
+    autopipe.partition(model, 2, example_args=args, planner=autopipe.PlannerOptions(profiling=QUICK_CPU))
     assert built == [1]
 
 
@@ -412,10 +424,11 @@ def test_fit_to_whole_reaches_the_profile_is_checked_first_and_is_reported(round
     with pytest.raises(ValueError, match=r"fit_to_whole='on' must be True, False or None"):
         autopipe.ProfileOptions(fit_to_whole="on")
     assert rounds_seen == []  # refused before any profiling
-    plan = autopipe.partition(model, 2, example_args=args, profiling=replace(QUICK_CPU, fit_to_whole=True))
+    plan = autopipe.partition(model, 2, example_args=args,
+                              planner=autopipe.PlannerOptions(profiling=replace(QUICK_CPU, fit_to_whole=True)))
     assert rounds_seen == [(True, True)] and plan.whole_pass.fitted
     assert "segments scaled x" in plan.report()
-    plan = autopipe.partition(model, 2, example_args=args, profiling=QUICK_CPU)
+    plan = autopipe.partition(model, 2, example_args=args, planner=autopipe.PlannerOptions(profiling=QUICK_CPU))
     assert rounds_seen[-1] == (True, False) and "segments not scaled to it" in plan.report()
 
 
@@ -427,12 +440,15 @@ def test_with_unequal_devices_the_memory_named_is_what_the_smaller_device_needs(
     model, args = small_transformer
     with pytest.raises(InfeasibleMemoryError, match=r"least per-device memory found to fit is .*a device that "
                                                     r"has more keeps its own") as info:
-        autopipe.partition(model, 2, example_args=args, memory=memory, cost=small_costs)
+        autopipe.partition(model, 2, example_args=args,
+                           planner=autopipe.PlannerOptions(memory=memory, cost=small_costs))
     need = info.value.min_memory_bytes
     with pytest.raises(InfeasibleMemoryError) as equal:
-        autopipe.partition(model, 2, example_args=args, memory="1KiB", cost=small_costs)
+        autopipe.partition(model, 2, example_args=args,
+                           planner=autopipe.PlannerOptions(memory="1KiB", cost=small_costs))
     assert need <= equal.value.min_memory_bytes
-    plan = autopipe.partition(model, 2, example_args=args, memory=[max(m, need) for m in memory], cost=small_costs)
+    plan = autopipe.partition(model, 2, example_args=args,
+                              planner=autopipe.PlannerOptions(memory=[max(m, need) for m in memory], cost=small_costs))
     assert all(peak <= max(m, need) for peak, m in zip(plan.rank_peak_bytes, memory))
 
 
@@ -440,14 +456,17 @@ def test_the_memory_an_error_names_is_close_to_the_least_that_plans(small_transf
     # The planner is asked at memories on a 0.25% ladder below the figure: none of them below
     # 99% of the figure may plan (the figure would then be more than needed).
     model, args = small_transformer
-    costs = autopipe.partition(model, 2, example_args=args, cost="flops", profiling=QUIET).segment_costs()
+    costs = autopipe.partition(model, 2, example_args=args,
+                               planner=autopipe.PlannerOptions(cost="flops", profiling=QUIET)).segment_costs()
     with pytest.raises(InfeasibleMemoryError) as info:
-        autopipe.partition(model, 2, example_args=args, memory="1KiB", cost=costs, recompute="auto")
+        autopipe.partition(model, 2, example_args=args,
+                           planner=autopipe.PlannerOptions(memory="1KiB", cost=costs, recompute="auto"))
     need = info.value.min_memory_bytes
 
     def plans(memory: int) -> bool:
         try:
-            autopipe.partition(model, 2, example_args=args, memory=memory, cost=costs, recompute="auto")
+            autopipe.partition(model, 2, example_args=args,
+                               planner=autopipe.PlannerOptions(memory=memory, cost=costs, recompute="auto"))
         except InfeasibleMemoryError:
             return False
         return True

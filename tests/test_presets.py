@@ -40,8 +40,8 @@ def test_device_flops_must_be_a_positive_rate():
 def test_counted_costs_are_charged_at_the_presets_rate():
     model, args = seed_transformer(vocab_size=500, num_layers=4, seq_len=16)
     h100 = Device.preset("H100")
-    plan = autopipe.partition(model, 2, args, cost="flops", devices=h100, n_microbatches=4, loss_fn=False,
-                              profiling=QUIET)
+    plan = autopipe.partition(model, 2, args, n_microbatches=4, loss_fn=False,
+                              planner=autopipe.PlannerOptions(cost="flops", devices=h100, profiling=QUIET))
     flops = sum(s.flops for s in plan.segments)
     fwd = sum(s.fwd_s for s in plan.segments)
     assert fwd == pytest.approx(flops / 3 / h100.flops)
@@ -50,8 +50,8 @@ def test_counted_costs_are_charged_at_the_presets_rate():
 def test_mixed_accelerators_get_speeds_from_their_rates():
     model, args = seed_transformer(vocab_size=500, num_layers=6, seq_len=16)
     devices = [Device.preset("A100"), Device.preset("H100")]
-    plan = autopipe.partition(model, 2, args, cost="flops", devices=devices, n_microbatches=4, loss_fn=False,
-                              profiling=QUIET)
+    plan = autopipe.partition(model, 2, args, n_microbatches=4, loss_fn=False,
+                              planner=autopipe.PlannerOptions(cost="flops", devices=devices, profiling=QUIET))
     # The faster H100 runs the second stage: it gets the larger share of the compute.
     first, second = plan.stages
     assert second.fwd_s * (989 / 312) == pytest.approx(
@@ -63,8 +63,8 @@ def test_mixed_accelerators_get_speeds_from_their_rates():
 def test_some_devices_with_rates_and_some_without_are_refused():
     model, args = seed_transformer(vocab_size=100, num_layers=2, seq_len=8)
     with pytest.raises(ValueError, match=r"devices \[1\] give no flops"):
-        autopipe.partition(model, 2, args, cost="flops", devices=[Device.preset("H100"), Device()],
-                           n_microbatches=2, profiling=QUIET)
+        autopipe.partition(model, 2, args, n_microbatches=2,
+                           planner=autopipe.PlannerOptions(cost="flops", devices=[Device.preset("H100"), Device()], profiling=QUIET))
     with pytest.raises(ValueError, match="both speed and flops"):
-        autopipe.partition(model, 2, args, cost="flops", devices=Device(flops=1e12, speed=2.0),
-                           n_microbatches=2, profiling=QUIET)
+        autopipe.partition(model, 2, args, n_microbatches=2,
+                           planner=autopipe.PlannerOptions(cost="flops", devices=Device(flops=1e12, speed=2.0), profiling=QUIET))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -23,8 +25,8 @@ def _profile_worker(rank: int, world_size: int) -> dict:
     costs = profile_in_ranks(model, args, device="cpu", warmup=0, repeats=2)
     own = profile_in_ranks.__module__
     times = [(c.fwd_s, c.bwd_s, c.accum_s) for c in costs]
-    plan = autopipe.partition(model, world_size, args, cost=costs, n_microbatches=4,
-                              profiling=autopipe.ProfileOptions(device="cpu"))
+    plan = autopipe.partition(model, world_size, args, n_microbatches=4,
+                              planner=autopipe.PlannerOptions(cost=costs, profiling=autopipe.ProfileOptions(device="cpu")))
     mine = torch.tensor([t for row in times for t in row], dtype=torch.float64)
     gathered = [torch.zeros_like(mine) for _ in range(world_size)]
     dist.all_gather(gathered, mine)
@@ -70,24 +72,24 @@ def _pipeline_worker(rank: int, world_size: int, flag: bool | None) -> dict:
 
     model, args = _small_model()
     seen = []
-    real = planner.partition
+    real = planner.plan_partition
 
     def spy(*a, **k):
         seen.append(type(k.get("cost")).__name__)
         return real(*a, **k)
 
     profiling = autopipe.ProfileOptions(progress=False, repeats=2, warmup=0)
-    planner.partition = spy
+    planner.plan_partition = spy
     try:
         pipe = autopipe.Pipeline(model, example_args=args, loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
-                                 schedule="1F1B", n_microbatches=2, profile_in_ranks=flag,
-                                 planner=autopipe.PlannerOptions(profiling=profiling))
+                                 schedule="1F1B", n_microbatches=2,
+                                 planner=autopipe.PlannerOptions(profiling=replace(profiling, in_ranks=flag)))
         # Devices with their own speeds: the default leaves the profile to rank 0 alone.
         with_devices = autopipe.Pipeline(model, example_args=args, schedule="1F1B", n_microbatches=2,
                                          planner=autopipe.PlannerOptions(profiling=profiling,
                                                                          devices=[autopipe.Device()] * 2))
     finally:
-        planner.partition = real
+        planner.plan_partition = real
     x = torch.cat([args[0]] * 2)
     loss = pipe.step(x, target=torch.zeros_like(x))
     return {"planner_got": seen, "split": pipe.plan.split_points, "loss_finite": loss is None or bool(torch.isfinite(loss)),
@@ -118,12 +120,15 @@ def test_the_default_profiles_in_the_ranks_only_when_nothing_else_gives_the_cost
 
 def test_profile_in_ranks_on_a_pipeline_is_checked_before_joining_a_job():
     model, args = _small_model()
-    with pytest.raises(ValueError, match="profile_in_ranks='yes' must be True, False or None"):
-        autopipe.Pipeline(model, example_args=args, profile_in_ranks="yes")
+    with pytest.raises(ValueError, match="ProfileOptions in_ranks='yes' must be True, False or None"):
+        autopipe.Pipeline(model, example_args=args,
+                          planner=autopipe.PlannerOptions(profiling=autopipe.ProfileOptions(in_ranks="yes")))
     with pytest.raises(ValueError, match="but a plan or split_points was given: there is nothing to plan"):
-        autopipe.Pipeline(model, example_args=args, split_points=["layers.1"], profile_in_ranks=True)
-    with pytest.raises(ValueError, match="profile_in_ranks=True measures the costs, but the planner options give them"):
-        autopipe.Pipeline(model, example_args=args, profile_in_ranks=True, planner=autopipe.PlannerOptions(cost=[]))
+        autopipe.Pipeline(model, example_args=args, split_points=["layers.1"],
+                          planner=autopipe.PlannerOptions(profiling=autopipe.ProfileOptions(in_ranks=True)))
+    with pytest.raises(ValueError, match="in_ranks=True measures the costs, but the planner options give them"):
+        autopipe.Pipeline(model, example_args=args,
+                          planner=autopipe.PlannerOptions(cost=[], profiling=autopipe.ProfileOptions(in_ranks=True)))
 
 
 def test_the_ranks_profile_as_many_rounds_as_the_planner_would_unless_told():

@@ -27,7 +27,8 @@ from autopipe.planning.recompute import (brute_force_recompute, min_memory_with_
 from autopipe.planning.schedule_options import ScheduleOption, _rank_peaks, cost_option, predict_split_step_s
 from autopipe.planning.schedules import stage_ranks
 from autopipe.planning.trace import trace
-from autopipe.runtime.checkpointing import FOLLOW_PLAN, resolve_checkpoint_stages
+from autopipe.runtime.checkpointing import FOLLOW_PLAN, resolve_recompute
+from _planning import partition_with
 
 pytestmark = pytest.mark.unit
 
@@ -50,7 +51,7 @@ def chain():
 def _plan(chain, memory, **kw):
     model, args, _, costs = chain
     dev = Device(memory=memory, bandwidth=1e12, latency_s=0.0, action_overhead_s=0.0)
-    return autopipe.partition(model, 2, example_args=args, cost=costs, devices=[dev, dev], loss_fn=False,
+    return partition_with(model, 2, example_args=args, cost=costs, devices=[dev, dev], loss_fn=False,
                               schedule="1F1B", n_microbatches=8, **kw)
 
 
@@ -201,13 +202,13 @@ def test_report_shows_recomputation(chain):
 
 def test_runtime_follows_the_plan(chain):
     plan = _plan(chain, 12 * ACT + 4096)
-    assert resolve_checkpoint_stages(FOLLOW_PLAN, plan.num_stages, plan.recompute_stages) == [0]
-    assert resolve_checkpoint_stages(FOLLOW_PLAN, 2, []) == []
-    assert resolve_checkpoint_stages(False, 2, plan.recompute_stages) == []  # the user's choice wins
+    assert resolve_recompute(FOLLOW_PLAN, plan.num_stages, plan.recompute_stages) == [0]
+    assert resolve_recompute(FOLLOW_PLAN, 2, []) == []
+    assert resolve_recompute(False, 2, plan.recompute_stages) == []  # the user's choice wins
     with pytest.raises(ValueError, match="recompute_stages"):
-        resolve_checkpoint_stages(FOLLOW_PLAN, 1, [3])
-    with pytest.raises(ValueError, match="'plan'"):
-        resolve_checkpoint_stages("all", 2)
+        resolve_recompute(FOLLOW_PLAN, 1, [3])
+    with pytest.raises(ValueError, match="'auto'"):
+        resolve_recompute("all", 2)
 
 
 def test_cost_model_recompute_formulas():
@@ -244,7 +245,7 @@ def _widening_case():
 def _plan_widening(memory, **kw):
     model, args, costs = _widening_case()
     dev = Device(memory=memory, bandwidth=1e12, latency_s=0.0, action_overhead_s=0.0)
-    return autopipe.partition(model, 2, example_args=args, cost=costs, devices=[dev, dev], loss_fn=False,
+    return partition_with(model, 2, example_args=args, cost=costs, devices=[dev, dev], loss_fn=False,
                               schedule="1F1B", n_microbatches=8, **kw)
 
 
@@ -285,7 +286,8 @@ def test_recompute_false_never_recomputes(chain):
         _plan(chain, 9 * ACT, recompute=False)
     with pytest.raises(ValueError, match=r"recompute='always'.*'auto'.*False"):
         _plan(chain, memory, recompute="always")
-    assert autopipe.PlannerOptions(recompute=False).partition_kwargs() == {"recompute": False}
+    with pytest.raises(ValueError, match=r"partition\(\) takes 'auto'.*False"):
+        _plan(chain, memory, recompute=[0])  # stage indices checkpoint a Pipeline's hand split
 
 
 def test_no_schedule_fits_says_recomputation_was_considered(chain):
@@ -293,6 +295,6 @@ def test_no_schedule_fits_says_recomputation_was_considered(chain):
     dev = Device(memory=2 * ACT, bandwidth=1e12, latency_s=0.0, action_overhead_s=0.0)
     kw = dict(example_args=args, cost=costs, devices=[dev, dev], loss_fn=False, schedule="auto", n_microbatches=8)
     with pytest.raises(InfeasibleMemoryError, match="no schedule considered fits .* recomputation considered"):
-        autopipe.partition(model, 2, **kw)
+        partition_with(model, 2, **kw)
     with pytest.raises(InfeasibleMemoryError, match="recompute=False"):
-        autopipe.partition(model, 2, recompute=False, **kw)
+        partition_with(model, 2, recompute=False, **kw)

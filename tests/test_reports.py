@@ -31,16 +31,15 @@ VOID_TAGS = {"meta", "br", "hr", "img", "input", "link"}
 def plan(small_transformer, small_costs_once):
     # Counted costs on the CPU's links: the same plan, so the same reports, on every machine.
     model, args = small_transformer
-    return autopipe.partition(model, 2, args, memory="64MiB", cost=copy.deepcopy(small_costs_once),
-                              profiling=autopipe.ProfileOptions(device="cpu", progress=False))
+    return autopipe.partition(model, 2, args,
+                              planner=autopipe.PlannerOptions(memory="64MiB", cost=copy.deepcopy(small_costs_once), profiling=autopipe.ProfileOptions(device="cpu", progress=False)))
 
 
 @pytest.fixture(scope="module")
 def interleaved_plan(small_transformer, small_costs_once):
     model, args = small_transformer
-    return autopipe.partition(model, 2, args, schedule="Interleaved1F1B", stages_per_rank=2, n_microbatches=4,
-                              cost=copy.deepcopy(small_costs_once),
-                              profiling=autopipe.ProfileOptions(device="cpu", progress=False))
+    return autopipe.partition(model, 2, args, schedule="Interleaved1F1B", n_microbatches=4,
+                              planner=autopipe.PlannerOptions(stages_per_rank=2, cost=copy.deepcopy(small_costs_once), profiling=autopipe.ProfileOptions(device="cpu", progress=False)))
 
 
 @pytest.fixture(scope="module")

@@ -336,7 +336,7 @@ def test_missing_plan_file_is_a_clear_error(model_and_args, tmp_path):
 def test_bad_counts_and_planner_settings_are_named(model_and_args):
     model, args = model_and_args
     with pytest.raises(ValueError, match=r"n_ranks=0 must be an integer >= 1"):
-        Pipeline(model, example_args=args, n_ranks=0)
+        Pipeline(model, example_args=args)
     with pytest.raises(TypeError, match=r"planner=\{'memory': '1GiB'\} must be an autopipe.PlannerOptions"):
         Pipeline(model, example_args=args, planner={"memory": "1GiB"})
 

@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 
 import _runtime_workers as workers
-from autopipe.runtime.checkpointing import checkpoint_stage, resolve_checkpoint_stages
+from autopipe.runtime.checkpointing import checkpoint_stage, resolve_recompute
 from autopipe.runtime.params import model_state_names, shared_parameters, stage_state
 from autopipe.runtime.relay import boundary_values, relay_skip_connections
 
@@ -101,14 +101,14 @@ def test_checkpointed_module_gives_the_same_gradients():
 
 
 def test_checkpoint_stages_accepts_all_none_or_indices():
-    assert resolve_checkpoint_stages(True, 3) == [0, 1, 2]
-    assert resolve_checkpoint_stages(False, 3) == []
-    assert resolve_checkpoint_stages([2, 0, 2], 3) == [0, 2]
+    assert resolve_recompute(True, 3) == [0, 1, 2]
+    assert resolve_recompute(False, 3) == []
+    assert resolve_recompute([2, 0, 2], 3) == [0, 2]
 
 
 def test_checkpoint_stage_index_out_of_range_is_a_clear_error():
     with pytest.raises(ValueError, match="stages 0..2"):
-        resolve_checkpoint_stages([3], 3)
+        resolve_recompute([3], 3)
 
 
 def test_stage_modules_run_generated_code_not_the_fx_interpreter():

@@ -9,6 +9,7 @@ import torch
 
 import autopipe
 from autopipe.planning.profile import profile_segments
+from _planning import partition_with
 
 
 @pytest.fixture(scope="module")
@@ -21,8 +22,8 @@ def costs(small_traced):
 def test_step_objective_is_never_worse_than_the_bottleneck_split(small_transformer, costs):
     model, args = small_transformer
     kw = dict(example_args=args, cost=costs, n_microbatches=4)
-    by_step = autopipe.partition(model, 2, objective="step", **kw)
-    by_bottleneck = autopipe.partition(model, 2, objective="bottleneck", **kw)
+    by_step = partition_with(model, 2, objective="step", **kw)
+    by_bottleneck = partition_with(model, 2, objective="bottleneck", **kw)
     assert by_step.predicted_step_s <= by_bottleneck.predicted_step_s * (1 + 1e-12)
     assert by_step.objective == "step" and by_bottleneck.objective == "bottleneck"
     assert 0.0 <= by_step.search.step_gap < 1.0
@@ -31,7 +32,8 @@ def test_step_objective_is_never_worse_than_the_bottleneck_split(small_transform
 
 def test_auto_schedule_picks_the_fastest_alternative_that_fits(small_transformer, costs):
     model, args = small_transformer
-    plan = autopipe.partition(model, 2, example_args=args, cost=costs, schedule="auto", n_microbatches=4)
+    plan = autopipe.partition(model, 2, example_args=args, schedule="auto", n_microbatches=4,
+                              planner=autopipe.PlannerOptions(cost=costs))
     alts = plan.alternatives
     assert {a.schedule for a in alts} >= {"GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble"}
     fitting = [a for a in alts if a.fits]
@@ -42,20 +44,22 @@ def test_auto_schedule_picks_the_fastest_alternative_that_fits(small_transformer
 
 def test_auto_schedule_respects_memory(small_transformer, costs):
     model, args = small_transformer
-    free = autopipe.partition(model, 2, example_args=args, cost=costs, schedule="auto", n_microbatches=4)
+    free = autopipe.partition(model, 2, example_args=args, schedule="auto", n_microbatches=4,
+                              planner=autopipe.PlannerOptions(cost=costs))
     peaks = sorted({a.peak_bytes for a in free.alternatives if a.peak_bytes})
     limit = peaks[len(peaks) // 2]  # some options fit, some do not
-    plan = autopipe.partition(model, 2, example_args=args, cost=costs, schedule="auto", n_microbatches=4,
-                              memory=limit)
+    plan = autopipe.partition(model, 2, example_args=args, schedule="auto", n_microbatches=4,
+                              planner=autopipe.PlannerOptions(cost=costs, memory=limit))
     assert max(plan.rank_peak_bytes) <= limit
     assert any(not a.fits for a in plan.alternatives)
 
 
 def test_faster_device_gets_more_work(small_transformer, costs):
     model, args = small_transformer
-    even = autopipe.partition(model, 2, example_args=args, cost=costs, objective="bottleneck")
-    fast_first = autopipe.partition(model, 2, example_args=args, cost=costs, objective="bottleneck",
-                                    devices=[autopipe.Device(speed=4.0), autopipe.Device(speed=1.0)])
+    even = autopipe.partition(model, 2, example_args=args,
+                              planner=autopipe.PlannerOptions(cost=costs, objective="bottleneck"))
+    fast_first = autopipe.partition(model, 2, example_args=args,
+                                    planner=autopipe.PlannerOptions(cost=costs, objective="bottleneck", devices=[autopipe.Device(speed=4.0), autopipe.Device(speed=1.0)]))
     assert fast_first.stages[0].last_segment >= even.stages[0].last_segment
     compute = lambda s: (s.fwd_s + s.bwd_s)  # noqa: E731  (already divided by speed)
     raw = [compute(s) * d for s, d in zip(fast_first.stages, (4.0, 1.0))]
@@ -65,10 +69,11 @@ def test_faster_device_gets_more_work(small_transformer, costs):
 
 def test_each_device_memory_is_respected(small_transformer, costs):
     model, args = small_transformer
-    free = autopipe.partition(model, 2, example_args=args, cost=costs, objective="bottleneck")
+    free = autopipe.partition(model, 2, example_args=args,
+                              planner=autopipe.PlannerOptions(cost=costs, objective="bottleneck"))
     small = int(min(s.peak_bytes for s in free.stages) * 1.05)
-    plan = autopipe.partition(model, 2, example_args=args, cost=costs, objective="bottleneck",
-                              devices=[autopipe.Device(memory=small), autopipe.Device(memory="1GiB")])
+    plan = autopipe.partition(model, 2, example_args=args,
+                              planner=autopipe.PlannerOptions(cost=costs, objective="bottleneck", devices=[autopipe.Device(memory=small), autopipe.Device(memory="1GiB")]))
     assert plan.stages[0].peak_bytes <= small
 
 
@@ -87,7 +92,8 @@ def test_bad_device_values_are_rejected(kwargs, message):
 def test_device_list_must_match_n_gpus(small_transformer):
     model, args = small_transformer
     with pytest.raises(ValueError, match="devices has 3 entries but n_gpus=2"):
-        autopipe.partition(model, 2, example_args=args, devices=[autopipe.Device()] * 3)
+        autopipe.partition(model, 2, example_args=args,
+                           planner=autopipe.PlannerOptions(devices=[autopipe.Device()] * 3))
 
 
 def test_interleaved_needs_a_valid_micro_batch_count(small_transformer):
@@ -95,23 +101,25 @@ def test_interleaved_needs_a_valid_micro_batch_count(small_transformer):
     with pytest.raises(ValueError, match="1F1B' needs n_microbatches >= n_ranks"):
         autopipe.partition(model, 4, example_args=args, schedule="1F1B", n_microbatches=2)
     with pytest.raises(ValueError, match="multiple of"):
-        autopipe.partition(model, 2, example_args=args, schedule="Interleaved1F1B", stages_per_rank=2, n_microbatches=5)
+        autopipe.partition(model, 2, example_args=args, schedule="Interleaved1F1B", n_microbatches=5,
+                           planner=autopipe.PlannerOptions(stages_per_rank=2))
 
 
 def test_unknown_objective(small_transformer):
     model, args = small_transformer
     with pytest.raises(ValueError, match="objective='fast' is not known"):
-        autopipe.partition(model, 2, example_args=args, objective="fast")
+        autopipe.partition(model, 2, example_args=args, planner=autopipe.PlannerOptions(objective="fast"))
 
 
 def test_calibrated_costs_feed_a_new_plan(small_transformer, costs):
     model, args = small_transformer
-    plan = autopipe.partition(model, 2, example_args=args, cost=costs, objective="bottleneck")
+    plan = autopipe.partition(model, 2, example_args=args,
+                              planner=autopipe.PlannerOptions(cost=costs, objective="bottleneck"))
     # Pretend stage 0 ran 3x slower than profiled: the re-plan must move work off it.
     times = [3 * plan.stages[0].time_s, plan.stages[1].time_s]
     cal = plan.calibrate(times)
-    replanned = autopipe.partition(model, 2, example_args=args, cost=cal.segment_costs(),
-                                   objective="bottleneck")
+    replanned = autopipe.partition(model, 2, example_args=args,
+                                   planner=autopipe.PlannerOptions(cost=cal.segment_costs(), objective="bottleneck"))
     assert replanned.stages[0].last_segment <= plan.stages[0].last_segment
 
 
@@ -120,8 +128,8 @@ def test_auto_microbatches_tries_divisors_of_the_global_batch(small_transformer)
 
     model, args = small_transformer  # example micro-batch of 2 samples
     scaled = profile_scaling(model, args, sizes=[1, 2, 4], cost="flops", progress=False)
-    plan = autopipe.partition(model, 2, example_args=args, n_microbatches="auto", global_batch=8,
-                              cost=scaled)
+    plan = autopipe.partition(model, 2, example_args=args, n_microbatches="auto",
+                              planner=autopipe.PlannerOptions(global_batch=8, cost=scaled))
     tried = {a.n_microbatches for a in plan.alternatives}
     assert tried == {2, 4, 8}  # 1F1B needs at least 2 micro-batches on 2 ranks
     assert plan.n_microbatches in tried
@@ -139,15 +147,16 @@ def test_auto_microbatches_needs_a_global_batch(small_transformer):
 def test_micro_batch_count_must_divide_the_global_batch(small_transformer):
     model, args = small_transformer
     with pytest.raises(ValueError, match=r"n_microbatches=3 does not divide global_batch=8; use one of \[1, 2, 4, 8\]"):
-        autopipe.partition(model, 2, example_args=args, n_microbatches=3, global_batch=8)
+        autopipe.partition(model, 2, example_args=args, n_microbatches=3,
+                           planner=autopipe.PlannerOptions(global_batch=8))
 
 
 # --------------------------------------------------------------------------- per-action overhead
 def test_the_runtime_overhead_per_action_is_charged_and_recorded(small_transformer, costs):
     model, args = small_transformer
     kw = dict(example_args=args, cost=costs, n_microbatches=4, schedule="1F1B")
-    free = autopipe.partition(model, 2, devices=autopipe.Device(action_overhead_s=0.0), **kw)
-    paid = autopipe.partition(model, 2, devices=autopipe.Device(action_overhead_s=2e-3), **kw)
+    free = partition_with(model, 2, devices=autopipe.Device(action_overhead_s=0.0), **kw)
+    paid = partition_with(model, 2, devices=autopipe.Device(action_overhead_s=2e-3), **kw)
     assert free.action_overhead_s() == [0.0, 0.0] and paid.action_overhead_s() == [2e-3, 2e-3]
     # 1F1B, 2 ranks, 4 micro-batches: 8 actions per rank, all on the critical path's rank or more.
     assert paid.predicted_step_s >= free.predicted_step_s + 8 * 2e-3 - 1e-12
@@ -161,8 +170,8 @@ def test_cpu_plans_charge_the_measured_default_overhead(small_transformer, costs
     from autopipe.machine.device import default_action_overhead_s
 
     model, args = small_transformer
-    plan = autopipe.partition(model, 2, example_args=args, cost=costs,
-                              profiling=autopipe.ProfileOptions(device="cpu"))
+    plan = autopipe.partition(model, 2, example_args=args,
+                              planner=autopipe.PlannerOptions(cost=costs, profiling=autopipe.ProfileOptions(device="cpu")))
     assert plan.action_overhead_s() == [default_action_overhead_s("cpu")] * 2
     assert default_action_overhead_s("cpu") > 0
 
@@ -172,8 +181,8 @@ def test_cpu_plans_model_gloos_lazy_sends_and_report_them(small_transformer, cos
     from autopipe.reporting.timeline import plan_timeline
 
     model, args = small_transformer
-    plan = autopipe.partition(model, 2, example_args=args, cost=costs,
-                              profiling=autopipe.ProfileOptions(device="cpu"), schedule="1F1B", n_microbatches=4)
+    plan = autopipe.partition(model, 2, example_args=args, schedule="1F1B", n_microbatches=4,
+                              planner=autopipe.PlannerOptions(cost=costs, profiling=autopipe.ProfileOptions(device="cpu")))
     assert sends_are_lazy("cpu") and not sends_are_lazy("cuda")
     assert plan.machine.lazy_sends is True and plan.simulation_options()["lazy_sends"] is True
     # The prediction, the report's timeline and calibrate all simulate the same way.
@@ -188,8 +197,8 @@ def test_cpu_plans_model_gloos_lazy_sends_and_report_them(small_transformer, cos
 
 def test_each_device_carries_its_own_action_overhead(small_transformer, costs):
     model, args = small_transformer
-    plan = autopipe.partition(model, 2, example_args=args, cost=costs, devices=[
-        autopipe.Device(action_overhead_s=1e-3), autopipe.Device(action_overhead_s=4e-3)])
+    plan = autopipe.partition(model, 2, example_args=args, planner=autopipe.PlannerOptions(cost=costs, devices=[
+        autopipe.Device(action_overhead_s=1e-3), autopipe.Device(action_overhead_s=4e-3)]))
     assert plan.action_overhead_s() == [1e-3, 4e-3]
 
 
@@ -197,7 +206,8 @@ def test_each_device_carries_its_own_action_overhead(small_transformer, costs):
 def test_a_bad_action_overhead_is_named_before_any_work(small_transformer, value):
     model, args = small_transformer
     with pytest.raises(ValueError, match="action_overhead_s"):
-        autopipe.partition(model, 2, example_args=args, devices=autopipe.Device(action_overhead_s=value))
+        autopipe.partition(model, 2, example_args=args,
+                           planner=autopipe.PlannerOptions(devices=autopipe.Device(action_overhead_s=value)))
 
 
 # --------------------------------------------------------------------------- the loss
@@ -213,8 +223,8 @@ def test_the_loss_is_charged_to_the_last_stage_in_time_and_memory(small_transfor
     model, args = small_transformer
     target = torch.randint(0, 500, args[0].shape)
     kw = dict(example_args=args, cost=costs, n_microbatches=4, schedule="GPipe")
-    without = autopipe.partition(model, 2, loss_fn=False, **kw)  # no loss costed at all
-    charged = autopipe.partition(model, 2, loss_fn=_lm_loss, example_target=target, **kw)
+    without = partition_with(model, 2, loss_fn=False, **kw)  # no loss costed at all
+    charged = partition_with(model, 2, loss_fn=_lm_loss, example_target=target, **kw)
     loss = asdict(charged.loss)
     # log-softmax over the 500-word vocabulary for 2 x 8 tokens, float32, at least once
     assert loss["act_bytes"] >= 2 * 8 * 500 * 4 and loss["fwd_s"] > 0 and loss["bwd_s"] > 0
@@ -276,15 +286,15 @@ def test_each_stage_s_backward_carries_its_gradient_accumulation_spread_over_the
     kw = dict(example_args=args, schedule="1F1B", n_microbatches=4)
     none = [replace(c, accum_s=0.0) for c in costs]
     some = [replace(c, accum_s=0.25 * c.bwd_s) for c in costs]
-    base = autopipe.partition(model, 2, cost=none, **kw)
-    plan = autopipe.partition(model, 2, cost=some, **kw)
+    base = partition_with(model, 2, cost=none, **kw)
+    plan = partition_with(model, 2, cost=some, **kw)
     for st in plan.stages:
         segs = some[st.first_segment: st.last_segment + 1]
         assert st.bwd_s == pytest.approx(sum(c.bwd_s + c.accum_s * 3 / 4 for c in segs))
     assert plan.predicted_step_s > base.predicted_step_s
     # The plan keeps the raw per-segment figures, so it can be re-made for another m.
     assert [c.accum_s for c in plan.segment_costs()] == pytest.approx([c.accum_s for c in some])
-    one = autopipe.partition(model, 2, cost=some, **{**kw, "n_microbatches": 1, "schedule": "GPipe"})
+    one = partition_with(model, 2, cost=some, **{**kw, "n_microbatches": 1, "schedule": "GPipe"})
     for st in one.stages:  # a single micro-batch accumulates nothing
         assert st.bwd_s == pytest.approx(sum(c.bwd_s for c in some[st.first_segment: st.last_segment + 1]))
 
@@ -296,7 +306,8 @@ def test_calibration_scales_the_gradient_accumulation_with_the_rest_of_the_backw
 
     model, args = small_transformer
     some = [replace(c, accum_s=0.25 * c.bwd_s) for c in costs]
-    plan = autopipe.partition(model, 2, example_args=args, cost=some, schedule="1F1B", n_microbatches=4)
+    plan = autopipe.partition(model, 2, example_args=args, schedule="1F1B", n_microbatches=4,
+                              planner=autopipe.PlannerOptions(cost=some))
     measured = {"fwd_s": [st.fwd_s * 1.5 for st in plan.stages], "bwd_s": [st.bwd_s * 2.0 for st in plan.stages]}
     new = plan.calibrate(measured)
     segs = new.segment_costs()
@@ -317,7 +328,8 @@ def test_the_planner_and_the_runtime_read_one_schedule_record(small_transformer,
     model, args = small_transformer
     spec = SCHEDULE_SPECS[schedule]
     assert schedule_class(schedule).__name__ == spec.torch_class
-    plan = autopipe.partition(model, 2, example_args=args, cost=costs, schedule=schedule, n_microbatches=4)
+    plan = autopipe.partition(model, 2, example_args=args, schedule=schedule, n_microbatches=4,
+                              planner=autopipe.PlannerOptions(cost=costs))
     assert plan.stages_per_rank == spec.default_stages_per_rank
     # The runtime settles a hand split against its own default before any communication: one
     # split point short of the planner's stage count is refused, naming the same default.

@@ -44,8 +44,8 @@ def random_case(seed: int, n_layers: int) -> tuple[nn.Module, tuple[torch.Tensor
 
 def plan_for(seed: int, n_layers: int, schedule: str, v: int) -> autopipe.Plan:
     model, args, costs = random_case(seed, n_layers)
-    return autopipe.partition(model, 2, args, cost=costs, schedule=schedule, stages_per_rank=v, n_microbatches=4,
-                              loss_fn=False, profiling=QUIET)
+    return autopipe.partition(model, 2, args, schedule=schedule, n_microbatches=4, loss_fn=False,
+                              planner=autopipe.PlannerOptions(cost=costs, stages_per_rank=v, profiling=QUIET))
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -107,7 +107,8 @@ def test_a_profile_whose_rounds_disagree_is_called_noisy_in_the_plan():
         profile = SegmentCosts(costs)
         profile.whole = WholePass(1.0, 2.0, 0.1, 1.0, 2.0, 0.1, scales=(1.0, 1.0, 1.0), fitted=False,
                                   round_spread=spread)
-        plan = autopipe.partition(model, 2, args, cost=profile, n_microbatches=4, loss_fn=False, profiling=QUIET)
+        plan = autopipe.partition(model, 2, args, n_microbatches=4, loss_fn=False,
+                                  planner=autopipe.PlannerOptions(cost=profile, profiling=QUIET))
         notes[spread] = [n for n in plan.notes if n.startswith("the profile is noisy")]
     quiet, noisy = notes.values()
     assert quiet == [] and len(noisy) == 1 and "autopipe.tune" in noisy[0] and "35%" in noisy[0]

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from .._checks import check_int
+from ..planning.options import PlannerOptions
 
 __all__ = ["run_demo", "DEMO_SCHEDULE", "DEMO_MICROBATCHES", "DEMO_RANKS"]
 
@@ -256,7 +257,7 @@ def run_demo(
     console.rule(f"[bold]2. Plan[/bold]: {DEMO_RANKS} stages, {DEMO_SCHEDULE}, {DEMO_MICROBATCHES} micro-batches")
     # The CPU's defaults (link, cost per action), also beside a GPU: the demo trains on CPU processes.
     plan = autopipe.partition(model, DEMO_RANKS, args, schedule=DEMO_SCHEDULE, n_microbatches=DEMO_MICROBATCHES,
-                              cost=costs, profiling=autopipe.ProfileOptions(device="cpu"))
+                              planner=PlannerOptions(cost=costs, profiling=autopipe.ProfileOptions(device="cpu")))
     timeline = plan_timeline(plan)
     data = report_data(plan, timeline=timeline)
     print_plan(data, console=console, gantt=timeline.to_text())

@@ -460,20 +460,18 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     loaded = _load_model(args)
     import autopipe
 
-
     _status(f"tracing and profiling {type(loaded.model).__name__} ...")
-    plan = autopipe.partition(
-        loaded.model, args.gpus, loaded.example_args, loaded.example_kwargs,
-        schedule=args.schedule, n_microbatches=args.microbatches, global_batch=args.global_batch,
-        stages_per_rank=args.stages_per_rank, objective=args.objective, memory=_memory(args.memory),
-        optimizer=args.optimizer, cost=args.cost,
-        devices=autopipe.Device(
-            bandwidth=bandwidth, latency_s=None if args.latency_us is None else args.latency_us * 1e-6,
-            action_overhead_s=None if args.action_overhead_ms is None else args.action_overhead_ms * 1e-3),
-        profiling=autopipe.ProfileOptions(
-            device=args.device, warmup=args.warmup, repeats=args.repeats, progress=not args.no_progress,
-            flush_cache=not args.no_flush_cache, fit_to_whole=_fit_to_whole(args)),
-    )
+    device = autopipe.Device(
+        bandwidth=bandwidth, latency_s=None if args.latency_us is None else args.latency_us * 1e-6,
+        action_overhead_s=None if args.action_overhead_ms is None else args.action_overhead_ms * 1e-3)
+    profiling = autopipe.ProfileOptions(
+        device=args.device, warmup=args.warmup, repeats=args.repeats, progress=not args.no_progress,
+        flush_cache=not args.no_flush_cache, fit_to_whole=_fit_to_whole(args))
+    planner = autopipe.PlannerOptions(
+        devices=device, memory=_memory(args.memory), cost=args.cost, profiling=profiling, objective=args.objective,
+        optimizer=args.optimizer, global_batch=args.global_batch, stages_per_rank=args.stages_per_rank)
+    plan = autopipe.partition(loaded.model, args.gpus, loaded.example_args, loaded.example_kwargs,
+                              schedule=args.schedule, n_microbatches=args.microbatches, planner=planner)
     return _show_plan(plan, args)
 
 

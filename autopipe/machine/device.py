@@ -234,7 +234,7 @@ class Device:
         """A device from published figures: an accelerator by name, its memory, link and FLOP rate.
 
         For planning a cluster one does not have, with counted costs
-        (``autopipe.partition(meta_model, 8, args, cost="flops", devices=Device.preset("H100"))``).
+        (``PlannerOptions(cost="flops", devices=Device.preset("H100"))``).
 
         Args:
             name: an accelerator of :data:`autopipe.machine.presets.ACCELERATORS`

@@ -5,7 +5,7 @@
   measured on (``Device.speed``);
 * :func:`measure_devices`: one :class:`autopipe.Device` per pipeline rank, with its speed,
   memory and the link to the next rank (:func:`autopipe.machine.link.measure_link`), for
-  ``partition(devices=...)``.
+  ``PlannerOptions(devices=...)``.
 
 Example:
     >>> measure_device_speed("cpu", reference="cpu")
@@ -120,7 +120,7 @@ def measure_devices(
     repeats: int = 10,
     timeout_s: float = 60.0,
 ) -> list[Device]:
-    """One measured :class:`autopipe.Device` per pipeline rank, for ``partition(devices=...)``.
+    """One measured :class:`autopipe.Device` per pipeline rank, for ``PlannerOptions(devices=...)``.
 
     Speed comes from :func:`measure_device_speed` (measured once per distinct device), the
     link from each rank to the next from :func:`measure_link` (once per distinct pair; the

@@ -8,7 +8,7 @@ share node ``k``. A pipeline of ``pp <= gpus_per_node`` ranks then stays in one 
 ``pp`` divides ``gpus_per_node``, and the data-parallel groups (same pp rank, every replica)
 cross nodes as soon as there is more than one node.
 
-Pass it as ``autopipe.partition(..., devices=Topology(...))``: it carries the device every
+Pass it as ``PlannerOptions(devices=Topology(...))``: it carries the device every
 rank has, and :meth:`Topology.pipeline_devices` / :meth:`Topology.dp_link` give the planner
 each dimension's link.
 

@@ -1,6 +1,6 @@
 """Pipeline x data parallel, planned together: which (pp, dp) factorization of the GPUs is fastest.
 
-``autopipe.partition(model, n_gpus, ..., global_batch=B, data_parallel="auto")`` calls
+``autopipe.partition(model, n_gpus, ..., data_parallel="auto")`` calls
 :func:`plan_data_parallel`, which for every ``dp`` dividing ``n_gpus`` (``pp = n_gpus / dp``)
 and every data-parallel mode asked for:
 
@@ -23,8 +23,8 @@ The fastest factorization that fits becomes the plan (``plan.dp_degree``, ``plan
 Example::
 
     topo = Topology(Device.preset("H100"), gpus_per_node=8, intra="nvlink4", inter="ib-ndr")
-    plan = autopipe.partition(model, 16, (x_mb,), cost="flops", devices=topo,
-                              global_batch=256, data_parallel="auto")
+    plan = autopipe.partition(model, 16, (x_mb,), data_parallel="auto",
+                              planner=PlannerOptions(cost="flops", devices=topo, global_batch=256))
     plan.pp_degree, plan.dp_degree, plan.dp_mode     # e.g. (2, 8, 'fsdp')
 """
 

@@ -175,7 +175,7 @@ def assumed_loss(model: torch.nn.Module, traced: TracedModel) -> AssumedLoss:
         return AssumedLoss(None, None, None, (
             f"{NO_LOSS_NOTE}: no loss_fn was given and the output is not a language model's logits, so the last "
             "stage is costed without the loss's time and memory; pass loss_fn= and example_target= (one "
-            "micro-batch's target) to partition(), or PlannerOptions(example_target=...) to Pipeline, to charge it"))
+            "micro-batch's target) to partition() or Pipeline to charge it"))
     shape = tuple(logits_of(output).shape[:-1])
     target = torch.randint(0, vocabulary, shape, generator=torch.Generator().manual_seed(_TARGET_SEED))
     return AssumedLoss(token_cross_entropy, target, vocabulary, (
@@ -304,7 +304,7 @@ def pipeline_loss(model: torch.nn.Module, example_args: Sequence[Any], example_k
     """
     if loss_fn is None:
         if example_target is not None:
-            raise ValueError("PlannerOptions(example_target=...) was given but the pipeline has no loss_fn to "
+            raise ValueError("example_target=... was given but the pipeline has no loss_fn to "
                              "compare it with; pass loss_fn= to the pipeline, or drop example_target")
         return {"loss_fn": False}, None
     if example_target is not None:
@@ -315,4 +315,4 @@ def pipeline_loss(model: torch.nn.Module, example_args: Sequence[Any], example_k
     return {"loss_fn": False}, (
         f"{NO_LOSS_NOTE}: no target that loss_fn accepts could be derived from the model's output (token ids, a "
         "tensor shaped like the output, class indices were tried), so the last stage is costed without the "
-        "loss's time and memory; pass PlannerOptions(example_target=...) (one micro-batch's target) to charge it")
+        "loss's time and memory; pass example_target=... (one micro-batch's target) to charge it")

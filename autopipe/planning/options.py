@@ -1,31 +1,23 @@
-"""Typed option groups for :func:`autopipe.partition` and :class:`autopipe.Pipeline`.
+"""Option groups that ``partition`` and ``Pipeline`` share: build one, pass it to both.
 
-:func:`~autopipe.planning.planner.partition` takes the questions a user answers for every
-model (how many devices, which schedule, how much memory) as keywords. Two groups of
-settings that most users never touch live here instead:
-
-- :class:`ProfileOptions`: how segments are measured (where, how often, with what care).
-- :class:`PlannerOptions`: everything :class:`~autopipe.runtime.pipeline.Pipeline` forwards
-  to the planner when it plans for itself; the same names as ``partition``'s keywords.
-
-The hardware (speed, memory, the link to the next device, the runtime's cost per action)
-is described by :class:`~autopipe.machine.device.Device`; :func:`resolve_devices` turns
-``partition``'s ``devices`` and ``memory`` into one Device per rank.
+- :class:`PlannerOptions`: the hardware, the cost source and the search's settings;
+- :class:`ProfileOptions`: how segments are measured (where, how often, with what care);
+- :class:`DataParallelOptions`: pipeline x data parallel replicas and how they reduce.
 
 Example::
 
-    plan = autopipe.partition(model, 4, (x,), profiling=ProfileOptions(repeats=10))
-    pipe = autopipe.Pipeline(model, example_args=(x,), loss_fn=loss,
-                             planner=PlannerOptions(memory="16GiB", cost="flops"))
+    opts = PlannerOptions(memory="16GiB", profiling=ProfileOptions(repeats=10))
+    plan = autopipe.partition(model, 4, (x,), planner=opts)
+    pipe = autopipe.Pipeline(model, example_args=(x,), loss_fn=loss, planner=opts)
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from .._checks import check_bool, check_int
+from .._checks import check_bool, check_choice, check_int
 from ..machine.device import Device, parse_bytes
 
 if TYPE_CHECKING:
@@ -34,7 +26,8 @@ if TYPE_CHECKING:
     from .costgraph import SegmentCost
     from .scaling import ScaledProfile
 
-__all__ = ["ProfileOptions", "PlannerOptions", "DataParallelOptions", "resolve_devices"]
+#: Accepted values of ``PlannerOptions.objective``.
+OBJECTIVES = ("step", "bottleneck")
 
 
 @dataclass(frozen=True)
@@ -74,7 +67,7 @@ class ProfileOptions:
 
     Example::
 
-        autopipe.partition(model, 4, (x,), profiling=ProfileOptions(warmup=0, repeats=1))
+        autopipe.partition(model, 4, (x,), planner=PlannerOptions(profiling=ProfileOptions(repeats=1)))
     """
 
     device: str | torch.device | None = None
@@ -84,6 +77,7 @@ class ProfileOptions:
     fit_to_whole: bool | None = None
     progress: bool = True
     measure_link: bool | None = None
+    in_ranks: bool | None = None
 
     def __post_init__(self) -> None:
         # Checked here so that a bad value fails where it is written, not once profiling starts.
@@ -93,6 +87,7 @@ class ProfileOptions:
         check_bool("ProfileOptions fit_to_whole", self.fit_to_whole, allow_none=True)
         check_bool("ProfileOptions progress", self.progress)
         check_bool("ProfileOptions measure_link", self.measure_link, allow_none=True)
+        check_bool("ProfileOptions in_ranks", self.in_ranks, allow_none=True)
         if not (self.device is None or isinstance(self.device, str) or type(self.device).__name__ == "device"):
             raise ValueError(f"ProfileOptions device={self.device!r} must be None, a string such as 'cuda:0' "
                              "or a torch.device")
@@ -118,7 +113,7 @@ class DataParallelOptions:
 
     Example::
 
-        plan = autopipe.partition(model, 8, (x,), global_batch=64,
+        plan = autopipe.partition(model, 8, (x,), planner=PlannerOptions(global_batch=64),
                                   data_parallel=DataParallelOptions(degree="auto", mode="auto"))
         pipe = autopipe.Pipeline(model, example_args=(x,), loss_fn=loss, plan=plan)   # follows the plan
     """
@@ -150,40 +145,91 @@ class DataParallelOptions:
 
 @dataclass(frozen=True)
 class PlannerOptions:
-    """What :class:`~autopipe.runtime.pipeline.Pipeline` passes on to the planner.
+    """The planner's settings, built once and given to both ``partition`` and ``Pipeline``.
 
-    Each field means what the :func:`~autopipe.planning.planner.partition` keyword of the
-    same name means; None leaves partition's default.
+    ``partition(..., planner=opts)`` plans with them; ``Pipeline(..., planner=opts)`` plans
+    with the same when it is given no plan and no split points, and also reads
+    ``stages_per_rank`` and ``recompute`` for a hand split.
+
+    Args:
+        devices: The hardware: one :class:`~autopipe.machine.device.Device` for every rank, or
+            a list of one per rank. A Device carries its speed, memory, the link to the next
+            rank (``bandwidth``, ``latency_s``) and ``action_overhead_s``, what each pipeline
+            action costs beyond its compute (measure yours with
+            :func:`autopipe.runtime.measure_action_overhead`). With data parallelism, a
+            :class:`~autopipe.machine.topology.Topology` (GPUs per node, the links inside and
+            between nodes). Default: this machine's kind of device, memory unlimited.
+        memory: Memory per device in bytes or as "16GiB"; one value or one per rank. It fills
+            in each Device that does not set its own.
+        cost: Where the segment costs come from: ``"measured"`` (default; timed on
+            ``profiling.device``), ``"flops"`` or ``"params"`` (estimated); or a profile to
+            reuse, which skips measuring (the same costs always give the same plan): a list of
+            :class:`~autopipe.planning.SegmentCost` (from
+            :func:`~autopipe.planning.profile_segments` or
+            :func:`~autopipe.planning.profile_in_ranks`), or, with ``n_microbatches="auto"``, a
+            :class:`~autopipe.planning.ScaledProfile` (from :func:`autopipe.profile_scaling`).
+        profiling: How to measure: a :class:`ProfileOptions`; None = its defaults. With a
+            profile given as ``cost``, its device still picks the defaults for the link and
+            the cost per action.
+        objective: ``"step"`` (default): the split whose simulated step is fastest among
+            bottleneck-optimal and near-optimal splits; ``"bottleneck"``: the exact min-max
+            split alone (fastest to compute).
+        optimizer: Optimizer whose state counts toward memory (``"adam"``, ``"sgd"``, ..., a
+            ``torch.optim`` class, or state bytes per parameter byte).
+        global_batch: Samples per optimizer step. Needed for ``n_microbatches="auto"`` and for
+            data parallelism; with a fixed ``n_microbatches`` it must be divisible by it.
+        stages_per_rank: Stages per rank (default: 1 for GPipe and 1F1B, 2 for the looped
+            schedules: :func:`~autopipe.planning.schedule_spec`); the plan has
+            ``n_gpus * stages_per_rank`` stages.
+        recompute: Activation checkpointing. ``"auto"`` (default): when memory binds, the
+            planner may have some stages recompute their activations in the backward and
+            picks the fastest split that fits (``plan.recompute_stages``, which a Pipeline
+            follows); ``False``: no stage recomputes. A Pipeline also takes ``True`` (every
+            stage) or a list of stage indices, to checkpoint by hand.
+
+    Raises:
+        ValueError / TypeError: a field out of range or of the wrong kind, named.
 
     Example::
 
-        autopipe.Pipeline(model, example_args=(x,), loss_fn=loss,
-                          planner=PlannerOptions(memory="16GiB", objective="bottleneck"))
+        opts = PlannerOptions(memory="16GiB", cost="flops")
+        plan = autopipe.partition(model, 4, (x,), planner=opts)
+        pipe = autopipe.Pipeline(model, example_args=(x,), loss_fn=loss, planner=opts)
     """
 
-    objective: str | None = None
+    devices: Any = None
     memory: int | str | Sequence[int | str] | None = None
-    devices: Device | Sequence[Device] | None = None
-    optimizer: str | type | None = None
-    cost: str | Sequence[SegmentCost] | ScaledProfile | None = None
-    global_batch: int | None = None
-    example_target: Any = None
+    cost: str | Sequence[SegmentCost] | ScaledProfile = "measured"
     profiling: ProfileOptions | None = None
-    recompute: str | bool | None = None
+    objective: str = "step"
+    optimizer: str | type | float = "adam"
+    global_batch: int | None = None
+    stages_per_rank: int | None = None
+    recompute: str | bool | Sequence[int] = "auto"
 
     def __post_init__(self) -> None:
         if self.profiling is not None and not isinstance(self.profiling, ProfileOptions):
             raise TypeError(f"PlannerOptions profiling={self.profiling!r} must be an autopipe.ProfileOptions "
                             "or None")
+        check_choice("PlannerOptions objective", self.objective, OBJECTIVES)
+        for name in ("global_batch", "stages_per_rank"):
+            if getattr(self, name) is not None:
+                check_int(f"PlannerOptions {name}", getattr(self, name), not_int=TypeError)
+        r = self.recompute
+        if not (isinstance(r, bool) or (isinstance(r, str) and r == "auto")
+                or (isinstance(r, Sequence) and not isinstance(r, (str, bytes)))):
+            raise ValueError(f"PlannerOptions recompute={r!r} is not an option; use 'auto' (the planner decides), "
+                             "False (never), or, for a Pipeline, True (every stage) or a list of stage indices")
 
-    def partition_kwargs(self) -> dict[str, Any]:
-        """The fields that are set, as keyword arguments for ``partition``.
-
-        Example::
-
-            PlannerOptions(memory="16GiB").partition_kwargs()   # {"memory": "16GiB"}
-        """
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+    @classmethod
+    def of(cls, value: Any) -> PlannerOptions:
+        """``value`` as options: None (the defaults) or the options themselves; anything else is a TypeError."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        raise TypeError(f"planner={value!r} must be an autopipe.PlannerOptions (devices, memory, cost, profiling, "
+                        "objective, optimizer, global_batch, stages_per_rank, recompute) or None")
 
 
 def resolve_devices(n_gpus: int, devices: Device | Sequence[Device] | None,

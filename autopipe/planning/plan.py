@@ -145,7 +145,7 @@ class Plan:
 
     # ------------------------------------------------------------------ the cost model, on this plan
     def segment_costs(self) -> list[SegmentCost]:
-        """The per-segment costs this plan was made from (for ``partition(..., cost=...)``).
+        """The per-segment costs this plan was made from (for ``PlannerOptions(cost=...)``).
 
         Lets a plan be re-made for another schedule, memory or device count, or after
         :meth:`calibrate`, without measuring again.

@@ -112,7 +112,7 @@ class PlanSegment:
     bwd_input_peak_bytes: int = 0  # the same for the input gradients alone
 
     def cost(self) -> SegmentCost:
-        """The segment's cost as the profile gave it (for ``partition(cost=...)``)."""
+        """The segment's cost as the profile gave it (for ``PlannerOptions(cost=...)``)."""
         return SegmentCost(fwd_s=self.fwd_s, bwd_s=self.bwd_s, param_bytes=self.param_bytes,
                            act_bytes=self.act_bytes, out_bytes=self.out_bytes, flops=self.flops,
                            trainable_param_bytes=self.trainable_param_bytes, accum_s=self.accum_s,

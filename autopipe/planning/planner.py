@@ -19,7 +19,7 @@ Example:
     >>> from autopipe.models import seed_transformer
     >>> model, args = seed_transformer(vocab_size=1000, num_layers=2, seq_len=16)
     >>> quick = autopipe.ProfileOptions(warmup=0, repeats=1, progress=False)
-    >>> plan = autopipe.partition(model, 2, example_args=args, profiling=quick)
+    >>> plan = autopipe.partition(model, 2, example_args=args, planner=autopipe.PlannerOptions(profiling=quick))
     >>> plan.num_stages, len(plan.split_spec)
     (2, 1)
 """
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._checks import check_at_most, check_choice, check_int
+from .._checks import check_at_most, check_int
 from . import schedules as sim
 from .costgraph import CostGraph, SegmentCost, build_cost_graph
 from .data_parallel import plan_data_parallel
@@ -47,7 +47,7 @@ from ..errors import InfeasibleMemoryError
 from .plan import Plan
 from .plan_assembly import make_plan
 from .plan_file import MAX_STAGES
-from .options import DataParallelOptions, ProfileOptions, resolve_devices
+from .options import DataParallelOptions, PlannerOptions, ProfileOptions, resolve_devices
 from ..machine.host_memory import PeakResidentMemory
 from ..machine.speed import counting_flops
 from ..machine.timing import resolve_device
@@ -62,11 +62,9 @@ from .trace import TracedModel, trace
 
 __all__ = [
     "partition", "build_problem", "make_plan", "cost_option", "inflight_per_stage",
-    "ScheduleOption", "auto_schedule_options", "OBJECTIVES",
+    "ScheduleOption", "auto_schedule_options",
 ]
 
-#: Accepted values of ``objective``.
-OBJECTIVES = ("step", "bottleneck")
 
 
 # --------------------------------------------------------------------------- entry point
@@ -78,19 +76,11 @@ def partition(
     example_args: Sequence[Any] | Any | None = None,
     example_kwargs: Mapping[str, Any] | None = None,
     *,
-    schedule: str = "1F1B",
-    n_microbatches: int | str | None = None,
-    global_batch: int | None = None,
-    stages_per_rank: int | None = None,
-    objective: str = "step",
-    memory: int | str | Sequence[int | str] | None = None,
-    devices: Device | Sequence[Device] | Topology | None = None,
-    optimizer: str | type | float = "adam",
     loss_fn: Any = None,
     example_target: Any = None,
-    cost: str | Sequence[SegmentCost] | ScaledProfile = "measured",
-    profiling: ProfileOptions | None = None,
-    recompute: str | bool = "auto",
+    schedule: str = "1F1B",
+    n_microbatches: int | str | None = None,
+    planner: PlannerOptions | None = None,
     data_parallel: int | str | DataParallelOptions = 1,
 ) -> Plan:
     """Find where to cut ``model`` into pipeline stages so the schedule runs fastest.
@@ -120,26 +110,6 @@ def partition(
             every divisor of ``global_batch`` (up to 64) as the micro-batch count, costing each
             micro-batch size from a profile taken at several sizes (no re-profiling per
             count), and keeps the fastest that fits (``plan.microbatch_size``).
-        global_batch: Samples per optimizer step. Needed for ``n_microbatches="auto"``;
-            with a fixed ``n_microbatches`` it must be divisible by it.
-        stages_per_rank: Stages per rank (default: 1 for GPipe and 1F1B, 2 for the others,
-            as :class:`~autopipe.Pipeline` runs them:
-            :func:`~autopipe.planning.schedules.default_stages_per_rank`). The plan has
-            ``n_gpus * stages_per_rank`` stages.
-        objective: ``"step"`` (default): the split whose simulated step time under the
-            schedule is lowest, among bottleneck-optimal and near-optimal splits;
-            ``"bottleneck"``: the exact min-max split alone (fastest to compute).
-        memory: Memory per device in bytes or as "16GiB"; one value or one per rank. It
-            fills in each Device of ``devices`` that does not set its own.
-        devices: The hardware: one :class:`~autopipe.machine.device.Device` for every rank, or
-            a list of one per rank for heterogeneous devices. A Device carries its speed,
-            memory, the link to the next rank (``bandwidth``, ``latency_s``; default 2 GB/s
-            and 100 us on CPU, 10 GB/s and 20 us on CUDA) and ``action_overhead_s``, what each
-            pipeline action costs beyond its compute (the runtime's own work, which the profile
-            does not see; default 0.7 ms on CPU, 0 on CUDA; measure yours with
-            :func:`autopipe.runtime.overhead_probe.measure_action_overhead`).
-        optimizer: Optimizer whose state counts toward memory ("adam", "sgd", ..., a
-            ``torch.optim`` class, or a number: state bytes per parameter byte).
         loss_fn, example_target: The training loss ``loss_fn(output, target)`` and one
             micro-batch's target. The last stage computes the loss of every micro-batch and
             holds what it saves (for a language model, the log-softmax over the vocabulary)
@@ -151,22 +121,11 @@ def partition(
             so the report) says which (:mod:`autopipe.planning.default_loss`).
             ``loss_fn=False`` costs the last stage without a loss and says nothing (a
             pipeline that runs no loss).
-        cost: Where the segment costs come from: ``"measured"`` (default; timed on
-            ``profiling.device``), ``"flops"`` or ``"params"`` (estimated); or a profile to
-            reuse, which skips measuring (the same costs always give the same plan): a list of
-            one :class:`~autopipe.planning.costgraph.SegmentCost` per segment (from
-            :func:`autopipe.planning.profile.profile_segments` or
-            :func:`autopipe.planning.rank_profile.profile_in_ranks`), or, with
-            ``n_microbatches="auto"``, a :class:`~autopipe.planning.scaling.ScaledProfile`
-            (from :func:`autopipe.profile_scaling`).
-        profiling: How to measure: a :class:`~autopipe.planning.options.ProfileOptions`
-            (device, warmup, repeats, flush_cache, fit_to_whole, progress); None = its
-            defaults. With a profile given as ``cost``, its device still picks the defaults
-            for the link and the cost per action.
-        recompute: ``"auto"`` (default): when memory binds, the planner may have some stages
-            recompute their activations in the backward (activation checkpointing) and picks
-            the fastest split that fits (``plan.recompute_stages``); ``False``: no stage
-            recomputes, only splits that fit keeping every activation are considered.
+        planner: The hardware, the cost source and the search's settings, a
+            :class:`~autopipe.planning.options.PlannerOptions` (devices, memory, cost,
+            profiling, objective, optimizer, global_batch, stages_per_rank, recompute); the
+            same value configures :class:`~autopipe.Pipeline`. None: its defaults (this
+            machine's device, memory unlimited, costs measured, Adam's state counted).
         data_parallel: Replicas of the pipeline (pipeline x data parallel): 1 (default, a pure
             pipeline of ``n_gpus`` ranks), a count dividing ``n_gpus``, or ``"auto"`` to compare
             every ``pp x dp`` factorization of ``n_gpus`` and keep the fastest that fits; or a
@@ -174,12 +133,11 @@ def partition(
             replicas reduce gradients: mode ``"fsdp"`` (default: parameters, gradients and
             optimizer state sharded over the replicas), ``"replicate"`` (whole copies and an
             all-reduce) or ``"auto"`` (both compared). Replicas need
-            ``global_batch`` (each replica runs ``global_batch / dp`` samples in micro-batches of
+            ``planner.global_batch`` (each replica runs ``global_batch / dp`` samples in micro-batches of
             the example's size). ``plan.pp_degree``, ``plan.dp_degree`` and
             ``plan.data_parallel`` (every factorization, ranked) say what was chosen
-            (:mod:`autopipe.planning.data_parallel`). ``devices`` may then be a
-            :class:`~autopipe.machine.topology.Topology` (GPUs per node, the links inside and
-            between nodes).
+            (:mod:`autopipe.planning.data_parallel`). ``planner.devices`` may then be a
+            :class:`~autopipe.machine.topology.Topology`.
 
     Returns:
         A :class:`~autopipe.planning.plan.Plan`. Use ``plan.split_spec`` with
@@ -203,13 +161,35 @@ def partition(
         >>> from autopipe.models import seed_transformer
         >>> model, args = seed_transformer(vocab_size=2000, num_layers=2, seq_len=16)
         >>> quick = autopipe.ProfileOptions(warmup=0, repeats=1, progress=False)
-        >>> plan = autopipe.partition(model, 2, example_args=args, profiling=quick)
+        >>> plan = autopipe.partition(model, 2, example_args=args,
+        ...                           planner=autopipe.PlannerOptions(profiling=quick))
         >>> plan.num_stages, len(plan.split_spec)
         (2, 1)
     """
-    # ---- validate everything before any work
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    o = PlannerOptions.of(planner)
+    if not (o.recompute is False or o.recompute == "auto"):
+        raise ValueError(f"planner.recompute={o.recompute!r}: partition() takes 'auto' (recompute on the stages "
+                         "that need it when memory binds) or False (never); True or stage indices checkpoint a "
+                         "Pipeline's hand split")
+    return plan_partition(model, n_gpus, example_args, example_kwargs, loss_fn=loss_fn,
+                          example_target=example_target, schedule=schedule, n_microbatches=n_microbatches,
+                          data_parallel=data_parallel, global_batch=o.global_batch, stages_per_rank=o.stages_per_rank,
+                          objective=o.objective, memory=o.memory, devices=o.devices, optimizer=o.optimizer,
+                          cost=o.cost, profiling=o.profiling, recompute=o.recompute)
+
+
+def plan_partition(
+    model: torch.nn.Module, n_gpus: int, example_args: Any = None, example_kwargs: Mapping[str, Any] | None = None,
+    *, loss_fn: Any = None, example_target: Any = None, schedule: str = "1F1B",
+    n_microbatches: int | str | None = None, data_parallel: int | str | DataParallelOptions = 1,
+    global_batch: int | None = None, stages_per_rank: int | None = None, objective: str = "step", memory: Any = None,
+    devices: Any = None, optimizer: Any = "adam", cost: Any = "measured", profiling: ProfileOptions | None = None,
+    recompute: str | bool = "auto",
+) -> Plan:
+    """``partition`` with the planner's options as keywords (what pp x dp planning calls per layout)."""
+    # ---- validate everything before any work
     n_gpus = check_int("n_gpus", n_gpus)
     # Before anything sized by it (one Device per rank, torch's schedule orders); whether the
     # model has split points for this many is known only after tracing, below.
@@ -222,14 +202,10 @@ def partition(
     if not (degree == 1 and type(degree) is int) or isinstance(devices, Topology):
         # Every (pp, dp) factorization of n_gpus, each pipeline planned by this function (data_parallel.py).
         return plan_data_parallel(
-            partition, model, n_gpus, example_args, example_kwargs, data_parallel=degree, dp_mode=dp_mode,
+            plan_partition, model, n_gpus, example_args, example_kwargs, data_parallel=degree, dp_mode=dp_mode,
             global_batch=global_batch, n_microbatches=n_microbatches, devices=devices, optimizer=optimizer,
             schedule=schedule, stages_per_rank=stages_per_rank, objective=objective, memory=memory, loss_fn=loss_fn,
             example_target=example_target, cost=cost, profiling=profiling, recompute=recompute)
-    check_choice("objective", objective, OBJECTIVES)
-    if not (recompute is False or (isinstance(recompute, str) and recompute == "auto")):
-        raise ValueError(f"recompute={recompute!r} is not known; use 'auto' (recompute on the stages that need "
-                         "it when memory binds) or False (never recompute)")
     cost_source, costs, scaling = _cost_inputs(cost)
     wanted = _resolve_options(n_gpus, schedule, n_microbatches, global_batch, stages_per_rank, costs, scaling)
     opt_name, opt_factor = optimizer_state_factor(optimizer)

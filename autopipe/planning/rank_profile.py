@@ -16,7 +16,7 @@ profiles this way by default when it plans for several ranks.
 Example:
     >>> costs = profile_in_ranks(model, (x_microbatch,), device="cpu")            # doctest: +SKIP
     >>> plan = autopipe.partition(model, dist.get_world_size(), (x_microbatch,),  # doctest: +SKIP
-    ...                           cost=costs, profiling=autopipe.ProfileOptions(device="cpu"))
+    ...     planner=autopipe.PlannerOptions(cost=costs, profiling=autopipe.ProfileOptions(device="cpu")))
 """
 
 from __future__ import annotations

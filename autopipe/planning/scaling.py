@@ -109,7 +109,7 @@ class ScaledProfile:
 
     Made by :func:`profile_scaling`. Evaluate it at any size with :meth:`costs_at` and
     :meth:`cut_bytes_at`; the results plug in where ``profile_segments`` and
-    ``build_cost_graph`` results do (``partition(cost=scaled.costs_at(b))``).
+    ``build_cost_graph`` results do (``PlannerOptions(cost=scaled.costs_at(b))``).
 
     Attributes:
         sizes: The micro-batch sizes that were profiled, ascending.

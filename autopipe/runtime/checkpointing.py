@@ -10,8 +10,8 @@ so it is worth turning on only for the stages whose memory is the limit.
     >>> stage = checkpoint_stage(nn.Linear(4, 4))
     >>> stage(torch.ones(2, 4, requires_grad=True)).sum().backward()
 
-:class:`autopipe.Pipeline` applies it with ``checkpoint_stages=True`` (every stage), a list
-of stage indices, or ``"plan"``: the stages the planner chose to recompute so the plan fits
+:class:`autopipe.Pipeline` applies it with ``PlannerOptions(recompute=True)`` (every stage), a list
+of stage indices, or ``"auto"``: the stages the planner chose to recompute so the plan fits
 memory (``plan.recompute_stages``).
 """
 
@@ -22,11 +22,11 @@ from collections.abc import Sequence
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["checkpoint_stage", "resolve_checkpoint_stages", "FOLLOW_PLAN"]
+__all__ = ["checkpoint_stage", "resolve_recompute", "FOLLOW_PLAN"]
 
-#: The ``checkpoint_stages`` value that takes the plan's choice (``plan.recompute_stages``):
+#: The ``PlannerOptions.recompute`` value that takes the plan's choice (``plan.recompute_stages``):
 #: the stages the planner found must recompute to fit memory, none when everything fits.
-FOLLOW_PLAN = "plan"
+FOLLOW_PLAN = "auto"
 
 
 def checkpoint_stage(stage_module: nn.Module) -> nn.Module:
@@ -59,12 +59,12 @@ def checkpoint_stage(stage_module: nn.Module) -> nn.Module:
     return stage_module
 
 
-def resolve_checkpoint_stages(checkpoint_stages: bool | Sequence[int] | str | None, num_stages: int,
-                              plan_stages: Sequence[int] | None = None) -> list[int]:
-    """Turn the ``checkpoint_stages`` option into the sorted list of stage indices to checkpoint.
+def resolve_recompute(recompute: bool | Sequence[int] | str | None, num_stages: int,
+                      plan_stages: Sequence[int] | None = None) -> list[int]:
+    """Turn the ``recompute`` option into the sorted list of stage indices to checkpoint.
 
     Args:
-        checkpoint_stages: ``"plan"`` (:data:`FOLLOW_PLAN`: the planner's choice,
+        recompute: ``"auto"`` (:data:`FOLLOW_PLAN`: the planner's choice,
             ``plan_stages``), False/None (none), True (all) or stage indices in
             ``range(num_stages)``.
         num_stages: number of stages of the pipeline.
@@ -75,37 +75,37 @@ def resolve_checkpoint_stages(checkpoint_stages: bool | Sequence[int] | str | No
 
     Raises:
         ValueError: if an index is out of range (the user's or the plan's), or a string other
-            than ``"plan"``; TypeError for any other type.
+            than ``"auto"``; TypeError for any other type.
 
     Example:
-        >>> resolve_checkpoint_stages(True, 3), resolve_checkpoint_stages([2, 0], 3)
+        >>> resolve_recompute(True, 3), resolve_recompute([2, 0], 3)
         ([0, 1, 2], [0, 2])
-        >>> resolve_checkpoint_stages("plan", 3, plan_stages=[1]), resolve_checkpoint_stages("plan", 3)
+        >>> resolve_recompute("auto", 3, plan_stages=[1]), resolve_recompute("auto", 3)
         ([1], [])
     """
-    if isinstance(checkpoint_stages, str):
-        if checkpoint_stages != FOLLOW_PLAN:
-            raise ValueError(f"checkpoint_stages={checkpoint_stages!r} is not an option; use {FOLLOW_PLAN!r} (the "
+    if isinstance(recompute, str):
+        if recompute != FOLLOW_PLAN:
+            raise ValueError(f"planner.recompute={recompute!r} is not an option; use {FOLLOW_PLAN!r} (the "
                              "plan's recompute_stages), True (every stage), False (none) or a list of stage indices")
         if not plan_stages:
             return []
         try:
-            return resolve_checkpoint_stages(list(plan_stages), num_stages)
+            return resolve_recompute(list(plan_stages), num_stages)
         except (ValueError, TypeError) as e:
             raise ValueError(f"the plan's recompute_stages={list(plan_stages)!r} do not fit this pipeline of "
-                             f"{num_stages} stages ({e}); re-plan, or pass checkpoint_stages explicitly") from None
-    if checkpoint_stages is None or checkpoint_stages is False:
+                             f"{num_stages} stages ({e}); re-plan, or give planner.recompute explicitly") from None
+    if recompute is None or recompute is False:
         return []
-    if checkpoint_stages is True:
+    if recompute is True:
         return list(range(num_stages))
-    if isinstance(checkpoint_stages, bytes) or not isinstance(checkpoint_stages, Sequence):
+    if isinstance(recompute, bytes) or not isinstance(recompute, Sequence):
         raise TypeError(
-            f"checkpoint_stages must be 'plan', True, False or a list of stage indices, got {checkpoint_stages!r}"
+            f"planner.recompute must be 'auto', True, False or a list of stage indices, got {recompute!r}"
         )
-    bad = [s for s in checkpoint_stages if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < num_stages]
+    bad = [s for s in recompute if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < num_stages]
     if bad:
         raise ValueError(
-            f"checkpoint_stages={list(checkpoint_stages)!r} has {bad}, which are not stage indices; "
+            f"planner.recompute={list(recompute)!r} has {bad}, which are not stage indices; "
             f"this pipeline has stages 0..{num_stages - 1}"
         )
-    return sorted(set(checkpoint_stages))
+    return sorted(set(recompute))

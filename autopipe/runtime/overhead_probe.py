@@ -4,7 +4,7 @@
 each schedule, on ranks it starts itself, and finds the seconds every action costs beyond
 its compute (the runtime's bookkeeping, posting and waiting on sends and receives), and how
 much slower the ranks compute when all of them compute at once:
-``partition(devices=Device(action_overhead_s=..., speed=...))``. It lives in the runtime
+``PlannerOptions(devices=Device(action_overhead_s=..., speed=...))``. It lives in the runtime
 because it runs the runtime; the link and device speed are measured in :mod:`autopipe.machine`.
 
 Example:
@@ -37,6 +37,7 @@ from ..planning.costmodel import cut_time_s
 from ..planning.schedules import canonical_schedule_name, validate_schedule
 from ..planning.simulator import simulate, solve_increasing
 from .pipeline import Pipeline
+from ..planning.options import PlannerOptions
 
 __all__ = ["OVERHEAD_SCHEDULES", "OverheadMeasurement", "fit_action_overhead", "measure_action_overhead"]
 
@@ -53,7 +54,7 @@ _PROBE_ROWS = 64  # rows per micro-batch
 class OverheadMeasurement:
     """What running a pipeline costs beyond the stages' compute and the link's transfers.
 
-    Use ``partition(..., devices=Device(action_overhead_s=m.action_overhead_s))`` and, where the
+    Use ``PlannerOptions(devices=Device(action_overhead_s=m.action_overhead_s))`` and, where the
     ranks share a machine, ``Device(speed=1 / m.concurrent_slowdown)`` for every rank.
 
     Example:
@@ -200,7 +201,7 @@ def _overhead_worker(rank: int, port: int, n_ranks: int, backend: str, device_ty
             compute_s[f"{schedule}-{v}"] = ([f for f, _ in per_stage], [b for _, b in per_stage])
             pipe = Pipeline(model, example_args=(x[:_PROBE_ROWS],), loss_fn=nn.functional.mse_loss,
                             split_points=splits, schedule=schedule, n_microbatches=n_microbatches,
-                            stages_per_rank=v, device=dev)
+                            device=dev, planner=PlannerOptions(stages_per_rank=v))
             times = []
             for i in range(steps + 2):  # two warm-up steps
                 dist.barrier()
@@ -264,7 +265,7 @@ def measure_action_overhead(
     Example:
         >>> m = measure_action_overhead(schedules=[("1F1B", 1)], steps=3)  # doctest: +SKIP
         >>> plan = autopipe.partition(model, 2, example_args=(x,),  # doctest: +SKIP
-        ...                           devices=autopipe.Device(action_overhead_s=m.action_overhead_s))
+        ...     planner=autopipe.PlannerOptions(devices=autopipe.Device(action_overhead_s=m.action_overhead_s)))
     """
     n_ranks = check_int("n_ranks", n_ranks, 2)
     n_microbatches = check_int("n_microbatches", n_microbatches, 1)

@@ -40,7 +40,7 @@ from .._checks import check_int
 from ..planning.options import DataParallelOptions, PlannerOptions
 from ..planning.plan import Plan
 from ..planning.schedules import TRAINING_STEP_KWARGS, stage_ranks
-from .checkpointing import resolve_checkpoint_stages
+from .checkpointing import resolve_recompute
 from .data_parallel import (check_mesh_arguments, data_parallel_from_plan, full_tensor, prepare_replicas,
                             resolve_data_parallel)
 from .call_inputs import CallInputs
@@ -77,42 +77,39 @@ class Pipeline(PipelineLifecycle):
             given; both may be left out when the model carries its own example
             (``example_input_array``, or Hugging Face's ``dummy_inputs``).
         example_kwargs: keyword inputs of one micro-batch.
+        example_target: one micro-batch's target, for the planner to cost ``loss_fn`` with;
+            default: a target derived from the model's output
+            (:func:`autopipe.planning.default_loss.pipeline_loss`; the plan's notes say when
+            none can be).
         loss_fn: ``loss_fn(output, target) -> scalar`` for one micro-batch, averaging over
             it (as ``nn.CrossEntropyLoss()`` does). Needed by :meth:`step` and :meth:`evaluate`.
         plan: a :class:`~autopipe.planning.plan.Plan` or the path of a plan JSON file. Exclusive
             with ``split_points``.
         split_points: module names to cut before (``["layers.1"]``), to split by hand.
-        n_ranks: number of pipeline ranks; must equal the world size (the default).
         schedule: ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``, ``"LoopedBFS"``,
             ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"`` or ``"DualPipeV"`` (any case).
             Default: the plan's schedule, else ``"1F1B"``.
         n_microbatches: micro-batches per step. Default: the plan's, else
-            ``2 * n_ranks`` for a hand split, else the planner's choice.
-        stages_per_rank: stages held by each rank. Default: the plan's, else 1 for GPipe
-            and 1F1B and 2 for the multi-stage schedules.
-        checkpoint_stages: activation checkpointing: ``"plan"`` (the default: the stages the
-            plan chose to recompute, ``plan.recompute_stages``, none unless memory binds),
-            False, True (every stage) or a list of stage indices; a checkpointed stage
-            recomputes its forward during backward.
-        device: where this rank runs; default CUDA ``LOCAL_RANK`` when present, else CPU.
-        timeout_s: collective timeout when the pipeline creates the process group itself.
-        planner: :class:`~autopipe.planning.options.PlannerOptions` for
-            :func:`autopipe.planning.planner.partition` when the pipeline plans (no ``plan``
-            or ``split_points``). The planner charges ``loss_fn``'s time and saved bytes to
-            the last stage, measured against ``planner.example_target`` (one micro-batch's
-            target) or, without it, a target derived from the model's output
-            (:func:`autopipe.planning.default_loss.pipeline_loss`; the plan's notes say when
-            none can be). The profile runs on ``device`` unless ``planner.profiling.device``
-            says otherwise.
-        profile_in_ranks: when the pipeline plans: True has every rank profile the model at
-            once (:func:`autopipe.planning.rank_profile.profile_in_ranks`) and rank 0 plan from
-            the mean of their profiles; False has rank 0 profile alone while the others wait.
-            The default (None) profiles in the ranks when the world has more than one rank
-            and ``planner`` brings no costs of its own (``devices`` with their speeds, or a
-            ``cost`` other than ``"measured"``). Ranks sharing a host compete for memory
-            bandwidth and caches, which a profile taken alone does not see
-            (docs/training.md section 3). That profile takes ``planner.profiling``'s
-            ``warmup`` / ``repeats`` / ``flush_cache`` / ``fit_to_whole``.
+            ``2 * ranks`` for a hand split, else the planner's choice.
+        planner: a :class:`~autopipe.planning.options.PlannerOptions`, the same value
+            ``partition`` takes: the planner's settings when the pipeline plans (no ``plan``
+            or ``split_points``; the profile runs on ``device`` unless
+            ``profiling.device`` says otherwise, and in every rank at once when
+            ``profiling.in_ranks`` allows), and for any split ``stages_per_rank`` (default:
+            the plan's, else the schedule's) and ``recompute``: ``"auto"`` (default: the stages
+            the plan recomputes, ``plan.recompute_stages``), False, True (every stage) or a
+            list of stage indices; a checkpointed stage recomputes its forward in backward.
+        data_parallel: pipeline x data parallel: a replica count, or a
+            :class:`~autopipe.planning.options.DataParallelOptions` with the count (``degree``:
+            a ``(degree, world / degree)`` mesh is built, consecutive ranks forming a pipeline)
+            or a 2-D ``DeviceMesh`` with dimensions ``"dp"`` and ``"pp"`` (``mesh``), and how
+            the replicas reduce (``mode``: ``"fsdp"``, FSDP2 ``fully_shard`` per stage, or
+            ``"replicate"``, whole parameters and gradients averaged by all-reduce). Each row
+            along ``pp`` runs the whole pipeline on its shard of the global
+            batch, and every stage's gradients are reduced over ``dp``
+            (:mod:`~autopipe.runtime.data_parallel`); every rank is given the global batch.
+            Default: the plan's (a plan made with ``data_parallel=``), else none; a mode left
+            None is the plan's, else ``"fsdp"``.
         weights: where the weights come from: a full state dict, ``.safetensors`` file or
             ``torch.distributed.checkpoint`` directory of the unsplit model (each rank reads
             only its own tensors), or, for a model built on the meta device, a function
@@ -120,17 +117,8 @@ class Pipeline(PipelineLifecycle):
             tensors are real (the rest stay on meta). Default: the model's own values; on the
             meta device, each submodule's ``reset_parameters()`` (Hugging Face:
             ``_init_weights``) seeded by its name (:mod:`~autopipe.runtime.materialize`).
-        data_parallel: pipeline x data parallel: a replica count, or a
-            :class:`~autopipe.planning.options.DataParallelOptions` with the count (``degree``:
-            a ``(degree, world / degree)`` mesh is built, consecutive ranks forming a pipeline)
-            or a 2-D ``DeviceMesh`` with dimensions ``"dp"`` and ``"pp"`` (``mesh``), and how
-            the replicas reduce (``mode``: ``"fsdp"``, FSDP2 ``fully_shard`` per stage, or
-            ``"replicate"``, whole parameters and gradients averaged by all-reduce). Each row
-            along ``pp`` runs the whole pipeline (``n_ranks`` = pp) on its shard of the global
-            batch, and every stage's gradients are reduced over ``dp``
-            (:mod:`~autopipe.runtime.data_parallel`); every rank is given the global batch.
-            Default: the plan's (a plan made with ``data_parallel=``), else none; a mode left
-            None is the plan's, else ``"fsdp"``.
+        device: where this rank runs; default CUDA ``LOCAL_RANK`` when present, else CPU.
+        timeout_s: collective timeout when the pipeline creates the process group itself.
 
     Raises:
         TypeError / ValueError: for a bad argument (named in the message), a schedule name
@@ -159,30 +147,25 @@ class Pipeline(PipelineLifecycle):
         *,
         example_args: tuple[Any, ...] | None = None,
         example_kwargs: dict[str, Any] | None = None,
+        example_target: Any = None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         plan: Plan | str | os.PathLike | None = None,
         split_points: Sequence[str] | None = None,
-        n_ranks: int | None = None,
         schedule: str | None = None,
         n_microbatches: int | None = None,
-        stages_per_rank: int | None = None,
-        checkpoint_stages: bool | Sequence[int] | str = "plan",
+        planner: PlannerOptions | None = None,
+        data_parallel: int | DataParallelOptions | None = None,
+        weights: WeightSource | Callable[[nn.Module], Any] | None = None,
         device: torch.device | str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
-        planner: PlannerOptions | None = None,
-        profile_in_ranks: bool | None = None,
-        weights: WeightSource | Callable[[nn.Module], Any] | None = None,
-        data_parallel: int | DataParallelOptions | None = None,
     ) -> None:
         # ---- 1. everything that can be checked alone, before joining the job
         example_args, example_kwargs = check_model_and_inputs(model, example_args, example_kwargs, loss_fn)
         # A function initializes a meta-device model; anything else is read for its values.
         init_weights, weights = (weights, None) if callable(weights) else (None, weights)
         check_weight_arguments(model, init_weights, weights)
-        request = PlanRequest.checked(model, plan=plan, split_points=split_points, n_ranks=n_ranks,
-                                      schedule=schedule, n_microbatches=n_microbatches,
-                                      stages_per_rank=stages_per_rank, planner=planner,
-                                      profile_in_ranks=profile_in_ranks)
+        request = PlanRequest.checked(model, plan=plan, split_points=split_points, schedule=schedule,
+                                      n_microbatches=n_microbatches, planner=planner, example_target=example_target)
         replicas = DataParallelOptions.of(data_parallel)
         mesh = replicas.mesh
         dp_degree, dp_mode = data_parallel_from_plan(request.plan, mesh, replicas.degree, replicas.mode)
@@ -230,7 +213,7 @@ class Pipeline(PipelineLifecycle):
             model, self.plan, schedule=self.schedule, n_microbatches=self.n_microbatches,
             stage_ranks=self.stage_ranks, rank=self.rank, world_size=self.world_size, device=self.device,
             example=(tuple(example_args), dict(example_kwargs or {})), training=self.training,
-            checkpointed=resolve_checkpoint_stages(checkpoint_stages, self.num_stages, self.plan.recompute_stages),
+            checkpointed=resolve_recompute(request.planner.recompute, self.num_stages, self.plan.recompute_stages),
             init_weights=init_weights, weights=weights, pp_rank=self.pp_rank,
             replicas=dp.replicas if dp else None, pp_group=dp.pp_group if dp else None)
         if dp:

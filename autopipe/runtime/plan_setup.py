@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -61,12 +61,13 @@ class PlanRequest:
     stages_per_rank: int | None
     planner: PlannerOptions
     profile_in_ranks: bool | None
+    example_target: Any = None
 
     @classmethod
     def checked(cls, model: nn.Module, *, plan: Plan | str | os.PathLike | None = None,
-                split_points: Sequence[str] | None = None, n_ranks: int | None = None, schedule: str | None = None,
-                n_microbatches: int | None = None, stages_per_rank: int | None = None,
-                planner: PlannerOptions | None = None, profile_in_ranks: bool | None = None) -> PlanRequest:
+                split_points: Sequence[str] | None = None, schedule: str | None = None,
+                n_microbatches: int | None = None, planner: PlannerOptions | None = None,
+                example_target: Any = None) -> PlanRequest:
         """Check every argument that needs no other rank; raise naming the first bad one.
 
         Raises:
@@ -83,29 +84,21 @@ class PlanRequest:
         plan = _load_plan(plan, split_points)
         split_points = _check_split_points(model, split_points if plan is None else plan.split_points,
                                            "split_points" if plan is None else "plan.split_points")
-        for arg, value in (("n_ranks", n_ranks), ("n_microbatches", n_microbatches),
-                           ("stages_per_rank", stages_per_rank)):
-            if value is not None:
-                check_int(arg, value, not_int=TypeError)
+        if n_microbatches is not None:
+            check_int("n_microbatches", n_microbatches, not_int=TypeError)
         if schedule is not None:
             schedule = canonical_schedule_name(schedule)  # lists the valid names when unknown
-        if planner is None:
-            planner = PlannerOptions()
-        elif not isinstance(planner, PlannerOptions):
-            raise TypeError(f"planner={planner!r} must be an autopipe.PlannerOptions (the planner's settings, "
-                            f"named as partition's keywords) or None")
-        if profile_in_ranks is not None and not isinstance(profile_in_ranks, bool):
-            raise ValueError(f"profile_in_ranks={profile_in_ranks!r} must be True, False or None (profile in the "
-                             f"ranks when the pipeline plans for several ranks)")
+        planner = PlannerOptions.of(planner)
+        profile_in_ranks = planner.profiling.in_ranks if planner.profiling is not None else None
         if profile_in_ranks and (plan is not None or split_points is not None):
-            raise ValueError("profile_in_ranks=True profiles for the planner, but a plan or split_points was "
-                             "given: there is nothing to plan; drop one of them")
+            raise ValueError("planner.profiling.in_ranks=True profiles for the planner, but a plan or split_points "
+                             "was given: there is nothing to plan; drop one of them")
         if profile_in_ranks and not _measures_costs(planner):
-            raise ValueError(f"profile_in_ranks=True measures the costs, but the planner options give them "
+            raise ValueError(f"planner.profiling.in_ranks=True measures the costs, but the planner options give them "
                              f"(cost={_short(planner.cost)}): drop one of them")
-        return cls(plan=plan, split_points=split_points, n_ranks=n_ranks, schedule=schedule,
-                   n_microbatches=n_microbatches, stages_per_rank=stages_per_rank, planner=planner,
-                   profile_in_ranks=profile_in_ranks)
+        return cls(plan=plan, split_points=split_points, n_ranks=None, schedule=schedule,
+                   n_microbatches=n_microbatches, stages_per_rank=planner.stages_per_rank, planner=planner,
+                   profile_in_ranks=profile_in_ranks, example_target=example_target)
 
 
 @dataclass(frozen=True)
@@ -222,8 +215,10 @@ def _plan_on_rank0(request: PlanRequest, model: nn.Module, example_args: tuple, 
     # Measure where the stages will run.
     profiling = planner.profiling or ProfileOptions()
     profiling = replace(profiling, device=profiling.device if profiling.device is not None else device)
-    kwargs, loss_note = planner_kwargs(planner, model, example_args, example_kwargs, loss_fn)
+    kwargs, loss_note = planner_kwargs(planner, model, example_args, example_kwargs, loss_fn,
+                                       request.example_target)
     kwargs["profiling"] = profiling
+    kwargs["stages_per_rank"] = stages_per_rank
     profile_together = request.profile_in_ranks
     if profile_together is None:
         profile_together = profile_in_ranks_by_default(world_size, planner)
@@ -235,10 +230,10 @@ def _plan_on_rank0(request: PlanRequest, model: nn.Module, example_args: tuple, 
     outcome: tuple[str, Any] | None = None
     if rank == 0:
         try:
-            from ..planning.planner import partition
+            from ..planning.planner import plan_partition
 
-            found = partition(model, n_ranks, example_args=example_args, example_kwargs=example_kwargs,
-                              schedule=schedule, n_microbatches=n_microbatches, stages_per_rank=stages_per_rank,
+            found = plan_partition(model, n_ranks, example_args=example_args, example_kwargs=example_kwargs,
+                              schedule=schedule, n_microbatches=n_microbatches,
                               **kwargs)
             if loss_note:  # the pipeline's loss could not be costed: the plan says so
                 found.notes = [*found.notes, loss_note]
@@ -255,11 +250,11 @@ def _plan_on_rank0(request: PlanRequest, model: nn.Module, example_args: tuple, 
 
 
 def planner_kwargs(planner: PlannerOptions, model: nn.Module, example_args: tuple, example_kwargs: dict | None,
-                   loss_fn: Callable | None) -> tuple[dict[str, Any], str | None]:
+                   loss_fn: Callable | None, example_target: Any = None) -> tuple[dict[str, Any], str | None]:
     """The keywords the pipeline passes to ``partition`` (before ``profiling``), and a plan note or None.
 
     The planner's options as set, and the pipeline's own loss: the last stage runs
-    ``loss_fn``, so the plan is costed with it, against ``planner.example_target`` or a
+    ``loss_fn``, so the plan is costed with it, against ``example_target`` or a
     target derived from the model's output
     (:func:`autopipe.planning.default_loss.pipeline_loss`); a pipeline without ``loss_fn``
     is costed without a loss. The note says when ``loss_fn`` could not be costed.
@@ -269,13 +264,16 @@ def planner_kwargs(planner: PlannerOptions, model: nn.Module, example_args: tupl
         kwargs, note = planner_kwargs(PlannerOptions(cost="flops"), model, (x_mb,), None, loss_fn)
         plan = autopipe.partition(model, 2, example_args=(x_mb,), **kwargs)   # the split Pipeline plans
     """
-    kwargs = planner.partition_kwargs()
+    kwargs = {f.name: getattr(planner, f.name) for f in fields(planner)
+              if not isinstance(getattr(planner, f.name), str) or getattr(planner, f.name) != f.default}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    if kwargs.get("recompute", False) is True or not isinstance(kwargs.get("recompute", False), (bool, str)):
+        kwargs["recompute"] = "auto"  # stages checkpointed by hand: the planner may still choose where to cut
     output = None
-    if loss_fn is not None and kwargs.get("example_target") is None and on_meta(model):
+    if loss_fn is not None and example_target is None and on_meta(model):
         # A meta model cannot run (Hugging Face's mask code reads values): its output's shapes come from the trace.
         output = traced_output(trace(model, to_meta(tuple(example_args)), to_meta(example_kwargs)))
-    loss_kwargs, note = pipeline_loss(model, example_args, example_kwargs, loss_fn,
-                                      kwargs.pop("example_target", None), output)
+    loss_kwargs, note = pipeline_loss(model, example_args, example_kwargs, loss_fn, example_target, output)
     return {**kwargs, **loss_kwargs}, note
 
 

@@ -81,10 +81,9 @@ def bench_model(name: str, opts: argparse.Namespace, device: torch.device, log) 
     cases = []
     for schedule, v in opts.schedule_list:
         for m in opts.microbatches:
-            plan = autopipe.partition(model, 1, args, schedule=schedule, stages_per_rank=v, n_microbatches=m,
-                                      cost=costs, devices=autopipe.Device(action_overhead_s=0.0), loss_fn=ce_loss,
+            plan = autopipe.partition(model, 1, args, schedule=schedule, n_microbatches=m, loss_fn=ce_loss,
                                       example_target=target,
-                                      profiling=autopipe.ProfileOptions(device=device, progress=False))
+                                      planner=autopipe.PlannerOptions(stages_per_rank=v, cost=costs, devices=autopipe.Device(action_overhead_s=0.0), profiling=autopipe.ProfileOptions(device=device, progress=False)))
             pipe = autopipe.Pipeline(model, example_args=args, loss_fn=ce_loss, plan=plan, device=device)
             batch, batch_target = stack_microbatches(args, m), torch.cat([target] * m)
             cases.append(dict(schedule=schedule, stages_per_rank=v, m=m, plan=plan, pipe=pipe,

@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from autopipe import PlannerOptions
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -161,8 +162,8 @@ def _plan(n_ranks: int, memory: str | None, layers: int, seq: int, path: str) ->
     model, (x_mb,) = _build_meta_model(layers, seq)
     plan = autopipe.partition(model, n_ranks, (x_mb,), loss_fn=_loss_fn,
                               example_target=torch.zeros(x_mb.shape, dtype=torch.long, device="meta"),
-                              schedule="1F1B", n_microbatches=4, cost="flops", memory=memory, optimizer="adamw",
-                              profiling=autopipe.ProfileOptions(progress=False))
+                              schedule="1F1B", n_microbatches=4,
+                              planner=PlannerOptions(cost="flops", memory=memory, optimizer="adamw", profiling=autopipe.ProfileOptions(progress=False)))
     plan.save(path)
     return list(plan.split_points)
 

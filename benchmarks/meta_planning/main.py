@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from autopipe import PlannerOptions
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # benchmarks/_common
@@ -40,8 +41,8 @@ def plan_once(cost: str, layers: int, seq: int, n_microbatches: int) -> dict:
         model, args = llama_from_config(num_hidden_layers=layers, batch=1, seq_len=seq, **LLAMA_1B)
     n_params = sum(p.numel() for p in model.parameters())
     start = time.perf_counter()
-    plan = autopipe.partition(model, 4, args, cost=cost, schedule="1F1B", n_microbatches=n_microbatches,
-                              profiling=autopipe.ProfileOptions(warmup=1, repeats=2, progress=True))
+    plan = autopipe.partition(model, 4, args, schedule="1F1B", n_microbatches=n_microbatches,
+                              planner=PlannerOptions(cost=cost, profiling=autopipe.ProfileOptions(warmup=1, repeats=2, progress=True)))
     planning_s = time.perf_counter() - start
     stage_s = [f + b for f, b in zip(*stage_times_s(plan.segments, plan.segment_cuts(plan.split_points), 1))]
     return {

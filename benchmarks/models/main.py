@@ -82,7 +82,8 @@ def plan_and_check(entry: ThirdPartyModel, opts: argparse.Namespace, log) -> dic
             t0 = time.perf_counter()
             try:
                 plan = autopipe.partition(built.model, n, example_args=built.example_args,
-                                          example_kwargs=built.example_kwargs, profiling=profiling, **options)
+                                          example_kwargs=built.example_kwargs,
+                                          planner=autopipe.PlannerOptions(profiling=profiling, **options))
             except Exception as e:  # noqa: BLE001 - recorded, the next plan still runs
                 plans.setdefault(str(n), {})[cost] = {"error": first_line(e), "partition_s": time.perf_counter() - t0}
                 log(f"    {n} stages, {cost}: partition fails: {first_line(e)}")
@@ -296,7 +297,7 @@ def render(data: dict[str, Any], results_name: str = "benchmarks/models/results.
         f"{counts['skipped']} could not be run here (package), {counts['unsupported']} cannot work "
         "(torch.export).**",
         "",
-        "* *2 / 4 stages*: the split points `autopipe.partition(model, n, cost=...)` chose from FLOP estimates · "
+        "* *2 / 4 stages*: the split points `autopipe.partition(model, n, planner=PlannerOptions(cost=...))` chose from FLOP estimates · "
         f"from measured costs (warm-up {data.get('warmup')}, {data.get('repeats')} timed runs); the 4-stage "
         "plans reuse the 2-stage plans' per-segment costs, which do not depend on the stage count.",
         "* *runtime runs the plans*: each distinct split built by the runtime's own stage builder "

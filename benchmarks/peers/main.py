@@ -112,7 +112,7 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log) -> dict[str
 def bench_stages(model, args, target, name: str, size: str, p: int, layer_names: list[str], layer_s: list[float],
                  opts: argparse.Namespace, log) -> dict[str, Any]:
     plan = autopipe.partition(model, p, args, schedule="1F1B", n_microbatches=2 * p,
-                              profiling=autopipe.ProfileOptions(progress=False, warmup=1, repeats=opts.profile_repeats))
+                              planner=autopipe.PlannerOptions(profiling=autopipe.ProfileOptions(progress=False, warmup=1, repeats=opts.profile_repeats)))
     methods: dict[str, dict[str, Any]] = {"autopipe": {"split": tuple(plan.split_points)}}
     for b in plan.baselines:
         if getattr(b, "split_points", None):

@@ -7,9 +7,9 @@ cost per pipeline action plus the slowdown of ranks computing at once
 count this script
 
 1. profiles the model in 2 spawned ranks at once (``profile_in_ranks``, one thread
-   each, as ``Pipeline(profile_in_ranks=True)`` does before it plans) and plans it for 2 ranks
-   with ``autopipe.partition(..., costs=profile, devices=[Device(bandwidth=, latency_s=,
-   action_overhead_s=)] * 2, loss_fn=, example_target=)``: the plan's own prediction, the
+   each, as a Pipeline does (``ProfileOptions(in_ranks=True)``) before it plans) and plans it for 2 ranks
+   with ``autopipe.partition(..., loss_fn=, example_target=, planner=PlannerOptions(cost=profile,
+   devices=[Device(bandwidth=, latency_s=, action_overhead_s=)] * 2))``: the plan's own prediction, the
    loss (cross-entropy) charged to the last stage. With ``--plan-profile parent`` the plans
    are made from a profile this process takes alone, slowed by the measured slowdown of
    ranks computing together (``Device(speed=1 / slowdown)``), as up to session 8;
@@ -189,7 +189,7 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
     profile_whole = asdict(costs.whole) if costs.whole is not None else None
     parent = _segment_times(costs)
     # The profile the plans are made from: by default every rank's at once, before the run, as
-    # Pipeline(profile_in_ranks=True) takes it; with --plan-profile parent, this process's.
+    # a Pipeline profiling in its ranks takes it; with --plan-profile parent, this process's.
     in_ranks_first = opts.plan_profile == "in-ranks"
     if in_ranks_first:
         costs = profile_in_world(name, size, device=device, threads=opts.threads, repeats=opts.profile_repeats,
@@ -199,10 +199,8 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log, machine: di
         for m in opts.microbatches:
             try:
                 plan = autopipe.partition(model, 2, example_args=args, schedule=sched, n_microbatches=m,
-                                          stages_per_rank=v, cost=costs,
-                                          profiling=autopipe.ProfileOptions(device=device, progress=False),
-                                          devices=_measured_devices(machine, in_ranks_first), loss_fn=ce_loss,
-                                          example_target=target)
+                                          loss_fn=ce_loss, example_target=target,
+                                          planner=autopipe.PlannerOptions(stages_per_rank=v, cost=costs, profiling=autopipe.ProfileOptions(device=device, progress=False), devices=_measured_devices(machine, in_ranks_first)))
             except ValueError as e:  # a combination torch cannot run (e.g. too few micro-batches)
                 log(f"  {name} {sched} x{m}: not planned: {e}")
                 continue
@@ -347,8 +345,8 @@ def bench_memory(name: str, size: str, opts: argparse.Namespace, log) -> list[di
         for m in opts.microbatches:
             try:
                 plan = autopipe.partition(model, 2, example_args=args, schedule=sched, n_microbatches=m,
-                                          stages_per_rank=v, cost="flops", profiling=profiling,
-                                          loss_fn=ce_loss, example_target=target)
+                                          loss_fn=ce_loss, example_target=target,
+                                          planner=autopipe.PlannerOptions(stages_per_rank=v, cost="flops", profiling=profiling))
             except ValueError as e:  # a combination torch cannot run (e.g. too few micro-batches)
                 log(f"  {name} {sched} x{m}: not planned: {e}")
                 continue
@@ -398,7 +396,7 @@ def summarise_memory(rows: list[dict[str, Any]]) -> dict[str, Any]:
 #: Prediction columns: JSON key of the predicted step -> what it is.
 PREDICTIONS = {
     "predicted_step_s": "the plan as made (by default from the profile every rank took at once before the run, "
-                        "as Pipeline(profile_in_ranks=True) takes it), with the machine measured once (link, "
+                        "as a Pipeline profiling in its ranks takes it), with the machine measured once (link, "
                         "per-action overhead)",
     "parent_profile_step_s": "the same split from a profile this process took alone before the run, slowed by the "
                              "measured slowdown of ranks computing together (what partition() in one process "

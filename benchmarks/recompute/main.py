@@ -6,12 +6,12 @@ parameters and compute, little activation), on 2 ranks under 1F1B: stage 0 holds
 micro-batches of activations at its peak, stage 1 one. One measured profile, one memory per
 device at which the planner recomputes on stage 0 and not on stage 1, then:
 
-* **planner**: ``autopipe.partition(..., memory=M)`` (``recompute="auto"``): its split and
+* **planner**: ``autopipe.partition(..., planner=PlannerOptions(memory=M))`` (``recompute="auto"``): its split and
   ``plan.recompute_stages``;
 * **checkpoint every stage**: every stage recomputes, at the split whose predicted step is
   fastest so among those that fit (the planner's own per-rank memory model,
   :func:`autopipe.planning.schedule_options.predict_split`);
-* **no recomputation**: ``autopipe.partition(..., memory=M, recompute=False)``, the best
+* **no recomputation**: ``PlannerOptions(memory=M, recompute=False)``, the best
   plan the planner finds keeping every activation, at the same micro-batch count;
 * beside them, **no recomputation, more micro-batches**: ``recompute=False`` with 2x or 4x
   as many smaller micro-batches of the same global batch (each size profiled), another way
@@ -19,7 +19,7 @@ device at which the planner recomputes on stage 0 and not on stage 1, then:
   (``n_microbatches`` is fixed).
 
 Each is predicted by the cost model on the measured profile and measured as a real 2-rank
-gloo ``Pipeline`` on CPU with ``checkpoint_stages`` set to the variant's stages: the
+gloo ``Pipeline`` on CPU with ``PlannerOptions(recompute=)`` set to the variant's stages: the
 variants run interleaved, one step each per round after two warm-up steps, and the median
 of the slower rank's step over the rounds is reported.
 
@@ -101,8 +101,8 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def plan_at(model: nn.Module, x_mb: torch.Tensor, m: int, devs: list[Device], costs: Any, **kw: Any) -> Plan:
     """A 1F1B plan of ``model`` from the profile ``costs`` (the loss already in its last segment)."""
-    return autopipe.partition(model, 2, example_args=(x_mb,), schedule="1F1B", n_microbatches=m, devices=devs,
-                              loss_fn=False, cost=costs, **kw)
+    return autopipe.partition(model, 2, example_args=(x_mb,), schedule="1F1B", n_microbatches=m, loss_fn=False,
+                              planner=autopipe.PlannerOptions(devices=devs, cost=costs, **kw))
 
 
 def every_stage_recomputing(plan: Plan, model: nn.Module, x_mb: torch.Tensor, devs: list[Device]
@@ -134,7 +134,8 @@ def worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     # Every variant trains on the same global batch, in its own number of micro-batches.
     pipes = {v["label"]: Pipeline(model, example_args=(x[:rows * m // v["n_microbatches"]],), loss_fn=loss_fn,
                                   split_points=v["split_points"], schedule="1F1B",
-                                  n_microbatches=v["n_microbatches"], checkpoint_stages=v["recompute"])
+                                  n_microbatches=v["n_microbatches"],
+                                  planner=autopipe.PlannerOptions(recompute=v["recompute"]))
              for v in job["variants"]}
     times: dict[str, list[float]] = {label: [] for label in pipes}
     for pipe in pipes.values():  # warm-up: gradients, receive buffers
@@ -189,7 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     quick = autopipe.ProfileOptions(warmup=2, repeats=10 if size == "full" else 1, progress=False)
     # One measured profile (the loss charged to the last segment) for every plan at this micro-batch size.
     free = autopipe.partition(model, 2, example_args=(x_mb,), schedule="1F1B", n_microbatches=m, loss_fn=loss_fn,
-                              example_target=torch.zeros_like(x_mb), profiling=quick)
+                              example_target=torch.zeros_like(x_mb),
+                              planner=autopipe.PlannerOptions(profiling=quick))
     costs, link = free.segment_costs(), free.links()[0]  # one link for every plan, so their predictions compare
     memory, plan, keep = choose_memory(model, x_mb, m, free, costs, link)
     devs = [Device(memory=memory, bandwidth=link.bandwidth, latency_s=link.latency_s)] * 2
@@ -209,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
         mb = x_mb[: rows // k]
         try:
             prof = autopipe.partition(model, 2, example_args=(mb,), schedule="1F1B", n_microbatches=m * k,
-                                      loss_fn=loss_fn, example_target=torch.zeros_like(mb), profiling=quick)
+                                      loss_fn=loss_fn, example_target=torch.zeros_like(mb),
+                                      planner=autopipe.PlannerOptions(profiling=quick))
             other = plan_at(model, mb, m * k, devs, prof.segment_costs(), recompute=False)
         except InfeasibleMemoryError:
             continue

@@ -36,6 +36,7 @@ from _pipebench import host_info, median, run_world  # noqa: E402
 from autopipe.models.transformer import SeedTransformer  # noqa: E402
 from autopipe.runtime import Pipeline  # noqa: E402
 from autopipe.planning.schedules import schedule_class  # noqa: E402
+from autopipe import PlannerOptions
 
 SIZES = {  # model and batch per size: (vocab, d_model, heads, d_ff, layers, seq_len, microbatch, n_microbatches)
     "full": (4000, 256, 8, 1024, 4, 128, 4, 8),
@@ -93,7 +94,8 @@ def worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         spr = 1 if schedule in ("GPipe", "1F1B") else 2
         model = _model(job["size"])
         auto = Pipeline(model, example_args=(x[:mb].cpu(),), loss_fn=loss_fn, split_points=SPLITS[spr],
-                        schedule=schedule, n_microbatches=m, stages_per_rank=spr, device=device)
+                        schedule=schedule, n_microbatches=m, device=device,
+                        planner=PlannerOptions(stages_per_rank=spr))
         hand = HandWritten(model, x[:mb].cpu(), SPLITS[spr], schedule, m, loss_fn, device)
         variants = {"autopipe": (auto.zero_grad, lambda: auto.step(x, target=y)),
                     "hand": (hand.zero_grad, lambda: hand.step(x, y))}

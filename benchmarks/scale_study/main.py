@@ -2,8 +2,8 @@
 
 Each model is built on the meta device in bf16 (shapes only: no memory for its weights),
 traced once and its segments' FLOPs counted once on meta (``profile_segments(...,
-device="meta")``); that profile is then handed to ``autopipe.partition(..., cost=profile,
-global_batch=B, data_parallel=DataParallelOptions("auto", "auto"))`` for every GPU count, so no layout
+device="meta")``); that profile is then handed to ``autopipe.partition(..., data_parallel=DataParallelOptions("auto", "auto"),
+planner=PlannerOptions(cost=profile, global_batch=B))`` for every GPU count, so no layout
 re-traces the model. The machine is H100s (``Device.preset("H100")``: 80 GB, 40% of the
 989 TFLOP/s bf16 peak) in nodes of 8, NVLink 4 inside a node and one 400 Gb/s InfiniBand NDR
 port per GPU between nodes (:class:`autopipe.machine.topology.Topology`).
@@ -21,6 +21,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from autopipe import PlannerOptions
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # benchmarks/_common
@@ -78,9 +79,9 @@ def plan_row(model: Any, args: Any, costs: Any, name: str, n_gpus: int, seq: int
     global_batch = SEQ_PER_GPU * n_gpus
     start = time.perf_counter()
     try:
-        plan = autopipe.partition(model, n_gpus, args, cost=costs, devices=topo, global_batch=global_batch,
-                                  data_parallel=autopipe.DataParallelOptions("auto", "auto"), schedule=schedule,
-                                  optimizer=OPTIMIZER_FACTOR, profiling=META_PROFILING)
+        plan = autopipe.partition(model, n_gpus, args, data_parallel=autopipe.DataParallelOptions("auto", "auto"),
+                                  schedule=schedule,
+                                  planner=PlannerOptions(cost=costs, devices=topo, global_batch=global_batch, optimizer=OPTIMIZER_FACTOR, profiling=META_PROFILING))
     except autopipe.InfeasibleMemoryError as e:  # no layout fits: each one's least memory is the result
         plan, rows, least = None, e.factorizations, e.min_memory_bytes
     else:

@@ -40,6 +40,7 @@ from _pipebench import LiveBytes, host_info, run_world  # noqa: E402
 from autopipe.models.transformer import SeedTransformer  # noqa: E402
 from autopipe.runtime import Pipeline  # noqa: E402
 from autopipe.planning.simulator import simulate  # noqa: E402
+from autopipe import PlannerOptions
 
 SIZES = {  # (vocab, d_model, heads, d_ff, layers, seq_len, microbatch, n_microbatches)
     "full": (2000, 256, 8, 1024, 4, 256, 4, 8),
@@ -70,8 +71,9 @@ def worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     model = SeedTransformer(vocab, d_model=d, num_heads=h, d_ff=ff, num_layers=layers, max_len=512, dropout=0.0)
     result: dict[str, Any] = {}
     for label, schedule, checkpointing, factor in VARIANTS:
-        pipe = Pipeline(model, example_args=(x[:mb].cpu(),), loss_fn=loss_fn, split_points=split,
-                        schedule=schedule, n_microbatches=m * factor, checkpoint_stages=checkpointing, device=device)
+        pipe = Pipeline(model, example_args=(x[:mb].cpu(),), loss_fn=loss_fn, split_points=split, schedule=schedule,
+                        n_microbatches=m * factor, device=device,
+                        planner=PlannerOptions(recompute=checkpointing))
         xb, yb = x[:mb * m * factor], y[:mb * m * factor]
         pipe.step(xb, target=yb)  # warm-up: gradients and receive buffers now exist
         pipe.zero_grad(set_to_none=False)  # keep the gradient tensors: they are not activations

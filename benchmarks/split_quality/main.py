@@ -117,9 +117,8 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log) -> dict[str
     with torch.no_grad():
         target = make_target(model(*args))
     device = opts.device
-    plan = autopipe.partition(model, 2, example_args=args, schedule=opts.schedule, n_microbatches=opts.microbatches,
-                              profiling=autopipe.ProfileOptions(device=device, progress=False, warmup=1,
-                                                                repeats=opts.profile_repeats))
+    plan = autopipe.partition(model, 2, example_args=args, schedule=opts.schedule, n_microbatches=opts.microbatches, planner=autopipe.PlannerOptions(profiling=autopipe.ProfileOptions(device=device, progress=False, warmup=1,
+                                                                repeats=opts.profile_repeats)))
     candidates = trace(model, args).split_point_names
     methods: dict[str, dict[str, Any]] = {
         "autopipe": {"split_point": plan.split_points[0], "predicted_bottleneck_s": plan.bottleneck_s,

@@ -3,7 +3,7 @@
 Real pipelines of 32 ranks need 32 devices; this benchmark instead measures every segment
 of each model once (``profile_segments``: forward and backward timed, activation bytes
 counted) and then, for p = 2, 4, 8, 16, 32, plans the model with
-``autopipe.partition(..., cost=profile)`` and reads the plan's figures:
+``autopipe.partition(..., planner=PlannerOptions(cost=profile))`` and reads the plan's figures:
 
 * autopipe's predicted step time (the simulated 1F1B step, ``4p`` micro-batches) and its
   bottleneck stage (compute + communication per micro-batch);
@@ -84,7 +84,7 @@ def bench_model(name: str, config: dict[str, Any], stages: list[int], opts: argp
             continue
         m = opts.microbatch_factor * p
         plan = autopipe.partition(model, p, example_args=args, schedule=opts.schedule, n_microbatches=m,
-                                  cost=costs, profiling=autopipe.ProfileOptions(device=opts.device, progress=False))
+                                  planner=autopipe.PlannerOptions(cost=costs, profiling=autopipe.ProfileOptions(device=opts.device, progress=False)))
         entry: dict[str, Any] = {
             "stages": p, "n_microbatches": m,
             "autopipe": {"bottleneck_s": plan.bottleneck_s, "step_s": plan.predicted_step_s},

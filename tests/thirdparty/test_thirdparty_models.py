@@ -23,6 +23,7 @@ import pytest
 import autopipe
 from autopipe.models.thirdparty import FAMILIES, REGISTRY, Built, get, package_missing
 from autopipe.models.thirdparty_checks import TOLERANCE, check_split, first_line, output_difference
+from _planning import partition_with  # noqa: E402
 
 TESTED = [name for name, entry in REGISTRY.items() if entry.unsupported is None]
 # Small profiles: the tests check that plans run, not how good they are.
@@ -55,7 +56,7 @@ def _plan(name: str, n_gpus: int, cost: str) -> autopipe.Plan:
             except Exception:  # noqa: BLE001 - the 2-stage test reports that failure
                 pass
         try:
-            _plans[key] = autopipe.partition(built.model, n_gpus, example_args=built.example_args,
+            _plans[key] = partition_with(built.model, n_gpus, example_args=built.example_args,
                                              example_kwargs=built.example_kwargs, **options,
                                              profiling=autopipe.ProfileOptions(
                                                  progress=False, **(PROFILE if cost == "measured" else {})))
