@@ -25,8 +25,9 @@ The top level holds the entry points below; everything else is imported from its
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -52,18 +53,7 @@ _PUBLIC = {
 __all__ = list(_PUBLIC)
 
 
-def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name)
-    if module is not None:
-        value = getattr(importlib.import_module(f".{module}", __name__), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module 'autopipe' has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_PUBLIC))
-
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC)
 
 if TYPE_CHECKING:  # for editors and type checkers: the same names, imported eagerly
     from .errors import AutopipeError, InfeasibleMemoryError, PipelineStepError  # noqa: F401

@@ -17,9 +17,6 @@ import numbers
 from collections.abc import Collection, Sequence
 from typing import Any
 
-__all__ = ["is_int", "listed", "check_int", "check_at_most", "check_choice", "check_bool"]
-
-
 def is_int(value: Any) -> bool:
     """Whether ``value`` is an integer (numpy's included), and not a bool.
 

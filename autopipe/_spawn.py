@@ -20,9 +20,6 @@ from typing import Any, NoReturn
 
 import torch.multiprocessing as mp
 
-__all__ = ["MAX_TIMEOUT_S", "check_timeout_s", "free_port", "join_loopback_world", "finish_rank", "spawn_ranks",
-           "run_ranks"]
-
 #: Longest timeout accepted, in seconds: 365 days. torch turns the timeout into integer
 #: milliseconds deadlines inside the process group; a year works, while 1e10 s made the
 #: store's client time out at once and 1e13 s was refused by gloo ("Invalid timeout"),

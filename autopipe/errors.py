@@ -27,7 +27,7 @@ class MissingExampleInputsError(AutopipeError, ValueError):
 class ModelExportError(AutopipeError, RuntimeError):
     """torch.export could not capture the model as one graph.
 
-    ``kind`` says which failure it was, as :func:`autopipe.planning.trace.export_failure_kind` tells
+    ``kind`` says which failure it was, as :func:`autopipe.planning.tracing.export_failure_kind` tells
     them apart: ``"data-dependent"``, ``"output-type"``, ``"cache-output"``,
     ``"input-type"``, ``"parameter-change"`` or ``"other"``.
     """

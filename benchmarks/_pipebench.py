@@ -580,7 +580,7 @@ def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
     in_ranks_profiles: list[dict[str, list[float]]] = []
     traced = None
     if job.get("profile_between_rounds") and rank == 0:  # profile_in_ranks traces for itself
-        from autopipe.planning.trace import trace
+        from autopipe.planning.tracing import trace
 
         traced = trace(model, args)
     for r in range(job["rounds"]):

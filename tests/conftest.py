@@ -46,7 +46,7 @@ import torch
 
 from autopipe.models import seed_transformer
 from autopipe.planning.profile import profile_segments
-from autopipe.planning.trace import trace
+from autopipe.planning.tracing import trace
 
 # Plans in tests must not depend on this host's link, nor a test write to the home folder: the
 # planner's link measurement (autopipe.planning.link_choice) and its cache file are off unless

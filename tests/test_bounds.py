@@ -18,7 +18,8 @@ import autopipe.planning.schedules as schedules
 import autopipe.planning.simulator as simulator
 from autopipe import Device
 from autopipe.planning.plan_file import MAX_STAGES
-from autopipe.runtime.distributed import MAX_TIMEOUT_S, check_timeout_s, init_distributed
+from autopipe._spawn import MAX_TIMEOUT_S
+from autopipe.runtime.distributed import check_timeout_s, init_distributed
 from autopipe.planning.schedules import MAX_SCHEDULE_SIZE
 
 from _time_limit import refused_within

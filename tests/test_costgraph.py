@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from autopipe.planning.costgraph import build_cost_graph
-from autopipe.planning.trace import trace
+from autopipe.planning.tracing import trace
 
 
 class Skip(nn.Module):

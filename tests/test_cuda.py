@@ -15,7 +15,7 @@ from autopipe.machine.speed import measure_device_speed
 from autopipe.models import seed_transformer
 from autopipe.planning.profile import profile_segments
 from autopipe.planning.rank_profile import profile_in_ranks
-from autopipe.planning.trace import trace
+from autopipe.planning.tracing import trace
 from _dist_utils import run_world
 from _runtime_workers import SPLITS, build, loss_fn, tutorial_batch, tutorial_model
 

@@ -17,7 +17,7 @@ from autopipe.planning import costmodel
 from autopipe.planning.costgraph import build_cost_graph
 from autopipe.planning.partitioner import PartitionProblem
 from autopipe.planning.simulator import simulate
-from autopipe.planning.trace import trace
+from autopipe.planning.tracing import trace
 
 pytestmark = pytest.mark.unit
 

@@ -15,7 +15,7 @@ from autopipe.models import seed_transformer
 from autopipe.planning import costmodel
 from autopipe.planning.plan import Plan
 from autopipe.planning.profile import profile_segments
-from autopipe.planning.trace import trace
+from autopipe.planning.tracing import trace
 from autopipe.reporting.data import report_data
 from autopipe.reporting.markdown import plan_to_markdown
 from _planning import partition_with

@@ -8,7 +8,7 @@ import importlib
 import pytest
 
 MODULES = [
-    "autopipe.planning.trace",
+    "autopipe.planning.tracing",
     "autopipe.planning.inplace",
     "autopipe.planning.hf_compat",
     "autopipe.planning.costgraph",

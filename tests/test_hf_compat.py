@@ -18,7 +18,7 @@ from autopipe.planning import hf_compat
 from autopipe.errors import MissingExampleInputsError, ModelExportError
 from autopipe.planning.hf_compat import CACHE_NOTE
 from autopipe.reporting.data import report_data
-from autopipe.planning.trace import export_failure_kind, trace
+from autopipe.planning.tracing import export_failure_kind, trace
 
 from _dist_utils import run_world
 from _planning import partition_with

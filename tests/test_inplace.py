@@ -18,7 +18,7 @@ import autopipe
 from autopipe.planning.inplace import clone_inputs_written_in_place, inputs_written_in_place
 from autopipe.planning.profile import profile_segments
 from autopipe.planning.segment_graphs import segment_modules
-from autopipe.planning.trace import trace
+from autopipe.planning.tracing import trace
 
 import _inplace_workers as workers
 from _dist_utils import run_world

@@ -18,7 +18,7 @@ from autopipe.models import hf
 from autopipe.models.zoo import build
 from autopipe.planning.default_loss import (ASSUMED_LOSS_NOTE, NO_LOSS_NOTE, assumed_loss, example_target_for,
                                             lm_vocabulary, pipeline_loss, token_cross_entropy)
-from autopipe.planning.trace import trace
+from autopipe.planning.tracing import trace
 from autopipe.reporting.data import report_data
 from autopipe.reporting.html import plan_to_html
 from autopipe.reporting.markdown import plan_to_markdown

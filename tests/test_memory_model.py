@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 
 from autopipe.machine.passes import SavedBytes
 from autopipe.planning.profile import profile_segments
-from autopipe.planning.trace import trace
+from autopipe.planning.tracing import trace
 
 
 def _storages_saved(model: nn.Module, *args: torch.Tensor) -> int:

@@ -14,7 +14,7 @@ from autopipe.planning import profile as profile_module
 from autopipe.planning.attention_count import attention_flops
 from autopipe.planning.profile import profile_segments
 from autopipe.planning.segment_graphs import copy_to_device, on_meta_device, stand_in
-from autopipe.planning.trace import trace
+from autopipe.planning.tracing import trace
 from _planning import partition_with
 
 QUIET = autopipe.ProfileOptions(progress=False)

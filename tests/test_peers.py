@@ -21,7 +21,7 @@ from autopipe.planning import peers
 from autopipe.planning.baselines import (BASELINES, baseline_split, layer_units, pippy_node_params,
                                          unit_param_counts)
 from autopipe.planning.profile import profile_segments
-from autopipe.planning.trace import trace
+from autopipe.planning.tracing import trace
 
 STAGES = (2, 4)
 MODELS = sorted(zoo.ZOO)

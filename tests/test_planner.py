@@ -15,7 +15,7 @@ from autopipe.errors import InfeasibleMemoryError, MissingExampleInputsError, Mo
 from autopipe.models import seed_transformer
 from autopipe.planning.profile import profile_segments
 from autopipe.planning.schedules import training_merges_outputs
-from autopipe.planning.trace import trace
+from autopipe.planning.tracing import trace
 from _planning import partition_with
 
 QUICK = autopipe.ProfileOptions(progress=False, warmup=0, repeats=1)  # for partition

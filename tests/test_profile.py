@@ -11,7 +11,7 @@ from autopipe.machine.speed import measure_device_flops
 from autopipe.machine.timing import CacheFlusher, last_level_cache_bytes, per_run_s, resolve_device
 from autopipe.planning.profile import fit_to_whole_default, profile_segments, room_for_whole
 from autopipe.planning.segment_graphs import copy_to_device, segment_modules
-from autopipe.planning.trace import trace
+from autopipe.planning.tracing import trace
 
 
 def test_every_segment_gets_positive_measured_times(small_traced):

@@ -26,7 +26,7 @@ from autopipe.planning.recompute import (brute_force_recompute, min_memory_with_
                                          solve_recompute)
 from autopipe.planning.schedule_options import ScheduleOption, _rank_peaks, cost_option, predict_split_step_s
 from autopipe.planning.schedules import stage_ranks
-from autopipe.planning.trace import trace
+from autopipe.planning.tracing import trace
 from autopipe.runtime.checkpointing import FOLLOW_PLAN, resolve_recompute
 from _planning import partition_with
 

@@ -130,7 +130,7 @@ def test_stage_modules_run_generated_code_not_the_fx_interpreter():
 
 def test_splitting_leaves_no_export_graph_pinned_by_torch():
     # torch fills a module-level map with the traced graph's nodes on every export and keeps
-    # it until the next one (autopipe.planning.trace.release_last_export).
+    # it until the next one (autopipe.planning.tracing.release_last_export).
     from torch.fx.experimental import proxy_tensor
 
     from autopipe.models import seed_transformer

@@ -20,7 +20,7 @@ from autopipe.models import seed_transformer
 from autopipe.planning.profile import profile_segments
 from autopipe.planning.affine_fit import B, fit_affine
 from autopipe.planning.scaling import ScaledProfile, profile_scaling, resize_batch
-from autopipe.planning.trace import trace
+from autopipe.planning.tracing import trace
 
 FLOPS = 1e9  # a fixed device speed, so the "flops" source needs no measuring
 

@@ -262,7 +262,7 @@ def test_the_last_stage_holds_the_outputs_only_where_a_training_step_keeps_them(
     # A training step asks torch for no outputs (torch 2.10 and later): the last stage keeps
     # none. An older torch keeps each micro-batch's output to return them merged.
     from autopipe.planning.costgraph import build_cost_graph
-    from autopipe.planning.planner import build_problem
+    from autopipe.planning.problem import build_problem
     from autopipe.planning.schedules import training_merges_outputs
 
     graph = build_cost_graph(small_traced, list(costs))

@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from autopipe.errors import MissingExampleInputsError, ModelExportError
-from autopipe.planning.trace import trace
+from autopipe.planning.tracing import trace
 
 
 def test_block_boundaries_are_split_points(small_traced):
@@ -99,7 +99,7 @@ def test_non_module_is_rejected():
 
 def test_a_finished_trace_leaves_no_graph_alive():
     # torch's export keeps its last graph in a module-level map until the next export
-    # (autopipe.planning.trace.release_last_export); a trace must not pin it.
+    # (autopipe.planning.tracing.release_last_export); a trace must not pin it.
     import gc
     import weakref
 
@@ -117,7 +117,7 @@ def test_a_finished_trace_leaves_no_graph_alive():
 def test_random_numbers_drawn_with_numpy_while_tracing_are_named_as_frozen():
     import numpy as np
 
-    from autopipe.planning.trace import FrozenRandomnessWarning
+    from autopipe.planning.tracing import FrozenRandomnessWarning
 
     class NumpyMask(nn.Module):
         def forward(self, x):

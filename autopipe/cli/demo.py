@@ -37,8 +37,6 @@ from typing import Any
 from .._checks import check_int
 from ..planning.options import PlannerOptions
 
-__all__ = ["run_demo", "DEMO_SCHEDULE", "DEMO_MICROBATCHES", "DEMO_RANKS"]
-
 DEMO_RANKS = 2  # CPU processes, one pipeline stage each
 DEMO_SCHEDULE = "1F1B"
 DEMO_MICROBATCHES = 4
@@ -231,7 +229,7 @@ def run_demo(
     from ..reporting.terminal import make_console, print_layers, print_plan
     from ..reporting.units import format_seconds
     from ..reporting.timeline import plan_timeline, split_timeline
-    from ..planning.trace import trace
+    from ..planning.tracing import trace
 
     console = console or make_console()
     out = Path(out_dir)

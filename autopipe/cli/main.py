@@ -27,8 +27,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-__all__ = ["main", "build_parser", "CliError"]
-
 PROG = "autopipe"
 
 
@@ -416,7 +414,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     from ..planning.profile import profile_segments
     from ..reporting.data import layer_rows, sort_layer_rows
     from ..reporting.terminal import print_layers
-    from ..planning.trace import trace
+    from ..planning.tracing import trace
 
     with _spinner(f"tracing {type(loaded.model).__name__} with torch.export ..."):
         traced = trace(loaded.model, loaded.example_args, loaded.example_kwargs)

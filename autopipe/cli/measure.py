@@ -17,9 +17,6 @@ from .._checks import check_int
 from ..machine.link import measure_link
 from ..runtime.overhead_probe import measure_action_overhead
 
-__all__ = ["main"]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m autopipe.cli.measure``: measure the loopback link a few times, print the medians.
 

@@ -55,8 +55,6 @@ from typing import Any
 
 from ..errors import AutopipeError
 
-__all__ = ["LoadedModel", "ModelSpecError", "load_model_spec", "parse_option_value", "HF_INPUT_OPTIONS"]
-
 #: Options of a Hugging Face spec that shape the example input rather than the config.
 HF_INPUT_OPTIONS = ("batch", "seq_len", "seed")
 

@@ -14,3 +14,22 @@ The runtime's cost per pipeline action is measured by running the runtime:
 :mod:`autopipe.runtime.overhead_probe`. ``python -m autopipe.cli.measure`` measures the
 machine once from the command line.
 """
+
+from __future__ import annotations
+
+from .._lazy import lazy_exports
+
+# Public name -> the module that defines it, loaded on first use.
+_PUBLIC = {
+    "Device": "device",
+    "parse_bytes": "device",
+    "Topology": "topology",
+    "Timer": "timing",
+    "measure_link": "link",
+    "LinkMeasurement": "link",
+    "measure_device_speed": "speed",
+    "measure_devices": "speed",
+}
+
+__all__ = list(_PUBLIC)
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC)

@@ -19,9 +19,6 @@ import math
 import re
 from dataclasses import dataclass
 
-__all__ = ["Device", "parse_bytes", "parse_bandwidth", "default_link", "step_message_s", "CPU_STEP_MESSAGE_S", "default_action_overhead_s", "sends_are_lazy",
-           "default_copy_bandwidth", "OPTIMIZER_STATE_FACTORS", "optimizer_state_factor"]
-
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,

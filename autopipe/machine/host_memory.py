@@ -21,8 +21,6 @@ import resource
 import sys
 from types import TracebackType
 
-__all__ = ["PeakResidentMemory", "resident_bytes", "return_freed_heap"]
-
 _STATUS = "/proc/self/status"
 
 

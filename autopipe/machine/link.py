@@ -32,9 +32,6 @@ from .._checks import check_distinct_sizes, check_int, is_int
 from .._spawn import check_timeout_s, finish_rank, join_loopback_world, run_ranks
 from .timing import resolve_device, synchronize
 
-__all__ = ["DEFAULT_SIZES_BYTES", "LinkMeasurement", "fit_link", "check_sizes_bytes", "measure_link",
-           "measure_link_in_group"]
-
 #: Message sizes of a link measurement: small ones pin down the latency, large ones the bandwidth.
 DEFAULT_SIZES_BYTES = (1 << 10, 1 << 14, 1 << 18, 1 << 22, 1 << 25)  # 1 KiB ... 32 MiB
 

@@ -39,9 +39,6 @@ import torch
 
 from .link import LinkMeasurement
 
-__all__ = ["loopback_link", "remember_link", "forget_links", "host_key", "cache_file", "measure_in_fresh_process",
-           "MeasureFn"]
-
 #: A function that measures the link between two processes on this host.
 MeasureFn = Callable[[], LinkMeasurement]
 

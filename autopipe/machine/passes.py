@@ -40,10 +40,6 @@ from torch.utils._pytree import tree_leaves
 
 from .timing import TimerLike, per_run_s
 
-__all__ = ["SavedBytes", "storage_key", "forward_backward", "timed_backward", "time_alone", "accumulate", "RoundEntry",
-           "time_in_rounds", "time_accumulation", "measure_backward_start_s", "WholePass"]
-
-
 def storage_key(t: torch.Tensor) -> int:
     """What identifies the memory ``t`` lives in: its storage's data pointer, or on the meta device its storage.
 

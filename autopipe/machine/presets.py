@@ -18,9 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Accelerator", "Link", "ACCELERATORS", "LINKS", "DEFAULT_EFFICIENCY"]
-
-
 @dataclass(frozen=True)
 class Link:
     """A link between two pipeline neighbours: bytes per second in one direction, seconds per message."""

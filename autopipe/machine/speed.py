@@ -27,9 +27,6 @@ from .device import Device, parse_bytes
 from .link import DEFAULT_SIZES_BYTES, LinkMeasurement, check_sizes_bytes, measure_link
 from .timing import Timer, resolve_device
 
-__all__ = ["measure_device_flops", "counting_flops", "measure_device_speed", "measure_devices"]
-
-
 def measure_device_flops(device: str | torch.device | None = None, *, size: int = 1024, repeats: int = 5) -> float:
     """Measured float32 matmul throughput of ``device`` in FLOP/s (median of ``repeats``).
 

@@ -27,10 +27,6 @@ from typing import Any, Protocol
 
 import torch
 
-__all__ = ["resolve_device", "synchronize", "per_run_s", "TimerLike", "Timer", "last_level_cache_bytes",
-           "CacheFlusher"]
-
-
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """The device to profile on: the given one, else CUDA when present, else CPU.
 

@@ -27,9 +27,6 @@ from dataclasses import dataclass, field, replace
 
 from .device import Device
 
-__all__ = ["Topology"]
-
-
 def _link(arg: str, value: str | tuple[float, float]) -> tuple[float, float]:
     """``(bandwidth bytes/s, latency s)`` of a link preset name or a pair."""
     from .presets import LINKS  # the tables import nothing of ours

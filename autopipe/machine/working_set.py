@@ -35,9 +35,6 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .passes import storage_key
 
-__all__ = ["LiveStorage", "WorkingSet", "backward_working_bytes", "working_bytes"]
-
-
 def _storage_bytes(t: torch.Tensor) -> int:
     return t.untyped_storage().nbytes() if t.layout == torch.strided else t.numel() * t.element_size()
 

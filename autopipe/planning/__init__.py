@@ -1,6 +1,6 @@
 """Planning: from a model to a :class:`~autopipe.planning.plan.Plan`, in the order the data flows.
 
-1. **Trace.** :mod:`.trace` exports the model (torch.export) and finds the candidate split
+1. **Trace.** :mod:`.tracing` exports the model (torch.export) and finds the candidate split
    points; :mod:`.hf_compat` makes Hugging Face models traceable as they come, and
    :mod:`.inplace` gives inputs a segment writes in place their own copy.
 2. **Profile.** :mod:`.profile` measures each segment between split points (time, memory,
@@ -21,3 +21,37 @@
    :mod:`.plan` (typed parts in :mod:`.plan_records`), which :mod:`.plan_file` saves and
    loads (checks in :mod:`.plan_checks` and :mod:`.plan_file_parts`).
 """
+
+from __future__ import annotations
+
+from .._lazy import lazy_exports
+
+# Public name -> the module that defines it, loaded on first use.
+_PUBLIC = {
+    "trace": "tracing",
+    "TracedModel": "tracing",
+    "profile_segments": "profile",
+    "profile_in_ranks": "rank_profile",
+    "profile_scaling": "scaling",
+    "ScaledProfile": "scaling",
+    "SegmentCost": "costgraph",
+    "CostGraph": "costgraph",
+    "build_cost_graph": "costgraph",
+    "stage_times_s": "costmodel",
+    "PartitionProblem": "partitioner",
+    "solve_bottleneck": "partitioner",
+    "SCHEDULES": "schedules",
+    "ScheduleSpec": "schedules",
+    "schedule_spec": "schedules",
+    "simulate": "simulator",
+    "layer_units": "baselines",
+    "partition": "planner",
+    "PlannerOptions": "options",
+    "ProfileOptions": "options",
+    "DataParallelOptions": "options",
+    "Plan": "plan",
+    "StagePlan": "plan_records",
+}
+
+__all__ = list(_PUBLIC)
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC)

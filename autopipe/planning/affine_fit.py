@@ -23,8 +23,6 @@ from typing import Callable
 import numpy as np
 import sympy
 
-__all__ = ["B", "AffineFit", "fit_affine", "evaluate", "parse_expr"]
-
 #: The micro-batch size symbol every fitted expression is written in.
 B = sympy.Symbol("b", positive=True, integer=True)
 

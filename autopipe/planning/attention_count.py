@@ -26,8 +26,6 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["FusedAttention", "ATTENTION_FLOPS", "attention_flops"]
-
 _SDPA = (torch.ops.aten.scaled_dot_product_attention.default, torch.nn.functional.scaled_dot_product_attention)
 _FUSED = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _FUSED_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default

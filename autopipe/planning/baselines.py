@@ -26,7 +26,7 @@ A rule that does not apply to a model gives no split, with the reason (:class:`B
 Example:
     >>> from autopipe.planning.baselines import layer_units
     >>> from autopipe.models import seed_transformer
-    >>> from autopipe.planning.trace import trace
+    >>> from autopipe.planning.tracing import trace
     >>> model, args = seed_transformer(vocab_size=100, num_layers=4, seq_len=8)
     >>> units = layer_units(trace(model, args))
     >>> units.names
@@ -44,10 +44,7 @@ import numpy as np
 from . import peers
 from .costgraph import SegmentCost
 from .partitioner import PartitionProblem, PartitionResult, evaluate
-from .trace import TracedModel, module_spans
-
-__all__ = ["LayerUnits", "BaselineSplit", "layer_units", "BASELINES", "baseline_split", "evaluate_baselines",
-           "pippy_node_params", "unit_param_counts"]
+from .tracing import TracedModel, module_spans
 
 #: name -> one-line description shown in reports (with the version of the tool followed).
 BASELINES = {
@@ -145,7 +142,7 @@ def layer_units(traced: TracedModel) -> LayerUnits:
 
     Example:
         >>> from autopipe.models.zoo import build
-        >>> from autopipe.planning.trace import trace
+        >>> from autopipe.planning.tracing import trace
         >>> model, args = build("unet", batch=1)
         >>> layer_units(trace(model, args)).names
         ['down.0', 'down.1', 'down.2', 'mid', 'up.0', 'up.1', 'up.2', 'head']
@@ -216,7 +213,7 @@ def pippy_node_params(traced: TracedModel) -> tuple[list[dict[str, int]], int, s
 
     Example:
         >>> from autopipe.models import seed_transformer
-        >>> from autopipe.planning.trace import trace
+        >>> from autopipe.planning.tracing import trace
         >>> per_node, total, problem = pippy_node_params(trace(*seed_transformer(vocab_size=50, num_layers=2)))
         >>> total > 0 and problem == ""
         True
@@ -261,7 +258,7 @@ def unit_param_counts(traced: TracedModel, units: LayerUnits) -> np.ndarray:
 
     Example:
         >>> import torch
-        >>> from autopipe.planning.trace import trace
+        >>> from autopipe.planning.tracing import trace
         >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
         >>> traced = trace(model, (torch.randn(3, 4),))
         >>> unit_param_counts(traced, layer_units(traced)).tolist()
@@ -300,7 +297,7 @@ def baseline_split(name: str, traced: TracedModel, costs: Sequence[SegmentCost],
 
     Example:
         >>> from autopipe.models import seed_transformer
-        >>> from autopipe.planning.trace import trace
+        >>> from autopipe.planning.tracing import trace
         >>> from autopipe.planning.profile import profile_segments
         >>> traced = trace(*seed_transformer(vocab_size=50, num_layers=4, seq_len=8))
         >>> costs = profile_segments(traced, cost="flops", progress=False, device_flops=1e9)

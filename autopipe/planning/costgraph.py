@@ -1,6 +1,6 @@
 """The cost graph: segments as nodes, the tensors between them as edges, bytes on every cut.
 
-Second step of the data flow. From a :class:`~autopipe.planning.trace.TracedModel` it finds
+Second step of the data flow. From a :class:`~autopipe.planning.tracing.TracedModel` it finds
 the tensors one segment hands to a later one and computes, for every candidate cut, the
 bytes that must cross it per micro-batch:
 
@@ -20,7 +20,7 @@ skips several segments is one edge but crosses every cut it spans.
 
 Example:
     >>> from autopipe.models import seed_transformer
-    >>> from autopipe.planning.trace import trace
+    >>> from autopipe.planning.tracing import trace
     >>> from autopipe.planning.costgraph import build_cost_graph
     >>> model, args = seed_transformer(vocab_size=100, d_model=16, num_layers=2, batch=2, seq_len=8)
     >>> cg = build_cost_graph(trace(model, args))
@@ -40,10 +40,7 @@ import torch.fx as fx
 from torch.utils._pytree import tree_leaves
 
 from .costmodel import step_backward_s
-from .trace import TracedModel
-
-__all__ = ["SegmentCost", "TensorEdge", "CostGraph", "build_cost_graph", "tensor_bytes", "requires_grad_map"]
-
+from .tracing import TracedModel
 
 @dataclass
 class SegmentCost:
@@ -232,7 +229,7 @@ def build_cost_graph(traced: TracedModel, costs: list[SegmentCost] | None = None
     """Build the cost graph of a traced model.
 
     Args:
-        traced: The result of :func:`autopipe.planning.trace.trace`.
+        traced: The result of :func:`autopipe.planning.tracing.trace`.
         costs: Per-segment costs from :func:`autopipe.planning.profile.profile_segments`; may be
             attached later with :meth:`CostGraph.attach_costs`.
 
@@ -241,7 +238,7 @@ def build_cost_graph(traced: TracedModel, costs: list[SegmentCost] | None = None
 
     Example:
         >>> from autopipe.models import seed_transformer
-        >>> from autopipe.planning.trace import trace
+        >>> from autopipe.planning.tracing import trace
         >>> model, args = seed_transformer(vocab_size=100, num_layers=2, seq_len=8)
         >>> cg = build_cost_graph(trace(model, args))
         >>> cg.num_segments == len(cg.graph.nodes)

@@ -81,15 +81,6 @@ import numpy as np
 if TYPE_CHECKING:
     from .timeline import Timeline
 
-__all__ = [
-    "SegmentTimes", "StepTail", "step_backward_s", "stage_times_s", "cut_bytes", "cut_time_s", "cut_times_s",
-    "step_tail", "simulate_step", "predicted_step_s", "state_bytes", "stage_peak_bytes", "rank_peak_bytes",
-    "recompute_backward_s", "held_act_bytes", "stage_work_bytes",
-    "bottleneck_lower_bound_s", "step_lower_bound_s", "DP_MODES", "ring_collective_s", "dp_reduction_s",
-    "dp_optimizer_factor",
-]
-
-
 class SegmentTimes(Protocol):
     """What the stage times read of a segment: a profile's ``SegmentCost`` or a plan's ``PlanSegment``."""
 

@@ -42,9 +42,7 @@ from ..machine.topology import Topology
 from . import costmodel
 from .dp_records import DataParallelRecord, Factorization
 from .plan import Plan
-from .trace import traces_reused
-
-__all__ = ["DP_MODE_CHOICES", "check_data_parallel", "example_batch_size", "plan_data_parallel", "reduction_s"]
+from .tracing import traces_reused
 
 #: Accepted values of ``DataParallelOptions.mode`` when planning: one of the runtime's modes, or both compared.
 DP_MODE_CHOICES = (*costmodel.DP_MODES, "auto")

@@ -20,7 +20,7 @@ plans with that loss.
 
 Example:
     >>> from autopipe.models import seed_transformer
-    >>> from autopipe.planning.trace import trace
+    >>> from autopipe.planning.tracing import trace
     >>> model, args = seed_transformer(vocab_size=100, num_layers=1, seq_len=8)
     >>> chosen = assumed_loss(model, trace(model, args))
     >>> chosen.loss_fn is token_cross_entropy, tuple(chosen.target.shape), chosen.vocabulary
@@ -41,10 +41,7 @@ from torch.utils._pytree import tree_leaves, tree_map, tree_unflatten
 
 from .profile import LossCost, model_output, profile_loss
 from .segment_graphs import on_meta_device
-from .trace import TracedModel
-
-__all__ = ["AssumedLoss", "assumed_loss", "token_cross_entropy", "logits_of", "lm_vocabulary", "traced_output",
-           "example_target_for", "charged_loss", "pipeline_loss", "NO_LOSS_NOTE", "ASSUMED_LOSS_NOTE"]
+from .tracing import TracedModel
 
 #: The start of the plan note for a last stage costed without a loss.
 NO_LOSS_NOTE = "loss: none costed"
@@ -125,7 +122,7 @@ def traced_output(traced: TracedModel) -> Any:
     Read from the exported graph (shapes and dtypes only), so nothing runs.
 
     Example:
-        >>> from autopipe.planning.trace import trace
+        >>> from autopipe.planning.tracing import trace
         >>> traced = trace(torch.nn.Linear(4, 3), (torch.randn(2, 4),))
         >>> out = traced_output(traced)
         >>> out.shape, out.device.type
@@ -162,7 +159,7 @@ def assumed_loss(model: torch.nn.Module, traced: TracedModel) -> AssumedLoss:
     to pass one.
 
     Example:
-        >>> from autopipe.planning.trace import trace
+        >>> from autopipe.planning.tracing import trace
         >>> model, x = torch.nn.Linear(4, 3), torch.randn(2, 4)
         >>> chosen = assumed_loss(model, trace(model, (x,)))
         >>> chosen.loss_fn is None, chosen.note.startswith(NO_LOSS_NOTE)
@@ -253,7 +250,7 @@ def charged_loss(
 
     Example:
         >>> from autopipe.models import seed_transformer
-        >>> from autopipe.planning.trace import trace
+        >>> from autopipe.planning.tracing import trace
         >>> model, args = seed_transformer(vocab_size=100, num_layers=1, seq_len=8)
         >>> loss, note = charged_loss(model, trace(model, args), None, None, device=torch.device("cpu"),
         ...                           warmup=0, repeats=1, cost_source="flops", profile_given=False)

@@ -18,9 +18,6 @@ from typing import Any
 
 from .plan_checks import MAX_STAGES, FieldCheck, required_fields
 
-__all__ = ["Factorization", "DataParallelRecord", "record_from_data"]
-
-
 @dataclass
 class Factorization:
     """One (pp, dp, mode) the planner costed: its best pipeline, the reduction, its memory, or why not."""

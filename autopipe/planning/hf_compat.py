@@ -38,18 +38,6 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "ConfigChange",
-    "CACHE_NOTE",
-    "cache_configs",
-    "is_hf_model",
-    "turn_off_cache",
-    "restore",
-    "training_config",
-    "training_kwargs",
-    "cache_note",
-]
-
 #: The start of the plan note that says the KV cache was turned off.
 CACHE_NOTE = "use_cache turned off for tracing and training (Hugging Face KV cache)"
 

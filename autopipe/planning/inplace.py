@@ -47,9 +47,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-__all__ = ["inputs_written_in_place", "clone_inputs_written_in_place"]
-
-
 def _nodes_in(value: Any) -> Iterator[fx.Node]:
     """The graph nodes inside an argument value (a node, or lists, tuples and dicts of them)."""
     if isinstance(value, fx.Node):

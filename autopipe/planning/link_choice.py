@@ -45,8 +45,6 @@ from ..machine.device import Device, step_message_s
 from ..machine.link import LinkMeasurement
 from ..machine.link_cache import MeasureFn, loopback_link
 
-__all__ = ["LinkChoice", "choose_link", "link_mode", "FREE_LINK", "MODES"]
-
 #: A link on which communication costs nothing: what the split would be if links were free.
 FREE_LINK = (math.inf, 0.0)
 

@@ -47,21 +47,6 @@ from ..errors import InfeasibleMemoryError
 from ..machine.device import format_bytes
 from .costmodel import link_busy_s, recompute_backward_s, stage_peak_bytes
 
-__all__ = [
-    "capacity_shares",
-    "format_capacities",
-    "PartitionProblem",
-    "PartitionResult",
-    "solve_bottleneck",
-    "solve_min_memory",
-    "rank_work_lower_bound_s",
-    "candidate_partitions",
-    "evaluate",
-    "brute_force",
-    "every_split",
-]
-
-
 @dataclass
 class PartitionProblem:
     """The numbers the partitioner needs, one entry per segment, cut or stage.

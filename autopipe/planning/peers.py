@@ -25,12 +25,6 @@ import numpy as np
 
 from .._checks import check_int
 
-__all__ = [
-    "deepspeed_partition_uniform", "deepspeed_partition_balanced", "torchgpipe_solve",
-    "torchtitan_stage_layers", "pippy_equal_size_cuts", "flops_dp_partition", "simulate_1f1b_s",
-]
-
-
 def deepspeed_partition_uniform(num_items: int, num_parts: int) -> list[int]:
     """DeepSpeed 0.19.8 ``partition_method="uniform"``: equal layer counts, the remainder first.
 

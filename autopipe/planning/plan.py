@@ -49,9 +49,6 @@ from .schedules import stage_ranks
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Plan", "StagePlan", "BaselinePlan", "PLAN_FORMAT_VERSION"]
-
-
 @dataclass
 class Plan:
     """Where to cut a model into pipeline stages, with the predictions behind the choice.

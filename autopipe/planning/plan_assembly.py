@@ -27,10 +27,7 @@ from .plan_records import Link, MachineModel, PlanSegment, SearchRecord
 from .problem import state_sizes
 from .schedule_options import ScheduleOption, fit_ranks, memory_limited, split_stage_times_s
 from .schedules import stage_ranks
-from .trace import TracedModel, module_spans
-
-__all__ = ["make_plan", "stage_records", "stage_fqns"]
-
+from .tracing import TracedModel, module_spans
 
 def make_plan(
     traced: TracedModel,

@@ -25,8 +25,6 @@ from typing import Any, NoReturn
 
 from ..errors import PlanFileError
 
-__all__ = ["MAX_STAGES", "MAX_PLAN_INT", "FieldCheck", "show", "required_fields"]
-
 #: Most pipeline stages a plan, or ``partition(n_gpus=...)``, may ask for.
 MAX_STAGES = 10**5
 

@@ -56,9 +56,6 @@ if TYPE_CHECKING:
 #: this module is handed rather than imports (the Plan reads its files through it).
 PlanT = TypeVar("PlanT")
 
-__all__ = ["PLAN_FORMAT_VERSION", "READ_FORMAT_VERSIONS", "MAX_PLAN_FILE_BYTES", "MAX_NESTING", "MAX_STAGES",
-           "MAX_PLAN_INT", "read_plan_file", "plan_from_data", "check_model_names"]
-
 #: The plan file layout :meth:`Plan.save` writes; bumped whenever the layout changes.
 PLAN_FORMAT_VERSION = 2
 

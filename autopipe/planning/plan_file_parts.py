@@ -25,9 +25,6 @@ from ..machine.passes import WholePass
 from .profile import LossCost
 from .schedules import MAX_SCHEDULE_SIZE
 
-__all__ = ["TYPED_FIELDS", "PlanShape", "typed_parts"]
-
-
 #: The Plan fields beyond the stages and baselines, each checked by :func:`typed_parts`.
 TYPED_FIELDS = ("segments", "machine", "step_tail", "rank_peak_bytes", "search", "alternatives", "notes", "loss",
                 "whole_pass", "global_batch", "scaling_fit_error", "calibration", "tuning")

@@ -30,10 +30,6 @@ from dataclasses import dataclass, field
 
 from .costgraph import SegmentCost
 
-__all__ = ["StagePlan", "BaselinePlan", "PlanSegment", "Link", "MachineModel", "SearchRecord", "ScheduleAlternative", "Calibration",
-           "TuningRecord"]
-
-
 @dataclass
 class StagePlan:
     """One pipeline stage of a plan: which modules it holds and what it is predicted to cost.

@@ -54,18 +54,10 @@ from ..machine.timing import resolve_device
 from .default_loss import charged_loss
 from .profile import COST_SOURCES, LossCost, profile_segments
 from .scaling import ScaledProfile, profile_scaling
-from .problem import build_problem
-from .schedule_options import ScheduleOption, auto_schedule_options, cost_option, inflight_per_stage
+from .schedule_options import ScheduleOption, auto_schedule_options, cost_option
 from .split_candidates import INSIDE_BLOCK_MARGIN
 from .segment_graphs import on_meta_device
-from .trace import TracedModel, trace
-
-__all__ = [
-    "partition", "build_problem", "make_plan", "cost_option", "inflight_per_stage",
-    "ScheduleOption", "auto_schedule_options",
-]
-
-
+from .tracing import TracedModel, trace
 
 # --------------------------------------------------------------------------- entry point
 

@@ -9,7 +9,7 @@ per-segment charge counts twice on one rank.
 
 Example:
     >>> from autopipe.models import seed_transformer
-    >>> from autopipe.planning.trace import trace
+    >>> from autopipe.planning.tracing import trace
     >>> from autopipe.planning.costgraph import SegmentCost, build_cost_graph
     >>> from autopipe.machine.device import Device
     >>> model, args = seed_transformer(vocab_size=100, d_model=16, num_layers=2, seq_len=8)
@@ -33,11 +33,7 @@ from . import schedules
 from .costgraph import CostGraph, SegmentCost
 from .costmodel import state_bytes, step_backward_s
 from .partitioner import PartitionProblem
-from .trace import TracedModel
-
-__all__ = ["build_problem", "input_bytes", "merged_output_bytes", "state_sizes", "state_tensors", "tensor_reads",
-           "rank_overcount_bytes", "stage_grad_bytes", "tied_gradient_bytes"]
-
+from .tracing import TracedModel
 
 def merged_output_bytes(costs: Sequence[SegmentCost]) -> float:
     """Bytes of one micro-batch's output that a training step's last stage keeps to merge.

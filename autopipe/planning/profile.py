@@ -1,7 +1,7 @@
 """Measure what every segment costs: forward and backward time, parameters, activations.
 
 Third step of the data flow. :func:`profile_segments` runs each segment of a
-:class:`~autopipe.planning.trace.TracedModel` on its own, on the target device, with the real
+:class:`~autopipe.planning.tracing.TracedModel` on its own, on the target device, with the real
 tensors the previous segments produce for the example micro-batch:
 
 * forward seconds and backward seconds are *measured* (warm-up, then the mean of
@@ -31,7 +31,7 @@ The segments' graphs come from :mod:`autopipe.planning.segment_graphs`; the timi
 
 Example:
     >>> from autopipe.models import seed_transformer
-    >>> from autopipe.planning.trace import trace
+    >>> from autopipe.planning.tracing import trace
     >>> from autopipe.planning.profile import profile_segments
     >>> model, args = seed_transformer(vocab_size=100, num_layers=1, seq_len=8)
     >>> costs = profile_segments(trace(model, args), repeats=1, warmup=0, progress=False)
@@ -63,10 +63,7 @@ from ..machine.timing import CacheFlusher, Timer, per_run_s, resolve_device
 from ..machine.working_set import backward_working_bytes, working_bytes
 from .costgraph import SegmentCost, requires_grad_map, tensor_bytes
 from .segment_graphs import copy_to_device, on_meta_device, segment_modules, stand_in
-from .trace import TracedModel
-
-__all__ = ["COST_SOURCES", "profile_segments", "profile_loss", "model_output", "LossCost", "SegmentCosts",
-           "fit_to_whole_default", "room_for_whole", "check_flush_cache", "check_runs", "check_fit_to_whole"]
+from .tracing import TracedModel
 
 #: Accepted values of the ``cost`` argument.
 COST_SOURCES = ("measured", "flops", "params")
@@ -163,7 +160,7 @@ def profile_segments(
     """Measure (or estimate) every segment's cost per micro-batch.
 
     Args:
-        traced: The result of :func:`autopipe.planning.trace.trace`.
+        traced: The result of :func:`autopipe.planning.tracing.trace`.
 
     Keyword Args:
         cost: ``"measured"`` (time it), ``"flops"`` or ``"params"`` (estimate it); see the
@@ -214,7 +211,7 @@ def profile_segments(
 
     Example:
         >>> from autopipe.models import seed_transformer
-        >>> from autopipe.planning.trace import trace
+        >>> from autopipe.planning.tracing import trace
         >>> model, args = seed_transformer(vocab_size=100, num_layers=1, seq_len=8)
         >>> costs = profile_segments(trace(model, args), cost="flops", progress=False)
         >>> costs[-1].flops > 0

@@ -30,10 +30,7 @@ import torch.distributed as dist
 
 from ..machine.timing import per_run_s, resolve_device
 from .profile import SegmentCosts, check_fit_to_whole, check_flush_cache, check_runs, profile_segments
-from .trace import trace
-
-__all__ = ["profile_in_ranks"]
-
+from .tracing import trace
 
 def profile_in_ranks(
     model: torch.nn.Module,

@@ -37,10 +37,6 @@ import numpy as np
 from .costmodel import recompute_backward_s, stage_peak_bytes
 from .partitioner import PartitionProblem, PartitionResult, capacity_shares, evaluate
 
-__all__ = ["solve_recompute", "recompute_candidates", "min_memory_with_recompute", "brute_force_recompute",
-           "stage_tables"]
-
-
 def stage_tables(problem: PartitionProblem, s: int, capacity: float | None = None,
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Stage ``s`` starting at segment ``i`` and ending before ``j``, for every ``(i, j)``.

@@ -49,15 +49,7 @@ from .costgraph import SegmentCost, build_cost_graph
 from ..machine.speed import counting_flops
 from ..machine.timing import resolve_device
 from .profile import COST_SOURCES, check_fit_to_whole, check_flush_cache, check_runs, profile_segments
-from .trace import TracedModel, resolve_example_inputs, trace
-
-__all__ = [
-    "SegmentScaling",
-    "ScaledProfile",
-    "profile_scaling",
-    "resize_batch",
-    "SCALED_PROFILE_FORMAT_VERSION",
-]
+from .tracing import TracedModel, resolve_example_inputs, trace
 
 #: Bumped whenever the JSON layout of :meth:`ScaledProfile.to_dict` changes incompatibly.
 SCALED_PROFILE_FORMAT_VERSION = 1
@@ -359,7 +351,7 @@ def profile_scaling(
     The example inputs are one micro-batch; its size ``b0`` is the length of ``batch_dim``
     of the first input tensor that has that dimension. For every size in ``sizes`` the
     inputs are resized (see :func:`resize_batch`), the model is traced with
-    :func:`autopipe.planning.trace.trace` (static shapes, as ``pipeline()`` traces it) and profiled
+    :func:`autopipe.planning.tracing.trace` (static shapes, as ``pipeline()`` traces it) and profiled
     with :func:`autopipe.planning.profile.profile_segments`; the cut bytes come from
     :func:`autopipe.planning.costgraph.build_cost_graph`. Then every quantity of every segment and
     cut is fitted with :func:`~autopipe.planning.affine_fit.fit_affine` (least squares, clamped
@@ -385,7 +377,7 @@ def profile_scaling(
         fit_to_whole: Scale each size's segments to its whole graph, as
             :func:`autopipe.planning.profile.profile_segments` does (default: on CUDA only).
         traced: ``model`` already traced on these example inputs
-            (:func:`autopipe.planning.trace.trace`): when ``sizes`` holds ``b0``, that size
+            (:func:`autopipe.planning.tracing.trace`): when ``sizes`` holds ``b0``, that size
             is profiled on this graph instead of exporting the model once more.
 
     Returns:
@@ -397,7 +389,7 @@ def profile_scaling(
             segments differ between two sizes (the model's graph depends on the batch size,
             so no single split list fits every size).
         ModelExportError: torch.export cannot capture the model at some size.
-        TypeError: ``traced`` is not a :class:`~autopipe.planning.trace.TracedModel`.
+        TypeError: ``traced`` is not a :class:`~autopipe.planning.tracing.TracedModel`.
 
     Example:
         >>> from autopipe.models import seed_transformer
@@ -489,7 +481,7 @@ def _check_traced(traced: Any, model: torch.nn.Module, base: int, batch_dim: int
     if traced is None:
         return
     if not isinstance(traced, TracedModel):
-        raise TypeError(f"traced must be a TracedModel (from autopipe.planning.trace.trace) or None, "
+        raise TypeError(f"traced must be a TracedModel (from autopipe.planning.tracing.trace) or None, "
                         f"got {type(traced).__name__}")
     if traced.model_name != type(model).__name__:
         raise ValueError(f"traced is a trace of {traced.model_name}, not of the model given ({type(model).__name__})")

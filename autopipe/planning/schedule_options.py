@@ -33,15 +33,10 @@ from .problem import build_problem, merged_output_bytes, rank_overcount_bytes, s
 from .schedules import stage_ranks, validate_schedule
 from .baselines import layer_units
 from .split_candidates import more_candidates, peer_cuts, prefer_layer_split
-from .trace import TracedModel
+from .tracing import TracedModel
 
 if TYPE_CHECKING:
     from .timeline import Timeline
-
-__all__ = ["ScheduleOption", "cost_option", "auto_schedule_options", "inflight_per_stage", "split_stage_times_s",
-           "split_cut_times_s", "split_step_tail", "predict_split_step_s", "predict_split", "fit_ranks",
-           "memory_limited"]
-
 
 @dataclass
 class ScheduleOption:

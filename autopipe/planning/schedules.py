@@ -32,32 +32,6 @@ from torch.distributed.pipelining.stage import PipelineStage
 
 from .._checks import check_int
 
-__all__ = [
-    "FORWARD",
-    "FULL_BACKWARD",
-    "INPUT_GRAD",
-    "WEIGHT_GRAD",
-    "SCHEDULES",
-    "SCHEDULE_SPECS",
-    "PLACEMENTS",
-    "MAX_SCHEDULE_SIZE",
-    "TRAINING_STEP_KWARGS",
-    "ScheduleSpec",
-    "Action",
-    "action_inputs",
-    "action_order",
-    "action_order_and_source",
-    "canonical_schedule_name",
-    "check_count",
-    "check_schedule_size",
-    "default_stages_per_rank",
-    "schedule_class",
-    "schedule_spec",
-    "stage_ranks",
-    "training_merges_outputs",
-    "validate_schedule",
-]
-
 #: What a training step passes to torch's ``schedule.step``: no outputs returned, so the last
 #: stage keeps none (``return_outputs``, torch 2.10 and later, pytorch/pytorch#165822). With an
 #: older torch the last stage keeps every micro-batch's output and concatenates them at the

@@ -10,7 +10,7 @@ ever holding the whole model.
 
 Example:
     >>> from autopipe.models import seed_transformer
-    >>> from autopipe.planning.trace import trace
+    >>> from autopipe.planning.tracing import trace
     >>> model, args = seed_transformer(vocab_size=100, num_layers=1, seq_len=8)
     >>> traced = trace(model, args)
     >>> [type(s.module).__name__ for s in segment_modules(traced)][:1]
@@ -27,10 +27,7 @@ import torch
 import torch.fx as fx
 
 from .inplace import clone_inputs_written_in_place
-from .trace import TracedModel
-
-__all__ = ["SegmentModule", "segment_modules", "copy_to_device", "on_meta_device", "stand_in"]
-
+from .tracing import TracedModel
 
 @dataclass
 class SegmentModule:
@@ -47,7 +44,7 @@ def segment_modules(traced: TracedModel, gm: fx.GraphModule | None = None) -> li
 
     Example:
         >>> from autopipe.models import seed_transformer
-        >>> from autopipe.planning.trace import trace
+        >>> from autopipe.planning.tracing import trace
         >>> model, args = seed_transformer(vocab_size=100, num_layers=1, seq_len=8)
         >>> traced = trace(model, args)
         >>> parts = segment_modules(traced)
@@ -166,7 +163,7 @@ def copy_to_device(module: fx.GraphModule, device: str | torch.device) -> fx.Gra
 
     Example:
         >>> from autopipe.models import seed_transformer
-        >>> from autopipe.planning.trace import trace
+        >>> from autopipe.planning.tracing import trace
         >>> model, args = seed_transformer(vocab_size=100, num_layers=1, seq_len=8)
         >>> moved = copy_to_device(trace(model, args).graph_module, "meta")
         >>> {p.device.type for p in moved.parameters()}

@@ -31,9 +31,6 @@ from .schedules import (FORWARD, FULL_BACKWARD, INPUT_GRAD, WEIGHT_GRAD, Action,
                         validate_schedule)
 from .timeline import Event, Timeline, inflight_peaks
 
-__all__ = ["LAZY_SEND_ROUNDS", "simulate", "solve_increasing"]
-
-
 def simulate(
     fwd_s: Sequence[float],
     bwd_s: Sequence[float],

@@ -38,10 +38,7 @@ from ..errors import InfeasibleMemoryError
 from .baselines import LayerUnits, evaluate_baselines
 from .costgraph import SegmentCost
 from .partitioner import PartitionProblem, PartitionResult, candidate_partitions, evaluate, every_split
-from .trace import TracedModel
-
-__all__ = ["BRUTE_FORCE_MAX", "INSIDE_BLOCK_MARGIN", "layer_problem", "more_candidates", "peer_cuts",
-           "prefer_layer_split"]
+from .tracing import TracedModel
 
 #: Splits into stages that a small problem has at most for all of them to be costed.
 BRUTE_FORCE_MAX = 64

@@ -22,9 +22,6 @@ from typing import Any
 from .._checks import check_int
 from .schedules import FORWARD, FULL_BACKWARD, INPUT_GRAD, SCHEDULE_SPECS, WEIGHT_GRAD
 
-__all__ = ["Event", "Timeline", "inflight_peaks"]
-
-
 @dataclass(frozen=True)
 class Event:
     """One action placed in time by the simulator; times are seconds from the step's start."""

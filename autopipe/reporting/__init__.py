@@ -14,11 +14,20 @@ Example:
     >>> write_report(report_data(plan), "report.html")  # doctest: +SKIP
 """
 
-from .text import plan_to_text
-from .units import format_bytes, format_seconds
-from .data import report_data, layer_rows
-from .files import write_report
-from .timeline import plan_timeline
+from __future__ import annotations
 
-__all__ = ["plan_to_text", "format_bytes", "format_seconds", "report_data", "layer_rows", "write_report",
-           "plan_timeline"]
+from .._lazy import lazy_exports
+
+# Public name -> the module that defines it, loaded on first use.
+_PUBLIC = {
+    "plan_to_text": "text",
+    "format_bytes": ".machine.device",
+    "format_seconds": "units",
+    "report_data": "data",
+    "layer_rows": "data",
+    "write_report": "files",
+    "plan_timeline": "timeline",
+}
+
+__all__ = list(_PUBLIC)
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC)

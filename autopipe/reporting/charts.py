@@ -35,18 +35,6 @@ from matplotlib.patches import Patch
 from .tables import alternative_step_s
 from .units import format_seconds
 
-__all__ = [
-    "FIGURE_NAMES",
-    "layer_cost_figure",
-    "stage_balance_figure",
-    "baselines_figure",
-    "timeline_figure",
-    "alternatives_figure",
-    "report_figures",
-    "save_pngs",
-    "figure_svg",
-]
-
 #: Figure names in the order reports show them.
 FIGURE_NAMES = ("stages", "layers", "baselines", "timeline", "alternatives")
 

@@ -24,9 +24,6 @@ if TYPE_CHECKING:
     from ..planning.plan import Plan
     from ..planning.timeline import Timeline
 
-__all__ = ["simulated_trace", "merge_rank_traces", "trace_ranks"]
-
-
 def simulated_trace(plan: "Plan", *, timeline: "Timeline | None" = None) -> dict[str, Any]:
     """The simulated step of ``plan`` as a Chrome trace: one track (thread) per rank.
 

@@ -30,10 +30,7 @@ if TYPE_CHECKING:
     from ..planning.costgraph import SegmentCost
     from ..planning.plan import Plan
     from ..planning.timeline import Timeline
-    from ..planning.trace import TracedModel
-
-__all__ = ["REPORT_FORMAT_VERSION", "report_data", "timeline_data", "layer_rows", "sort_layer_rows", "LAYER_SORT_KEYS",
-           "stage_ranks_of"]
+    from ..planning.tracing import TracedModel
 
 #: Bumped when the layout of :func:`report_data` changes incompatibly.
 REPORT_FORMAT_VERSION = 1
@@ -197,7 +194,7 @@ def layer_rows(traced: "TracedModel", costs: "list[SegmentCost]") -> list[dict[s
     """The per-layer profile: one row per segment, named by the split point it starts at.
 
     Args:
-        traced: a :class:`~autopipe.planning.trace.TracedModel`.
+        traced: a :class:`~autopipe.planning.tracing.TracedModel`.
         costs: its profile, one :class:`~autopipe.planning.costgraph.SegmentCost` per segment.
 
     Returns:

@@ -19,10 +19,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from .tables import Table
-from .units import format_bytes, format_seconds
-
-__all__ = ["dp_table"]
-
+from ..machine.device import format_bytes
+from .units import format_seconds
 
 def dp_table(record: Mapping[str, Any] | None) -> Table | None:
     """The factorizations of ``record`` as a table (None for a plan of one replica).

@@ -20,8 +20,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["REPORT_SUFFIXES", "report_format", "check_writable", "write_report", "write_json"]
-
 #: File suffix -> report format.
 REPORT_SUFFIXES = {".html": "html", ".htm": "html", ".md": "markdown", ".markdown": "markdown", ".json": "json"}
 

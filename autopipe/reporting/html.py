@@ -18,8 +18,6 @@ from typing import Any
 from .tables import (Table, alternatives_table, baseline_table, layer_table, measured_table, split_spec_code,
                      stage_table, summary_lines, tail_note)
 
-__all__ = ["plan_to_html"]
-
 _STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1200px;
        padding: 0 1em; color: #222; line-height: 1.45; }

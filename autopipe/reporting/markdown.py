@@ -14,9 +14,6 @@ from .data_parallel import dp_table
 from .tables import (Table, alternatives_table, baseline_table, layer_table, measured_table, split_spec_code,
                      stage_table, summary_lines, tail_note)
 
-__all__ = ["plan_to_markdown", "table_to_markdown"]
-
-
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
 

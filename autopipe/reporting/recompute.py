@@ -20,10 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .units import format_bytes
-
-__all__ = ["recompute_lines"]
-
+from ..machine.device import format_bytes
 
 def recompute_lines(stages: Sequence[Mapping[str, Any]], recompute_stages: Sequence[int]) -> list[str]:
     """Lines saying which stages recompute their activations and each stage's memory with and without.

@@ -19,20 +19,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .units import format_bytes, format_seconds, whole_pass_line
-
-__all__ = [
-    "Table",
-    "tail_note",
-    "summary_lines",
-    "split_spec_code",
-    "stage_table",
-    "baseline_table",
-    "alternatives_table",
-    "layer_table",
-    "measured_table",
-]
-
+from ..machine.device import format_bytes
+from .units import format_seconds, whole_pass_line
 
 @dataclass
 class Table:

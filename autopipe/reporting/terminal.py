@@ -17,9 +17,6 @@ from typing import IO, Any
 from .tables import (Table, alternatives_table, baseline_table, layer_table, measured_table, split_spec_code,
                      stage_table, summary_lines)
 
-__all__ = ["make_console", "rich_table", "print_plan", "print_layers"]
-
-
 def make_console(file: IO[str] | None = None, *, stderr: bool = False) -> Any:
     """A rich ``Console`` on ``file`` (stdout by default), 140 columns when not a terminal.
 
@@ -120,7 +117,8 @@ def print_layers(rows: list[dict[str, Any]], *, console: Any = None, title: str 
     Example:
         >>> print_layers(layer_rows(traced, costs))  # doctest: +SKIP
     """
-    from .units import format_bytes, format_seconds
+    from ..machine.device import format_bytes
+    from .units import format_seconds
 
     console = console or make_console()
     table = layer_table(rows)

@@ -16,13 +16,11 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from .units import format_bytes, format_seconds, whole_pass_line
+from ..machine.device import format_bytes
+from .units import format_seconds, whole_pass_line
 
 if TYPE_CHECKING:
     from ..planning.plan import Plan
-
-__all__ = ["plan_to_text"]
-
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]

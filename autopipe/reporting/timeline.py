@@ -28,9 +28,6 @@ if TYPE_CHECKING:
     from ..planning.plan import Plan
     from ..planning.timeline import Timeline
 
-__all__ = ["cut_comm_s", "plan_timeline", "split_timeline"]
-
-
 def cut_comm_s(plan: "Plan") -> list[float]:
     """One-way transfer time of each cut of ``plan``, in seconds, as the planner charged it.
 

@@ -3,17 +3,13 @@
 Every report format reads these, so none of them imports another format for its units.
 
 Example:
-    >>> format_bytes(3 * 2**20), format_seconds(0.0123)
-    ('3.0 MiB', '12.30 ms')
+    >>> format_seconds(0.0123)
+    '12.30 ms'
 """
 
 from __future__ import annotations
 
 from typing import Any
-
-from ..machine.device import format_bytes  # beside parse_bytes, its inverse; re-exported here for reports
-
-__all__ = ["format_bytes", "format_seconds", "whole_pass_line"]
 
 
 def format_seconds(s: float) -> str:

@@ -30,6 +30,17 @@ The modules, in the order a pipeline's data flows through them:
 - ``overhead_probe.py``: the runtime's own seconds per action, measured on a probe model.
 """
 
-from .pipeline import Pipeline
+from __future__ import annotations
 
-__all__ = ["Pipeline"]
+from .._lazy import lazy_exports
+
+# Public name -> the module that defines it, loaded on first use.
+_PUBLIC = {
+    "Pipeline": "pipeline",
+    "tune": "tuning",
+    "measure_action_overhead": "overhead_probe",
+    "split_model": "stages",
+}
+
+__all__ = list(_PUBLIC)
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC)

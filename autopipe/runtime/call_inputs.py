@@ -29,9 +29,6 @@ from .materialize import check_written
 from .model_io import TracedBatch
 from .step_failures import StepFailures
 
-__all__ = ["CallInputs"]
-
-
 class CallInputs:
     """This rank's view of the batches it is given (see the module's docstring).
 

@@ -22,8 +22,6 @@ from collections.abc import Sequence
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["checkpoint_stage", "resolve_recompute", "FOLLOW_PLAN"]
-
 #: The ``PlannerOptions.recompute`` value that takes the plan's choice (``plan.recompute_stages``):
 #: the stages the planner found must recompute to fit memory, none when everything fits.
 FOLLOW_PLAN = "auto"

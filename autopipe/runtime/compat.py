@@ -54,10 +54,6 @@ import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-__all__ = ["outlining_problems", "rename_nodes_shadowing_self", "safe_submodule_outlining", "WIRE_DTYPE",
-           "make_boundary_tensors_sendable", "guard_stage_boundaries", "VStage", "static_stage_meta",
-           "to_stage_device"]
-
 logger = logging.getLogger(__name__)
 
 #: The torch issue :func:`safe_submodule_outlining` works around.

@@ -42,9 +42,6 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..planning.schedules import schedule_spec
 from .params import stage_state
 
-__all__ = ["DP_MODES", "DataParallel", "data_parallel_from_plan", "check_mesh_arguments", "resolve_data_parallel", "prepare_replicas",
-           "local_tensor", "full_tensor"]
-
 #: How gradients are reduced over the ``dp`` dimension.
 DP_MODES = ("fsdp", "replicate")
 

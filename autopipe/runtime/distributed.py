@@ -31,24 +31,7 @@ import torch
 import torch.distributed as dist
 
 # The bound on process-group timeouts is shared with the measurements that spawn ranks.
-from .._spawn import MAX_TIMEOUT_S, check_timeout_s
-
-__all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "MAX_TIMEOUT_S",
-    "check_timeout_s",
-    "default_backend",
-    "default_device",
-    "collective_device",
-    "init_distributed",
-    "created_process_group",
-    "hold_process_group",
-    "release_process_group",
-    "broadcast_object",
-    "gather_digests",
-    "close_at_exit",
-    "destroy_groups",
-]
+from .._spawn import check_timeout_s
 
 #: How long a collective or point-to-point transfer may wait for a peer before the process
 #: group raises, in seconds. A rank that dies makes the others fail within this bound

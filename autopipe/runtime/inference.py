@@ -30,9 +30,6 @@ from ..planning.schedules import schedule_class, schedule_spec
 from .stages import MicrobatchMeanLoss, RankStages, make_schedule, manual_stage, rewrap_stage
 from .step_failures import StepFailures
 
-__all__ = ["Inference", "zero_loss"]
-
-
 def zero_loss(output: Any, target: Any) -> torch.Tensor:
     """A loss of exactly zero that still depends on the output (so a backward can run).
 

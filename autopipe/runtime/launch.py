@@ -35,8 +35,6 @@ from dataclasses import dataclass
 
 from .._checks import check_int
 
-__all__ = ["RunArgs", "parse_run_args", "torchrun_argv", "run_script", "main"]
-
 USAGE = """usage: autopipe run SCRIPT [--nproc N] [--nnodes M --rdzv-endpoint HOST:PORT] [SCRIPT ARGS ...]
        autopipe run [--nproc N] [--nnodes M --rdzv-endpoint HOST:PORT] SCRIPT [SCRIPT ARGS ...]
 

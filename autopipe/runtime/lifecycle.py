@@ -18,9 +18,6 @@ from typing import Any
 from .distributed import close_at_exit, destroy_groups, hold_process_group, release_process_group
 from .step_failures import StepFailures
 
-__all__ = ["PipelineLifecycle"]
-
-
 class PipelineLifecycle:
     """Failed-step state, :meth:`close` and the context manager of a pipeline.
 

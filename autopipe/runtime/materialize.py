@@ -46,10 +46,6 @@ import torch.nn as nn
 from .._checks import listed
 from .params import StateNames, set_tensor
 
-__all__ = ["WeightSource", "UnwrittenTensorsError", "on_meta", "check_weight_arguments", "module_seed",
-           "default_init", "fill_sentinel", "unwritten", "read_weights", "load_weights", "materialize_rank",
-           "materialize_leftovers", "to_meta"]
-
 #: What ``weights=`` accepts: a state dict, or the path of a ``.safetensors`` file or a DCP directory.
 WeightSource = Union[Mapping[str, torch.Tensor], str, os.PathLike]
 

@@ -30,9 +30,6 @@ from typing import Any
 import torch
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-__all__ = ["ModelIO", "TracedBatch", "capture_export"]
-
-
 @dataclass(frozen=True)
 class ModelIO:
     """The traced model's input and output structure.

@@ -30,8 +30,6 @@ from .._checks import listed
 from .data_parallel import local_tensor
 from .params import StateNames, fold_use_leaf_grads
 
-__all__ = ["grads_before", "sum_shared_grads", "clip_grad_norm", "full_state_dict", "load_local_state"]
-
 #: ``(canonical names, process group)`` for each set of parameters this rank shares with
 #: other ranks; group None is the whole world.
 Shared = Sequence[tuple[list[str], Any]]

@@ -39,8 +39,6 @@ from ..planning.simulator import simulate, solve_increasing
 from .pipeline import Pipeline
 from ..planning.options import PlannerOptions
 
-__all__ = ["OVERHEAD_SCHEDULES", "OverheadMeasurement", "fit_action_overhead", "measure_action_overhead"]
-
 #: Schedules the overhead probe runs by default, with their stages per rank.
 OVERHEAD_SCHEDULES = (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2))
 # The probe model: linear layers wide enough that every rank really computes while it waits

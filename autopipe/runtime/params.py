@@ -39,11 +39,6 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-__all__ = ["StateNames", "set_tensor", "model_state_names", "used_attribute_names", "stage_state", "stage_aliases",
-           "shared_parameters", "first_use_ranks", "model_signature", "first_model_difference", "tie_aliases",
-           "fold_use_leaf_grads"]
-
-
 @dataclass(frozen=True)
 class StateNames:
     """How the original (unsplit) model names its parameters and buffers.

@@ -57,9 +57,6 @@ from .stage_timer import StageTimer, gather_stage_times
 from .stages import MicrobatchMeanLoss, build_rank_stages, make_schedule
 from .step_failures import agree_on_failures, share_loss
 
-__all__ = ["Pipeline"]
-
-
 class Pipeline(PipelineLifecycle):
     """A model split into pipeline stages across the ranks of a ``torch.distributed`` job.
 

@@ -36,13 +36,9 @@ from ..planning.default_loss import pipeline_loss, traced_output
 from ..planning.options import PlannerOptions, ProfileOptions
 from ..planning.plan import Plan, StagePlan
 from ..planning.schedules import canonical_schedule_name, default_stages_per_rank, validate_schedule
-from ..planning.trace import resolve_example_inputs, trace
+from ..planning.tracing import resolve_example_inputs, trace
 from .distributed import broadcast_object, gather_digests
 from .materialize import on_meta, to_meta
-
-__all__ = ["PlanRequest", "PipelineLayout", "settle_plan", "check_model_and_inputs",
-           "profile_in_ranks_by_default", "rank_profile_settings", "planner_kwargs"]
-
 
 @dataclass(frozen=True)
 class PlanRequest:

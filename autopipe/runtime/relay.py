@@ -26,9 +26,6 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-__all__ = ["relay_skip_connections", "boundary_values"]
-
-
 def _stage_nodes(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if n.op == "call_module"]
 

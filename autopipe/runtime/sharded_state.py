@@ -50,9 +50,6 @@ from .params import StateNames
 if TYPE_CHECKING:  # the Pipeline builds on this module's functions, never the reverse at run time
     from .pipeline import Pipeline
 
-__all__ = ["model_state_dict", "load_model_state_dict", "optimizer_state_dict", "load_optimizer_state_dict",
-           "save_checkpoint", "load_checkpoint"]
-
 _STATE = "state"
 _GROUPS = "param_groups"
 

@@ -27,8 +27,6 @@ import torch.distributed as dist
 
 from ..machine.timing import Timer, per_run_s
 
-__all__ = ["StageTimer", "gather_stage_times"]
-
 #: The stage methods torch's schedules call, and what each is charged as.
 _TIMED_CALLS = (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backward_weight_one_chunk", "W"))
 

@@ -36,7 +36,7 @@ from ..planning import hf_compat
 from ..planning.inplace import clone_inputs_written_in_place
 from ..planning.plan import Plan
 from ..planning.schedules import schedule_class, schedule_spec
-from ..planning.trace import release_last_export, warn_if_host_randomness_is_frozen
+from ..planning.tracing import release_last_export, warn_if_host_randomness_is_frozen
 from .checkpointing import checkpoint_stage
 from .materialize import (WeightSource, check_state_fits, describe_weights, load_weights, materialize_leftovers,
                           materialize_rank, on_meta, stored_shapes, to_meta)
@@ -48,9 +48,6 @@ from .params import (StateNames, first_model_difference, first_use_ranks, model_
                      shared_parameters, stage_state, tie_aliases, used_attribute_names)
 from .relay import relay_skip_connections
 from .step_failures import PlayThroughLoss, StepFailures, play_through_forward
-
-__all__ = ["split_model", "run_generated_code", "RankStages",
-           "build_rank_stages", "manual_stage", "rewrap_stage", "MicrobatchMeanLoss", "make_schedule"]
 
 def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict], *, training: bool,
                 expected: int, unless_graph: list[str] | None = None) -> Any:

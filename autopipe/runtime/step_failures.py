@@ -44,9 +44,6 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import PipelineStepError
 
-__all__ = ["StepFailures", "PlayThroughLoss", "play_through_forward", "one_line", "LOSS_DTYPES", "share_loss",
-           "agree_on_failures"]
-
 # An error's text as the other ranks receive it: one line of at most this many characters.
 _MAX_TEXT = 600
 

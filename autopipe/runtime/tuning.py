@@ -39,9 +39,6 @@ from ..planning.plan_records import TuningRecord
 from .distributed import collective_device
 from .pipeline import Pipeline
 
-__all__ = ["tune", "tuning_candidates"]
-
-
 def tuning_candidates(plan: Plan, count: int) -> list[tuple[list[str], float]]:
     """The plan's own split and the fastest-predicted distinct splits it reports, at most ``count``.
 

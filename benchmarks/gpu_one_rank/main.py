@@ -43,7 +43,7 @@ from _pipebench import MODELS, ce_loss, host_info, make_target, stack_microbatch
 import autopipe  # noqa: E402
 from autopipe.models.zoo import build  # noqa: E402
 from autopipe.planning.profile import profile_segments  # noqa: E402
-from autopipe.planning.trace import trace  # noqa: E402
+from autopipe.planning.tracing import trace  # noqa: E402
 
 # Sizes that give a GPU some work per micro-batch (the CPU benchmarks' sizes take tens of
 # microseconds there); the CNN, U-Net and MLP keep the CPU benchmarks' full size, as does

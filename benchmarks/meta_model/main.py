@@ -35,12 +35,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from autopipe import PlannerOptions
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT))  # the checkout, also when autopipe is not installed
 sys.path.insert(0, str(HERE.parent))  # benchmarks/_common
+from autopipe import PlannerOptions  # noqa: E402
 RESULTS = HERE / "results.json"
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4,
                 vocab_size=32000, max_position_embeddings=2048)

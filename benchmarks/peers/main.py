@@ -49,7 +49,7 @@ from _pipebench import (  # noqa: E402
 
 import autopipe  # noqa: E402
 from autopipe.planning.baselines import layer_units  # noqa: E402
-from autopipe.planning.trace import trace  # noqa: E402
+from autopipe.planning.tracing import trace  # noqa: E402
 
 QUICK_MODELS = ("seed_transformer", "unet", "mlp")
 BEST = "best_layer_split"

@@ -55,7 +55,7 @@ from autopipe.machine.device import default_action_overhead_s, default_link  # n
 from autopipe.machine.link import measure_link  # noqa: E402
 from autopipe.runtime.overhead_probe import measure_action_overhead  # noqa: E402
 from autopipe.planning.profile import profile_segments  # noqa: E402
-from autopipe.planning.trace import trace  # noqa: E402
+from autopipe.planning.tracing import trace  # noqa: E402
 
 # (schedule, stages per rank): two single-stage, two multi-stage schedules torch offers.
 SCHEDULES = (("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2))

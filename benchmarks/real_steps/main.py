@@ -105,7 +105,7 @@ def lm_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
 def layer_splits(model: torch.nn.Module, args: tuple) -> list[list[str]]:
     """Every 2-stage split at a boundary between the layers a framework sees, in model order."""
     from autopipe.planning.baselines import layer_units
-    from autopipe.planning.trace import trace
+    from autopipe.planning.tracing import trace
 
     traced = trace(model, args)
     units = layer_units(traced)

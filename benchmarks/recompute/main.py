@@ -53,7 +53,7 @@ from autopipe.machine.device import Device, default_copy_bandwidth, sends_are_la
 from autopipe.planning.costgraph import build_cost_graph  # noqa: E402
 from autopipe.planning.plan import Plan  # noqa: E402
 from autopipe.planning.schedule_options import ScheduleOption, cost_option, predict_split  # noqa: E402
-from autopipe.planning.trace import trace  # noqa: E402
+from autopipe.planning.tracing import trace  # noqa: E402
 from autopipe.runtime import Pipeline  # noqa: E402
 
 SIZES = {  # (wide blocks, dense layers, d, hidden, dense width, micro-batch rows, micro-batches, rounds)

@@ -21,11 +21,12 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-from autopipe import PlannerOptions
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # benchmarks/_common
 sys.path.insert(0, str(HERE.parents[1]))  # the checkout's autopipe
+from autopipe import PlannerOptions  # noqa: E402
+
 RESULTS = HERE / "results.json"
 
 VOCAB = 128256  # the Llama 3 tokenizer
@@ -119,7 +120,7 @@ def study(name: str, seq: int, gpu_counts: list[int], schedule: str) -> tuple[di
     from autopipe.machine.device import Device
     from autopipe.machine.topology import Topology
     from autopipe.planning.profile import profile_segments
-    from autopipe.planning.trace import trace
+    from autopipe.planning.tracing import trace
 
     topo = Topology(Device.preset("H100"), gpus_per_node=8, intra="nvlink4", inter="ib-ndr")
     start = time.perf_counter()

@@ -45,7 +45,7 @@ from _pipebench import (  # noqa: E402
 )
 
 import autopipe  # noqa: E402
-from autopipe.planning.trace import trace  # noqa: E402
+from autopipe.planning.tracing import trace  # noqa: E402
 
 BASELINE_ORDER = ("deepspeed_parameters", "deepspeed_uniform", "torchtitan_default", "torchgpipe_time",
                   "pippy_equal_size", "flops_dp")

@@ -41,7 +41,7 @@ from _pipebench import host_info  # noqa: E402
 import autopipe  # noqa: E402
 from autopipe.models.zoo import build  # noqa: E402
 from autopipe.planning.profile import profile_segments  # noqa: E402
-from autopipe.planning.trace import trace  # noqa: E402
+from autopipe.planning.tracing import trace  # noqa: E402
 
 # Deep versions of the zoo models: enough blocks (and legal split points) for 32 stages.
 DEEP: dict[str, dict[str, Any]] = {

@@ -24,7 +24,7 @@ from _common import write_result  # noqa: E402
 from autopipe.models.hf import gpt2_from_config  # noqa: E402
 from autopipe.machine.timing import Timer, resolve_device  # noqa: E402
 from autopipe.planning.profile import profile_segments  # noqa: E402
-from autopipe.planning.trace import trace  # noqa: E402
+from autopipe.planning.tracing import trace  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:

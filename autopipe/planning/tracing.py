@@ -21,7 +21,7 @@ measures and the partitioner groups into stages.
 Example:
     >>> import torch
     >>> from autopipe.models import seed_transformer
-    >>> from autopipe.planning.trace import trace
+    >>> from autopipe.planning.tracing import trace
     >>> model, args = seed_transformer(vocab_size=100, num_layers=2, seq_len=8)
     >>> traced = trace(model, args)
     >>> traced.split_point_names[:3]
@@ -48,10 +48,6 @@ from torch.export import ExportedProgram
 
 from . import hf_compat
 from ..errors import ModelExportError, MissingExampleInputsError
-
-__all__ = ["SplitCandidate", "Segment", "TracedModel", "trace", "traces_reused", "resolve_example_inputs",
-           "export_error", "export_failure_kind", "module_spans", "release_last_export"]
-
 
 @dataclass(frozen=True)
 class SplitCandidate:
