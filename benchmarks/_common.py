@@ -6,11 +6,15 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+
+# The models the benchmarks run are the tests' (tests/zoo), not part of the library.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 
 def machine() -> dict[str, Any]:

@@ -37,7 +37,8 @@ from torch.utils._pytree import tree_leaves
 
 from autopipe import PlannerOptions
 from autopipe._spawn import finish_rank, join_loopback_world, spawn_ranks
-from autopipe.models.zoo import build
+import _common  # noqa: F401  (puts tests/ on the path, for the test models)
+from zoo import build
 from autopipe.machine.timing import Timer, per_run_s
 from autopipe.machine.working_set import LiveStorage
 
@@ -97,7 +98,7 @@ def world_of_one(device: torch.device, timeout_s: float = 120.0) -> None:
 class BenchModel:
     """A zoo model at three sizes: full runs, ``--quick`` runs and the test suite's ``--smoke``."""
 
-    zoo: str  # name in autopipe.models.zoo.ZOO
+    zoo: str  # name in zoo.ZOO
     why: str  # what makes its layers uneven
     full: dict[str, Any] = field(default_factory=dict)
     quick: dict[str, Any] = field(default_factory=dict)

@@ -20,9 +20,16 @@ import argparse
 import torch
 import torch.nn as nn
 
-from autopipe.models.hf import gpt2_from_config
-from autopipe.planning.options import PlannerOptions, ProfileOptions
-from autopipe.runtime import Pipeline
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from autopipe import Pipeline, PlannerOptions, ProfileOptions
+
+
+class GPT2Logits(GPT2LMHeadModel):
+    """GPT-2 whose forward takes token ids and returns the logits (no KV cache): one tensor out."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(input_ids=input_ids, use_cache=False).logits
 
 
 def counting_batch(batch: int, seq_len: int, vocab: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,9 +54,10 @@ def main() -> None:
     parser.add_argument("--save", default=None, help="write the full state_dict here (rank 0)")
     args = parser.parse_args()
 
-    model, (x_mb,) = gpt2_from_config(n_layer=args.layers, n_embd=args.width, n_head=4, vocab_size=args.vocab,
-                                      n_positions=max(64, args.seq_len), batch=args.microbatch_size,
-                                      seq_len=args.seq_len)
+    torch.manual_seed(0)  # the same initial weights on every rank
+    model = GPT2Logits(GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=4, vocab_size=args.vocab,
+                                  n_positions=max(64, args.seq_len), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    x_mb = torch.randint(0, args.vocab, (args.microbatch_size, args.seq_len))
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(logits.reshape(-1, args.vocab), target.reshape(-1))

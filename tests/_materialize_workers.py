@@ -40,7 +40,7 @@ def seed_init(model: nn.Module) -> None:
 
 
 def llama(meta: bool) -> tuple[nn.Module, tuple[torch.Tensor]]:
-    from autopipe.models.hf import llama_from_config
+    from zoo.hf import llama_from_config
 
     with torch.device("meta" if meta else "cpu"):
         model, (x_mb,) = llama_from_config(**LLAMA)

@@ -24,7 +24,7 @@ LAYOUTS = {
 
 
 def llama(seed: int, layers: int = LLAMA["num_hidden_layers"]) -> nn.Module:
-    from autopipe.models.hf import llama_from_config
+    from zoo.hf import llama_from_config
 
     torch.manual_seed(seed)
     model, _ = llama_from_config(**{**LLAMA, "num_hidden_layers": layers})

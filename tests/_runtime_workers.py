@@ -137,7 +137,7 @@ def gpt2_run(rank: int, world_size: int, schedules: list[str]) -> dict[str, dict
 
 
 def _gpt2_case(schedule: str, world_size: int, split_points: list[str] | None = None) -> dict:
-    from autopipe.models.hf import gpt2_from_config
+    from zoo.hf import gpt2_from_config
 
     vocab = 64
     model, (x_mb,) = gpt2_from_config(n_layer=4, n_embd=16, n_head=2, vocab_size=vocab, seq_len=8, batch=2)
@@ -172,7 +172,7 @@ def v_boundaries_run(rank: int, world_size: int, schedules: list[str]) -> dict[s
 
 
 def _unet_case(schedule: str) -> dict:
-    from autopipe.models.zoo import unet
+    from zoo import unet
 
     model, (x_mb,) = unet(base_width=4, depth=3, image_size=16, batch=2)
     pipe = Pipeline(model, example_args=(x_mb,), schedule=schedule, n_microbatches=N_MICROBATCHES,

@@ -66,6 +66,31 @@ def test_the_top_level_holds_the_entry_points_and_each_resolves_without_a_warnin
             assert getattr(autopipe, name).__name__ == name
 
 
+PUBLIC_PACKAGES = ("autopipe", "autopipe.errors", "autopipe.machine", "autopipe.planning", "autopipe.reporting",
+                   "autopipe.runtime", "autopipe.models", "autopipe.cli")
+
+
+def test_the_public_surface_is_the_packages_all_and_stays_small():
+    import ast
+    import importlib
+    from pathlib import Path
+
+    names = 0
+    for package in PUBLIC_PACKAGES:
+        module = importlib.import_module(package)
+        names += len(module.__all__)
+        for name in module.__all__:  # each resolves to the object, not to a submodule of the same name
+            assert not inspect.ismodule(getattr(module, name)), f"{package}.{name} is a module"
+    assert names <= 120
+    root = Path(autopipe.__file__).parent
+    public_files = {root / "__init__.py", root / "errors.py"} | {root / p.split(".")[1] / "__init__.py"
+                                                                   for p in PUBLIC_PACKAGES[2:]}
+    declaring = [str(f.relative_to(root)) for f in root.rglob("*.py") if f not in public_files
+                 and any(isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in n.targets)
+                         for n in ast.parse(f.read_text()).body)]
+    assert not declaring, f"internal modules declaring a public surface: {declaring}"
+
+
 def test_an_unknown_top_level_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'partitions'"):
         autopipe.partitions  # noqa: B018

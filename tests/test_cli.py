@@ -344,9 +344,9 @@ def test_model_spec_reads_a_module_factory_with_options():
     assert loaded.model.vocab_size == 50 and loaded.example_args[0].dtype.is_floating_point is False
 
 
-def test_model_spec_reads_a_zoo_name():
-    loaded = load_model_spec("mlp", options={"widths": [4, 8], "batch": 2})
-    assert type(loaded.model).__name__ == "VaryingMLP"
+def test_a_name_of_no_known_form_lists_the_forms():
+    with pytest.raises(ModelSpecError, match="path/to/file.py:factory, package.module:factory"):
+        load_model_spec("mlp", options={"widths": [4, 8], "batch": 2})
 
 
 def test_model_spec_wraps_a_bare_tensor_as_one_positional_input(tmp_path):

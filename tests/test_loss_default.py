@@ -14,8 +14,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopipe
-from autopipe.models import hf
-from autopipe.models.zoo import build
+from zoo import hf
+from zoo import build
 from autopipe.planning.default_loss import (ASSUMED_LOSS_NOTE, NO_LOSS_NOTE, assumed_loss, example_target_for,
                                             lm_vocabulary, pipeline_loss, token_cross_entropy)
 from autopipe.planning.tracing import trace

@@ -113,7 +113,7 @@ def test_a_meta_model_refuses_automatic_micro_batches():
 def test_a_meta_language_model_from_hugging_face_plans_without_running_its_eager_code():
     # Llama's eager mask code reads tensor values, which the meta device has none of: the
     # planner takes the output's shapes from the trace instead of running the model.
-    hf = pytest.importorskip("autopipe.models.hf")
+    hf = pytest.importorskip("zoo.hf")
     pytest.importorskip("transformers")
     with torch.device("meta"):
         model, args = hf.llama_from_config(num_hidden_layers=4, hidden_size=64, num_attention_heads=4,
@@ -127,7 +127,7 @@ def test_counted_attention_is_the_same_on_the_meta_device_and_the_cpu(monkeypatc
     # Counted on the meta device torch would run attention as its unfused math (saving the
     # attention probabilities); on the CPU as a fused kernel its FLOP counter has no formula
     # for. Both count it as a GPU's fused kernel instead (planning/attention_count.py).
-    hf = pytest.importorskip("autopipe.models.hf")
+    hf = pytest.importorskip("zoo.hf")
     pytest.importorskip("transformers")
     kw = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=500, batch=1, seq_len=64)
     with torch.device("meta"):

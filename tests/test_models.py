@@ -11,8 +11,9 @@ import pytest
 import torch
 from torch.distributed.pipelining import SplitPoint, pipeline
 
-from autopipe.models import hf, zoo
-from autopipe.models.zoo import ZOO, build
+from zoo import hf
+from zoo import models as zoo
+from zoo import ZOO, build
 
 TINY_LM = dict(vocab_size=64, batch=2, seq_len=8)
 TINY_GPT2 = dict(n_layer=2, n_embd=16, n_head=2, **TINY_LM)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import autopipe
-from autopipe.models import zoo
+from zoo import models as zoo
 from autopipe.planning import peers
 from autopipe.planning.baselines import (BASELINES, baseline_split, layer_units, pippy_node_params,
                                          unit_param_counts)

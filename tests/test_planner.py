@@ -226,7 +226,7 @@ def test_bad_arguments_fail_before_tracing(small_transformer, monkeypatch):
 
 
 def test_tied_weights_count_in_every_stage_that_holds_a_copy():
-    from autopipe.models.hf import gpt2_from_config
+    from zoo.hf import gpt2_from_config
 
     model, args = gpt2_from_config(n_layer=2, n_embd=32, n_head=4, vocab_size=2000, seq_len=8)
     # These costs put the embedding and the head in different stages.
@@ -250,7 +250,7 @@ def test_seed_transformer_factory_leaves_the_global_rng_alone():
 
 
 def _example_models():
-    from autopipe.models.hf import gpt2_from_config, llama_from_config
+    from zoo.hf import gpt2_from_config, llama_from_config
 
     yield "gpt2", lambda: gpt2_from_config(n_layer=4, n_embd=32, n_head=4, vocab_size=1000, seq_len=8)
     yield "llama", lambda: llama_from_config(num_hidden_layers=4, hidden_size=32, num_attention_heads=4,
@@ -288,7 +288,7 @@ def test_1f1b_last_stage_peak_does_not_grow_with_the_micro_batch_count():
 
 def test_the_step_tail_charges_the_merge_the_loss_broadcast_and_tied_gradients_across_ranks():
     from autopipe.machine.device import default_copy_bandwidth
-    from autopipe.models.hf import gpt2_from_config
+    from zoo.hf import gpt2_from_config
     from autopipe.planning.costmodel import step_tail
     from autopipe.planning.problem import tied_gradient_bytes
     from autopipe.planning.schedules import stage_ranks
@@ -339,7 +339,7 @@ def test_the_last_ranks_peak_counts_kept_outputs_only_where_torch_keeps_them():
     # it has in flight, nothing per micro-batch beyond. On an older torch the last stage keeps
     # every output and concatenates them at the end, after every activation is freed: two
     # copies of every micro-batch's output (docs/design.md, finding 14).
-    from autopipe.models.hf import gpt2_from_config
+    from zoo.hf import gpt2_from_config
 
     model, args = gpt2_from_config(n_layer=2, n_embd=32, n_head=4, vocab_size=2000, seq_len=8)
     m = 64
@@ -360,7 +360,7 @@ def test_split_backward_schedules_charge_the_copy_of_each_stage_output(monkeypat
     # original in place), kept until the micro-batch's input-grad: one more tensor per
     # micro-batch in flight on every stage that has a successor.
     from autopipe.planning import schedules
-    from autopipe.models.hf import gpt2_from_config
+    from zoo.hf import gpt2_from_config
 
     model, args = gpt2_from_config(n_layer=2, n_embd=32, n_head=4, vocab_size=2000, seq_len=8)
     kw = dict(example_args=args, cost=counted_costs(model, args), schedule="ZBVZeroBubble", n_microbatches=4,
@@ -380,7 +380,7 @@ def test_split_backward_schedules_charge_the_copy_of_each_stage_output(monkeypat
 def test_a_tied_weight_on_one_rank_is_counted_once_in_its_memory():
     # ZBV puts stage 0 (the embedding) and stage 3 (the tied head) on rank 0: the runtime keeps
     # one tensor there, so the weight, its gradient and its Adam state count once on that rank.
-    from autopipe.models.hf import gpt2_from_config
+    from zoo.hf import gpt2_from_config
     from autopipe.planning.problem import rank_overcount_bytes
     from autopipe.planning.schedules import stage_ranks
 

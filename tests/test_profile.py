@@ -221,7 +221,7 @@ def test_a_segment_copied_to_another_device_names_only_that_device(family):
     """GPT-2 builds its position ids with arange(device=cpu) and Llama's export checks its
     rotary table's device: a copy for the GPU must name the GPU there, or the first profile
     on a GPU of a model living on the CPU fails. Checked here with the meta device."""
-    from autopipe.models import hf
+    from zoo import hf
 
     make = hf.gpt2_from_config if family == "gpt2" else hf.llama_from_config
     model, args = make(n_layer=1, n_embd=32, n_head=4, vocab_size=64, seq_len=8) if family == "gpt2" \

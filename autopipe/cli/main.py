@@ -41,8 +41,6 @@ MODEL is one of:
   path/to/file.py:factory     a function in a file, returning (model, example_args)
                               or (model, example_args, example_kwargs)
   package.module:factory      the same, importable (e.g. autopipe.models:seed_transformer)
-  ZOO_NAME                    a model of autopipe.models.ZOO (seed_transformer, gpt2_tied,
-                              llama, cnn, unet, mlp, ...)
   HF_CONFIG                   a Hugging Face config, built with random weights (nothing is
                               downloaded): a folder with config.json, a model type such as
                               gpt2, or a hub id in the local cache
@@ -191,7 +189,7 @@ def _key_value(text: str) -> tuple[str, Any]:
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", metavar="MODEL", help="file.py:factory, package.module:factory, zoo name or HF config")
+    p.add_argument("model", metavar="MODEL", help="file.py:factory, package.module:factory or HF config")
     p.add_argument("--set", dest="options", metavar="KEY=VALUE", type=_key_value, action="append", default=[],
                    help="keyword argument for the factory / Hugging Face config field (repeatable)")
     p.add_argument("--device", help="device to profile on: cpu, cuda, cuda:1 (default: cuda when present, else cpu)")

@@ -20,7 +20,6 @@ The forms accepted, tried in this order:
   named like an installed module does not replace that module;
 - ``package.module:factory``: an importable module (the current folder is on the path, as
   with ``python -m``), e.g. ``autopipe.models:seed_transformer``;
-- a name from :data:`autopipe.models.ZOO` (``seed_transformer``, ``unet``, ``llama``, ...);
 - a Hugging Face config, built with random weights (nothing is downloaded): a folder holding
   ``config.json``, a ``config.json`` file, a model type transformers knows (``gpt2``), or a
   hub id already in the local cache. The option ``trust_remote_code=True`` reaches
@@ -62,8 +61,7 @@ _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 _FORMS = (
-    "use path/to/file.py:factory, package.module:factory, a zoo name "
-    "(autopipe.models.ZOO) or a Hugging Face config folder / model type"
+    "use path/to/file.py:factory, package.module:factory or a Hugging Face config folder / model type"
 )
 
 
@@ -101,7 +99,7 @@ def load_model_spec(spec: str, *, options: Mapping[str, Any] | None = None) -> L
     """Build the model a MODEL spec names, with its example inputs.
 
     Args:
-        spec: ``path/to/file.py:factory``, ``package.module:factory``, a zoo name, or a
+        spec: ``path/to/file.py:factory``, ``package.module:factory``, or a
             Hugging Face config (folder, ``config.json``, model type or cached hub id).
 
     Keyword Args:
@@ -119,9 +117,9 @@ def load_model_spec(spec: str, *, options: Mapping[str, Any] | None = None) -> L
             something other than a model and its inputs; the message names the spec.
 
     Example:
-        >>> loaded = load_model_spec("mlp", options={"widths": [4, 8], "batch": 2})
+        >>> loaded = load_model_spec("autopipe.models:seed_transformer", options={"num_layers": 1})
         >>> loaded.source
-        "zoo model 'mlp' (autopipe.models.zoo)"
+        'factory seed_transformer in autopipe.models'
     """
     if not isinstance(spec, str) or not spec.strip():
         raise ModelSpecError(f"MODEL={spec!r} is empty; {_FORMS}")
@@ -147,10 +145,6 @@ def load_model_spec(spec: str, *, options: Mapping[str, Any] | None = None) -> L
         )
     if sep:  # "module:" with nothing after the colon
         raise ModelSpecError(f"MODEL={spec!r} has no factory name after ':'; {_FORMS}")
-    from ..models.zoo import ZOO
-
-    if spec in ZOO:
-        return _call_zoo(spec, ZOO[spec], options)
     return _load_hugging_face(spec, options)
 
 
@@ -227,19 +221,6 @@ def _call_factory(spec: str, module: Any, name: str, options: dict[str, Any], wh
     return _check_result(spec, f"{name}()", result, f"factory {name} in {where}", options)
 
 
-def _call_zoo(spec: str, factory: Any, options: dict[str, Any]) -> LoadedModel:
-    try:
-        inspect.signature(factory).bind(**options)
-    except TypeError as e:
-        raise ModelSpecError(f"MODEL={spec!r}: the zoo model does not accept the options {options}: {e}") from e
-    try:
-        result = factory(**options)
-    except Exception as e:  # noqa: BLE001
-        raise ModelSpecError(f"MODEL={spec!r}: building the zoo model with --set {options} raised {_one_line(e)}; "
-                             f"check the values given with --set") from e
-    return _check_result(spec, spec, result, f"zoo model {spec!r} (autopipe.models.zoo)", options)
-
-
 def _check_result(spec: str, what: str, result: Any, source: str, options: dict[str, Any]) -> LoadedModel:
     import torch
 
@@ -275,7 +256,7 @@ def _load_hugging_face(spec: str, options: dict[str, Any]) -> LoadedModel:
         import transformers  # noqa: F401
     except ImportError:
         raise ModelSpecError(
-            f"MODEL={spec!r} is not a file, module or zoo name, and transformers is not installed "
+            f"MODEL={spec!r} is not a file or module, and transformers is not installed "
             f"to read it as a Hugging Face config; {_FORMS}"
         ) from None
     from transformers import AutoConfig
@@ -297,7 +278,7 @@ def _load_hugging_face(spec: str, options: dict[str, Any]) -> LoadedModel:
                 config = AutoConfig.from_pretrained(spec, local_files_only=True, **options)
             except OSError:
                 raise ModelSpecError(
-                    f"MODEL={spec!r} is no file, module, zoo name or Hugging Face model type, and no "
+                    f"MODEL={spec!r} is no file, module or Hugging Face model type, and no "
                     f"Hugging Face config {spec!r} is in the local cache (autopipe never downloads); {_FORMS}"
                 ) from None
         else:
@@ -306,7 +287,7 @@ def _load_hugging_face(spec: str, options: dict[str, Any]) -> LoadedModel:
         raise
     except (OSError, ValueError, KeyError) as e:
         raise ModelSpecError(
-            f"MODEL={spec!r} is not a file:factory, module:factory or zoo name, and reading it as a "
+            f"MODEL={spec!r} is not a file:factory or module:factory, and reading it as a "
             f"Hugging Face config failed ({_one_line(e)}); {_FORMS}"
         ) from e
     model = _hf_model_from_config(spec, config)
@@ -326,15 +307,8 @@ def _hf_model_from_config(spec: str, config: Any) -> Any:
     import torch
 
     model_type = getattr(config, "model_type", "")
-    from .. import models
-
-    # autopipe's own wrappers keep module names and make Llama's rotary embedding exportable.
-    known = {"gpt2": "GPT2LogitsLM", "llama": "LlamaLogitsLM"}
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        if model_type in known:
-            cls = getattr(models.hf, known[model_type])
-            return cls(config)
         import transformers
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 

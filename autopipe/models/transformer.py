@@ -20,8 +20,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["SeedTransformer", "seed_transformer"]
-
 
 class PositionalEncoding(nn.Module):
     """Adds the fixed sinusoidal position signal of "Attention Is All You Need"."""

@@ -141,7 +141,7 @@ def layer_units(traced: TracedModel) -> LayerUnits:
     """Split the model into the layers a by-layer tool would be given (see the module docstring).
 
     Example:
-        >>> from autopipe.models.zoo import build
+        >>> from zoo import build
         >>> from autopipe.planning.tracing import trace
         >>> model, args = build("unet", batch=1)
         >>> layer_units(trace(model, args)).names

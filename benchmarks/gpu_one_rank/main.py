@@ -41,7 +41,7 @@ from _common import write_result  # noqa: E402
 from _pipebench import MODELS, ce_loss, host_info, make_target, stack_microbatches, world_of_one  # noqa: E402
 
 import autopipe  # noqa: E402
-from autopipe.models.zoo import build  # noqa: E402
+from zoo import build  # noqa: E402
 from autopipe.planning.profile import profile_segments  # noqa: E402
 from autopipe.planning.tracing import trace  # noqa: E402
 

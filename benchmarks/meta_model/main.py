@@ -40,6 +40,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(ROOT))  # the checkout, also when autopipe is not installed
 sys.path.insert(0, str(HERE.parent))  # benchmarks/_common
+sys.path.insert(0, str(HERE.parents[1] / "tests"))  # the test models (tests/zoo)
 from autopipe import PlannerOptions  # noqa: E402
 RESULTS = HERE / "results.json"
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4,
@@ -63,7 +64,7 @@ def _proc_bytes(field: str, path: str = "/proc/self/status") -> int | None:
 
 def _build_meta_model(layers: int, seq: int):
     import torch
-    from autopipe.models.hf import llama_from_config
+    from zoo.hf import llama_from_config
 
     with torch.device("meta"):
         return llama_from_config(num_hidden_layers=layers, batch=1, seq_len=seq, **LLAMA_1B)

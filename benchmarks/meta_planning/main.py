@@ -23,6 +23,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # benchmarks/_common
+sys.path.insert(0, str(HERE.parents[1] / "tests"))  # the test models (tests/zoo)
 from autopipe import PlannerOptions  # noqa: E402
 RESULTS = HERE / "results.json"
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_attention_heads=32, num_key_value_heads=4,
@@ -34,7 +35,7 @@ def plan_once(cost: str, layers: int, seq: int, n_microbatches: int) -> dict:
     import torch
 
     import autopipe
-    from autopipe.models.hf import llama_from_config
+    from zoo.hf import llama_from_config
     from autopipe.planning.costmodel import stage_times_s
 
     with torch.device("meta"):

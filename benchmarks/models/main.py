@@ -1,6 +1,6 @@
 """What autopipe does with models nobody in this project wrote: plans, runtime, 2-rank pipelines.
 
-For every model of :data:`autopipe.models.thirdparty.REGISTRY` (stock transformers,
+For every model of :data:`zoo.thirdparty.REGISTRY` (stock transformers,
 diffusers, torchvision and timm classes at their default settings, tiny sizes, random
 weights, nothing downloaded) this script
 
@@ -8,11 +8,11 @@ weights, nothing downloaded) this script
    costs (the 4-stage plans reuse the 2-stage plans' per-segment costs, which do not depend
    on the stage count), and records the split points or the first line of the error;
 2. builds each distinct split with the runtime's own stage builder and runs the stages in
-   order in one process (:func:`autopipe.models.thirdparty_checks.check_split`), recording the
+   order in one process (:func:`zoo.thirdparty_checks.check_split`), recording the
    largest |difference| from the unsplit model's output or the error;
 3. for the representative subset (entries with a ``pipeline_split``), steps a real 2-rank
    gloo :class:`autopipe.Pipeline` under 1F1B and compares its loss and every gradient with
-   the unsplit model's (:func:`autopipe.models.thirdparty_checks.pipeline_step_vs_unsplit`);
+   the unsplit model's (:func:`zoo.thirdparty_checks.pipeline_step_vs_unsplit`);
 4. for models ``torch.export`` cannot capture, re-checks that exporting still fails;
 
 then writes ``results.json`` beside this file and renders ``docs/models.md`` from it.
@@ -39,8 +39,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the checkout, also when autopipe is not installed
 from _common import write_result  # noqa: E402
 
-from autopipe.models.thirdparty import REGISTRY, ThirdPartyModel, package_missing  # noqa: E402
-from autopipe.models.thirdparty_checks import (  # noqa: E402
+from zoo.thirdparty import REGISTRY, ThirdPartyModel, package_missing  # noqa: E402
+from zoo.thirdparty_checks import (  # noqa: E402
     TOLERANCE, check_split, first_line, pipeline_step_vs_unsplit, summarize_ranks,
 )
 
@@ -291,7 +291,7 @@ def render(data: dict[str, Any], results_name: str = "benchmarks/models/results.
         "configs or constructors with their **default settings** except the sizes (width 32, 2 layers, "
         "vocabulary 64, 2 heads, 32×32 images, micro-batch 2) and random weights — nothing downloaded, nothing "
         "patched: a Hugging Face model keeps its `ModelOutput` and its KV cache. The registry is "
-        "`autopipe/models/thirdparty.py`; `tests/thirdparty/` asserts what this page records.",
+        "`tests/zoo/thirdparty.py`; `tests/thirdparty/` asserts what this page records.",
         "",
         f"**{len(rows)} models: {counts['works']} work end to end, {counts['fails']} fail somewhere, "
         f"{counts['skipped']} could not be run here (package), {counts['unsupported']} cannot work "

@@ -84,7 +84,7 @@ N_MICROBATCHES = 4
 
 def build(name: str, size: str = "full") -> tuple[torch.nn.Module, tuple[torch.Tensor], torch.Tensor]:
     """Model ``name`` (seeded weights, no dropout), one micro-batch of token ids, and its next-token target."""
-    from autopipe.models.thirdparty import _hf_config, _hf_model, _no_dropout_modules
+    from zoo.thirdparty import _hf_config, _hf_model, _no_dropout_modules
 
     model_class, config_class = MODELS[name]
     config = _hf_config(config_class, False, **config_sizes(name, size), use_cache=False)

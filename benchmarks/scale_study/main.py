@@ -24,6 +24,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # benchmarks/_common
+sys.path.insert(0, str(HERE.parents[1] / "tests"))  # the test models (tests/zoo)
 sys.path.insert(0, str(HERE.parents[1]))  # the checkout's autopipe
 from autopipe import PlannerOptions  # noqa: E402
 
@@ -62,7 +63,7 @@ def build(name: str, seq: int) -> tuple[Any, Any, int]:
     """The model on meta in bf16, one micro-batch of one sequence, and its parameter count."""
     import torch
 
-    from autopipe.models.hf import llama_from_config
+    from zoo.hf import llama_from_config
 
     with torch.device("meta"):
         model, args = llama_from_config(batch=1, seq_len=seq, max_position_embeddings=seq, **MODELS[name])

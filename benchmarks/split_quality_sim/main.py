@@ -39,7 +39,7 @@ from _common import write_result  # noqa: E402
 from _pipebench import host_info  # noqa: E402
 
 import autopipe  # noqa: E402
-from autopipe.models.zoo import build  # noqa: E402
+from zoo import build  # noqa: E402
 from autopipe.planning.profile import profile_segments  # noqa: E402
 from autopipe.planning.tracing import trace  # noqa: E402
 

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]  # the checkout, also when autopipe is not installed
 from _common import write_result  # noqa: E402
 
-from autopipe.models.hf import gpt2_from_config  # noqa: E402
+from zoo.hf import gpt2_from_config  # noqa: E402
 from autopipe.machine.timing import Timer, resolve_device  # noqa: E402
 from autopipe.planning.profile import profile_segments  # noqa: E402
 from autopipe.planning.tracing import trace  # noqa: E402

@@ -1,16 +1,16 @@
 """Third-party model tests: a model whose package cannot be imported here is skipped, with the reason.
 
 Every test in this folder that is parametrized by ``name`` (a key of
-:data:`autopipe.models.thirdparty.REGISTRY`) is skipped when the model's package is
+:data:`zoo.thirdparty.REGISTRY`) is skipped when the model's package is
 missing or fails to import (torchvision built for another torch, say); the skip message
-is :func:`autopipe.models.thirdparty.package_missing`'s one line.
+is :func:`zoo.thirdparty.package_missing`'s one line.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from autopipe.models.thirdparty import get, package_missing
+from zoo.thirdparty import get, package_missing
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,6 @@
 """Models nobody in this project wrote: every plan autopipe makes for them builds and runs.
 
-For each model of :data:`autopipe.models.thirdparty.REGISTRY` (stock classes from
+For each model of :data:`zoo.thirdparty.REGISTRY` (stock classes from
 transformers, diffusers, torchvision and timm at their default settings, tiny sizes), the
 planner is asked for 2 and 4 stages, with FLOP-estimated and with measured costs (the
 4-stage plans reuse the 2-stage plans' per-segment costs), and each plan it returns is
@@ -21,8 +21,8 @@ import sys
 import pytest
 
 import autopipe
-from autopipe.models.thirdparty import FAMILIES, REGISTRY, Built, get, package_missing
-from autopipe.models.thirdparty_checks import TOLERANCE, check_split, first_line, output_difference
+from zoo.thirdparty import FAMILIES, REGISTRY, Built, get, package_missing
+from zoo.thirdparty_checks import TOLERANCE, check_split, first_line, output_difference
 from _planning import partition_with  # noqa: E402
 
 TESTED = [name for name, entry in REGISTRY.items() if entry.unsupported is None]
@@ -132,7 +132,7 @@ def test_without_dropout_every_stochastic_rate_is_zero():
 
 def test_the_registry_imports_without_any_third_party_package():
     blocked = "import sys\nfor m in ('transformers', 'diffusers', 'torchvision', 'timm'): sys.modules[m] = None\n"
-    code = blocked + ("from autopipe.models.thirdparty import REGISTRY, package_missing\n"
+    code = blocked + ("from zoo.thirdparty import REGISTRY, package_missing\n"
                       "assert len(REGISTRY) >= 24\nprint(package_missing('transformers'))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
@@ -147,7 +147,7 @@ def test_a_package_that_is_absent_is_reported_in_one_line():
     assert vision is None or ("\n" not in vision and "torchvision" in vision)
 
 
-@pytest.mark.parametrize("module", ["autopipe.models.thirdparty", "autopipe.models.thirdparty_checks"])
+@pytest.mark.parametrize("module", ["zoo.thirdparty", "zoo.thirdparty_checks"])
 def test_the_module_examples_run(module):
     import doctest
     import importlib

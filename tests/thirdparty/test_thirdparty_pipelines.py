@@ -1,13 +1,13 @@
 """A real 2-rank pipeline on third-party models: one 1F1B step equals the unsplit model's.
 
-For the representative subset of :data:`autopipe.models.thirdparty.REGISTRY` (one model
+For the representative subset of :data:`zoo.thirdparty.REGISTRY` (one model
 of each family at least: a decoder LM given ``attention_mask`` as a keyword, an MoE LM,
 an encoder, an encoder-decoder given ``decoder_input_ids`` as a keyword, a vision
 transformer, a CNN with in-place ops and batch norm, a diffusion UNet with two inputs),
 two gloo processes build an :class:`autopipe.Pipeline` cut at the entry's
 ``pipeline_split`` and take one 1F1B step of 4 micro-batches; each rank compares the loss
 and the gradients of the parameters it holds with the unsplit model's, computed in the
-same process (:func:`autopipe.models.thirdparty_checks.pipeline_step_vs_unsplit`).
+same process (:func:`zoo.thirdparty_checks.pipeline_step_vs_unsplit`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import functools
 import pytest
 from _dist_utils import run_world
 
-from autopipe.models.thirdparty import REGISTRY, get, package_missing
-from autopipe.models.thirdparty_checks import TOLERANCE, pipeline_steps_vs_unsplit, summarize_ranks
+from zoo.thirdparty import REGISTRY, get, package_missing
+from zoo.thirdparty_checks import TOLERANCE, pipeline_steps_vs_unsplit, summarize_ranks
 
 SUBSET = [name for name, entry in REGISTRY.items() if entry.pipeline_split and entry.unsupported is None]
 

@@ -10,7 +10,7 @@ default sizes keep one forward + backward of a micro-batch to milliseconds on a 
 and benchmarks run on a laptop.
 
 Example:
-    >>> from autopipe.models.zoo import build
+    >>> from zoo import build
     >>> model, (x,) = build("mlp", widths=(8, 80, 8), batch=4)
     >>> tuple(model(x).shape)
     (4, 10)
@@ -28,7 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import hf
-from .transformer import SeedTransformer
+from autopipe.models import SeedTransformer
 
 __all__ = [
     "ZOO",

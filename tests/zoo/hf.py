@@ -28,7 +28,7 @@ default) ``pipeline()`` copies the shared weight into every stage that uses it; 
 the copies equal during training is the runtime's job.
 
 Example:
-    >>> from autopipe.models.hf import gpt2_from_config
+    >>> from zoo.hf import gpt2_from_config
     >>> model, (input_ids,) = gpt2_from_config(n_layer=2, n_embd=32, n_head=2, vocab_size=100,
     ...                                        seq_len=8)
     >>> tuple(model(input_ids).shape)
@@ -110,7 +110,7 @@ class ExportableRotaryEmbedding(nn.Module):
             (no dynamic or scaled variants) is supported.
 
     Example:
-        >>> from autopipe.models.hf import llama_from_config
+        >>> from zoo.hf import llama_from_config
         >>> model, _ = llama_from_config(num_hidden_layers=1, hidden_size=16,
         ...                              num_attention_heads=2, vocab_size=50, seq_len=4)
         >>> type(model.model.rotary_emb).__name__
@@ -180,7 +180,7 @@ def _define_hf_classes() -> dict[str, type]:
 
     for cls in (GPT2LogitsLM, LlamaLogitsLM):
         cls.__module__ = __name__
-        cls.__qualname__ = cls.__name__  # found as autopipe.models.hf.<name>, so pickle works
+        cls.__qualname__ = cls.__name__  # found as zoo.hf.<name>, so pickle works
         globals()[cls.__name__] = cls
     return {name: globals()[name] for name in _HF_CLASS_NAMES}
 
@@ -189,7 +189,7 @@ _HF_CLASS_NAMES = ("GPT2LogitsLM", "LlamaLogitsLM")
 
 
 def __getattr__(name: str) -> Any:
-    # ``from autopipe.models.hf import GPT2LogitsLM`` imports transformers at that moment.
+    # ``from zoo.hf import GPT2LogitsLM`` imports transformers at that moment.
     if name in _HF_CLASS_NAMES:
         return _hf_classes(name)[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,4 +1,4 @@
-"""The checks run on :mod:`autopipe.models.thirdparty`'s models: does a split match the unsplit model?
+"""The checks run on :mod:`zoo.thirdparty`'s models: does a split match the unsplit model?
 
 What ``tests/thirdparty`` asserts and ``benchmarks/models`` records, in one place:
 
@@ -125,8 +125,8 @@ def check_split(built: Built, split_points: list[str] | tuple[str, ...]) -> floa
 
     from torch.distributed.pipelining import SplitPoint
 
-    from ..planning import hf_compat
-    from ..runtime.stages import split_model
+    from autopipe.planning import hf_compat
+    from autopipe.runtime import split_model
 
     args = built.example_args
     model = copy.deepcopy(built.model)
@@ -187,7 +187,7 @@ def pipeline_step_vs_unsplit(rank: int, world_size: int, name: str, n_microbatch
     Example:
         >>> run_world(pipeline_step_vs_unsplit, 2, "bert")  # doctest: +SKIP
     """
-    from ..runtime import Pipeline
+    from autopipe import Pipeline
 
     entry = get(name)
     built = entry.build(batch=2 * n_microbatches, dropout=False)

@@ -21,11 +21,11 @@ compared exactly without them. Everything else stays at its default.
 Entries with ``unsupported`` set are models ``torch.export`` itself cannot capture; the
 reason is one line, and they are reported, not tested. This module imports none of the
 third-party packages until a model is built, so it imports without them.
-:mod:`autopipe.models.thirdparty_checks` holds the checks the tests and
+:mod:`zoo.thirdparty_checks` holds the checks the tests and
 ``benchmarks/models`` run on these models.
 
 Example:
-    >>> from autopipe.models.thirdparty import REGISTRY, get
+    >>> from zoo.thirdparty import REGISTRY, get
     >>> "gpt2" in REGISTRY and get("gpt2").family
     'decoder LM'
     >>> sorted({m.package for m in REGISTRY.values()})
