@@ -10,10 +10,7 @@ T = TypeVar("T")
 
 
 def progress_iter(items: Iterable[T], description: str, *, enabled: bool = True) -> Iterator[T]:
-    """Yield ``items`` while a rich progress bar on stderr counts them.
-
-    Disabled when ``enabled`` is false or stderr is not a terminal (logs stay clean in CI).
-    """
+    """Yield ``items`` while a rich progress bar on stderr counts them."""
     items = list(items)
     if not enabled or not sys.stderr.isatty():
         yield from items

@@ -1,12 +1,4 @@
-"""Run a function on N spawned processes that can fail but never hang.
-
-Shared by the measurements that start ranks of their own (:mod:`autopipe.machine.link`,
-:mod:`autopipe.runtime.overhead_probe`) and the test suite's gloo worlds. Each
-rank writes ``("ok", value)`` or ``("error", text)`` to a file (:func:`finish_rank`); the
-parent waits until one deadline for all ranks, kills any still running, and reads the files
-back (:func:`spawn_ranks`). Files, not pipes: a rank that dies mid-write leaves no partial
-message that could block the parent.
-"""
+"""Run a function on N spawned processes that can fail but never hang."""
 
 from __future__ import annotations
 
@@ -29,14 +21,6 @@ MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
 def check_timeout_s(timeout_s: Any, name: str = "timeout_s") -> float:
     """``timeout_s`` as seconds, refusing what torch's process groups cannot wait for.
-
-    Args:
-        timeout_s: seconds, a finite number > 0 and at most :data:`MAX_TIMEOUT_S`.
-        name: the argument's name in the error.
-
-    Raises:
-        ValueError: not a number, not finite, <= 0, or above a year; the message names
-            ``name`` and the accepted range.
 
     Example:
         >>> check_timeout_s(60)
@@ -62,13 +46,7 @@ def free_port() -> int:
 
 def join_loopback_world(rank: int, world_size: int, port: int, *, backend: str = "gloo",
                         timeout_s: float) -> None:
-    """In a spawned rank: join the process group of ``world_size`` ranks on 127.0.0.1:``port``.
-
-    Sets the torchrun variables first (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-    ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), which
-    :class:`autopipe.Pipeline` reads, then starts the group; every collective in it times
-    out after ``timeout_s``.
-    """
+    """In a spawned rank: join the process group of ``world_size`` ranks on 127.0.0.1:``port``."""
     import datetime
 
     import torch.distributed as dist
@@ -84,11 +62,7 @@ def _outcome_path(out_dir: str, rank: int) -> str:
 
 
 def finish_rank(out_dir: str, rank: int, result: tuple[str, Any]) -> NoReturn:
-    """In a spawned rank: record ``result`` for the parent and exit at once.
-
-    The process group is torn down only after success: with a peer gone, teardown could
-    block. ``os._exit`` skips interpreter teardown for the same reason.
-    """
+    """In a spawned rank: record ``result`` for the parent and exit at once."""
     import torch.distributed as dist
 
     with open(_outcome_path(out_dir, rank), "wb") as f:
@@ -106,13 +80,7 @@ def spawn_ranks(
     timeout_s: float,
     prefix: str = "autopipe-ranks-",
 ) -> tuple[list[tuple[str, Any]], list[int], list[int | None]]:
-    """Start ``target(*make_args(rank, port, out_dir))`` on ``world_size`` spawned processes.
-
-    Returns:
-        ``(outcomes, killed, exit_codes)``: per rank ``("ok", value)`` or ``("error", text)``
-        (a rank with no result gets an error saying whether it was killed or died), the
-        ranks still running after ``timeout_s`` (killed), and every rank's exit code.
-    """
+    """Start ``target(*make_args(rank, port, out_dir))`` on ``world_size`` spawned processes."""
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory(prefix=prefix) as out_dir:
@@ -142,25 +110,7 @@ def spawn_ranks(
 
 def run_ranks(worker: Callable[..., None], n_ranks: int, make_args: Callable[[int, int, str], tuple], *,
               timeout_s: float, what: str, advice: str) -> list[Any]:
-    """:func:`spawn_ranks` for a measurement: every rank's value in rank order, or a clear error.
-
-    Args:
-        worker: Run in each rank; ends with :func:`finish_rank`.
-        n_ranks: Processes to start.
-        make_args: ``(rank, port, out_dir) -> worker's arguments``.
-        timeout_s: Limit on the whole run; ranks still running then are killed.
-        what: The measurement's name in the errors (``"link"``).
-        advice: What to try when it times out (``"use fewer or smaller sizes_bytes"``).
-
-    Raises:
-        TimeoutError: ranks were still running after ``timeout_s`` (they were killed).
-        RuntimeError: a rank failed; the message holds every failed rank's traceback.
-
-    Example::
-
-        values = run_ranks(worker, 2, lambda rank, port, out_dir: (rank, port, out_dir),
-                           timeout_s=60, what="link", advice="use fewer sizes")
-    """
+    """:func:`spawn_ranks` for a measurement: every rank's value in rank order, or a clear error."""
     outcomes, late, _ = spawn_ranks(worker, n_ranks, make_args, timeout_s=timeout_s, prefix=f"autopipe-{what}-")
     if late:
         raise TimeoutError(f"the {what} measurement was not done after timeout_s={timeout_s}; ranks {late} "

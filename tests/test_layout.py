@@ -139,3 +139,16 @@ def test_no_import_circles() -> None:
                 graph.add_edge(name(path), target)  # a package's own __init__ is not a circle with its modules
     circles = [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1]
     assert not circles, f"import circles (module- or function-level imports): {circles}"
+
+
+def test_docstrings_are_at_most_a_quarter_of_the_package() -> None:
+    # Public names carry Args/Returns/Example; internal ones a summary line (and their doctests).
+    total = docstring = 0
+    for path in _modules():
+        source = path.read_text()
+        total += len(source.splitlines())
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) \
+                    and ast.get_docstring(node) is not None:
+                docstring += node.body[0].end_lineno - node.body[0].lineno + 1
+    assert docstring <= 0.25 * total, f"docstrings are {docstring / total:.0%} of the package's lines"

@@ -1,20 +1,5 @@
 """``autopipe demo``: the whole story on the seed tutorial's Transformer, in well under a minute.
 
-The tutorial autopipe grew from splits a small Transformer by hand, half the blocks per
-GPU (``{"layers.1": SplitPoint.BEGINNING}`` for two blocks). With a large vocabulary the
-output layer ``out_linear`` costs as much as all the blocks together, and the hand split
-leaves one device idle much of the step. The demo:
-
-1. profiles every layer of that model (one micro-batch, one CPU thread - what each rank
-   will have);
-2. plans 2 pipeline stages under 1F1B with 4 micro-batches;
-3. compares the plan with the hand split, both costed by the same model;
-4. trains both splits for a few steps on 2 CPU processes (gloo) with
-   :class:`autopipe.Pipeline`, alternating steps so machine noise hits both alike,
-   and prints the loss and the measured step time beside the predicted one;
-5. writes the plan, the reports (HTML, Markdown + PNG, JSON) and Chrome traces of the
-   simulated and the measured step.
-
 Example:
     >>> from autopipe.cli.demo import run_demo
     >>> result = run_demo(out_dir="/tmp/autopipe-demo", steps=4)  # doctest: +SKIP
@@ -322,12 +307,7 @@ def run_demo(
 
 
 def _busy_machine_note() -> str:
-    """A warning when other work already occupies the cores the two ranks need, else ''.
-
-    The prediction assumes each rank has a core to itself; when the machine's run queue
-    is longer than the cores left for the ranks, they time-share and the measured step
-    reflects the machine's load more than the split.
-    """
+    """A warning when other work already occupies the cores the two ranks need, else ''."""
     try:
         load_1min = os.getloadavg()[0]
     except (AttributeError, OSError):  # not on every platform

@@ -1,18 +1,4 @@
-"""The ``autopipe`` command line: profile a model, plan its pipeline, render reports, run a demo.
-
-    autopipe profile my_model.py:make                 per-layer cost table
-    autopipe plan my_model.py:make --gpus 4 --out plan.json --report report.html
-    autopipe report plan.json --report report.md      re-render a saved plan
-    autopipe demo                                     the whole story on a small Transformer
-    autopipe run train.py --nproc 2                   start a training script on 2 processes
-
-Also ``python -m autopipe ...``. Every command explains itself with ``--help``, with examples.
-
-Errors a user can fix (a bad MODEL spec, a factory that returns the wrong thing, an output
-path that cannot be written, an impossible memory limit) print one line on stderr and exit
-with status 1 (2 for bad options); ``--debug`` shows the full traceback instead. Modules
-that import torch are imported inside the commands, so ``--help`` answers at once.
-"""
+"""The ``autopipe`` command line: profile a model, plan its pipeline, render reports, run a demo."""
 
 from __future__ import annotations
 
@@ -535,13 +521,6 @@ def _one_line(e: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``autopipe`` command line; return the exit status.
-
-    Args:
-        argv: the arguments after the program name; default ``sys.argv[1:]``.
-
-    Returns:
-        0 on success; 1 when the command failed (one line on stderr says why); 2 for bad
-        options; for ``run``, the training script's status.
 
     Example:
         >>> main(["report", "plan.json", "--report", "report.html"])  # doctest: +SKIP

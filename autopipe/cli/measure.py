@@ -1,10 +1,4 @@
-"""``python -m autopipe.cli.measure``: measure this machine once, for the planner.
-
-Prints the loopback link between two ranks (:func:`autopipe.machine.link.measure_link`, a few
-independent runs and their medians) and, with ``--overhead``, the runtime's cost per
-pipeline action and the slowdown of ranks computing at once
-(:func:`autopipe.runtime.overhead_probe.measure_action_overhead`).
-"""
+"""``python -m autopipe.cli.measure``: measure this machine once, for the planner."""
 
 from __future__ import annotations
 
@@ -18,15 +12,7 @@ from ..machine.link import measure_link
 from ..runtime.overhead_probe import measure_action_overhead
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m autopipe.cli.measure``: measure the loopback link a few times, print the medians.
-
-    With ``--overhead``, also the runtime's cost per pipeline action (see
-    :func:`~autopipe.runtime.overhead_probe.measure_action_overhead`).
-
-    Example::
-
-        python -m autopipe.cli.measure --runs 5 --overhead
-    """
+    """``python -m autopipe.cli.measure``: measure the loopback link a few times, print the medians."""
     parser = argparse.ArgumentParser(prog="python -m autopipe.cli.measure", description=main.__doc__)
     parser.add_argument("--device", default=None, help="'cpu' (gloo) or 'cuda' (NCCL, two GPUs); default: auto")
     parser.add_argument("--runs", type=int, default=5, help="independent measurements (fresh processes each)")

@@ -1,35 +1,6 @@
 """Load the model a command line names: ``file.py:factory``, ``package.module:factory`` or a
 Hugging Face config.
 
-The ``autopipe`` commands take a MODEL argument instead of Python code. A MODEL spec says
-where a *factory* lives - a function that returns the model and one micro-batch of example
-input, the convention of :func:`autopipe.models.seed_transformer`::
-
-    # my_model.py
-    def make():
-        model = MyNet()
-        return model, (torch.randn(8, 512),)      # (model, example_args)
-
-    $ autopipe plan my_model.py:make --gpus 4
-
-The forms accepted, tried in this order:
-
-- ``path/to/file.py:factory``: a Python file, run as ``python file.py`` would run it (its
-  top-level code executes, with the user's permissions), then its factory called. Its
-  folder goes at the end of ``sys.path``, so it can import its neighbours but a neighbour
-  named like an installed module does not replace that module;
-- ``package.module:factory``: an importable module (the current folder is on the path, as
-  with ``python -m``), e.g. ``autopipe.models:seed_transformer``;
-- a Hugging Face config, built with random weights (nothing is downloaded): a folder holding
-  ``config.json``, a ``config.json`` file, a model type transformers knows (``gpt2``), or a
-  hub id already in the local cache. The option ``trust_remote_code=True`` reaches
-  transformers' ``AutoConfig``: it lets transformers import and run the Python code that a
-  config's ``auto_map`` names, from the model's folder or hub repository; leave it off
-  unless that code has been read and is trusted.
-
-A factory may return ``(model, example_args)``, ``(model, example_args, example_kwargs)``,
-or the model alone when it carries ``example_input_array`` / ``dummy_inputs``.
-
 Example:
     >>> from autopipe.cli.modelspec import load_model_spec
     >>> loaded = load_model_spec("autopipe.models:seed_transformer",
@@ -97,24 +68,6 @@ def parse_option_value(text: str) -> Any:
 
 def load_model_spec(spec: str, *, options: Mapping[str, Any] | None = None) -> LoadedModel:
     """Build the model a MODEL spec names, with its example inputs.
-
-    Args:
-        spec: ``path/to/file.py:factory``, ``package.module:factory``, or a
-            Hugging Face config (folder, ``config.json``, model type or cached hub id).
-
-    Keyword Args:
-        options: keyword arguments for the factory; for a Hugging Face config, attributes
-            to override (``n_layer=2``) plus ``batch``, ``seq_len`` and ``seed`` for the
-            example token ids.
-
-    Returns:
-        A :class:`LoadedModel`: hand ``model`` and ``example_args`` / ``example_kwargs``
-        to :func:`autopipe.partition`.
-
-    Raises:
-        ModelSpecError: the spec has no known form, the file or module does not exist or
-            fails to import, the factory is missing, not callable, raises, or returns
-            something other than a model and its inputs; the message names the spec.
 
     Example:
         >>> loaded = load_model_spec("autopipe.models:seed_transformer", options={"num_layers": 1})
@@ -323,10 +276,7 @@ def _hf_model_from_config(spec: str, config: Any) -> Any:
 
 
 class _CausalLMLogits:
-    """Mixin: ``forward(input_ids) -> logits``, no cache, so the output is one tensor to split on.
-
-    Placed first in the bases, so parameter and module names stay those of the stock model.
-    """
+    """Mixin: ``forward(input_ids) -> logits``, no cache, so the output is one tensor to split on."""
 
     def forward(self, input_ids: Any) -> Any:  # noqa: D401
         return super().forward(input_ids=input_ids, use_cache=False, return_dict=True).logits  # type: ignore[misc]

@@ -1,10 +1,5 @@
 """Devices, links and memory: what the stages run on.
 
-A :class:`Device` has a relative compute ``speed`` (1.0 = the device the profile was
-measured on), a ``memory`` capacity, and the ``bandwidth`` / ``latency_s`` of its link to
-the next device in the pipeline. Memory may be given in bytes or as a string
-(``"16GiB"``, ``"512 MB"``).
-
 Example:
     >>> from autopipe.machine.device import Device, parse_bytes
     >>> parse_bytes("16GiB")
@@ -76,12 +71,6 @@ def parse_bytes(value: int | float | str, *, name: str = "memory") -> int:
 def parse_bandwidth(value: int | float | str, *, name: str = "bandwidth") -> float:
     """Bytes per second from a number or from a size as :func:`parse_bytes` reads it, per second.
 
-    ``"10GB"`` and ``"10GB/s"`` both mean 10 GB/s (10**10 bytes per second), as the command
-    line's ``--bandwidth`` reads them.
-
-    Raises:
-        ValueError: not a finite rate > 0 (the message names ``name`` and the accepted forms).
-
     Example:
         >>> parse_bandwidth("10GB"), parse_bandwidth("1.5GB/s"), parse_bandwidth(2e9)
         (10000000000.0, 1500000000.0, 2000000000.0)
@@ -129,9 +118,6 @@ def default_link(device_type: str) -> tuple[float, float]:
 def step_message_s(device_type: str, measured_latency_s: float) -> float:
     """Seconds per message the planner charges for a link measured idle between ranks of ``device_type``.
 
-    CPU ranks sharing a host pay at least :data:`CPU_STEP_MESSAGE_S` per message inside a
-    step, which an idle measurement does not see; elsewhere the measurement stands.
-
     Example:
         >>> step_message_s("cpu", 1e-4), step_message_s("cuda", 1e-5)
         (0.0005, 1e-05)
@@ -166,13 +152,7 @@ def default_copy_bandwidth(device_type: str) -> float:
 
 
 def sends_are_lazy(device_type: str) -> bool:
-    """Whether the backend used on this device type moves a send only when its sender calls in.
-
-    autopipe runs CPU stages on gloo, whose point-to-point sends, posted before the receiver
-    asks, are delivered only once the sending rank next calls into gloo (measured in
-    docs/costs-and-measurement.md); NCCL (CUDA) moves data on the GPU by itself. The
-    planner passes this to :func:`autopipe.simulate` as ``lazy_sends``.
-    """
+    """Whether the backend used on this device type moves a send only when its sender calls in."""
     return device_type == "cpu"
 
 
@@ -298,16 +278,9 @@ OPTIMIZER_STATE_FACTORS = {
 def optimizer_state_factor(optimizer: str | type | float) -> tuple[str, float]:
     """(canonical name, state bytes per parameter byte) for an optimizer name or class, or that factor itself.
 
-    A number is the factor (a finite float >= 0: bytes of state per trainable parameter
-    byte), for an optimizer not listed or state shared out over data-parallel replicas.
-
-    Raises:
-        ValueError: unknown optimizer (the message lists the known ones).
-
-    Example::
-
-        >>> optimizer_state_factor("AdamW"), optimizer_state_factor(0.5)
-        (('adamw', 2.0), ('0.5 bytes per parameter byte', 0.5))
+    Example:
+            >>> optimizer_state_factor("AdamW"), optimizer_state_factor(0.5)
+            (('adamw', 2.0), ('0.5 bytes per parameter byte', 0.5))
     """
     if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool) and 0 <= optimizer < math.inf:
         return f"{optimizer:g} bytes per parameter byte", float(optimizer)

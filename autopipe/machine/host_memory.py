@@ -1,13 +1,5 @@
 """The host memory a piece of work needs: the process's peak resident set while it runs.
 
-Planning a model far bigger than one device must not need that model in host memory;
-:class:`PeakResidentMemory` measures what planning did need, for the plan to report.
-
-On Linux the kernel keeps the resident high-water mark (``VmHWM`` in ``/proc/self/status``)
-and lets a process reset it (writing ``5`` to ``/proc/self/clear_refs``), so the peak is the
-work's own. Elsewhere only the process's peak since it started is known
-(``resource.getrusage``), which is an upper bound; ``since_start`` says which was measured.
-
 Example:
     >>> with PeakResidentMemory() as peak:
     ...     block = bytearray(64 * 2**20)
@@ -50,11 +42,6 @@ def resident_bytes() -> int | None:
 def return_freed_heap() -> bool:
     """Give memory the process has freed back to the system (glibc's ``malloc_trim``); whether it could.
 
-    glibc keeps freed heap pages in the process, for its next allocations, unless they lie at
-    the heap's top. Building a pipeline frees tens of MiB of tracing objects in the middle of
-    the heap, so without this a rank's resident memory keeps them through training. A no-op
-    (False) where the C library is not glibc.
-
     Example:
         >>> return_freed_heap() in (True, False)
         True
@@ -72,13 +59,7 @@ def return_freed_heap() -> bool:
 
 
 class PeakResidentMemory:
-    """Context manager: the peak resident memory of the process while the block ran.
-
-    Attributes:
-        bytes: the peak, in bytes, once the block has ended (0 before).
-        since_start: True where only the process's peak since it started could be read
-            (not Linux), which includes everything before the block.
-    """
+    """Context manager: the peak resident memory of the process while the block ran."""
 
     def __init__(self) -> None:
         self.bytes = 0

@@ -1,14 +1,5 @@
 """Measure the link between two pipeline ranks: latency and bandwidth, fitted to timed transfers.
 
-The planner charges a transfer between neighbouring ranks ``latency_s + bytes / bandwidth``
-(:class:`autopipe.Device`). This module measures both:
-
-* :func:`measure_link` starts two processes on loopback (gloo on CPU, NCCL on two GPUs),
-  ping-pongs messages of several sizes between them, and fits
-  ``one-way time = latency + bytes / bandwidth`` (:func:`fit_link`);
-* :func:`measure_link_in_group` does the same between two ranks of a process group that
-  already exists (under ``torchrun``, across nodes).
-
 Example:
     >>> bandwidth, latency_s, error = fit_link([1000, 2000], [1e-6 + 1000 / 1e9, 1e-6 + 2000 / 1e9])
     >>> round(bandwidth), round(latency_s * 1e6, 6), error
@@ -111,23 +102,6 @@ class LinkMeasurement:
 def fit_link(sizes_bytes: Sequence[int], one_way_s: Sequence[float]) -> tuple[float, float, float]:
     """Fit ``one_way_s = latency_s + sizes_bytes / bandwidth`` to measured transfer times.
 
-    The fit minimises *relative* residuals (least squares weighted by 1 / time), so the
-    microsecond times of small messages count as much as the milliseconds of large ones:
-    the small messages pin down the latency and the large ones the bandwidth. A negative
-    latency (noise) is replaced by the best fit with zero latency.
-
-    Args:
-        sizes_bytes: Message sizes, at least two distinct, all > 0.
-        one_way_s: The one-way time of each, all > 0.
-
-    Returns:
-        ``(bandwidth bytes/s, latency s, relative error)``; the error is
-        ``max |fit - measured| / measured``.
-
-    Raises:
-        ValueError: lengths differ, fewer than two distinct sizes, a size or time <= 0, or
-            the times do not grow with the size (no bandwidth can be read from them).
-
     Example:
         >>> bw, lat, err = fit_link([10, 20, 40], [2e-6 + n / 5e8 for n in (10, 20, 40)])
         >>> f"{bw:.3g} {lat:.3g} {err:.1g}"
@@ -171,10 +145,6 @@ def _measurement(sizes: list[int], samples: list[list[float]], backend: str, dev
 def check_sizes_bytes(sizes_bytes: Any) -> list[int]:
     """The distinct message sizes of a link measurement, sorted; a clear error for anything else.
 
-    Raises:
-        ValueError: not a list of integers >= 1, or fewer than two distinct sizes (latency
-            and bandwidth cannot be told apart from one).
-
     Example:
         >>> check_sizes_bytes([4096, 1024, 4096])
         [1024, 4096]
@@ -203,41 +173,7 @@ def measure_link_in_group(
     group: Any = None,
     device: str | torch.device | None = None,
 ) -> LinkMeasurement | None:
-    """Measure the link between ranks ``src`` and ``dst`` of an initialised process group.
-
-    Call it on ``src`` and ``dst`` (other ranks may call it too and get ``None`` at once).
-    ``src`` sends a message of each size and ``dst`` sends it back with ``isend``/``irecv``
-    + ``wait`` (as ``torch.distributed.pipelining`` moves activations), for
-    ``warmup + repeats`` rounds in which the sizes take turns; half of each round trip is
-    one one-way sample. ``src`` then sends the
-    samples to ``dst``, so both return the same :class:`LinkMeasurement`. Transfers time
-    out after the group's own timeout (``init_process_group(timeout=...)``).
-
-    Args:
-        src: Global rank that starts every round trip.
-        dst: Global rank that echoes.
-
-    Keyword Args:
-        sizes_bytes: Message sizes (at least two distinct, >= 1).
-        repeats: Timed round trips per size (>= 1); the median is fitted.
-        warmup: Untimed rounds first (connection set-up, allocator).
-        group: The process group (default: the world).
-        device: Where the buffers live; default the current GPU for NCCL, else the CPU.
-
-    Returns:
-        The measurement on ``src`` and ``dst``; ``None`` on every other rank.
-
-    Raises:
-        RuntimeError: no process group is initialised.
-        ValueError: bad ranks or options (before any communication).
-
-    Example (under ``torchrun --nproc-per-node 2``)::
-
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-        link = measure_link_in_group(0, 1)
-        if dist.get_rank() == 0:
-            print(link.summary())
-    """
+    """Measure the link between ranks ``src`` and ``dst`` of an initialised process group."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("measure_link_in_group needs an initialised process group: call "
                            "torch.distributed.init_process_group first (or use measure_link)")

@@ -1,16 +1,5 @@
 """The loopback link of this host, measured once and kept.
 
-The planner charges every cut ``latency_s + bytes / bandwidth``. Where the user gives no
-link and an assumed one would move the split, it asks this module for the link between two
-processes on this host (:func:`loopback_link`). A measurement takes a few seconds, a fresh
-interpreter and two spawned processes (:func:`measure_in_fresh_process`), so it is kept:
-
-* in this process, for its lifetime, per device type;
-* in a small JSON file (``$XDG_CACHE_HOME/autopipe/links.json``, default
-  ``~/.cache/autopipe/links.json``), keyed by host name, torch version and torch's thread
-  count, so later processes on the same host reuse it. ``AUTOPIPE_LINK_CACHE=0`` turns the
-  file off (nothing is read or written); ``AUTOPIPE_CACHE_DIR`` moves it.
-
 Example:
     >>> from autopipe.machine.link import LinkMeasurement
     >>> fake = LinkMeasurement(5e9, 5e-5, [1024, 1 << 20], [5e-5, 2.6e-4], [[5e-5], [2.6e-4]], 0.01, "gloo",
@@ -58,10 +47,6 @@ def host_key() -> str:
 
 def cache_file() -> Path | None:
     """The JSON file that keeps measurements between processes, or None when turned off.
-
-    ``AUTOPIPE_LINK_CACHE=0`` (or ``false``, ``no``, ``off``) turns it off;
-    ``AUTOPIPE_CACHE_DIR`` names the folder; otherwise ``$XDG_CACHE_HOME/autopipe`` or
-    ``~/.cache/autopipe``.
 
     Example:
         >>> cache_file() is None or cache_file().name == "links.json"
@@ -122,23 +107,7 @@ _FRESH_CODE = (
 
 
 def measure_in_fresh_process(device_type: str = "cpu", *, timeout_s: float = FRESH_TIMEOUT_S) -> LinkMeasurement:
-    """:func:`autopipe.machine.link.measure_link` run from a fresh Python interpreter.
-
-    ``measure_link`` spawns its two processes, and a spawned process imports the caller's
-    main script again: a script that calls :func:`autopipe.partition` outside
-    ``if __name__ == "__main__":`` would run again up to the measurement, profiling and all,
-    then fail. Measured from ``python -c`` instead, there is no script to import, so the
-    planner may measure from any caller. It measures :data:`FRESH_RUNS` times and keeps
-    the run with the median latency.
-
-    Raises:
-        RuntimeError: the measurement failed (the message holds the child's output's end).
-        TimeoutError: it was not done within ``timeout_s`` (the child is killed).
-
-    Example::
-
-        link = measure_in_fresh_process("cpu")   # a few seconds: an interpreter, then two ranks
-    """
+    """:func:`autopipe.machine.link.measure_link` run from a fresh Python interpreter."""
     package_root = str(Path(__file__).resolve().parents[2])  # where ``import autopipe`` finds this copy
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
@@ -157,12 +126,6 @@ def measure_in_fresh_process(device_type: str = "cpu", *, timeout_s: float = FRE
 
 def remember_link(link: LinkMeasurement, device_type: str = "cpu") -> None:
     """Keep ``link`` as this host's loopback link for ``device_type`` in this process.
-
-    :func:`loopback_link` then returns it without measuring: a way to hand the planner a
-    link measured elsewhere (``python -m autopipe.cli.measure``) once for the session.
-
-    Raises:
-        TypeError: ``link`` is not a LinkMeasurement.
 
     Example:
         >>> from autopipe.machine.link import LinkMeasurement
@@ -190,24 +153,7 @@ def forget_links() -> None:
 
 def loopback_link(device_type: str = "cpu", *, measure: MeasureFn | None = None,
                   use_file: bool = True) -> LinkMeasurement:
-    """This host's link between two processes on ``device_type``: kept, read from the file, or measured.
-
-    Args:
-        device_type: ``"cpu"`` (two gloo processes) or ``"cuda"`` (GPUs 0 and 1, NCCL).
-        measure: What measures when nothing is kept; default
-            :func:`measure_in_fresh_process` (an interpreter and two spawned processes, a
-            few seconds).
-        use_file: Read and write the cache file (:func:`cache_file`) as well.
-
-    Raises:
-        ValueError: ``device_type`` is neither ``"cpu"`` nor ``"cuda"``.
-        TypeError: ``measure`` returned something other than a LinkMeasurement.
-
-    Example::
-
-        link = loopback_link("cpu")      # measured once per host; later calls return it at once
-        autopipe.Device(**link.device_kwargs())
-    """
+    """This host's link between two processes on ``device_type``: kept, read from the file, or measured."""
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"device_type={device_type!r}: a loopback link is measured between 'cpu' processes "
                          "or 'cuda' GPUs")

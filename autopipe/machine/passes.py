@@ -1,22 +1,5 @@
 """Time a module's forward and backward passes on a device: alone, or in rounds as a pipeline runs them.
 
-What the profiler (:mod:`autopipe.planning.profile`) and the overhead probe
-(:mod:`autopipe.runtime.overhead_probe`) time, on any ``torch.nn.Module`` given fresh inputs
-for each run:
-
-* :func:`forward_backward`: one timed forward and one timed backward, optionally counting
-  the bytes autograd saves for the backward (:class:`SavedBytes`);
-* :func:`time_alone`: one module again and again;
-* :func:`time_in_rounds`: several modules' forwards in order, then their backwards in reverse,
-  as a pipeline stage runs its segments, with the gradient accumulation after each backward
-  and, when given, the whole graph beside them (:class:`WholePass`);
-* :func:`time_accumulation` and :func:`measure_backward_start_s`: the add of a gradient into
-  an accumulated one, and the fixed cost of starting a backward.
-
-Backward uses ``torch.autograd.grad``, so nothing accumulates into any ``.grad``. Every
-function takes a timer (:class:`~autopipe.machine.timing.TimerLike`), so a test can pass a
-clock that reports scripted seconds.
-
 Example:
     >>> from autopipe.machine.timing import Timer
     >>> layer = torch.nn.Linear(4, 4)
@@ -43,11 +26,6 @@ from .timing import TimerLike, per_run_s
 def storage_key(t: torch.Tensor) -> int:
     """What identifies the memory ``t`` lives in: its storage's data pointer, or on the meta device its storage.
 
-    The storage's pointer, not the tensor's: views at an offset (the key and value that
-    ``split`` cuts from one fused projection) live in, and keep alive, the same storage.
-    Every tensor on the meta device has data pointer 0, so there the storage object's identity
-    stands in; a tensor that is not strided (sparse) is identified by itself.
-
     Example:
         >>> a = torch.empty(3, 4, device="meta")
         >>> storage_key(a) == storage_key(a.view(12)), storage_key(a) == storage_key(torch.empty(3, device="meta"))
@@ -65,14 +43,6 @@ def storage_key(t: torch.Tensor) -> int:
 
 class SavedBytes:
     """Counts the bytes autograd saves for backward: each storage once, parameters skipped.
-
-    Pass :meth:`pack` to ``torch.autograd.graph.saved_tensors_hooks`` around a forward;
-    ``total`` is then what that forward keeps alive until its backward. A saved tensor keeps
-    its whole storage alive, so a storage is charged its size once however many views of it
-    are saved (batch norm and ReLU saving the same tensor, a view saved beside its base), and
-    an expanded tensor (stride 0) only the storage it really holds. ``saved`` maps each
-    storage (:func:`storage_key`) to its bytes, so the caller can tell which of them are
-    tensors it already knows (a segment's inputs and outputs).
 
     Example:
         >>> counter = SavedBytes(set())
@@ -112,11 +82,6 @@ def forward_backward(
 ) -> tuple[float, float, tuple[Any, ...]]:
     """One timed forward and one timed backward of a segment: (fwd_s, bwd_s, outputs).
 
-    ``module.forward`` is called directly, not ``module(...)``: the FLOP counter's module
-    tracker hooks ``Module.__call__`` and does not support ``torch.autograd.grad``.
-    Backward uses ``torch.autograd.grad`` so nothing accumulates into any ``.grad``.
-    ``counter`` (a :class:`SavedBytes`), when given, counts what the forward saves.
-
     Example:
         >>> from autopipe.machine.timing import Timer
         >>> layer = torch.fx.symbolic_trace(torch.nn.Linear(4, 2))
@@ -138,9 +103,6 @@ def timed_backward(
 ) -> tuple[float, tuple[torch.Tensor | None, ...]]:
     """Time one backward of ``out`` (ones as output gradients) with respect to the inputs that
     carry a gradient and ``trainable``: (seconds, the weight gradients, last ``len(trainable)``).
-
-    ``torch.autograd.grad``, so nothing accumulates into any ``.grad``; (0.0, ()) when there
-    is nothing to differentiate.
 
     Example:
         >>> from autopipe.machine.timing import Timer
@@ -165,11 +127,6 @@ def time_alone(
     """Forward and backward seconds (:func:`~autopipe.machine.timing.per_run_s`) of one module run
     again and again on its own.
 
-    ``make_inputs`` gives fresh inputs for each run; ``warmup`` runs are not timed. The
-    caches are not emptied between runs: its callers time a whole probe stage that stays
-    cached in its own pipeline, or one segment, which a flush would charge a whole action's
-    cold start (see :func:`autopipe.planning.profile.profile_segments`).
-
     Example:
         >>> from autopipe.machine.timing import Timer
         >>> layer = torch.nn.Linear(4, 4)
@@ -190,8 +147,6 @@ def time_alone(
 
 def accumulate(accumulated: list[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
     """Add ``grads`` into ``accumulated`` in place, as autograd's AccumulateGrad does into ``.grad``.
-
-    A ``None`` gradient (a parameter the backward did not reach) leaves its buffer alone.
 
     Example:
         >>> acc = [torch.zeros(2), torch.ones(2)]
@@ -222,33 +177,6 @@ def time_in_rounds(
     whole: RoundEntry | None = None, fit: bool = False, *, backward_start_s: float | None = None,
 ) -> tuple[list[tuple[float, float, float]], WholePass | None]:
     """Forward, backward and accumulation seconds of each segment, timed in rounds.
-
-    Each is the :func:`~autopipe.machine.timing.per_run_s` of its timed rounds.
-
-    A round runs every segment's forward in graph order, then every segment's backward in
-    reverse order, each timed on its own (each segment keeps its own autograd graph, so its
-    backward is its own). ``segments`` holds ``(module, make_inputs, trainable)`` per segment.
-    ``flush`` (a :class:`~autopipe.machine.timing.CacheFlusher`) runs, untimed, before each
-    round's forwards and before its backwards: a pipeline action starts with the caches
-    holding other work, then runs its segments one after another, each finding the previous
-    one's output still there.
-
-    After each backward, the weight gradients it produced are added into a gradient buffer
-    of the segment's own, timed on their own
-    (:attr:`autopipe.planning.costgraph.SegmentCost.accum_s`): in a pipeline step every
-    micro-batch after the first adds its gradients into ``.grad`` this way, the new gradients
-    fresh from the backward, the accumulated ones last touched a micro-batch ago.
-
-    ``whole`` (the model's whole graph, same form) is then timed in every round as well, as
-    one forward, one backward and one accumulation, each pass after a flush: what the
-    segments add up to when they run as one graph. Returns the segments' times and a
-    :class:`WholePass` (``None`` when ``whole`` is not given). With ``fit``, each segment's
-    times are its means multiplied by the pass's scale, else its means with the fixed cost
-    of starting a backward taken off each backward: ``backward_start_s`` seconds, measured
-    with :func:`measure_backward_start_s` when ``None``.
-
-    Raises:
-        ValueError: ``backward_start_s`` is not a finite number of seconds >= 0.
 
     Example:
         >>> from autopipe.machine.timing import Timer
@@ -320,9 +248,6 @@ def time_accumulation(trainable: list[torch.Tensor], timer: TimerLike, warmup: i
     """Seconds (:func:`~autopipe.machine.timing.per_run_s`) to add one gradient into an accumulated
     one for each of ``trainable``.
 
-    For a segment timed alone (copied to the device): like its forward and backward there,
-    timed again and again without emptying the caches.
-
     Example:
         >>> from autopipe.machine.timing import Timer
         >>> time_accumulation([torch.zeros(8)], Timer(torch.device("cpu")), warmup=0, repeats=2) >= 0
@@ -345,9 +270,6 @@ def time_accumulation(trainable: list[torch.Tensor], timer: TimerLike, warmup: i
 def measure_backward_start_s(timer: TimerLike, repeats: int = 21) -> float:
     """Median seconds of ``torch.autograd.grad`` through one tiny operation: the cost of starting a backward.
 
-    A pipeline stage starts one backward for all its segments, so a segment timed on its
-    own is not charged this start (:func:`time_in_rounds`).
-
     Example:
         >>> from autopipe.machine.timing import Timer
         >>> measure_backward_start_s(Timer(torch.device("cpu")), repeats=3) >= 0
@@ -364,23 +286,6 @@ def measure_backward_start_s(timer: TimerLike, repeats: int = 21) -> float:
 @dataclass
 class WholePass:
     """The model's whole graph timed as one, beside the segments timed one by one.
-
-    A stage runs its segments as one graph, with no pause between them. The profile times
-    each segment on its own, and on a GPU that costs every segment a start from an idle
-    device: the host synchronises, then launches the segment's kernels while the GPU waits
-    for the first of them, where inside one graph the host launches ahead of the GPU: the
-    segments add up to more than the whole graph although the kernels' own time is the same
-    both ways (docs/design.md, finding 2). So the profile also
-    times the whole graph in every round and, when ``fitted``, multiplies each segment's
-    forward, backward and accumulation by the ``scales`` of its pass: the segments then add
-    up to the whole model, and keep their measured shares of it.
-
-    Times are per micro-batch, :func:`~autopipe.machine.timing.per_run_s` of the rounds. The ``segments_*`` fields are
-    the segments' sums as timed, before any scaling and with each backward's own start
-    included. ``scales`` are ``whole / segments`` per round, the median over the rounds (1.0
-    for a pass the segments took no time in). Fitted, a segment's backward is its timed one
-    times the scale; not fitted, its timed one less the cost of starting a backward, which
-    a stage pays once (:func:`time_in_rounds`).
 
     Example:
         >>> w = WholePass(fwd_s=1.0, bwd_s=2.0, accum_s=0.5, segments_fwd_s=2.0, segments_bwd_s=2.0,

@@ -1,12 +1,5 @@
 """Published figures of common accelerators and links, to plan for a cluster one does not have.
 
-:meth:`autopipe.Device.preset` turns a name into a :class:`~autopipe.machine.device.Device`:
-its memory, the link to the next device, and the FLOP rate at which counted costs
-(``cost="flops"``) are charged. The figures are the vendors' data-sheet values (dense,
-no sparsity) for the SXM parts; a rate a training run really reaches is a fraction of the
-peak, so :meth:`~autopipe.Device.preset` charges ``efficiency`` times the peak (default
-:data:`DEFAULT_EFFICIENCY`).
-
 Example:
     >>> ACCELERATORS["H100"].memory
     '80GB'

@@ -1,12 +1,5 @@
 """Measure how fast a device computes, and build the measured ``Device`` list for the planner.
 
-* :func:`measure_device_flops`: a device's float32 matmul throughput in FLOP/s;
-* :func:`measure_device_speed`: that throughput relative to the device the profile was
-  measured on (``Device.speed``);
-* :func:`measure_devices`: one :class:`autopipe.Device` per pipeline rank, with its speed,
-  memory and the link to the next rank (:func:`autopipe.machine.link.measure_link`), for
-  ``PlannerOptions(devices=...)``.
-
 Example:
     >>> measure_device_speed("cpu", reference="cpu")
     1.0
@@ -30,8 +23,6 @@ from .timing import Timer, resolve_device
 def measure_device_flops(device: str | torch.device | None = None, *, size: int = 1024, repeats: int = 5) -> float:
     """Measured float32 matmul throughput of ``device`` in FLOP/s (median of ``repeats``).
 
-    Used to turn counted FLOPs into seconds (``cost="flops"``) and to compare devices.
-
     Example:
         >>> measure_device_flops("cpu", size=256, repeats=2) > 1e6
         True
@@ -47,10 +38,6 @@ def measure_device_flops(device: str | torch.device | None = None, *, size: int 
 
 def counting_flops(device: str | torch.device) -> float:
     """The FLOP rate that turns counted FLOPs into seconds on ``device``: measured once per process.
-
-    ``cost="flops"`` plans of one model in one process then agree exactly; measured anew
-    each time, the rate would move with the host's load, and with it any split decided by
-    compute against fixed costs (a message, an action's overhead).
 
     Example:
         >>> counting_flops("cpu") == counting_flops("cpu")

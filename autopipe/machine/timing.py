@@ -1,15 +1,5 @@
 """Time work on a device: a clock that is right on CPU and CUDA, and caches emptied between runs.
 
-The lowest layer of measuring. :func:`resolve_device` names the device, :class:`Timer` times
-one call on it (on CUDA with events after a synchronisation, so the work is timed rather than
-its launch), :func:`per_run_s` turns timed runs into the seconds one run is charged, and
-:class:`CacheFlusher` empties the device's caches between timed runs.
-:mod:`autopipe.machine.passes` times forward and backward passes with them and
-:mod:`autopipe.machine.speed` a device's matmul throughput.
-
-Anything with a ``device`` and a ``time(fn) -> (seconds, result)`` method (:class:`TimerLike`)
-can stand in for :class:`Timer`, e.g. a clock that reports scripted seconds in a test.
-
 Example:
     >>> timer = Timer(resolve_device("cpu"))
     >>> seconds, total = timer.time(lambda: sum(range(10)))
@@ -29,14 +19,6 @@ import torch
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """The device to profile on: the given one, else CUDA when present, else CPU.
-
-    A CUDA device without an index (``"cuda"``) gets the current one (``cuda:0``), as
-    ``tensor.device`` always carries it: ``torch.device("cuda") != torch.device("cuda:0")``,
-    and the profiler compares the two to decide whether the model already lives there.
-
-    Raises:
-        ValueError: the device string is not one torch understands, or CUDA is asked for
-            but not available.
 
     Example:
         >>> resolve_device("cpu")
@@ -68,18 +50,6 @@ def synchronize(device: torch.device) -> None:
 def per_run_s(samples: Sequence[float]) -> float:
     """The seconds one run of a piece of work is charged, from its timed runs: their mean.
 
-    Not the median, on purpose. A pipeline step runs each stage's forward and backward once
-    per micro-batch, one after another, so its length is a *sum* of many such runs, and the
-    expected sum is the sum of the means. On a quiet GPU the two are the same; on a shared CPU
-    the times are skewed to the right (a run now and then is preempted or takes page faults),
-    and the median would leave out what those runs add (docs/design.md, finding 7).
-
-    Args:
-        samples: seconds of each timed run, at least one.
-
-    Raises:
-        ValueError: ``samples`` is empty.
-
     Example:
         >>> round(per_run_s([0.010, 0.010, 0.013]), 6)
         0.011
@@ -91,10 +61,7 @@ def per_run_s(samples: Sequence[float]) -> float:
 
 
 class TimerLike(Protocol):
-    """What the timing functions need of a timer: its device and ``time(fn) -> (seconds, result)``.
-
-    :class:`Timer` is one; a test can pass a clock of its own that reports scripted seconds.
-    """
+    """What the timing functions need of a timer: its device and ``time(fn) -> (seconds, result)``."""
 
     device: torch.device
 
@@ -137,9 +104,6 @@ _DEFAULT_LLC_BYTES = 32 << 20
 def last_level_cache_bytes(device: torch.device) -> int:
     """The size of ``device``'s largest cache in bytes: the GPU's L2, the CPU's last level.
 
-    Read from ``torch.cuda.get_device_properties`` on CUDA and from
-    ``/sys/devices/system/cpu/cpu0/cache`` on a Linux CPU; 32 MiB where neither says.
-
     Example:
         >>> last_level_cache_bytes(torch.device("cpu")) > 0
         True
@@ -165,15 +129,6 @@ def last_level_cache_bytes(device: torch.device) -> int:
 
 class CacheFlusher:
     """Empties a device's caches between timed runs, by writing a buffer twice their size.
-
-    A pipeline action does not find its stage's weights and inputs in the cache: since the
-    stage last ran, other micro-batches and (on a shared host) other stages have been through
-    it. Work timed again and again in a loop does find them there, and is measured too fast;
-    benchmark tools flush for the same reason (Triton's ``do_bench`` clears the L2 before
-    every timed run). The profiler calls this before each pass of a round (the forwards, then
-    the backwards), as a stage's action starts cold and then runs its segments back to back.
-    ``buffer`` is what each call writes, ``nbytes`` long (default twice the device's
-    :func:`last_level_cache_bytes`).
 
     Example:
         >>> flush = CacheFlusher(torch.device("cpu"))

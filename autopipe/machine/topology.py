@@ -1,17 +1,5 @@
 """A cluster of nodes: how many GPUs share a node, the link inside a node and the one between nodes.
 
-Pipeline x data parallel puts ``pp x dp`` ranks on a 2-D mesh laid out as torch's
-``init_device_mesh(device, (dp, pp), mesh_dim_names=("dp", "pp"))`` lays it out: row-major,
-``pp`` innermost, so global rank ``d * pp + p`` is pp rank ``p`` of replica ``d`` and
-consecutive ranks form a pipeline. Ranks ``k * gpus_per_node .. (k+1) * gpus_per_node - 1``
-share node ``k``. A pipeline of ``pp <= gpus_per_node`` ranks then stays in one node when
-``pp`` divides ``gpus_per_node``, and the data-parallel groups (same pp rank, every replica)
-cross nodes as soon as there is more than one node.
-
-Pass it as ``PlannerOptions(devices=Topology(...))``: it carries the device every
-rank has, and :meth:`Topology.pipeline_devices` / :meth:`Topology.dp_link` give the planner
-each dimension's link.
-
 Example:
     >>> from autopipe.machine.device import Device
     >>> topo = Topology(Device.preset("H100"), gpus_per_node=8, intra="nvlink4", inter="ib-ndr")

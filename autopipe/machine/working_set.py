@@ -1,20 +1,5 @@
 """The memory a backward needs beyond the activations saved for it: its working set.
 
-A stage's backward allocates while it runs: the gradient flowing back between its layers,
-each operator's temporaries, and, from the second micro-batch of a step on, a fresh weight
-gradient per parameter that autograd adds into the ``.grad`` accumulated so far and then
-frees. None of that is saved for the backward, so the saved bytes
-(:class:`~autopipe.machine.passes.SavedBytes`) do not show it, while the device must hold it
-on top of everything else at that moment. As the backward runs, autograd frees each saved
-tensor once its last user is done, which gives some of that room back.
-
-:func:`backward_working_bytes` runs one forward and one backward as a pipeline stage runs
-them and returns the peak of what the backward allocated and still holds less the saved
-bytes it has freed by then (:class:`WorkingSet`: with the weight gradients accumulated into
-``.grad``, and the input gradients alone).
-:class:`LiveStorage` is the storage accounting it uses: a ``TorchDispatchMode`` that charges
-each new storage an operator returns and uncharges it when Python frees it.
-
 Example:
     >>> layer = torch.nn.Linear(8, 8)
     >>> backward_working_bytes(layer, [torch.randn(4, 8, requires_grad=True)]).accumulating > 0
@@ -41,14 +26,6 @@ def _storage_bytes(t: torch.Tensor) -> int:
 
 class LiveStorage(TorchDispatchMode):
     """Bytes of tensor storage allocated inside the block and still alive; ``peak`` is their high-water mark.
-
-    An operator's output storage is charged once, when it first appears, and uncharged when
-    Python frees it (a weak reference to the storage object, which torch keeps as long as
-    the storage lives); an output that shares an input's storage (a view, an in-place op)
-    allocated nothing. ``released`` is subtracted from ``live`` before the peak is taken:
-    the caller adds there the bytes of storages made before the block that are freed inside
-    it (:meth:`watch`), so ``peak`` is the most the block ever held beyond where it started.
-    Meta tensors are counted by their size, so a model on the meta device is measured too.
 
     Example:
         >>> with LiveStorage() as live:
@@ -104,17 +81,7 @@ class LiveStorage(TorchDispatchMode):
 
 @dataclass(frozen=True)
 class WorkingSet:
-    """Peak bytes a backward allocates beyond the activations saved for it, in its two cases.
-
-    ``accumulating``: with every weight gradient already in ``.grad``, as from a stage's second
-    micro-batch of a step on: autograd makes a fresh gradient per parameter and adds it in.
-    ``first``: the input gradients alone; in a stage's first backward of a step the weight
-    gradients it makes become the ``.grad`` themselves (counted with the parameters), and a
-    split backward's input-gradient action makes only these.
-    Both include the gradient arriving at the output (made by the backward after it inside a
-    stage; at a stage boundary it is a receive buffer made before the step, which the cost
-    model takes off: :func:`autopipe.planning.costmodel.stage_work_bytes`).
-    """
+    """Peak bytes a backward allocates beyond the activations saved for it, in its two cases."""
 
     accumulating: int
     first: int
@@ -122,18 +89,6 @@ class WorkingSet:
 
 def backward_working_bytes(module: torch.nn.Module, inputs: list[Any]) -> WorkingSet:
     """Peak bytes one backward of ``module`` needs beyond the activations its forward saved.
-
-    Runs ``module.forward(*inputs)`` keeping what autograd saves, then a backward from output
-    gradients of ones (counted) in both cases of :class:`WorkingSet`:
-    ``torch.autograd.backward`` with every trainable parameter's ``.grad`` already present,
-    and ``torch.autograd.grad`` with respect to the inputs only. The saved tensors autograd
-    frees during a backward count as given back; the inputs and outputs do not (the stage
-    keeps them). The module's ``.grad`` are left as they were; zeros when no output needs a
-    gradient.
-
-    Args:
-        module: the segment (or stage); its forward is called directly, as the profiler does.
-        inputs: its inputs; those that carry a gradient in training should require one.
 
     Example:
         >>> mlp = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
@@ -151,9 +106,6 @@ def working_bytes(forward: Callable[[], Any], inputs: Sequence[Any], params: Seq
     """One case of :func:`backward_working_bytes` for any computation: ``forward()`` run on
     ``inputs`` (kept alive by the caller), ``params`` its trainable parameters; ``weights``
     False differentiates with respect to the inputs only.
-
-    The profiler uses it for the loss, whose backward starts the last stage's: the gradient
-    of the model output and the loss's own temporaries.
 
     Example:
         >>> logits = torch.randn(4, 100, requires_grad=True)

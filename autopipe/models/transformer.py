@@ -1,9 +1,5 @@
 """The seed tutorial's Transformer language model, rebuilt for autopipe's examples.
 
-The architecture and module names follow the hand-split tutorial autopipe grew from
-(``embedding -> pos_encoding -> layers.0 .. layers.N-1 -> out_linear``), so a plan's
-``split_spec`` reads exactly like the tutorial's ``{"layers.1": SplitPoint.BEGINNING}``.
-
 Example:
     >>> from autopipe.models import SeedTransformer
     >>> model = SeedTransformer(vocab_size=100, d_model=12, num_heads=4, d_ff=24, num_layers=2)

@@ -1,9 +1,5 @@
 """Fit a cost measured at a few micro-batch sizes as ``a + c*b``, and evaluate it at any size.
 
-The fits are sympy expressions in the micro-batch size symbol :data:`B` (the language
-torch.export speaks for dynamic shapes); :mod:`autopipe.planning.scaling` fits every
-segment's and cut's costs this way.
-
 Example:
     >>> fit = fit_affine([1, 2, 4], [300, 500, 900], integer=True)
     >>> fit.expr, fit.rel_error
@@ -59,29 +55,6 @@ def _affine_expr(intercept: float | int, slope: float | int) -> sympy.Expr:
 def fit_affine(sizes: Sequence[int], values: Sequence[float], *, integer: bool = False) -> AffineFit:
     """Least-squares fit of ``values`` measured at micro-batch ``sizes`` as ``a + c*b``.
 
-    The fit is constrained to ``c >= 0`` and ``a + c >= 0``: a cost never shrinks as the
-    micro-batch grows, and must not be negative at any size ``b >= 1``. A least-squares fit
-    that breaks either (measurement noise on a tiny segment) is replaced by the best fit on
-    the boundary of those constraints: a constant (``c = 0``) or a line that is zero at
-    ``b = 1`` (``c*(b - 1)``), whichever is closer to the samples; ``clamped`` says so.
-
-    With exactly two sizes the unclamped fit passes through both samples, so its error is
-    0 by construction: use three or more sizes for an error that means something.
-
-    Args:
-        sizes: Micro-batch sizes, at least two distinct.
-        values: The quantity measured at each size.
-
-    Keyword Args:
-        integer: The quantity is a count (bytes, FLOPs): when integer coefficients
-            reproduce every sample exactly, use them (the fit is then exact, error 0).
-
-    Returns:
-        An :class:`AffineFit` in the symbol :data:`B`.
-
-    Raises:
-        ValueError: ``sizes`` and ``values`` differ in length, or fewer than two distinct sizes.
-
     Example:
         >>> fit_affine([1, 2, 4], [1024 + 256, 1024 + 512, 1024 + 1024], integer=True).expr
         256*b + 1024
@@ -124,9 +97,6 @@ def _evaluator(expr: sympy.Expr) -> Callable[[float], float]:
 def evaluate(expr: sympy.Expr, b: int) -> float:
     """The value of a fitted expression at micro-batch size ``b``.
 
-    The numeric function is built once per expression and cached, as the planner evaluates
-    the same fits at many sizes.
-
     Example:
         >>> evaluate(256 * B + 1024, 4)
         2048.0
@@ -137,13 +107,6 @@ def evaluate(expr: sympy.Expr, b: int) -> float:
 
 def parse_expr(text: str, what: str) -> sympy.Expr:
     """Read back an expression written as ``str(expr)``, with ``b`` as :data:`B`.
-
-    Args:
-        text: the expression, e.g. ``"512*b + 64"``.
-        what: the quantity it is, for the error message.
-
-    Raises:
-        ValueError: ``text`` is not an expression, or uses symbols other than ``b``.
 
     Example:
         >>> parse_expr("512*b + 64", "cut_fwd_bytes").subs(B, 2)

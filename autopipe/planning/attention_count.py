@@ -1,21 +1,4 @@
-"""Counting attention as the fused kernel a GPU runs it as.
-
-A model's ``scaled_dot_product_attention`` runs as whichever kernel the device picks. On a
-GPU that is a fused kernel (flash or memory-efficient attention): it keeps the query, key,
-value, output and one log-sum-exp per row for the backward, never the sequence-length-squared
-attention probabilities. Counted costs (``cost="flops"``) must charge what the GPU pays, but
-they are counted wherever planning runs:
-
-* on the meta device, torch runs attention as its unfused math, which saves the attention
-  probabilities: the saved bytes of long sequences would be overstated many times over;
-* on the CPU, torch runs its own fused kernel, for which its FLOP counter has no formula:
-  the attention's matmuls would count no FLOPs.
-
-:class:`FusedAttention` sends every attention call to the CPU's fused kernel, which runs on
-the meta device too (forward and backward) and saves what a GPU's fused kernel saves, and
-:data:`ATTENTION_FLOPS` gives torch's FLOP counter that kernel's FLOPs. Counted costs then
-agree wherever they are counted. Measured costs are left to the kernel the device picks.
-"""
+"""Counting attention as the fused kernel a GPU runs it as."""
 
 from __future__ import annotations
 
@@ -34,12 +17,6 @@ _FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 def attention_flops(query: Any, key: Any, value: Any, *, backward: bool = False) -> int:
     """FLOPs of one attention call (or of its backward) on tensors of these shapes.
-
-    Shapes are (batch, heads, sequence, head size); keys and values may have fewer heads
-    (grouped-query attention), which changes no FLOPs. Forward: the scores ``Q Kᵀ`` and the
-    weighted sum ``P V``. Backward: the scores again, then the gradients of ``V``, ``P``,
-    ``Q`` and ``K``, each one matmul, as torch's counter charges the CUDA kernels. A causal
-    mask is not discounted, as torch's counter does not discount it either.
 
     Example:
         >>> attention_flops((1, 2, 8, 4), (1, 2, 8, 4), (1, 2, 8, 4))  # 2 * 2 heads * 8 * 8 * (4 + 4)
@@ -69,12 +46,6 @@ ATTENTION_FLOPS = {_FUSED.overloadpacket: _fused_flops, _FUSED_BACKWARD.overload
 
 class FusedAttention(TorchFunctionMode):
     """Within it, ``scaled_dot_product_attention`` runs as the CPU's fused kernel, on any device.
-
-    Only for counting: dropout is left out (a fused GPU kernel keeps its random state, not a
-    mask, so nothing is saved for it), and a boolean mask is turned into the additive one the
-    kernel takes, as torch does before its own fused kernels. Inputs the kernel does not take
-    (see :func:`_not_fused`) run as torch's own attention, with a warning, since they may
-    then be charged as unfused math.
 
     Example:
         >>> q = torch.ones(1, 2, 8, 4, device="meta", requires_grad=True)

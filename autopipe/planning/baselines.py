@@ -1,28 +1,5 @@
 """The splits the tools a user would pick instead give, costed with autopipe's own model.
 
-Every baseline is a real tool's rule (reproduced in :mod:`autopipe.planning.peers`, version
-named there) applied to the layer list a user of that tool gives it: the model's top-level
-modules in forward order, with each list of repeated blocks expanded into its blocks and any
-wrapper around such a list opened (GPT-2: ``transformer.wte`` ... ``transformer.h.0`` ...
-``transformer.h.N``, ``transformer.ln_f``, ``lm_head``; a ResNet: ``conv1``, ``bn1``,
-``relu``, ``maxpool``, ``layer1.0`` ... ``layer4.1``, ``avgpool``, ``fc``). A module where
-``torch.distributed.pipelining`` cannot cut goes with the layer before it.
-
-* ``deepspeed_parameters`` - DeepSpeed 0.19.8 ``PipelineModule(partition_method="parameters")``:
-  ``partition_balanced`` of the trainable parameter count per layer.
-* ``deepspeed_uniform`` - DeepSpeed 0.19.8 ``partition_method="uniform"``: equal layer
-  counts, the remainder to the first stages; the embedding and the head count as layers.
-* ``torchtitan_default`` - torchtitan 0.3.0's default LLM split: the blocks plus one unit for
-  what comes before them and one for what comes after, in equal shares, the remainder first.
-* ``torchgpipe_time`` - torchgpipe 0.0.7 ``balance_by_time``: its block partition of each
-  layer's forward + backward time.
-* ``pippy_equal_size`` - torchpippy 0.2.0 ``split_into_equal_size``: graph nodes filled
-  greedily up to an equal share of parameter + buffer elements.
-* ``flops_dp`` - torchtitan PR #2113 / torch PR #179212 (open): min-max dynamic program over
-  per-layer forward FLOPs (backward 3x forward) with a local search on a simulated 1F1B.
-
-A rule that does not apply to a model gives no split, with the reason (:class:`BaselineSplit`).
-
 Example:
     >>> from autopipe.planning.baselines import layer_units
     >>> from autopipe.models import seed_transformer
@@ -207,10 +184,6 @@ def layer_units(traced: TracedModel) -> LayerUnits:
 def pippy_node_params(traced: TracedModel) -> tuple[list[dict[str, int]], int, str]:
     """Per graph node, the parameters and buffers it reads (elements), as torchpippy 0.2.0 counts them.
 
-    Returns ``(node_params, total_elements, problem)``; ``problem`` names a state tensor that
-    torchpippy 0.2.0 would fail on (a non-persistent buffer or constant, absent from the
-    module's ``state_dict``), or is empty.
-
     Example:
         >>> from autopipe.models import seed_transformer
         >>> from autopipe.planning.tracing import trace
@@ -253,9 +226,6 @@ def pippy_node_params(traced: TracedModel) -> tuple[list[dict[str, int]], int, s
 def unit_param_counts(traced: TracedModel, units: LayerUnits) -> np.ndarray:
     """Trainable parameter elements per layer, as DeepSpeed 0.19.8 counts them for ``"parameters"``.
 
-    A layer counts every trainable parameter it reads, so a weight shared by two layers (a tied
-    embedding and head, DeepSpeed's ``TiedLayerSpec``) counts in both.
-
     Example:
         >>> import torch
         >>> from autopipe.planning.tracing import trace
@@ -284,16 +254,6 @@ def _from_bounds(name: str, units: LayerUnits, bounds: Sequence[int], tool: str)
 def baseline_split(name: str, traced: TracedModel, costs: Sequence[SegmentCost], num_stages: int,
                    units: LayerUnits | None = None) -> BaselineSplit:
     """The split baseline ``name`` gives for ``num_stages`` stages, or no split and why.
-
-    Args:
-        name: one of :data:`BASELINES`.
-        traced: the traced model.
-        costs: its per-segment costs (:func:`autopipe.planning.profile.profile_segments`).
-        num_stages: the stage count.
-        units: its :func:`layer_units`, when already computed.
-
-    Raises:
-        ValueError: ``name`` is not a baseline, or ``num_stages`` < 1.
 
     Example:
         >>> from autopipe.models import seed_transformer
@@ -380,8 +340,6 @@ def evaluate_baselines(
     traced: TracedModel, costs: Sequence[SegmentCost], problem: PartitionProblem, units: LayerUnits | None = None
 ) -> dict[str, PartitionResult | str]:
     """Every baseline under the same problem: its costed split, or the reason it gives none.
-
-    ``units``: the model's :func:`layer_units`, when already computed.
 
     Example:
         >>> results = evaluate_baselines(traced, costs, problem)  # doctest: +SKIP

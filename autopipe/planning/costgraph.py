@@ -1,23 +1,5 @@
 """The cost graph: segments as nodes, the tensors between them as edges, bytes on every cut.
 
-Second step of the data flow. From a :class:`~autopipe.planning.tracing.TracedModel` it finds
-the tensors one segment hands to a later one and computes, for every candidate cut, the
-bytes that must cross it per micro-batch:
-
-* forward: every tensor produced before the cut and used at or after it (so a skip
-  connection or a residual stream that jumps over several segments counts at every cut it
-  spans), plus model inputs still needed after the cut;
-* backward: the gradients of those of them that require grad (floating point and
-  downstream of a parameter or an input that requires grad).
-
-The lists on :class:`CostGraph` (``cut_fwd_bytes``, ``cut_bwd_bytes``, ``costs``) are the
-source of truth: the planner, the plan and the reports read them, and a size-scaled
-profile replaces them per micro-batch size. ``CostGraph.graph`` is an export of the same
-data as a ``networkx.DiGraph`` (segments as nodes with their costs, producer-to-consumer
-tensors as edges with their bytes), built afresh on every access for inspection and
-drawing; nothing reads costs back from it. An edge's bytes are not a cut's: a tensor that
-skips several segments is one edge but crosses every cut it spans.
-
 Example:
     >>> from autopipe.models import seed_transformer
     >>> from autopipe.planning.tracing import trace
@@ -176,11 +158,7 @@ def tensor_bytes(value: Any) -> int:
 
 
 def tensor_count(value: Any) -> tuple[int, int]:
-    """How many tensors ``value`` holds, and how many of them are floating point.
-
-    A pipeline stage sends each tensor as its own message, and torch's stages send a
-    gradient back for each floating-point one.
-    """
+    """How many tensors ``value`` holds, and how many of them are floating point."""
     tensors = [leaf for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor)]
     return len(tensors), sum(1 for t in tensors if t.is_floating_point() or t.is_complex())
 

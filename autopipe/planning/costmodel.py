@@ -1,66 +1,5 @@
 """The cost model: the one place that turns stage numbers into times and bytes.
 
-The planner (to pick a split), :class:`~autopipe.planning.plan.Plan` (to re-predict after
-:meth:`~autopipe.planning.plan.Plan.calibrate`), every report and the benchmarks ask the
-same questions of a split; each answer is defined once, here, so none of them can
-disagree with another. Times are per micro-batch and bytes per device unless a name says
-``step``. With ``m`` micro-batches, ``p`` stages and stage ``s`` holding segments
-``i .. j-1``:
-
-* stage times (:func:`stage_times_s`)::
-
-      fwd_s[s] = sum(seg.fwd_s for seg in i..j-1) / speed[s]
-      bwd_s[s] = sum(seg.bwd_s + seg.accum_s * (m - 1) / m  for seg in i..j-1) / speed[s]
-
-  (torch adds each micro-batch's weight gradients into the accumulated ones for every
-  micro-batch after the first: :func:`step_backward_s`); a stage that recomputes its
-  activations (activation checkpointing) runs its forward again inside its backward:
-  ``bwd_s[s] += fwd_s[s]`` (:func:`recompute_backward_s`);
-* cut time, one way, between stage ``c`` and ``c + 1`` (:func:`cut_time_s`)::
-
-      max(fwd_bytes, bwd_bytes) / bandwidth + latency_s * messages   (0 when nothing crosses)
-
-  where ``messages`` is the number of tensors crossing (torch's stages send each on its
-  own, and a gradient back for each floating-point one): a cut where a mask and position
-  tensors cross beside the hidden state pays the latency four times, not once;
-
-* the step's tail, work done once per step around the schedule's actions (:func:`step_tail`)::
-
-      merge_outputs_s  = m * out_bytes / copy_bandwidth
-      loss_broadcast_s = latency_s                            (0 on one rank)
-      start_agreement_s = latency_s                           (0 on one rank)
-      shared_grads_s   = sum over tied weights held on h > 1 ranks of
-                         2 * nbytes / copy_bandwidth + 2 (h-1)/h * nbytes / bandwidth + 2 (h-1) * latency_s
-
-* the predicted step (:func:`predicted_step_s`): the makespan of the schedule simulated on
-  those stage and cut times (:func:`autopipe.planning.simulator.simulate`) + the tail;
-* a stage's memory (:func:`state_bytes`, :func:`stage_peak_bytes`)::
-
-      static = param_bytes + trainable_bytes * (1 + optimizer_factor)   (gradients, optimizer state)
-      peak   = static + inflight * act_bytes
-      peak   = static + inflight * input_bytes + act_bytes                 (recomputing)
-
-  (a recomputing stage keeps only its inputs per micro-batch in flight, and one
-  micro-batch's activations while it recomputes them: :func:`held_act_bytes`);
-
-* per-rank peak memory (:func:`rank_peak_bytes`): the static bytes of the rank's stages
-  (parameters, gradients, optimizer state) + the simulated peak of the activations and
-  sent tensors it keeps (a recomputing stage's inputs in place of its activations, plus
-  the largest activations of one micro-batch it recomputes); on the last stage's rank at
-  least its static bytes + the kept outputs once more (torch concatenates them at the
-  step's end);
-* data parallel, ``dp`` replicas of each stage (:func:`dp_reduction_s`, :func:`dp_optimizer_factor`):
-  each rank's stages reduce their gradients after the step, not overlapped with it,
-  ``2 (dp-1)/dp * grad_bytes / bandwidth + 2 (dp-1) * latency_s`` each (a ring all-reduce, or
-  FSDP's all-gather + reduce-scatter); with FSDP ``static = P + T + T (2 + f) / dp``;
-* lower bounds: on the heaviest stage (:func:`bottleneck_lower_bound_s`)
-  ``max(sum(C) / sum(speed), max(C) / max(speed))``, and on the step under a schedule
-  (:func:`step_lower_bound_s`) ``max(m * rank work + its actions' overhead,
-  sum(C) / max(speed)) + merge_outputs_s + loss_broadcast_s + start_agreement_s``.
-
-The module imports neither torch nor the simulator at import time; the simulator is
-loaded on the first prediction.
-
 Example:
     >>> from autopipe.planning.costmodel import cut_time_s, step_backward_s
     >>> cut_time_s(fwd_bytes=4e6, bwd_bytes=2e6, bandwidth=2e9, latency_s=1e-4)  # 2 ms + 0.1 ms
@@ -93,17 +32,6 @@ class SegmentTimes(Protocol):
 class StepTail:
     """Seconds of the work a training step does once, around the schedule's actions.
 
-    The simulator times the actions; the runtime also does, once per step:
-
-    - ``merge_outputs_s``: torch's last stage concatenates the outputs of all micro-batches
-      into the step's result (a copy into fresh memory);
-    - ``loss_broadcast_s``: autopipe broadcasts the mean loss from the last rank (one
-      latency), so every rank returns it;
-    - ``start_agreement_s``: before the first action every rank agrees to start the step (one
-      small all-reduce, one latency), so a rank whose inputs fail a check stops all of them;
-    - ``shared_grads_s``: a tied parameter (GPT-2's embedding and head) whose readers landed
-      on different ranks has its gradient summed across them (pack, ring all-reduce, unpack).
-
     Example:
         >>> StepTail(merge_outputs_s=0.002, loss_broadcast_s=0.0001).total_s
         0.0021
@@ -131,9 +59,6 @@ class StepTail:
 def step_backward_s(bwd_s: float, accum_s: float, n_microbatches: int) -> float:
     """Backward seconds per micro-batch inside a step of ``n_microbatches``.
 
-    ``bwd_s`` plus the gradient accumulation that all but the first micro-batch pay,
-    spread evenly: ``bwd_s + accum_s * (m - 1) / m``.
-
     Example:
         >>> step_backward_s(2.0, 0.5, 1)
         2.0
@@ -144,10 +69,6 @@ def step_backward_s(bwd_s: float, accum_s: float, n_microbatches: int) -> float:
 
 def recompute_backward_s(fwd_s: Any, bwd_s: Any, recompute: Any = True) -> Any:
     """Backward seconds of a stage that recomputes (``recompute`` true): its forward again, then its backward.
-
-    Activation checkpointing keeps a stage's inputs instead of its saved activations and
-    runs the stage's forward once more when the backward needs them. Works on numbers and
-    elementwise on numpy arrays (``recompute`` a boolean array).
 
     Example:
         >>> recompute_backward_s(1.0, 2.0), recompute_backward_s(1.0, 2.0, recompute=False)
@@ -160,10 +81,6 @@ def recompute_backward_s(fwd_s: Any, bwd_s: Any, recompute: Any = True) -> Any:
 
 def held_act_bytes(act_bytes: Any, input_bytes: Any, recompute: Any) -> Any:
     """Bytes a stage keeps per micro-batch in flight: its saved activations, or its inputs when it recomputes.
-
-    ``input_bytes`` are the bytes crossing into the stage (the cut's forward bytes; for the
-    first stage the model's inputs), which activation checkpointing keeps to run the
-    forward again. Works elementwise on numpy arrays.
 
     Example:
         >>> held_act_bytes(500, 20, recompute=True), held_act_bytes(500, 20, recompute=False)
@@ -217,9 +134,6 @@ def stage_times_s(segments: Sequence[SegmentTimes], cuts: Sequence[int], n_micro
 def cut_bytes(fwd_bytes: float, bwd_bytes: float) -> float:
     """Bytes one transfer over a stage boundary moves: ``max(fwd_bytes, bwd_bytes)``.
 
-    A micro-batch's activations go forward and their gradients come back over the same
-    link at different moments; each transfer is charged the larger.
-
     Example:
         >>> cut_bytes(4096, 1024)
         4096
@@ -230,10 +144,6 @@ def cut_bytes(fwd_bytes: float, bwd_bytes: float) -> float:
 def cut_time_s(fwd_bytes: float, bwd_bytes: float, bandwidth: float, latency_s: float,
                messages: float = 1) -> float:
     """One-way seconds of one stage boundary: ``max(fwd_bytes, bwd_bytes) / bandwidth + latency_s * messages``.
-
-    The simulator delays each transfer by it (:func:`cut_bytes` of the two directions;
-    ``messages`` the larger count of tensors either way); a cut nothing crosses costs
-    nothing, not even the latency.
 
     Example:
         >>> cut_time_s(0, 0, bandwidth=1e9, latency_s=1e-4)
@@ -265,11 +175,6 @@ def link_busy_s(fwd_bytes: Any, bwd_bytes: Any, bandwidth: float, latency_s: flo
                 fwd_messages: Any = None, bwd_messages: Any = None) -> Any:
     """Seconds one micro-batch keeps a stage boundary's link busy: both directions summed.
 
-    The bottleneck search charges a stage for its link this way (the activations go one
-    way and their gradients come back over the same link); every message pays the
-    latency: ``fwd_messages`` and ``bwd_messages`` per direction (default: one for a
-    direction that carries anything). Works on numbers and elementwise on numpy arrays.
-
     Example:
         >>> link_busy_s(1e9, 5e8, bandwidth=1e9, latency_s=0.5)
         2.5
@@ -286,15 +191,6 @@ def link_busy_s(fwd_bytes: Any, bwd_bytes: Any, bandwidth: float, latency_s: flo
 def step_tail(*, n_microbatches: int, out_bytes: float, n_ranks: int, bandwidth: float, latency_s: float,
               copy_bandwidth: float, shared_bytes: Sequence[tuple[float, int]] = ()) -> StepTail:
     """The :class:`StepTail` of one split.
-
-    Args:
-        n_microbatches: micro-batches per step.
-        out_bytes: bytes of the model's output for one micro-batch.
-        n_ranks: ranks in the pipeline.
-        bandwidth, latency_s: the link the loss broadcast and the gradient sums use.
-        copy_bandwidth: bytes/s of a copy into fresh memory (merging, packing).
-        shared_bytes: ``(nbytes, holders)`` of each trainable tied parameter, with the
-            number of ranks holding a copy of it.
 
     Example:
         >>> step_tail(n_microbatches=4, out_bytes=1e6, n_ranks=2, bandwidth=1e9, latency_s=1e-4,
@@ -318,8 +214,6 @@ def simulate_step(fwd_s: Sequence[float], bwd_s: Sequence[float], comm_s: Sequen
                   schedule: str, n_microbatches: int, stages_per_rank: int,
                   action_overhead_s: float | Sequence[float] = 0.0, lazy_sends: bool = False) -> Timeline:
     """The schedule's actions on these stage and cut times: the simulated :class:`~autopipe.planning.timeline.Timeline`.
-
-    ``comm_s`` is one time per cut, or one time for every cut (an empty list: none).
 
     Example:
         >>> simulate_step([1.0, 1.0], [2.0, 2.0], [], schedule="1F1B", n_microbatches=4,
@@ -357,9 +251,6 @@ def predicted_step_s(fwd_s: Sequence[float], bwd_s: Sequence[float], comm_s: Seq
 def state_bytes(param_bytes: float, trainable_bytes: float, optimizer_factor: float) -> float:
     """Bytes pinned for the whole step: ``param_bytes + trainable_bytes * (1 + optimizer_factor)``.
 
-    Parameters and buffers, plus a gradient and ``optimizer_factor`` bytes of optimizer
-    state (Adam: 2) per byte of trainable parameter.
-
     Example:
         >>> state_bytes(param_bytes=100, trainable_bytes=80, optimizer_factor=2.0)
         340.0
@@ -370,11 +261,6 @@ def state_bytes(param_bytes: float, trainable_bytes: float, optimizer_factor: fl
 def stage_peak_bytes(static_bytes: Any, act_bytes: Any, inflight: Any, *, recompute: Any = False,
                      input_bytes: Any = 0) -> Any:
     """A stage's peak on its own, with ``inflight`` micro-batches in flight at its peak.
-
-    ``static_bytes + inflight * act_bytes``; a stage that recomputes keeps its inputs per
-    micro-batch and one micro-batch's activations while it recomputes them:
-    ``static_bytes + inflight * input_bytes + act_bytes``. Works elementwise on numpy
-    arrays (the partitioner costs many stages at once).
 
     Example:
         >>> stage_peak_bytes(340, 50, inflight=2)
@@ -395,34 +281,6 @@ def rank_peak_bytes(timeline: Timeline, *, stage_static_bytes: Sequence[float], 
                     stage_work_bytes: tuple[Sequence[int], Sequence[int]] | None = None,
                     stage_grad_bytes: Sequence[float] | None = None) -> list[float]:
     """Per rank, the predicted peak bytes of one step of ``timeline``.
-
-    The static bytes of the rank's stages (less ``overcount``: bytes counted on several of
-    its stages that the rank holds once) + the simulated peak of what it keeps per
-    micro-batch in flight: each stage's saved activations, and each tensor it sent until
-    torch waits on the send (:meth:`~autopipe.planning.timeline.Timeline.peak_activation_bytes`).
-    Under the split-backward schedules each stage output sent is a copy, kept until its
-    input-gradient. ``merge_bytes`` (the outputs torch's last stage keeps, already in its
-    static bytes) counts once more on that rank at the step's end, when torch
-    concatenates them after every activation is freed.
-
-    Args:
-        timeline: the simulated step (:func:`simulate_step`).
-        stage_static_bytes: per stage, parameters, gradients and optimizer state.
-        stage_act_bytes: per stage, activations saved for backward per micro-batch.
-        cut_fwd_bytes, cut_bwd_bytes: per cut, bytes sent forward and gradients sent back.
-        split_backward: the schedule splits the backward into input- and weight-gradient.
-        merge_bytes: bytes of the outputs the last stage concatenates.
-        overcount: per rank, static bytes counted more than once.
-        recompute: stages that recompute their activations: each keeps
-            ``stage_input_bytes[s]`` per micro-batch in flight instead of its activations
-            (:func:`held_act_bytes`), and its rank holds one micro-batch's activations more
-            while recomputing (the largest of its recomputing stages').
-        stage_input_bytes: per stage, the bytes crossing into it (needed with ``recompute``).
-        stage_work_bytes: ``(accumulating, first)``, per stage, what its backward allocates
-            beyond its saved activations (:func:`stage_work_bytes`): charged while each backward
-            of the stage runs, on top of all the rank holds then; its peak counts once.
-        stage_grad_bytes: per stage, its weight gradients (in ``stage_static_bytes``), which
-            exist only from its first backward of the step on (``zero_grad()`` frees them).
 
     Example:
         >>> t = simulate_step([1.0, 1.0], [2.0, 2.0], [], schedule="1F1B", n_microbatches=4, stages_per_rank=1)
@@ -467,20 +325,6 @@ def stage_work_bytes(work: Sequence[int], cuts: Sequence[int], cut_bwd_bytes: Se
     working sets (:attr:`~autopipe.planning.costgraph.SegmentCost.bwd_peak_bytes`, or
     ``bwd_input_peak_bytes``), each measured alone with the gradient arriving at its output.
 
-    A stage runs its segments' backwards last to first, and autograd frees each segment's
-    saved activations when its backward is done; the rank model holds the stage's
-    activations until the whole backward ends, so a segment's working set counts less what
-    the segments after it in the stage have freed by then. The gradient arriving at a
-    segment inside a stage is made by the backward after it and is there; at the end of a
-    stage that sends on it arrives in a receive buffer torch allocates once, before the
-    step (held with the stage's buffers): it is taken off that segment's figure.
-
-    Args:
-        work: per segment, its working set.
-        cuts: the split (segment indices where stages 1, 2, ... start).
-        cut_bwd_bytes: per cut (index ``k``: before segment ``k``), the gradient bytes crossing it.
-        act_bytes: per segment, its saved activations.
-
     Example:
         >>> stage_work_bytes([10, 50, 30, 20], [2], [0, 5, 40, 8, 0], [0, 0, 0, 25])
         [10, 20]
@@ -504,8 +348,6 @@ def stage_work_bytes(work: Sequence[int], cuts: Sequence[int], cut_bwd_bytes: Se
 def bottleneck_lower_bound_s(compute_s: Sequence[float], speed: Sequence[float]) -> float:
     """No split's heaviest stage is lighter: ``max(sum(C) / sum(speed), max(C) / max(speed))``.
 
-    ``compute_s`` per segment on a speed-1 device; ``speed`` per stage.
-
     Example:
         >>> bottleneck_lower_bound_s([1.0, 1.0, 4.0], [1.0, 1.0])
         4.0
@@ -517,20 +359,6 @@ def bottleneck_lower_bound_s(compute_s: Sequence[float], speed: Sequence[float])
 def step_lower_bound_s(rank_work_s: float, whole_s: float, timeline: Timeline, *, n_microbatches: int,
                        action_overhead_s: Sequence[float], tail: StepTail) -> float:
     """A step time no split can beat under this schedule: ``max(m * rank_work_s + overhead, whole_s) + tail``.
-
-    Each rank does ``m`` micro-batches of at least ``rank_work_s`` (the partitioner's
-    :func:`~autopipe.planning.partitioner.rank_work_lower_bound_s`), and every one of its
-    actions pays the runtime's overhead; nor can the step be shorter than ``whole_s``, all the
-    compute on the fastest device. The merge, the loss broadcast and the agreement to start
-    come on top whatever the split.
-
-    Args:
-        rank_work_s: the least work per micro-batch some rank must do.
-        whole_s: all the compute on the fastest device.
-        timeline: the schedule simulated on any split (only its per-rank actions are read).
-        n_microbatches: micro-batches per step.
-        action_overhead_s: per stage, the overhead of each of its actions.
-        tail: the split's :class:`StepTail`.
 
     Example:
         >>> t = simulate_step([1.0, 1.0], [1.0, 1.0], [], schedule="1F1B", n_microbatches=4, stages_per_rank=1)
@@ -551,12 +379,9 @@ DP_MODES = ("fsdp", "replicate")
 def ring_collective_s(nbytes: float, n: int, bandwidth: float, latency_s: float, *, passes: int = 1) -> float:
     """Seconds of ``passes`` ring passes over ``n`` ranks: ``passes (n-1)/n * nbytes / bandwidth + passes (n-1) * latency_s``.
 
-    One pass is a reduce-scatter or an all-gather; an all-reduce is two. 0 on one rank.
-
-    Example::
-
-        >>> ring_collective_s(8e9, 4, 1e11, 1e-5, passes=2)  # all-reduce of 8 GB over 4 ranks
-        0.12006
+    Example:
+            >>> ring_collective_s(8e9, 4, 1e11, 1e-5, passes=2)  # all-reduce of 8 GB over 4 ranks
+            0.12006
     """
     if n <= 1 or nbytes <= 0:
         return 0.0
@@ -566,15 +391,9 @@ def ring_collective_s(nbytes: float, n: int, bandwidth: float, latency_s: float,
 def dp_reduction_s(mode: str, grad_bytes: float, dp: int, bandwidth: float, latency_s: float) -> float:
     """Seconds one stage spends per step on its data-parallel collectives, not overlapped with the pipeline.
 
-    ``"replicate"``: one all-reduce of the stage's gradients after the step (two ring passes).
-    ``"fsdp"``: one all-gather of its parameters before its first forward (kept gathered for
-    the step) and one reduce-scatter of its gradients after its last backward: two passes
-    too, so both modes cost the same time; they differ in memory (:func:`dp_optimizer_factor`).
-
-    Example::
-
-        >>> dp_reduction_s("fsdp", 1e9, 2, 1e10, 0.0) == dp_reduction_s("replicate", 1e9, 2, 1e10, 0.0) == 0.1
-        True
+    Example:
+            >>> dp_reduction_s("fsdp", 1e9, 2, 1e10, 0.0) == dp_reduction_s("replicate", 1e9, 2, 1e10, 0.0) == 0.1
+            True
     """
     if mode not in DP_MODES:
         raise ValueError(f"mode={mode!r} is not a data-parallel mode; use one of {list(DP_MODES)}")
@@ -584,15 +403,9 @@ def dp_reduction_s(mode: str, grad_bytes: float, dp: int, bandwidth: float, late
 def dp_optimizer_factor(optimizer_factor: float, dp: int, mode: str) -> float:
     """The ``optimizer_factor`` that makes :func:`state_bytes` count a stage replicated ``dp`` times.
 
-    ``"replicate"`` keeps everything: the factor is unchanged. ``"fsdp"`` under a pipeline
-    holds the gathered parameters and the unsharded gradients through the step (they are
-    reduce-scattered after the last micro-batch) plus 1/dp of the parameters, gradients and
-    optimizer state: ``P + T + T (2 + f) / dp``, i.e. a factor ``(2 + f) / dp``.
-
-    Example::
-
-        >>> dp_optimizer_factor(2.0, 4, "fsdp"), dp_optimizer_factor(2.0, 4, "replicate")
-        (1.0, 2.0)
+    Example:
+            >>> dp_optimizer_factor(2.0, 4, "fsdp"), dp_optimizer_factor(2.0, 4, "replicate")
+            (1.0, 2.0)
     """
     if mode not in DP_MODES:
         raise ValueError(f"mode={mode!r} is not a data-parallel mode; use one of {list(DP_MODES)}")

@@ -1,32 +1,4 @@
-"""Pipeline x data parallel, planned together: which (pp, dp) factorization of the GPUs is fastest.
-
-``autopipe.partition(model, n_gpus, ..., data_parallel="auto")`` calls
-:func:`plan_data_parallel`, which for every ``dp`` dividing ``n_gpus`` (``pp = n_gpus / dp``)
-and every data-parallel mode asked for:
-
-1. gives each replica ``B / dp`` samples per step, in micro-batches of the example's size
-   (``m = B / (dp * b)``; a ``dp`` for which that is not a whole number is skipped, saying
-   why), or, with ``n_microbatches="auto"``, lets the planner choose ``m`` among the divisors
-   of ``B / dp`` (:mod:`autopipe.planning.scaling`);
-2. plans the pipeline of ``pp`` ranks with :func:`autopipe.partition` itself (the same search,
-   schedules and memory model), its memory counted with the parameters, gradients and
-   optimizer state the mode keeps on each rank
-   (:func:`autopipe.planning.costmodel.dp_optimizer_factor`) and its pipeline links from the
-   :class:`~autopipe.machine.topology.Topology` when one is given;
-3. adds the data-parallel collectives of each rank's stages after the step, not overlapped
-   with it (:func:`autopipe.planning.costmodel.dp_reduction_s`), on the link the ``dp``
-   groups use; the slowest rank sets the step.
-
-The fastest factorization that fits becomes the plan (``plan.dp_degree``, ``plan.dp_mode``,
-``plan.pp_degree``); ``plan.data_parallel`` ranks them all, with why the others lost.
-
-Example::
-
-    topo = Topology(Device.preset("H100"), gpus_per_node=8, intra="nvlink4", inter="ib-ndr")
-    plan = autopipe.partition(model, 16, (x_mb,), data_parallel="auto",
-                              planner=PlannerOptions(cost="flops", devices=topo, global_batch=256))
-    plan.pp_degree, plan.dp_degree, plan.dp_mode     # e.g. (2, 8, 'fsdp')
-"""
+"""Pipeline x data parallel, planned together: which (pp, dp) factorization of the GPUs is fastest."""
 
 from __future__ import annotations
 
@@ -51,10 +23,9 @@ DP_MODE_CHOICES = (*costmodel.DP_MODES, "auto")
 def example_batch_size(example_args: Any, example_kwargs: Mapping[str, Any] | None) -> int | None:
     """The first dimension of the first tensor among the example inputs (None without one).
 
-    Example::
-
-        >>> example_batch_size((torch.zeros(4, 16),), None)
-        4
+    Example:
+            >>> example_batch_size((torch.zeros(4, 16),), None)
+            4
     """
     for t in tree_flatten((example_args, dict(example_kwargs or {})))[0]:
         if isinstance(t, torch.Tensor) and t.dim() > 0:
@@ -66,15 +37,9 @@ def check_data_parallel(n_gpus: int, data_parallel: Any, dp_mode: Any, global_ba
                         devices: Any, batch_size: int | None) -> tuple[list[int], list[str]]:
     """The replica counts and modes to compare, or a ValueError naming the argument at fault.
 
-    Raises:
-        ValueError: ``data_parallel`` neither ``"auto"`` nor a divisor of ``n_gpus``; ``dp_mode``
-            unknown; no ``global_batch``; a fixed ``n_microbatches``; several Devices in place
-            of one (or a Topology); a global batch that no factorization divides.
-
-    Example::
-
-        >>> check_data_parallel(8, "auto", "fsdp", 64, None, None, batch_size=8)
-        ([1, 2, 4, 8], ['fsdp'])
+    Example:
+            >>> check_data_parallel(8, "auto", "fsdp", 64, None, None, batch_size=8)
+            ([1, 2, 4, 8], ['fsdp'])
     """
     divisors = [d for d in range(1, n_gpus + 1) if n_gpus % d == 0]
     auto = isinstance(data_parallel, str) and data_parallel == "auto"
@@ -116,16 +81,7 @@ def check_data_parallel(n_gpus: int, data_parallel: Any, dp_mode: Any, global_ba
 
 
 def reduction_s(plan: Plan, dp: int, mode: str, link: tuple[float, float]) -> float:
-    """The slowest rank's data-parallel collectives per step: its stages' gradients over ``dp`` replicas.
-
-    Each stage's gradient bytes are its segments' trainable parameter bytes (the stage's
-    parameter bytes when the plan holds no profile); one collective per stage
-    (:func:`autopipe.planning.costmodel.dp_reduction_s`), a rank's stages one after another.
-
-    Example::
-
-        reduction_s(plan, dp=4, mode="fsdp", link=(50e9, 20e-6))
-    """
+    """The slowest rank's data-parallel collectives per step: its stages' gradients over ``dp`` replicas."""
     per_rank: dict[int, float] = {}
     for stage, rank in zip(plan.stages, plan.stage_ranks):
         if plan.segments:
@@ -152,23 +108,7 @@ def plan_data_parallel(
     example_kwargs: Mapping[str, Any] | None, *, data_parallel: int | str, dp_mode: str, global_batch: int | None,
     n_microbatches: int | str | None, devices: Device | Topology | None, optimizer: Any, **rest: Any,
 ) -> Plan:
-    """Plan every (pp, dp, mode) with ``partition`` and keep the fastest that fits.
-
-    ``rest`` holds ``partition``'s other keywords, passed on unchanged to every pipeline
-    planned. With measured costs each factorization profiles again; give a profile
-    (``cost=profile_segments(...)``) to measure once.
-
-    Raises:
-        ValueError: a bad argument (:func:`check_data_parallel`), raised before any work, or
-            no factorization the schedule can run (every reason listed).
-        InfeasibleMemoryError: no factorization fits in memory (every reason listed).
-
-    Example::
-
-        plan = plan_data_parallel(autopipe.partition, model, 8, (x,), None, data_parallel="auto",
-                                  dp_mode="fsdp", global_batch=64, n_microbatches=None, devices=None,
-                                  optimizer="adam", cost="flops")
-    """
+    """Plan every (pp, dp, mode) with ``partition`` and keep the fastest that fits."""
     b = example_batch_size(example_args, example_kwargs)
     dps, modes = check_data_parallel(n_gpus, data_parallel, dp_mode, global_batch, n_microbatches, devices, b)
     opt_name, opt_factor = optimizer_state_factor(optimizer)

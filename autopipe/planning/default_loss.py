@@ -1,23 +1,5 @@
 """The loss the last stage is costed with when the caller names none.
 
-The last pipeline stage computes the loss of every micro-batch and keeps what it saves for
-backward until that micro-batch's backward. For a language model that is the log-softmax
-over the vocabulary, often as large as the stage's own activations, so a plan made without
-it under-costs the last stage. :func:`assumed_loss` decides what :func:`autopipe.partition`
-charges when it is called without ``loss_fn``:
-
-* a language model's output (a tensor, or a ``logits`` field, whose last dimension is the
-  vocabulary: the ``num_embeddings`` of one of the model's ``nn.Embedding`` modules or the
-  ``out_features`` of its last ``nn.Linear``; its other dimensions those of an integer
-  input, the token ids) is costed with :func:`token_cross_entropy`, the loss such a model
-  trains with, against random token ids of the right shape;
-* any other output is costed without a loss, and the plan's notes (which the report prints)
-  say so and how to pass one.
-
-:func:`example_target_for` derives one micro-batch's target for a loss the caller does
-have, so :class:`autopipe.Pipeline`, which holds its ``loss_fn`` but not always a target,
-plans with that loss.
-
 Example:
     >>> from autopipe.models import seed_transformer
     >>> from autopipe.planning.tracing import trace
@@ -55,10 +37,6 @@ _TARGET_SEED = 0
 def token_cross_entropy(output: Any, target: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of every position's logits against integer targets (a language model's loss).
 
-    ``output`` is the logits (``(..., vocabulary)``), or an object or mapping holding them
-    as ``logits`` (a Hugging Face model output); ``target`` holds one token id per position
-    (the logits' shape without the last dimension).
-
     Example:
         >>> round(token_cross_entropy(torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.long)).item(), 4)
         1.3863
@@ -91,10 +69,6 @@ def logits_of(output: Any) -> torch.Tensor | None:
 def lm_vocabulary(model: torch.nn.Module, inputs: Sequence[Any], output: Any) -> int | None:
     """The vocabulary size if ``output`` is a language model's logits over it, else None.
 
-    Language-model logits: their last dimension equals an ``nn.Embedding``'s
-    ``num_embeddings`` or the ``out_features`` of the model's last ``nn.Linear``, and their
-    other dimensions equal the shape of one of the integer tensors in ``inputs`` (the token ids).
-
     Example:
         >>> model = torch.nn.Sequential(torch.nn.Embedding(50, 8), torch.nn.Linear(8, 50))
         >>> tokens = torch.zeros(2, 6, dtype=torch.long)
@@ -119,8 +93,6 @@ def lm_vocabulary(model: torch.nn.Module, inputs: Sequence[Any], output: Any) ->
 def traced_output(traced: TracedModel) -> Any:
     """The model's output as the trace knows it: its structure, with tensors on the meta device.
 
-    Read from the exported graph (shapes and dtypes only), so nothing runs.
-
     Example:
         >>> from autopipe.planning.tracing import trace
         >>> traced = trace(torch.nn.Linear(4, 3), (torch.randn(2, 4),))
@@ -139,11 +111,7 @@ def traced_output(traced: TracedModel) -> Any:
 
 @dataclass
 class AssumedLoss:
-    """What :func:`autopipe.partition` charges the last stage with when given no ``loss_fn``.
-
-    ``loss_fn`` and ``target`` are None when no loss is assumed; ``note`` is the line the
-    plan records either way.
-    """
+    """What :func:`autopipe.partition` charges the last stage with when given no ``loss_fn``."""
 
     loss_fn: Callable[[Any, Any], torch.Tensor] | None
     target: torch.Tensor | None
@@ -153,10 +121,6 @@ class AssumedLoss:
 
 def assumed_loss(model: torch.nn.Module, traced: TracedModel) -> AssumedLoss:
     """The loss a model of this kind trains with, or none, with the note the plan records.
-
-    A language model (:func:`lm_vocabulary`) gets :func:`token_cross_entropy` against token
-    ids drawn (seeded) from its vocabulary; anything else gets no loss and a note saying how
-    to pass one.
 
     Example:
         >>> from autopipe.planning.tracing import trace
@@ -184,17 +148,6 @@ def assumed_loss(model: torch.nn.Module, traced: TracedModel) -> AssumedLoss:
 def example_target_for(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: Mapping[str, Any] | None,
                        loss_fn: Callable[[Any, Any], torch.Tensor], output: Any = None) -> tuple[Any, Any]:
     """One micro-batch's target that ``loss_fn`` accepts, derived from the model's output.
-
-    Runs the model once (no gradients) and tries, in order: for a language model's output,
-    token ids over its vocabulary; a tensor shaped like the output's first floating tensor
-    (regression, soft labels); integer class indices over the logits' last dimension.
-    A candidate is taken when ``loss_fn(output, candidate)`` gives a tensor that depends
-    on the output. An ``output`` given (e.g. :func:`traced_output` of a meta-device model)
-    is used instead of running the model.
-
-    Returns:
-        ``(target, output)``: the target, or None when no candidate works, and the output
-        (to hand to :func:`autopipe.planning.profile.profile_loss` without a second run).
 
     Example:
         >>> model, x = torch.nn.Linear(4, 3), torch.randn(2, 4)
@@ -240,14 +193,6 @@ def charged_loss(
 ) -> tuple[LossCost | None, str | None]:
     """What :func:`autopipe.partition` charges the last stage for the loss, and the plan note about it.
 
-    * ``loss_fn`` given: profiled with ``example_target``; no note.
-    * ``loss_fn=False``: no loss (a pipeline that runs none, e.g. for inference); no note.
-    * ``loss_fn=None``: :func:`assumed_loss` (a language model's cross-entropy, or none) and its note.
-
-    With estimated segment times (``cost_source`` other than ``"measured"``) the loss adds its
-    saved bytes and no time; so does an assumed loss on a profile the caller gave
-    (``profile_given``), which keeps the promise that the same costs give the same plan.
-
     Example:
         >>> from autopipe.models import seed_transformer
         >>> from autopipe.planning.tracing import trace
@@ -281,17 +226,6 @@ def pipeline_loss(model: torch.nn.Module, example_args: Sequence[Any], example_k
                   loss_fn: Callable[[Any, Any], torch.Tensor] | None,
                   example_target: Any = None, output: Any = None) -> tuple[dict[str, Any], str | None]:
     """The loss keywords for :func:`autopipe.partition` when a pipeline that runs ``loss_fn`` plans.
-
-    The pipeline's last stage runs ``loss_fn``, so the plan is costed with it, never with an
-    assumed loss:
-
-    * no ``loss_fn`` (a pipeline that runs no loss): ``loss_fn=False``;
-    * ``loss_fn`` and ``example_target``: both, as given;
-    * ``loss_fn`` alone: with a target from :func:`example_target_for`; when none can be
-      derived, ``loss_fn=False`` and a note for the plan saying the loss is not costed and why.
-
-    Returns:
-        ``(keywords, note)``: the keywords to pass to partition and the plan note, or None.
 
     Example:
         >>> model, x = torch.nn.Linear(4, 3), torch.randn(2, 4)

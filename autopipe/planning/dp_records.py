@@ -1,9 +1,5 @@
 """What a pipeline x data-parallel plan records: every (pp, dp) factorization tried, and the links.
 
-:func:`autopipe.planning.data_parallel.plan_data_parallel` fills a :class:`DataParallelRecord`
-into ``plan.data_parallel``; the reports rank its :class:`Factorization` rows and the plan
-file writes them (:func:`record_from_data` checks them when a file is read).
-
 Example:
     >>> row = Factorization(pp=2, dp=4, mode="fsdp", n_microbatches=4, schedule="1F1B",
     ...                     pipeline_step_s=1.0, reduction_s=0.1, peak_bytes=2**30, fits=True)
@@ -45,10 +41,7 @@ class Factorization:
 
 @dataclass
 class DataParallelRecord:
-    """The data-parallel side of a plan: the reduction charged and every factorization compared.
-
-    ``factorizations`` is ranked: usable ones fastest first, then the others.
-    """
+    """The data-parallel side of a plan: the reduction charged and every factorization compared."""
 
     mode: str  # of the chosen factorization
     reduction_s: float  # charged after the pipeline step

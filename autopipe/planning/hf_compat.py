@@ -1,22 +1,5 @@
 """Make Hugging Face models traceable and trainable as they come.
 
-A Hugging Face decoder with its default config (``use_cache=True``) returns a KV cache
-(``DynamicCache``, ``EncoderDecoderCache``) from ``forward``. ``torch.export``, and so
-``torch.distributed.pipelining``, cannot return such an object, and a cache is no output a
-training step needs: it only speeds up generation token by token. So autopipe turns the
-cache off while it traces, profiles and trains the model, and puts the user's settings
-back afterwards.
-
-The settings live on config objects, and a model may hold several: T5 and BART give their
-decoder a copy of the config (``model.decoder.config``), multimodal models keep a text
-config beside the vision one. :func:`training_config` finds every config reachable from
-the model's submodules (and the configs nested in them) by duck typing: an object with a
-``use_cache`` attribute, held as ``module.config``. Nothing here imports transformers, and
-a model without such configs is left alone.
-
-``generation_config.use_cache`` is left as it is: only ``generate()`` reads it, and it
-passes ``use_cache`` to ``forward`` explicitly; autopipe never generates.
-
 Example:
     >>> import torch
     >>> from types import SimpleNamespace
@@ -49,9 +32,6 @@ _MAX_CONFIG_DEPTH = 4
 @dataclass(frozen=True)
 class ConfigChange:
     """One setting autopipe changed so the model traces and trains.
-
-    ``where`` names it as the user would reach it: ``"config.use_cache"``,
-    ``"decoder.config.use_cache"``, or ``"example_kwargs['use_cache']"``.
 
     Example:
         >>> str(ConfigChange("decoder.config.use_cache", True, False))
@@ -98,9 +78,6 @@ def _nested_configs(config: Any, path: str, depth: int) -> Iterator[tuple[str, A
 def cache_configs(model: torch.nn.Module) -> list[tuple[str, Any]]:
     """Every distinct config object with a ``use_cache`` setting that the model's modules hold.
 
-    Each comes with the path of the first module that holds it (``"config"`` for the root,
-    ``"decoder.config"``); a config shared by many modules (GPT-2's) is listed once.
-
     Example:
         >>> from types import SimpleNamespace
         >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2))
@@ -134,9 +111,6 @@ def is_hf_model(model: torch.nn.Module) -> bool:
 
 def turn_off_cache(model: torch.nn.Module) -> list[ConfigChange]:
     """Set ``use_cache = False`` on every config of ``model`` that has it on; return the changes.
-
-    For a model autopipe owns (the :class:`~autopipe.Pipeline`'s private copy). On a model
-    the caller owns, use :func:`training_config`, which puts the settings back.
 
     Example:
         >>> from types import SimpleNamespace
@@ -180,9 +154,6 @@ def restore(changes: list[ConfigChange]) -> None:
 def training_config(model: torch.nn.Module) -> Iterator[list[ConfigChange]]:
     """Turn the KV cache off on every config of ``model`` for the ``with`` block, then restore it.
 
-    Yields the list of changes (empty for a model that is not a Hugging Face one, or whose
-    cache is off already). The settings are restored even when the block raises.
-
     Example:
         >>> with training_config(torch.nn.Linear(2, 2)) as changes:
         ...     changes
@@ -199,10 +170,6 @@ def training_kwargs(
     model: torch.nn.Module, kwargs: Mapping[str, Any] | None
 ) -> tuple[dict[str, Any], list[ConfigChange]]:
     """``kwargs`` with an explicit ``use_cache=True`` made False, for a Hugging Face model.
-
-    A cache is no trainable output and torch.export cannot return it, so an example
-    micro-batch that asks for one is traced without it. The caller's dict is not modified.
-    For any other model the keyword arguments are returned as given.
 
     Example:
         >>> from types import SimpleNamespace

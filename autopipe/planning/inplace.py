@@ -1,28 +1,5 @@
 """Find the graph inputs a graph writes in place, and give each a private copy.
 
-A pipeline stage receives its inputs as leaves that require grad (torch's stages receive
-into buffers that require grad), and the profiler feeds each segment the same kind of
-input. Autograd refuses an in-place operation on such a leaf, or on a view of one
-("a leaf Variable that requires grad is being used in an in-place operation"), so a cut
-right before ``nn.ReLU(inplace=True)``, ``out += identity`` or ``x[:, 0].add_(1)`` fails
-although the unsplit model runs: there the written tensor was an intermediate value.
-
-torch.export's training IR keeps in-place operators (``aten.relu_``, ``aten.add_``) as
-they were called; a functionalized graph (after ``run_decompositions``) has none on
-intermediate values, and writes a mutated model input back with ``aten.copy_`` at the end.
-Both are found here the same way, from the operator schema: an argument whose
-``alias_info.is_write`` is set is written. A write into a view of an input writes the
-input too, so values that may share memory with an input (a schema whose result carries
-the alias set of an argument: ``view``, ``select``, ``split``, ``t``; an in-place result)
-are followed, as are arguments passed into a called submodule's graph.
-
-:func:`clone_inputs_written_in_place` then inserts ``aten.clone`` right after each such
-input and makes every other reader of the input read the copy, which keeps the graph's
-meaning (every reader saw the written value before and still does) while the received
-tensor itself stays untouched. The copy is real work, one read and one write of the tensor
-and a second buffer of its size; the stage pays it, and so does the profile (see
-``docs/how-the-planner-decides.md``).
-
 Example:
     >>> import torch
     >>> class Block(torch.nn.Module):
@@ -69,12 +46,7 @@ def _bound_arguments(node: fx.Node, schema: torch.FunctionSchema) -> Iterator[tu
 
 
 def _result_may_alias(argument: Any, schema: torch.FunctionSchema) -> bool:
-    """Whether the operator's result may share memory with ``argument`` (its schema says so).
-
-    ``Tensor(a) self -> Tensor(a)`` (a view, or an in-place result) shares the alias set
-    ``a``; ``Tensor(a -> *) self -> Tensor(a)[]`` (``split``, ``unbind``) puts the argument
-    into the wildcard set, which the returned list's elements belong to.
-    """
+    """Whether the operator's result may share memory with ``argument`` (its schema says so)."""
     info = argument.alias_info
     if info is None:
         return False
@@ -185,15 +157,6 @@ def _analyse(graph: fx.Graph, owner: torch.nn.Module | None) -> tuple[list[fx.No
 def inputs_written_in_place(graph: fx.Graph) -> list[fx.Node]:
     """The placeholders of ``graph`` that it writes in place, directly or through a view.
 
-    A write is an operator argument whose schema marks it written (``alias_info.is_write``:
-    ``relu_``, ``add_``, ``copy_``, an ``out=`` tensor), on a value that may share memory
-    with the placeholder. Writes inside submodules the graph calls (``call_module``, as in
-    the stage modules torch's ``pipeline()`` builds) count when the written submodule input
-    is passed from the placeholder. A higher-order operator whose graphs (``get_attr``
-    arguments) write any of their inputs counts as writing every tensor passed to it.
-    Otherwise only ``call_function`` nodes whose target is an ATen ``OpOverload`` (what
-    torch.export records) are read; other callables are taken not to write.
-
     Example:
         >>> import torch
         >>> class M(torch.nn.Module):
@@ -210,17 +173,6 @@ def inputs_written_in_place(graph: fx.Graph) -> list[fx.Node]:
 
 def clone_inputs_written_in_place(graph: fx.Graph) -> list[str]:
     """Give every placeholder that ``graph`` writes in place a private copy; return their names.
-
-    ``aten.clone`` is inserted right after each such placeholder (see
-    :func:`inputs_written_in_place`) and every other use of the placeholder, the graph's
-    output included, is rerouted to the copy. A graph that writes none of its inputs is
-    left unchanged. When the graph belongs to a ``GraphModule``, it is recompiled.
-
-    Why a copy rather than leaving such cuts out: they are common and often the natural
-    ones (every activation module of a MobileNet), and a user may name one in
-    ``split_points``. The copy gives the stage what the unsplit model had, a tensor autograd
-    lets it overwrite, for one elementwise copy and a buffer of the input's size; the
-    profiler times it inside the segment, so a plan that cuts there pays for it.
 
     Example:
         >>> import torch

@@ -1,23 +1,5 @@
 """Which link the planner charges between ranks when the user gives none.
 
-The default link (:func:`autopipe.machine.device.default_link`) is an assumption about a
-host. Where it is too slow, cuts with large tensors crossing them (a U-Net's skip
-connections) look dearer than they are and the planner avoids them for nothing. So, with
-``ProfileOptions(measure_link=None)`` (the default), the planner asks whether the
-assumption decides anything:
-
-1. plan with the assumed link, and again with free communication (:data:`FREE_LINK`);
-2. the same split both ways: the link does not decide the split, nothing is measured and
-   the assumed link stays in the plan;
-3. different splits, on co-located CPU ranks: measure the loopback link once per host
-   (:func:`autopipe.machine.link_cache.loopback_link`) and plan with it; the plan's notes
-   and its recorded links say so.
-
-Nothing is measured where the user gave a link (a ``Device`` with ``bandwidth`` or
-``latency_s``), where the costs are estimated (``cost="flops"`` or ``"params"``: planning
-for hardware one may not have), inside a process group (the ranks are busy waiting for
-the plan), or with ``AUTOPIPE_MEASURE_LINK=0`` in the environment.
-
 Example:
     >>> from autopipe.machine.link import LinkMeasurement
     >>> fake = LinkMeasurement(8e9, 3e-5, [1024, 1 << 20], [3e-5, 1.6e-4], [[3e-5], [1.6e-4]], 0.0, "gloo",
@@ -56,11 +38,7 @@ R = TypeVar("R")
 
 @dataclass(frozen=True)
 class LinkChoice:
-    """The default link the planner charged, where it came from, and why.
-
-    ``source`` is ``"assumed"`` (:func:`autopipe.machine.device.default_link`) or
-    ``"measured"`` (``measurement`` holds the figures).
-    """
+    """The default link the planner charged, where it came from, and why."""
 
     bandwidth: float
     latency_s: float
@@ -87,14 +65,6 @@ class LinkChoice:
 def link_mode(measure_link: bool | None, *, device_type: str, cost_source: str,
               devices: Sequence[Device], in_process_group: bool) -> tuple[str, str]:
     """``(mode, why)``: whether :func:`choose_link` may measure, from the planner's inputs.
-
-    ``measure_link`` is :attr:`autopipe.ProfileOptions.measure_link`: True measures whenever
-    some rank's link is not given, False never; None measures only if the link decides the
-    split (``"auto"``), and only under the conditions listed in this module's docstring.
-
-    Raises:
-        ValueError: ``measure_link`` is not True, False or None; or it is True on a device
-            type whose link cannot be measured here (neither ``"cpu"`` nor ``"cuda"``).
 
     Example:
         >>> link_mode(None, device_type="cpu", cost_source="flops", devices=[Device()] * 2, in_process_group=False)
@@ -135,28 +105,6 @@ def choose_link(
     device_type: str = "cpu", measure: MeasureFn | None = None, why: str = "",
 ) -> tuple[LinkChoice, R]:
     """Run ``search`` with the link that ``mode`` calls for, and say which link it was.
-
-    Args:
-        search: Plans with a default link ``(bandwidth, latency_s)``; returns
-            ``(result, split)``, ``split`` being what identifies the chosen split (the cut
-            points, the schedule): two links give "the same split" when these are equal.
-        assumed: The assumed default link.
-        mode: One of :data:`MODES` (:func:`link_mode` picks it).
-        device_type: Whose loopback link to measure.
-        measure: What measures the link when it is not kept
-            (:func:`autopipe.machine.link_cache.loopback_link`'s ``measure``); default
-            :func:`~autopipe.machine.link_cache.measure_in_fresh_process`.
-        why: Why ``mode`` is what it is, for the note when nothing is measured.
-
-    Returns:
-        The :class:`LinkChoice` and ``search``'s result with that link.
-
-    In ``"auto"`` mode a measurement that fails (no free port, a killed process) leaves
-    the assumed link in place and the reason says so; in ``"always"`` mode it raises.
-
-    Raises:
-        ValueError: ``mode`` is not one of :data:`MODES`.
-        RuntimeError, TimeoutError: in ``"always"`` mode, the measurement failed.
 
     Example:
         >>> choice, result = choose_link(lambda link: ("plan", (3,)), assumed=(2e9, 1e-4), mode="auto",

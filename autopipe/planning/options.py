@@ -1,15 +1,4 @@
-"""Option groups that ``partition`` and ``Pipeline`` share: build one, pass it to both.
-
-- :class:`PlannerOptions`: the hardware, the cost source and the search's settings;
-- :class:`ProfileOptions`: how segments are measured (where, how often, with what care);
-- :class:`DataParallelOptions`: pipeline x data parallel replicas and how they reduce.
-
-Example::
-
-    opts = PlannerOptions(memory="16GiB", profiling=ProfileOptions(repeats=10))
-    plan = autopipe.partition(model, 4, (x,), planner=opts)
-    pipe = autopipe.Pipeline(model, example_args=(x,), loss_fn=loss, planner=opts)
-"""
+"""Option groups that ``partition`` and ``Pipeline`` share: build one, pass it to both."""
 
 from __future__ import annotations
 
@@ -234,21 +223,7 @@ class PlannerOptions:
 
 def resolve_devices(n_gpus: int, devices: Device | Sequence[Device] | None,
                     memory: int | str | Sequence[int | str] | None) -> list[Device]:
-    """One :class:`~autopipe.machine.device.Device` per pipeline rank.
-
-    ``devices`` is one Device for every rank or a sequence of one per rank; ``memory`` (one
-    value, or one per rank) fills in the capacity of each Device that does not set its own.
-
-    Raises:
-        TypeError: ``devices`` is not a Device or a sequence of Devices.
-        ValueError: a count that does not match ``n_gpus``, a bad memory size, or memory given
-            both on a Device and as ``memory``.
-
-    Example::
-
-        resolve_devices(2, Device(bandwidth="10GB"), "16GiB")
-        # [Device(memory='16GiB', bandwidth=1e10, ...), Device(memory='16GiB', bandwidth=1e10, ...)]
-    """
+    """One :class:`~autopipe.machine.device.Device` per pipeline rank."""
     if devices is None:
         ranks = [Device() for _ in range(n_gpus)]
     elif isinstance(devices, Device):

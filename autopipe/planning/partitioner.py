@@ -1,32 +1,5 @@
 """Exact contiguous partition of segments into pipeline stages (min-max stage time).
 
-Fourth step of the data flow, as plain numbers: no torch, no graph. A
-:class:`PartitionProblem` holds, per segment, its compute time and memory, and per cut the
-communication time; :func:`solve_bottleneck` returns the cuts that minimise the heaviest
-stage's time, subject to every stage's memory limit.
-
-Cost model (per micro-batch, stage ``s`` holding segments ``i .. j-1``)::
-
-    time_s(i, j) = (C[j] - C[i]) / speed[s]  +  link_in[s](i)  +  link_out[s](j)
-    mem_s(i, j)  = (S[j] - S[i])  +  inflight[s] * (A[j] - A[i])   <=  capacity[s]
-
-with ``C``, ``S``, ``A`` prefix sums of compute seconds, static bytes (parameters, gradients,
-optimizer state) and activation bytes; ``link_*`` the time to move the tensors that cross a
-cut over the link between two neighbouring stages (forward activations plus backward
-gradients); ``inflight[s]`` the micro-batches whose activations stage ``s`` holds at its peak
-(1F1B: ``min(m, p - s)``; GPipe: ``m``).
-
-Algorithm: a parametric search on the bottleneck ``T``. For a given ``T`` the stages are
-filled left to right keeping the set of reachable cut positions; a position ``j`` is
-reachable by stage ``s`` if some reachable ``i`` lies in the memory window
-``[a_s(j), j)`` and ``C[i] - speed·link_in(i) >= C[j] + speed·(link_out(j) - T)``. The window
-maximum is a range-maximum query answered for all ``j`` at once with a sparse table, so one
-test costs ``O(p · n log n)`` numpy work. Bisection over ``T``, tightened to the bottleneck
-of each feasible partition found, converges to the optimum within ``rel_tol``. This is the
-classic "bottleneck path / linear partition" search (cf. Bokhari 1988; Pinar & Aykanat,
-"Fast optimal load balancing algorithms for 1D partitioning", JPDC 2004), extended with
-per-stage speeds, per-cut communication and memory windows.
-
 Example:
     >>> import numpy as np
     >>> from autopipe.planning.partitioner import PartitionProblem, solve_bottleneck
@@ -208,16 +181,7 @@ class PartitionResult:
 
 
 def evaluate(problem: PartitionProblem, cuts: list[int], recompute: Sequence[int] = ()) -> PartitionResult:
-    """Stage times and memory of the partition with the given ``cuts`` (no search).
-
-    ``recompute`` lists the stages that recompute their activations in the backward
-    (:func:`~autopipe.planning.costmodel.recompute_backward_s`,
-    :func:`~autopipe.planning.costmodel.stage_peak_bytes`); they need ``problem.fwd_s``.
-
-    Raises:
-        ValueError: cuts not strictly increasing inside (0, n) or not p-1 of them; a
-            recomputing stage out of range or without ``fwd_s``.
-    """
+    """Stage times and memory of the partition with the given ``cuts`` (no search)."""
     n, p = problem.num_segments, problem.num_stages
     cuts = [int(c) for c in cuts]
     if len(cuts) != p - 1 or any(b <= a for a, b in zip([0, *cuts], [*cuts, n])):
@@ -300,12 +264,7 @@ class _Search:
         self.speed_after = np.concatenate([np.cumsum(problem.speed[::-1])[::-1], [0.0]])
 
     def window_lo(self, s: int, js: np.ndarray, base: int = 0) -> np.ndarray:
-        """For each end ``j`` in ``js``: the first start ``i >= base`` whose stage ``s`` fits its memory (``<= j``).
-
-        The stage's memory ``M[j] - M[i]`` (``M = S + inflight * A``, nondecreasing) must be
-        at most its capacity: ``M[i] >= M[j] - capacity``. Only ``M[base : max(js) + 1]`` is
-        built, so a narrow band costs little.
-        """
+        """For each end ``j`` in ``js``: the first start ``i >= base`` whose stage ``s`` fits its memory (``<= j``)."""
         if not np.isfinite(self.pb.capacity_bytes[s]):
             return np.minimum(np.full(len(js), base), js)
         top = int(js.max()) + 1 if len(js) else base
@@ -353,18 +312,7 @@ class _Search:
         return reach if reach[p][n] else None
 
     def backtrack(self, T: float, reach: list[np.ndarray], mode: str = "balance") -> list[int]:
-        """Cuts of one partition with every stage <= T.
-
-        ``mode="balance"`` (default) is described below; ``mode="min_comm"`` instead takes, at
-        each stage, the feasible cut whose tensors are cheapest to send (ties: balance), for
-        schedules whose step time grows with the total communication.
-
-        Many partitions share the optimal bottleneck (an unsplittable heavy layer fixes it);
-        walking back from the last stage, each stage takes the feasible start that brings
-        its time closest to an equal share of the work still to place. Every choice keeps
-        the stages before it feasible (``reach``), so the bottleneck stays optimal while the
-        other stages come out balanced, which lowers bubbles and peak memory.
-        """
+        """Cuts of one partition with every stage <= T."""
         cuts = []
         j = self.n
         tol = 1e-12 * max(T, 1e-300)
@@ -462,10 +410,6 @@ def solve_bottleneck(problem: PartitionProblem, *, rel_tol: float = 1e-9, max_it
 def rank_work_lower_bound_s(problem: PartitionProblem, stages_per_rank: int, rank_speed: Sequence[float]) -> float:
     """The least work per micro-batch some rank must do, on any split of ``problem``.
 
-    With one stage per rank, the bottleneck of the best split once communication and memory
-    are set aside (:func:`solve_bottleneck` on a free copy); with several, the whole work over
-    the ranks' summed speeds.
-
     Example:
         >>> rank_work_lower_bound_s(PartitionProblem.uniform(compute_s=[1.0, 1.0, 1.0, 1.0], num_stages=2), 1,
         ...                         [1.0, 1.0])
@@ -483,12 +427,6 @@ def candidate_partitions(
     problem: PartitionProblem, *, max_ratio: float = 1.5, steps: int = 16
 ) -> list[PartitionResult]:
     """Good partitions trading a slightly heavier bottleneck for cheaper or better-placed cuts.
-
-    The optimal-bottleneck partition comes first; then, for thresholds ``T`` on a geometric
-    ladder from the optimum ``T*`` to ``max_ratio * T*``, one balanced and one
-    least-communication partition with every stage ``<= T``. A caller that scores partitions
-    by something other than the bottleneck (the simulated step time of a schedule) picks
-    among them. Duplicates are removed; order is deterministic.
 
     Example:
         >>> # The middle cut balances compute but costs 0.5 s to cross; the cut at 3 is free.
@@ -515,10 +453,7 @@ def candidate_partitions(
 
 
 def solve_min_memory(problem: PartitionProblem) -> float:
-    """Smallest ``c`` such that some partition fits when every capacity is scaled to ``c·cap_s/max(cap)``.
-
-    With unlimited capacities it is the least possible peak memory of the heaviest stage.
-    """
+    """Smallest ``c`` such that some partition fits when every capacity is scaled to ``c·cap_s/max(cap)``."""
     ratio = capacity_shares(problem)
 
     def partition_at(c: float) -> list[int] | None:
@@ -568,9 +503,6 @@ def brute_force(problem: PartitionProblem) -> PartitionResult | None:
 
 def capacity_shares(problem: PartitionProblem) -> np.ndarray:
     """Each stage's device memory as a share of the largest: how a least-memory figure scales per device.
-
-    All ones where some device has no limit (or none has memory), so that every device is
-    asked for the same.
 
     Example:
         >>> capacity_shares(PartitionProblem.uniform([1.0, 1.0], 2, capacity_bytes=[4.0, 8.0])).tolist()

@@ -1,14 +1,5 @@
 """The split rules of the tools a user would pick instead of autopipe, on plain per-layer numbers.
 
-Each function reproduces one tool's rule from its documented behaviour and its source, at the
-version named in its docstring, and takes what that tool takes (a list of per-layer weights
-and a stage count); :mod:`autopipe.planning.baselines` feeds them the layer list each tool
-would be given. ``tests/test_peers.py`` checks every rule against the real package where it
-imports here.
-
-All functions return *stage boundaries* ``[0, b1, ..., n]`` over the ``n`` layers (stage
-``s`` holds layers ``b[s] .. b[s+1]-1``), the form DeepSpeed's ``parts`` take.
-
 Example:
     >>> from autopipe.planning.peers import deepspeed_partition_uniform, torchgpipe_solve
     >>> deepspeed_partition_uniform(7, 3)
@@ -28,10 +19,6 @@ from .._checks import check_int
 def deepspeed_partition_uniform(num_items: int, num_parts: int) -> list[int]:
     """DeepSpeed 0.19.8 ``partition_method="uniform"``: equal layer counts, the remainder first.
 
-    Follows ``deepspeed.runtime.utils.partition_uniform`` of DeepSpeed 0.19.8: every part gets
-    ``num_items // num_parts`` layers and the first ``num_items % num_parts`` parts one more;
-    with no more items than parts, part ``k`` holds item ``k`` and the rest are empty.
-
     Example:
         >>> deepspeed_partition_uniform(10, 4)
         [0, 3, 6, 8, 10]
@@ -48,14 +35,6 @@ def deepspeed_partition_uniform(num_items: int, num_parts: int) -> list[int]:
 
 def deepspeed_partition_balanced(weights: Sequence[float], num_parts: int) -> list[int]:
     """DeepSpeed 0.19.8 ``partition_method="parameters"``: the parts' spread (max - min) made small.
-
-    Follows ``deepspeed.runtime.utils.partition_balanced`` of DeepSpeed 0.19.8 (its rule since
-    DeepSpeed PR #4312): a dynamic program over (first ``i`` layers, ``j`` parts) that keeps,
-    for each state, one predecessor and the largest and smallest part sum along it, and picks
-    the predecessor whose extension has the smallest max - min, the later layer winning ties.
-    That is not the minimum of the largest part, and not always the smallest spread either,
-    since each state remembers a single path. With no more layers than parts it falls back to
-    :func:`deepspeed_partition_uniform`.
 
     Example:
         >>> deepspeed_partition_balanced([4, 1, 1, 1, 1], 2)
@@ -88,17 +67,6 @@ def deepspeed_partition_balanced(weights: Sequence[float], num_parts: int) -> li
 
 def torchgpipe_solve(costs: Sequence[float], partitions: int) -> list[int]:
     """torchgpipe 0.0.7 ``balance_by_time``'s partition of per-layer costs.
-
-    Follows ``torchgpipe.balance.blockpartition.solve`` of torchgpipe 0.0.7 (the block
-    partition of Bárány et al.): the costs are rescaled to [0, 1] by their minimum and range;
-    the layers start in equal counts (``n // partitions`` each, the rest to the last block);
-    then, while the largest block exceeds the smallest by more than 1 (in rescaled units), one
-    layer moves into the smallest block (the first of equal ones) from its neighbour on the
-    side of the largest (the last of equal ones). It stops within about one layer of balance,
-    not at the min-max optimum.
-
-    Raises:
-        ValueError: ``partitions`` is not positive, or there are fewer costs than partitions.
 
     Example:
         >>> torchgpipe_solve([5, 1, 1, 1, 1, 1], 2)
@@ -137,16 +105,6 @@ def torchtitan_stage_layers(num_stages: int, num_layers: int, input_weight: int 
                             output_weight: int = 1) -> list[int]:
     """How many blocks each stage holds under torchtitan 0.3.0's default LLM split.
 
-    Follows ``_generate_llm_fqn_per_model_part`` of torchtitan 0.3.0 (what ``pipeline_llm``
-    uses without ``pipeline_parallel_layers_per_stage`` or ``module_fqns_per_model_part``):
-    ``num_layers + input_weight + output_weight`` units, ``units // num_stages`` per stage and
-    the remainder one each to the first stages; the embedding takes ``input_weight`` units of
-    stage 0 and the final norm + head ``output_weight`` units of the last stage.
-
-    Raises:
-        ValueError: where torchtitan raises: more stages than units, or a stage's share smaller
-            than the embedding's or the head's weight.
-
     Example:
         >>> torchtitan_stage_layers(4, 8)
         [2, 3, 2, 1]
@@ -178,21 +136,6 @@ def torchtitan_stage_layers(num_stages: int, num_layers: int, input_weight: int 
 def pippy_equal_size_cuts(node_params: Sequence[dict[str, int]], total_size: int, nstages: int) -> list[int]:
     """Where torchpippy 0.2.0's ``split_into_equal_size(nstages)`` inserts its ``pipe_split`` calls.
 
-    Follows ``pippy.ModelSplit`` of torchpippy 0.2.0: the threshold is ``total_size // nstages``
-    (all parameter and buffer elements of the model); the graph's nodes are walked in order,
-    each with the parameters and buffers it reads (``{name: elements}``, empty for the others),
-    counting a parameter once per stage; a node that would take the running stage past the
-    threshold starts a new stage (a node bigger than the threshold on an empty stage gets a
-    stage of its own, cut after it); only the first ``nstages - 1`` cuts are kept.
-
-    Args:
-        node_params: per graph node, in order, the parameters/buffers it reads and their sizes.
-        total_size: parameter + buffer elements of the whole model.
-        nstages: the stage count asked for.
-
-    Returns:
-        Node indices: a cut goes before each (``len(node_params)`` for "after the last node").
-
     Example:
         >>> pippy_equal_size_cuts([{"a": 4}, {}, {"b": 4}, {"c": 4}], 12, 3)
         [2, 3]
@@ -221,10 +164,6 @@ def pippy_equal_size_cuts(node_params: Sequence[dict[str, int]], total_size: int
 
 def simulate_1f1b_s(fwd: Sequence[float], bwd: Sequence[float], n_microbatches: int) -> float:
     """Makespan of a 1F1B schedule with these per-stage forward/backward times, no communication.
-
-    Stage ``s`` runs ``p - s - 1`` warm-up forwards (at most ``n_microbatches``), then
-    alternates one forward and one backward, then drains its backwards; every action waits for
-    its input from the neighbouring stage.
 
     Example:
         >>> simulate_1f1b_s([1.0, 1.0], [2.0, 2.0], 2)
@@ -289,16 +228,6 @@ def _minmax_dp(costs: np.ndarray, k: int) -> list[int]:
 def flops_dp_partition(fwd_flops: Sequence[float], num_stages: int, *, bwd_factor: float = 3.0,
                        n_microbatches: int | None = None) -> list[int]:
     """The FLOPs-balanced split of torchtitan PR #2113 / torch PR #179212 (open, no release).
-
-    Reproduced from the pull requests' description (November 2026), not from a released
-    package: per-layer costs are forward FLOPs, backward taken as ``bwd_factor`` x forward; a
-    min-max dynamic program places the boundaries; then a local search moves the start of the
-    critical stage of a simulated 1F1B (``n_microbatches``, default 2 x stages, no
-    communication cost) one layer either way, re-partitioning the layers before it with the
-    same dynamic program, and keeps a move while the simulated makespan falls.
-
-    Raises:
-        ValueError: fewer layers than stages, or a stage count below 1.
 
     Example:
         >>> flops_dp_partition([1, 1, 1, 1, 4], 2)

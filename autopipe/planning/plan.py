@@ -1,15 +1,5 @@
 """The Plan: where to cut the model, what each stage is predicted to cost, and why.
 
-A :class:`Plan` is the output of :func:`autopipe.partition` and the input of the
-runtime (:class:`autopipe.Pipeline`) and of the reports. It is a plain, serialisable value:
-``plan.save("plan.json")`` writes versioned JSON and ``Plan.load("plan.json")`` reads it
-back, so a plan computed once can be shared by every rank of a job. Every field is typed:
-the profile it was made from (:class:`~autopipe.planning.plan_records.PlanSegment`), the
-machine the planner assumed (:class:`~autopipe.planning.plan_records.MachineModel`), the
-once-per-step tail, the search, the alternatives and the calibration
-(:mod:`autopipe.planning.plan_records`). Every time it predicts is computed by
-:mod:`autopipe.planning.costmodel`, as the planner's and the reports' are.
-
 Example:
     >>> from autopipe.planning.plan import Plan, StagePlan
     >>> stage = StagePlan(index=0, fqns=["layers.0"], first_segment=0, last_segment=0,
@@ -288,11 +278,7 @@ class Plan:
                                           tail=self.step_tail)
 
     def _compute_factor_for_step(self, step_s: float) -> float:
-        """The factor on every stage's compute that makes the simulated step ``step_s``.
-
-        Communication and per-action overhead stay as they are, so only compute scales; a
-        step at or below what they alone take gives the smallest factor, 0.
-        """
+        """The factor on every stage's compute that makes the simulated step ``step_s``."""
         if self.predicted_step_s <= 0:
             return 1.0
         if not any(self.action_overhead_s()) and not any(self.cut_comm_s()) and not self.step_tail_s():

@@ -1,12 +1,5 @@
 """Assemble the :class:`~autopipe.planning.plan.Plan` of the option the planner chose.
 
-Last step of the data flow: from the chosen
-:class:`~autopipe.planning.schedule_options.ScheduleOption` (its split, predictions and
-memory) and the traced model, :func:`make_plan` writes the split points, one
-:class:`~autopipe.planning.plan.StagePlan` per stage with its modules and exact memory,
-the baselines costed by the same model, and the typed record of what the plan was made
-from (:mod:`autopipe.planning.plan_records`).
-
 Example:
     >>> plan = make_plan(traced, graph, chosen, optimizer="adam", optimizer_factor=2.0,
     ...                  rank_devices=[Device()] * 2, cost_source="measured", objective="step",
@@ -45,11 +38,7 @@ def make_plan(
     alternatives: Sequence[ScheduleOption] = (),
     allow_recompute: bool = True,
 ) -> Plan:
-    """Assemble the Plan of the chosen option: split points, stages, predictions, baselines.
-
-    Raises:
-        ValueError: ``chosen`` was not costed (no split).
-    """
+    """Assemble the Plan of the chosen option: split points, stages, predictions, baselines."""
     problem, result = chosen.problem, chosen.result
     if problem is None or result is None:
         raise ValueError(f"chosen={chosen.schedule!r} x{chosen.stages_per_rank} has no split; cost it first "
@@ -148,11 +137,6 @@ def stage_records(
     recompute: Sequence[int] = (),
 ) -> list[StagePlan]:
     """One :class:`~autopipe.planning.plan.StagePlan` per stage of ``result``, its memory exact.
-
-    A parameter several segments of one stage read counts once there (the search charged
-    it at every reader). The stages in ``recompute`` recompute their activations: their
-    backward runs the forward again and their peak is the recomputing one; each stage
-    records both peaks (``peak_bytes_kept``, ``peak_bytes_recomputed``).
 
     Example:
         >>> stages = stage_records(traced, graph, problem, result, 2.0, [Device()] * 2, [2, 1], 4)  # doctest: +SKIP

@@ -1,9 +1,5 @@
 """Checks of single values read from a plan file: each failure names the field and what it accepts.
 
-:class:`FieldCheck` is what :func:`autopipe.planning.plan_file.plan_from_data` and
-:mod:`autopipe.planning.plan_file_parts` check every value of a plan with; a failure raises
-:class:`~autopipe.errors.PlanFileError` whose ``field`` names the value's place in the file.
-
 Example:
     >>> from autopipe.planning.plan_checks import FieldCheck
     >>> FieldCheck(None).integer("n_microbatches", 4, 1)
@@ -101,12 +97,7 @@ class FieldCheck:
 
     def record(self, field: str, value: Any, checks: Mapping[str, Callable[[str, Any], Any]],
                required: set[str] | frozenset[str], *, open_ended: bool = False) -> dict[str, Any]:
-        """An object with the given fields: each checked, the required ones present.
-
-        ``open_ended`` lets unknown keys through unchecked (version 1's ``extras``, which
-        autopipe converts and drops the rest of); otherwise an unknown key is refused, so a
-        misspelt field cannot silently fall back to its default.
-        """
+        """An object with the given fields: each checked, the required ones present."""
         data = self.mapping(field, value)
         prefix = f"{field}." if field else ""
         if not open_ended:

@@ -1,29 +1,5 @@
 """Reading plan files safely: every field checked before any of it is used.
 
-A plan file is data, never code: it is read as UTF-8 JSON (no pickle, no imports, no
-``eval``), and :func:`plan_from_data` checks every field against what it may hold before a
-:class:`~autopipe.planning.plan.Plan` is built from it. A file that fails raises one error type,
-:class:`~autopipe.errors.PlanFileError`, whose ``field`` names the field at fault.
-
-What is checked:
-
-* the file: at most :data:`MAX_PLAN_FILE_BYTES`, UTF-8, JSON, one object, no key twice,
-  nesting at most :data:`MAX_NESTING` deep, ``format_version`` one this autopipe reads;
-* every field of the plan, of each stage and of each baseline: present unless it has a
-  default, no unknown field, the right type (an integer is not a float, a bool is not a
-  number), counts within bounds, times and byte counts finite and >= 0;
-* that the fields agree: ``num_stages == len(split_points) + 1 == len(stages)``, split
-  points distinct non-empty names, stages numbered in order over contiguous segments,
-  ``num_stages % stages_per_rank == 0``, a schedule torch can run with these counts, and a
-  step of at most :data:`~autopipe.planning.schedules.MAX_SCHEDULE_SIZE` (stage, micro-batch) pairs;
-* the typed parts (:mod:`autopipe.planning.plan_records`, checked in
-  :mod:`autopipe.planning.plan_file_parts`): the per-segment profile, the machine model
-  (links, per-action overheads), the step tail, the search, the alternatives, the loss,
-  the whole-graph timing and the calibration.
-
-Format versions: this autopipe writes and reads :data:`PLAN_FORMAT_VERSION` (2); any other
-version is refused, naming it and the versions read.
-
 Example:
     >>> from autopipe.planning.plan import Plan
     >>> from autopipe.planning.plan_file import plan_from_data
@@ -78,10 +54,6 @@ MAX_NESTING = 32
 
 def read_plan_file(path: str | os.PathLike) -> Any:
     """The JSON data of the plan file at ``path``, read within the limits above.
-
-    Raises:
-        PlanFileError: too large, not UTF-8, not JSON, a key given twice, or nested too deep.
-        OSError: the file cannot be opened (missing, a directory, no permission).
 
     Example:
         >>> data = read_plan_file("plan.json")  # doctest: +SKIP
@@ -150,14 +122,6 @@ def _check_nesting(check: FieldCheck, data: Any) -> None:
 
 def plan_from_data(data: Any, cls: type[PlanT], *, path: str | None = None) -> PlanT:
     """A ``cls`` (:class:`~autopipe.planning.plan.Plan` or a subclass) from plan data, every field checked first.
-
-    Args:
-        data: what ``json.load`` gives for a plan file (``Plan.to_dict()``'s layout).
-        cls: the Plan class to build.
-        path: the file the data came from, named in errors.
-
-    Raises:
-        PlanFileError: the first field at fault, named in the message and in ``.field``.
 
     Example:
         >>> from autopipe.planning.plan import Plan
@@ -317,10 +281,6 @@ def _check_stage_order(c: FieldCheck, stages: list[dict[str, Any]], segment_name
 
 def check_model_names(plan: Any, model: torch.nn.Module) -> None:
     """Refuse a plan (anything with ``split_points``) whose split points are not submodules of ``model``.
-
-    Raises:
-        PlanFileError: ``field="split_points"``, listing the unknown names and some of the
-            model's own.
 
     Example:
         >>> check_model_names(plan, model)  # doctest: +SKIP

@@ -1,10 +1,5 @@
 """The typed parts of a plan file, checked.
 
-:func:`typed_parts` checks the fields that :mod:`autopipe.planning.plan_records` types (the
-profile, the machine model, the step tail, the search, the alternatives, the loss, the
-whole-graph timing, the calibration, the tuning) and returns them as keyword arguments of
-:class:`~autopipe.planning.plan.Plan`.
-
 Example:
     >>> from autopipe.planning.plan_checks import FieldCheck
     >>> shape = PlanShape(stages=2, ranks=2, segment_names=0, stage_records=[{"last_segment": 1}])

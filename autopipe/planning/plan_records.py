@@ -1,22 +1,5 @@
 """The typed parts of a :class:`~autopipe.planning.plan.Plan`: its stages, baselines and records.
 
-A plan carries, besides where to cut, what it was made from and what the planner assumed,
-so that it can be re-simulated, calibrated, re-planned and reported without the model:
-
-- :class:`StagePlan`: one stage, its modules and predicted costs;
-- :class:`BaselinePlan`: a split another tool or rule would choose, costed the same way;
-- :class:`PlanSegment`: one segment of the profile, with the bytes crossing the cut before it;
-- :class:`Link` and :class:`MachineModel`: the links between stages, the runtime's
-  overhead per action and whether sends are lazy, as the planner charged them;
-- :class:`SearchRecord`: how the split was found, and the step no split could beat;
-- :class:`ScheduleAlternative`: one row of the schedules ``schedule="auto"`` compared;
-- :class:`Calibration`: the factors :meth:`~autopipe.planning.plan.Plan.calibrate` applied.
-- :class:`TuningRecord`: the real steps :func:`autopipe.tune` measured, and which split won.
-
-The once-per-step tail is :class:`autopipe.planning.costmodel.StepTail`; the loss and the
-whole-graph timing are :class:`autopipe.planning.profile.LossCost` and
-:class:`autopipe.machine.passes.WholePass`.
-
 Example:
     >>> from autopipe.planning.plan_records import Link, MachineModel
     >>> machine = MachineModel(links=[Link(bandwidth=2e9, latency_s=1e-4)], action_overhead_s=[7e-4, 7e-4])
@@ -79,10 +62,6 @@ class BaselinePlan:
 class PlanSegment:
     """One segment of the profile a plan was made from (per micro-batch), and the cut before it.
 
-    The cost fields are those of :class:`~autopipe.planning.costgraph.SegmentCost`;
-    ``cut_fwd_bytes`` / ``cut_bwd_bytes`` are the bytes that cross the cut before this
-    segment forward (activations) and backward (their gradients) when a stage starts here.
-
     Example:
         >>> seg = PlanSegment(fwd_s=1e-3, bwd_s=2e-3, param_bytes=64, act_bytes=32, out_bytes=16, name="layers.0")
         >>> seg.cost().time_s
@@ -125,11 +104,7 @@ class Link:
 
 @dataclass(frozen=True)
 class MachineModel:
-    """What the planner assumed of the machine beyond the profile.
-
-    Empty lists mean nothing was recorded (a plan made from split points alone): the
-    links then default to those of the plan's device type, and no overhead is charged.
-    """
+    """What the planner assumed of the machine beyond the profile."""
 
     links: list[Link] = field(default_factory=list)  # one per cut, cut c between stages c and c + 1
     action_overhead_s: list[float] = field(default_factory=list)  # per stage, beyond compute, per action
@@ -162,11 +137,7 @@ class ScheduleAlternative:
 
 @dataclass(frozen=True)
 class Calibration:
-    """Per stage, the factors measured / planned that :meth:`Plan.calibrate` applied.
-
-    ``None`` marks a stage direction the plan had no time for (a plan made from split
-    points alone): it took the measured time as it is.
-    """
+    """Per stage, the factors measured / planned that :meth:`Plan.calibrate` applied."""
 
     fwd_factor: list[float | None]
     bwd_factor: list[float | None]
@@ -174,11 +145,7 @@ class Calibration:
 
 @dataclass(frozen=True)
 class TuningRecord:
-    """What :func:`autopipe.tune` measured: real steps of several splits on the ranks, the fastest kept.
-
-    Entry ``k`` of each list is candidate ``k``; ``chosen`` indexes the one the plan now holds.
-    A measured step is the median over ``rounds`` of the slowest rank's step time.
-    """
+    """What :func:`autopipe.tune` measured: real steps of several splits on the ranks, the fastest kept."""
 
     split_points: list[list[str]]
     predicted_step_s: list[float]

@@ -1,19 +1,5 @@
 """``autopipe.partition``: from a model to a Plan, one visible step at a time.
 
-The whole data flow of ``docs/how-the-planner-decides.md`` in one function::
-
-    trace(model, inputs)            -> TracedModel   legal split points, segments
-    profile_segments(traced)        -> [SegmentCost] measured per-segment costs
-    build_cost_graph(traced, costs) -> CostGraph     bytes crossing every cut
-    build_problem(cost_graph, ...)  -> PartitionProblem  numbers per segment/cut/stage
-    solve_bottleneck(problem)       -> PartitionResult   the exact min-max split
-    cost_option(option, ...)        -> ScheduleOption    the best split of one schedule, costed
-    make_plan(...)                  -> Plan          split_spec, predictions, baselines
-
-Each step is importable and can be run alone in a REPL: :mod:`.problem`,
-:mod:`.partitioner`, :mod:`.schedule_options` and :mod:`.plan_assembly` hold them, and
-:mod:`.costmodel` every formula they cost a split with.
-
 Example:
     >>> import autopipe
     >>> from autopipe.models import seed_transformer
@@ -324,14 +310,7 @@ def noisy_profile_note(spread: float) -> str:
 
 
 def _speeds_from_flops(rank_devices: Sequence[Device]) -> list[Device]:
-    """The devices with their relative speeds set from their FLOP rates (counted costs).
-
-    The counted seconds are charged at the first device's rate, so a device's speed is its
-    rate over that one.
-
-    Raises:
-        ValueError: some devices give a rate and others not, or one gives both a rate and a speed.
-    """
+    """The devices with their relative speeds set from their FLOP rates (counted costs)."""
     missing = [i for i, d in enumerate(rank_devices) if d.flops is None]
     if missing:
         raise ValueError(f"devices {missing} give no flops while others do; give every device its FLOP rate "
@@ -398,11 +377,7 @@ class _Wanted:
 
 
 def _cost_inputs(cost: Any) -> tuple[str, Sequence[SegmentCost] | None, ScaledProfile | None]:
-    """``partition``'s ``cost`` as (the cost source, a given profile, a given size-scaled profile).
-
-    A given profile names its source by a ``cost`` attribute when it has one (a
-    ``ScaledProfile`` does); otherwise its costs are taken as measured.
-    """
+    """``partition``'s ``cost`` as (the cost source, a given profile, a given size-scaled profile)."""
     if isinstance(cost, str):
         if cost not in COST_SOURCES:
             raise ValueError(f"cost={cost!r} is not a cost source; use one of {list(COST_SOURCES)}, a list of "
@@ -476,14 +451,7 @@ def _resolve_options(
 
 
 def _buildable(wanted: _Wanted, n_gpus: int, global_batch: int | None) -> _Wanted:
-    """``wanted`` without the micro-batch counts torch cannot order or a step cannot hold.
-
-    Builds torch's order for each count (its cost grows with ranks x micro-batches), so
-    :func:`partition` calls it only once the stage count fits the model's split points.
-    With ``schedule="auto"`` each schedule's order is built by :func:`auto_schedule_options`;
-    here the smallest step it may pick (one stage per rank) must fit
-    :data:`~autopipe.planning.schedules.MAX_SCHEDULE_SIZE`.
-    """
+    """``wanted`` without the micro-batch counts torch cannot order or a step cannot hold."""
     runnable = []
     for m in wanted.n_microbatches:
         try:

@@ -1,12 +1,5 @@
 """From a traced model and its cost graph to the partitioner's numbers, and the model's state.
 
-The partitioner works on plain numbers per segment, cut and stage
-(:class:`~autopipe.planning.partitioner.PartitionProblem`); :func:`build_problem` reads
-them off the cost graph and the model's parameters. The other functions answer questions
-about where the model's parameters and buffers land once a split is chosen: which ranks
-hold a tied weight (its gradient is summed across them once per step), and which bytes the
-per-segment charge counts twice on one rank.
-
 Example:
     >>> from autopipe.models import seed_transformer
     >>> from autopipe.planning.tracing import trace
@@ -38,9 +31,6 @@ from .tracing import TracedModel
 def merged_output_bytes(costs: Sequence[SegmentCost]) -> float:
     """Bytes of one micro-batch's output that a training step's last stage keeps to merge.
 
-    Zero on a torch whose schedules can return no outputs
-    (:func:`autopipe.planning.schedules.training_merges_outputs`): training never needs them.
-
     Example:
         >>> merged_output_bytes([])
         0.0
@@ -63,16 +53,6 @@ def build_problem(
     n_microbatches: int = 0,
 ) -> PartitionProblem:
     """Turn the cost graph into the partitioner's numbers for ``num_stages`` stages.
-
-    Static bytes of a segment = its parameters and buffers + gradients and optimizer state of
-    its trainable parameters; the last segment also holds the model's output of every one of
-    the ``n_microbatches`` micro-batches, which torch's last stage keeps for the step's result.
-    A parameter read by several segments (tied embeddings) is replicated by torch into every
-    stage that reads it, so the search charges it at every segment that reads it (never less
-    than the truth); the Plan's figures are exact.
-
-    Raises:
-        ValueError: the cost graph has no costs attached.
 
     Example:
         >>> problem = build_problem(graph, traced, num_stages=2, stage_devices=[Device()] * 2,
@@ -154,8 +134,6 @@ def state_sizes(traced: TracedModel) -> dict[str, tuple[int, bool]]:
 def state_tensors(traced: TracedModel) -> dict[int, tuple[set[str], int, bool]]:
     """Every parameter and buffer tensor, by identity: (its names, bytes, trainable).
 
-    A tied weight (GPT-2's embedding and head) is one tensor under several names.
-
     Example:
         >>> max(len(names) for names, _, _ in state_tensors(traced).values())  # doctest: +SKIP
         2
@@ -190,11 +168,6 @@ def rank_overcount_bytes(traced: TracedModel, cuts: Sequence[int], ranks: Sequen
                          optimizer_factor: float) -> list[float]:
     """Per rank, the static bytes the per-segment charge counts more than once.
 
-    The search charges a parameter (with its gradient and optimizer state) at every segment
-    that reads it, since torch replicates shared parameters into every stage that reads them.
-    On one rank there is one copy: autopipe's runtime keeps one tensor per parameter per
-    rank (a tied embedding and head on the same rank, as under ZBV, are one weight there).
-
     Example:
         >>> rank_overcount_bytes(traced, cuts=[3], ranks=[0, 1], optimizer_factor=2.0)  # doctest: +SKIP
         [0.0, 0.0]
@@ -211,9 +184,6 @@ def rank_overcount_bytes(traced: TracedModel, cuts: Sequence[int], ranks: Sequen
 
 def stage_grad_bytes(traced: TracedModel, cuts: Sequence[int], ranks: Sequence[int]) -> list[float]:
     """Per stage, the bytes of the weight gradients it makes: each trainable tensor once per rank.
-
-    A tensor read by several stages of one rank (a tied embedding and head under ZBV) has
-    one ``.grad`` there, charged to the last of those stages, whose backward runs first.
 
     Example:
         >>> stage_grad_bytes(traced, cuts=[3], ranks=[0, 1])  # doctest: +SKIP
@@ -236,10 +206,6 @@ def stage_grad_bytes(traced: TracedModel, cuts: Sequence[int], ranks: Sequence[i
 
 def tied_gradient_bytes(traced: TracedModel, cuts: Sequence[int], ranks: Sequence[int]) -> list[tuple[int, int]]:
     """``(bytes, ranks holding it)`` of every trainable tied parameter: the gradients summed once per step.
-
-    A parameter under several names (an embedding tied to the head) whose readers land on
-    more than one rank has a copy on each; their gradients are summed across those ranks
-    (:func:`autopipe.planning.costmodel.step_tail`).
 
     Example:
         >>> tied_gradient_bytes(traced, cuts=[3], ranks=[0, 1])  # doctest: +SKIP

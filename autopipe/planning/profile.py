@@ -1,34 +1,5 @@
 """Measure what every segment costs: forward and backward time, parameters, activations.
 
-Third step of the data flow. :func:`profile_segments` runs each segment of a
-:class:`~autopipe.planning.tracing.TracedModel` on its own, on the target device, with the real
-tensors the previous segments produce for the example micro-batch:
-
-* forward seconds and backward seconds are *measured* (warm-up, then the mean of
-  ``repeats`` runs, see :func:`~autopipe.machine.timing.per_run_s`; CUDA timings use events after a
-  synchronisation), never guessed as 2x;
-* gradient accumulation seconds (``accum_s``) are measured too: adding a backward's weight
-  gradients into buffers of the segment's own, which a pipeline stage does into ``.grad``
-  for every micro-batch after the first (the estimated sources below leave it at 0);
-* activation bytes are the tensors autograd saves for backward (counted with
-  ``torch.autograd.graph.saved_tensors_hooks``), parameters excluded;
-* FLOPs come from ``torch.utils.flop_counter.FlopCounterMode`` on one run; counted costs
-  run attention as a fused kernel wherever they are counted (:mod:`.attention_count`).
-
-Other cost sources, for comparison or when measuring is not wanted:
-
-* ``cost="flops"``: time = counted FLOPs / the device's measured matmul throughput;
-* ``cost="params"``: the model's total FLOP time shared out in proportion to each segment's
-  parameter bytes (what "balance by parameter count" assumes).
-
-The model's parameters, buffers, gradients and RNG state are the same afterwards as before:
-backward uses ``torch.autograd.grad`` (nothing accumulates into ``.grad``), buffers mutated by
-the forward (BatchNorm statistics) are restored, and so is the RNG state.
-
-The segments' graphs come from :mod:`autopipe.planning.segment_graphs`; the timing itself
-(forward and backward passes, rounds, the caches emptied between them) is
-:mod:`autopipe.machine.passes` and :mod:`autopipe.machine.timing`.
-
 Example:
     >>> from autopipe.models import seed_transformer
     >>> from autopipe.planning.tracing import trace
@@ -106,12 +77,7 @@ def _model_state_preserved(module: torch.nn.Module) -> Iterator[None]:
 
 
 class SegmentCosts(list):
-    """What :func:`profile_segments` returns: a list of :class:`SegmentCost`, plus ``whole``.
-
-    ``whole`` is the :class:`~autopipe.machine.passes.WholePass` measured beside the segments
-    when the profile was timed in rounds, else ``None``. Any list of ``SegmentCost`` works
-    where this does.
-    """
+    """What :func:`profile_segments` returns: a list of :class:`SegmentCost`, plus ``whole``."""
 
     whole: WholePass | None = None
 
@@ -131,12 +97,6 @@ class _WholeGraph(torch.nn.Module):
 
 def fit_to_whole_default(device: torch.device) -> bool:
     """Whether :func:`profile_segments` scales segments to the whole graph by default on ``device``.
-
-    On CUDA: yes; each segment timed on its own starts from an idle GPU, so the segments add
-    up to more than the whole graph (docs/design.md, finding 2).
-    On the CPU: no; a segment's start costs little there, the sums differ from the whole by
-    model in either direction, and a fitted profile predicts the 2-rank steps no better
-    (docs/benchmarks.md section 5, the ``whole_fit`` column).
 
     Example:
         >>> fit_to_whole_default(torch.device("cpu"))
@@ -249,12 +209,6 @@ def profile_segments(
 
 def room_for_whole(module: torch.nn.Module, dev: torch.device) -> bool:
     """Whether a CUDA device has free memory for a copy of ``module`` to profile in rounds.
-
-    Three times its parameters and buffers: the weights, their gradients and the profile's
-    accumulation buffers; the activations are not known before profiling, so a copy that
-    passes this can still run out of memory (the caller then falls back). Checked first so
-    that a model far too big is not copied on the host only to fail on the device. Other
-    devices: True.
 
     Example:
         >>> room_for_whole(torch.nn.Linear(4, 4), torch.device("cpu"))
@@ -385,12 +339,6 @@ def _first_saved_bytes(counter: SavedBytes, inputs: Iterable[tuple[str, Any]], o
                        saved_values: set[str]) -> int:
     """The bytes a segment saves for backward that no earlier segment saved already.
 
-    A tensor that crosses from one segment to the next (a ReLU's output that the max-pool
-    after it saves too, a batch norm's input that the convolution before it produced) is
-    one storage however many segments save it, and a stage holding those segments holds it
-    once: it is charged to the first segment that saves it. ``saved_values`` holds the
-    names of the graph values saved so far and gains this segment's.
-
     Example:
         >>> c = SavedBytes(set())
         >>> x = torch.ones(4, requires_grad=True)
@@ -442,29 +390,6 @@ def profile_loss(
 ) -> LossCost:
     """Measure ``loss_fn(model output, target)``: forward, backward and saved bytes per micro-batch.
 
-    The last pipeline stage computes the loss of every micro-batch and keeps what it saves
-    for backward until that micro-batch's backward; for a language model (log-softmax over
-    the vocabulary) that is as much as the stage's own activations. The model runs once
-    (no grad) where it lives to get the output; the loss is timed on ``device`` on that
-    output as a fresh leaf.
-
-    Args:
-        model: The model; left unchanged.
-        example_args, example_kwargs: One micro-batch of inputs.
-        loss_fn: ``loss_fn(output, target) -> scalar tensor``.
-        target: The micro-batch's target.
-
-    Keyword Args:
-        device, warmup, repeats: As for :func:`profile_segments`.
-        output: The model's output on this micro-batch when the caller already has it
-            (:func:`model_output`); None runs the model once.
-
-    Returns:
-        A :class:`LossCost`.
-
-    Raises:
-        ValueError: the loss is not a tensor that can be differentiated.
-
     Example:
         >>> import torch.nn.functional as F
         >>> model = torch.nn.Linear(4, 3)
@@ -514,9 +439,6 @@ def profile_loss(
 
 def model_output(model: torch.nn.Module, example_args: Sequence[Any], example_kwargs: Mapping[str, Any] | None) -> Any:
     """The model's output on one micro-batch, as the last stage produces it for the loss.
-
-    Runs the model once without gradients, as traced (a Hugging Face model's KV cache off,
-    :mod:`autopipe.planning.hf_compat`), and leaves its buffers and the RNG state as they were.
 
     Example:
         >>> model_output(torch.nn.Linear(4, 3), (torch.randn(2, 4),), None).shape

@@ -1,18 +1,5 @@
 """Profile the model in every rank at once: the costs as the ranks will see them.
 
-Part of the profiling step of the data flow, for a job that is already running (every rank
-has joined the process group). :func:`autopipe.partition` profiles in the process that
-calls it, with the machine otherwise idle. When the ranks share a host (CPU ranks, the
-benchmarks and tests here), each rank's stage then competes with the others for memory
-bandwidth and caches, which that profile does not see. :func:`profile_in_ranks` has every
-rank profile the whole model at the same moment and averages their profiles, so the
-contention is in the times.
-
-On a shared host, plans made from profiles every rank took at once predict the steps
-better than the same splits from a profile taken alone in most runs, not all
-(docs/benchmarks.md section 5; docs/design.md, finding 12). :class:`autopipe.Pipeline`
-profiles this way by default when it plans for several ranks.
-
 Example:
     >>> costs = profile_in_ranks(model, (x_microbatch,), device="cpu")            # doctest: +SKIP
     >>> plan = autopipe.partition(model, dist.get_world_size(), (x_microbatch,),  # doctest: +SKIP

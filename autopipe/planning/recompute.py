@@ -1,23 +1,5 @@
 """Splits where some stages recompute their activations: the search when memory binds.
 
-A stage that recomputes (activation checkpointing) keeps, per micro-batch in flight, only
-the bytes crossing into it instead of its saved activations, holds one micro-batch's
-activations while it recomputes them, and runs its forward again in its backward
-(:func:`~autopipe.planning.costmodel.stage_peak_bytes`,
-:func:`~autopipe.planning.costmodel.recompute_backward_s`). Recomputing never makes a
-stage faster, so for a given split the fastest choice is to recompute exactly the stages
-that do not fit otherwise; what the search chooses is the split. Each stage's cost is then
-a function of where it starts and ends, no longer a difference of prefix sums whose
-memory window slides monotonically (the bytes crossing into a stage vary with its first
-segment), so this module searches over the full ``(start, end)`` table of every stage:
-``O(p n^2)`` numpy work per pass, run only when memory binds.
-
-* :func:`solve_recompute`: the exact min-max split, each stage recomputing only where it
-  must (a dynamic program over stages: ``best[s+1][j] = min_i max(best[s][i], t_s(i, j))``);
-* :func:`recompute_candidates`: that split and near-optimal ones, for the step-time search;
-* :func:`min_memory_with_recompute`: the least per-device memory that fits at all;
-* :func:`brute_force_recompute`: every split and every subset of recomputing stages (tests).
-
 Example:
     >>> import numpy as np
     >>> prob = PartitionProblem.uniform([3.0, 3.0, 3.0, 3.0], 2, act_bytes=[10, 10, 10, 10],
@@ -40,14 +22,6 @@ from .partitioner import PartitionProblem, PartitionResult, capacity_shares, eva
 def stage_tables(problem: PartitionProblem, s: int, capacity: float | None = None,
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Stage ``s`` starting at segment ``i`` and ending before ``j``, for every ``(i, j)``.
-
-    Returns ``(time, recompute, memory)``, each ``(n+1, n+1)``: the stage's seconds per
-    micro-batch (compute + links; ``inf`` where ``i >= j`` or nothing fits ``capacity``),
-    whether it must recompute to fit, and the least memory it needs (keeping its
-    activations or recomputing, whichever is smaller).
-
-    Raises:
-        ValueError: the problem has no ``fwd_s`` (what recomputing costs is unknown).
 
     Example:
         >>> prob = PartitionProblem.uniform([1.0, 1.0], 1, act_bytes=[4, 4], inflight=[3], capacity_bytes=10.0)
@@ -136,12 +110,6 @@ class _Tables:
 def solve_recompute(problem: PartitionProblem) -> PartitionResult | None:
     """The split whose heaviest stage is lightest, each stage recomputing only if it does not fit otherwise.
 
-    Exact: a dynamic program over stages on every stage's ``(start, end)`` table
-    (:func:`stage_tables`). ``result.recompute`` lists the stages that recompute.
-
-    Returns:
-        The split, or None when none fits even with every stage recomputing.
-
     Example:
         >>> prob = PartitionProblem.uniform([1.0, 1.0], 1, act_bytes=[4, 4], inflight=[3], capacity_bytes=10.0)
         >>> prob.fwd_s = np.array([0.5, 0.5])
@@ -160,11 +128,6 @@ def solve_recompute(problem: PartitionProblem) -> PartitionResult | None:
 def recompute_candidates(problem: PartitionProblem, *, max_ratio: float = 1.5,
                          steps: int = 16) -> list[PartitionResult]:
     """Splits with recomputation where needed, from the optimum to ``max_ratio`` times its heaviest stage.
-
-    As :func:`~autopipe.planning.partitioner.candidate_partitions`: the min-max split
-    first, then one balanced and one least-communication split per threshold on a
-    geometric ladder, duplicates removed; a caller scoring by the simulated step picks.
-    Empty when nothing fits.
 
     Example:
         >>> prob = PartitionProblem.uniform([1.0, 1.0], 1, act_bytes=[4, 4], inflight=[3], capacity_bytes=10.0)
@@ -191,9 +154,6 @@ def recompute_candidates(problem: PartitionProblem, *, max_ratio: float = 1.5,
 def min_memory_with_recompute(problem: PartitionProblem) -> float:
     """Least per-device memory (the devices' ratios kept) at which some split fits, recomputing where it helps.
 
-    Exact: the min-max split of each stage's least memory (:func:`stage_tables`), scaled by
-    its device's share of the largest capacity.
-
     Example:
         >>> prob = PartitionProblem.uniform([1.0, 1.0], 1, act_bytes=[4, 4], inflight=[3])
         >>> prob.fwd_s = np.array([0.5, 0.5])
@@ -212,8 +172,6 @@ def min_memory_with_recompute(problem: PartitionProblem) -> float:
 
 def brute_force_recompute(problem: PartitionProblem) -> PartitionResult | None:
     """The min-max split over every set of cuts and every subset of recomputing stages; small problems only.
-
-    Among splits with the same heaviest stage, the one recomputing fewest stages.
 
     Example:
         >>> prob = PartitionProblem.uniform([1.0, 1.0], 1, act_bytes=[4, 4], inflight=[3], capacity_bytes=10.0)

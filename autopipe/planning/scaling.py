@@ -1,23 +1,5 @@
 """Segment costs as functions of the micro-batch size, so other sizes need no re-profiling.
 
-A plan's micro-batch count ``m`` sets the micro-batch size (global batch / m), and every
-per-segment cost depends on it. :func:`profile_scaling` profiles the model at a few
-micro-batch sizes and fits each quantity as an affine function ``a + c*b`` of the size
-symbol ``b`` (a :class:`sympy.Symbol`, the language torch.export speaks for dynamic
-shapes)::
-
-    profile_scaling(model, (x_mb,)) -> ScaledProfile
-    scaled.costs_at(b)              -> [SegmentCost]      what profile_segments would say at size b
-    scaled.cut_bytes_at(b)          -> (fwd, bwd) bytes   what build_cost_graph would say at size b
-
-Fitted per segment: ``fwd_s``, ``bwd_s``, ``act_bytes``, ``out_bytes``, ``flops``; per cut:
-forward and backward bytes. Parameter bytes do not depend on the size and are kept as
-numbers. Byte and FLOP counts are usually exactly affine in ``b`` (each activation is
-``b`` times a per-sample shape), and their fits then have integer coefficients and zero
-error; times are only roughly affine (small sizes under-use the device), so every fit keeps
-its relative error (``ScaledProfile.fit_error``) and :meth:`ScaledProfile.report` lists the
-worst ones.
-
 Example:
     >>> from autopipe.models import seed_transformer
     >>> from autopipe.planning.scaling import profile_scaling
@@ -283,10 +265,6 @@ class ScaledProfile:
 
 def resize_batch(value: Any, *, batch_dim: int, from_size: int, to_size: int) -> Any:
     """``value`` (a tensor or a nested structure of them) with its batch dimension resized.
-
-    Tensors whose ``batch_dim`` has length ``from_size`` are cut to the first ``to_size``
-    samples, or grown by repeating the samples cyclically (so token ids, masks and labels
-    stay valid inputs). Other tensors and non-tensors are returned as they are.
 
     Example:
         >>> import torch

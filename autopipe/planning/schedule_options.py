@@ -1,11 +1,5 @@
 """The schedule options the planner compares, each costed with its best split.
 
-An option is one (schedule, stages per rank, micro-batches). :func:`cost_option` finds the
-split that makes its simulated step fastest among the partitioner's candidates, then
-predicts its memory per rank and the step no split could beat; every number comes from
-:mod:`autopipe.planning.costmodel`. :func:`auto_schedule_options` lists the options
-``schedule="auto"`` compares.
-
 Example:
     >>> auto_schedule_options(n_gpus=2, n_microbatches=4, num_segments=8)[:3]
     [('GPipe', 1), ('1F1B', 1), ('Interleaved1F1B', 2)]
@@ -75,9 +69,6 @@ class ScheduleOption:
 def inflight_per_stage(schedule: str, n_ranks: int, n_microbatches: int, stages_per_rank: int) -> list[int]:
     """Micro-batches whose activations each stage holds at its peak under ``schedule``.
 
-    Read from the simulated order of torch's schedule class (so 1F1B gives
-    ``min(m, p - s)`` and GPipe ``m``, as the textbook says).
-
     Example:
         >>> inflight_per_stage("1F1B", n_ranks=2, n_microbatches=4, stages_per_rank=1)
         [2, 1]
@@ -93,11 +84,7 @@ def inflight_per_stage(schedule: str, n_ranks: int, n_microbatches: int, stages_
 
 def split_stage_times_s(problem: PartitionProblem, cuts: Sequence[int], costs: Sequence[SegmentCost],
                         n_microbatches: int, recompute: Sequence[int] = ()) -> tuple[list[float], list[float]]:
-    """Per stage of the split at ``cuts``, forward and backward seconds on its device.
-
-    :func:`autopipe.planning.costmodel.stage_times_s` with the stages' device speeds and
-    the stages that recompute (``recompute``).
-    """
+    """Per stage of the split at ``cuts``, forward and backward seconds on its device."""
     return costmodel.stage_times_s(costs, cuts, n_microbatches, speed=problem.speed, recompute=recompute)
 
 
@@ -123,10 +110,7 @@ def split_step_tail(traced: TracedModel, problem: PartitionProblem, cuts: Sequen
 def predict_split_step_s(problem: PartitionProblem, cuts: Sequence[int], costs: Sequence[SegmentCost],
                          option: ScheduleOption, traced: TracedModel, ranks: Sequence[int],
                          recompute: Sequence[int] = ()) -> float:
-    """Predicted step of the split at ``cuts`` under ``option``: the simulated schedule + the step's tail.
-
-    The stages in ``recompute`` run their forward again in their backward.
-    """
+    """Predicted step of the split at ``cuts`` under ``option``: the simulated schedule + the step's tail."""
     m = option.n_microbatches
     fwd, bwd = split_stage_times_s(problem, cuts, costs, m, recompute)
     return costmodel.predicted_step_s(
@@ -139,9 +123,6 @@ def predict_split_step_s(problem: PartitionProblem, cuts: Sequence[int], costs: 
 def predict_split(option: ScheduleOption, cuts: Sequence[int], recompute: Sequence[int], *, traced: TracedModel,
                   costs: Sequence[SegmentCost], optimizer_factor: float) -> tuple[float, list[float]]:
     """Predicted step and per-rank peak bytes of any split of a costed ``option``, ``recompute`` stages recomputing.
-
-    The planner's own model (:func:`predict_split_step_s`, the per-rank memory of
-    :func:`cost_option`), for comparing a split or a recomputation choice it did not make.
 
     Example:
         >>> step, peaks = predict_split(option, [3], [0], traced=traced, costs=graph.costs,
@@ -166,31 +147,6 @@ def cost_option(
     allow_recompute: bool = True, inside_block_margin: float = 0.0,
 ) -> ScheduleOption:
     """Find the best split for one schedule option and predict its step time and memory.
-
-    Fills ``option`` in place and returns it: the partitioner's problem, the split whose
-    predicted step is lowest (``objective="step"``; the exact min-max split alone with
-    ``"bottleneck"``), its step, tail, per-rank peak memory, whether it fits, and the step
-    no split can beat under the schedule.
-
-    Beside the exact search's splits, the peers' splits, the best splits at layer boundaries
-    and (on small problems) every split compete on the predicted step
-    (:mod:`~autopipe.planning.split_candidates`); a cut inside a block wins only by more than
-    ``inside_block_margin`` (a fraction of the step).
-
-    When memory binds (no split fits, or the split that ignores memory does not), splits
-    with some stages recomputing their activations join the candidates
-    (:func:`autopipe.planning.recompute.recompute_candidates`); every candidate recomputes
-    only the stages it needs to fit, per rank, and the fastest that fits wins
-    (``option.recompute``). With no memory limit, or ``allow_recompute=False``, nothing
-    recomputes.
-
-    The partitioner checks memory per stage, while a rank also holds the tensors it sent:
-    where its best split fits per stage but not per rank, it searches again with each
-    stage's limit lowered by the difference (:func:`_tightened`), so that splits fitting per
-    rank without recomputing are among the candidates.
-
-    Raises:
-        InfeasibleMemoryError: no split of this option fits the devices' memory, even recomputing.
 
     Example:
         >>> option = cost_option(ScheduleOption("1F1B", 1, 4), traced=traced, cost_graph=graph, n_gpus=2,
@@ -265,10 +221,7 @@ def memory_limited(problem: PartitionProblem) -> bool:
 
 def _memory_binds(problem: PartitionProblem, results: Sequence[PartitionResult],
                   gap: Callable[[PartitionResult], np.ndarray]) -> bool:
-    """Whether memory changed the search: nothing fits, or the split that ignores memory does not fit.
-
-    "Fits" per rank (``gap`` is what each stage's rank holds beyond the stage's own peak).
-    """
+    """Whether memory changed the search: nothing fits, or the split that ignores memory does not fit."""
     if not results:
         return True
     free = PartitionProblem(**{**problem.__dict__, "capacity_bytes": np.full_like(problem.capacity_bytes, np.inf)})
@@ -282,12 +235,7 @@ TIGHTEN_ROUNDS = 4
 
 def _rank_gap_fn(option: ScheduleOption, problem: PartitionProblem, costs: Sequence[SegmentCost],
                  traced: TracedModel, ranks: Sequence[int], optimizer_factor: float) -> Callable[[PartitionResult], np.ndarray]:
-    """Per stage of a split, the bytes its rank's predicted peak exceeds the stage's own peak by.
-
-    A rank holds, beside its stages' activations, the tensors it sent until torch waits on
-    the send (and, with several stages per rank, the others' bytes): what the
-    partitioner's per-stage memory window does not count.
-    """
+    """Per stage of a split, the bytes its rank's predicted peak exceeds the stage's own peak by."""
     def gap(result: PartitionResult) -> np.ndarray:
         peaks, _ = _rank_peaks(option, problem, result.cuts, result.recompute, costs, traced, ranks,
                                optimizer_factor)
@@ -297,14 +245,7 @@ def _rank_gap_fn(option: ScheduleOption, problem: PartitionProblem, costs: Seque
 
 def _tightened(problem: PartitionProblem, search: Callable[[PartitionProblem], list[PartitionResult]],
                gap: Callable[[PartitionResult], np.ndarray], results: list[PartitionResult]) -> list[PartitionResult]:
-    """``results`` (what ``search`` found at the devices' limits) and the splits it finds under tightened limits.
-
-    While the first split found fits per stage but not per rank, each stage's limit is
-    lowered by what its rank holds beyond the stage (``gap``) and the search runs again, so
-    that the split fitting per rank that the per-stage window missed joins the candidates
-    (every candidate is then checked per rank). At most :data:`TIGHTEN_ROUNDS` rounds;
-    duplicates dropped.
-    """
+    """``results`` (what ``search`` found at the devices' limits) and the splits it finds under tightened limits."""
     out = list(results)
     seen = {(tuple(r.cuts), tuple(r.recompute)) for r in out}
     found, caps = out, problem.capacity_bytes
@@ -364,12 +305,7 @@ def _rank_peaks(option: ScheduleOption, problem: PartitionProblem, cuts: Sequenc
 def fit_ranks(option: ScheduleOption, problem: PartitionProblem, result: PartitionResult,
                costs: Sequence[SegmentCost], traced: TracedModel, ranks: Sequence[int], rank_devices: Sequence[Device],
                optimizer_factor: float, limited: bool, allow_recompute: bool = True) -> tuple[list[int], float, bool]:
-    """The stages of ``result`` to recompute so that every rank fits, its predicted step, and whether it fits.
-
-    Starts from the stages the split needs recomputing on its own (``result.recompute``);
-    while a rank is over its memory, one more of its stages recomputes, the one keeping the
-    most activation bytes. Recomputing only adds time, so no stage recomputes that need not.
-    """
+    """The stages of ``result`` to recompute so that every rank fits, its predicted step, and whether it fits."""
     again = list(result.recompute)
     step = predict_split_step_s(problem, result.cuts, costs, option, traced, ranks, again)
     if not limited:
@@ -421,19 +357,7 @@ def _least_memory_error(problem: PartitionProblem, need: float, considered: str,
 
 def _least_rank_memory(problem: PartitionProblem, stage_need: float,
                        gap: Callable[[PartitionResult], np.ndarray], *, recompute: bool) -> float:
-    """Per-device memory at which a split fits per rank, from the least that fits per stage.
-
-    The partitioner's least memory (``stage_need``) counts each stage's own peak; a rank also
-    holds what it sent until the send completes (``gap``). The splits that fit at
-    ``stage_need`` are checked per rank and the least they need returned, so that the memory
-    an error names is memory at which a split fits: an upper bound on the least, which a
-    search over every split per rank would give.
-
-    The figure is memory for every device: with unequal devices, what the smaller ones need
-    while the larger keep theirs (``max(memory, figure)`` fits, since equal devices of the
-    figure do). Scaling every device by the same factor instead would name, for a small
-    device beside a large one, a size no device needs.
-    """
+    """Per-device memory at which a split fits per rank, from the least that fits per stage."""
     caps = problem.capacity_bytes
     if np.isfinite(caps).all() and caps.min() < caps.max():
         equal = PartitionProblem(**{**problem.__dict__, "capacity_bytes": np.full(problem.num_stages, caps.min())})
@@ -470,10 +394,6 @@ LEAST_MEMORY_LADDER = 16
 
 def auto_schedule_options(n_gpus: int, n_microbatches: int, num_segments: int) -> list[tuple[str, int]]:
     """The (schedule, stages per rank) pairs ``schedule="auto"`` compares.
-
-    Every schedule torch offers, with 1 stage per rank for GPipe/1F1B, 2 for the V-shaped
-    ones, and 2 or 4 for the looped/interleaved ones; pairs torch cannot run with these
-    counts, or that need more stages than the model has segments, are left out.
 
     Example:
         >>> auto_schedule_options(n_gpus=1, n_microbatches=2, num_segments=4)

@@ -1,21 +1,11 @@
 """The pipeline schedules autopipe runs: their names, torch's rules, stage placement, action order.
 
-Seven of ``torch.distributed.pipelining``'s schedules are supported (:data:`SCHEDULES`).
-This module answers what a schedule *is*, without timing anything: its canonical name
-and torch class, whether torch can run it on a number of ranks, micro-batches and stages
-per rank (:func:`validate_schedule`), which rank holds each stage (:func:`stage_ranks`),
-and the order in which each rank runs its forwards and backwards (:func:`action_order`)::
-
-    >>> from autopipe.planning.schedules import action_order, stage_ranks
-    >>> stage_ranks("ZBVZeroBubble", 2)
-    [0, 1, 1, 0]
-    >>> [str(a) for a in action_order("1F1B", n_ranks=2, n_microbatches=3)[1]]
-    ['1F0', '1B0', '1F1', '1B1', '1F2', '1B2']
-
-The order is torch's own: the schedule class is instantiated on stand-in stages (no
-process group) and its ``pipeline_order`` is read back. :mod:`autopipe.planning.simulator`
-places that order in time; the runtime calls :func:`validate_schedule` before building a
-schedule.
+Example:
+        >>> from autopipe.planning.schedules import action_order, stage_ranks
+        >>> stage_ranks("ZBVZeroBubble", 2)
+        [0, 1, 1, 0]
+        >>> [str(a) for a in action_order("1F1B", n_ranks=2, n_microbatches=3)[1]]
+        ['1F0', '1B0', '1F1', '1B1', '1F2', '1B2']
 """
 
 from __future__ import annotations
@@ -44,9 +34,6 @@ TRAINING_STEP_KWARGS: dict[str, Any] = (
 
 def training_merges_outputs() -> bool:
     """Whether a training step's last stage keeps and concatenates every micro-batch's output.
-
-    False on torch 2.10 and later, where :data:`TRAINING_STEP_KWARGS` asks for no outputs;
-    the planner then charges no merge time or memory to the last stage.
 
     Example:
         >>> training_merges_outputs() == ("return_outputs" not in TRAINING_STEP_KWARGS)
@@ -140,11 +127,7 @@ def schedule_spec(name: str) -> ScheduleSpec:
 
 
 class Action(NamedTuple):
-    """One compute action of a schedule: run ``kind`` of ``stage`` on ``microbatch``.
-
-    ``kind`` is ``"F"`` (forward), ``"B"`` (full backward), ``"I"`` (backward for the
-    input gradient only) or ``"W"`` (backward for the weight gradient only).
-    """
+    """One compute action of a schedule: run ``kind`` of ``stage`` on ``microbatch``."""
 
     stage: int
     kind: str
@@ -162,16 +145,6 @@ class Action(NamedTuple):
 
 def canonical_schedule_name(name: str) -> str:
     """Map a schedule name, any case, with or without torch's "Schedule" prefix, to SCHEDULES.
-
-    Args:
-        name: e.g. ``"1f1b"``, ``"Schedule1F1B"``, ``"interleaved1f1b"``.
-
-    Returns:
-        The canonical spelling, an element of :data:`SCHEDULES`.
-
-    Raises:
-        TypeError: if ``name`` is not a string.
-        ValueError: if it names no known schedule; the message lists the valid names.
 
     Example:
         >>> canonical_schedule_name("ScheduleZBVZeroBubble")
@@ -194,15 +167,6 @@ def canonical_schedule_name(name: str) -> str:
 def schedule_class(name: str) -> type:
     """torch's schedule class for a schedule name.
 
-    Args:
-        name: a schedule name accepted by :func:`canonical_schedule_name`.
-
-    Returns:
-        The class in ``torch.distributed.pipelining.schedules``, e.g. ``Schedule1F1B``.
-
-    Raises:
-        ValueError: if the name is unknown.
-
     Example:
         >>> schedule_class("gpipe").__name__
         'ScheduleGPipe'
@@ -212,9 +176,6 @@ def schedule_class(name: str) -> type:
 
 def default_stages_per_rank(schedule: str) -> int:
     """Stages per rank a schedule takes when none is given: 1 for GPipe and 1F1B, else 2.
-
-    Args:
-        schedule: a schedule name (see :func:`schedule_spec`).
 
     Example:
         >>> default_stages_per_rank("DualPipeV"), default_stages_per_rank("1F1B")
@@ -228,29 +189,6 @@ def validate_schedule(
     check_order: bool = True,
 ) -> str:
     """Check that torch can run ``name`` on this many ranks, micro-batches and stages per rank.
-
-    Checks torch's own constructor rules (1F1B: ``n_microbatches >= n_ranks``; interleaved
-    and zero-bubble: ``n_microbatches`` a multiple of ``max(1, n_microbatches // n_ranks)``;
-    V-shaped: exactly 2 stages per rank; DualPipeV: ``n_microbatches >= 2 * n_ranks``), that
-    the step holds at most :data:`MAX_SCHEDULE_SIZE` (stage, micro-batch) pairs, and then
-    that the order torch computes runs every action once without deadlock.
-
-    Args:
-        name: schedule name (see :data:`SCHEDULES`).
-        n_ranks: number of ranks (devices) in the pipeline, >= 1.
-        n_microbatches: micro-batches per step, >= 1.
-        stages_per_rank: stages each rank holds; None means the schedule's default
-            (:func:`default_stages_per_rank`).
-        check_order: False checks torch's counting rules alone, in constant time: neither
-            the size bound nor torch's order (whose cost grows with the step).
-
-    Returns:
-        The canonical schedule name.
-
-    Raises:
-        TypeError: if a count is not an int, or the name not a str.
-        ValueError: if the combination is impossible or the step too large; the message
-            says what would work.
 
     Example:
         >>> validate_schedule("schedule1f1b", 4, 8)
@@ -308,12 +246,6 @@ def validate_schedule(
 def check_schedule_size(n_stages: int, n_microbatches: int) -> None:
     """Refuse a step of more than :data:`MAX_SCHEDULE_SIZE` (stage, micro-batch) pairs.
 
-    Building torch's order or simulating a step takes time and memory in proportion to
-    its pairs, so a count past the bound is refused before either starts.
-
-    Raises:
-        ValueError: naming both counts, their product and the bound.
-
     Example:
         >>> check_schedule_size(4, 8)
         >>> check_schedule_size(4, 10**6)
@@ -334,14 +266,6 @@ def check_schedule_size(n_stages: int, n_microbatches: int) -> None:
 def check_count(arg: str, value: Any) -> None:
     """Refuse a count (ranks, micro-batches, stages per rank) that is not an int >= 1.
 
-    Args:
-        arg: the argument's name, for the message.
-        value: its value.
-
-    Raises:
-        TypeError: if ``value`` is not an int (a bool is not a count).
-        ValueError: if it is below 1.
-
     Example:
         >>> check_count("n_ranks", 0)
         Traceback (most recent call last):
@@ -353,20 +277,6 @@ def check_count(arg: str, value: Any) -> None:
 
 def stage_ranks(schedule: str, n_ranks: int, stages_per_rank: int | None = None) -> list[int]:
     """Which rank runs each stage under ``schedule``, as torch places them.
-
-    Looped schedules put stage ``s`` on rank ``s % n_ranks``; V-shaped ones (ZBVZeroBubble,
-    DualPipeV) put stages ``r`` and ``2 * n_ranks - 1 - r`` on rank ``r``.
-
-    Args:
-        schedule: schedule name.
-        n_ranks: number of ranks, >= 1.
-        stages_per_rank: stages per rank; None = the schedule's default (:func:`default_stages_per_rank`).
-
-    Returns:
-        ``ranks`` with ``ranks[s]`` the rank of stage ``s``.
-
-    Raises:
-        ValueError / TypeError: for an unknown name or a count that is not an int >= 1.
 
     Example:
         >>> stage_ranks("ZBVZeroBubble", 2)
@@ -393,23 +303,6 @@ def action_order(
 ) -> list[list[Action]]:
     """The compute actions each rank runs, in order, as torch's schedule class orders them.
 
-    Communication, FSDP and reduce-grad actions are dropped (the simulator charges
-    communication on the dependency edges instead), idle slots (``None``) are dropped, and
-    DualPipeV's overlapped forward+backward pairs are split into their two actions, in the
-    order torch's runtime runs them.
-
-    Args:
-        schedule: schedule name.
-        n_ranks: number of ranks, >= 1.
-        n_microbatches: micro-batches per step, >= 1.
-        stages_per_rank: stages per rank; None = the schedule's default (:func:`default_stages_per_rank`).
-
-    Returns:
-        ``order[rank]`` = that rank's actions in execution order.
-
-    Raises:
-        ValueError / TypeError: as :func:`validate_schedule`.
-
     Example:
         >>> [str(a) for a in action_order("1F1B", n_ranks=2, n_microbatches=3)[0]]
         ['0F0', '0F1', '0B0', '0F2', '0B1', '0B2']
@@ -426,23 +319,6 @@ def action_order_and_source(
     schedule: str, n_ranks: int, n_microbatches: int, stages_per_rank: int
 ) -> tuple[tuple[tuple[Action, ...], ...], str]:
     """:func:`action_order` for a canonical name and explicit counts, with where it came from.
-
-    The order is checked (every action once, on its stage's rank, no deadlock) and cached,
-    so the planner's many simulations of one schedule read torch's order once. Callers
-    validate the counts first (:func:`validate_schedule`).
-
-    Args:
-        schedule: a canonical name, an element of :data:`SCHEDULES`.
-        n_ranks: number of ranks, >= 1.
-        n_microbatches: micro-batches per step, >= 1.
-        stages_per_rank: stages per rank, >= 1.
-
-    Returns:
-        ``(order, source)``: ``order[rank]`` is that rank's actions as a tuple, ``source``
-        names the torch attribute the order was read from (or the fallback used instead).
-
-    Raises:
-        ValueError: if torch refuses the combination or its order cannot run.
 
     Example:
         >>> order, source = action_order_and_source("GPipe", 2, 2, 1)
@@ -481,17 +357,6 @@ def action_order_and_source(
 def action_inputs(action: Action, n_stages: int) -> tuple[tuple[str, int], ...]:
     """What an action waits for, as ``(kind, stage)`` pairs of its own micro-batch.
 
-    ``("F", s)`` is the end of stage ``s``'s forward (its output); ``("B", s)`` the end of
-    stage ``s``'s full backward B or input-grad I (its input's gradient). A forward of
-    stage ``s > 0`` needs the forward of ``s - 1``; a backward (B or I) needs its own
-    forward and, below the last stage, the gradient from ``s + 1``; a weight-grad W needs
-    its stage's input-grad. The simulator times these edges; :func:`action_order_and_source`
-    uses them to refuse orders that deadlock.
-
-    Args:
-        action: the action.
-        n_stages: number of stages in the pipeline.
-
     Example:
         >>> action_inputs(Action(1, "I", 0), n_stages=3)
         (('F', 1), ('B', 2))
@@ -509,11 +374,7 @@ def action_inputs(action: Action, n_stages: int) -> tuple[tuple[str, int], ...]:
 
 
 def _check_no_deadlock(order: Sequence[Sequence[Action]], n_stages: int, schedule: str) -> None:
-    """Run the order on its dependencies alone; raise if the ranks wait on each other forever.
-
-    Whether a rank can go on depends only on which results exist, not on when they were
-    made, so advancing the ranks in any interleaving reaches the same stuck state.
-    """
+    """Run the order on its dependencies alone; raise if the ranks wait on each other forever."""
     done: set[tuple[str, int, int]] = set()  # (kind, stage, micro-batch) of finished results
     next_index = [0] * len(order)
     remaining = sum(len(r) for r in order)
@@ -540,12 +401,7 @@ def _check_no_deadlock(order: Sequence[Sequence[Action]], n_stages: int, schedul
 def _torch_pipeline_order(
     cls: type, n_ranks: int, n_microbatches: int, stages_per_rank: int
 ) -> list[list[Action]]:
-    """Instantiate torch's schedule on stand-in stages and read its pipeline_order.
-
-    The schedule classes only ask a stage for its rank, group size and stage count while
-    computing the order, so autospec'd stand-ins (as torch's _schedule_visualizer uses)
-    are enough: no process group, no model.
-    """
+    """Instantiate torch's schedule on stand-in stages and read its pipeline_order."""
     stage = mock.create_autospec(PipelineStage, instance=True)
     stage.group_rank = 0
     stage.group_size = n_ranks

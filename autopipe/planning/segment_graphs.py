@@ -1,13 +1,5 @@
 """One small graph per segment of a traced model, and copies of traced graphs on another device.
 
-The profiler (:mod:`autopipe.planning.profile`) runs every segment on its own, with the real
-tensors the previous segments produce: :func:`segment_modules` cuts the traced model's graph
-into one ``GraphModule`` per segment (sharing the model's parameters), and
-:func:`copy_to_device` copies a traced module to the device to profile on, the devices its
-graph names included. A model built on the meta device has shapes and no values: its copy
-gets stand-in values (:func:`stand_in`), so that one segment at a time can be timed without
-ever holding the whole model.
-
 Example:
     >>> from autopipe.models import seed_transformer
     >>> from autopipe.planning.tracing import trace
@@ -129,11 +121,6 @@ STAND_IN_STD = 0.02
 def stand_in(t: torch.Tensor, device: str | torch.device, generator: torch.Generator | None = None) -> torch.Tensor:
     """``t`` on ``device``; a tensor on the meta device gets values to run with.
 
-    The values only have to make the run take the time it takes in training: floating
-    tensors are drawn from N(0, 0.02²) (``generator`` makes them repeatable), booleans are
-    True (an attention mask that keeps every position) and integers are 0 (an index valid in
-    any table: token ids, positions).
-
     Example:
         >>> ids = stand_in(torch.empty(2, 3, dtype=torch.long, device="meta"), "cpu")
         >>> ids.device.type, ids.sum().item()
@@ -150,16 +137,6 @@ def stand_in(t: torch.Tensor, device: str | torch.device, generator: torch.Gener
 
 def copy_to_device(module: fx.GraphModule, device: str | torch.device) -> fx.GraphModule:
     """A copy of a traced (segment) module on ``device``, with the devices its graph names moved too.
-
-    ``.to(device)`` moves parameters and buffers only. An exported graph also names devices
-    itself: a tensor the model creates in ``forward`` (GPT-2's position ids,
-    ``torch.arange(n, device=x.device)``) is traced as ``arange(..., device=cpu)``, and
-    torch.export adds ``_assert_tensor_metadata(..., device=cpu)`` checks. Left alone they
-    would build tensors on the CPU and fail against the weights on the GPU. Every device a
-    node names is set to ``device`` (as torch's own ``move_to_device_pass`` does for a whole
-    ``ExportedProgram``), and plain tensor constants the graph reads are moved with the weights.
-    The given module is not changed. Tensors on the meta device get stand-in values
-    (:func:`stand_in`, repeatable: the same module copies to the same values).
 
     Example:
         >>> from autopipe.models import seed_transformer

@@ -1,21 +1,10 @@
 """Simulate a pipeline schedule: when each rank runs each stage and micro-batch, and the step time.
 
-The simulator answers "how long does one training step take if stage ``s`` needs
-``fwd_s[s]`` seconds forward and ``bwd_s[s]`` seconds backward per micro-batch?" for every
-schedule in ``torch.distributed.pipelining``::
-
-    >>> from autopipe.planning.simulator import simulate
-    >>> timeline = simulate([1.0, 1.0], [2.0, 2.0], schedule="1F1B", n_microbatches=4)
-    >>> timeline.step_s, round(timeline.bubble_fraction, 3), timeline.peak_inflight
-    (15.0, 0.2, [2, 1])
-
-The order in which each rank runs its forwards and backwards is torch's own
-(:func:`autopipe.planning.schedules.action_order`); the simulator adds only time: an
-action starts when its rank is free and the tensors it needs have arrived. See
-``docs/simulator.md`` for the model and closed forms.
-
-The planner calls :func:`simulate` to cost a split; the result is a
-:class:`~autopipe.planning.timeline.Timeline`, which the reports draw.
+Example:
+        >>> from autopipe.planning.simulator import simulate
+        >>> timeline = simulate([1.0, 1.0], [2.0, 2.0], schedule="1F1B", n_microbatches=4)
+        >>> timeline.step_s, round(timeline.bubble_fraction, 3), timeline.peak_inflight
+        (15.0, 0.2, [2, 1])
 """
 
 from __future__ import annotations
@@ -181,10 +170,6 @@ def solve_increasing(fn: Callable[[float], float], target: float, *, hi: float =
                      iterations: int = 60) -> float:
     """The x >= 0 at which a non-decreasing ``fn`` reaches ``target``, by doubling then bisection.
 
-    Used to fit one unknown of a simulation to a measured step (a per-action overhead, a
-    factor on compute). Returns 0.0 when ``fn(0)`` already reaches ``target``, and the
-    largest x tried when ``fn`` never does within ``iterations`` doublings of ``hi``.
-
     Example:
         >>> round(solve_increasing(lambda x: 3 * x + 1, 7.0), 9)
         2.0
@@ -238,15 +223,7 @@ def _place_in_time(
     schedule: str,
     sender_busy: list[list[tuple[float, float]]] | None = None,
 ) -> list[Event]:
-    """Discrete-event simulation: give every action a start and end time.
-
-    Each rank runs its actions in order. Start times depend only on the rank's previous
-    action and on finished dependencies, so ranks can be advanced in any interleaving;
-    a full pass in which no rank can advance means the order deadlocks.
-
-    ``sender_busy`` (per rank, its actions' sorted (start, end) intervals, from an earlier
-    placement) turns on lazy sends: see :func:`_place_with_lazy_sends`.
-    """
+    """Discrete-event simulation: give every action a start and end time."""
     last = len(ranks) - 1
     compute = {
         FORWARD: fwd,
@@ -343,15 +320,7 @@ LAZY_SEND_ROUNDS = 16
 def _place_with_lazy_sends(
     events: list[Event], place: Callable[[list[list[tuple[float, float]]]], list[Event]], n_ranks: int,
 ) -> list[Event]:
-    """Re-place ``events`` (an eager placement) until lazy deliveries stop moving them.
-
-    When a send is delivered depends on what its sender is doing at the moment the
-    receiver asks, which depends on the deliveries before it; each round re-places every
-    action with the previous round's sender timelines. Deliveries only get later than
-    eager ones, and most timelines settle in a few rounds. One that still changes after
-    :data:`LAZY_SEND_ROUNDS` rounds (long interleaved pipelines can alternate between two
-    close placements) keeps the later of its last two steps.
-    """
+    """Re-place ``events`` (an eager placement) until lazy deliveries stop moving them."""
     def step_s(evs: list[Event]) -> float:
         return max((e.end_s for e in evs), default=0.0)
 

@@ -1,25 +1,5 @@
 """The splits the planner compares by their predicted step, beyond those of the exact search.
 
-The exact search (:func:`~autopipe.planning.partitioner.candidate_partitions`) finds the
-split whose heaviest stage is lightest, and splits near it. The step a schedule runs is
-decided by more than the heaviest stage: where several splits share a bottleneck (a heavy
-head alone on a stage), where a schedule puts two stages on one rank (V-shaped placement),
-or where a cut sends several tensors, the simulated step ranks them differently. So
-:func:`~autopipe.planning.schedule_options.cost_option` also costs, and picks by predicted step:
-
-* the split each peer tool would choose (:mod:`~autopipe.planning.baselines`), so that the
-  plan is never predicted slower than an alternative it reports;
-* the best splits between the layers a framework sees (the embedding, each block, the head:
-  :func:`~autopipe.planning.baselines.layer_units`), found by the same exact search over the
-  layers;
-* every split, where there are at most :data:`BRUTE_FORCE_MAX` of them, so that on a small
-  problem the chosen split is the one whose simulated step is lowest.
-
-A cut inside a block is then kept only where it is predicted faster than the best split at
-layer boundaries by more than ``inside_block_margin`` (:func:`prefer_layer_split`): a profile's
-noise can make a cut inside a block look a little faster than it runs, and such a cut sends
-more tensors and means nothing to a user or a framework.
-
 Example:
     >>> from autopipe.planning.partitioner import PartitionProblem
     >>> problem = PartitionProblem.uniform([1.0, 2.0, 3.0], 2)
@@ -52,10 +32,7 @@ _LAYER_STEPS = 4
 
 
 def layer_problem(problem: PartitionProblem, starts: Sequence[int]) -> PartitionProblem:
-    """``problem`` with its segments merged into the layers that begin at ``starts``.
-
-    A split of the result at layer ``u`` is the split of ``problem`` at segment ``starts[u]``.
-    """
+    """``problem`` with its segments merged into the layers that begin at ``starts``."""
     edges = [*starts, problem.num_segments]
     merge = lambda a: np.add.reduceat(a, starts) if len(a) else a  # noqa: E731
     at_cuts = lambda a: np.asarray(a)[edges]  # noqa: E731
@@ -71,15 +48,7 @@ def layer_problem(problem: PartitionProblem, starts: Sequence[int]) -> Partition
 def more_candidates(problem: PartitionProblem, traced: TracedModel, costs: Sequence[SegmentCost],
                     have: Sequence[PartitionResult], units: LayerUnits
                     ) -> tuple[list[PartitionResult], dict[str, PartitionResult | str]]:
-    """The splits to cost beside ``have``: every split of a small problem, the layer-level ones, the peers'.
-
-    ``units`` are the model's layers (:func:`~autopipe.planning.baselines.layer_units`).
-
-    Returns:
-        ``(new splits, the peers' splits)``: splits not already in ``have``, and
-        :func:`~autopipe.planning.baselines.evaluate_baselines` of the problem (the splits
-        the plan reports, which the chosen split must not lose to: :func:`peer_cuts`).
-    """
+    """The splits to cost beside ``have``: every split of a small problem, the layer-level ones, the peers'."""
     seen = {tuple(r.cuts) for r in have}
     out: list[PartitionResult] = []
 
@@ -113,10 +82,6 @@ def peer_cuts(peers: dict[str, PartitionResult | str], num_stages: int) -> list[
 def prefer_layer_split(scored: Sequence[tuple[float, PartitionResult, bool]], starts: Sequence[int], *,
                        margin: float, peers: Sequence[Sequence[int]] = ()) -> int:
     """Index in ``scored`` of the split to choose: the fastest, or the fastest at layer boundaries within ``margin``.
-
-    ``scored`` holds ``(predicted step, split, fits)``. The split at layer boundaries is taken
-    only where it fits, is predicted at most ``1 + margin`` times the fastest's step, and no
-    slower than any of the ``peers``' splits (so the plan never reports a faster alternative).
 
     Example:
         >>> from types import SimpleNamespace as S

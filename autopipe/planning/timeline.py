@@ -1,11 +1,5 @@
 """The timeline of one simulated training step: every action's start and end, per rank.
 
-:func:`autopipe.planning.simulator.simulate` returns a :class:`Timeline`; this module
-holds the result and what can be read from it: each rank's events, the peak memory of
-the activations and sent tensors it keeps (:meth:`Timeline.peak_activation_bytes`), a
-text Gantt chart and Chrome's trace format. :mod:`autopipe.reporting.timeline` rebuilds
-a plan's Timeline for the reports.
-
 Example:
     >>> from autopipe.planning.simulator import simulate
     >>> print(simulate([1.0, 1.0], [2.0, 2.0], schedule="GPipe", n_microbatches=2).to_text())
@@ -41,11 +35,7 @@ class Event:
 
 @dataclass
 class Timeline:
-    """What one simulated training step looks like: every action's start and end, per rank.
-
-    Build it with :func:`~autopipe.planning.simulator.simulate`. ``step_s`` is the makespan; ``bubble_fraction`` is the
-    share of ``n_ranks * step_s`` during which ranks sit idle.
-    """
+    """What one simulated training step looks like: every action's start and end, per rank."""
 
     schedule: str  # canonical schedule name, one of SCHEDULES
     n_microbatches: int
@@ -71,15 +61,6 @@ class Timeline:
     def per_rank(self, rank: int) -> list[Event]:
         """The events one rank ran, in the order it ran them.
 
-        Args:
-            rank: rank index, ``0 <= rank < n_ranks``.
-
-        Returns:
-            That rank's events sorted by start time.
-
-        Raises:
-            ValueError: if ``rank`` is out of range.
-
         Example:
             >>> from autopipe.planning.simulator import simulate
             >>> t = simulate([1.0, 1.0], [2.0, 2.0], schedule="GPipe", n_microbatches=2)
@@ -94,42 +75,6 @@ class Timeline:
                               work_bytes: tuple[Sequence[int], Sequence[int]] | None = None,
                               grad_bytes: Sequence[int] | None = None) -> list[int]:
         """Peak bytes of saved activations per rank, weighting each stage by its own size.
-
-        With several stages per rank the stages' in-flight counts peak at different times,
-        so ``peak_inflight * act_bytes`` would overstate memory; this walks the timeline.
-
-        torch also keeps every tensor a rank has sent alive until it waits on the send, and
-        when it waits depends on the schedule class
-        (:attr:`ScheduleSpec.send_retention <autopipe.planning.schedules.ScheduleSpec>`): the
-        multi-stage schedules (``_PipelineScheduleRuntime``) wait on all of a step's sends
-        only at its end, GPipe on its backward sends at the end, 1F1B at its next send. A
-        sent output is the stage's own output, which the stage keeps until that
-        micro-batch's backward anyway, so it counts from then on. Pass ``send_bytes`` to
-        add what is kept that way.
-
-        Args:
-            act_bytes: per stage, activation bytes saved for backward per micro-batch.
-            send_bytes: optional ``(fwd, bwd)``, per stage: the bytes stage ``s`` sends on
-                to stage ``s + 1`` per micro-batch (its output; 0 for the last stage) and
-                the bytes it sends back to ``s - 1`` (its input's gradient; 0 for stage 0).
-                Sends between two stages of one rank move nothing and are not counted.
-            work_bytes: optional ``(accumulating, first)``, per stage, the bytes its backward
-                allocates beyond its saved activations with the weight gradients accumulated
-                into ``.grad`` and with the input gradients alone
-                (:func:`~autopipe.planning.costmodel.stage_work_bytes`), added while each of
-                its backward actions runs (:func:`inflight_peaks`).
-            grad_bytes: optional, per stage, its weight gradients, which the caller's static
-                bytes hold for the whole step: a step starts with no ``.grad``
-                (``zero_grad()`` sets them to None), so until a stage's first backward ends
-                they are taken off (the result can then be negative).
-
-        Returns:
-            Per rank, the largest sum of ``act_bytes[s]`` over in-flight micro-batches (plus
-            the sent tensors still kept at that moment).
-
-        Raises:
-            ValueError: if ``act_bytes`` or ``send_bytes`` has the wrong length or a
-                negative entry.
 
         Example:
             >>> from autopipe.planning.simulator import simulate
@@ -165,21 +110,6 @@ class Timeline:
         """A text Gantt chart: one row per rank, each action drawn as its label padded with
         "-" to its length; "." is idle.
 
-        Labels are ``F3`` (forward of micro-batch 3; ``B``, ``I``, ``W`` for the backward
-        kinds) or, when a rank holds several stages, torch's ``2F3`` (stage 2 first).
-
-        Args:
-            s_per_char: seconds per character; None picks the shortest action's length
-                divided by the label length, so labels fit, unless the chart would then
-                be wider than ``max_width`` characters.
-            max_width: widest row allowed when ``s_per_char`` is None.
-
-        Returns:
-            The chart, one line per rank.
-
-        Raises:
-            ValueError: if ``s_per_char`` is not positive or ``max_width`` < 1.
-
         Example:
             >>> from autopipe.planning.simulator import simulate
             >>> t = simulate([1.0, 1.0], [2.0, 2.0], schedule="1F1B", n_microbatches=4)
@@ -212,13 +142,6 @@ class Timeline:
 
     def to_chrome_trace(self) -> dict[str, Any]:
         """The timeline in Chrome's trace-event JSON format, one track per rank.
-
-        Open the ``json.dump`` of it in ``chrome://tracing`` or https://ui.perfetto.dev.
-
-        Returns:
-            ``{"traceEvents": [...], "displayTimeUnit": "ms"}`` with one complete ("X")
-            event per action (times in microseconds, ``tid`` = rank) and metadata events
-            naming each rank's track.
 
         Example:
             >>> from autopipe.planning.simulator import simulate
@@ -266,32 +189,6 @@ def inflight_peaks(
     grads: Sequence[float] | None = None,
 ) -> tuple[list[float], list[float]]:
     """Peak weighted in-flight micro-batches per rank and per stage.
-
-    A micro-batch is in flight on a stage from the end of its forward to the end of its
-    backward: B, or the weight-grad W when the backward is split, since W still needs the
-    layers' saved inputs after the input-grad I (measured: a stage's live bytes barely fall
-    at I and fall at W). Each rank's actions run one at a time, so walking them in start
-    order visits every state the rank passes through.
-
-    Args:
-        events: the step's events (a :attr:`Timeline.events`).
-        ranks: ``ranks[s]`` = the rank of stage ``s``.
-        weights: per stage, what one in-flight micro-batch weighs (1 counts micro-batches,
-            activation bytes give memory).
-        sends: optional ``(fwd, bwd, retention)``: per stage, the bytes sent on and back per
-            micro-batch, and the schedule's
-            :attr:`ScheduleSpec.send_retention <autopipe.planning.schedules.ScheduleSpec>` value
-            ("next", "gpipe" or "step"), to add the sent tensors torch still holds.
-        work: optional ``(accumulating, first)``, per stage, what a backward action allocates
-            while it runs on top of everything the rank holds as it starts (its working set):
-            ``first`` for an input-gradient action and for the stage's first B or W of the
-            step (its weight gradients become the ``.grad``), ``accumulating`` for later ones.
-        grads: optional, per stage, its weight gradients: absent when the step starts
-            (counted from ``-sum`` of the rank's), made by the stage's first B or W.
-
-    Returns:
-        ``(per_rank, per_stage)``: the peak weighted sum per rank (sent tensors included),
-        and the peak in-flight count per stage.
 
     Example:
         >>> from autopipe.planning.simulator import simulate

@@ -1,23 +1,5 @@
 """Trace a model with torch.export and find every legal split point.
 
-This is the first step of autopipe's data flow (see ``docs/how-the-planner-decides.md``)::
-
-    model + example inputs --trace--> TracedModel --profile--> costs --> cost graph --> Plan
-
-:func:`trace` captures the model exactly as ``torch.distributed.pipelining.pipeline()``
-does (``torch.export.export`` with the same arguments), then reads the ``nn_module_stack``
-that export records on every graph node. A module is a legal split point for
-``SplitPoint.BEGINNING`` when
-
-* it is called exactly once (export marks a second call with an ``@1`` suffix), and
-* the graph nodes it produced are contiguous, so a cut before its first node separates the
-  graph into "everything before the module" and "the module and everything after".
-
-Candidates at the same graph position (``layers.1`` and ``layers.1.attention`` both start
-at the first node of the attention) are merged into one cut, named by the outermost module.
-The runs of nodes between neighbouring cuts are the *segments*: the units the profiler
-measures and the partitioner groups into stages.
-
 Example:
     >>> import torch
     >>> from autopipe.models import seed_transformer
@@ -51,11 +33,7 @@ from ..errors import ModelExportError, MissingExampleInputsError
 
 @dataclass(frozen=True)
 class SplitCandidate:
-    """A place where the pipeline may be cut: before the first graph node of ``name``.
-
-    ``aliases`` are deeper modules that start at the same node (``layers.1.attention`` for
-    ``layers.1``); cutting at any of them is the same cut.
-    """
+    """A place where the pipeline may be cut: before the first graph node of ``name``."""
 
     name: str  # outermost module starting at this position; used in split_spec
     position: int  # index into TracedModel.nodes of the first node after the cut
@@ -117,14 +95,7 @@ def resolve_example_inputs(
     example_args: Sequence[Any] | Any | None,
     example_kwargs: Mapping[str, Any] | None,
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Return ``(args, kwargs)`` for one micro-batch, taking them from the model if omitted.
-
-    A model may carry its inputs as ``example_input_array`` (PyTorch Lightning) or
-    ``dummy_inputs`` (Hugging Face: a dict of keyword arguments).
-
-    Raises:
-        MissingExampleInputsError: none were given and the model carries none.
-    """
+    """Return ``(args, kwargs)`` for one micro-batch, taking them from the model if omitted."""
     if example_args is None and example_kwargs is None:
         carried = getattr(model, "example_input_array", None)
         if carried is not None:
@@ -158,12 +129,7 @@ def resolve_example_inputs(
 
 
 def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> ExportedProgram:
-    """``torch.export.export`` as ``pipeline()`` calls it, with a useful error when it fails.
-
-    Like ``pipeline()`` it uses torch.export's default, non-strict mode: export runs the
-    Python ``forward`` itself on fake tensors, so any Python the model runs is allowed
-    except decisions on tensor values it cannot know.
-    """
+    """``torch.export.export`` as ``pipeline()`` calls it, with a useful error when it fails."""
     try:
         # export prints long guard/warning logs for some models; keep the user's terminal clean.
         with contextlib.redirect_stdout(io.StringIO()), warn_if_host_randomness_is_frozen(model):
@@ -181,11 +147,6 @@ class FrozenRandomnessWarning(UserWarning):
 @contextlib.contextmanager
 def warn_if_host_randomness_is_frozen(model: torch.nn.Module) -> Iterator[None]:
     """Warn when the traced forward draws from NumPy's or Python's random generator.
-
-    torch.export records torch's random operators as operators, drawn anew at every call,
-    but a number drawn with ``numpy.random`` or ``random`` while tracing is a plain value:
-    it becomes a constant of the graph, and every step reuses it (Wav2Vec2's SpecAugment
-    masks the same frames every step). Seen from the generators' states, before and after.
 
     Example:
         >>> with warn_if_host_randomness_is_frozen(torch.nn.Identity()):
@@ -212,13 +173,6 @@ def warn_if_host_randomness_is_frozen(model: torch.nn.Module) -> Iterator[None]:
 
 def release_last_export() -> int:
     """Let go of the graph torch keeps from the last ``torch.export`` trace; the entries dropped.
-
-    torch's non-strict export (2.13.0 checked; the map came with its fake-tensor leak
-    detector) fills a module-level map from fake-tensor ids to the nodes of the graph it
-    traced, on every trace, and empties it only when the next trace starts. Until then the
-    map keeps that whole graph alive, with its fake tensors and metadata, which a rank would
-    otherwise carry through training. The map is read only while an export runs (its leak
-    check), so emptying it after one is safe; on a torch without the map this does nothing.
 
     Example:
         >>> release_last_export() >= 0
@@ -278,9 +232,6 @@ _EXPORT_ADVICE = {
 def export_failure_kind(error: BaseException) -> str:
     """Which kind of torch.export failure ``error`` is: one of the keys of ``_EXPORT_ADVICE``.
 
-    Recognised from the exception's class where torch gives it one (data-dependent guards)
-    and otherwise from the exporter's wording, which has been stable across torch 2.x.
-
     Example:
         >>> export_failure_kind(RuntimeError("Found <class 'Foo'> in output, which is not a known type."))
         'output-type'
@@ -300,11 +251,7 @@ def export_failure_kind(error: BaseException) -> str:
 
 
 def _user_frame(error: BaseException) -> str | None:
-    """``file:line in function`` of the deepest frame of the failure outside torch and Python itself.
-
-    That is the line of the model's own code that export could not capture (the ``if`` on a
-    tensor, the ``return`` of an object), or None when the traceback holds no such frame.
-    """
+    """``file:line in function`` of the deepest frame of the failure outside torch and Python itself."""
     paths = sysconfig.get_paths()
     torch_dir, stdlib = os.path.dirname(torch.__file__) + os.sep, paths["stdlib"] + os.sep
     installed = (paths["purelib"] + os.sep, paths["platlib"] + os.sep)  # inside stdlib's folder on some layouts
@@ -325,10 +272,6 @@ def _user_frame(error: BaseException) -> str | None:
 
 def export_error(model: torch.nn.Module, error: BaseException) -> ModelExportError:
     """The :class:`ModelExportError` for a failed ``torch.export.export(model, ...)``.
-
-    It names the model's class, gives the exporter's reason in one line, the line of the
-    model's code where capture stopped when the traceback shows it, and what to try for
-    this kind of failure (:func:`export_failure_kind`).
 
     Example:
         >>> err = export_error(torch.nn.Linear(2, 2), RuntimeError("Found <class 'Foo'> in output, which is "
@@ -364,18 +307,6 @@ def export_error(model: torch.nn.Module, error: BaseException) -> ModelExportErr
 
 def module_spans(nodes: list[fx.Node]) -> tuple[dict[str, list[int]], set[str]]:
     """For every module FQN, the graph node indices it produced; and the FQNs called more than once.
-
-    Read from each node's ``nn_module_stack``, which torch.export records. The split
-    points, the modules each segment and stage holds, and the baselines' layer units come
-    from it.
-
-    Args:
-        nodes: the exported graph's nodes, in order (:attr:`TracedModel.nodes`).
-
-    Returns:
-        ``(spans, called_twice)``: ``spans[fqn]`` lists the indices of the nodes made inside
-        module ``fqn`` (its submodules' nodes included); ``called_twice`` holds the modules
-        the forward calls more than once, which no single cut can isolate.
 
     Example:
         >>> import torch
@@ -500,10 +431,6 @@ _REUSED: contextvars.ContextVar[dict[Any, tuple[torch.nn.Module, TracedModel]] |
 @contextlib.contextmanager
 def traces_reused() -> Iterator[None]:
     """Within it, tracing a model again on inputs of the same shapes returns its first trace.
-
-    For one planning call that plans many pipelines of one model (every pp x dp layout, each
-    by ``partition``): exporting a large model takes far longer than searching its splits.
-    The model must not change within the scope; the traces go when it ends.
 
     Example:
         >>> model = torch.nn.Linear(2, 2)

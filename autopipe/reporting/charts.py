@@ -1,19 +1,5 @@
 """The report's figures, drawn with matplotlib from :func:`~autopipe.reporting.data.report_data`.
 
-Five figures, each a function of the report data that returns a matplotlib ``Figure``:
-
-- ``layers``: per-layer cost - forward and backward time, parameters and activations,
-  coloured by the stage each layer lands in;
-- ``stages``: per-stage balance - time per micro-batch (compute + communication), bytes
-  crossing each cut, memory against the device's capacity;
-- ``baselines``: predicted step time of the chosen plan beside the usual splits;
-- ``timeline``: the Gantt chart of one simulated step under the chosen schedule;
-- ``alternatives``: the schedules and micro-batch counts the planner weighed (when it did).
-
-:func:`save_pngs` writes them as PNG files; :func:`figure_svg` gives the inline SVG the
-HTML report embeds. Figures are built without pyplot, so nothing here opens a window or
-touches global plotting state.
-
 Example:
     >>> from autopipe.reporting.charts import save_pngs
     >>> paths = save_pngs(report_data(plan), "charts/")  # doctest: +SKIP
@@ -92,23 +78,6 @@ def _title(data: dict[str, Any]) -> str:
 def layer_cost_figure(layers: list[dict[str, Any]], *, title: str = "Per-layer cost (one micro-batch)") -> Figure:
     """Per-layer cost: time (forward + backward) on the left, memory on the right.
 
-    One row per layer (segment between two legal split points), in graph order from the
-    top. Bars are coloured by ``layer["stage"]`` when present (a plan's layers), so the
-    split points show as colour changes.
-
-    Args:
-        layers: rows of ``report_data(plan)["layers"]`` or
-            :func:`~autopipe.reporting.data.layer_rows`.
-
-    Keyword Args:
-        title: the figure's title.
-
-    Returns:
-        A matplotlib ``Figure``.
-
-    Raises:
-        ValueError: ``layers`` is empty.
-
     Example:
         >>> layer_cost_figure(report_data(plan)["layers"]).savefig("layers.png")  # doctest: +SKIP
     """
@@ -167,18 +136,6 @@ def _layer_label(row: dict[str, Any]) -> str:
 
 def stage_balance_figure(data: dict[str, Any]) -> Figure:
     """Per-stage balance: time per micro-batch, bytes across each cut, memory vs capacity.
-
-    Left: forward, backward and communication time of each stage, with the lower bound no
-    split can beat (max(total compute / p, heaviest layer)) as a dashed line. Middle: bytes
-    each stage sends forward per micro-batch. Right: predicted peak memory (parameters,
-    gradients and optimizer state, then activations of the micro-batches in flight) against
-    the device's capacity when one was given.
-
-    Args:
-        data: :func:`~autopipe.reporting.data.report_data` of a plan.
-
-    Returns:
-        A matplotlib ``Figure``.
 
     Example:
         >>> stage_balance_figure(report_data(plan)).savefig("stages.png")  # doctest: +SKIP
@@ -253,12 +210,6 @@ def stage_balance_figure(data: dict[str, Any]) -> Figure:
 def baselines_figure(data: dict[str, Any]) -> Figure:
     """Predicted step time of the chosen split beside the usual ones, same costs and schedule.
 
-    Args:
-        data: :func:`~autopipe.reporting.data.report_data` of a plan.
-
-    Returns:
-        A matplotlib ``Figure``; baselines that do not fit memory are hatched red.
-
     Example:
         >>> baselines_figure(report_data(plan)).savefig("baselines.png")  # doctest: +SKIP
     """
@@ -295,21 +246,6 @@ def _splits_label(splits: list[str]) -> str:
 
 def timeline_figure(timeline: dict[str, Any], *, title: str | None = None) -> Figure:
     """Gantt chart of one simulated step: one row per rank, one box per action.
-
-    Boxes are labelled with the micro-batch (and the stage, when a rank holds several);
-    white space is the bubble, when a rank waits for its neighbours.
-
-    Args:
-        timeline: ``report_data(plan)["timeline"]`` (schedule, step_s, events, ...).
-
-    Keyword Args:
-        title: the figure's title; default names the schedule, step time and bubble.
-
-    Returns:
-        A matplotlib ``Figure``.
-
-    Raises:
-        ValueError: the timeline has no events.
 
     Example:
         >>> timeline_figure(report_data(plan)["timeline"]).savefig("timeline.png")  # doctest: +SKIP
@@ -353,16 +289,6 @@ def timeline_figure(timeline: dict[str, Any], *, title: str | None = None) -> Fi
 
 def alternatives_figure(data: dict[str, Any]) -> Figure | None:
     """Predicted step of every schedule / micro-batch count the planner weighed, or None.
-
-    Uses ``data["alternatives"]`` (present when the planner searched schedules); each
-    entry has ``schedule``, ``n_microbatches``, ``stages_per_rank``, ``predicted_step_s``,
-    ``peak_bytes`` and ``fits``.
-
-    Args:
-        data: :func:`~autopipe.reporting.data.report_data` of a plan.
-
-    Returns:
-        A matplotlib ``Figure``, or None when the plan lists no alternatives.
 
     Example:
         >>> alternatives_figure(report_data(plan))  # doctest: +SKIP
@@ -412,14 +338,6 @@ def _alternative_label(alt: dict[str, Any]) -> str:
 def report_figures(data: dict[str, Any]) -> dict[str, Figure]:
     """Every figure of a plan's report, by name (see :data:`FIGURE_NAMES`).
 
-    Args:
-        data: :func:`~autopipe.reporting.data.report_data` of a plan.
-
-    Returns:
-        ``{"stages": Figure, "layers": ..., "baselines": ..., "timeline": ...}`` plus
-        ``"alternatives"`` when the plan lists them. ``layers`` is missing for a plan
-        without a per-layer profile; ``baselines`` for a plan without baselines.
-
     Example:
         >>> sorted(report_figures(report_data(plan)))  # doctest: +SKIP
         ['baselines', 'layers', 'stages', 'timeline']
@@ -438,19 +356,6 @@ def report_figures(data: dict[str, Any]) -> dict[str, Figure]:
 
 def save_pngs(data: dict[str, Any], out_dir: str | os.PathLike, *, dpi: int = 110) -> dict[str, Path]:
     """Write every figure of the report as ``<out_dir>/<name>.png``.
-
-    Args:
-        data: :func:`~autopipe.reporting.data.report_data` of a plan.
-        out_dir: folder to write to; created when missing.
-
-    Keyword Args:
-        dpi: resolution.
-
-    Returns:
-        ``{name: path}`` of the files written.
-
-    Raises:
-        OSError: the folder cannot be created or written.
 
     Example:
         >>> save_pngs(report_data(plan), "charts")["timeline"].name  # doctest: +SKIP

@@ -1,12 +1,5 @@
 """Chrome trace JSON (chrome://tracing, https://ui.perfetto.dev) of simulated and measured steps.
 
-- :func:`simulated_trace`: the plan's simulated step, one track per rank (from
-  :meth:`autopipe.planning.timeline.Timeline.to_chrome_trace`), with the plan's headline numbers
-  in the trace's metadata.
-- :func:`merge_rank_traces`: the ``torch.profiler`` traces that each rank of a real run
-  exported, merged into one file where process ``r`` is rank ``r``, so the measured step
-  reads like the simulated one.
-
 Example:
     >>> import json
     >>> from autopipe.reporting.chrome import simulated_trace
@@ -26,16 +19,6 @@ if TYPE_CHECKING:
 
 def simulated_trace(plan: "Plan", *, timeline: "Timeline | None" = None) -> dict[str, Any]:
     """The simulated step of ``plan`` as a Chrome trace: one track (thread) per rank.
-
-    Args:
-        plan: a :class:`~autopipe.planning.plan.Plan`.
-
-    Keyword Args:
-        timeline: its simulated timeline, if already built.
-
-    Returns:
-        A JSON-ready dict with ``traceEvents`` (one "X" event per forward/backward, times
-        in microseconds, ``tid`` = rank) and ``otherData`` naming the plan.
 
     Example:
         >>> trace = simulated_trace(plan)  # doctest: +SKIP
@@ -60,24 +43,6 @@ def simulated_trace(plan: "Plan", *, timeline: "Timeline | None" = None) -> dict
 def merge_rank_traces(traces: Sequence[dict[str, Any] | str | os.PathLike], *,
                       label: str = "measured") -> dict[str, Any]:
     """Merge per-rank Chrome traces (e.g. ``torch.profiler``'s ``export_chrome_trace``) into one.
-
-    Every event of ``traces[r]`` is moved to process id ``r``, named ``"rank r"``, so each
-    rank is one track group whatever process ids the profiler recorded; the original
-    process metadata is dropped. Timestamps are shifted so the earliest event of all ranks
-    is at 0 (ranks share one clock on one machine; across machines they are only as close
-    as the hosts' clocks).
-
-    Args:
-        traces: one trace per rank, as dicts or paths of JSON files, in rank order.
-
-    Keyword Args:
-        label: name of the trace in its metadata.
-
-    Returns:
-        A JSON-ready Chrome trace dict.
-
-    Raises:
-        ValueError: ``traces`` is empty or an entry holds no ``traceEvents``.
 
     Example:
         >>> merged = merge_rank_traces(["rank0.json", "rank1.json"])  # doctest: +SKIP

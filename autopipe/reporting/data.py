@@ -1,16 +1,5 @@
 """Everything a report shows, as plain JSON-ready data.
 
-Every other report format (terminal, Markdown, HTML, PNG) is drawn from the dictionaries
-built here, so the machine-readable JSON holds exactly the numbers a person reads:
-
-- :func:`report_data`: a plan's summary, stages (with their memory capacity), baselines,
-  the alternatives the planner considered, the per-layer profile with each layer's stage,
-  the simulated timeline, and a measured run when there is one;
-- :func:`layer_rows`: the per-layer profile of a traced model, for ``autopipe profile``.
-
-Units are in the key names: ``_s`` seconds, ``_bytes`` bytes; times are per micro-batch
-unless the key says ``step``.
-
 Example:
     >>> from autopipe.reporting.data import report_data
     >>> data = report_data(plan)  # doctest: +SKIP
@@ -166,14 +155,6 @@ def report_data(
 def timeline_data(timeline: "Timeline") -> dict[str, Any]:
     """A simulated timeline as JSON-ready data (what the Gantt chart draws).
 
-    Args:
-        timeline: from :func:`autopipe.simulate` or
-            :func:`~autopipe.reporting.timeline.plan_timeline`.
-
-    Returns:
-        ``schedule``, ``n_microbatches``, ``stage_ranks``, ``step_s``, ``bubble_fraction``,
-        ``busy_s`` and ``events`` (rank, stage, microbatch, kind, start_s, end_s).
-
     Example:
         >>> from autopipe.planning.simulator import simulate
         >>> timeline_data(simulate([1.0], [2.0], schedule="GPipe", n_microbatches=1))["step_s"]
@@ -222,16 +203,6 @@ def layer_rows(traced: "TracedModel", costs: "list[SegmentCost]") -> list[dict[s
 
 def sort_layer_rows(rows: list[dict[str, Any]], by: str = "graph") -> list[dict[str, Any]]:
     """``rows`` in graph order (``by="graph"``) or by a cost, largest first.
-
-    Args:
-        rows: from :func:`layer_rows` or ``report_data(plan)["layers"]``.
-        by: one of :data:`LAYER_SORT_KEYS`.
-
-    Returns:
-        A new list.
-
-    Raises:
-        ValueError: ``by`` is not a sort key.
 
     Example:
         >>> sort_layer_rows([{"fwd_s": 1, "bwd_s": 0}, {"fwd_s": 2, "bwd_s": 0}], "time")[0]["fwd_s"]

@@ -1,9 +1,5 @@
 """The pipeline x data-parallel table: every (pp, dp) factorization compared, fastest first.
 
-Built from ``plan.to_dict()["data_parallel"]`` (a
-:class:`~autopipe.planning.dp_records.DataParallelRecord` as data), so the text and the
-Markdown reports show the same rows.
-
 Example:
     >>> record = {"mode": "fsdp", "reduction_s": 0.001, "dp_bandwidth": 5e10, "dp_latency_s": 2e-5,
     ...           "crossing": "dp", "factorizations": [
@@ -23,12 +19,7 @@ from ..machine.device import format_bytes
 from .units import format_seconds
 
 def dp_table(record: Mapping[str, Any] | None) -> Table | None:
-    """The factorizations of ``record`` as a table (None for a plan of one replica).
-
-    Example::
-
-        dp_table(plan.to_dict()["data_parallel"])
-    """
+    """The factorizations of ``record`` as a table (None for a plan of one replica)."""
     if not record or not record.get("factorizations"):
         return None
     rows, highlight = [], []

@@ -1,12 +1,5 @@
 """Writing reports to disk: the format from the file's suffix, and paths checked before any work.
 
-``autopipe plan ... --report report.html --report report.md --report report.json`` ends up
-in :func:`write_report`:
-
-- ``.html`` / ``.htm``: the self-contained HTML page (:mod:`~autopipe.reporting.html`);
-- ``.md`` / ``.markdown``: Markdown, its PNG figures in ``<name>_files/`` beside it;
-- ``.json``: every number of the report (:func:`~autopipe.reporting.data.report_data`).
-
 Example:
     >>> from autopipe.reporting.files import report_format
     >>> report_format("out/report.md")
@@ -27,9 +20,6 @@ REPORT_SUFFIXES = {".html": "html", ".htm": "html", ".md": "markdown", ".markdow
 def report_format(path: str | os.PathLike) -> str:
     """The report format a path asks for, from its suffix.
 
-    Raises:
-        ValueError: the suffix is not one of :data:`REPORT_SUFFIXES` (the message lists them).
-
     Example:
         >>> report_format("r.HTML")
         'html'
@@ -45,22 +35,6 @@ def report_format(path: str | os.PathLike) -> str:
 
 def check_writable(path: str | os.PathLike, *, what: str = "output", directory: bool = False) -> Path:
     """Fail early, before minutes of profiling, if ``path`` cannot be written.
-
-    Args:
-        path: a file to create or replace, in a folder that exists (or a folder, with
-            ``directory=True``, which may be created).
-
-    Keyword Args:
-        what: how the message names the path (the option it came from).
-        directory: the path is a folder that may be created.
-
-    Returns:
-        The path as a ``Path``.
-
-    Raises:
-        OSError: the path is a folder where a file is wanted (or the reverse), a file's
-            folder does not exist, or the nearest existing parent folder is not writable;
-            the message names ``what``.
 
     Example:
         >>> check_writable("/tmp/plan.json", what="--out").name

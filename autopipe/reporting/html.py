@@ -1,9 +1,5 @@
 """A plan's report as one self-contained HTML file: tables and inline SVG figures.
 
-Nothing is fetched when the file is opened (no scripts, no fonts, no images beside it), so
-it can be mailed or attached to a pull request. The markup is well-formed XML as well as
-HTML, so any parser reads it.
-
 Example:
     >>> from autopipe.reporting.html import plan_to_html
     >>> html = plan_to_html(report_data(plan))  # doctest: +SKIP
@@ -56,15 +52,6 @@ def _figure_html(svg: str | None, caption: str) -> str:
 
 def plan_to_html(data: dict[str, Any], *, figures: bool = True) -> str:
     """Render a plan's report as a self-contained HTML page.
-
-    Args:
-        data: :func:`~autopipe.reporting.data.report_data` of a plan.
-
-    Keyword Args:
-        figures: embed the figures (inline SVG); False gives tables only (faster).
-
-    Returns:
-        The HTML document as a string.
 
     Example:
         >>> "<svg" in plan_to_html(report_data(plan))  # doctest: +SKIP

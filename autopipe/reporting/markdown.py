@@ -42,16 +42,6 @@ def table_to_markdown(table: Table) -> str:
 def plan_to_markdown(data: dict[str, Any], *, images: Mapping[str, str] | None = None) -> str:
     """Render a plan's report as Markdown.
 
-    Args:
-        data: :func:`~autopipe.reporting.data.report_data` of a plan.
-
-    Keyword Args:
-        images: figure name -> path (relative to the Markdown file) of its PNG, from
-            :func:`~autopipe.reporting.charts.save_pngs`; figures without one are left out.
-
-    Returns:
-        The Markdown text.
-
     Example:
         >>> plan_to_markdown(report_data(plan)).startswith("# autopipe plan")  # doctest: +SKIP
         True

@@ -25,14 +25,6 @@ from ..machine.device import format_bytes
 def recompute_lines(stages: Sequence[Mapping[str, Any]], recompute_stages: Sequence[int]) -> list[str]:
     """Lines saying which stages recompute their activations and each stage's memory with and without.
 
-    Args:
-        stages: per stage, a mapping with ``index``, ``peak_bytes_kept``,
-            ``peak_bytes_recomputed`` and optionally ``capacity_bytes`` (None: no limit).
-        recompute_stages: the plan's ``recompute_stages``.
-
-    Returns:
-        No lines when no stage recomputes.
-
     Example:
         >>> recompute_lines([{"index": 0, "peak_bytes_kept": 8, "peak_bytes_recomputed": 8}], [])
         []

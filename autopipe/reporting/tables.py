@@ -1,10 +1,5 @@
 """The report's tables as rows of text, shared by the terminal, Markdown and HTML renderers.
 
-Each function takes :func:`~autopipe.reporting.data.report_data` (or per-layer rows) and
-returns a :class:`Table`: a title, column headers, rows of already formatted cells, and
-which columns hold numbers (right-aligned). Keeping the formatting here means every
-format shows the same figures with the same units.
-
 Example:
     >>> from autopipe.reporting.tables import layer_table
     >>> t = layer_table([{"index": 0, "name": "<input>", "modules": ["embedding"], "fwd_s": 1e-3,
@@ -166,14 +161,7 @@ def alternative_step_s(alt: dict[str, Any]) -> float:
 
 
 def layer_table(rows: list[dict[str, Any]], *, with_stage: bool = False) -> Table:
-    """One row per layer (segment between two legal split points).
-
-    Args:
-        rows: :func:`~autopipe.reporting.data.layer_rows` or ``report_data(plan)["layers"]``.
-
-    Keyword Args:
-        with_stage: add the stage each layer lands in.
-    """
+    """One row per layer (segment between two legal split points)."""
     header = ["#", "layer (split point)", "fwd", "bwd", "params", "activations", "out"] + (["stage"] if with_stage else [])
     out = []
     for r in rows:

@@ -1,8 +1,5 @@
 """Terminal reports with rich: the plan, the baselines, the per-layer profile, as tables.
 
-Colour and box drawing when stdout is a terminal; plain text, 140 columns wide, when it is
-a file or a pipe (so logs and tests read the same words).
-
 Example:
     >>> from autopipe.reporting.terminal import print_layers
     >>> print_layers([{"index": 0, "name": "<input>", "modules": ["fc"], "fwd_s": 1e-3, "bwd_s": 2e-3,
@@ -67,13 +64,6 @@ def _print_table(console: Any, table: Table) -> None:
 def print_plan(data: dict[str, Any], *, console: Any = None, gantt: str | None = None) -> None:
     """Print a plan's report: summary, ``split_spec``, stages, baselines, alternatives, timeline.
 
-    Args:
-        data: :func:`~autopipe.reporting.data.report_data` of a plan.
-
-    Keyword Args:
-        console: a rich ``Console``; default :func:`make_console`.
-        gantt: a text Gantt chart to show (``plan_timeline(plan).to_text()``).
-
     Example:
         >>> print_plan(report_data(plan))  # doctest: +SKIP
     """
@@ -104,15 +94,6 @@ def print_plan(data: dict[str, Any], *, console: Any = None, gantt: str | None =
 def print_layers(rows: list[dict[str, Any]], *, console: Any = None, title: str | None = None,
                  totals_of: list[dict[str, Any]] | None = None) -> None:
     """Print the per-layer profile table (rows in the order given), then the model's totals.
-
-    Args:
-        rows: :func:`~autopipe.reporting.data.layer_rows`, sorted and cut as wanted.
-
-    Keyword Args:
-        console: a rich ``Console``; default :func:`make_console`.
-        title: table title.
-        totals_of: the rows to total (all layers, when ``rows`` shows only the top few);
-            default ``rows``.
 
     Example:
         >>> print_layers(layer_rows(traced, costs))  # doctest: +SKIP

@@ -1,13 +1,5 @@
 """The simulated timeline of a Plan: the Gantt chart every report draws.
 
-A plan stores its stages' times, not the timeline, so reports rebuild it with the cost
-model the planner used (:mod:`autopipe.planning.costmodel`): stage ``s`` runs ``fwd_s`` /
-``bwd_s`` per micro-batch, and each cut delays each tensor by
-:func:`~autopipe.planning.costmodel.cut_time_s` (:meth:`Plan.cut_comm_s
-<autopipe.planning.plan.Plan.cut_comm_s>`). The result's ``step_s`` plus
-``plan.step_tail_s()`` (the once-per-step work around the schedule's actions: the ranks'
-agreement to start, merging outputs, the loss broadcast, tied gradients) is the plan's ``predicted_step_s``.
-
 Example:
     >>> from autopipe.planning.plan import Plan, StagePlan
     >>> from autopipe.reporting.timeline import plan_timeline
@@ -30,16 +22,6 @@ if TYPE_CHECKING:
 
 def cut_comm_s(plan: "Plan") -> list[float]:
     """One-way transfer time of each cut of ``plan``, in seconds, as the planner charged it.
-
-    :meth:`Plan.cut_comm_s <autopipe.planning.plan.Plan.cut_comm_s>`: bytes from the
-    stages (activations sent forward) and the profile (gradients sent back), links from
-    ``plan.machine`` or the defaults of the plan's device type.
-
-    Args:
-        plan: a :class:`~autopipe.planning.plan.Plan`.
-
-    Returns:
-        ``num_stages - 1`` seconds, cut ``c`` between stage ``c`` and stage ``c + 1``.
 
     Example:
         >>> cut_comm_s(plan) == [0.0]  # doctest: +SKIP
@@ -72,23 +54,6 @@ def plan_timeline(plan: "Plan") -> "Timeline":
 
 def split_timeline(plan: "Plan", split_points: "list[str]") -> "Timeline":
     """Simulate ``plan``'s schedule with another split of the same profiled layers.
-
-    Stage times are :func:`~autopipe.planning.costmodel.stage_times_s` of ``plan.segments``
-    between the split points, cuts :meth:`Plan.cut_comm_s
-    <autopipe.planning.plan.Plan.cut_comm_s>` of that split on the plan's links, as for
-    the plan itself. Use it to draw the timeline of a hand split or a baseline.
-
-    Args:
-        plan: a plan that carries its per-segment profile (any plan from
-            :func:`autopipe.partition`).
-        split_points: segment names to cut before, in order, as many as the plan's cuts.
-
-    Returns:
-        The simulated :class:`~autopipe.planning.timeline.Timeline`.
-
-    Raises:
-        ValueError: the plan has no profile, or a split point is not a segment name, or
-            the number of split points does not match the plan's stages.
 
     Example:
         >>> hand = split_timeline(plan, ["layers.2"])  # doctest: +SKIP

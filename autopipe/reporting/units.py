@@ -1,7 +1,5 @@
 """How reports write quantities: bytes, seconds, and the profile's one-line summary.
 
-Every report format reads these, so none of them imports another format for its units.
-
 Example:
     >>> format_seconds(0.0123)
     '12.30 ms'

@@ -1,18 +1,9 @@
 """Per-stage activation checkpointing: trade a second forward for the stage's activation memory.
 
-A pipeline stage keeps the activations of every micro-batch in flight until its backward
-runs (GPipe: all of them; 1F1B: up to the number of stages). With checkpointing, a stage
-keeps only its inputs and recomputes the rest during backward, as in the pipeline-manager
-sketch autopipe grew from. It costs about one extra forward of that stage per micro-batch,
-so it is worth turning on only for the stages whose memory is the limit.
-
-    >>> import torch, torch.nn as nn
-    >>> stage = checkpoint_stage(nn.Linear(4, 4))
-    >>> stage(torch.ones(2, 4, requires_grad=True)).sum().backward()
-
-:class:`autopipe.Pipeline` applies it with ``PlannerOptions(recompute=True)`` (every stage), a list
-of stage indices, or ``"auto"``: the stages the planner chose to recompute so the plan fits
-memory (``plan.recompute_stages``).
+Example:
+        >>> import torch, torch.nn as nn
+        >>> stage = checkpoint_stage(nn.Linear(4, 4))
+        >>> stage(torch.ones(2, 4, requires_grad=True)).sum().backward()
 """
 
 from __future__ import annotations
@@ -29,18 +20,6 @@ FOLLOW_PLAN = "auto"
 
 def checkpoint_stage(stage_module: nn.Module) -> nn.Module:
     """Make ``stage_module`` recompute its activations in backward instead of storing them.
-
-    The module is changed in place (its ``forward`` is wrapped) and returned, so torch's
-    pipeline stages, which call the module they were given, run the checkpointed forward.
-    Uses non-reentrant checkpointing, which restores the RNG state for the recomputation
-    (dropout draws the same mask twice) and works with the split input/weight backward of
-    the zero-bubble schedules.
-
-    Args:
-        stage_module: a stage module (``pipe.get_stage_module(i)``) or any module.
-
-    Returns:
-        The same module.
 
     Example:
         >>> m = checkpoint_stage(nn.Linear(2, 2))
@@ -60,20 +39,6 @@ def checkpoint_stage(stage_module: nn.Module) -> nn.Module:
 def resolve_recompute(recompute: bool | Sequence[int] | str | None, num_stages: int,
                       plan_stages: Sequence[int] | None = None) -> list[int]:
     """Turn the ``recompute`` option into the sorted list of stage indices to checkpoint.
-
-    Args:
-        recompute: ``"auto"`` (:data:`FOLLOW_PLAN`: the planner's choice,
-            ``plan_stages``), False/None (none), True (all) or stage indices in
-            ``range(num_stages)``.
-        num_stages: number of stages of the pipeline.
-        plan_stages: the plan's ``recompute_stages`` (None: the plan chose none).
-
-    Returns:
-        Sorted stage indices.
-
-    Raises:
-        ValueError: if an index is out of range (the user's or the plan's), or a string other
-            than ``"auto"``; TypeError for any other type.
 
     Example:
         >>> resolve_recompute(True, 3), resolve_recompute([2, 0], 3)

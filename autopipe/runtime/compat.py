@@ -1,37 +1,5 @@
 """Every workaround autopipe applies around a torch release's pipelining, in one module.
 
-Each entry names the torch releases it is for and, where one exists, the upstream issue.
-Where it can, a workaround first checks whether torch already behaves and then leaves
-torch's result untouched, so a release that fixes the defect runs torch's own code. The
-releases below were checked on 2.11 and 2.13.0.
-
-Building the stage modules (``pipeline()``):
-
-* :func:`safe_submodule_outlining` - torch 2.11 to 2.13, pytorch/pytorch#184361 (open):
-  a module calling a higher-order op (Hugging Face's rotary embedding) is outlined twice
-  and called without its arguments (Llama, Qwen3, Gemma, Mistral, Mixtral, Qwen2-MoE).
-* :func:`rename_nodes_shadowing_self` - torch 2.11 to 2.13, ``torch.fx`` code generation
-  (no upstream issue referenced): a submodule attribute named ``self`` (Hugging Face
-  ``BertAttention.self``) rebinds ``self`` in the generated ``forward``.
-
-What crosses a stage boundary (torch's ``PipelineStage`` and schedules):
-
-* :func:`make_boundary_tensors_sendable` and :func:`guard_stage_boundaries` - contiguous
-  boundary tensors and input gradients (torch 2.11 to 2.13: receive buffers take the
-  traced strides, gloo and NCCL send only contiguous tensors, V schedules size a buffer
-  from the gradient's strides); no view or shared output (2.11 to 2.13: the zero-bubble
-  backward detaches outputs in place); integer tensors sent as :data:`WIRE_DTYPE` (2.11
-  makes every receive buffer require grad; 2.13 guards non-float ones).
-* :class:`VStage` - torch 2.11 with gloo: the first step of a V placement sends a dummy
-  tensor from a rank to itself (2.13 skips it).
-* :func:`static_stage_meta` - torch 2.11 to 2.13: a manual stage without traced shapes
-  runs itself on uninitialised tensors, where an integer input indexes out of range.
-* :func:`to_stage_device` - torch 2.11 checks a micro-batch's strides against the traced
-  (contiguous) ones.
-
-Inference with the V schedules, which torch 2.11 to 2.13 cannot run forward-only, goes
-through a training step: :mod:`autopipe.runtime.inference`.
-
 Example:
     >>> from autopipe.runtime.compat import safe_submodule_outlining
     >>> with safe_submodule_outlining():  # doctest: +SKIP
@@ -64,26 +32,6 @@ OUTLINING_ISSUE = "pytorch/pytorch#184361"
 @contextlib.contextmanager
 def safe_submodule_outlining() -> Iterator[None]:
     """Within the block, ``pipeline()`` builds only stage modules whose calls match their callees.
-
-    Wraps ``torch.distributed.pipelining._IR._outline_submodules``, which ``Pipe._from_traced``
-    calls on each stage's flat graph (pytorch/pytorch#184361). Each rebuilt module tree is
-    checked with :func:`outlining_problems`:
-
-    1. no problem: torch's tree is used as it is (a torch that outlines correctly runs
-       unchanged);
-    2. otherwise the flat graph is outlined again with every ``get_attr`` node moved to
-       just before its first user and given that user's module path, so each module's
-       nodes are contiguous, and the attributes those nodes read (the bodies of
-       higher-order ops) are copied into the modules that now read them. This keeps the
-       module hierarchy, and tied parameters resolve as in torch's own path;
-    3. if that tree still has problems, the stage becomes one flat ``fx.GraphModule`` of
-       its graph. ``_from_traced`` then creates the nested containers itself
-       (``move_param_to_callee`` / ``_assign_attr``), so parameters keep their original
-       dotted names; ``_sink_params`` is steered to a name the flat module holds when a
-       tensor has several (tied weights), since at the root any alias would match.
-
-    torch's functions are restored on exit, also after an error. A torch without
-    ``_IR._outline_submodules`` is left alone. Nested use patches once.
 
     Example:
         >>> import torch
@@ -126,12 +74,6 @@ def safe_submodule_outlining() -> Iterator[None]:
 
 def outlining_problems(module: nn.Module) -> list[str]:
     """Why an outlined module tree would fail when run; empty when it is consistent.
-
-    Checks every fx graph in ``module``'s tree: each ``call_module`` names an existing
-    submodule, passes as many arguments as the callee's graph has placeholders, and no
-    graph calls the same target twice (torch names a second call of a module ``name@1``;
-    two calls of ``name`` mean one outlined module replaced another); each ``get_attr``
-    names an attribute the module has.
 
     Example:
         >>> import torch.fx as fx, torch.nn as nn
@@ -201,11 +143,7 @@ def _outline_or_fall_back(outline: Callable[[fx.Graph], fx.GraphModule], graph: 
 
 
 def _attrs_next_to_users(graph: fx.Graph) -> fx.Graph:
-    """A copy of ``graph`` with each ``get_attr`` node just before its first user, in that user's module.
-
-    A ``get_attr`` reads and computes nothing, so moving it keeps the graph's meaning; taking
-    its user's ``nn_module_stack`` keeps it from opening a run of another module there.
-    """
+    """A copy of ``graph`` with each ``get_attr`` node just before its first user, in that user's module."""
     moved = copy.deepcopy(graph)  # node meta is copied per node: the original's stays as it was
     order = {node: i for i, node in enumerate(moved.nodes)}
     for node in list(moved.nodes):
@@ -219,12 +157,7 @@ def _attrs_next_to_users(graph: fx.Graph) -> fx.Graph:
 
 
 def _copy_missing_attrs(module: nn.Module, owner: nn.Module | None) -> None:
-    """Give every module of the tree the attributes its ``get_attr`` nodes read, from ``owner``.
-
-    torch's outlining copies the nodes but not what they read (``torch.export.unflatten``
-    does, through ``_copy_graph_attrs``); ``InterpreterModule.finalize`` later builds its
-    generated code from the module's attributes.
-    """
+    """Give every module of the tree the attributes its ``get_attr`` nodes read, from ``owner``."""
     if owner is None:
         return
     for sub in list(module.modules()):
@@ -249,10 +182,6 @@ def _copy_missing_attrs(module: nn.Module, owner: nn.Module | None) -> None:
 def _resolvable_first(module: nn.Module, inputs_to_state: dict[str, list[str]]) -> dict[str, list[str]]:
     """``inputs_to_state`` with, for each graph input, the names ``module`` holds listed first.
 
-    ``_sink_params`` turns an input into a ``get_attr`` of the first name in its list that
-    lies in the current scope; at the root of a flat stage every alias of a tied tensor
-    does, and the list comes from a set, so its order varies from run to run.
-
     Example:
         >>> m = nn.Module(); m.emb = nn.Embedding(2, 2)
         >>> _resolvable_first(m, {"w": ["head.weight", "emb.weight"]})
@@ -265,14 +194,7 @@ def _resolvable_first(module: nn.Module, inputs_to_state: dict[str, list[str]]) 
 
 
 def _hold_state_in_repeated_calls(module: nn.Module, inputs_to_state: dict[str, list[str]]) -> None:
-    """Give each further call of a module (``emb@1``) the tensors its first call holds.
-
-    torch 2.11 to 2.13 (``_sink_params``, no upstream issue referenced): a module called
-    twice in one stage becomes ``emb`` and ``emb@1``; a tensor the stage receives as a graph
-    input (a weight tied to another stage's module) is placed in ``emb`` only, and sinking
-    it into ``emb@1``, which looks for it there, fails. The same tensor object is
-    registered in ``emb@1`` too, so both calls read one parameter.
-    """
+    """Give each further call of a module (``emb@1``) the tensors its first call holds."""
     for path, sub in list(module.named_modules(remove_duplicate=False)):
         plain = ".".join(part.split("@")[0] for part in path.split("."))
         for aliases in inputs_to_state.values() if "@" in path else ():
@@ -307,17 +229,6 @@ _SELF = "self"
 
 def rename_nodes_shadowing_self(module: nn.Module) -> int:
     """Rename the fx nodes of ``module``'s tree that the generated code would bind to ``self``.
-
-    fx picks a node's name - the local variable in the generated ``forward`` - from its
-    target, avoiding Python keywords and builtins but not ``self``, the parameter through
-    which that code reaches every submodule. A node named ``self`` (the call of a
-    submodule attribute named ``self``) is renamed ``self_1`` (or the next free name) and
-    the code regenerated; a placeholder whose target is ``self`` gets the new name as its
-    target too. Nothing changes where no node is named ``self``, as on a torch whose fx
-    reserves the name. Call it after the last graph edit, before running the generated code.
-
-    Returns:
-        How many nodes were renamed.
 
     Example:
         >>> import torch.fx as fx, torch.nn as nn
@@ -365,29 +276,7 @@ def _travels_as_float(val: torch.Tensor) -> bool:
 
 
 def make_boundary_tensors_sendable(stage_module: nn.Module, *, first: bool, last: bool) -> None:
-    """Describe every tensor a stage sends or receives as one torch can send, in its graph.
-
-    * Contiguous (torch 2.11 to 2.13): a cut inside a module can fall where a tensor is a
-      strided view (``k.transpose(...)``). torch's stage sends the output as it is and
-      allocates receive buffers with the traced strides, and gloo (like NCCL) only sends
-      and receives contiguous tensors. So each non-contiguous stage output gets a
-      ``clone(memory_format=contiguous_format)`` and each stage input is described as
-      contiguous; contiguous boundaries are left untouched.
-    * Floating point (torch 2.11): integer and boolean tensors (token or position ids,
-      masks) crossing a cut are described as :data:`WIRE_DTYPE`, because torch 2.11 makes
-      every received tensor require grad on the receive buffer itself, which fails for
-      integers. :func:`guard_stage_boundaries` converts them at run time (to float after
-      the sending stage, back before the receiving stage runs) and gives them a zero
-      gradient, so every received tensor has one, as 2.11 also demands. The positions and
-      original dtypes are kept in ``stage_module._autopipe_wire``.
-
-    The model's own inputs (first stage) and outputs (last stage) are left alone.
-
-    Example::
-
-        make_boundary_tensors_sendable(split.get_stage_module(1), first=False, last=True)
-        split.get_stage_module(1)._autopipe_wire   # {"inputs": {1: torch.int64}, "outputs": {}}
-    """
+    """Describe every tensor a stage sends or receives as one torch can send, in its graph."""
     graph = stage_module.graph
     wire: dict[str, dict[int, torch.dtype]] = {"inputs": {}, "outputs": {}, "traced": {}}
     changed = False
@@ -431,13 +320,7 @@ def make_boundary_tensors_sendable(stage_module: nn.Module, *, first: bool, last
 
 
 def _in_traced_dtype(value: Any, traced: torch.dtype, index: int) -> Any:
-    """A floating output in the dtype the receiving stage's buffer was traced with.
-
-    Under ``torch.autocast`` a stage can compute an output in bfloat16 that was traced in
-    float32; torch's receiving stage reads the bytes into a float32 buffer, so the value
-    would be misread. Widening is exact (the gradient is narrowed back by autograd); any
-    other difference is an error naming the output.
-    """
+    """A floating output in the dtype the receiving stage's buffer was traced with."""
     if not isinstance(value, torch.Tensor) or value.dtype == traced:
         return value
     if value.is_floating_point() and torch.finfo(value.dtype).bits < torch.finfo(traced).bits:
@@ -448,13 +331,7 @@ def _in_traced_dtype(value: Any, traced: torch.dtype, index: int) -> Any:
 
 
 class _ContiguousGrad(torch.autograd.Function):
-    """Identity forward; the gradient flowing back through it is made contiguous.
-
-    Placed on every stage input, so the input gradient a stage sends back is contiguous
-    whatever the backward produced (the gradient of a ``torch.cat`` input is a strided
-    slice, of a transposed input a transposed tensor). gloo and NCCL send only contiguous
-    tensors, and torch's V schedules size the receiving buffer from the gradient's strides.
-    """
+    """Identity forward; the gradient flowing back through it is made contiguous."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: D102
@@ -466,11 +343,7 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 class _Attached(torch.autograd.Function):
-    """``value`` unchanged but part of ``anchor``'s autograd graph, contributing no gradient.
-
-    A float-encoded integer a stage sends has no autograd history; torch 2.11's
-    input-gradient backward (``stage_backward_input``) fails on such an output.
-    """
+    """``value`` unchanged but part of ``anchor``'s autograd graph, contributing no gradient."""
 
     @staticmethod
     def forward(ctx, value: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:  # noqa: D102
@@ -482,12 +355,7 @@ class _Attached(torch.autograd.Function):
 
 
 class _TieZeroGrad(torch.autograd.Function):
-    """``out`` unchanged; in backward, ``out``'s gradient and a zero gradient for each tied input.
-
-    Ties the float-encoded integer inputs of a stage (see
-    :func:`make_boundary_tensors_sendable`) to one of its outputs, so torch computes a
-    gradient, zero, for every received tensor.
-    """
+    """``out`` unchanged; in backward, ``out``'s gradient and a zero gradient for each tied input."""
 
     @staticmethod
     def forward(ctx, out: torch.Tensor, *tied: torch.Tensor) -> torch.Tensor:  # noqa: D102
@@ -501,18 +369,6 @@ class _TieZeroGrad(torch.autograd.Function):
 
 def guard_stage_boundaries(stage_module: nn.Module, *, fresh_outputs: bool = False) -> None:
     """Make what crosses a stage boundary sendable, in both directions, at run time.
-
-    * Outputs are never views (a view is copied): torch's zero-bubble backward (2.11 to
-      2.13) detaches each stage output in place, which a view does not allow ("Can't detach
-      views in-place"); a cut right after a reshape makes one. Outputs are also made
-      contiguous, in case the run's strides differ from the traced ones (see
-      :func:`make_boundary_tensors_sendable`).
-    * With ``fresh_outputs`` (schedules that split the backward), every output is a copy:
-      torch detaches the outputs in place, and an output the stage's own backward still
-      needs (the residual stream a layer norm in the stage saved) would be lost with it.
-    * Inputs that will receive a gradient pass through :class:`_ContiguousGrad`, so the
-      gradient sent back to the previous stage is contiguous.
-    * Integer tensors described as :data:`WIRE_DTYPE` are converted on the way in and out.
 
     Example:
         >>> stage = nn.Linear(2, 2)
@@ -565,10 +421,6 @@ def guard_stage_boundaries(stage_module: nn.Module, *, fresh_outputs: bool = Fal
 def to_stage_device(value: Any, device: torch.device) -> Any:
     """A tensor of the batch on the stage's ``device``, contiguous; anything else as it is.
 
-    ``torch.export`` records contiguous strides for the stage inputs, and torch 2.11 checks
-    a micro-batch's strides against them: a batch sliced from a wider tensor
-    (``data[:, :-1]``) would fail there.
-
     Example:
         >>> to_stage_device(torch.ones(3, 4)[:, :2], torch.device("cpu")).is_contiguous()
         True
@@ -580,18 +432,7 @@ def to_stage_device(value: Any, device: torch.device) -> Any:
 
 # ---------------------------------------------------------------------- manual stages (V placement)
 class VStage(PipelineStage):
-    """A manual stage whose first step never sends to its own rank.
-
-    Before the first step torch exchanges a dummy tensor with each neighbouring stage to set
-    up the communicators. In a V the two middle stages share a rank, and torch 2.11 sends
-    that dummy to the rank itself, which gloo refuses ("Pair is not connected"); NCCL
-    allows it, and torch 2.13 skips it. The ops with this rank as peer are dropped here, in
-    pairs (the send and the matching receive both name this rank).
-
-    Example::
-
-        stage = VStage(module, stage_index=3, num_stages=4, device=torch.device("cpu"))
-    """
+    """A manual stage whose first step never sends to its own rank."""
 
     def _get_init_p2p_neighbors_ops(self) -> list:
         ops = super()._get_init_p2p_neighbors_ops()
@@ -607,13 +448,6 @@ class VStage(PipelineStage):
 def static_stage_meta(stage_module: nn.Module, first_stage_args: tuple | None
                       ) -> tuple[tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...] | None]:
     """What a stage receives and sends, as meta tensors from its traced graph (one micro-batch).
-
-    Given to a manual ``PipelineStage``: without them torch (2.11 to 2.13) infers the
-    shapes by running the stage on uninitialised tensors, and an integer input (token or
-    position ids crossing a cut) then indexes out of range. Received floating-point tensors
-    require grad, as torch's traced stages assume; integer ones (ids, masks) do not.
-    ``first_stage_args`` are the model's example inputs for stage 0. Returns
-    ``(None, None)`` when some boundary value is not a tensor, leaving torch to infer.
 
     Example:
         >>> gm = fx.symbolic_trace(nn.Linear(2, 3))

@@ -1,30 +1,4 @@
-"""Pipeline x data parallel: replicas of the same pipeline on a 2-D ``DeviceMesh``.
-
-The mesh has a ``"dp"`` and a ``"pp"`` dimension (torchtitan's names,
-``init_device_mesh("cpu", (dp, pp), mesh_dim_names=("dp", "pp"))``). Each row along
-``"pp"`` is one replica: a whole pipeline whose stages are placed by pp rank, talking point to
-point over the replica's ``pp`` group. Each column along ``"dp"`` holds the same stage in
-every replica; their gradients are reduced over that ``dp`` group, in one of two ways:
-
-``"fsdp"``
-    torch's FSDP2 ``fully_shard`` on every stage module over the ``dp`` sub-mesh: parameters,
-    gradients and optimizer state are sharded over the replicas; torch's pipeline stages
-    defer the gradient reduce-scatter to the last micro-batch's backward. Parameters stay
-    gathered between the forward and the backward of a step (``reshard_after_forward=False``,
-    torchtitan's choice under pipelining), so each step all-gathers each stage once.
-``"replicate"``
-    every replica keeps whole parameters; after each step the gradients are averaged over
-    ``dp`` with one all-reduce per stage.
-
-Every rank is given the global batch; replica ``d`` of ``dp`` runs rows
-``[d * B / dp, (d + 1) * B / dp)`` of it (:meth:`DataParallel.shard`).
-
-Example::
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
-    dp = DataParallel.from_mesh(mesh, mode="fsdp")
-    dp.replicas      # [[0, 1], [2, 3]]: the global ranks of each replica, by pp rank
-"""
+"""Pipeline x data parallel: replicas of the same pipeline on a 2-D ``DeviceMesh``."""
 
 from __future__ import annotations
 
@@ -70,10 +44,6 @@ def data_parallel_from_plan(plan: Any, mesh: Any, dp_degree: int | None,
                             dp_mode: str | None) -> tuple[int | None, str]:
     """``(dp_degree, dp_mode)`` to build with: the caller's, else the plan's, else a pure pipeline and ``"fsdp"``.
 
-    A plan made with ``partition(..., data_parallel=)`` says how many replicas it was planned
-    for and how they reduce; the pipeline follows it unless told otherwise (a mesh, a degree
-    or a mode given in ``data_parallel=``).
-
     Example:
         >>> from types import SimpleNamespace
         >>> data_parallel_from_plan(SimpleNamespace(dp_degree=4, dp_mode="replicate"), None, None, None)
@@ -91,11 +61,6 @@ def data_parallel_from_plan(plan: Any, mesh: Any, dp_degree: int | None,
 
 def check_mesh_arguments(mesh: Any, dp_degree: Any, dp_mode: Any) -> None:
     """Check the mesh, degree and mode of ``Pipeline(data_parallel=)`` alone (no communication).
-
-    Raises:
-        ValueError / TypeError: both a mesh and a degree given, a mesh that is not a 2-D
-            ``DeviceMesh`` named ``("dp", "pp")`` in some order, a degree that is not a
-            positive integer, or a mode other than ``"fsdp"`` / ``"replicate"``.
 
     Example:
         >>> check_mesh_arguments(None, 2, "fsdp")
@@ -124,15 +89,7 @@ def check_mesh_arguments(mesh: Any, dp_degree: Any, dp_mode: Any) -> None:
 
 @dataclass
 class DataParallel:
-    """Where this rank sits in the ``dp x pp`` mesh, and the reductions over ``dp``.
-
-    Attributes:
-        mesh: the 2-D mesh.
-        mode: ``"fsdp"`` or ``"replicate"``.
-        dp_size / pp_size: the mesh's sizes.
-        dp_rank / pp_rank: this rank's coordinates (pp rank = its place in its pipeline).
-        replicas: ``replicas[d][p]`` is the global rank of pp rank ``p`` in replica ``d``.
-    """
+    """Where this rank sits in the ``dp x pp`` mesh, and the reductions over ``dp``."""
 
     mesh: DeviceMesh
     mode: str
@@ -144,12 +101,7 @@ class DataParallel:
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh, *, mode: str) -> "DataParallel":
-        """Read the coordinates of this rank from ``mesh`` (no communication).
-
-        Example::
-
-            DataParallel.from_mesh(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp")), mode="fsdp")
-        """
+        """Read the coordinates of this rank from ``mesh`` (no communication)."""
         names = list(mesh.mesh_dim_names)
         grid = mesh.mesh.permute(names.index("dp"), names.index("pp"))
         return cls(mesh=mesh, mode=mode, dp_size=grid.shape[0], pp_size=grid.shape[1],
@@ -168,15 +120,7 @@ class DataParallel:
 
     # ------------------------------------------------------------------ the batch
     def shard(self, value: Any, n_microbatches: int) -> Any:
-        """This replica's rows of the global batch ``value`` (tensors with a batch dimension).
-
-        Raises:
-            ValueError: a tensor's first dimension is not divisible by ``dp x n_microbatches``.
-
-        Example::
-
-            x_local = dp.shard(x, 4)   # x: (16, 9) with dp=2 -> rows 0-7 or 8-15
-        """
+        """This replica's rows of the global batch ``value`` (tensors with a batch dimension)."""
         parts = self.dp_size * n_microbatches
         for t in tree_flatten(value)[0]:
             if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] % parts:
@@ -196,11 +140,7 @@ class DataParallel:
     # ------------------------------------------------------------------ the stages
     @torch.no_grad()
     def synchronize(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Give every replica dp rank 0's values (parameters and buffers), as DDP does at its start.
-
-        Collective over each ``dp`` group. Each rank built its own copy of the model, so the
-        replicas start equal only if they seeded alike.
-        """
+        """Give every replica dp rank 0's values (parameters and buffers), as DDP does at its start."""
         tensors = [t for t in tensors if t.numel()]
         if not tensors:
             return
@@ -212,12 +152,7 @@ class DataParallel:
             offset += t.numel()
 
     def shard_modules(self, modules: Mapping[int, nn.Module], stages: Sequence[Any]) -> None:
-        """FSDP2 ``fully_shard`` on every stage module over the ``dp`` sub-mesh (``"fsdp"`` only).
-
-        torch's pipeline stages recognise the sharded module: they turn the gradient
-        reduction off for all but the last micro-batch and reduce-scatter once at the end
-        of the step.
-        """
+        """FSDP2 ``fully_shard`` on every stage module over the ``dp`` sub-mesh (``"fsdp"`` only)."""
         from torch.distributed.fsdp import fully_shard
 
         dp_mesh = self.mesh["dp"]
@@ -229,11 +164,7 @@ class DataParallel:
 
     @torch.no_grad()
     def average_grads(self, params: Iterable[torch.Tensor]) -> None:
-        """Average the gradients over the ``dp`` group, one all-reduce (``"replicate"`` only).
-
-        Gradients accumulated over earlier steps are equal on every replica already, so
-        averaging the whole gradient adds this step's mean and leaves them as they were.
-        """
+        """Average the gradients over the ``dp`` group, one all-reduce (``"replicate"`` only)."""
         grads = [p.grad for p in params if p.grad is not None]
         if not grads:
             return
@@ -248,19 +179,7 @@ class DataParallel:
 
 def resolve_data_parallel(mesh: DeviceMesh | None, dp_degree: int | None, dp_mode: str, *, world_size: int,
                           device_type: str) -> DataParallel | None:
-    """The data-parallel layout, or None for a pure pipeline (creates the mesh's process groups).
-
-    ``dp_degree`` builds a ``(dp_degree, world_size / dp_degree)`` mesh named ``("dp", "pp")``:
-    consecutive ranks form a pipeline. A ``dp_degree`` of 1 is a pure pipeline.
-
-    Raises:
-        ValueError: ``dp_degree`` does not divide the world size, or the mesh's size differs
-            from the world's (before any communication).
-
-    Example::
-
-        dp = resolve_data_parallel(None, 2, "fsdp", world_size=4, device_type="cpu")
-    """
+    """The data-parallel layout, or None for a pure pipeline (creates the mesh's process groups)."""
     if mesh is None and dp_degree is None:
         return None
     if mesh is not None:
@@ -278,20 +197,7 @@ def resolve_data_parallel(mesh: DeviceMesh | None, dp_degree: int | None, dp_mod
 
 
 def prepare_replicas(dp: DataParallel, built: Any, schedule: str) -> None:
-    """Make the replicas of this rank's stages equal, and shard them under ``"fsdp"`` (collective).
-
-    Every replica takes dp rank 0's parameters and buffers; with ``"fsdp"`` each stage module
-    is then sharded over ``dp`` and ``built.state`` points at the sharded parameters.
-
-    Raises:
-        ValueError: ``"fsdp"`` with a schedule that splits the backward or places stages in
-            a V, or with a model whose eval mode needs its own trace (dropout, batch
-            norm); ``"replicate"`` runs them.
-
-    Example::
-
-        prepare_replicas(dp, built, "1F1B")   # built: stages.build_rank_stages' result
-    """
+    """Make the replicas of this rank's stages equal, and shard them under ``"fsdp"`` (collective)."""
     if dp.mode == "fsdp":
         spec = schedule_spec(schedule)
         if spec.split_backward or spec.placement == "v":

@@ -1,19 +1,11 @@
 """Process group and device helpers: which device this rank uses and how it joins the job.
 
-A script started by ``torchrun`` (or ``autopipe run``) finds ``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` in its environment. The helpers here
-turn that into a process group and a device, the same way on one machine or many:
-
-    >>> from autopipe.runtime.distributed import default_backend, default_device
-    >>> default_backend() in ("nccl", "gloo")
-    True
-    >>> default_device().type in ("cuda", "cpu")
-    True
-
-CUDA with NCCL where a GPU is present, CPU with gloo otherwise. :class:`autopipe.Pipeline`
-calls :func:`init_distributed` itself when no process group exists yet, so a training
-script needs no distributed code of its own; a group created that way is destroyed when the
-last pipeline holding it closes (:func:`release_process_group`), or at interpreter exit.
+Example:
+        >>> from autopipe.runtime.distributed import default_backend, default_device
+        >>> default_backend() in ("nccl", "gloo")
+        True
+        >>> default_device().type in ("cuda", "cpu")
+        True
 """
 
 from __future__ import annotations
@@ -52,9 +44,6 @@ _holders: "weakref.WeakSet[Any]" = weakref.WeakSet()
 def default_backend() -> str:
     """The process-group backend for this machine: ``"nccl"`` with CUDA, else ``"gloo"``.
 
-    Returns:
-        ``"nccl"`` when CUDA and NCCL are available, ``"gloo"`` otherwise.
-
     Example:
         >>> default_backend() in ("nccl", "gloo")
         True
@@ -66,15 +55,6 @@ def default_backend() -> str:
 
 def default_device() -> torch.device:
     """The device this process should run its stages on.
-
-    With CUDA, ``cuda:LOCAL_RANK`` (torchrun starts one process per GPU and numbers them
-    per machine with ``LOCAL_RANK``); without, the CPU.
-
-    Returns:
-        A ``torch.device``.
-
-    Raises:
-        ValueError: if ``LOCAL_RANK`` is not an integer or names a GPU this machine lacks.
 
     Example:
         >>> default_device().type in ("cuda", "cpu")
@@ -97,12 +77,7 @@ def default_device() -> torch.device:
 
 
 def collective_device(device: torch.device) -> torch.device:
-    """Where tensors for collectives live: ``device`` under NCCL, the CPU under gloo (which cannot send CUDA tensors).
-
-    Example::
-
-        collective_device(torch.device("cuda:0"))   # cuda:0 under NCCL, cpu under gloo
-    """
+    """Where tensors for collectives live: ``device`` under NCCL, the CPU under gloo (which cannot send CUDA tensors)."""
     return device if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
@@ -134,22 +109,6 @@ def init_distributed(
     *, backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> tuple[int, int]:
     """Join the job's default process group if this process has not yet; return rank and size.
-
-    Reads torchrun's environment variables. A process group that already exists (the user
-    or a test harness made it) is used as it is.
-
-    Args:
-        backend: ``"nccl"``, ``"gloo"`` or None for :func:`default_backend`.
-        timeout_s: seconds any collective may wait for a peer before raising.
-
-    Returns:
-        ``(rank, world_size)`` of the default process group.
-
-    Raises:
-        RuntimeError: if no process group exists and the torchrun variables are missing;
-            the message says how to launch.
-        ValueError: if ``timeout_s`` is not a finite number of seconds in (0, 365 days]
-            (:func:`check_timeout_s`); checked before anything else.
 
     Example:
         >>> rank, world_size = init_distributed()  # doctest: +SKIP
@@ -192,9 +151,6 @@ def init_distributed(
 def created_process_group() -> bool:
     """Whether the default process group now in use is one :func:`init_distributed` created.
 
-    Returns:
-        False when no group exists or the user (or a test harness) created it.
-
     Example:
         >>> created_process_group()  # no group in this process
         False
@@ -205,17 +161,6 @@ def created_process_group() -> bool:
 
 def hold_process_group(holder: Any) -> bool:
     """Count ``holder`` (a pipeline) as a user of the process group autopipe created.
-
-    The group is destroyed when its last holder lets it go (:func:`release_process_group`).
-    Only a weak reference is kept: a holder that is garbage-collected lets go by itself, and
-    the group is then destroyed at interpreter exit.
-
-    Args:
-        holder: any object that supports weak references.
-
-    Returns:
-        True if ``holder`` now holds the group; False when the group is not autopipe's
-        (then nobody in autopipe destroys it).
 
     Example:
         >>> class User: pass
@@ -231,17 +176,6 @@ def hold_process_group(holder: Any) -> bool:
 def release_process_group(holder: Any) -> bool:
     """``holder`` no longer uses the process group; destroy it if autopipe created it and nobody holds it.
 
-    Collective in effect: every rank's holders let go in the same order, so the ranks
-    destroy the group together. Destroying it here, while the interpreter runs, is what
-    lets gloo's worker threads finish: a thread that releases the last collective's
-    tensors after the interpreter began to shut down aborts the process (SIGABRT).
-
-    Args:
-        holder: an object given to :func:`hold_process_group` (others are ignored).
-
-    Returns:
-        True if the group was destroyed now.
-
     Example:
         >>> class User: pass
         >>> release_process_group(User())
@@ -255,22 +189,14 @@ def release_process_group(holder: Any) -> bool:
 
 
 def _destroy_created_group() -> None:
-    """Destroy the default group autopipe created and drop autopipe's reference to it.
-
-    torch joins a gloo group's worker threads only when the last reference to the group
-    goes, so none may stay here.
-    """
+    """Destroy the default group autopipe created and drop autopipe's reference to it."""
     global _created_group
     _created_group = None
     dist.destroy_process_group()
 
 
 def _destroy_created_group_at_exit() -> None:
-    """At interpreter exit: destroy the default group autopipe created if nothing closed it yet.
-
-    The pipelines' own exit hooks run first (atexit runs the latest registered first); this
-    covers a pipeline that was garbage-collected without :meth:`~autopipe.Pipeline.close`.
-    """
+    """At interpreter exit: destroy the default group autopipe created if nothing closed it yet."""
     if created_process_group():
         _holders.clear()
         _destroy_created_group()
@@ -278,17 +204,6 @@ def _destroy_created_group_at_exit() -> None:
 
 def broadcast_object(obj: Any, *, src: int, device: torch.device) -> Any:
     """Send a picklable object from rank ``src`` to every rank; each rank returns it.
-
-    Used for the plan: computed once on rank 0, then every rank builds its stages from the
-    very same split, however its own timings would have differed.
-
-    Args:
-        obj: the object on rank ``src`` (ignored elsewhere).
-        src: the sending rank.
-        device: this rank's device; NCCL moves the pickled bytes through it.
-
-    Returns:
-        ``obj`` as rank ``src`` had it.
 
     Example:
         >>> plan = broadcast_object(plan, src=0, device=device)  # doctest: +SKIP
@@ -309,9 +224,6 @@ def broadcast_object(obj: Any, *, src: int, device: torch.device) -> Any:
 def gather_digests(value: Any, world_size: int) -> list[str]:
     """Every rank's SHA-256 of ``repr(value)``, in rank order (collective).
 
-    A cheap way to learn whether the ranks agree (on a plan, on a model's signature)
-    without sending the values themselves.
-
     Example:
         >>> len(set(gather_digests(plan.split_points, dist.get_world_size()))) == 1  # doctest: +SKIP
         True
@@ -323,9 +235,6 @@ def gather_digests(value: Any, world_size: int) -> list[str]:
 
 def close_at_exit(closable: Any) -> Callable[[], None]:
     """Have interpreter exit call ``closable.close()``; returns the hook, to ``atexit.unregister`` on close.
-
-    The hook holds ``closable`` only weakly, so an unreferenced object is still
-    garbage-collected (its hook is then dropped too).
 
     Example:
         >>> class Job:
@@ -362,15 +271,7 @@ def destroy_groups(groups: Iterable[Any]) -> None:
 
 
 def raise_on_every_rank(error: BaseException | None, *, rank: int, world_size: int, what: str) -> None:
-    """Raise on every rank when some rank failed ``what`` (collective; one all-gather).
-
-    A rank that failed raises its own ``error``; the others a RuntimeError naming the first
-    failing rank and its error, so none waits at a later collective for a rank that stopped.
-
-    Example::
-
-        raise_on_every_rank(None, rank=0, world_size=2, what="load the state dict")  # no rank failed
-    """
+    """Raise on every rank when some rank failed ``what`` (collective; one all-gather)."""
     texts: list[Any] = [None] * world_size
     dist.all_gather_object(texts, None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:

@@ -1,22 +1,4 @@
-"""Inference on a pipeline's stages: forward only where torch can, else through a training step.
-
-torch's forward-only ``schedule.eval()`` exists for the schedules that place one or more
-stages per rank in a loop. torch's ZBVZeroBubble and DualPipeV run their backward actions
-even in ``eval()`` and fail there, no forward-only torch schedule places stages in a V,
-and older torch releases have no ``eval()`` at all. There inference runs a training step
-of the same schedule on a loss of exactly zero (:func:`zero_loss`) and puts every
-gradient back as it was: correct, at the price of a backward pass.
-
-Each (mode, with loss) pair gets its own schedule over fresh stage objects, built on first
-use: a schedule keeps per-stage communication state that another schedule's run would
-overwrite.
-
-Example::
-
-    inference = Inference(built, num_stages=4, schedule="1F1B", n_microbatches=4, loss_fn=loss_fn,
-                          failures=failures, device=device)
-    output, losses = inference.run(stage_args, {}, stage_target, training=False, with_loss=True)
-"""
+"""Inference on a pipeline's stages: forward only where torch can, else through a training step."""
 
 from __future__ import annotations
 
@@ -44,24 +26,7 @@ def zero_loss(output: Any, target: Any) -> torch.Tensor:
 
 
 class Inference:
-    """Runs this rank's stages without training, in train or eval mode, with or without the loss.
-
-    Args:
-        built: this rank's stages.
-        num_stages: stages in the whole pipeline.
-        schedule: the pipeline's schedule name.
-        n_microbatches: micro-batches per call.
-        loss_fn: the user's per-micro-batch loss, or None.
-        failures: the pipeline's step failures, so that a failing stage plays the call through.
-        device: this rank's device.
-
-    Example::
-
-        inference = Inference(built, num_stages=2, schedule="1F1B", n_microbatches=4, loss_fn=None,
-                              failures=StepFailures(), device=torch.device("cpu"))
-        output, _ = inference.run(stage_args, {}, inference.placeholder_target(), training=False,
-                                  with_loss=False)
-    """
+    """Runs this rank's stages without training, in train or eval mode, with or without the loss."""
 
     def __init__(self, built: RankStages, *, num_stages: int, schedule: str, n_microbatches: int,
                  loss_fn: Callable | None, failures: StepFailures, device: torch.device) -> None:
@@ -105,11 +70,7 @@ class Inference:
 
     def run(self, stage_args: tuple, stage_kwargs: dict, stage_target: Any, *, training: bool,
             with_loss: bool) -> tuple[Any, list[torch.Tensor]]:
-        """Forward every micro-batch without training; return the merged output and the losses.
-
-        The inputs are placed as the first and last stages take them; the gradients of every
-        parameter are left as they were.
-        """
+        """Forward every micro-batch without training; return the merged output and the losses."""
         schedule = self._schedule_for(training=training, with_loss=with_loss)
         losses: list[torch.Tensor] = []
         if self.forward_only:

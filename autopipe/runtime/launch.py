@@ -1,27 +1,8 @@
 """``autopipe run script.py --nproc N [args]``: start a training script on N processes per machine.
 
-A thin front on ``torch.distributed.run`` (torchrun), so a user need not write a torchrun
-line::
-
-    autopipe run train.py --nproc 2 --steps 50
-    python -m autopipe run train.py --nproc 2 --steps 50
-    python -m autopipe.runtime.launch train.py --nproc 2 --steps 50
-
-is ``torchrun --standalone --nproc-per-node 2 train.py --steps 50``: torchrun picks a free
-port, starts the processes with ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set, and stops all
-of them when one fails. Inside the script, :class:`autopipe.Pipeline` picks the device
-(CUDA with NCCL where present, CPU with gloo otherwise).
-
-Across machines, the same command on every machine with ``--nnodes`` and the address of
-one of them (the rendezvous: torchrun's c10d store, which assigns the node ranks)::
-
-    autopipe run train.py --nnodes 2 --nproc 8 --rdzv-endpoint node0.example:29500 --steps 50
-
-is ``torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint
-node0.example:29500 train.py --steps 50``; the script does not change.
-
-    >>> parse_run_args(["train.py", "--nproc", "2", "--lr", "0.1"])  # doctest: +SKIP
-    RunArgs(script='train.py', nproc=2, script_args=['--lr', '0.1'], nnodes=1, rdzv_endpoint=None)
+Example:
+        >>> parse_run_args(["train.py", "--nproc", "2", "--lr", "0.1"])  # doctest: +SKIP
+        RunArgs(script='train.py', nproc=2, script_args=['--lr', '0.1'], nnodes=1, rdzv_endpoint=None)
 """
 
 from __future__ import annotations
@@ -63,21 +44,6 @@ class RunArgs:
 def parse_run_args(argv: Sequence[str]) -> RunArgs:
     """Read ``[options] SCRIPT [options] [script args]``; the options are ``--nproc``,
     ``--nnodes`` and ``--rdzv-endpoint``.
-
-    autopipe's options are taken before the script and right after it; from the first
-    argument that is not one of them on, everything belongs to the script, even another
-    ``--nproc``.
-
-    Args:
-        argv: the arguments after ``run``.
-
-    Returns:
-        A :class:`RunArgs`.
-
-    Raises:
-        ValueError: no script, a script that is not a file, an option missing its value, a
-            count that is not a positive integer, ``--nproc`` absent on a machine without
-            GPUs, or ``--nnodes`` above 1 without a ``HOST:PORT`` ``--rdzv-endpoint``.
 
     Example:
         >>> parse_run_args(["--nproc=4", "train.py"]).nproc  # doctest: +SKIP
@@ -163,20 +129,6 @@ def run_script(script: str, nproc: int, args: Sequence[str] = (), *, nnodes: int
                rdzv_endpoint: str | None = None) -> int:
     """Run ``script`` on ``nproc`` processes of this machine with torchrun; return the exit code.
 
-    Args:
-        script: path of the training script.
-        nproc: number of processes, >= 1. With GPUs, at most one per GPU (each process
-            uses ``cuda:LOCAL_RANK``).
-        args: arguments for the script.
-        nnodes: machines taking part; each runs this with the same arguments.
-        rdzv_endpoint: ``HOST:PORT`` where they meet (needed when ``nnodes > 1``).
-
-    Returns:
-        0 when every process succeeded, else the exit code of the first that failed.
-
-    Raises:
-        ValueError: ``nproc`` is not a positive integer or exceeds the GPUs present.
-
     Example:
         >>> run_script("train.py", 2, ["--steps", "50"])  # doctest: +SKIP
         0
@@ -208,12 +160,6 @@ def run_script(script: str, nproc: int, args: Sequence[str] = (), *, nnodes: int
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``autopipe run`` (``argv`` = the arguments after ``run``).
-
-    Args:
-        argv: command-line arguments; default ``sys.argv[1:]``.
-
-    Returns:
-        The exit code: 0 on success, 2 for bad arguments, else the failing rank's code.
 
     Example:
         >>> main(["train.py", "--nproc", "2"])  # doctest: +SKIP

@@ -1,14 +1,4 @@
-"""A pipeline's lifecycle: failed steps, ``close()`` and the ``with`` block.
-
-:class:`PipelineLifecycle` is the part of :class:`~autopipe.runtime.pipeline.Pipeline` that
-holds the process groups it created and releases them; ``Pipeline`` inherits it.
-
-Example::
-
-    with Pipeline(model, example_args=(x_mb,), loss_fn=loss_fn) as pipe:
-        pipe.step(x, target=y)
-    pipe.closed   # True
-"""
+"""A pipeline's lifecycle: failed steps, ``close()`` and the ``with`` block."""
 
 from __future__ import annotations
 
@@ -19,14 +9,7 @@ from .distributed import close_at_exit, destroy_groups, hold_process_group, rele
 from .step_failures import StepFailures
 
 class PipelineLifecycle:
-    """Failed-step state, :meth:`close` and the context manager of a pipeline.
-
-    The subclass sets ``_train_schedule``, ``_inference``, ``_train_stages`` and ``_shared``.
-
-    Example::
-
-        pipe = Pipeline(...); pipe.close(); pipe.closed   # True
-    """
+    """Failed-step state, :meth:`close` and the context manager of a pipeline."""
 
     # ------------------------------------------------------------------ failed steps and closing
     def _start_lifecycle(self) -> None:
@@ -40,21 +23,6 @@ class PipelineLifecycle:
 
     def close(self) -> None:
         """Release what the pipeline holds for communication; safe to call again.
-
-        Drops the schedules and stages, destroys the process groups the pipeline created for
-        parameters shared across ranks, and destroys the default process group if autopipe
-        created it (no group existed when the first pipeline was built) and no other open
-        pipeline uses it. A group the user created is left alone. Every rank must close its
-        pipeline (as every rank built it). Called at interpreter exit for a pipeline still
-        open; a ``with Pipeline(...) as pipe:`` block calls it at its end.
-
-        Destroying the group before the interpreter shuts down is what lets a finished run
-        exit cleanly: gloo's worker threads release the last collective's tensors after the
-        call returned, and a thread that does so once shutdown has begun aborts the process.
-
-        After ``close()`` the parameters, :meth:`state_dict` (this rank's) and
-        :meth:`load_state_dict` still work; :meth:`step`, :meth:`evaluate` and
-        :meth:`forward` raise ``RuntimeError``.
 
         Example:
             >>> with Pipeline(model, example_args=(x_mb,), loss_fn=loss_fn) as pipe:  # doctest: +SKIP

@@ -1,35 +1,4 @@
-"""Giving a model built on the meta device real tensors: this rank's only, initialized or loaded.
-
-A model built under ``with torch.device("meta"):`` has shapes and no data, so a pipeline
-can split it without ever holding it whole. Each rank then materializes only the tensors
-its own stages read (:func:`materialize_rank`), on its device, and gives them values:
-
-1. **Initialization.** Every tensor is first filled with a sentinel (NaN for floating
-   point, the smallest value for integers). Then either the user's init function
-   (``Pipeline(weights=init)``) runs, or the default init: for each submodule owning some of this rank's tensors, Hugging
-   Face's ``_init_weights(module)`` (the root is a ``PreTrainedModel``) or the module's own
-   ``reset_parameters()``, under a random seed derived from the submodule's name
-   (:func:`module_seed`), so every rank and every split gives a tensor the same value.
-   The hook and the default init run on a private meta copy of the original model (its
-   own module classes), in which only this rank's tensors are real; the others stay on
-   meta, where torch's init functions do nothing.
-2. **Loading** (``weights=``): a full state dict, a ``.safetensors`` file or a
-   ``torch.distributed.checkpoint`` directory saved from the unsplit model's
-   ``state_dict()``; each rank reads only its own tensors' keys (any alias of a tied tensor).
-   Non-persistent buffers (Llama's rotary ``inv_freq``) are in no state dict: the init
-   computes them.
-
-A tensor that still holds the sentinel afterwards is an error naming it
-(:class:`UnwrittenTensorsError`), never silent garbage.
-
-Example::
-
-    with torch.device("meta"):
-        model, (x_mb,) = seed_transformer(vocab_size=1000, num_layers=4, seq_len=16)
-    pipe = autopipe.Pipeline(model, example_args=(x_mb.new_zeros(x_mb.shape, device="cpu"),),
-                             loss_fn=loss_fn, planner=autopipe.PlannerOptions(cost="flops"),
-                             weights="model.safetensors")
-"""
+"""Giving a model built on the meta device real tensors: this rank's only, initialized or loaded."""
 
 from __future__ import annotations
 
@@ -82,15 +51,6 @@ def to_meta(value: Any) -> Any:
 def check_weight_arguments(model: nn.Module, init_weights: Any, weights: Any) -> None:
     """Check ``Pipeline(weights=)`` before any work: ``init_weights`` when it is a function, else ``weights``.
 
-    An init function initializes a model built on the meta device, so it is refused for a
-    model that already holds values (initialize that model before handing it over). A
-    state dict or checkpoint works for both: a real model's values are replaced by them.
-
-    Raises:
-        TypeError: ``init_weights`` is not callable, or ``weights`` is not a mapping or a path.
-        ValueError: an init function for a model not on the meta device.
-        FileNotFoundError: ``weights`` names nothing on disk.
-
     Example:
         >>> check_weight_arguments(nn.Linear(2, 2), None, {"weight": torch.ones(2, 2)})
         >>> check_weight_arguments(nn.Linear(2, 2), print, None)
@@ -130,8 +90,6 @@ def module_seed(name: str, base: int = 0) -> int:
 @torch.no_grad()
 def fill_sentinel(tensors: Iterable[torch.Tensor]) -> None:
     """Fill each tensor with the value :func:`unwritten` looks for: NaN, or an integer type's smallest value.
-
-    Boolean tensors have no value to spare and are left as they are.
 
     Example:
         >>> t, i = torch.zeros(2), torch.zeros(2, dtype=torch.long)
@@ -174,17 +132,6 @@ def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
 @torch.no_grad()
 def default_init(model: nn.Module, real: Iterable[torch.Tensor] | None = None, *, seed: int = 0) -> list[str]:
     """Initialize ``model``'s submodules the way their own code does, each under its own seed.
-
-    A submodule is initialized when it owns some tensor of ``real`` (default: every tensor
-    not on the meta device): with the root's ``_init_weights(module)`` when the root is a
-    Hugging Face ``PreTrainedModel`` (which also recomputes rotary ``inv_freq`` buffers),
-    then with the submodule's ``reset_parameters()`` where that left some of its tensors
-    unwritten; otherwise with ``reset_parameters()`` alone. Each runs under
-    ``torch.manual_seed(module_seed(name, seed))`` inside a forked random state, so the
-    values depend only on the submodule's name, never on which other tensors are real here.
-
-    Returns:
-        The names of the submodules it initialized.
 
     Example:
         >>> a, b = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), nn.Sequential(nn.Linear(2, 2))
@@ -248,21 +195,6 @@ def read_weights(source: WeightSource, wanted: Mapping[str, Sequence[str]],
                  into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Read only the tensors ``wanted`` from a state dict, a ``.safetensors`` file or a DCP directory.
 
-    Args:
-        source: a mapping of names to tensors, the path of a ``.safetensors`` file, or a
-            ``torch.distributed.checkpoint`` directory saved from a model's ``state_dict()``.
-        wanted: canonical name -> every name it may be stored under (tied aliases), first
-            preferred.
-        into: canonical name -> the tensor the value goes to: a DCP directory's tensors of
-            the same shape and dtype are read straight into it (no second copy in memory).
-
-    Returns:
-        ``{canonical name: tensor}`` (on the CPU for files), for every name found.
-
-    Raises:
-        ImportError: a ``.safetensors`` file without the ``safetensors`` package.
-        ValueError: a path that is neither a ``.safetensors`` file nor a DCP directory.
-
     Example:
         >>> read_weights({"b.weight": torch.ones(1)}, {"a.weight": ["a.weight", "b.weight"]})
         {'a.weight': tensor([1.])}
@@ -321,11 +253,7 @@ def _read_dcp(path: Path, wanted: Mapping[str, Sequence[str]],
 
 
 def read_dcp_metadata(path: str | os.PathLike, argument: str) -> Any:
-    """The ``Metadata`` of a ``torch.distributed.checkpoint`` directory; a ValueError naming ``argument`` if unreadable.
-
-    A checkpoint whose writing was cut short leaves a truncated ``.metadata`` file, which
-    torch reports as a bare unpickling error.
-    """
+    """The ``Metadata`` of a ``torch.distributed.checkpoint`` directory; a ValueError naming ``argument`` if unreadable."""
     import torch.distributed.checkpoint as dcp
 
     try:
@@ -366,15 +294,6 @@ def stored_shapes(source: WeightSource) -> dict[str, tuple[int, ...]]:
 def check_state_fits(stored: Mapping[str, tuple[int, ...]], names: StateNames, what: str) -> None:
     """Raise unless ``stored`` (name -> shape) holds exactly the model's saved tensors, shaped as the model's.
 
-    As ``nn.Module.load_state_dict(strict=True)``: a name the model does not have (another
-    model's checkpoint), a saved tensor it lacks, or another shape is refused, listed. Any
-    alias of a tied tensor will do; non-persistent buffers are never required.
-
-    Args:
-        stored: what the source holds.
-        names: the model's tensor names and shapes.
-        what: the source, for the message (``"weights='ckpt'"``).
-
     Example:
         >>> from autopipe.runtime.params import model_state_names
         >>> lin = nn.Linear(2, 2)
@@ -404,42 +323,7 @@ def materialize_rank(model: nn.Module, names: StateNames, local: Iterable[str], 
                      extra: Iterable[str] = (), init_weights: Callable[[nn.Module], Any] | None = None,
                      weights: WeightSource | None = None, unwritten_out: dict[str, torch.Tensor] | None = None
                      ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Real, initialized or loaded tensors for this rank's canonical names of a meta-device ``model``.
-
-    The work happens on a private copy of ``model`` (the user's model is not touched), in
-    which only ``local`` (on ``device``) and ``extra`` (on the CPU: tensors no stage reads,
-    kept for a full state dict) become real. Then, in order: every tensor is filled with a
-    sentinel; the init runs (``init_weights(copy)``, else :func:`default_init` - only over
-    the submodules owning non-persistent buffers when ``weights`` is given, as the weights
-    hold everything else); the weights are read (:func:`read_weights`, this rank's keys only)
-    and copied in.
-
-    Args:
-        model: the original model, on the meta device.
-        names: its tensor names (:func:`~autopipe.runtime.params.model_state_names`).
-        local: canonical names this rank's stages read.
-        device: where ``local`` lives.
-        extra: canonical names to materialize on the CPU.
-        init_weights: ``init_weights(model)``, initializing in place every real tensor of the
-            copy (the others are on meta, where torch's init functions do nothing).
-        weights: see :func:`read_weights`; keys are the original model's names.
-        unwritten_out: given, the tensors neither wrote are added to it (to be loaded before
-            they are used, :func:`check_written`) instead of raising.
-
-    Returns:
-        ``(local tensors, extra tensors)``, by canonical name.
-
-    Raises:
-        KeyError: ``weights`` lacks tensors of this rank (listed).
-        ValueError: a tensor in ``weights`` has another shape than the model's.
-        UnwrittenTensorsError: tensors neither the init nor the weights wrote (listed, with
-            the fix).
-
-    Example::
-
-        local, unheld = materialize_rank(meta_model, names, ["layers.0.fc.weight"],
-                                         device=torch.device("cpu"), weights="model.safetensors")
-    """
+    """Real, initialized or loaded tensors for this rank's canonical names of a meta-device ``model``."""
     local, extra = list(local), [c for c in extra if c not in set(local)]
     work = copy.deepcopy(model)
     made = _materialize_in(work, names, [*local, *extra],
@@ -485,15 +369,6 @@ def check_written(tensors: Mapping[str, torch.Tensor]) -> None:
 def load_weights(targets: Mapping[str, torch.Tensor], names: StateNames, weights: WeightSource) -> set[str]:
     """Copy into ``targets`` (canonical name -> tensor) their values from ``weights``, reading only their keys.
 
-    Non-persistent buffers are skipped: no state dict holds them.
-
-    Returns:
-        The canonical names written.
-
-    Raises:
-        KeyError: ``weights`` lacks some of ``targets`` (listed).
-        ValueError: a tensor in ``weights`` has another shape.
-
     Example:
         >>> from autopipe.runtime.params import model_state_names
         >>> lin = nn.Linear(2, 2); targets = dict(lin.named_parameters())
@@ -528,16 +403,6 @@ def describe_weights(weights: WeightSource) -> str:
 
 def materialize_leftovers(module: nn.Module, used: set[str]) -> list[str]:
     """Replace the meta tensors a stage module holds but never reads with placeholders that take no memory.
-
-    A stage module may carry tensors its code never reads (left over from the split);
-    torch would otherwise try to move them to the stage's device. A meta tensor it does
-    read is an error: nothing gave it a value.
-
-    Returns:
-        The names replaced.
-
-    Raises:
-        UnwrittenTensorsError: the module reads a meta tensor (named).
 
     Example:
         >>> with torch.device("meta"):

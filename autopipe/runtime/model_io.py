@@ -1,23 +1,10 @@
 """How the user's inputs reach the first stage and the last stage's outputs reach ``loss_fn``.
 
-A pipeline's stages pass flat tensors; the user's model takes positional and keyword
-arguments and returns a tensor, a tuple, a dict or a Hugging Face ``ModelOutput``.
-torch.export records both structures as pytree specs (``ExportedProgram.call_spec``), and
-the traced graph's inputs are ``(args, kwargs)`` flattened in that order. This module
-keeps those specs and converts in both directions, matching keyword inputs **by name**:
-
-* :meth:`ModelIO.flatten_inputs` turns a call's ``(args, kwargs)`` into the flat list
-  the first stage takes (the graph's input order), whatever order the keywords were given
-  in, and refuses a call whose structure differs from the traced one - never a silent
-  positional mix-up of two inputs of the same shape;
-* :meth:`ModelIO.unflatten_output` turns what the last stage returns back into what the
-  unsplit model returns, so one ``loss_fn`` works split and unsplit;
-* :class:`TracedBatch` checks a batch against the traced micro-batch before it is split.
-
-    >>> import torch
-    >>> io = ModelIO.from_example((torch.ones(2, 3),), {"mask": torch.ones(2, 3)}, None)
-    >>> [tuple(t.shape) for t in io.flatten_inputs((torch.zeros(4, 3),), {"mask": torch.zeros(4, 3)})]
-    [(4, 3), (4, 3)]
+Example:
+        >>> import torch
+        >>> io = ModelIO.from_example((torch.ones(2, 3),), {"mask": torch.ones(2, 3)}, None)
+        >>> [tuple(t.shape) for t in io.flatten_inputs((torch.zeros(4, 3),), {"mask": torch.zeros(4, 3)})]
+        [(4, 3), (4, 3)]
 """
 
 from __future__ import annotations
@@ -32,14 +19,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_flatten_with_path, 
 
 @dataclass(frozen=True)
 class ModelIO:
-    """The traced model's input and output structure.
-
-    Attributes:
-        in_spec: the pytree spec of ``(args, kwargs)`` the model was traced with.
-        out_spec: the pytree spec of the model's output, or None when unknown (the last
-            stage's output is then handed on as it is).
-        kwarg_names: the keyword inputs, in traced order.
-    """
+    """The traced model's input and output structure."""
 
     in_spec: TreeSpec
     out_spec: TreeSpec | None
@@ -72,11 +52,6 @@ class ModelIO:
 
     def flatten_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
         """``(args, kwargs)`` as the first stage's flat inputs, keywords matched by name.
-
-        Raises:
-            ValueError: the call has a different number of positional inputs, a keyword
-                the model was not traced with or lacks one it was, or a differently
-                nested input; the message names what differs.
 
         Example:
             >>> io = ModelIO.from_example((torch.ones(1),), {"a": torch.ones(1), "b": torch.zeros(1)}, None)
@@ -149,14 +124,6 @@ class ModelIO:
 class TracedBatch:
     """What every batch given to a pipeline is checked against: the traced micro-batch.
 
-    Each rank checks the batch it was given, so a bad batch fails everywhere, silently
-    nowhere, and before any communication.
-
-    Args:
-        io: the traced model's structure.
-        example: ``(args, kwargs)`` of the micro-batch the model was traced with.
-        n_microbatches: how many micro-batches a batch stacks along dimension 0.
-
     Example:
         >>> io = ModelIO.from_example((torch.ones(2, 3),), {}, None)
         >>> TracedBatch(io, ((torch.ones(2, 3),), {}), 4).check((torch.ones(8, 3),), {}, None, need_target=False)
@@ -186,11 +153,7 @@ class TracedBatch:
         return self.io.stage_inputs(tuple(args), self.as_traced(kwargs))
 
     def check(self, args: tuple, kwargs: dict, target: Any, *, need_target: bool, replicas: int = 1) -> None:
-        """Raise ``ValueError`` unless the batch splits into micro-batches shaped like the traced one.
-
-        With ``replicas`` > 1 (data parallelism) the batch is the global one, which splits into
-        ``replicas`` shards of ``n_microbatches`` micro-batches each.
-        """
+        """Raise ``ValueError`` unless the batch splits into micro-batches shaped like the traced one."""
         m = self.n_microbatches * replicas
         split = f"n_microbatches={self.n_microbatches} micro-batches" + (
             f" for each of dp={replicas} replicas (the global batch)" if replicas > 1 else "")
@@ -246,11 +209,6 @@ def _describe(spec: TreeSpec) -> str:
 @contextlib.contextmanager
 def capture_export(before_split: Callable[[Any], None] | None = None) -> Iterator[list]:
     """Keep the ``ExportedProgram`` that ``torch.distributed.pipelining.pipeline()`` traces.
-
-    ``pipeline()`` exports the model and keeps only the split graph; its input and output
-    specs are what :class:`ModelIO` needs. Yields a list that holds the program afterwards
-    (empty on a torch whose ``Pipe`` exports differently; the caller then falls back).
-    ``before_split(program)`` runs before the split; an exception it raises stops ``pipeline()``.
 
     Example:
         >>> with capture_export() as captured:  # doctest: +SKIP

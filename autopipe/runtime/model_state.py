@@ -1,19 +1,4 @@
-"""The whole model's gradients and state, from the parts the ranks hold.
-
-Each rank holds its stages' parameters; a parameter used by stages on several ranks (a
-tied embedding) has a copy on each. After a step every copy must hold the same, summed
-gradient (:func:`sum_shared_grads`), the gradient norm must count each parameter once
-over all ranks (:func:`clip_grad_norm`), and a full checkpoint gathers every rank's
-tensors under the original model's names (:func:`full_state_dict`). All three are
-collective: every rank calls them, in the same order.
-
-Example::
-
-    before = grads_before(shared, state)
-    schedule.step(...)
-    sum_shared_grads(shared, state, use_leaves, before)
-    norm = clip_grad_norm(named_parameters, first_use, rank=rank, max_norm=1.0, device=device)
-"""
+"""The whole model's gradients and state, from the parts the ranks hold."""
 
 from __future__ import annotations
 
@@ -51,20 +36,7 @@ def grads_before(shared: Shared, state: Mapping[str, torch.Tensor]) -> list[list
 
 def sum_shared_grads(shared: Shared, state: Mapping[str, torch.Tensor],
                      use_leaves: Sequence[tuple[str, nn.Parameter]], before: list[list[torch.Tensor | None]]) -> None:
-    """Sum this step's gradients of every copy of a shared parameter: on this rank, then across ranks.
-
-    The per-use Parameters of split-backward schedules
-    (:func:`~autopipe.runtime.params.tie_aliases`) add their gradients to their parameter's
-    and drop them. Then parameters held on several ranks are summed across those ranks; only
-    the step's own contribution is summed (gradient minus ``before``), so gradients
-    accumulated over several steps stay right.
-
-    Example::
-
-        before = grads_before(shared, state)
-        schedule.step(x, target=y, losses=losses, return_outputs=False)
-        sum_shared_grads(shared, state, use_leaves, before)   # every copy: the summed gradient
-    """
+    """Sum this step's gradients of every copy of a shared parameter: on this rank, then across ranks."""
     fold_use_leaf_grads(use_leaves, state)
     for (names, group), previous in zip(shared, before):
         params = [state[n] for n in names]
@@ -89,26 +61,7 @@ def sum_shared_grads(shared: Shared, state: Mapping[str, torch.Tensor],
 def clip_grad_norm(named_parameters: Sequence[tuple[str, nn.Parameter]], first_use: Mapping[str, int], *,
                    rank: int, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                    device: torch.device, counts: bool = True) -> torch.Tensor:
-    """Scale this rank's gradients so that the norm over every rank's is at most ``max_norm``.
-
-    Each parameter counts on one rank only: ``first_use[name]``, where it is first used (its
-    copies on other ranks hold the same, summed gradient after a step). One all-reduce on
-    ``device``; every gradient is scaled by ``min(1, max_norm / (norm + 1e-6))``. A rank with
-    ``counts=False`` adds nothing (a data-parallel replica whose gradients equal another's);
-    sharded (DTensor) gradients count by their local shards, which together make the whole.
-
-    Returns:
-        The global norm before clipping, in the gradients' dtype, the same on every rank.
-
-    Raises:
-        ValueError: ``max_norm`` or ``norm_type`` out of range (before communication).
-        RuntimeError: ``error_if_nonfinite`` and the norm is not finite.
-
-    Example::
-
-        norm = clip_grad_norm(pipe_named_parameters, first_use, rank=dist.get_rank(), max_norm=1.0,
-                              device=torch.device("cpu"))
-    """
+    """Scale this rank's gradients so that the norm over every rank's is at most ``max_norm``."""
     for arg, value in (("max_norm", max_norm), ("norm_type", norm_type)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"{arg}={value!r} must be a number > 0 (norm_type may be float('inf'))")
@@ -141,16 +94,7 @@ def clip_grad_norm(named_parameters: Sequence[tuple[str, nn.Parameter]], first_u
 
 def full_state_dict(local: Mapping[str, torch.Tensor], unheld: Mapping[str, torch.Tensor], names: StateNames,
                     world_size: int, *, sends: bool = True) -> dict[str, torch.Tensor]:
-    """The whole model's state dict on every rank, on the CPU, with every key of the unsplit model's.
-
-    ``local`` is this rank's tensors by canonical name, ``unheld`` the tensors no stage
-    reads; tied aliases get the same tensor. A rank with ``sends=False`` contributes nothing
-    (a data-parallel replica: the model is gathered from one replica only).
-
-    Example::
-
-        model.load_state_dict(full_state_dict(local, unheld, names, dist.get_world_size()))
-    """
+    """The whole model's state dict on every rank, on the CPU, with every key of the unsplit model's."""
     gathered: list[dict[str, torch.Tensor] | None] = [None] * world_size
     dist.all_gather_object(gathered, {n: t.cpu().clone() for n, t in local.items()} if sends else {})
     merged: dict[str, torch.Tensor] = dict(unheld)
@@ -164,17 +108,6 @@ def full_state_dict(local: Mapping[str, torch.Tensor], unheld: Mapping[str, torc
 def load_local_state(state: Mapping[str, torch.Tensor], names: StateNames, state_dict: Mapping[str, torch.Tensor],
                      *, strict: bool, where: str = "") -> None:
     """Copy into ``state`` (this rank's tensors by canonical name) what ``state_dict`` holds for them.
-
-    Keys are the original model's names; any alias of a tied tensor will do. A value that is
-    the target tensor itself (what ``dcp.load`` filled in place) is left alone.
-
-    Args:
-        where: names the pipeline in the error (``" (rank 1)"``).
-
-    Raises:
-        TypeError: ``state_dict`` is not a mapping, or a value is not a tensor.
-        KeyError: (strict) names missing or unknown, listed.
-        ValueError: a shape differs from the model's.
 
     Example:
         >>> from autopipe.runtime.params import model_state_names

@@ -1,12 +1,5 @@
 """Measure what running a pipeline costs beyond its compute: the runtime's seconds per action.
 
-:func:`measure_action_overhead` runs :class:`autopipe.Pipeline` on a small probe model under
-each schedule, on ranks it starts itself, and finds the seconds every action costs beyond
-its compute (the runtime's bookkeeping, posting and waiting on sends and receives), and how
-much slower the ranks compute when all of them compute at once:
-``PlannerOptions(devices=Device(action_overhead_s=..., speed=...))``. It lives in the runtime
-because it runs the runtime; the link and device speed are measured in :mod:`autopipe.machine`.
-
 Example:
     >>> from autopipe.planning.simulator import simulate
     >>> step = simulate([0.0, 0.0], [0.0, 0.0], schedule="GPipe", n_microbatches=4, comm_s=0.0,
@@ -52,9 +45,6 @@ _PROBE_ROWS = 64  # rows per micro-batch
 class OverheadMeasurement:
     """What running a pipeline costs beyond the stages' compute and the link's transfers.
 
-    Use ``PlannerOptions(devices=Device(action_overhead_s=m.action_overhead_s))`` and, where the
-    ranks share a machine, ``Device(speed=1 / m.concurrent_slowdown)`` for every rank.
-
     Example:
         >>> m = OverheadMeasurement(action_overhead_s=5e-4, per_schedule_s={"1F1B-1": 5e-4}, step_s={"1F1B-1": 0.02},
         ...                         n_microbatches=4, concurrent_slowdown=1.1, n_ranks=2, backend="gloo", device="cpu")
@@ -87,10 +77,6 @@ def fit_action_overhead(step_s: float, schedule: str, stages_per_rank: int, n_ra
                         bwd_s: Sequence[float] | None = None, lazy_sends: bool = False) -> float:
     """The per-action overhead o with which the simulated step is ``step_s``.
 
-    ``fwd_s`` / ``bwd_s`` are the stages' compute per micro-batch (default: none at all);
-    ``lazy_sends`` as the planner will simulate this backend (so the overhead fitted here
-    is not also charged for late deliveries the plans model on their own).
-
     Example:
         >>> from autopipe.planning.simulator import simulate
         >>> step = simulate([0.0, 0.0], [0.0, 0.0], schedule="1F1B", n_microbatches=4, comm_s=1e-4,
@@ -111,12 +97,7 @@ def fit_action_overhead(step_s: float, schedule: str, stages_per_rank: int, n_ra
 
 
 def _compute_probe_s(device: torch.device, repeats: int) -> list[float]:
-    """Seconds of a fixed burst of matmuls and element-wise work, ``repeats`` times.
-
-    The matrices (1 MiB each) outgrow a core's private cache, as a real layer's weights and
-    activations do, so ranks sharing a host compete for the shared cache and memory
-    bandwidth here as they do in a pipeline (small cache-resident matmuls hardly slow down).
-    """
+    """Seconds of a fixed burst of matmuls and element-wise work, ``repeats`` times."""
     g = torch.Generator().manual_seed(0)
     a = torch.randn(512, 512, generator=g).to(device)
     b = torch.randn(512, 512, generator=g).to(device)
@@ -135,12 +116,6 @@ def _compute_probe_s(device: torch.device, repeats: int) -> list[float]:
 def _stage_compute_s(layers: list, device: torch.device, repeats: int = 7) -> tuple[float, float]:
     """Forward and backward seconds (:func:`~autopipe.machine.timing.per_run_s`) of one probe stage on
     one micro-batch, alone.
-
-    Two warm-up runs first. The caches are not emptied between runs (as the profiler does
-    before each pass of a round, :class:`~autopipe.machine.timing.CacheFlusher`): a probe stage's
-    weights (1 MiB) stay in the cache between its actions inside the running pipeline, so
-    timed cold it would look slower than it runs there, and the overhead fitted on top of it
-    would come out too small (docs/design.md, finding 6).
     """
     stage = nn.Sequential(*layers)
     return time_alone(stage, lambda: [torch.randn(_PROBE_ROWS, _PROBE_WIDTH, device=device, requires_grad=True)],

@@ -1,31 +1,12 @@
 """Original names for the tensors of pipeline stages, and which stages share a parameter.
 
-``torch.distributed.pipelining.pipeline`` keeps each parameter's original name inside
-its stage module (``layers.0.attention.q_linear.weight``), but three things need care:
-
-- a tied parameter (GPT-2's ``wte.weight`` is also ``lm_head.weight``) is *replicated*
-  into every stage that uses it, under whichever of its names that stage's code used;
-- a stage module may carry tensors its code never reads (left over from the split);
-- the model's ``state_dict`` lists every alias of a tied tensor and only persistent
-  buffers.
-
-A tied parameter can also be used twice within one stage (T5's decoder embedding and
-its output layer): ``pipeline()`` then gives that stage module two separate copies, one per
-name it used.
-
-This module answers, from the original model and the stage modules alone:
-"what is the canonical name of this stage tensor", "which stage tensors does a stage
-really use", "under which names does a stage module hold each tensor", "which ranks hold
-a copy of the same parameter, and which of them uses it first", and "were the ranks given
-the same model"; and it points every copy a rank holds of one tensor at a single tensor
-(:func:`tie_aliases`).
-
-    >>> import torch.nn as nn
-    >>> model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5))
-    >>> model[1].weight = model[0].weight  # tied
-    >>> names = model_state_names(model)
-    >>> names.canonical["1.weight"]
-    '0.weight'
+Example:
+        >>> import torch.nn as nn
+        >>> model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5))
+        >>> model[1].weight = model[0].weight  # tied
+        >>> names = model_state_names(model)
+        >>> names.canonical["1.weight"]
+        '0.weight'
 """
 
 from __future__ import annotations
@@ -41,17 +22,7 @@ import torch.nn as nn
 
 @dataclass(frozen=True)
 class StateNames:
-    """How the original (unsplit) model names its parameters and buffers.
-
-    Attributes:
-        state_dict_keys: ``model.state_dict()`` keys in order (tied aliases included,
-            non-persistent buffers excluded): what a full checkpoint must contain.
-        canonical: every parameter / buffer name, aliases included -> the first name
-            ``named_parameters()`` / ``named_buffers()`` gives that tensor.
-        aliases: canonical name -> all of its names, canonical first.
-        parameter_names: canonical names that are parameters (the rest are buffers).
-        shapes: ``state_dict_keys`` -> the tensor's shape.
-    """
+    """How the original (unsplit) model names its parameters and buffers."""
 
     state_dict_keys: list[str]
     canonical: dict[str, str]
@@ -72,9 +43,6 @@ class StateNames:
     def of_stage_name(self, local_name: str) -> str | None:
         """The canonical name of a stage module's tensor, None for a constant made by tracing.
 
-        torch.export names the k-th further call of a module ``name@k`` (a block applied
-        twice); every call reads the one tensor of the unsplit model.
-
         Example:
             >>> names = StateNames([], {"shared.lin.weight": "shared.lin.weight"}, {}, frozenset())
             >>> names.of_stage_name("shared@1.lin@1.weight")
@@ -92,12 +60,6 @@ _CALL_INDEX = re.compile(r"@\d+(?=\.|$)")
 
 def model_state_names(model: nn.Module) -> StateNames:
     """Read the names of every parameter and buffer of ``model``, grouping aliases.
-
-    Args:
-        model: the unsplit model.
-
-    Returns:
-        A :class:`StateNames`.
 
     Example:
         >>> names = model_state_names(nn.Linear(2, 2))
@@ -129,15 +91,6 @@ def model_state_names(model: nn.Module) -> StateNames:
 def used_attribute_names(stage_module: nn.Module) -> set[str]:
     """Names of the tensors a stage module's code reads (``get_attr`` nodes), by full path.
 
-    A stage module from ``pipeline()`` is a tree of fx graphs (``GraphModule`` at the
-    top, ``InterpreterModule`` below); a tensor is used when some graph reads it.
-
-    Args:
-        stage_module: ``pipe.get_stage_module(i)``.
-
-    Returns:
-        Set of dotted names relative to ``stage_module``.
-
     Example:
         >>> used = used_attribute_names(pipe.get_stage_module(0))  # doctest: +SKIP
     """
@@ -158,16 +111,6 @@ def used_attribute_names(stage_module: nn.Module) -> set[str]:
 def stage_state(stage_module: nn.Module, names: StateNames) -> dict[str, tuple[str, torch.Tensor]]:
     """The parameters and buffers a stage uses, keyed by their canonical original name.
 
-    Tensors the stage's code never reads, and tensors the original model did not have
-    (constants created by tracing), are left out.
-
-    Args:
-        stage_module: ``pipe.get_stage_module(i)``.
-        names: :func:`model_state_names` of the original model.
-
-    Returns:
-        ``{canonical name: (name inside the stage module, tensor)}``.
-
     Example:
         >>> state = stage_state(pipe.get_stage_module(1), names)  # doctest: +SKIP
         >>> state["embedding.weight"][0]  # doctest: +SKIP
@@ -186,20 +129,6 @@ def stage_state(stage_module: nn.Module, names: StateNames) -> dict[str, tuple[s
 
 def stage_aliases(stage_module: nn.Module, names: StateNames) -> dict[str, list[str]]:
     """Every name under which a stage module holds a copy of each original tensor.
-
-    ``pipeline()`` gives a stage module one tensor per original name its code used, so a
-    tied parameter used twice in the stage (T5's ``decoder.embed_tokens.weight`` and
-    ``lm_head.weight``) arrives as two separate copies; tensors left over from the split
-    are listed too. Names the original model did not have (constants made by tracing) are
-    left out.
-
-    Args:
-        stage_module: ``pipe.get_stage_module(i)`` or the module of a built stage.
-        names: :func:`model_state_names` of the original model.
-
-    Returns:
-        ``{canonical name: [names inside the stage module]}``, parameters then buffers, each
-        in ``named_parameters()`` / ``named_buffers()`` order.
 
     Example:
         >>> aliases = stage_aliases(pipe.get_stage_module(1), names)  # doctest: +SKIP
@@ -221,17 +150,6 @@ def shared_parameters(
 ) -> list[tuple[tuple[int, ...], list[str]]]:
     """Parameters held by stages on more than one rank, grouped by the set of ranks.
 
-    Their gradients must be summed over those ranks after every backward so that the
-    copies, updated by identical optimizers, stay identical.
-
-    Args:
-        stage_params: for each stage, the canonical names of the parameters it uses.
-        stage_ranks: ``stage_ranks[s]`` is the rank that runs stage ``s``.
-
-    Returns:
-        ``[(ranks, names), ...]`` sorted, so that every rank computes the same list (the
-        process groups made from it must be created in the same order everywhere).
-
     Example:
         >>> shared_parameters([["wte", "h0"], ["h1", "wte"]], [0, 1])
         [((0, 1), ['wte'])]
@@ -250,17 +168,6 @@ def shared_parameters(
 
 def first_use_ranks(stage_params: Sequence[Iterable[str]], stage_ranks: Sequence[int]) -> dict[str, int]:
     """For each parameter, the rank running the lowest-numbered stage that uses it.
-
-    That rank's copy of a parameter shared by several ranks is the one every rank starts
-    from: it is where the parameter first enters the forward pass (the embedding of a tied
-    embedding and output layer).
-
-    Args:
-        stage_params: for each stage, the canonical names of the parameters it uses.
-        stage_ranks: ``stage_ranks[s]`` is the rank that runs stage ``s``.
-
-    Returns:
-        ``{canonical name: rank}``.
 
     Example:
         >>> first_use_ranks([["h0"], ["wte", "h1"], ["wte"]], [0, 1, 0])
@@ -281,16 +188,6 @@ def model_signature(model: nn.Module) -> list[SignatureEntry]:
     """What two ranks' models must agree on to be split the same way: every tensor name,
     kind, shape and dtype, and which names are tied to which.
 
-    Values and devices are left out: ranks may hold different values (they are made equal
-    afterwards) on different devices.
-
-    Args:
-        model: the unsplit model.
-
-    Returns:
-        One :data:`SignatureEntry` per parameter name, then per buffer name, tied aliases
-        included, in ``named_parameters()`` / ``named_buffers()`` order.
-
     Example:
         >>> model_signature(nn.Linear(2, 3))[0]
         ('weight', 'parameter', (3, 2), 'torch.float32', 'weight')
@@ -306,15 +203,6 @@ def model_signature(model: nn.Module) -> list[SignatureEntry]:
 
 def first_model_difference(signatures: Sequence[Sequence[SignatureEntry]]) -> str | None:
     """Where the ranks' models first differ, in words; None when they agree.
-
-    Compares every rank's :func:`model_signature` with rank 0's, entry by entry, and
-    describes the first entry that differs (its name, then what differs and on which ranks).
-
-    Args:
-        signatures: ``signatures[r]`` is rank ``r``'s :func:`model_signature`.
-
-    Returns:
-        A sentence naming the first differing tensor name, or None.
 
     Example:
         >>> a, b = model_signature(nn.Linear(2, 3)), model_signature(nn.Linear(2, 4))
@@ -346,18 +234,6 @@ def first_model_difference(signatures: Sequence[Sequence[SignatureEntry]]) -> st
 def tie_aliases(module: nn.Module, names: StateNames, state: Mapping[str, torch.Tensor], *,
                 leaf_per_use: bool = False) -> list[tuple[str, nn.Parameter]]:
     """Point every name in ``module`` of a tensor in ``state`` (canonical name -> tensor) at it.
-
-    Names of tensors not in ``state`` are left alone. With ``leaf_per_use``, the second and
-    later names of a parameter that ``module``'s code reads get instead a new Parameter
-    over the same memory (equal values, a gradient of its own): torch's split weight
-    backward (``stage_backward_weight``, torch 2.11 to 2.13) fails ("backward through the
-    graph a second time") on a Parameter used at two places of one stage's graph with other
-    weights between them. Names it never reads (left over from the split) still point at
-    the parameter itself.
-
-    Returns:
-        The new Parameters, as ``(canonical name, Parameter)``; add their gradients to
-        their parameter's with :func:`fold_use_leaf_grads`.
 
     Example:
         >>> class Scale(nn.Module):
@@ -415,8 +291,6 @@ def fold_use_leaf_grads(leaves: Sequence[tuple[str, nn.Parameter]], state: Mappi
 
 def set_tensor(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
     """Make ``module``'s parameter or buffer ``name`` be ``tensor`` (the same object).
-
-    A non-persistent buffer stays one: it is replaced where it is registered.
 
     Example:
         >>> lin = nn.Linear(2, 2); w = nn.Parameter(torch.zeros(2, 2))

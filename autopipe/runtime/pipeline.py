@@ -1,30 +1,4 @@
-"""The drop-in pipeline: plan once, build this rank's stages with torch, step torch's schedule.
-
-A training loop changes in two lines and runs under ``torchrun`` (or ``autopipe run``)::
-
-    with autopipe.Pipeline(model, example_args=(x_mb,), loss_fn=loss_fn,
-                           schedule="1F1B", n_microbatches=8) as pipe:
-        opt = torch.optim.AdamW(pipe.parameters())
-        for x, y in loader:
-            opt.zero_grad(); loss = pipe.step(x, target=y); opt.step()
-
-What happens, on every rank:
-
-1. **Plan** (:mod:`~autopipe.runtime.plan_setup`). The split comes from a
-   :class:`~autopipe.planning.plan.Plan` (an object or a JSON file), from ``split_points``
-   given by hand, or from :func:`autopipe.planning.planner.partition` run once on rank 0
-   and broadcast - so timings measured differently on each rank can never give two ranks
-   different splits.
-2. **Build** (:mod:`~autopipe.runtime.stages`). ``torch.distributed.pipelining.pipeline()``
-   cuts a private copy of the model at the plan's split points; this rank keeps its
-   stage(s): one for GPipe and 1F1B, ``stages_per_rank`` looped (stage ``s`` on rank
-   ``s % ranks``) for Interleaved1F1B, LoopedBFS and InterleavedZeroBubble, two in a V for
-   ZBVZeroBubble and DualPipeV.
-3. **Step.** torch's schedule class runs the micro-batches; autopipe only adds what a
-   drop-in needs: the mean loss on every rank, gradients of parameters shared by stages
-   on several ranks (tied embeddings) summed across them, original parameter names, and
-   clear errors before any communication.
-"""
+"""The drop-in pipeline: plan once, build this rank's stages with torch, step torch's schedule."""
 
 from __future__ import annotations
 

@@ -1,25 +1,4 @@
-"""Settling, on every rank, which plan the pipeline runs: given, split by hand, or planned once.
-
-:class:`~autopipe.runtime.pipeline.Pipeline` settles its plan in two steps:
-
-1. :meth:`PlanRequest.checked`, before joining the job: every argument that can be checked
-   alone (the plan file, the split points, the counts, the schedule name, the planner
-   options), so a bad argument fails on every rank before any communication.
-2. :func:`settle_plan`, once the ranks are joined: the schedule settings each rank derives
-   from its own arguments and the world size, then one plan for all ranks. A plan or
-   split points given to every rank are checked to agree across the ranks; otherwise
-   :func:`autopipe.planning.planner.partition` runs once, on rank 0, and its plan is
-   broadcast - so timings measured differently on each rank can never give two ranks
-   different splits. By default the ranks first profile the model together
-   (:func:`autopipe.planning.rank_profile.profile_in_ranks`) and rank 0 plans from the mean.
-
-Example::
-
-    request = PlanRequest.checked(model, split_points=["layers.2"], schedule="1F1B")
-    layout = settle_plan(request, model, (x_mb,), None, loss_fn, rank=0, world_size=2,
-                         device=torch.device("cpu"), comm_device=torch.device("cpu"))
-    layout.plan.split_points   # ['layers.2']
-"""
+"""Settling, on every rank, which plan the pipeline runs: given, split by hand, or planned once."""
 
 from __future__ import annotations
 
@@ -42,12 +21,7 @@ from .materialize import on_meta, to_meta
 
 @dataclass(frozen=True)
 class PlanRequest:
-    """What the user asked for, checked: a plan, split points, or settings for the planner.
-
-    Build it with :meth:`checked`. ``n_ranks``, ``schedule``, ``n_microbatches`` and
-    ``stages_per_rank`` are None where the user left them to the plan, the world size or
-    the planner.
-    """
+    """What the user asked for, checked: a plan, split points, or settings for the planner."""
 
     plan: Plan | None
     split_points: list[str] | None
@@ -64,19 +38,7 @@ class PlanRequest:
                 split_points: Sequence[str] | None = None, schedule: str | None = None,
                 n_microbatches: int | None = None, planner: PlannerOptions | None = None,
                 example_target: Any = None) -> PlanRequest:
-        """Check every argument that needs no other rank; raise naming the first bad one.
-
-        Raises:
-            TypeError / ValueError: a bad argument (named in the message), a schedule name
-                that does not exist (the message lists those that do), or a plan whose
-                split points the model lacks.
-            FileNotFoundError: ``plan`` names no file.
-
-        Example::
-
-            PlanRequest.checked(model, split_points=["layers.9"])
-            # ValueError: split_points=['layers.9']: ['layers.9'] are not submodules of the model; ...
-        """
+        """Check every argument that needs no other rank; raise naming the first bad one."""
         plan = _load_plan(plan, split_points)
         split_points = _check_split_points(model, split_points if plan is None else plan.split_points,
                                            "split_points" if plan is None else "plan.split_points")
@@ -99,15 +61,7 @@ class PlanRequest:
 
 @dataclass(frozen=True)
 class PipelineLayout:
-    """The settled plan and how it runs: the same on every rank.
-
-    Attributes:
-        plan: the split every rank builds.
-        schedule: the canonical schedule name.
-        n_microbatches: micro-batches per step.
-        stages_per_rank: stages each rank holds.
-        n_ranks: ranks the pipeline runs on (the world size).
-    """
+    """The settled plan and how it runs: the same on every rank."""
 
     plan: Plan
     schedule: str
@@ -119,29 +73,7 @@ class PipelineLayout:
 def settle_plan(request: PlanRequest, model: nn.Module, example_args: tuple, example_kwargs: dict | None,
                 loss_fn: Callable | None, *, rank: int, world_size: int, device: torch.device,
                 comm_device: torch.device, pp_size: int | None = None) -> PipelineLayout:
-    """One plan and schedule for every rank (collective).
-
-    Args:
-        request: the checked arguments.
-        model, example_args, example_kwargs, loss_fn: as given to the pipeline.
-        rank, world_size: this rank and the number of ranks.
-        device: where this rank's stages run (and the planner measures).
-        comm_device: where tensors travel for collectives (the CPU under gloo).
-        pp_size: the ranks one pipeline runs on: the mesh's ``pp`` size under data
-            parallelism, else (None) the world size.
-
-    Raises:
-        ValueError: the world size does not match the plan or ``n_ranks``, the schedule
-            cannot run these settings, or the ranks were given different plans (on every
-            rank).
-        RuntimeError: planning failed on rank 0 (the other ranks say so; rank 0 raises the
-            planner's own error).
-
-    Example::
-
-        layout = settle_plan(request, model, (x_mb,), None, loss_fn, rank=dist.get_rank(),
-                             world_size=dist.get_world_size(), device=device, comm_device=device)
-    """
+    """One plan and schedule for every rank (collective)."""
     plan, schedule = request.plan, request.schedule
     pipeline_ranks = world_size if pp_size is None else pp_size
     where = "the world has" if pp_size is None else "the mesh's pp dimension has"
@@ -247,19 +179,7 @@ def _plan_on_rank0(request: PlanRequest, model: nn.Module, example_args: tuple, 
 
 def planner_kwargs(planner: PlannerOptions, model: nn.Module, example_args: tuple, example_kwargs: dict | None,
                    loss_fn: Callable | None, example_target: Any = None) -> tuple[dict[str, Any], str | None]:
-    """The keywords the pipeline passes to ``partition`` (before ``profiling``), and a plan note or None.
-
-    The planner's options as set, and the pipeline's own loss: the last stage runs
-    ``loss_fn``, so the plan is costed with it, against ``example_target`` or a
-    target derived from the model's output
-    (:func:`autopipe.planning.default_loss.pipeline_loss`); a pipeline without ``loss_fn``
-    is costed without a loss. The note says when ``loss_fn`` could not be costed.
-
-    Example::
-
-        kwargs, note = planner_kwargs(PlannerOptions(cost="flops"), model, (x_mb,), None, loss_fn)
-        plan = autopipe.partition(model, 2, example_args=(x_mb,), **kwargs)   # the split Pipeline plans
-    """
+    """The keywords the pipeline passes to ``partition`` (before ``profiling``), and a plan note or None."""
     kwargs = {f.name: getattr(planner, f.name) for f in fields(planner)
               if not isinstance(getattr(planner, f.name), str) or getattr(planner, f.name) != f.default}
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
@@ -300,13 +220,6 @@ def _short(value: Any) -> str:
 def profile_in_ranks_by_default(world_size: int, planner: PlannerOptions) -> bool:
     """``profile_in_ranks=None``: profile in every rank when there are several and nothing else gives the costs.
 
-    Nothing else gives them when the planner measures (no ``cost`` estimate or profile of
-    its own) and no ``devices`` are given: those carry speeds relative to the one device a
-    profile was taken on, and a mean over the ranks' devices would count them twice.
-    Profiles every rank takes at once see what ranks sharing a host do to each other
-    (memory bandwidth, caches; docs/costs-and-measurement.md), and the other ranks would
-    only wait meanwhile, so it costs no time.
-
     Example:
         >>> profile_in_ranks_by_default(2, PlannerOptions(memory="1GiB"))
         True
@@ -319,10 +232,6 @@ def profile_in_ranks_by_default(world_size: int, planner: PlannerOptions) -> boo
 def rank_profile_settings(profiling: ProfileOptions) -> dict[str, Any]:
     """The settings of the ranks' profile: the planner's own profiling settings.
 
-    ``warmup`` / ``repeats`` are the planner's (not ``profile_in_ranks``' longer default),
-    so the ranks profile as many rounds as rank 0 alone would have and planning takes no
-    longer.
-
     Example:
         >>> rank_profile_settings(ProfileOptions(repeats=3, flush_cache=False))
         {'warmup': 2, 'repeats': 3, 'flush_cache': False, 'fit_to_whole': None}
@@ -334,9 +243,6 @@ def rank_profile_settings(profiling: ProfileOptions) -> dict[str, Any]:
 def check_model_and_inputs(model: Any, example_args: Any, example_kwargs: Any,
                            loss_fn: Any) -> tuple[tuple[Any, ...], dict[str, Any] | None]:
     """The checked ``(example_args, example_kwargs)``: ``()`` for args when only keywords are given.
-
-    With neither, the model's own example (``example_input_array``, ``dummy_inputs``) is
-    used, or :class:`~autopipe.errors.MissingExampleInputsError` says what to pass.
 
     Example:
         >>> check_model_and_inputs(nn.Linear(2, 2), None, {"input": torch.ones(1, 2)}, None)[0]

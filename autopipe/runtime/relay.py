@@ -1,21 +1,10 @@
 """Rewire a split model so that every stage talks only to its neighbours.
 
-``torch.distributed.pipelining.pipeline()`` lets stage ``k`` read any earlier stage's
-output directly. A cut inside a residual block, or a mask computed once and read by every
-decoder block, then makes a *skip connection*: stage 1 sends to stage 3. torch's
-multi-stage schedules refuse that ("only supports adjacent-stage communication"), its
-manual ``PipelineStage`` (used for V schedules) assumes it never happens, and its traced
-stage cannot run the backward of one ("Backward of skip connections not supported yet").
-
-:func:`relay_skip_connections` rewrites the split graph so each such value is passed
-along by every stage in between (received, copied out, its gradient passed back),
-which is also what autopipe's cost model charges each cut for: every tensor live across it.
-After the rewrite, stage ``k`` receives exactly what stage ``k - 1`` sends, in order.
-
-    >>> from torch.distributed.pipelining import pipeline  # doctest: +SKIP
-    >>> pipe = pipeline(model, (x,), split_spec=spec)  # doctest: +SKIP
-    >>> relay_skip_connections(pipe)  # doctest: +SKIP
-    2
+Example:
+        >>> from torch.distributed.pipelining import pipeline  # doctest: +SKIP
+        >>> pipe = pipeline(model, (x,), split_spec=spec)  # doctest: +SKIP
+        >>> relay_skip_connections(pipe)  # doctest: +SKIP
+        2
 """
 
 from __future__ import annotations
@@ -38,19 +27,6 @@ def _producer(value: fx.Node, stage_of: dict[fx.Node, int]) -> int:
 
 def boundary_values(graph: fx.Graph) -> tuple[list[list[fx.Node]], dict[fx.Node, int]]:
     """The values live across each cut of a split graph, in a fixed order.
-
-    The first stage receives every model input (see :func:`relay_skip_connections`), so
-    a model input read by a later stage counts as produced by stage 0 and crosses every
-    cut up to its last reader. A model output computed before the last stage is carried
-    to the last stage, which returns every output.
-
-    Args:
-        graph: ``pipe.split_gm.graph``.
-
-    Returns:
-        ``(live, producer)``: ``live[b]`` lists the top-level values computed at or before
-        stage ``b`` and read after it (the tensors cut ``b`` must carry), ordered by the
-        stage that computes them, then graph order; ``producer[v]`` is that stage.
 
     Example:
         >>> live, _ = boundary_values(pipe.split_gm.graph)  # doctest: +SKIP
@@ -82,23 +58,6 @@ def boundary_values(graph: fx.Graph) -> tuple[list[list[fx.Node]], dict[fx.Node,
 
 def relay_skip_connections(pipe: Any) -> int:
     """Make every stage of ``pipe`` receive exactly what the previous stage sends, in order.
-
-    Changes ``pipe`` in place: the stage modules' graphs (new inputs and outputs) and the
-    top-level graph that wires them. Afterwards:
-
-    * the first stage takes every tensor input of the model, in the order of the model's
-      flattened ``(args, kwargs)`` (torch orders them by first use, which a caller feeding
-      inputs by position would silently mismatch), and passes on those a later stage reads;
-    * stage ``k`` takes exactly the values cut ``k - 1`` carries (:func:`boundary_values`)
-      and sends exactly those of cut ``k``;
-    * the last stage returns every model output, in the model's flattened output order
-      (a single value alone, several as a tuple).
-
-    Args:
-        pipe: a ``torch.distributed.pipelining.Pipe`` from ``pipeline()``.
-
-    Returns:
-        How many (value, intermediate stage) relays were added.
 
     Example:
         >>> relay_skip_connections(pipe)  # doctest: +SKIP

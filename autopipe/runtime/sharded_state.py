@@ -1,37 +1,4 @@
-"""Checkpoints that reshard: the model and optimizer state of a pipeline, by original name.
-
-``torch.distributed.checkpoint`` (DCP) saves a dict of tensors from every rank into one
-checkpoint and loads it into any other set of ranks, matching entries by key. So a
-pipeline whose keys are the unsplit model's names (FQNs) resumes under another split,
-schedule or world size, or as the unsplit model, with DCP doing the resharding. This
-module gives each rank the dict it hands to ``dcp.save`` / ``dcp.load``:
-
-- :func:`model_state_dict`: every key of the unsplit model's ``state_dict()`` that this
-  rank holds (tied aliases included, as ``get_model_state_dict`` gives them), plus the
-  tensors no stage reads, which every rank keeps. A tensor several ranks hold (a tied
-  embedding on the first and last stage, or one no stage reads) is written once: DCP's
-  default save planner keeps one copy of an entry that several ranks give under the same
-  key (``dedup_save_plans``, torch 2.11 to 2.13). Loading fills every rank's copy.
-- :func:`optimizer_state_dict`: the optimizer's state in the flattened form of torch's
-  ``get_optimizer_state_dict(..., options=StateDictOptions(flatten_optimizer_state_dict=True))``:
-  ``state.<fqn>.<name>`` (``exp_avg``, ``exp_avg_sq``, ``step``) and
-  ``param_groups.<fqn>.<hyperparameter>`` for each parameter, by its first
-  ``named_parameters()`` name. The unsplit model saves and loads the same checkpoint with
-  torch's ``get_state_dict`` / ``set_state_dict``.
-
-Every check runs before ``dcp.save`` / ``dcp.load`` do; :func:`load_checkpoint` makes every rank
-raise when one rank's check fails (one all-gather), so none waits for it.
-
-Example::
-
-    import torch.distributed.checkpoint as dcp
-    state = {"model": model_state_dict(pipe), "optim": optimizer_state_dict(pipe, opt)}
-    dcp.save(state, checkpoint_id="ckpt/step100")
-    # ... in a later run, with any split, schedule or world size:
-    state = {"model": model_state_dict(pipe), "optim": optimizer_state_dict(pipe, opt)}
-    dcp.load(state, checkpoint_id="ckpt/step100")
-    load_model_state_dict(pipe, state["model"]); load_optimizer_state_dict(pipe, opt, state["optim"])
-"""
+"""Checkpoints that reshard: the model and optimizer state of a pipeline, by original name."""
 
 from __future__ import annotations
 
@@ -55,23 +22,7 @@ _GROUPS = "param_groups"
 
 
 def model_state_dict(pipe: "Pipeline") -> dict[str, torch.Tensor]:
-    """This rank's part of the model's checkpoint: what ``dcp.save`` writes and ``dcp.load`` fills.
-
-    Keys are the unsplit model's ``state_dict()`` keys (tied aliases included, each pointing
-    at the same tensor); values are the live tensors, detached, so ``dcp.load`` writes into
-    the pipeline directly. The tensors no stage reads are in every rank's dict; DCP saves
-    one copy of them, and of a tensor tied across ranks.
-
-    Args:
-        pipe: the :class:`~autopipe.runtime.pipeline.Pipeline`.
-
-    Returns:
-        ``{fqn: tensor}``.
-
-    Example::
-
-        dcp.save({"model": model_state_dict(pipe)}, checkpoint_id=path)
-    """
+    """This rank's part of the model's checkpoint: what ``dcp.save`` writes and ``dcp.load`` fills."""
     names: StateNames = pipe._names
     out: dict[str, torch.Tensor] = {}
     for key in names.state_dict_keys:
@@ -86,69 +37,14 @@ def model_state_dict(pipe: "Pipeline") -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def load_model_state_dict(pipe: "Pipeline", state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
-    """Copy a model checkpoint into this rank's tensors (and the ones no stage reads).
-
-    ``state_dict`` is what ``dcp.load`` filled (then this copies each tensor onto itself),
-    or any dict keyed by the unsplit model's names that covers this rank's tensors: a full
-    ``model.state_dict()``, or ``get_model_state_dict(model)``. Keys of tensors other ranks
-    hold are ignored; any alias of a tied tensor will do; non-persistent buffers are never
-    asked for. Every name and shape is checked before anything is written. No communication
-    (:meth:`~autopipe.runtime.pipeline.Pipeline.load_state_dict` makes every rank raise when
-    one rank's dict does not fit).
-
-    Args:
-        pipe: the :class:`~autopipe.runtime.pipeline.Pipeline`.
-        state_dict: ``{fqn: tensor}``.
-        strict: refuse missing names and names the model does not have.
-
-    Raises:
-        TypeError: ``state_dict`` is not a mapping.
-        KeyError: (strict) names of this rank's tensors are missing, or keys are no name of
-            the model (a checkpoint of another model); both listed.
-        ValueError: a tensor's shape differs from the model's.
-
-    Example::
-
-        state = {"model": model_state_dict(pipe)}
-        dcp.load(state, checkpoint_id=path)
-        load_model_state_dict(pipe, state["model"])
-    """
+    """Copy a model checkpoint into this rank's tensors (and the ones no stage reads)."""
     names: StateNames = pipe._names
     targets = {**pipe._unheld_state, **{n: t for n, t in pipe._state.items() if n in names.canonical}}
     load_local_state(targets, names, state_dict, strict=strict, where=f" (rank {pipe.rank})")
 
 
 def optimizer_state_dict(pipe: "Pipeline", optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """This rank's optimizer state, flattened by parameter name as torch's ``get_optimizer_state_dict``.
-
-    Keys are ``state.<fqn>.<name>`` for each state entry of each parameter (nested dicts
-    flattened with dots) and ``param_groups.<fqn>.<hyperparameter>`` for each
-    hyperparameter of each parameter's group, ``<fqn>`` being the parameter's first name in
-    the unsplit model's ``named_parameters()``. Tensor values are the optimizer's own, so
-    ``dcp.load`` writes into them. An optimizer without state yet (fresh, before its first
-    step) is given it first, as torch's helper does: one ``step()`` with zero gradients and
-    learning rate 0, which leaves the parameters and their gradients as they were.
-
-    A parameter held on several ranks has equal state on each (its gradients are summed
-    across them), so every copy gives the same entries and DCP writes them once.
-
-    Args:
-        pipe: the :class:`~autopipe.runtime.pipeline.Pipeline`.
-        optimizer: an optimizer over ``pipe.parameters()`` (or some of them).
-
-    Returns:
-        ``{flat key: tensor or number}``.
-
-    Raises:
-        ValueError: the optimizer holds a parameter this pipeline does not (before any
-            communication).
-
-    Example::
-
-        opt = torch.optim.AdamW(pipe.parameters())
-        dcp.save({"model": model_state_dict(pipe), "optim": optimizer_state_dict(pipe, opt)},
-                 checkpoint_id=path)
-    """
+    """This rank's optimizer state, flattened by parameter name as torch's ``get_optimizer_state_dict``."""
     groups = _group_names(pipe, optimizer)
     _initialize_state(optimizer)
     flat: dict[str, Any] = {}
@@ -165,35 +61,7 @@ def optimizer_state_dict(pipe: "Pipeline", optimizer: torch.optim.Optimizer) -> 
 
 
 def load_optimizer_state_dict(pipe: "Pipeline", optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
-    """Load flattened optimizer state (by parameter name) into ``optimizer``.
-
-    ``state`` is the dict ``dcp.load`` filled from :func:`optimizer_state_dict`'s, or any
-    flattened optimizer state dict covering this rank's parameters (torch's
-    ``get_optimizer_state_dict(model, opt, options=StateDictOptions(flatten_optimizer_state_dict=True))``
-    of the unsplit model); entries of parameters other ranks hold are ignored. Each
-    parameter group takes its hyperparameters from its parameters' entries. A fresh
-    optimizer works: it is given state first (:func:`optimizer_state_dict`). No
-    communication.
-
-    Args:
-        pipe: the :class:`~autopipe.runtime.pipeline.Pipeline`.
-        optimizer: an optimizer over ``pipe.parameters()`` (or some of them), of the class
-            that saved the state.
-        state: ``{flat key: value}``.
-
-    Raises:
-        TypeError: ``state`` is not a mapping.
-        ValueError: the optimizer holds a parameter this pipeline does not, or the
-            parameters of one group have different saved hyperparameters.
-        KeyError: entries of this rank's parameters are missing, or keys name no parameter
-            of the model (a checkpoint of another model); both listed.
-
-    Example::
-
-        state = {"optim": optimizer_state_dict(pipe, opt)}
-        dcp.load(state, checkpoint_id=path)
-        load_optimizer_state_dict(pipe, opt, state["optim"])
-    """
+    """Load flattened optimizer state (by parameter name) into ``optimizer``."""
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a mapping of flattened optimizer keys to values, got {type(state).__name__}")
     groups = _group_names(pipe, optimizer)
@@ -252,11 +120,7 @@ def _group_names(pipe: "Pipeline", optimizer: torch.optim.Optimizer) -> list[lis
 
 @torch.no_grad()
 def _initialize_state(optimizer: torch.optim.Optimizer) -> None:
-    """Give a fresh optimizer its state: one step with zero gradients at learning rate 0.
-
-    Parameters and gradients are left as they were (torch's own helper, which needs no
-    gradients present, does the same step).
-    """
+    """Give a fresh optimizer its state: one step with zero gradients at learning rate 0."""
     if optimizer.state:
         return
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -313,12 +177,7 @@ def _same(a: Any, b: Any) -> bool:
 
 def save_checkpoint(pipe: "Pipeline", checkpoint_id: str | os.PathLike,
                     optimizer: torch.optim.Optimizer | None = None) -> None:
-    """``dcp.save`` of ``{"model": model_state_dict(pipe), "optim": optimizer_state_dict(pipe, optimizer)}``.
-
-    Example::
-
-        save_checkpoint(pipe, "ckpt/100", opt)
-    """
+    """``dcp.save`` of ``{"model": model_state_dict(pipe), "optim": optimizer_state_dict(pipe, optimizer)}``."""
     import torch.distributed.checkpoint as dcp
 
     dcp.save(_checkpoint_state(pipe, optimizer), checkpoint_id=os.fspath(checkpoint_id))
@@ -326,16 +185,7 @@ def save_checkpoint(pipe: "Pipeline", checkpoint_id: str | os.PathLike,
 
 def load_checkpoint(pipe: "Pipeline", checkpoint_id: str | os.PathLike,
                     optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Check a checkpoint of :func:`save_checkpoint` against the whole model on every rank, then load it.
-
-    Raises:
-        KeyError / ValueError: on a rank whose check failed (names, shapes, a damaged
-            ``.metadata``); RuntimeError on the others.
-
-    Example::
-
-        load_checkpoint(pipe, "ckpt/100", opt)
-    """
+    """Check a checkpoint of :func:`save_checkpoint` against the whole model on every rank, then load it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 

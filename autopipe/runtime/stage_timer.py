@@ -1,21 +1,4 @@
-"""Timing every stage inside running training steps, for :meth:`autopipe.Plan.calibrate`.
-
-A profile times each piece of the model alone in one process; inside a running pipeline
-the same stage can take longer (the other ranks compute, the communication threads and
-the kernel take their share of the cores; docs/costs-and-measurement.md). A
-:class:`StageTimer` times the calls torch's schedule makes on each of this rank's stage
-objects - forward, backward, and the weight-gradient part where the schedule splits it -
-by shadowing those methods on the instances while it is active; :func:`gather_stage_times`
-gives every rank every stage's mean per micro-batch.
-
-Example::
-
-    with StageTimer(pipe_stages, device) as timer:
-        run_a_step()          # untimed: sets up buffers
-        timer.clear()
-        run_a_step()
-    times = gather_stage_times(timer.means(), world_size)   # {"fwd_s": [...], "bwd_s": [...]}
-"""
+"""Timing every stage inside running training steps, for :meth:`autopipe.Plan.calibrate`."""
 
 from __future__ import annotations
 
@@ -32,18 +15,7 @@ _TIMED_CALLS = (("forward_one_chunk", "F"), ("backward_one_chunk", "B"), ("backw
 
 
 class StageTimer:
-    """Times the schedule's calls on ``stages`` while active (``with StageTimer(...)``).
-
-    Args:
-        stages: this rank's torch stage objects (those the training schedule runs).
-        device: their device; on a GPU the work is timed, not its launch.
-
-    Example::
-
-        with StageTimer(train_stages, torch.device("cpu")) as timer:
-            schedule.step(x, target=y, return_outputs=False)
-        timer.means()   # {1: (0.0123, 0.0251)}
-    """
+    """Times the schedule's calls on ``stages`` while active (``with StageTimer(...)``)."""
 
     def __init__(self, stages: Sequence[Any], device: torch.device) -> None:
         self._stages = list(stages)
@@ -81,10 +53,7 @@ class StageTimer:
                 values.clear()
 
     def means(self) -> dict[int, tuple[float, float]]:
-        """``{stage index: (forward s, backward s)}``, the mean per call; backward includes the weight part.
-
-        The mean per call, as the profile keeps (a step adds the calls up; machine.timing.per_run_s).
-        """
+        """``{stage index: (forward s, backward s)}``, the mean per call; backward includes the weight part."""
         def mean(values: list[float]) -> float:
             return per_run_s(values) if values else 0.0
 
@@ -92,12 +61,7 @@ class StageTimer:
 
 
 def gather_stage_times(local: dict[int, tuple[float, float]], world_size: int) -> dict[str, list[float]]:
-    """Every rank's :meth:`StageTimer.means`, as ``{"fwd_s": [...], "bwd_s": [...]}`` by stage (collective).
-
-    Example::
-
-        gather_stage_times({0: (0.01, 0.02)}, 2)   # rank 1 sent {1: ...}: {"fwd_s": [0.01, ...], ...}
-    """
+    """Every rank's :meth:`StageTimer.means`, as ``{"fwd_s": [...], "bwd_s": [...]}`` by stage (collective)."""
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, local)
     every = {s: v for part in gathered for s, v in part.items()}

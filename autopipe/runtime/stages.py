@@ -1,21 +1,4 @@
-"""Building this rank's stages: torch's ``pipeline()`` on a private copy, then what this rank runs.
-
-``torch.distributed.pipelining.pipeline()`` cuts the model at the plan's split points into
-one module per stage. :func:`split_model` runs it and prepares every stage module to run
-split (skip connections relayed, inputs written in place copied, boundary tensors made
-sendable, generated code instead of the fx interpreter). :func:`build_rank_stages` keeps
-this rank's stages: one for GPipe and 1F1B, ``stages_per_rank`` looped for the
-interleaved schedules, two in a V for ZBVZeroBubble and DualPipeV. It points every copy of
-a tied parameter at one tensor, creates the process groups that sum the gradients of
-parameters held on several ranks, and traces again for eval mode where train and eval
-compute differently. :func:`make_schedule` wraps stages in torch's schedule class.
-
-Example::
-
-    split = split_model(model, {"layers.2": SplitPoint.BEGINNING}, ((x_mb,), {}),
-                        training=True, expected=2)
-    split.get_stage_module(1)   # the second stage's module
-"""
+"""Building this rank's stages: torch's ``pipeline()`` on a private copy, then what this rank runs."""
 
 from __future__ import annotations
 
@@ -117,23 +100,7 @@ def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict],
 
 
 def run_generated_code(stage_module: nn.Module) -> int:
-    """Run torch's unflattened submodules as generated Python code, not through the fx Interpreter.
-
-    ``pipeline()`` rebuilds each stage's module tree as ``torch.export.unflatten.
-    InterpreterModule`` objects, which by default execute their graph one node at a time
-    through ``torch.fx.Interpreter`` (for readable stack traces). That Python cost per node
-    makes blocks of many small ops markedly slower than the same graph as generated code -
-    the form autopipe profiles - so plans would be cut for a speed the stages do not have
-    (docs/design.md, finding 1). The generated code is what ``InterpreterModule`` itself runs under
-    ``torch.compile``.
-
-    Returns:
-        How many modules were switched (0 on a torch without the switch).
-
-    Example::
-
-        run_generated_code(split.get_stage_module(0))   # e.g. 7
-    """
+    """Run torch's unflattened submodules as generated Python code, not through the fx Interpreter."""
     # The Interpreter binds no names; generated code binds each node's name as a local, and
     # a node named after a submodule called `self` (BertAttention.self) would rebind `self`.
     rename_nodes_shadowing_self(stage_module)
@@ -152,9 +119,6 @@ class _SameGraph(Exception):
 def graph_text(graph: torch.fx.Graph) -> list[str]:
     """What a traced graph computes, node by node, read from the graph (not from module types).
 
-    A dropout of probability 0 is the identity in either mode, so its ``train`` flag is left
-    out: a model whose dropout is off computes alike in train and eval mode.
-
     Example:
         >>> gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
         >>> graph_text(gm.graph)[0]
@@ -172,24 +136,7 @@ def graph_text(graph: torch.fx.Graph) -> list[str]:
 
 @dataclass
 class RankStages:
-    """This rank's share of the split model, as :func:`build_rank_stages` leaves it.
-
-    Attributes:
-        batch: the traced micro-batch every batch is checked against.
-        names: the original model's tensor names.
-        train_modules / eval_modules: this rank's stage modules by stage index (the same
-            objects unless the model needed a separate eval-mode trace).
-        train_stages: torch's stage objects over ``train_modules``, in pipeline order.
-        state: one tensor per canonical name held on this rank.
-        use_leaves: per-use Parameters of split-backward schedules, as
-            ``(canonical name, Parameter)`` (:func:`~autopipe.runtime.params.tie_aliases`).
-        shared: ``(names, process group)`` for each set of parameters this rank shares with
-            other ranks (group None = the whole world).
-        grad_norm_rank: the (pp) rank whose copy of each parameter counts in the global norm.
-        unheld_state: tensors no stage reads, kept for a full checkpoint.
-        unwritten: tensors of a meta-device model that neither the init nor ``weights`` gave a
-            value, by canonical name: they must be loaded before the first step.
-    """
+    """This rank's share of the split model, as :func:`build_rank_stages` leaves it."""
 
     batch: TracedBatch
     names: StateNames
@@ -210,34 +157,7 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
                       init_weights: Callable[[nn.Module], Any] | None = None,
                       weights: WeightSource | None = None, pp_rank: int | None = None,
                       replicas: Sequence[Sequence[int]] | None = None, pp_group: Any = None) -> RankStages:
-    """Split a private copy of ``model`` at the plan's split points and build this rank's stages.
-
-    Collective: every rank calls it with the same model and plan. The ranks first check
-    that they were given the same model (names, shapes, dtypes, ties), then create the
-    process groups of parameters shared across ranks and give every copy the value of the
-    rank that uses it first.
-
-    A model on the meta device is split on the meta device (the example inputs too) and
-    only this rank's tensors are made real, then initialized by ``init_weights`` or the
-    default init, or loaded from ``weights``
-    (:func:`~autopipe.runtime.materialize.materialize_rank`). A real model given ``weights``
-    has this rank's tensors replaced by them.
-
-    Under data parallelism (:mod:`~autopipe.runtime.data_parallel`) ``stage_ranks`` and
-    ``pp_rank`` are places in one replica's pipeline, ``replicas[d][p]`` the global rank of
-    pp rank ``p`` in replica ``d``, and ``pp_group`` the group the stages send over; the
-    shared parameters' groups are made per replica. Left out: one replica, the world.
-
-    Raises:
-        ValueError: the ranks were given different models (on every rank, naming the
-            first difference), or the split does not give the plan's stages.
-
-    Example::
-
-        built = build_rank_stages(model, plan, schedule="1F1B", n_microbatches=4, stage_ranks=[0, 1],
-                                  rank=0, world_size=2, device=torch.device("cpu"),
-                                  example=((x_mb,), {}), training=True, checkpointed=[])
-    """
+    """Split a private copy of ``model`` at the plan's split points and build this rank's stages."""
     # Before anything is traced: ranks with different models would split differently and
     # disagree on the shared parameters' process groups.
     _check_same_model(model, world_size)
@@ -345,18 +265,7 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
 
 def _share_local_replicas(modules: Mapping[int, nn.Module], names: StateNames, *, leaf_per_use: bool
                           ) -> tuple[dict[str, torch.Tensor], list[tuple[str, nn.Parameter]]]:
-    """One tensor per original name on this rank, by canonical name, and the per-use Parameters.
-
-    ``pipeline()`` gives a tied parameter one copy per name a stage used (T5's decoder
-    embedding and output layer: two in one stage) and one per stage using it (V
-    schedules put the first and the last stage on rank 0). Every such name in every
-    local stage is pointed at the first copy, so autograd accumulates all of the uses'
-    gradients into one ``.grad``, the optimizer sees the parameter once and the copies
-    can never drift apart. With ``leaf_per_use`` (schedules that split the backward) a
-    stage's second and later names of a parameter get a Parameter of their own over the
-    same memory (:func:`~autopipe.runtime.params.tie_aliases`); their gradients are added to
-    the first's after each step.
-    """
+    """One tensor per original name on this rank, by canonical name, and the per-use Parameters."""
     state: dict[str, torch.Tensor] = {}
     use_leaves: list[tuple[str, nn.Parameter]] = []
     for module in modules.values():
@@ -387,12 +296,7 @@ def _build_eval_modules(eval_pipe: Any, stage_indices: Sequence[int], device: to
 
 
 def _check_same_model(model: nn.Module, world_size: int) -> None:
-    """Every rank must have been given the same model: names, shapes, dtypes and ties.
-
-    Collective. One digest per rank is gathered; only when they differ are the full
-    signatures gathered, to name the first difference in the error every rank raises
-    (``'lm_head.weight': rank 0 has a parameter of shape (32, 16), ...; rank 1 has ...``).
-    """
+    """Every rank must have been given the same model: names, shapes, dtypes and ties."""
     signature = model_signature(model)
     if len(set(gather_digests(signature, world_size))) == 1:
         return
@@ -409,13 +313,7 @@ def _check_same_model(model: nn.Module, world_size: int) -> None:
 @torch.no_grad()
 def _copy_shared_from_first_use(shared: Sequence[tuple[list[str], Any]], state: Mapping[str, torch.Tensor],
                                 first_use: Mapping[str, int]) -> None:
-    """Give every copy of a parameter shared across ranks the value of the rank that uses it first.
-
-    The rank of first use runs the lowest-numbered stage using the parameter (ZBV on 2
-    ranks, a weight read by stages 1 on rank 1 and 3 on rank 0: rank 1's copy wins).
-    Broadcast over each shared set's own process group, in ``shared``'s order (the same on
-    every member), one flat tensor per source rank.
-    """
+    """Give every copy of a parameter shared across ranks the value of the rank that uses it first."""
     for names, group in shared:
         by_source: dict[int, list[str]] = {}
         for name in names:
@@ -432,38 +330,19 @@ def _copy_shared_from_first_use(shared: Sequence[tuple[list[str], Any]], state: 
 
 def manual_stage(module: nn.Module, stage_index: int, num_stages: int, device: torch.device,
                  batch: TracedBatch, group: Any = None) -> PipelineStage:
-    """A stage for a V schedule, which learns from the schedule which rank runs each neighbour.
-
-    It is given the traced shapes of what it receives and sends
-    (:func:`~autopipe.runtime.compat.static_stage_meta`).
-
-    Example::
-
-        stage = manual_stage(built.train_modules[3], 3, 4, torch.device("cpu"), built.batch)
-    """
+    """A stage for a V schedule, which learns from the schedule which rank runs each neighbour."""
     first_inputs = tuple(batch.io.stage_inputs(*batch.example)) if stage_index == 0 else None
     inputs, outputs = static_stage_meta(module, first_inputs)
     return VStage(module, stage_index, num_stages, device, input_args=inputs, output_args=outputs, group=group)
 
 
 def rewrap_stage(stage: PipelineStage, module: nn.Module) -> PipelineStage:
-    """A new stage object of the same kind over ``module``, for a separate schedule.
-
-    Example::
-
-        eval_stage = rewrap_stage(train_stage, eval_module)
-    """
+    """A new stage object of the same kind over ``module``, for a separate schedule."""
     return type(stage)(module, stage.stage_index, stage.pipe_info, stage.device, stage.group)
 
 
 class MicrobatchMeanLoss:
     """The user's per-micro-batch loss divided by the number of micro-batches.
-
-    Summed over the micro-batches this is the batch's mean loss, and its gradients are
-    those of the batch mean - without torch rescaling gradients after the step. The
-    user's ``loss_fn`` gets the micro-batch's output as the unsplit model returns it (a
-    ``ModelOutput``, dict or tuple rebuilt from the last stage's flat tensors), so the
-    same loss works split and unsplit.
 
     Example:
         >>> loss = MicrobatchMeanLoss(lambda out, y: (out - y).abs().sum(), 4)
@@ -484,16 +363,7 @@ class MicrobatchMeanLoss:
 
 def make_schedule(schedule: str, stages: list, n_microbatches: int, loss_fn: Callable | None,
                   failures: StepFailures, device: torch.device) -> Any:
-    """torch's schedule ``schedule`` over ``stages``, with failures played through.
-
-    A stage's forward or the loss that raises plays the step through
-    (:mod:`~autopipe.runtime.step_failures`), so that no rank waits for it at a receive.
-
-    Example::
-
-        train = make_schedule("1F1B", built.train_stages, 8, MicrobatchMeanLoss(loss_fn, 8),
-                              failures, torch.device("cpu"))
-    """
+    """torch's schedule ``schedule`` over ``stages``, with failures played through."""
     cls = schedule_class(schedule)
     for stage in stages:
         play_through_forward(stage.submod, failures, stage.stage_index, device)

@@ -1,34 +1,15 @@
 """A stage that fails in the middle of a step plays the step through, so no rank waits for it.
 
-torch's schedules move activations and gradients point to point. A rank whose stage
-raises leaves the schedule, and its neighbours wait at a receive for a tensor that never
-comes - until the process group's timeout (600 s by default). If the loop catches the
-error and goes on, the ranks pair the failed step's messages with the next step's and fail
-later with an unrelated error ("backward through the graph a second time").
-
-So the forward of a stage (and the loss) does not leave the schedule when it raises. The
-error is recorded in this rank's :class:`StepFailures`, and the stage returns zeros shaped
-as the traced output it sends, in the autograd graph so that its backward sends zero
-gradients back - for this and every later micro-batch of the step. Every send and receive
-of the step then happens as planned, on every rank; at the step's end the ranks learn, in
-one collective, which of them failed, and all raise
-:class:`~autopipe.errors.PipelineStepError`. Nothing is left half done, so the next step
-runs normally.
-
-    >>> import torch, torch.nn as nn
-    >>> failures = StepFailures()
-    >>> loss = PlayThroughLoss(lambda out, y: (out - y).pow(2).mean(), failures)
-    >>> out = torch.ones(2, 3, requires_grad=True)
-    >>> failures.start(); failures.record(ValueError("bad row"), "stage 1's forward, micro-batch 0")
-    >>> loss(out, torch.zeros(2, 3)).item()  # the rank failed: a zero loss, still in the graph
-    0.0
-    >>> failures.describe()
-    "ValueError: bad row (in stage 1's forward, micro-batch 0)"
-
-What cannot be played through: an error in a backward or inside torch's own code (the
-schedule, the communication). That rank leaves the schedule as before; the pipeline then
-says it must be rebuilt (:meth:`autopipe.Pipeline.step`), and its peers wait for it until
-it exits or the timeout passes.
+Example:
+        >>> import torch, torch.nn as nn
+        >>> failures = StepFailures()
+        >>> loss = PlayThroughLoss(lambda out, y: (out - y).pow(2).mean(), failures)
+        >>> out = torch.ones(2, 3, requires_grad=True)
+        >>> failures.start(); failures.record(ValueError("bad row"), "stage 1's forward, micro-batch 0")
+        >>> loss(out, torch.zeros(2, 3)).item()  # the rank failed: a zero loss, still in the graph
+        0.0
+        >>> failures.describe()
+        "ValueError: bad row (in stage 1's forward, micro-batch 0)"
 """
 
 from __future__ import annotations
@@ -50,9 +31,6 @@ _MAX_TEXT = 600
 
 class StepFailures:
     """What went wrong on this rank during the running step, if anything.
-
-    Active between :meth:`start` and :meth:`stop` (one step, evaluation or forward call):
-    only then do the wrapped forwards and loss play an error through instead of raising.
 
     Example:
         >>> failures = StepFailures()
@@ -119,13 +97,6 @@ class StepFailures:
     def guard(self, call: str, rank: int) -> Iterator[None]:
         """Run one step, evaluation or forward call so that a failure cannot strand the other ranks.
 
-        Inside, a stage's forward or the loss that raises plays the step through, and the
-        step's closing collective (:meth:`raise_if_a_rank_failed`) makes every rank raise
-        :class:`~autopipe.errors.PipelineStepError`; the pipeline stays usable. Any other
-        error that leaves this rank's schedule before that collective (a backward, torch's
-        communication) leaves the ranks' messages unpaired: :attr:`broken` then says why the
-        pipeline must not run again, instead of failing later with an unrelated error.
-
         Example:
             >>> failures = StepFailures()
             >>> with failures.guard("step", rank=0):
@@ -151,21 +122,7 @@ class StepFailures:
 
     def agree_to_start(self, call: str, error: BaseException | None, *, rank: int, world_size: int,
                        device: torch.device) -> None:
-        """The opening collective of a call: every rank starts the same call, and its inputs passed their checks.
-
-        A rank whose inputs failed a check (``error``) would otherwise leave while the
-        others start the call's communication; if the loop catches the error and goes on,
-        the ranks pair different steps and every later loss is wrong. Each rank sends its
-        count of calls so far, the call's kind and whether its checks failed, in one
-        all-reduce. A rank whose checks failed raises its own error; the others raise
-        :class:`~autopipe.errors.PipelineStepError` naming it, and the pipeline stays usable.
-        Ranks at different calls (one skipped a call) raise on every rank, and the pipeline
-        must not run again.
-
-        Example::
-
-            failures.agree_to_start("step", None, rank=0, world_size=2, device=torch.device("cpu"))
-        """
+        """The opening collective of a call: every rank starts the same call, and its inputs passed their checks."""
         self._opened += 1
         rows = torch.zeros(world_size, 3, dtype=torch.float64, device=device)
         rows[rank] = torch.tensor([self._opened, _CALL_KINDS.index(call), float(error is not None)],
@@ -191,10 +148,6 @@ class StepFailures:
 
     def raise_if_a_rank_failed(self, flags: torch.Tensor, world_size: int) -> None:
         """Raise :class:`~autopipe.errors.PipelineStepError` on every rank if a rank's flag is set.
-
-        ``flags[r]`` > 0 when rank ``r`` failed in the running call (summed over the ranks
-        by the call's closing collective). Collective when one did: the ranks exchange
-        their errors' texts, so that each rank's message names every failure.
 
         Example:
             >>> StepFailures().raise_if_a_rank_failed(torch.zeros(2), world_size=2)  # no rank failed
@@ -232,26 +185,7 @@ LOSS_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 def share_loss(losses: list[torch.Tensor], failures: StepFailures, *, rank: int, world_size: int,
                has_last_stage: bool, device: torch.device) -> torch.Tensor:
-    """The step's closing collective: the sum of the micro-batch losses, and whether any rank failed.
-
-    The sum of the (already divided) micro-batch losses goes from the last stage to all
-    ranks, in the loss's own dtype: the value travels as float64 (exact for every floating
-    dtype a loss has) beside a code for its dtype, since only the last stage's rank knows
-    it. The sum is taken in at least float32, as before the division.
-
-    The same message carries one flag per rank: did its stages or the loss fail in this
-    step? It is summed over the ranks, the other ranks adding zeros to the loss and its
-    code, so every rank learns both at once; if any rank failed, every rank raises
-    :class:`~autopipe.errors.PipelineStepError` (:meth:`StepFailures.raise_if_a_rank_failed`).
-
-    Raises:
-        TypeError: ``loss_fn`` returned a loss that is not floating point (on every rank).
-
-    Example::
-
-        loss = share_loss(losses, failures, rank=rank, world_size=2, has_last_stage=rank == 1,
-                          device=torch.device("cpu"))   # the step's mean loss, on every rank
-    """
+    """The step's closing collective: the sum of the micro-batch losses, and whether any rank failed."""
     message = torch.zeros(2 + world_size, dtype=torch.float64, device=device)
     message[2 + rank] = float(failures.failed)
     if has_last_stage and losses:
@@ -272,14 +206,7 @@ def share_loss(losses: list[torch.Tensor], failures: StepFailures, *, rank: int,
 
 
 def agree_on_failures(failures: StepFailures, *, rank: int, world_size: int, device: torch.device) -> None:
-    """Tell every rank whether any rank failed in the running call; raise on every rank if one did.
-
-    Example::
-
-        with failures.guard("forward", rank):
-            output = schedule.eval(*inputs)
-            agree_on_failures(failures, rank=rank, world_size=2, device=torch.device("cpu"))
-    """
+    """Tell every rank whether any rank failed in the running call; raise on every rank if one did."""
     flags = torch.zeros(world_size, dtype=torch.float64, device=device)
     flags[rank] = float(failures.failed)
     dist.all_reduce(flags)
@@ -316,13 +243,7 @@ def one_line(error: BaseException) -> str:
 
 
 class _ZerosInGraph(torch.autograd.Function):
-    """Zeros of a given shape that depend on ``anchors`` in the autograd graph (zero gradient).
-
-    What a failed stage sends instead of its output: the backward gives every anchor (the
-    received tensors) a zero gradient, so the stage sends gradients back as torch expects.
-    The zeros are a fresh tensor, not a view: the zero-bubble schedules detach stage outputs
-    in place.
-    """
+    """Zeros of a given shape that depend on ``anchors`` in the autograd graph (zero gradient)."""
 
     @staticmethod
     def forward(ctx, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,  # noqa: D102
@@ -346,11 +267,7 @@ def _zeros_like_value(value: Any, anchors: list[torch.Tensor], device: torch.dev
 
 
 def _graph_anchors(tensors: list[Any]) -> list[torch.Tensor]:
-    """What zeros must hang off in the autograd graph; a fresh leaf when no input needs a gradient.
-
-    A first stage's inputs need no gradient, but torch still runs its backward on the
-    outputs, which must then require grad.
-    """
+    """What zeros must hang off in the autograd graph; a fresh leaf when no input needs a gradient."""
     if not torch.is_grad_enabled():
         return []
     anchors = [t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -360,22 +277,6 @@ def _graph_anchors(tensors: list[Any]) -> list[torch.Tensor]:
 def play_through_forward(module: nn.Module, failures: StepFailures, stage_index: int,
                          device: torch.device) -> bool:
     """Make ``module``'s forward return zeros shaped as its traced outputs instead of raising, while a step runs.
-
-    Wraps the module's ``forward`` in place (outermost, so any wrapper already there - the
-    boundary guards, checkpointing - runs inside), once. The zeros' shapes and dtypes come
-    from the output node of the module's traced graph, which describes exactly what the
-    stage sends (one micro-batch). After a failure the stage's remaining forwards in the
-    step return zeros at once, without running the module.
-
-    Args:
-        module: a stage module with a traced ``graph`` (``pipe.get_stage_module(i)``).
-        failures: this rank's record of the running step.
-        stage_index: the stage's index, for the error message.
-        device: where the stage runs (where the zeros are made).
-
-    Returns:
-        True if the forward is wrapped (now or before); False for a module without a
-        traced graph, whose errors then leave the schedule as they are.
 
     Example:
         >>> import torch
@@ -427,14 +328,6 @@ def play_through_forward(module: nn.Module, failures: StepFailures, stage_index:
 
 class PlayThroughLoss:
     """A loss function that, while a step runs, returns a zero loss instead of raising.
-
-    Also returns the zero loss, without calling ``loss_fn``, once this rank has failed in
-    the step (its output is zeros then). The zero loss depends on the output in the
-    autograd graph, so the last stage's backward runs and sends zero gradients back.
-
-    Args:
-        loss_fn: ``loss_fn(output, target, **kwargs) -> scalar``.
-        failures: this rank's record of the running step.
 
     Example:
         >>> failures = StepFailures()

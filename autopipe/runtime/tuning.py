@@ -1,25 +1,4 @@
-"""Measure before committing: real steps of a plan's best few splits on the ranks, the fastest kept.
-
-The planner predicts a step; :func:`tune` measures it. On the ranks of the job it builds an
-:class:`~autopipe.runtime.pipeline.Pipeline` for each of the best few splits a plan knows
-(its own, then the splits it compared and reports, ``plan.baselines``, fastest predicted
-first), steps every one on the user's batch in interleaved rounds (A B C A B C ...), and keeps
-the split whose median step - the slowest rank's, agreed by an all-reduce - is lowest. Every
-rank takes the same decision from the same numbers, so the ranks cannot disagree on the
-split. The returned pipeline's plan records what was measured (``pipe.plan.tuning``: each
-split, its predicted and its measured step). The other pipelines are released.
-
-Tuning holds every candidate's stages at once while it measures (``candidates`` copies of
-this rank's stages and their gradients); with little memory to spare, tune fewer.
-
-Example (under ``torchrun --nproc-per-node 2``)::
-
-    plan = autopipe.partition(model, 2, (x_mb,))
-    pipe = autopipe.tune(model, x, target=y, plan=plan, loss_fn=loss_fn, example_args=(x_mb,))
-    print(pipe.plan.tuning)          # the splits, predicted and measured
-    for x, y in data:
-        pipe.step(x, target=y)
-"""
+"""Measure before committing: real steps of a plan's best few splits on the ranks, the fastest kept."""
 
 from __future__ import annotations
 
@@ -41,9 +20,6 @@ from .pipeline import Pipeline
 
 def tuning_candidates(plan: Plan, count: int) -> list[tuple[list[str], float]]:
     """The plan's own split and the fastest-predicted distinct splits it reports, at most ``count``.
-
-    Returns ``(split points, predicted step)`` pairs, the plan's own first, then the others
-    by predicted step. A reported split that does not fit its devices' memory is left out.
 
     Example:
         >>> [s for s, _ in tuning_candidates(plan, 2)]  # doctest: +SKIP
