@@ -42,7 +42,7 @@ class InfeasibleMemoryError(AutopipeError, ValueError):
 
     ``min_memory_bytes``: that memory, where known. ``factorizations``: when pipeline x data
     parallel was planned, every (pp, dp) layout tried, each with its own least memory
-    (:class:`autopipe.planning.dp_records.Factorization`); empty otherwise.
+    (:class:`autopipe.planning.plan_records.Factorization`); empty otherwise.
     """
 
     def __init__(self, message: str, *, min_memory_bytes: int | None = None,

@@ -155,7 +155,7 @@ def test_topology_layout():
 
 
 def test_every_layout_is_planned_from_one_trace(model_costs, monkeypatch):
-    from autopipe.planning import trace as trace_module
+    from autopipe.planning import tracing as trace_module
 
     exports = []
     real = trace_module._trace

@@ -18,8 +18,8 @@
    the splits other tools would pick, by those tools' rules in :mod:`.peers`.
 5. **Plan.** :mod:`.planner` ties it together (:func:`~autopipe.planning.planner.partition`,
    with the option groups of :mod:`.options`); :mod:`.plan_assembly` builds the
-   :mod:`.plan` (typed parts in :mod:`.plan_records`), which :mod:`.plan_file` saves and
-   loads (checks in :mod:`.plan_checks` and :mod:`.plan_file_parts`).
+   :mod:`.plan` (typed parts in :mod:`.plan_records`), whose file format and checks are
+   :mod:`.plan_file`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from ..errors import InfeasibleMemoryError
 from ..machine.device import Device, default_link, optimizer_state_factor
 from ..machine.topology import Topology
 from . import costmodel
-from .dp_records import DataParallelRecord, Factorization
+from .plan_records import DataParallelRecord, Factorization
 from .plan import Plan
 from .tracing import traces_reused
 

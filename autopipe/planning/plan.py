@@ -29,7 +29,7 @@ from . import costmodel
 from .costgraph import SegmentCost
 from .costmodel import StepTail
 from .plan_file import PLAN_FORMAT_VERSION, check_model_names, plan_from_data, read_plan_file
-from .dp_records import DataParallelRecord
+from .plan_records import DataParallelRecord
 from .plan_records import (BaselinePlan, Calibration, Link, MachineModel, PlanSegment, ScheduleAlternative,
                            SearchRecord, StagePlan, TuningRecord)
 from ..machine.passes import WholePass

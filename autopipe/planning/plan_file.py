@@ -1,29 +1,310 @@
-"""Reading plan files safely: every field checked before any of it is used.
+"""The plan's file format: every field of a plan file checked before any of it is used.
 
 Example:
     >>> from autopipe.planning.plan import Plan
-    >>> from autopipe.planning.plan_file import plan_from_data
     >>> plan_from_data(["not", "a", "plan"], Plan)
     Traceback (most recent call last):
     ...
     autopipe.errors.PlanFileError: plan data is not an autopipe plan: a plan is one JSON object, got list ['not', 'a', 'plan']
+    >>> FieldCheck(None).number("stages[0].fwd_s", -1.0)
+    Traceback (most recent call last):
+    ...
+    autopipe.errors.PlanFileError: plan data: stages[0].fwd_s=-1.0 must be a finite number >= 0
 """
 
 from __future__ import annotations
 
+import collections
 import json
+import math
 import numbers
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import fields
-from typing import TYPE_CHECKING, Any, TypeVar
+from dataclasses import MISSING, fields
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, TypeVar
 
 from ..errors import PlanFileError
-from .dp_records import record_from_data
-from .plan_checks import MAX_PLAN_INT, MAX_STAGES, FieldCheck, required_fields, show
-from .plan_file_parts import TYPED_FIELDS, PlanShape, typed_parts
-from .plan_records import BaselinePlan, StagePlan
+from ..machine.passes import WholePass
+from .costmodel import StepTail
+from .plan_records import (BaselinePlan, Calibration, DataParallelRecord, Factorization, Link, MachineModel,
+                           PlanSegment, ScheduleAlternative, SearchRecord, StagePlan, TuningRecord)
+from .profile import LossCost
 from .schedules import MAX_SCHEDULE_SIZE, check_schedule_size, validate_schedule
+
+
+#: Most pipeline stages a plan, or ``partition(n_gpus=...)``, may ask for.
+MAX_STAGES = 10**5
+
+#: Largest integer a plan may hold (byte counts, segment numbers): int64, what numpy and
+#: torch count bytes in.
+MAX_PLAN_INT = 2**63 - 1
+
+_SHOWN_CHARS = 60  # how much of a bad value an error message repeats
+
+
+class FieldCheck:
+    """Checks of single values; every failure names the field and what it accepts."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self.where = "plan data" if path is None else f"plan file {path!r}"
+
+    def fail(self, field: str, problem: str, *, not_a_plan: bool = False) -> NoReturn:
+        where = f"{self.where} is not an autopipe plan" if not_a_plan else self.where
+        raise PlanFileError(f"{where}: {problem}", field=field, path=self.path)
+
+    def bad(self, field: str, value: Any, expected: str) -> NoReturn:
+        self.fail(field, f"{field}={show(value)} {expected}")
+
+    # numbers.Integral / numbers.Real: from_dict may be given numpy scalars, not only JSON's.
+    def integer(self, field: str, value: Any, lo: int = 0, hi: int = MAX_PLAN_INT) -> int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not lo <= value <= hi:
+            most = "2**63 - 1 (int64)" if hi == MAX_PLAN_INT else hi
+            self.bad(field, value, f"must be an integer >= {lo} and <= {most}")
+        return int(value)
+
+    def number(self, field: str, value: Any, *, positive: bool = False, signed: bool = False,
+            none: bool = False) -> float | None:
+        if value is None and none:
+            return None
+        ok = (not isinstance(value, bool) and isinstance(value, numbers.Real) and math.isfinite(value)
+              and (signed or (value > 0 if positive else value >= 0)))
+        if not ok:
+            bound = "" if signed else " > 0" if positive else " >= 0"
+            self.bad(field, value, f"must be a finite number{bound}" + (" or null" if none else ""))
+        return float(value)
+
+    def text(self, field: str, value: Any, *, nonempty: bool = False) -> str:
+        if not isinstance(value, str) or (nonempty and not value):
+            self.bad(field, value, "must be a non-empty string" if nonempty else "must be a string")
+        return value
+
+    def flag(self, field: str, value: Any) -> bool:
+        if not isinstance(value, bool):
+            self.bad(field, value, "must be true or false")
+        return value
+
+    def sequence(self, field: str, value: Any, item: Callable[[str, Any], Any] | None = None,
+             length: int | None = None) -> list[Any]:
+        # A tuple is what asdict() leaves of a tuple field: to_dict()'s output, given to from_dict as it is.
+        if not isinstance(value, (list, tuple)):
+            self.bad(field, value, "must be a list" + (f" of {length} entries" if length is not None else ""))
+        if length is not None and len(value) != length:
+            self.fail(field, f"{field} has {len(value)} entries but must have {length}")
+        return [item(f"{field}[{i}]", v) for i, v in enumerate(value)] if item else list(value)
+
+    def names(self, field: str, value: Any, length: int | None = None) -> list[str]:
+        """Distinct non-empty names, such as split points."""
+        names = self.sequence(field, value, lambda f, v: self.text(f, v, nonempty=True), length)
+        repeated = sorted(n for n, times in collections.Counter(names).items() if times > 1)
+        if repeated:
+            self.fail(field, f"{field} names {repeated} more than once; each name may appear once")
+        return names
+
+    def mapping(self, field: str, value: Any) -> dict[str, Any]:
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            self.bad(field, value, "must be an object with string keys")
+        return dict(value)
+
+    def record(self, field: str, value: Any, checks: Mapping[str, Callable[[str, Any], Any]],
+               required: set[str] | frozenset[str], *, open_ended: bool = False) -> dict[str, Any]:
+        """An object with the given fields: each checked, the required ones present."""
+        data = self.mapping(field, value)
+        prefix = f"{field}." if field else ""
+        if not open_ended:
+            unknown = sorted(set(data) - set(checks))
+            if unknown:
+                self.fail(prefix + unknown[0], f"unknown field(s) {[prefix + k for k in unknown]}; "
+                          f"{field or 'a plan'} has the fields {sorted(checks)}", not_a_plan=not field)
+        missing = sorted(required - set(data))
+        if missing:
+            self.fail(prefix + missing[0], f"missing field(s) {[prefix + k for k in missing]}", not_a_plan=not field)
+        return {k: checks[k](prefix + k, v) if k in checks else v for k, v in data.items()}
+
+
+def show(value: Any) -> str:
+    """``repr(value)``, cut to the length an error message repeats."""
+    text = repr(value)
+    return text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "..."
+
+
+def required_fields(cls: type) -> frozenset[str]:
+    """The fields of dataclass ``cls`` that have no default."""
+    return frozenset(f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING)
+
+
+#: The Plan fields beyond the stages and baselines, each checked by :func:`typed_parts`.
+TYPED_FIELDS = ("segments", "machine", "step_tail", "rank_peak_bytes", "search", "alternatives", "notes", "loss",
+                "whole_pass", "global_batch", "scaling_fit_error", "calibration", "tuning")
+
+
+class PlanShape(NamedTuple):
+    """The counts the typed parts must agree with."""
+
+    stages: int
+    ranks: int
+    segment_names: int
+    stage_records: list[dict[str, Any]]
+
+
+def typed_parts(c: FieldCheck, raw: dict[str, Any], shape: PlanShape) -> dict[str, Any]:
+    """The typed fields of a plan file, each checked under its own name."""
+
+    out: dict[str, Any] = {}
+    if "segments" in raw:
+        out["segments"] = _segments(c, "segments", raw["segments"], shape)
+    if "machine" in raw:
+        machine = c.record("machine", raw["machine"], {
+            "links": lambda f, v: _sized(c, f, c.sequence(f, v, lambda g, x: _link(c, g, x)), shape.stages - 1),
+            "action_overhead_s": lambda f, v: _sized(c, f, c.sequence(f, v, c.number), shape.stages),
+            "lazy_sends": c.flag,
+        }, frozenset())
+        out["machine"] = MachineModel(**machine)
+    if "step_tail" in raw:
+        out["step_tail"] = StepTail(**c.record("step_tail", raw["step_tail"], dict.fromkeys(
+            ("merge_outputs_s", "loss_broadcast_s", "shared_grads_s", "start_agreement_s"), c.number), frozenset()))
+    if "rank_peak_bytes" in raw:
+        out["rank_peak_bytes"] = _sized(c, "rank_peak_bytes", c.sequence("rank_peak_bytes", raw["rank_peak_bytes"],
+                                                                         c.integer), shape.ranks)
+    if raw.get("search") is not None:
+        out["search"] = _search(c, "search", raw["search"])
+    if "alternatives" in raw:
+        out["alternatives"] = _alternatives(c, "alternatives", raw["alternatives"])
+    if "notes" in raw:
+        out["notes"] = c.sequence("notes", raw["notes"], c.text)
+    if raw.get("loss") is not None:
+        out["loss"] = _loss(c, "loss", raw["loss"])
+    if raw.get("whole_pass") is not None:
+        out["whole_pass"] = _whole_pass(c, "whole_pass", raw["whole_pass"])
+    if raw.get("global_batch") is not None:
+        out["global_batch"] = c.integer("global_batch", raw["global_batch"], 1)
+    if "scaling_fit_error" in raw:
+        out["scaling_fit_error"] = _fit_error(c, "scaling_fit_error", raw["scaling_fit_error"])
+    if raw.get("calibration") is not None:
+        out["calibration"] = _calibration(c, "calibration", raw["calibration"], shape)
+    if raw.get("tuning") is not None:
+        out["tuning"] = _tuning(c, "tuning", raw["tuning"])
+    return out
+
+
+def _sized(c: FieldCheck, field: str, values: list[Any], length: int) -> list[Any]:
+    """``values`` when it has ``length`` entries or none (nothing recorded)."""
+    if values and len(values) != length:
+        c.fail(field, f"{field} has {len(values)} entries but must have {length} (or none)")
+    return values
+
+
+def _link(c: FieldCheck, field: str, value: Any) -> Link:
+    return Link(**c.record(field, value, {"bandwidth": lambda f, v: c.number(f, v, positive=True),
+                                          "latency_s": c.number}, frozenset({"bandwidth", "latency_s"})))
+
+
+def _segments(c: FieldCheck, field: str, value: Any, shape: PlanShape) -> list[PlanSegment]:
+    checks: dict[str, Callable[[str, Any], Any]] = {
+        **{k: c.number for k in ("fwd_s", "bwd_s", "accum_s", "flops")},
+        **{k: c.integer for k in ("param_bytes", "act_bytes", "out_bytes", "trainable_param_bytes",
+                                  "cut_fwd_bytes", "cut_bwd_bytes", "cut_fwd_messages", "cut_bwd_messages",
+                                  "bwd_peak_bytes",
+                                  "bwd_input_peak_bytes")},
+        "name": c.text, "modules": lambda f, v: c.sequence(f, v, c.text),
+    }
+    segments = c.sequence(field, value, lambda f, v: PlanSegment(**c.record(f, v, checks,
+                                                                          required_fields(PlanSegment))))
+    if shape.segment_names and segments and len(segments) != shape.segment_names:
+        c.fail(field, f"{field} has {len(segments)} entries but segment_names has {shape.segment_names}; "
+               "one per segment")
+    last = shape.stage_records[-1]["last_segment"]
+    if segments and last >= len(segments):
+        c.fail(f"stages[{shape.stages - 1}].last_segment", f"stages[{shape.stages - 1}].last_segment={last} "
+               f"but {field} has {len(segments)} segments")
+    return segments
+
+
+def _search(c: FieldCheck, field: str, value: Any) -> SearchRecord:
+    return SearchRecord(**c.record(field, value, {
+        "candidates": c.integer, "iterations": c.integer, "step_lower_bound_s": c.number,
+        "step_gap": lambda f, v: c.number(f, v, signed=True)}, frozenset()))
+
+
+def _alternatives(c: FieldCheck, field: str, value: Any) -> list[ScheduleAlternative]:
+    def maybe_int(f: str, v: Any) -> int | None:
+        return None if v is None else c.integer(f, v)
+
+    checks: dict[str, Callable[[str, Any], Any]] = {
+        "schedule": lambda f, v: c.text(f, v, nonempty=True),
+        "stages_per_rank": lambda f, v: c.integer(f, v, 1, MAX_STAGES),
+        "n_microbatches": lambda f, v: c.integer(f, v, 1, MAX_SCHEDULE_SIZE),
+        "predicted_step_s": lambda f, v: c.number(f, v, none=True),
+        "peak_bytes": maybe_int, "fits": c.flag, "note": c.text, "split_points_count": maybe_int,
+    }
+    return c.sequence(field, value, lambda f, v: ScheduleAlternative(**c.record(
+        f, v, checks, required_fields(ScheduleAlternative))))
+
+
+def _loss(c: FieldCheck, field: str, value: Any) -> LossCost:
+    return LossCost(**c.record(field, value, {"fwd_s": c.number, "bwd_s": c.number, "act_bytes": c.integer,
+                                              "batch": lambda f, v: c.integer(f, v, 1),
+                                              "bwd_peak_bytes": c.integer}, required_fields(LossCost)))
+
+
+def _whole_pass(c: FieldCheck, field: str, value: Any) -> WholePass:
+    checks: dict[str, Callable[[str, Any], Any]] = {
+        **{k: c.number for k in ("segments_fwd_s", "segments_bwd_s", "fwd_s", "bwd_s", "accum_s", "segments_accum_s")},
+        "scales": lambda f, v: c.sequence(f, v, c.number, 3), "fitted": c.flag, "round_spread": c.number,
+    }
+    whole = c.record(field, value, checks, required_fields(WholePass))
+    return WholePass(**{**whole, "scales": tuple(whole["scales"])})
+
+
+def _fit_error(c: FieldCheck, field: str, value: Any) -> dict[str, float]:
+    return {k: c.number(f"{field}.{k}", v) for k, v in c.mapping(field, value).items()}
+
+
+def _calibration(c: FieldCheck, field: str, value: Any, shape: PlanShape) -> Calibration:
+    def factors(f: str, v: Any) -> list[Any]:  # None: a stage direction with nothing planned to scale
+        return c.sequence(f, v, lambda g, x: c.number(g, x, none=True), shape.stages)
+
+    return Calibration(**c.record(field, value, {"fwd_factor": factors, "bwd_factor": factors},
+                                  required_fields(Calibration)))
+
+
+def _tuning(c: FieldCheck, field: str, value: Any) -> TuningRecord:
+    record = c.record(field, value, {
+        "split_points": lambda f, v: c.sequence(f, v, lambda g, x: c.sequence(g, x, c.text)),
+        "predicted_step_s": lambda f, v: c.sequence(f, v, c.number),
+        "measured_step_s": lambda f, v: c.sequence(f, v, c.number),
+        "rounds": lambda f, v: c.integer(f, v, 1), "chosen": c.integer}, required_fields(TuningRecord))
+    n = len(record["split_points"])
+    if not (len(record["predicted_step_s"]) == len(record["measured_step_s"]) == n and 0 <= record["chosen"] < n):
+        c.fail(field, f"{field} needs one predicted and one measured step per candidate ({n}) and chosen in 0..{n - 1}")
+    return TuningRecord(**record)
+
+
+def record_from_data(c: FieldCheck, name: str, value: Any) -> DataParallelRecord | None:
+    """A :class:`DataParallelRecord` from plan-file data, every field checked (None stays None)."""
+    if value is None:
+        return None
+
+    def maybe_int(f: str, v: Any) -> int | None:
+        return None if v is None else c.integer(f, v)
+
+    def maybe_number(f: str, v: Any) -> float | None:
+        return c.number(f, v, none=True)
+
+    rows = {
+        "pp": lambda f, v: c.integer(f, v, 1, MAX_STAGES), "dp": lambda f, v: c.integer(f, v, 1, MAX_STAGES),
+        "mode": c.text, "n_microbatches": maybe_int, "schedule": c.text, "pipeline_step_s": maybe_number,
+        "reduction_s": maybe_number, "peak_bytes": maybe_int, "fits": c.flag, "reason": c.text, "crossing": c.text,
+        "min_memory_bytes": maybe_int,
+    }
+    top = {
+        "mode": c.text, "reduction_s": c.number, "dp_bandwidth": lambda f, v: c.number(f, v, positive=True),
+        "dp_latency_s": c.number, "crossing": c.text,
+        "factorizations": lambda f, v: c.sequence(f, v, lambda g, x: Factorization(
+            **c.record(g, x, rows, required_fields(Factorization)))),
+    }
+    return DataParallelRecord(**c.record(name, value, top, required_fields(DataParallelRecord)))
+
 
 if TYPE_CHECKING:
     import torch

@@ -152,3 +152,40 @@ class TuningRecord:
     measured_step_s: list[float]
     rounds: int
     chosen: int
+
+
+@dataclass
+class Factorization:
+    """One (pp, dp, mode) the planner costed: its best pipeline, the reduction, its memory, or why not."""
+
+    pp: int  # pipeline ranks per replica
+    dp: int  # replicas
+    mode: str  # "fsdp" or "replicate"
+    n_microbatches: int | None = None  # per replica and step
+    schedule: str = ""
+    pipeline_step_s: float | None = None  # one replica's pipeline step (costmodel.predicted_step_s)
+    reduction_s: float | None = None  # the slowest rank's data-parallel collectives after the step
+    peak_bytes: int | None = None  # the fullest rank's predicted peak memory
+    fits: bool = False
+    reason: str = ""  # why it was not usable (skipped, does not fit), or empty
+    crossing: str = ""  # which dimension leaves a node: "none", "pp", "dp", "both" ("" without a Topology)
+    min_memory_bytes: int | None = None  # where it does not fit: the least per-device memory that would
+
+    @property
+    def step_s(self) -> float | None:
+        """Predicted step: the pipeline, then the reduction (not overlapped)."""
+        if self.pipeline_step_s is None or self.reduction_s is None:
+            return None
+        return self.pipeline_step_s + self.reduction_s
+
+
+@dataclass
+class DataParallelRecord:
+    """The data-parallel side of a plan: the reduction charged and every factorization compared."""
+
+    mode: str  # of the chosen factorization
+    reduction_s: float  # charged after the pipeline step
+    dp_bandwidth: float  # bytes/s the dp ring was charged at
+    dp_latency_s: float
+    crossing: str = ""  # of the chosen factorization
+    factorizations: list[Factorization] = field(default_factory=list)
