@@ -476,7 +476,7 @@ def render_prediction_accuracy(d: dict[str, Any], behind: list[str]) -> str:
     machine = d.get("measured_machine") or {}
     if machine.get("link") and machine.get("overhead"):
         link, ov = machine["link"], machine["overhead"]
-        notes.append(f"The machine as measured before the run (`python -m autopipe.cli.measure --overhead`): "
+        notes.append(f"The machine as measured before the run (`autopipe measure --overhead`): "
                      f"link {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s and {link['latency_s'] * 1e6:.0f} µs "
                      f"per message, {ov['action_overhead_s'] * 1e3:.2f} ms of runtime overhead per action, ranks "
                      f"computing at once {ov['concurrent_slowdown']:.2f}× as slow as alone.")

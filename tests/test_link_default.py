@@ -99,17 +99,17 @@ def by_link(link):
     return ("plan", cuts), cuts
 
 
-def test_a_different_split_measures_once_then_keeps_the_link_in_this_process():
+def test_a_different_split_charges_the_link_measured_before_and_planning_never_measures():
     measure = Counted()
-    choice, (_, cuts) = choose_link(by_link, assumed=ASSUMED, mode="auto", measure=measure)
-    assert measure.calls == 1 and cuts == (2,)
+    choice, (_, cuts) = choose_link(by_link, assumed=ASSUMED, mode="auto", measure=measure, known=lambda: None)
+    assert measure.calls == 0 and cuts == (1,) and choice.source == "assumed"
+    assert "[1]" in choice.reason and "[2]" in choice.reason and "autopipe measure" in choice.reason
+    link = fake_link()
+    choice, (_, cuts) = choose_link(by_link, assumed=ASSUMED, mode="auto", known=lambda: link)
+    assert cuts == (2,) and choice.measurement is link
     # An idle ping-pong's 1 us is what the wire costs; inside a step a CPU message costs more.
     assert choice.source == "measured" and choice.link == (1e12, CPU_STEP_MESSAGE_S)
-    assert choice.measurement is measure.link
-    assert "[1]" in choice.reason and "[2]" in choice.reason  # both splits named
     assert "measured on this host" in choice.note()
-    again, _ = choose_link(by_link, assumed=ASSUMED, mode="auto", measure=measure)
-    assert measure.calls == 1 and again.link == choice.link
 
 
 def test_the_cache_file_keeps_the_link_for_later_processes(monkeypatch, tmp_path):
@@ -160,13 +160,10 @@ def test_a_measure_seam_must_return_a_measurement_and_the_device_type_is_checked
         loopback_link("mps", measure=never_measure)
 
 
-def test_a_failed_measurement_keeps_the_assumed_link_in_auto_and_raises_when_asked_for():
+def test_a_failed_measurement_asked_for_raises():
     def broken():
         raise RuntimeError("the link measurement failed:\nrank 1 died")
 
-    choice, (_, cuts) = choose_link(by_link, assumed=ASSUMED, mode="auto", measure=broken)
-    assert choice.source == "assumed" and cuts == (1,)
-    assert "measuring it failed (the link measurement failed:)" in choice.reason
     with pytest.raises(RuntimeError, match="rank 1 died"):
         choose_link(by_link, assumed=ASSUMED, mode="always", measure=broken)
 
@@ -299,6 +296,15 @@ def test_the_automatic_choice_measures_when_the_link_decides_and_says_both_split
     assert note.startswith("link between ranks measured on this host") and "gave the split ['3'] (1F1B, 4 micro-batches), free communication ['2'] (1F1B, 4 micro-batches)" in note
 
 
+def test_without_a_measurement_the_plan_keeps_the_assumed_link_and_says_how_to_measure(monkeypatch):
+    monkeypatch.setenv("AUTOPIPE_MEASURE_LINK", "1")
+    monkeypatch.setenv("AUTOPIPE_LINK_CACHE", "0")
+    plan = plan_wide()  # nothing kept: planning starts no process (the unit lane would fail on one)
+    assert plan.links()[0].bandwidth == ASSUMED[0] and plan.split_points != ["2"]
+    note = next(n for n in plan.notes if n.startswith("link between ranks"))
+    assert note.startswith("link between ranks assumed") and "run `autopipe measure`" in note
+
+
 def test_the_automatic_choice_keeps_the_assumed_link_where_it_decides_nothing(monkeypatch):
     monkeypatch.setenv("AUTOPIPE_MEASURE_LINK", "1")
     model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])  # every cut 64 bytes: the link cannot matter
@@ -336,11 +342,11 @@ def test_planning_inside_a_process_group_keeps_the_assumed_link(monkeypatch, tmp
 
 
 @pytest.mark.distributed
-def test_the_planner_measures_this_hosts_link_for_real(monkeypatch):
+def test_the_planner_measures_this_hosts_link_for_real_when_asked(monkeypatch):
     """Two spawned gloo processes (from a fresh interpreter) measure the loopback link once;
     the plan charges it and its notes say so."""
-    monkeypatch.setenv("AUTOPIPE_MEASURE_LINK", "1")
-    plan = plan_wide()
+    monkeypatch.setenv("AUTOPIPE_LINK_CACHE", "0")
+    plan = plan_wide(measure_link=True)
     note = next(n for n in plan.notes if n.startswith("link between ranks"))
     assert note.startswith("link between ranks measured on this host"), note
     kept = loopback_link("cpu", measure=never_measure, use_file=False)

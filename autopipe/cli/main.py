@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-us", type=float, help="microseconds per message between devices")
     p.add_argument("--action-overhead-ms", type=float,
                    help="milliseconds each pipeline action costs beyond its compute (default: 0.7 on CPU, "
-                        "0 on CUDA; measure with python -m autopipe.cli.measure --overhead)")
+                        "0 on CUDA; measure with autopipe measure --overhead)")
     p.add_argument("--objective", choices=("step", "bottleneck"), default="step",
                    help="minimise the simulated step, or only the heaviest stage")
     p.add_argument("--out", metavar="FILE", help="save the plan as JSON")
@@ -274,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("run", help="start a training script on N processes (torchrun)", add_help=False,
                    formatter_class=_Formatter, description=_RUN_HELP)
+    sub.add_parser("measure", help="measure this host's link between ranks, kept for later plans", add_help=False)
     return parser
 
 
@@ -535,6 +536,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         except CliError as e:
             print(f"{PROG} run: error: {e}", file=sys.stderr)
             return 2
+    if first is not None and argv[first] == "measure":  # its own parser (autopipe measure)
+        from .measure import main as measure_main
+
+        return measure_main(argv[first + 1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     command = args.command

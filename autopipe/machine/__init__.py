@@ -11,7 +11,7 @@ The bottom of the data flow; nothing here imports the planner or the runtime.
 * :mod:`autopipe.machine.link`: the latency and bandwidth between two ranks.
 
 The runtime's cost per pipeline action is measured by running the runtime:
-:mod:`autopipe.runtime.overhead_probe`. ``python -m autopipe.cli.measure`` measures the
+:mod:`autopipe.runtime.overhead_probe`. ``autopipe measure`` measures the
 machine once from the command line.
 """
 

@@ -104,7 +104,7 @@ def _check_seconds(name: str, value: object) -> float:
 CPU_STEP_MESSAGE_S = 500e-6
 
 #: Default link between neighbouring devices, per device type: (bytes/s, seconds per message).
-#: CPU: gloo over loopback TCP, the bandwidth about what `python -m autopipe.cli.measure` finds
+#: CPU: gloo over loopback TCP, the bandwidth about what `autopipe measure` finds
 #: on a quiet shared host (docs/costs-and-measurement.md section 5), a message as inside a step.
 #: CUDA: a conservative PCIe-class peer link (NVLink is 10x faster: pass bandwidth= to say so).
 _DEFAULT_LINKS = {"cpu": (2e9, CPU_STEP_MESSAGE_S), "cuda": (10e9, 20e-6)}
@@ -127,7 +127,7 @@ def step_message_s(device_type: str, measured_latency_s: float) -> float:
 
 #: Default seconds each pipeline action (F, B, I, W) costs beyond its compute, per device type.
 #: CPU: gloo processes on a shared 2-core host, measured with
-#: `python -m autopipe.cli.measure --overhead` (docs/costs-and-measurement.md).
+#: `autopipe measure --overhead` (docs/costs-and-measurement.md).
 #: CUDA: none is assumed: one-stage pipelines on one GPU imply about none once the profile is
 #: fitted to the whole graph (benchmarks/gpu_one_rank, docs/benchmarks.md section 8), and what
 #: a send between two GPUs costs in torch's runtime is not measured (docs/design.md).

@@ -96,7 +96,7 @@ FRESH_TIMEOUT_S = 180.0
 FRESH_RUNS = 3
 
 # One run on a busy host can catch a burst of load (latency in milliseconds, a scheduler
-# tick); the median run of a few, as ``python -m autopipe.cli.measure`` reports, is kept.
+# tick); the median run of a few, as ``autopipe measure`` reports, is kept.
 _FRESH_CODE = (
     "import json, sys\n"
     "from autopipe.machine.link import measure_link\n"
@@ -149,6 +149,29 @@ def forget_links() -> None:
     """
     with _LOCK:
         _KEPT.clear()
+
+
+def known_link(device_type: str = "cpu") -> LinkMeasurement | None:
+    """This host's loopback link as measured before (kept in this process, or in the cache file), else None."""
+    key = host_key()
+    with _LOCK:
+        kept = _KEPT.get((key, device_type))
+    if kept is not None:
+        return kept
+    path = cache_file()
+    link = _from_file(path, f"{key}|{device_type}") if path is not None else None
+    if link is not None:
+        with _LOCK:
+            _KEPT[(key, device_type)] = link
+    return link
+
+
+def save_link(link: LinkMeasurement, device_type: str = "cpu") -> None:
+    """Keep ``link`` for this process and, where the cache file is on, for later ones (``autopipe measure``)."""
+    remember_link(link, device_type)
+    path = cache_file()
+    if path is not None:
+        _to_file(path, f"{host_key()}|{device_type}", link)
 
 
 def loopback_link(device_type: str = "cpu", *, measure: MeasureFn | None = None,

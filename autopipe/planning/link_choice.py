@@ -1,5 +1,9 @@
 """Which link the planner charges between ranks when the user gives none.
 
+Planning never measures on its own: a link measured before on this host (``autopipe
+measure``, or ``ProfileOptions(measure_link=True)``) is charged where it can decide the
+split; without one the planner charges the assumed default and its note says how to measure.
+
 Example:
     >>> from autopipe.machine.link import LinkMeasurement
     >>> fake = LinkMeasurement(8e9, 3e-5, [1024, 1 << 20], [3e-5, 1.6e-4], [[3e-5], [1.6e-4]], 0.0, "gloo",
@@ -7,10 +11,10 @@ Example:
     >>> def search(link):  # a cut at 2 unless a byte costs over 0.2 ns
     ...     cuts = (2,) if 1 / link[0] < 2e-10 else (1,)
     ...     return cuts, cuts
-    >>> choice, cuts = choose_link(search, assumed=(2e9, 1e-4), mode="auto", measure=lambda: fake)
+    >>> choice, cuts = choose_link(search, assumed=(2e9, 1e-4), mode="auto", known=lambda: fake)
     >>> choice.source, cuts
     ('measured', (2,))
-    >>> choose_link(search, assumed=(2e9, 1e-4), mode="never")[0].source
+    >>> choose_link(search, assumed=(2e9, 1e-4), mode="auto", known=lambda: None)[0].source
     'assumed'
 """
 
@@ -25,12 +29,12 @@ from typing import Any, TypeVar
 from .._checks import check_bool
 from ..machine.device import Device, step_message_s
 from ..machine.link import LinkMeasurement
-from ..machine.link_cache import MeasureFn, loopback_link
+from ..machine.link_cache import MeasureFn, known_link, loopback_link
 
 #: A link on which communication costs nothing: what the split would be if links were free.
 FREE_LINK = (math.inf, 0.0)
 
-#: What :func:`choose_link` may do: measure only if the link decides the split, always, never.
+#: What :func:`choose_link` may do: charge a measured link only if the link decides the split, always, never.
 MODES = ("auto", "always", "never")
 
 R = TypeVar("R")
@@ -103,6 +107,7 @@ def link_mode(measure_link: bool | None, *, device_type: str, cost_source: str,
 def choose_link(
     search: Callable[[tuple[float, float]], tuple[R, Hashable]], *, assumed: tuple[float, float], mode: str,
     device_type: str = "cpu", measure: MeasureFn | None = None, why: str = "",
+    known: Callable[[], LinkMeasurement | None] | None = None,
 ) -> tuple[LinkChoice, R]:
     """Run ``search`` with the link that ``mode`` calls for, and say which link it was.
 
@@ -123,17 +128,17 @@ def choose_link(
             return LinkChoice(*assumed, source="assumed", reason="the split is the same with free communication"), result
         reason = (f"the assumed {assumed[0] / 1e9:.3g} GB/s and {assumed[1] * 1e6:.3g} us gave the split "
                   f"{_show(split)}, free communication {_show(free_split)}")
-    else:
-        reason = why or "asked for"
-    try:
-        link = loopback_link(device_type, measure=measure)
-    except (RuntimeError, TimeoutError, OSError, ValueError) as e:
-        if mode == "always":  # asked for by name: a failure is the caller's to see
-            raise
-        # A default that could not be checked stays the default; the note says why.
-        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        failed = f"{reason}; measuring it failed ({first_line[:200]})"
-        return LinkChoice(*assumed, source="assumed", reason=failed), result
+        link = known() if known is not None else known_link(device_type)
+        if link is None:  # planning measures nothing by itself: say how to
+            return LinkChoice(*assumed, source="assumed", reason=f"{reason}; no link measured on this host: run "
+                              "`autopipe measure` or give ProfileOptions(measure_link=True)"), result
+        return _measured(link, reason, device_type, search)
+    # "always": asked for by name, so measured now where this host has no measurement; a failure is raised.
+    return _measured(loopback_link(device_type, measure=measure), why or "asked for", device_type, search)
+
+
+def _measured(link: LinkMeasurement, reason: str, device_type: str,
+              search: Callable[[tuple[float, float]], tuple[R, Hashable]]) -> tuple[LinkChoice, R]:
     # An idle ping-pong measures the wire; a message inside a step between CPU ranks costs more.
     choice = LinkChoice(link.bandwidth_bytes_per_s, step_message_s(device_type, link.latency_s), source="measured",
                         reason=reason, measurement=link)

@@ -38,18 +38,23 @@ class ProfileOptions:
             timed beside them (:class:`autopipe.machine.passes.WholePass`); None = on
             CUDA only, where segments timed one by one add up to more than the model.
         progress: Show progress on stderr while tracing and profiling.
-        measure_link: Whether the planner measures the link between two processes on this
-            host (:func:`autopipe.machine.link_cache.loopback_link`: two spawned processes,
-            a few seconds, then kept per host) for the ranks whose ``Device`` gives no
-            ``bandwidth`` or ``latency_s``. None (default): only where it can matter: the
-            profile is measured on the CPU (co-located ranks), no process group is running,
-            and the split with the assumed default link differs from the split with free
-            communication (:mod:`autopipe.planning.link_choice`); ``AUTOPIPE_MEASURE_LINK=0``
-            in the environment turns this off. :class:`autopipe.Pipeline` plans inside its
-            process group, so with None it keeps the assumed link. True: whenever a rank's
-            link is not given (also on CUDA, between GPUs 0 and 1; under ``Pipeline``, rank 0
-            measures while the other ranks wait for the plan). False: never; the assumed
-            default is used. ``plan.notes`` says which link was charged.
+        measure_link: Which link the planner charges between ranks whose ``Device`` gives no
+            ``bandwidth`` or ``latency_s``. None (default): planning measures nothing by
+            itself; where the link can decide the split (the split with the assumed default
+            differs from the split with free communication,
+            :mod:`autopipe.planning.link_choice`), the profile is measured on the CPU and no
+            process group runs, a link measured before on this host (``autopipe measure``,
+            kept per host) is charged, else the assumed default; ``plan.notes`` says which, and
+            how to measure. ``AUTOPIPE_MEASURE_LINK=0`` keeps the default. True: measure now
+            when this host has no measurement (two spawned processes, a few seconds; also on
+            CUDA, between GPUs 0 and 1; under ``Pipeline``, rank 0 measures while the others
+            wait). False: always the assumed default.
+        in_ranks: When a :class:`~autopipe.Pipeline` plans: True has every rank profile the
+            model at once (:func:`autopipe.planning.profile_in_ranks`) and rank 0 plan from
+            the mean of their profiles; False has rank 0 profile alone while the others wait.
+            None (default): in the ranks when there are several and the planner brings no
+            costs of its own (no ``devices``, ``cost="measured"``). Ranks sharing a host
+            compete for memory bandwidth and caches, which a profile taken alone does not see.
 
     Raises:
         ValueError: a field out of range (the message names it and says what is accepted).

@@ -1,6 +1,6 @@
 """Prediction accuracy: the plan's predicted step time and per-rank peak memory vs real pipelines.
 
-First the machine is measured once, as a user would with ``python -m autopipe.cli.measure
+First the machine is measured once, as a user would with ``autopipe measure
 --overhead``: the link between two ranks (``autopipe.machine.link.measure_link``) and the runtime's
 cost per pipeline action plus the slowdown of ranks computing at once
 (``autopipe.runtime.overhead_probe.measure_action_overhead``). Then for each model x schedule x micro-batch
@@ -71,7 +71,7 @@ def _cut_bytes(plan: autopipe.Plan) -> list[int]:
 
 
 def measure_machine(opts: argparse.Namespace, log) -> dict[str, Any]:
-    """The link and the runtime overhead, measured once, as ``python -m autopipe.cli.measure --overhead`` does."""
+    """The link and the runtime overhead, measured once, as ``autopipe measure --overhead`` does."""
     smoke = opts.size == "smoke"
     link = measure_link(device=opts.device, repeats=3 if smoke else 10)
     overhead = measure_action_overhead(
