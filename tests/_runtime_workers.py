@@ -57,11 +57,13 @@ def example_args() -> tuple[torch.Tensor]:
     return (tutorial_batch(0)[0][:MICROBATCH],)
 
 
-def build(model: nn.Module, schedule: str, total_stages: int, **options) -> Pipeline:
+def build(model: nn.Module, schedule: str, total_stages: int, stages_per_rank: int | None = None,
+          recompute: bool | str = "auto", **options) -> Pipeline:
     if "split_points" not in options:
         options["split_points"] = SPLITS[total_stages]
     options.setdefault("n_microbatches", N_MICROBATCHES)
-    return Pipeline(model, example_args=example_args(), loss_fn=loss_fn, schedule=schedule, **options)
+    return Pipeline(model, example_args=example_args(), loss_fn=loss_fn, schedule=schedule,
+                    planner=PlannerOptions(stages_per_rank=stages_per_rank, recompute=recompute), **options)
 
 
 def compare_with_unsplit(pipe: Pipeline, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict:
@@ -258,7 +260,7 @@ def checkpointing_and_modes_run(rank: int, world_size: int) -> dict:
     x, y = tutorial_batch(0)
     for schedule, n_stages in (("1F1B", 2), ("ZBVZeroBubble", 4)):
         model = tutorial_model()
-        pipe = build(model, schedule, n_stages, checkpoint_stages=True)
+        pipe = build(model, schedule, n_stages, recompute=True)
         result[f"checkpointed_{schedule}"] = compare_with_unsplit(pipe, model, x, y)
 
     model = tutorial_model(dropout=0.5)
@@ -326,7 +328,7 @@ def errors_run(rank: int, world_size: int, plan_path: str) -> dict:
     result["odd_batch"] = _error(lambda: pipe.step(x[:7], target=y[:7]))
     result["odd_target"] = _error(lambda: pipe.step(x, target=y[:7]))
     result["step_after_errors"] = pipe.step(x, target=y).item()  # nothing was half-sent
-    result["n_ranks_mismatch"] = _error(lambda: build(model, "1F1B", 2, n_ranks=3, split_points=SPLITS[4][:2]))
+    result["ranks_mismatch"] = _error(lambda: build(model, "1F1B", 2, split_points=SPLITS[4][:2]))
     result["plan_world_mismatch"] = _error(lambda: Pipeline(model, example_args=example_args(), loss_fn=loss_fn,
                                                             plan=plan_path,
                                                             planner=PlannerOptions(stages_per_rank=1)))

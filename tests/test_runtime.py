@@ -13,6 +13,7 @@ import math
 import pytest
 
 from autopipe.planning.plan import Plan, StagePlan
+from autopipe import PlannerOptions
 from autopipe.runtime import Pipeline
 from autopipe.planning.schedules import SCHEDULES
 
@@ -269,9 +270,9 @@ def test_pipeline_still_steps_after_a_rejected_batch(errors):
     assert all(math.isfinite(r["step_after_errors"]) for r in errors)
 
 
-def test_n_ranks_not_matching_world_size_is_a_clear_error(errors):
+def test_a_hand_split_not_matching_world_size_is_a_clear_error(errors):
     for r in errors:
-        assert r["n_ranks_mismatch"].startswith("ValueError") and "world has 2 processes" in r["n_ranks_mismatch"]
+        assert r["ranks_mismatch"].startswith("ValueError") and "make 3 stages, but 2 ranks" in r["ranks_mismatch"]
 
 
 def test_plan_not_matching_world_size_is_a_clear_error(errors):
@@ -335,8 +336,8 @@ def test_missing_plan_file_is_a_clear_error(model_and_args, tmp_path):
 
 def test_bad_counts_and_planner_settings_are_named(model_and_args):
     model, args = model_and_args
-    with pytest.raises(ValueError, match=r"n_ranks=0 must be an integer >= 1"):
-        Pipeline(model, example_args=args)
+    with pytest.raises(ValueError, match=r"stages_per_rank=0 must be an integer >= 1"):
+        Pipeline(model, example_args=args, planner=PlannerOptions(stages_per_rank=0))
     with pytest.raises(TypeError, match=r"planner=\{'memory': '1GiB'\} must be an autopipe.PlannerOptions"):
         Pipeline(model, example_args=args, planner={"memory": "1GiB"})
 

@@ -25,7 +25,6 @@ class PlanRequest:
 
     plan: Plan | None
     split_points: list[str] | None
-    n_ranks: int | None
     schedule: str | None
     n_microbatches: int | None
     stages_per_rank: int | None
@@ -54,7 +53,7 @@ class PlanRequest:
         if profile_in_ranks and not _measures_costs(planner):
             raise ValueError(f"planner.profiling.in_ranks=True measures the costs, but the planner options give them "
                              f"(cost={_short(planner.cost)}): drop one of them")
-        return cls(plan=plan, split_points=split_points, n_ranks=None, schedule=schedule,
+        return cls(plan=plan, split_points=split_points, schedule=schedule,
                    n_microbatches=n_microbatches, stages_per_rank=planner.stages_per_rank, planner=planner,
                    profile_in_ranks=profile_in_ranks, example_target=example_target)
 
@@ -88,12 +87,9 @@ def settle_plan(request: PlanRequest, model: nn.Module, example_args: tuple, exa
             raise ValueError(f"the plan has {plan.num_stages} stages, which is not a multiple of "
                              f"stages_per_rank={stages_per_rank}")
         n_ranks = plan.num_stages // stages_per_rank
-        if request.n_ranks is not None and request.n_ranks != n_ranks:
-            raise ValueError(f"n_ranks={request.n_ranks} but the plan runs {plan.num_stages} stages at "
-                             f"{stages_per_rank} per rank, i.e. on {n_ranks} ranks")
     else:
         schedule = schedule or "1F1B"
-        n_ranks = request.n_ranks if request.n_ranks is not None else pipeline_ranks
+        n_ranks = pipeline_ranks
         stages_per_rank = stages_per_rank or default_stages_per_rank(schedule)
         if request.split_points is not None:
             n_microbatches = n_microbatches or 2 * n_ranks
@@ -106,9 +102,8 @@ def settle_plan(request: PlanRequest, model: nn.Module, example_args: tuple, exa
                 )
     if n_ranks != pipeline_ranks:
         raise ValueError(
-            f"the pipeline needs {n_ranks} ranks ({'the plan' if plan is not None else 'n_ranks'}: "
-            f"{n_ranks * stages_per_rank} stages, {stages_per_rank} per rank) but {where} "
-            f"{pipeline_ranks} processes; {fix.format(n=n_ranks)}"
+            f"the pipeline needs {n_ranks} ranks (the plan: {n_ranks * stages_per_rank} stages, "
+            f"{stages_per_rank} per rank) but {where} {pipeline_ranks} processes; {fix.format(n=n_ranks)}"
         )
     if n_microbatches is not None:
         validate_schedule(schedule, n_ranks, n_microbatches, stages_per_rank)
@@ -161,8 +156,7 @@ def _plan_on_rank0(request: PlanRequest, model: nn.Module, example_args: tuple, 
             from ..planning.planner import plan_partition
 
             found = plan_partition(model, n_ranks, example_args=example_args, example_kwargs=example_kwargs,
-                              schedule=schedule, n_microbatches=n_microbatches,
-                              **kwargs)
+                                   schedule=schedule, n_microbatches=n_microbatches, **kwargs)
             if loss_note:  # the pipeline's loss could not be costed: the plan says so
                 found.notes = [*found.notes, loss_note]
             outcome = ("ok", found.to_dict())

@@ -6,6 +6,7 @@ import copy
 import gc
 import statistics
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 from .._checks import check_int
 from ..machine.timing import synchronize
+from ..planning.options import PlannerOptions
 from ..planning.plan import Plan
 from ..planning.plan_records import TuningRecord
 from .distributed import collective_device
@@ -77,12 +79,14 @@ def tune(model: torch.nn.Module, *args: Any, target: Any, plan: Plan, candidates
     if taken:
         raise ValueError(f"tune() sets {taken} for each candidate; pass the plan as plan= and leave "
                          f"{', '.join(taken)} out of the Pipeline's arguments")
+    rest = {k: v for k, v in pipeline_kwargs.items() if k != "planner"}
+    planner = PlannerOptions.of(pipeline_kwargs.get("planner"))
     layout = {"schedule": plan.schedule, "n_microbatches": plan.n_microbatches,
-              "stages_per_rank": plan.stages_per_rank}
+              "planner": replace(planner, stages_per_rank=plan.stages_per_rank)}
     pipes = []
     for k, (split, _) in enumerate(splits):
-        own = {"plan": plan} if k == 0 else {"split_points": split, **layout}
-        pipes.append(Pipeline(model, **own, **pipeline_kwargs))
+        own = {"plan": plan, "planner": planner} if k == 0 else {"split_points": split, **layout}
+        pipes.append(Pipeline(model, **own, **rest))
     times = torch.zeros(len(pipes), rounds, dtype=torch.float64)
     for r in range(-1, rounds):  # round -1 sets up buffers and communication: untimed
         for k, pipe in enumerate(pipes):
