@@ -75,6 +75,7 @@ def test_plan_file_round_trip(ranked, tmp_path):
     assert Plan.from_dict(old).dp_degree == 1  # files without the fields are one replica
 
 
+@pytest.mark.slow  # many plans: the unit lane keeps to quick checks
 def test_slower_dp_link_chooses_deeper_pipelines(model_costs):
     """The reduction costs 2 (dp-1)/dp x (parameter bytes / pp) / bandwidth per step, so a slower
     link between nodes (which every dp group of 16 GPUs in nodes of 8 crosses) favours fewer
@@ -89,6 +90,7 @@ def test_slower_dp_link_chooses_deeper_pipelines(model_costs):
     assert chosen[1] > chosen[0]
 
 
+@pytest.mark.slow  # many plans: the unit lane keeps to quick checks
 def test_larger_global_batch_chooses_more_replicas(model_costs):
     """Per replica the step runs m = B / (dp x 4) micro-batches; the bubble and the reduction do not
     grow with B, but every micro-batch pays each action's overhead and its sends, so as B grows
@@ -160,9 +162,12 @@ def test_every_layout_is_planned_from_one_trace(model_costs, monkeypatch):
     exports = []
     real = trace_module._trace
     monkeypatch.setattr(trace_module, "_trace", lambda *a, **k: exports.append(1) or real(*a, **k))
-    plan = _plan(model_costs, global_batch=32, data_parallel="auto")
+    model, args, costs = model_costs
+    untraced = (model, args, list(costs))  # costs without the trace they were measured on: planning traces
+    plan = _plan(untraced, global_batch=32, data_parallel="auto")
     assert len(plan.data_parallel.factorizations) == 4 and len(exports) == 1
-    model, args, _ = model_costs
+    _plan(model_costs, global_batch=32, data_parallel="auto")  # the profile's own trace: nothing exported
+    assert len(exports) == 1
     trace_module.trace(model, args)  # outside one planning call, every trace exports
     assert len(exports) == 2
 

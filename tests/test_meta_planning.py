@@ -62,6 +62,7 @@ def test_a_meta_model_plans_from_counted_flops_with_its_loss(tmp_path):
     assert plan.predicted_step_s > 0
 
 
+@pytest.mark.slow  # many plans: the unit lane keeps to quick checks
 def test_measured_costs_of_a_meta_model_time_one_materialized_segment_at_a_time(monkeypatch):
     (meta, meta_args), (real, real_args) = _both(vocab_size=1000, num_layers=3, seq_len=16)
     live: list = []

@@ -452,6 +452,7 @@ def test_with_unequal_devices_the_memory_named_is_what_the_smaller_device_needs(
     assert all(peak <= max(m, need) for peak, m in zip(plan.rank_peak_bytes, memory))
 
 
+@pytest.mark.slow  # many plans: the unit lane keeps to quick checks
 def test_the_memory_an_error_names_is_close_to_the_least_that_plans(small_transformer):
     # The planner is asked at memories on a 0.25% ladder below the figure: none of them below
     # 99% of the figure may plan (the figure would then be more than needed).
@@ -474,3 +475,21 @@ def test_the_memory_an_error_names_is_close_to_the_least_that_plans(small_transf
     below = [int(need * (0.9 + 0.0025 * k)) for k in range(36)]  # 90% to 98.75% of the figure
     assert not [m for m in below if plans(m)], "the planner fits memory well below the figure the error names"
     assert plans(need)
+
+
+def test_a_profile_plans_again_from_its_own_trace_until_the_model_changes(monkeypatch):
+    from autopipe.planning import tracing
+
+    model, args = seed_transformer(vocab_size=200, num_layers=2, seq_len=8)
+    costs = profile_segments(trace(model, args), cost="flops", device_flops=1e9, progress=False)
+    exports = []
+    real = tracing._trace
+    monkeypatch.setattr(tracing, "_trace", lambda *a, **k: exports.append(1) or real(*a, **k))
+    options = autopipe.PlannerOptions(cost=costs, profiling=QUIET)
+    first = autopipe.partition(model, 2, args, planner=options)
+    again = autopipe.partition(model, 2, args, planner=options)
+    assert exports == [] and first.split_points == again.split_points
+    model.layers[0].eval()  # another mode traces another graph (dropout): exported again
+    autopipe.partition(model, 2, args, planner=options)
+    autopipe.partition(model, 2, (torch.cat([args[0]] * 2),), planner=options)  # other shapes: again
+    assert exports == [1, 1]

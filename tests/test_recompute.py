@@ -290,6 +290,7 @@ def test_recompute_false_never_recomputes(chain):
         _plan(chain, memory, recompute=[0])  # stage indices checkpoint a Pipeline's hand split
 
 
+@pytest.mark.slow  # many plans: the unit lane keeps to quick checks
 def test_no_schedule_fits_says_recomputation_was_considered(chain):
     model, args, _, costs = chain
     dev = Device(memory=2 * ACT, bandwidth=1e12, latency_s=0.0, action_overhead_s=0.0)

@@ -43,7 +43,7 @@ from .scaling import ScaledProfile, profile_scaling
 from .schedule_options import ScheduleOption, auto_schedule_options, cost_option
 from .split_candidates import INSIDE_BLOCK_MARGIN
 from .segment_graphs import on_meta_device
-from .tracing import TracedModel, trace
+from .tracing import TracedModel, trace, traced_from
 
 # --------------------------------------------------------------------------- entry point
 
@@ -219,7 +219,9 @@ def plan_partition(
 
     # ---- trace, profile, cost graph (one per micro-batch count)
     host_memory = PeakResidentMemory().start()  # what planning needs of the host, for the plan to say
-    traced = trace(model, example_args, example_kwargs)
+    given = getattr(costs, "traced", None)  # a profile brings the trace it was measured on
+    reuse = given is not None and traced_from(given, model, example_args, example_kwargs)
+    traced = given if reuse else trace(model, example_args, example_kwargs)
     # The stage count against the legal split points as soon as tracing knows them, before
     # torch's schedule orders (whose cost grows with ranks x micro-batches) or any profiling.
     if n_gpus * (wanted.stages_per_rank or 1) > traced.num_segments:

@@ -77,9 +77,17 @@ def _model_state_preserved(module: torch.nn.Module) -> Iterator[None]:
 
 
 class SegmentCosts(list):
-    """What :func:`profile_segments` returns: a list of :class:`SegmentCost`, plus ``whole``."""
+    """What :func:`profile_segments` returns: a list of :class:`SegmentCost`, plus ``whole`` and ``traced``.
+
+    ``traced`` is the trace the costs were measured on: ``partition`` given these costs for the
+    same model (unchanged, the same input shapes) plans from it without exporting again.
+    """
 
     whole: WholePass | None = None
+    traced: TracedModel | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in vars(self).items() if k != "traced"}  # a trace stays in its process
 
 
 class _WholeGraph(torch.nn.Module):
@@ -256,6 +264,7 @@ def _profile(
     params_seen: set[int] = set()
     saved_values: set[str] = set()  # graph values (segment inputs and outputs) some segment saves
     costs = SegmentCosts()
+    costs.traced = traced
     # Time whole rounds over the model when no segment has to be copied to the device.
     in_rounds = cost == "measured" and _lives_on(gm, dev)
     rounds: list[tuple[fx.GraphModule, Callable[[], list[Any]], list[torch.Tensor]]] = []

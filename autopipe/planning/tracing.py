@@ -20,6 +20,7 @@ import re
 import sysconfig
 import traceback
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +77,8 @@ class TracedModel:
     example_kwargs: dict[str, Any]
     model_name: str = ""
     notes: list[str] = field(default_factory=list)  # what autopipe changed to capture it, for the plan
+    # What it was traced from (the model, weakly; the inputs' shapes; the module tree), for traced_from.
+    source: tuple[Any, str, tuple] | None = field(default=None, repr=False, compare=False)
 
     @property
     def split_point_names(self) -> list[str]:
@@ -418,6 +421,7 @@ def trace(
     if reused is not None and key in reused:
         return reused[key][1]
     traced = _trace(model, example_args, example_kwargs)
+    traced.source = (weakref.ref(model), key[1], _structure_key(model))
     if reused is not None:
         reused[key] = (model, traced)  # the model is kept too, so that its id is not reused meanwhile
     return traced
@@ -443,6 +447,24 @@ def traces_reused() -> Iterator[None]:
         yield
     finally:
         _REUSED.reset(token)
+
+
+def traced_from(traced: TracedModel, model: torch.nn.Module, example_args: Any,
+                example_kwargs: Mapping[str, Any] | None) -> bool:
+    """Whether ``traced`` is this model's trace on inputs of these shapes, its modules unchanged since."""
+    if traced.source is None:
+        return False
+    ref, inputs, structure = traced.source
+    return ref() is model and inputs == _inputs_key((example_args, example_kwargs)) \
+        and structure == _structure_key(model)
+
+
+def _structure_key(model: torch.nn.Module) -> tuple:
+    """What a trace depends on in the model besides values: its modules, their modes and forwards, tensor shapes."""
+    modules = tuple((name, type(m), m.training, vars(m).get("forward")) for name, m in model.named_modules())
+    tensors = tuple((name, tuple(t.shape), t.dtype, t.requires_grad)
+                    for name, t in [*model.named_parameters(), *model.named_buffers()])
+    return modules, tensors
 
 
 def _inputs_key(inputs: Any) -> str:
