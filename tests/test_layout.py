@@ -92,11 +92,10 @@ def test_base_modules_import_no_layer() -> None:
             assert _layer(_target(path, node)) is None, f"{name}.py imports {node.module}: base modules stay at the bottom"
 
 
-def _run_time_imports(path: Path) -> list[str]:
-    """The package modules ``path`` imports when it runs (module- or function-level), dotted below ``autopipe``.
+def _package_imports(path: Path) -> list[str]:
+    """The package modules ``path`` imports (module- or function-level, type-only too), dotted below ``autopipe``.
 
-    Imports under ``if TYPE_CHECKING:`` are for type checkers only and do not run. ``from .x
-    import y`` counts as importing module ``x.y`` where that is a module, else ``x``.
+    ``from .x import y`` counts as importing module ``x.y`` where that is a module, else ``x``.
     """
     tree = ast.parse(path.read_text())
     here = list(path.relative_to(PACKAGE).parent.parts)
@@ -111,8 +110,6 @@ def _run_time_imports(path: Path) -> list[str]:
 
     def walk(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                continue
             if isinstance(child, ast.ImportFrom) and child.level:
                 base = here[: len(here) - (child.level - 1)] if child.level > 1 else here
                 module = base + (child.module.split(".") if child.module else [])
@@ -134,11 +131,11 @@ def test_no_import_circles() -> None:
 
     graph = nx.DiGraph()
     for path in _modules():
-        for target in _run_time_imports(path):
+        for target in _package_imports(path):
             if target != name(path) and not name(path).startswith(target + ".") and target:
                 graph.add_edge(name(path), target)  # a package's own __init__ is not a circle with its modules
     circles = [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1]
-    assert not circles, f"import circles (module- or function-level imports): {circles}"
+    assert not circles, f"import circles (module-level, function-level or type-only imports): {circles}"
 
 
 def test_docstrings_are_at_most_a_quarter_of_the_package() -> None:

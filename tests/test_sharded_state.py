@@ -11,7 +11,6 @@ form and errors on a stand-in for a pipeline that holds part of a model, with no
 from __future__ import annotations
 
 import functools
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 import _sharded_state_workers as workers
 from _dist_utils import run_world
 from autopipe.runtime.params import model_state_names
-from autopipe.runtime.sharded_state import (load_model_state_dict, load_optimizer_state_dict, model_state_dict,
+from autopipe.runtime.sharded_state import (RankState, load_model_state_dict, load_optimizer_state_dict, model_state_dict,
                                             optimizer_state_dict)
 
 TOL = 1e-5
@@ -90,14 +89,12 @@ class Tied(nn.Module):
         return self.head(torch.tanh(self.mid(self.embed(ids))))
 
 
-def stand_in(model: nn.Module, held: list[str], unheld: tuple[str, ...] = ("table",), rank: int = 0):
-    """What sharded_state reads of a Pipeline: a rank holding ``held`` (canonical names) of ``model``."""
+def stand_in(model: nn.Module, held: list[str], unheld: tuple[str, ...] = ("table",), rank: int = 0) -> RankState:
+    """A rank holding ``held`` (canonical names) of ``model``, as a Pipeline hands it to sharded_state."""
     names = model_state_names(model)
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
-    state = {n: tensors[n] for n in held}
-    return SimpleNamespace(
-        rank=rank, _names=names, _state=state, _unheld_state={n: tensors[n].detach().clone() for n in unheld},
-        named_parameters=lambda: [(n, t) for n, t in state.items() if n in names.parameter_names])
+    return RankState(names, {n: tensors[n] for n in held}, {n: tensors[n].detach().clone() for n in unheld},
+                     rank=rank, world_size=2)
 
 
 def trained(model: nn.Module, steps: int = 2) -> torch.optim.Optimizer:

@@ -14,13 +14,11 @@ Example:
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ..machine.device import format_bytes
 from .units import format_seconds, whole_pass_line
 
-if TYPE_CHECKING:
-    from ..planning.plan import Plan
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
@@ -34,8 +32,9 @@ def _modules_summary(fqns: list[str], limit: int = 4) -> str:
     return ", ".join(fqns[:2]) + f", ... {fqns[-1]} ({len(fqns)} modules)"
 
 
-def plan_to_text(plan: "Plan") -> str:
-    """The report printed by ``plan.report()``: every figure per micro-batch unless marked."""
+def plan_to_text(plan: Any) -> str:
+    """The report printed by ``plan.report()`` for a :class:`~autopipe.planning.Plan` (which calls this lazily,
+    so no type import back to it here): every figure per micro-batch unless marked."""
     out = [
         f"autopipe plan for {plan.model_name or 'model'}: {plan.num_stages} stages, "
         f"{plan.schedule} with {plan.n_microbatches} micro-batches"

@@ -23,8 +23,8 @@ from .distributed import (DEFAULT_TIMEOUT_S, check_device, collective_device, de
 from .inference import Inference
 from .lifecycle import PipelineLifecycle
 from .materialize import WeightSource, check_weight_arguments
-from .sharded_state import (load_checkpoint, load_model_state_dict, load_optimizer_state_dict, model_state_dict,
-                            optimizer_state_dict, save_checkpoint)
+from .sharded_state import (RankState, load_model_state_dict, load_optimizer_state_dict, model_state_dict,
+                            optimizer_state_dict, read_checkpoint, save_checkpoint)
 from .model_state import clip_grad_norm, full_state_dict, grads_before, sum_shared_grads
 from .plan_setup import PlanRequest, check_model_and_inputs, settle_plan
 from .stage_timer import StageTimer, gather_stage_times
@@ -199,6 +199,8 @@ class Pipeline(PipelineLifecycle):
         self._shared = built.shared
         self._grad_norm_rank = built.grad_norm_rank
         self._unheld_state = built.unheld_state
+        # What state dicts and checkpoints read and write (runtime/sharded_state.py).
+        self._local = RankState(built.names, built.state, built.unheld_state, self.rank, self.world_size)
         self._train_schedule = None
         if loss_fn is not None:
             self._train_schedule = make_schedule(self.schedule, self._train_stages, self.n_microbatches,
@@ -495,7 +497,7 @@ class Pipeline(PipelineLifecycle):
             >>> model.load_state_dict(pipe.state_dict(full=True))  # doctest: +SKIP
         """
         if not full:
-            return model_state_dict(self)
+            return model_state_dict(self._local)
         local = {n: full_tensor(t.detach()) for n, t in self._state.items() if n in self._names.canonical}
         # Gathered from dp rank 0's replica only: the others hold the same model.
         return full_state_dict(local, self._unheld_state, self._names, self.world_size,
@@ -512,7 +514,7 @@ class Pipeline(PipelineLifecycle):
         Example:
             >>> pipe.load_optimizer_state_dict(opt, pipe.optimizer_state_dict(opt))  # doctest: +SKIP
         """
-        return optimizer_state_dict(self, optimizer)
+        return optimizer_state_dict(self._local, optimizer)
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
         """Load :meth:`optimizer_state_dict`'s form into ``optimizer``; other ranks' entries are ignored.
@@ -520,7 +522,7 @@ class Pipeline(PipelineLifecycle):
         Raises:
             KeyError: entries missing or naming no parameter. ValueError: foreign parameters.
         """
-        load_optimizer_state_dict(self, optimizer, state)
+        load_optimizer_state_dict(self._local, optimizer, state)
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
         """Copy values into this rank's tensors from a full or per-rank state dict, or a DCP load.
@@ -547,7 +549,7 @@ class Pipeline(PipelineLifecycle):
         self._check_usable()
         error: Exception | None = None
         try:
-            load_model_state_dict(self, state_dict, strict=strict)
+            load_model_state_dict(self._local, state_dict, strict=strict)
         except Exception as e:  # noqa: BLE001 - raised below, on every rank
             error = e
         raise_on_every_rank(error, rank=self.rank, world_size=self.world_size, what="load the state dict")
@@ -563,7 +565,7 @@ class Pipeline(PipelineLifecycle):
         Example:
             >>> pipe.save_checkpoint("ckpt/100", opt)  # doctest: +SKIP
         """
-        save_checkpoint(self, checkpoint_id, optimizer)
+        save_checkpoint(self._local, checkpoint_id, optimizer)
 
     def load_checkpoint(self, checkpoint_id: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Resume the model (and ``optimizer``) from a checkpoint of :meth:`save_checkpoint`.
@@ -584,7 +586,10 @@ class Pipeline(PipelineLifecycle):
             >>> opt = torch.optim.AdamW(pipe.parameters())  # doctest: +SKIP
             >>> pipe.load_checkpoint("ckpt/100", opt)  # doctest: +SKIP
         """
-        load_checkpoint(self, checkpoint_id, optimizer)
+        state = read_checkpoint(self._local, checkpoint_id, optimizer)
+        self.load_state_dict(state["model"])
+        if optimizer is not None:
+            self.load_optimizer_state_dict(optimizer, state["optim"])
 
     def __repr__(self) -> str:
         return (f"Pipeline(rank {self.rank}/{self.world_size}, stages {self.stage_indices} of "

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn as nn
 
 from .._checks import listed
 from .distributed import raise_on_every_rank
@@ -14,38 +16,51 @@ from .materialize import check_state_fits, read_dcp_metadata
 from .model_state import load_local_state
 from .params import StateNames
 
-if TYPE_CHECKING:  # the Pipeline builds on this module's functions, never the reverse at run time
-    from .pipeline import Pipeline
 
 _STATE = "state"
 _GROUPS = "param_groups"
 
 
-def model_state_dict(pipe: "Pipeline") -> dict[str, torch.Tensor]:
+
+@dataclass(frozen=True)
+class RankState:
+    """This rank's tensors under the model's names: what its state dicts and checkpoints read and write."""
+
+    names: StateNames
+    held: dict[str, torch.Tensor]  # by canonical name: the tensors this rank's stages hold
+    unheld: dict[str, torch.Tensor]  # this rank's tensors no stage reads (kept for a full state dict)
+    rank: int
+    world_size: int
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, t) for n, t in self.held.items() if n in self.names.parameter_names]
+
+
+def model_state_dict(local: RankState) -> dict[str, torch.Tensor]:
     """This rank's part of the model's checkpoint: what ``dcp.save`` writes and ``dcp.load`` fills."""
-    names: StateNames = pipe._names
+    names: StateNames = local.names
     out: dict[str, torch.Tensor] = {}
     for key in names.state_dict_keys:
         canon = names.canonical.get(key, key)
-        tensor = pipe._state.get(canon)
+        tensor = local.held.get(canon)
         if tensor is None:
-            tensor = pipe._unheld_state.get(canon)
+            tensor = local.unheld.get(canon)
         if tensor is not None:
             out[key] = tensor.detach()
     return out
 
 
 @torch.no_grad()
-def load_model_state_dict(pipe: "Pipeline", state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
+def load_model_state_dict(local: RankState, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
     """Copy a model checkpoint into this rank's tensors (and the ones no stage reads)."""
-    names: StateNames = pipe._names
-    targets = {**pipe._unheld_state, **{n: t for n, t in pipe._state.items() if n in names.canonical}}
-    load_local_state(targets, names, state_dict, strict=strict, where=f" (rank {pipe.rank})")
+    names: StateNames = local.names
+    targets = {**local.unheld, **{n: t for n, t in local.held.items() if n in names.canonical}}
+    load_local_state(targets, names, state_dict, strict=strict, where=f" (rank {local.rank})")
 
 
-def optimizer_state_dict(pipe: "Pipeline", optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def optimizer_state_dict(local: RankState, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """This rank's optimizer state, flattened by parameter name as torch's ``get_optimizer_state_dict``."""
-    groups = _group_names(pipe, optimizer)
+    groups = _group_names(local, optimizer)
     _initialize_state(optimizer)
     flat: dict[str, Any] = {}
     for group, fqns in zip(optimizer.param_groups, groups):
@@ -60,17 +75,17 @@ def optimizer_state_dict(pipe: "Pipeline", optimizer: torch.optim.Optimizer) -> 
     return flat
 
 
-def load_optimizer_state_dict(pipe: "Pipeline", optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
+def load_optimizer_state_dict(local: RankState, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
     """Load flattened optimizer state (by parameter name) into ``optimizer``."""
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a mapping of flattened optimizer keys to values, got {type(state).__name__}")
-    groups = _group_names(pipe, optimizer)
-    names: StateNames = pipe._names
+    groups = _group_names(local, optimizer)
+    names: StateNames = local.names
     unknown = [k for k in state if _key_parameter(k, names) is None]
-    template = optimizer_state_dict(pipe, optimizer)  # gives a fresh optimizer its state
+    template = optimizer_state_dict(local, optimizer)  # gives a fresh optimizer its state
     missing = [k for k in template if k not in state]
     if unknown or missing:
-        raise KeyError(f"the optimizer state does not fit this pipeline (rank {pipe.rank}): missing keys "
+        raise KeyError(f"the optimizer state does not fit this pipeline (rank {local.rank}): missing keys "
                        f"{listed(missing)}, keys naming no parameter of the model {listed(unknown)}")
     loaded_state: dict[int, dict[str, Any]] = {}
     loaded_groups: list[dict[str, Any]] = []
@@ -97,11 +112,11 @@ def load_optimizer_state_dict(pipe: "Pipeline", optimizer: torch.optim.Optimizer
 
 
 # ---------------------------------------------------------------------------- helpers
-def _group_names(pipe: "Pipeline", optimizer: torch.optim.Optimizer) -> list[list[str]]:
+def _group_names(local: RankState, optimizer: torch.optim.Optimizer) -> list[list[str]]:
     """The canonical name of every parameter of every group of ``optimizer``."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    by_id = {id(p): n for n, p in pipe.named_parameters()}
+    by_id = {id(p): n for n, p in local.named_parameters()}
     groups: list[list[str]] = []
     foreign = []
     for g, group in enumerate(optimizer.param_groups):
@@ -113,7 +128,7 @@ def _group_names(pipe: "Pipeline", optimizer: torch.optim.Optimizer) -> list[lis
             fqns.append(name)
         groups.append(fqns)
     if foreign:
-        raise ValueError(f"the optimizer holds parameters that are not this pipeline's (rank {pipe.rank}): "
+        raise ValueError(f"the optimizer holds parameters that are not this pipeline's (rank {local.rank}): "
                          f"{listed(foreign)}; build it over pipe.parameters()")
     return groups
 
@@ -175,17 +190,17 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def save_checkpoint(pipe: "Pipeline", checkpoint_id: str | os.PathLike,
+def save_checkpoint(local: RankState, checkpoint_id: str | os.PathLike,
                     optimizer: torch.optim.Optimizer | None = None) -> None:
-    """``dcp.save`` of ``{"model": model_state_dict(pipe), "optim": optimizer_state_dict(pipe, optimizer)}``."""
+    """``dcp.save`` of ``{"model": model_state_dict(local), "optim": optimizer_state_dict(local, optimizer)}``."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_checkpoint_state(pipe, optimizer), checkpoint_id=os.fspath(checkpoint_id))
+    dcp.save(_checkpoint_state(local, optimizer), checkpoint_id=os.fspath(checkpoint_id))
 
 
-def load_checkpoint(pipe: "Pipeline", checkpoint_id: str | os.PathLike,
-                    optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Check a checkpoint of :func:`save_checkpoint` against the whole model on every rank, then load it."""
+def read_checkpoint(local: RankState, checkpoint_id: str | os.PathLike,
+                    optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """A checkpoint of :func:`save_checkpoint`, checked against the whole model on every rank, read for this rank."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -194,19 +209,17 @@ def load_checkpoint(pipe: "Pipeline", checkpoint_id: str | os.PathLike,
         stored = read_dcp_metadata(checkpoint_id, "checkpoint_id").state_dict_metadata
         model = {k[len("model."):]: tuple(m.size) for k, m in stored.items()
                  if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-        check_state_fits(model, pipe._names, f"checkpoint {os.fspath(checkpoint_id)!r}")
+        check_state_fits(model, local.names, f"checkpoint {os.fspath(checkpoint_id)!r}")
     except Exception as e:  # noqa: BLE001 - raised below, on every rank
         error = e
-    raise_on_every_rank(error, rank=pipe.rank, world_size=pipe.world_size, what="use the checkpoint")
-    state = _checkpoint_state(pipe, optimizer)
+    raise_on_every_rank(error, rank=local.rank, world_size=local.world_size, what="use the checkpoint")
+    state = _checkpoint_state(local, optimizer)
     dcp.load(state, checkpoint_id=os.fspath(checkpoint_id))
-    pipe.load_state_dict(state["model"])
-    if optimizer is not None:
-        pipe.load_optimizer_state_dict(optimizer, state["optim"])
+    return state
 
 
-def _checkpoint_state(pipe: "Pipeline", optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    state: dict[str, Any] = {"model": model_state_dict(pipe)}
+def _checkpoint_state(local: RankState, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    state: dict[str, Any] = {"model": model_state_dict(local)}
     if optimizer is not None:
-        state["optim"] = optimizer_state_dict(pipe, optimizer)
+        state["optim"] = optimizer_state_dict(local, optimizer)
     return state
