@@ -17,6 +17,7 @@ import autopipe
 from autopipe import Device, ProfileOptions
 from autopipe.machine.device import CPU_STEP_MESSAGE_S, default_link
 from autopipe.machine.link import LinkMeasurement
+from autopipe.planning.cost_sources import COST_SOURCES
 from autopipe.machine.link_cache import (cache_file, forget_links, host_key, loopback_link, measure_in_fresh_process,
                                           remember_link)
 from autopipe.planning.costgraph import SegmentCost
@@ -210,8 +211,8 @@ def test_link_measurement_from_dict_refuses_what_is_not_a_dict():
 
 def mode_of(measure_link=None, *, device_type="cpu", cost_source="measured", devices=(Device(), Device()),
             in_process_group=False) -> tuple[str, str]:
-    return link_mode(measure_link, device_type=device_type, cost_source=cost_source, devices=list(devices),
-                     in_process_group=in_process_group)
+    return link_mode(measure_link, device_type=device_type, cost_source=COST_SOURCES[cost_source],
+                     devices=list(devices), in_process_group=in_process_group)
 
 
 @pytest.mark.parametrize("kwargs, mode, why", [

@@ -34,6 +34,7 @@ _PUBLIC = {
     "profile_in_ranks": "rank_profile",
     "profile_scaling": "scaling",
     "ScaledProfile": "scaling",
+    "CostSource": "cost_sources",
     "SegmentCost": "costgraph",
     "CostGraph": "costgraph",
     "build_cost_graph": "costgraph",

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.export.graph_signature import OutputKind
 from torch.utils._pytree import tree_leaves, tree_map, tree_unflatten
 
+from .cost_sources import CostSource
 from .profile import LossCost, model_output, profile_loss
 from .segment_graphs import on_meta_device
 from .tracing import TracedModel
@@ -189,16 +190,17 @@ def _accepts(loss_fn: Callable[[Any, Any], torch.Tensor], output: Any, target: t
 
 def charged_loss(
     model: torch.nn.Module, traced: TracedModel, loss_fn: Any, example_target: Any, *,
-    device: torch.device, warmup: int, repeats: int, cost_source: str, profile_given: bool,
+    device: torch.device, warmup: int, repeats: int, cost_source: CostSource, profile_given: bool,
 ) -> tuple[LossCost | None, str | None]:
     """What :func:`autopipe.partition` charges the last stage for the loss, and the plan note about it.
 
     Example:
         >>> from autopipe.models import seed_transformer
+        >>> from autopipe.planning.cost_sources import FLOPS
         >>> from autopipe.planning.tracing import trace
         >>> model, args = seed_transformer(vocab_size=100, num_layers=1, seq_len=8)
         >>> loss, note = charged_loss(model, trace(model, args), None, None, device=torch.device("cpu"),
-        ...                           warmup=0, repeats=1, cost_source="flops", profile_given=False)
+        ...                           warmup=0, repeats=1, cost_source=FLOPS, profile_given=False)
         >>> loss.act_bytes >= 4 * 8 * 100 * 4, loss.fwd_s, note.startswith(ASSUMED_LOSS_NOTE)
         (True, 0.0, True)
     """
@@ -215,9 +217,9 @@ def charged_loss(
     output = traced_output(traced) if on_meta_device(model) else None
     loss = profile_loss(model, traced.example_args, traced.example_kwargs, loss_fn, example_target,
                         device=device, warmup=warmup, repeats=repeats, output=output)
-    if cost_source != "measured" or (note is not None and profile_given):
+    if not cost_source.measured or (note is not None and profile_given):
         loss = replace(loss, fwd_s=0.0, bwd_s=0.0)  # its bytes stay
-        if note is not None and cost_source == "measured":
+        if note is not None and cost_source.measured:
             note += " (its saved bytes only: the profile given as cost= holds no time for it)"
     return loss, note
 

@@ -30,6 +30,7 @@ from .._checks import check_bool
 from ..machine.device import Device, step_message_s
 from ..machine.link import LinkMeasurement
 from ..machine.link_cache import MeasureFn, known_link, loopback_link
+from .cost_sources import CostSource
 
 #: A link on which communication costs nothing: what the split would be if links were free.
 FREE_LINK = (math.inf, 0.0)
@@ -66,14 +67,15 @@ class LinkChoice:
         return f"link between ranks assumed: {figures} ({self.reason})"
 
 
-def link_mode(measure_link: bool | None, *, device_type: str, cost_source: str,
+def link_mode(measure_link: bool | None, *, device_type: str, cost_source: CostSource,
               devices: Sequence[Device], in_process_group: bool) -> tuple[str, str]:
     """``(mode, why)``: whether :func:`choose_link` may measure, from the planner's inputs.
 
     Example:
-        >>> link_mode(None, device_type="cpu", cost_source="flops", devices=[Device()] * 2, in_process_group=False)
+        >>> from autopipe.planning.cost_sources import FLOPS, MEASURED
+        >>> link_mode(None, device_type="cpu", cost_source=FLOPS, devices=[Device()] * 2, in_process_group=False)
         ('never', 'the costs are estimated, not measured on this host')
-        >>> link_mode(None, device_type="cpu", cost_source="measured", devices=[Device()] * 2,
+        >>> link_mode(None, device_type="cpu", cost_source=MEASURED, devices=[Device()] * 2,
         ...           in_process_group=False)[0]
         'auto'
     """
@@ -93,7 +95,7 @@ def link_mode(measure_link: bool | None, *, device_type: str, cost_source: str,
         return "always", "ProfileOptions(measure_link=True)"
     if any(d.bandwidth is not None or d.latency_s is not None for d in devices):
         return "never", "a Device gives its link"
-    if cost_source != "measured":
+    if not cost_source.measured:
         return "never", "the costs are estimated, not measured on this host"
     if device_type != "cpu":
         return "never", f"the default for {device_type} ranks; measure yours with measure_link or measure_devices"

@@ -12,6 +12,7 @@ from ..machine.device import Device, parse_bytes
 if TYPE_CHECKING:
     import torch
 
+    from .cost_sources import CostSource
     from .costgraph import SegmentCost
     from .scaling import ScaledProfile
 
@@ -156,7 +157,8 @@ class PlannerOptions:
         memory: Memory per device in bytes or as "16GiB"; one value or one per rank. It fills
             in each Device that does not set its own.
         cost: Where the segment costs come from: ``"measured"`` (default; timed on
-            ``profiling.device``), ``"flops"`` or ``"params"`` (estimated); or a profile to
+            ``profiling.device``), ``"flops"`` or ``"params"`` (estimated), or a
+            :class:`~autopipe.planning.CostSource` object; or a profile to
             reuse, which skips measuring (the same costs always give the same plan): a list of
             :class:`~autopipe.planning.SegmentCost` (from
             :func:`~autopipe.planning.profile_segments` or
@@ -193,7 +195,7 @@ class PlannerOptions:
 
     devices: Any = None
     memory: int | str | Sequence[int | str] | None = None
-    cost: str | Sequence[SegmentCost] | ScaledProfile = "measured"
+    cost: str | CostSource | Sequence[SegmentCost] | ScaledProfile = "measured"
     profiling: ProfileOptions | None = None
     objective: str = "step"
     optimizer: str | type | float = "adam"

@@ -38,7 +38,8 @@ from ..machine.host_memory import PeakResidentMemory
 from ..machine.speed import counting_flops
 from ..machine.timing import resolve_device
 from .default_loss import charged_loss
-from .profile import COST_SOURCES, LossCost, profile_segments
+from .cost_sources import COST_SOURCES, MEASURED, CostSource, cost_source
+from .profile import LossCost, profile_segments
 from .scaling import ScaledProfile, profile_scaling
 from .schedule_options import ScheduleOption, auto_schedule_options, cost_option
 from .split_candidates import INSIDE_BLOCK_MARGIN
@@ -184,7 +185,7 @@ def plan_partition(
             global_batch=global_batch, n_microbatches=n_microbatches, devices=devices, optimizer=optimizer,
             schedule=schedule, stages_per_rank=stages_per_rank, objective=objective, memory=memory, loss_fn=loss_fn,
             example_target=example_target, cost=cost, profiling=profiling, recompute=recompute)
-    cost_source, costs, scaling = _cost_inputs(cost)
+    source, costs, scaling = _cost_inputs(cost)
     wanted = _resolve_options(n_gpus, schedule, n_microbatches, global_batch, stages_per_rank, costs, scaling)
     opt_name, opt_factor = optimizer_state_factor(optimizer)
     rank_devices = resolve_devices(n_gpus, devices, memory)
@@ -203,7 +204,7 @@ def plan_partition(
     dev = resolve_device(profiling.device)
     measure = dict(device=dev, warmup=profiling.warmup, repeats=profiling.repeats, progress=profiling.progress,
                    flush_cache=profiling.flush_cache, fit_to_whole=profiling.fit_to_whole)
-    if cost_source != "measured" and any(d.flops is not None for d in rank_devices):
+    if not source.measured and any(d.flops is not None for d in rank_devices):
         rank_devices = _speeds_from_flops(rank_devices)
         measure["device_flops"] = rank_devices[0].flops  # counted seconds at the first device's rate
     if on_meta_device(model):
@@ -213,7 +214,7 @@ def plan_partition(
         if wanted.auto_microbatches:
             raise ValueError("n_microbatches='auto' profiles the whole model at several batch sizes, which a "
                              "model on the meta device cannot run; give n_microbatches as a number")
-        if cost_source != "measured":
+        if not source.measured:
             measure["device"] = torch.device("meta")
             measure.setdefault("device_flops", counting_flops(dev))
 
@@ -238,27 +239,27 @@ def plan_partition(
     if wanted.auto_microbatches and scaling is None:
         scaling = profile_scaling(model, example_args, example_kwargs,
                                   sizes=_scaling_sizes(global_batch, wanted.n_microbatches),
-                                  cost=cost_source, traced=traced, **measure)
+                                  cost=source, traced=traced, **measure)
     if not wanted.auto_microbatches and costs is None:
-        costs = profile_segments(traced, cost=cost_source, **measure)
+        costs = profile_segments(traced, cost=source, **measure)
     # The loss given, or the one a model of this kind trains with (default_loss), or a note saying there is none.
     loss, loss_note = charged_loss(model, traced, loss_fn, example_target, device=measure["device"],
                                    warmup=profiling.warmup,
-                                   repeats=profiling.repeats, cost_source=cost_source,
+                                   repeats=profiling.repeats, cost_source=source,
                                    profile_given=not isinstance(cost, str))
     graphs = _cost_graphs(traced, wanted.n_microbatches, global_batch, costs=costs,
                           scaling=scaling if wanted.auto_microbatches else None, loss=loss)
 
     # ---- search: the best split for each (micro-batches, schedule) option, then the fastest that fits;
     # the default link is measured on this host where assuming it would decide the split (link_choice)
-    mode, why = link_mode(profiling.measure_link, device_type=dev.type, cost_source=cost_source,
+    mode, why = link_mode(profiling.measure_link, device_type=dev.type, cost_source=source,
                           devices=rank_devices, in_process_group=dist.is_available() and dist.is_initialized())
 
     def search(link: tuple[float, float]) -> tuple[tuple[list[ScheduleOption], ScheduleOption, float], str]:
         found = _search_options(link, graphs=graphs, pairs_for=pairs_for, traced=traced, n_gpus=n_gpus,
                                 rank_devices=rank_devices, opt_factor=opt_factor, objective=objective,
                                 device_type=dev.type, several=wanted.several,
-                                allow_recompute=recompute is not False, measured=cost_source == "measured")
+                                allow_recompute=recompute is not False, measured=source.measured)
         o = found[1]  # the split as the note names it: split points, schedule, micro-batches
         names = [traced.candidates[c - 1].name for c in o.result.cuts]
         return found, (f"{names} ({o.schedule}" + (f" x{o.stages_per_rank}" if o.stages_per_rank > 1 else "")
@@ -272,7 +273,7 @@ def plan_partition(
     plan = make_plan(
         traced, graphs[chosen.n_microbatches], chosen,
         optimizer=opt_name, optimizer_factor=opt_factor, rank_devices=rank_devices,
-        cost_source=cost_source, objective=objective, device=str(dev), planner_s=planner_s,
+        cost_source=source.name, objective=objective, device=str(dev), planner_s=planner_s,
         memory_limit_bytes=limits, alternatives=options if wanted.several else (),
         allow_recompute=recompute is not False,
     )
@@ -378,17 +379,18 @@ class _Wanted:
         return self.auto_schedule or self.auto_microbatches
 
 
-def _cost_inputs(cost: Any) -> tuple[str, Sequence[SegmentCost] | None, ScaledProfile | None]:
+def _cost_inputs(cost: Any) -> tuple[CostSource, Sequence[SegmentCost] | None, ScaledProfile | None]:
     """``partition``'s ``cost`` as (the cost source, a given profile, a given size-scaled profile)."""
-    if isinstance(cost, str):
-        if cost not in COST_SOURCES:
+    if isinstance(cost, (str, CostSource)):
+        try:
+            return cost_source(cost), None, None
+        except ValueError:
             raise ValueError(f"cost={cost!r} is not a cost source; use one of {list(COST_SOURCES)}, a list of "
-                             "SegmentCost (a profile to reuse) or a ScaledProfile")
-        return cost, None, None
+                             "SegmentCost (a profile to reuse) or a ScaledProfile") from None
     if isinstance(cost, ScaledProfile):
-        return cost.cost, None, cost
+        return cost_source(cost.cost), None, cost
     if isinstance(cost, Sequence) and all(isinstance(c, SegmentCost) for c in cost):
-        return getattr(cost, "cost", "measured"), cost, None
+        return MEASURED, cost, None  # a profile given is charged as this host's: its loss timed, its link may decide
     raise TypeError(f"cost={cost!r} must be one of {list(COST_SOURCES)}, a list of one SegmentCost per segment "
                     "(from profile_segments or profile_in_ranks) or a ScaledProfile (from profile_scaling)")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,8 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 from torch.utils.flop_counter import FlopCounterMode
 
 from . import hf_compat
-from .attention_count import ATTENTION_FLOPS, FusedAttention
+from .attention_count import ATTENTION_FLOPS
+from .cost_sources import CostSource, cost_source
 from .._checks import check_int
 from .._progress import progress_iter
 from ..machine.passes import (SavedBytes, WholePass, forward_backward, storage_key, time_accumulation, time_alone,
@@ -35,9 +36,6 @@ from ..machine.working_set import backward_working_bytes, working_bytes
 from .costgraph import SegmentCost, requires_grad_map, tensor_bytes
 from .segment_graphs import copy_to_device, on_meta_device, segment_modules, stand_in
 from .tracing import TracedModel
-
-#: Accepted values of the ``cost`` argument.
-COST_SOURCES = ("measured", "flops", "params")
 
 
 def check_flush_cache(flush_cache: Any) -> None:
@@ -116,7 +114,7 @@ def fit_to_whole_default(device: torch.device) -> bool:
 def profile_segments(
     traced: TracedModel,
     *,
-    cost: str = "measured",
+    cost: str | CostSource = "measured",
     device: str | torch.device | None = None,
     warmup: int = 2,
     repeats: int = 5,
@@ -185,21 +183,20 @@ def profile_segments(
         >>> costs[-1].flops > 0
         True
     """
-    if cost not in COST_SOURCES:
-        raise ValueError(f"cost={cost!r} is not a cost source; use one of {list(COST_SOURCES)}")
+    source = cost_source(cost)
     check_runs(warmup, repeats)
     check_flush_cache(flush_cache)
     check_fit_to_whole(fit_to_whole)
     dev = resolve_device(device)
     fit = fit_to_whole_default(dev) if fit_to_whole is None else fit_to_whole
     gm = traced.graph_module
-    if cost == "measured" and not _lives_on(gm, dev):
+    if source.measured and not _lives_on(gm, dev):
         # Time a copy of the whole model on the device when it fits: then the segments are
         # timed in rounds beside the whole graph. Only when it does not, one segment at a time;
         # always so for a model on the meta device, which may be far bigger than the host.
         if room_for_whole(gm, dev) and not on_meta_device(gm):
             try:
-                return _profile(traced, copy_to_device(gm, dev), dev, cost=cost, warmup=warmup, repeats=repeats,
+                return _profile(traced, copy_to_device(gm, dev), dev, source=source, warmup=warmup, repeats=repeats,
                                 progress=progress, flush_cache=flush_cache, fit=fit)
             except torch.cuda.OutOfMemoryError:
                 pass  # the copy and what it held go with the exception
@@ -211,7 +208,7 @@ def profile_segments(
                 "(docs/design.md, finding 4). Profile on a GPU with "
                 "room for the model and one micro-batch's activations to have the segments fitted to the "
                 "whole graph", stacklevel=2)
-    return _profile(traced, gm, dev, cost=cost, warmup=warmup, repeats=repeats, progress=progress,
+    return _profile(traced, gm, dev, source=source, warmup=warmup, repeats=repeats, progress=progress,
                     flush_cache=flush_cache, fit=fit, device_flops=device_flops)
 
 
@@ -235,7 +232,7 @@ def _lives_on(module: torch.nn.Module, dev: torch.device) -> bool:
 
 
 def _profile(
-    traced: TracedModel, gm: fx.GraphModule, dev: torch.device, *, cost: str, warmup: int, repeats: int,
+    traced: TracedModel, gm: fx.GraphModule, dev: torch.device, *, source: CostSource, warmup: int, repeats: int,
     progress: bool, flush_cache: bool, fit: bool, device_flops: float | None = None,
 ) -> SegmentCosts:
     """:func:`profile_segments` on the graph ``gm`` (the traced model's own, or a copy on ``dev``)."""
@@ -266,7 +263,7 @@ def _profile(
     costs = SegmentCosts()
     costs.traced = traced
     # Time whole rounds over the model when no segment has to be copied to the device.
-    in_rounds = cost == "measured" and _lives_on(gm, dev)
+    in_rounds = source.measured and _lives_on(gm, dev)
     rounds: list[tuple[fx.GraphModule, Callable[[], list[Any]], list[torch.Tensor]]] = []
     with _model_state_preserved(gm):
         for k, sm in enumerate(progress_iter(seg_mods, "profiling segments", enabled=progress)):
@@ -293,18 +290,18 @@ def _profile(
             counter = SavedBytes({storage_key(p) for _, p in state})
             inputs = make_inputs()
             # Counted costs charge attention as a GPU's fused kernel wherever they are counted.
-            attention = FusedAttention() if cost != "measured" else nullcontext()
+            attention = source.attention()
             with attention, FlopCounterMode(display=False, custom_mapping=ATTENTION_FLOPS) as flop_counter:
                 _, _, out = forward_backward(module, inputs, trainable, timer, counter)
             flops = float(flop_counter.get_total_flops())
             act_bytes = _first_saved_bytes(counter, zip(sm.inputs, inputs), zip(sm.outputs, out), saved_values)
             del inputs
-            with attention:
+            with source.attention():
                 work = backward_working_bytes(module, make_inputs())
             fwd_s = bwd_s = accum_s = 0.0  # timed in rounds below, or estimated, unless timed here
             if in_rounds:
                 rounds.append((module, make_inputs, trainable))
-            elif cost == "measured":
+            elif source.measured:
                 # No flush here: emptying the caches before every segment would charge each
                 # one a cold start that a stage pays once per action (docs/design.md, finding 6).
                 fwd_s, bwd_s = time_alone(module, make_inputs, trainable, timer, warmup, repeats)
@@ -339,8 +336,7 @@ def _profile(
             for cost_k, timed in zip(costs, per_segment):
                 cost_k.fwd_s, cost_k.bwd_s, cost_k.accum_s = timed
 
-    if cost != "measured":
-        _estimate_times(costs, cost, device_flops if device_flops else counting_flops(dev))
+    source.estimate(costs, device_flops if device_flops else counting_flops(dev))
     return costs
 
 
@@ -456,20 +452,3 @@ def model_output(model: torch.nn.Module, example_args: Sequence[Any], example_kw
     kwargs, _ = hf_compat.training_kwargs(model, example_kwargs)
     with torch.no_grad(), _model_state_preserved(model), hf_compat.training_config(model):
         return model(*example_args, **kwargs)
-
-
-def _estimate_times(costs: list[SegmentCost], cost: str, device_flops: float) -> None:
-    """Fill fwd_s / bwd_s from FLOPs (cost="flops") or from parameter shares (cost="params")."""
-    if device_flops <= 0:
-        raise ValueError(f"device_flops={device_flops!r} must be > 0 FLOP/s")
-    # Backward of a matmul costs two matmuls (input and weight gradients): 1/3 fwd, 2/3 bwd.
-    if cost == "flops":
-        for c in costs:
-            c.fwd_s = c.flops / 3.0 / device_flops
-            c.bwd_s = 2.0 * c.flops / 3.0 / device_flops
-    else:  # "params"
-        total_s = sum(c.flops for c in costs) / device_flops
-        total_bytes = sum(c.param_bytes for c in costs) or 1
-        for c in costs:
-            share = total_s * c.param_bytes / total_bytes
-            c.fwd_s, c.bwd_s = share / 3.0, 2.0 * share / 3.0

@@ -30,7 +30,8 @@ from .affine_fit import evaluate, fit_affine, parse_expr
 from .costgraph import SegmentCost, build_cost_graph
 from ..machine.speed import counting_flops
 from ..machine.timing import resolve_device
-from .profile import COST_SOURCES, check_fit_to_whole, check_flush_cache, check_runs, profile_segments
+from .cost_sources import CostSource, cost_source
+from .profile import check_fit_to_whole, check_flush_cache, check_runs, profile_segments
 from .tracing import TracedModel, resolve_example_inputs, trace
 
 #: Bumped whenever the JSON layout of :meth:`ScaledProfile.to_dict` changes incompatibly.
@@ -314,7 +315,7 @@ def profile_scaling(
     *,
     sizes: Sequence[int] | None = None,
     batch_dim: int = 0,
-    cost: str = "measured",
+    cost: str | CostSource = "measured",
     device: str | torch.device | None = None,
     warmup: int = 2,
     repeats: int = 5,
@@ -379,8 +380,7 @@ def profile_scaling(
         True
     """
     check_int("batch_dim", batch_dim, 0, what="the input dimension that indexes samples")
-    if cost not in COST_SOURCES:
-        raise ValueError(f"cost={cost!r} is not a cost source; use one of {list(COST_SOURCES)}")
+    source = cost_source(cost)
     check_runs(warmup, repeats)
     check_flush_cache(flush_cache)
     check_fit_to_whole(fit_to_whole)
@@ -391,7 +391,7 @@ def profile_scaling(
     sizes = _check_sizes(sizes, base)
     _check_traced(traced, model, base, int(batch_dim))
     dev = resolve_device(device)
-    if cost != "measured" and device_flops is None:
+    if not source.measured and device_flops is None:
         device_flops = counting_flops(dev)  # once, so every size uses the same figure
 
     measured: dict[int, list[SegmentCost]] = {}
@@ -406,7 +406,7 @@ def profile_scaling(
             names = seg_names
         elif seg_names != names:
             raise ValueError(_mismatch_message(sizes[0], names, b, seg_names))
-        measured[b] = profile_segments(traced_b, cost=cost, device=dev, warmup=warmup, repeats=repeats,
+        measured[b] = profile_segments(traced_b, cost=source, device=dev, warmup=warmup, repeats=repeats,
                                        device_flops=device_flops, progress=progress, flush_cache=flush_cache,
                                        fit_to_whole=fit_to_whole)
         cost_graph = build_cost_graph(traced_b)
@@ -442,7 +442,7 @@ def profile_scaling(
         sizes=sizes,
         base_size=base,
         batch_dim=int(batch_dim),
-        cost=cost,
+        cost=source.name,
         device=str(dev),
         segments=segments,
         cut_fwd_bytes=cut_exprs["cut_fwd_bytes"],

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from .._checks import check_int
 from ..planning.default_loss import pipeline_loss, traced_output
+from ..planning.cost_sources import CostSource, cost_source
 from ..planning.options import PlannerOptions, ProfileOptions
 from ..planning.plan import Plan, StagePlan
 from ..planning.schedules import canonical_schedule_name, default_stages_per_rank, validate_schedule
@@ -203,7 +204,7 @@ def _check_ranks_agree(plan: Plan, schedule: str, n_microbatches: int, stages_pe
 
 def _measures_costs(planner: PlannerOptions) -> bool:
     """Whether the planner would measure the model (no estimate, no costs given)."""
-    return planner.cost is None or (isinstance(planner.cost, str) and planner.cost == "measured")
+    return isinstance(planner.cost, (str, CostSource)) and cost_source(planner.cost).measured
 
 
 def _short(value: Any) -> str:
