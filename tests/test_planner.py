@@ -493,3 +493,21 @@ def test_a_profile_plans_again_from_its_own_trace_until_the_model_changes(monkey
     autopipe.partition(model, 2, args, planner=options)
     autopipe.partition(model, 2, (torch.cat([args[0]] * 2),), planner=options)  # other shapes: again
     assert exports == [1, 1]
+
+
+def test_a_profile_is_planned_in_place_of_its_model(monkeypatch):
+    from autopipe.planning import tracing
+
+    model, args = seed_transformer(vocab_size=200, num_layers=4, seq_len=8)
+    profile = profile_segments(trace(model, args), cost="flops", device_flops=1e9, progress=False)
+    monkeypatch.setattr(tracing, "_trace", lambda *a, **k: pytest.fail("traced again"))
+    from_profile = [autopipe.partition(profile, n, planner=autopipe.PlannerOptions(profiling=QUIET)) for n in (2, 4)]
+    from_model = [autopipe.partition(model, n, args, planner=autopipe.PlannerOptions(cost=profile, profiling=QUIET))
+                  for n in (2, 4)]
+    assert [p.split_points for p in from_profile] == [p.split_points for p in from_model]
+    with pytest.raises(ValueError, match="a profile brings the inputs it was traced with"):
+        autopipe.partition(profile, 2, args)
+    with pytest.raises(ValueError, match="a profile brings its costs"):
+        autopipe.partition(profile, 2, planner=autopipe.PlannerOptions(cost="flops"))
+    with pytest.raises(ValueError, match="holds no trace of a live model"):
+        autopipe.partition(type(profile)(profile), 2)

@@ -39,7 +39,7 @@ from ..machine.speed import counting_flops
 from ..machine.timing import resolve_device
 from .default_loss import charged_loss
 from .cost_sources import COST_SOURCES, MEASURED, CostSource, cost_source
-from .profile import LossCost, profile_segments
+from .profile import LossCost, SegmentCosts, profile_segments
 from .scaling import ScaledProfile, profile_scaling
 from .schedule_options import ScheduleOption, auto_schedule_options, cost_option
 from .split_candidates import INSIDE_BLOCK_MARGIN
@@ -50,7 +50,7 @@ from .tracing import TracedModel, trace, traced_from
 
 
 def partition(
-    model: torch.nn.Module,
+    model: torch.nn.Module | SegmentCosts,
     n_gpus: int,
     example_args: Sequence[Any] | Any | None = None,
     example_kwargs: Mapping[str, Any] | None = None,
@@ -73,7 +73,10 @@ def partition(
         model: Any ``nn.Module`` that ``torch.export`` can capture. A Hugging Face model may
             come with its default config: its KV cache is off while autopipe traces and
             profiles it and is restored after (:mod:`autopipe.planning.hf_compat`), and
-            ``plan.notes`` says so.
+            ``plan.notes`` says so. Or a profile of it from
+            :func:`~autopipe.planning.profile_segments`: planned from its trace and costs,
+            nothing traced or measured again (the example inputs come with it), so one profile
+            serves every ``n_gpus``, schedule and micro-batch count.
         n_gpus: Number of pipeline ranks (devices), >= 1.
         example_args: One micro-batch of positional inputs (``mb_args`` in torch's
             ``pipeline()``); may be omitted if the model carries ``example_input_array``
@@ -145,9 +148,12 @@ def partition(
         >>> plan.num_stages, len(plan.split_spec)
         (2, 1)
     """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     o = PlannerOptions.of(planner)
+    if isinstance(model, SegmentCosts):  # a profile: plan from its trace and costs, measuring nothing again
+        model, example_args, example_kwargs, o = _from_profile(model, example_args, example_kwargs, o)
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module or a profile from profile_segments, got "
+                        f"{type(model).__name__}")
     if not (o.recompute is False or o.recompute == "auto"):
         raise ValueError(f"planner.recompute={o.recompute!r}: partition() takes 'auto' (recompute on the stages "
                          "that need it when memory binds) or False (never); True or stage indices checkpoint a "
@@ -157,6 +163,22 @@ def partition(
                           data_parallel=data_parallel, global_batch=o.global_batch, stages_per_rank=o.stages_per_rank,
                           objective=o.objective, memory=o.memory, devices=o.devices, optimizer=o.optimizer,
                           cost=o.cost, profiling=o.profiling, recompute=o.recompute)
+
+
+def _from_profile(profile: SegmentCosts, example_args: Any, example_kwargs: Any,
+                  options: PlannerOptions) -> tuple[torch.nn.Module, Any, Any, PlannerOptions]:
+    """The model, inputs and options to plan a profile with; what the profile brings may not be given again."""
+    traced = profile.traced
+    model = traced.source[0]() if traced is not None and traced.source is not None else None
+    if model is None:
+        raise ValueError("model: this profile holds no trace of a live model (read from a file, sent between "
+                         "processes, or its model is gone); pass the model and the profile as planner.cost")
+    if example_args is not None or example_kwargs is not None:
+        raise ValueError("example_args / example_kwargs: a profile brings the inputs it was traced with; leave "
+                         "them out")
+    if not (isinstance(options.cost, str) and options.cost == "measured"):
+        raise ValueError(f"planner.cost={options.cost!r}: a profile brings its costs; leave cost out")
+    return model, traced.example_args, traced.example_kwargs, replace(options, cost=profile)
 
 
 def plan_partition(
