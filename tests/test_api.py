@@ -216,3 +216,10 @@ def test_check_at_most_choice_and_bool():
     check_bool("flag", None, allow_none=True)
     with pytest.raises(ValueError, match="flag=None must be True or False"):
         check_bool("flag", None)
+
+
+def test_the_cost_source_names_the_command_line_offers_are_the_planners():
+    from autopipe.planning.cost_sources import COST_SOURCES
+    from autopipe.planning.options import COST_SOURCE_NAMES
+
+    assert tuple(COST_SOURCES) == COST_SOURCE_NAMES

@@ -13,6 +13,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from ..planning.options import COST_SOURCE_NAMES, OBJECTIVES
+
 PROG = "autopipe"
 
 
@@ -179,7 +181,7 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="options", metavar="KEY=VALUE", type=_key_value, action="append", default=[],
                    help="keyword argument for the factory / Hugging Face config field (repeatable)")
     p.add_argument("--device", help="device to profile on: cpu, cuda, cuda:1 (default: cuda when present, else cpu)")
-    p.add_argument("--cost", choices=("measured", "flops", "params"), default="measured",
+    p.add_argument("--cost", choices=COST_SOURCE_NAMES, default="measured",
                    help="measure each layer, or estimate from FLOPs or parameter counts")
     p.add_argument("--repeats", type=_positive_int, default=5, help="timed runs per layer; their mean is kept")
     p.add_argument("--warmup", type=_nonneg_int, default=2, help="untimed runs per layer before timing")
@@ -253,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--action-overhead-ms", type=float,
                    help="milliseconds each pipeline action costs beyond its compute (default: 0.7 on CPU, "
                         "0 on CUDA; measure with autopipe measure --overhead)")
-    p.add_argument("--objective", choices=("step", "bottleneck"), default="step",
+    p.add_argument("--objective", choices=OBJECTIVES, default="step",
                    help="minimise the simulated step, or only the heaviest stage")
     p.add_argument("--out", metavar="FILE", help="save the plan as JSON")
     _add_output_options(p)

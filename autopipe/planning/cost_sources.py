@@ -80,7 +80,7 @@ def _check_rate(device_flops: float) -> None:
 
 
 MEASURED, FLOPS, PARAMS = Measured(), Flops(), Params()
-#: Every source by name.
+#: Every source by name (the names also in options.COST_SOURCE_NAMES, for the command line without torch).
 COST_SOURCES: dict[str, CostSource] = {s.name: s for s in (MEASURED, FLOPS, PARAMS)}
 
 

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 #: Accepted values of ``PlannerOptions.objective``.
 OBJECTIVES = ("step", "bottleneck")
+#: The cost sources' names (:data:`autopipe.planning.cost_sources.COST_SOURCES`), where torch is not imported.
+COST_SOURCE_NAMES = ("measured", "flops", "params")
 
 
 @dataclass(frozen=True)
