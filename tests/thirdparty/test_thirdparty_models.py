@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -134,8 +135,10 @@ def test_the_registry_imports_without_any_third_party_package():
     blocked = "import sys\nfor m in ('transformers', 'diffusers', 'torchvision', 'timm'): sys.modules[m] = None\n"
     code = blocked + ("from zoo.thirdparty import REGISTRY, package_missing\n"
                       "assert len(REGISTRY) >= 24\nprint(package_missing('transformers'))")
+    tests = str(Path(__file__).resolve().parents[1])  # where the zoo lives
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+                          env={**os.environ, "PYTHONWARNINGS": "ignore",
+                               "PYTHONPATH": os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().startswith("import transformers fails") or "not installed" in proc.stdout
 
