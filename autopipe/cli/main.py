@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ..planning.options import COST_SOURCE_NAMES, OBJECTIVES
+from ..planning.options import COST_SOURCE_NAMES, OBJECTIVES, TARGETS
 
 PROG = "autopipe"
 
@@ -257,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "0 on CUDA; measure with autopipe measure --overhead)")
     p.add_argument("--objective", choices=OBJECTIVES, default="step",
                    help="minimise the simulated step, or only the heaviest stage")
+    p.add_argument("--target", choices=TARGETS,
+                   help="plan for a framework's stages and print its config snippet (torchtitan: [parallelism])")
     p.add_argument("--out", metavar="FILE", help="save the plan as JSON")
     _add_output_options(p)
 
@@ -454,7 +456,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         flush_cache=not args.no_flush_cache, fit_to_whole=_fit_to_whole(args))
     planner = autopipe.PlannerOptions(
         devices=device, memory=_memory(args.memory), cost=args.cost, profiling=profiling, objective=args.objective,
-        optimizer=args.optimizer, global_batch=args.global_batch, stages_per_rank=args.stages_per_rank)
+        optimizer=args.optimizer, global_batch=args.global_batch, stages_per_rank=args.stages_per_rank,
+        target=args.target)
     plan = autopipe.partition(loaded.model, args.gpus, loaded.example_args, loaded.example_kwargs,
                               schedule=args.schedule, n_microbatches=args.microbatches, planner=planner)
     return _show_plan(plan, args)
@@ -469,6 +472,13 @@ def _show_plan(plan: Any, args: argparse.Namespace) -> int:
     timeline = plan_timeline(plan)
     data = report_data(plan, timeline=timeline)
     print_plan(data, gantt=timeline.to_text())
+    if plan.target == "torchtitan":  # the lines to paste into torchtitan's train config
+        from ..planning.frameworks import toml
+
+        config = plan.to_torchtitan()
+        extra = "".join(f"\n# {key}: {value}" for key, value in config["autopipe"].items())
+        print(f"\ntorchtitan config (paste into your train config):\n{toml({'parallelism': config['parallelism']})}"
+              + extra)
     _print_written(_write_plan_outputs(plan, args, data, timeline))
     return 0
 

@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 
 #: Accepted values of ``PlannerOptions.objective``.
 OBJECTIVES = ("step", "bottleneck")
+#: The frameworks a plan can be made for (``PlannerOptions(target=...)``, :mod:`autopipe.planning.frameworks`).
+TARGETS = ("torchtitan",)
 #: The cost sources' names (:data:`autopipe.planning.cost_sources.COST_SOURCES`), where torch is not imported.
 COST_SOURCE_NAMES = ("measured", "flops", "params")
 
@@ -184,6 +186,11 @@ class PlannerOptions:
             picks the fastest split that fits (``plan.recompute_stages``, which a Pipeline
             follows); ``False``: no stage recomputes. A Pipeline also takes ``True`` (every
             stage) or a list of stage indices, to checkpoint by hand.
+        target: A framework whose stages the plan is for, one of :data:`TARGETS`: the
+            planner cuts only where that framework can (``"torchtitan"``: before a child of
+            the model or an entry of its layer container, ``layers.3``) and the plan exports
+            the split in its words (``plan.to_torchtitan()``). None: wherever torch's
+            ``pipeline()`` can.
 
     Raises:
         ValueError / TypeError: a field out of range or of the wrong kind, named.
@@ -204,12 +211,15 @@ class PlannerOptions:
     global_batch: int | None = None
     stages_per_rank: int | None = None
     recompute: str | bool | Sequence[int] = "auto"
+    target: str | None = None
 
     def __post_init__(self) -> None:
         if self.profiling is not None and not isinstance(self.profiling, ProfileOptions):
             raise TypeError(f"PlannerOptions profiling={self.profiling!r} must be an autopipe.ProfileOptions "
                             "or None")
         check_choice("PlannerOptions objective", self.objective, OBJECTIVES)
+        if self.target is not None:
+            check_choice("PlannerOptions target", self.target, TARGETS)
         for name in ("global_batch", "stages_per_rank"):
             if getattr(self, name) is not None:
                 check_int(f"PlannerOptions {name}", getattr(self, name), not_int=TypeError)

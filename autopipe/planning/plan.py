@@ -28,6 +28,7 @@ from ..machine.device import default_link
 from . import costmodel
 from .costgraph import SegmentCost
 from .costmodel import StepTail
+from .frameworks import torchtitan_config
 from .plan_file import PLAN_FORMAT_VERSION, check_model_names, plan_from_data, read_plan_file
 from .plan_records import DataParallelRecord
 from .plan_records import (BaselinePlan, Calibration, Link, MachineModel, PlanSegment, ScheduleAlternative,
@@ -65,6 +66,7 @@ class Plan:
     planner_s: float = 0.0  # time the exact search took
     planning_peak_rss_bytes: int | None = None  # the planning process's peak resident memory (machine.host_memory)
     model_name: str = ""
+    target: str = ""  # the framework whose granularity the split points keep ("torchtitan"), or "" (torch's)
     segment_names: list[str] = field(default_factory=list)  # one per cost-graph segment
     segments: list[PlanSegment] = field(default_factory=list)  # the profile the plan was made from
     machine: MachineModel = field(default_factory=MachineModel)  # links, per-action overhead, lazy sends
@@ -377,6 +379,26 @@ class Plan:
         from ..reporting.text import plan_to_text  # local import: reporting depends on plan
 
         return plan_to_text(self)
+
+    def to_torchtitan(self) -> dict[str, Any]:
+        """The split as torchtitan's config: ``[parallelism]`` fields, for a plan made with ``target="torchtitan"``.
+
+        Returns:
+            ``{"parallelism": {"pipeline_parallel_degree", "pipeline_parallel_schedule",
+            "module_fqns_per_model_part", "pipeline_parallel_microbatch_size"}, "autopipe":
+            {"layers_per_stage", "recompute_stages" (when some stages recompute)}}``;
+            ``autopipe.planning.frameworks.toml(config)`` writes it as TOML.
+
+        Raises:
+            ValueError: the plan was made without ``PlannerOptions(target="torchtitan")``.
+
+        Example:
+            >>> plan = autopipe.partition(model, 2, (tokens,),
+            ...                           planner=autopipe.PlannerOptions(target="torchtitan"))  # doctest: +SKIP
+            >>> plan.to_torchtitan()["parallelism"]["module_fqns_per_model_part"]  # doctest: +SKIP
+            [['tok_embeddings', 'layers.0', 'layers.1'], ['layers.2', 'layers.3', 'norm', 'output']]
+        """
+        return torchtitan_config(self)
 
     def __str__(self) -> str:
         return (

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, TypeVar
 from ..errors import PlanFileError
 from ..machine.passes import WholePass
 from .costmodel import StepTail
+from .options import TARGETS
 from .plan_records import (BaselinePlan, Calibration, DataParallelRecord, Factorization, Link, MachineModel,
                            PlanSegment, ScheduleAlternative, SearchRecord, StagePlan, TuningRecord)
 from .profile import LossCost
@@ -444,6 +445,7 @@ def plan_from_data(data: Any, cls: type[PlanT], *, path: str | None = None) -> P
         "planner_s": c.number,
         "planning_peak_rss_bytes": lambda f, v: None if v is None else c.integer(f, v, 0),
         "model_name": c.text,
+        "target": lambda f, v: c.text(f, v) if v in ("", *TARGETS) else c.bad(f, v, f"one of {['', *TARGETS]}"),
         "segment_names": lambda f, v: c.sequence(f, v, c.text),
         "recompute_stages": lambda f, v: c.sequence(f, v, lambda g, x: c.integer(g, x, 0, MAX_STAGES)),
         # Pipeline x data parallel (optional: files without them are one replica).

@@ -44,6 +44,7 @@ from .scaling import ScaledProfile, profile_scaling
 from .schedule_options import ScheduleOption, auto_schedule_options, cost_option
 from .split_candidates import INSIDE_BLOCK_MARGIN
 from .segment_graphs import on_meta_device
+from .frameworks import restrict_to_target
 from .tracing import TracedModel, trace, traced_from
 
 # --------------------------------------------------------------------------- entry point
@@ -162,7 +163,7 @@ def partition(
                           example_target=example_target, schedule=schedule, n_microbatches=n_microbatches,
                           data_parallel=data_parallel, global_batch=o.global_batch, stages_per_rank=o.stages_per_rank,
                           objective=o.objective, memory=o.memory, devices=o.devices, optimizer=o.optimizer,
-                          cost=o.cost, profiling=o.profiling, recompute=o.recompute)
+                          cost=o.cost, profiling=o.profiling, recompute=o.recompute, target=o.target)
 
 
 def _from_profile(profile: SegmentCosts, example_args: Any, example_kwargs: Any,
@@ -187,7 +188,7 @@ def plan_partition(
     n_microbatches: int | str | None = None, data_parallel: int | str | DataParallelOptions = 1,
     global_batch: int | None = None, stages_per_rank: int | None = None, objective: str = "step", memory: Any = None,
     devices: Any = None, optimizer: Any = "adam", cost: Any = "measured", profiling: ProfileOptions | None = None,
-    recompute: str | bool = "auto",
+    recompute: str | bool = "auto", target: str | None = None,
 ) -> Plan:
     """``partition`` with the planner's options as keywords (what pp x dp planning calls per layout)."""
     # ---- validate everything before any work
@@ -206,7 +207,7 @@ def plan_partition(
             plan_partition, model, n_gpus, example_args, example_kwargs, data_parallel=degree, dp_mode=dp_mode,
             global_batch=global_batch, n_microbatches=n_microbatches, devices=devices, optimizer=optimizer,
             schedule=schedule, stages_per_rank=stages_per_rank, objective=objective, memory=memory, loss_fn=loss_fn,
-            example_target=example_target, cost=cost, profiling=profiling, recompute=recompute)
+            example_target=example_target, cost=cost, profiling=profiling, recompute=recompute, target=target)
     source, costs, scaling = _cost_inputs(cost)
     wanted = _resolve_options(n_gpus, schedule, n_microbatches, global_batch, stages_per_rank, costs, scaling)
     opt_name, opt_factor = optimizer_state_factor(optimizer)
@@ -245,6 +246,15 @@ def plan_partition(
     given = getattr(costs, "traced", None)  # a profile brings the trace it was measured on
     reuse = given is not None and traced_from(given, model, example_args, example_kwargs)
     traced = given if reuse else trace(model, example_args, example_kwargs)
+    if target is not None:  # cut only where the framework can
+        traced = restrict_to_target(traced, model, target)
+        if costs is not None and len(costs) != traced.num_segments:
+            raise ValueError(f"planner.target={target!r} plans {traced.num_segments} segments, but the profile given "
+                             f"as cost= has {len(costs)} (measured at every split point torch can cut at); leave "
+                             "cost to the planner, or give 'flops'")
+        if wanted.auto_microbatches:
+            raise ValueError(f"planner.target={target!r} with n_microbatches='auto' is not supported: the size-"
+                             "scaled profile is taken at torch's split points; give n_microbatches as a number")
     # The stage count against the legal split points as soon as tracing knows them, before
     # torch's schedule orders (whose cost grows with ranks x micro-batches) or any profiling.
     if n_gpus * (wanted.stages_per_rank or 1) > traced.num_segments:
@@ -310,6 +320,7 @@ def plan_partition(
     if plan.whole_pass is not None and plan.whole_pass.round_spread > NOISY_PROFILE_SPREAD:
         plan.notes = [*plan.notes, noisy_profile_note(plan.whole_pass.round_spread)]
     plan.global_batch = global_batch
+    plan.target = target or ""
     if wanted.auto_microbatches and scaling is not None:
         plan.scaling_fit_error = {k: max(v) if v else 0.0 for k, v in scaling.fit_error.items()}
     plan.planning_peak_rss_bytes = host_memory.stop()

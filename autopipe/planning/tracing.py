@@ -21,8 +21,8 @@ import sysconfig
 import traceback
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -447,6 +447,13 @@ def traces_reused() -> Iterator[None]:
         yield
     finally:
         _REUSED.reset(token)
+
+
+def with_candidates(traced: TracedModel, keep: Callable[[SplitCandidate], bool]) -> TracedModel:
+    """``traced`` cut only at the candidates ``keep`` accepts: the segments between them merged, nothing exported again."""
+    candidates = [c for c in traced.candidates if keep(c)]
+    segments = _build_segments(traced.nodes, candidates, traced.exported)
+    return replace(traced, candidates=candidates, segments=segments)
 
 
 def traced_from(traced: TracedModel, model: torch.nn.Module, example_args: Any,

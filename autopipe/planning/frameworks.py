@@ -1,0 +1,91 @@
+"""Plans for the frameworks users train with: cut where a framework can cut, say the split in its words.
+
+torchtitan builds its pipeline stages from a list of module names per stage
+(``[parallelism] module_fqns_per_model_part``): each name is a child of the model
+(``tok_embeddings``, ``norm``, ``output``) or an entry of a child that is a layer container
+(``layers.3``); every other child is dropped from that stage. So a torchtitan plan cuts only
+before such a module (:func:`restrict_to_target`) and exports each stage's list
+(:func:`torchtitan_config`, ``plan.to_torchtitan()``).
+
+Example:
+    >>> print(toml({"parallelism": {"pipeline_parallel_degree": 2,
+    ...                             "module_fqns_per_model_part": [["tok_embeddings", "layers.0"], ["norm"]]}}))
+    [parallelism]
+    pipeline_parallel_degree = 2
+    module_fqns_per_model_part = [["tok_embeddings", "layers.0"], ["norm"]]
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from .options import TARGETS
+from .tracing import SplitCandidate, TracedModel, with_candidates
+
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
+
+
+def target_units(model: torch.nn.Module) -> set[str]:
+    """The module names torchtitan can place on a stage: the model's children and its layer containers' entries."""
+    units = set()
+    for name, child in model.named_children():
+        if isinstance(child, _CONTAINERS):
+            units.update(f"{name}.{key}" for key, _ in child.named_children())
+        else:
+            units.add(name)
+    return units
+
+
+def restrict_to_target(traced: TracedModel, model: torch.nn.Module, target: str) -> TracedModel:
+    """``traced`` cut only where ``target`` can cut (``target`` one of :data:`TARGETS`)."""
+    if target not in TARGETS:
+        raise ValueError(f"target={target!r} is not a framework autopipe plans for; use one of {list(TARGETS)}")
+    units = target_units(model)
+
+    def cuttable(c: SplitCandidate) -> bool:
+        return c.name in units or any(a in units for a in c.aliases)
+
+    return with_candidates(traced, cuttable)
+
+
+def torchtitan_config(plan: Any) -> dict[str, Any]:
+    """The ``[parallelism]`` fields that make torchtitan build a :class:`~autopipe.planning.Plan`'s stages.
+
+    ``module_fqns_per_model_part`` lists each stage's modules in stage order; torchtitan
+    places stage ``s`` on a rank as its schedule does, as autopipe's plan does. torchtitan
+    applies one activation-checkpointing policy to every stage, so a plan that recomputes
+    only some stages gives them under ``autopipe.recompute_stages`` for a ``parallelize_fn``
+    to read.
+
+    Raises:
+        ValueError: the plan was made for another granularity than torchtitan's (its split
+            points may fall inside a module torchtitan places whole).
+    """
+    if plan.target != "torchtitan":
+        raise ValueError(f"the plan was made for target={plan.target or None!r}, whose split points torchtitan "
+                         "may not be able to cut at: plan with PlannerOptions(target='torchtitan')")
+    parts = [list(stage.fqns) for stage in plan.stages]
+    layers = [sum(1 for name in fqns if "." in name) for fqns in parts]
+    parallelism: dict[str, Any] = {
+        "pipeline_parallel_degree": plan.pp_degree,
+        "pipeline_parallel_schedule": plan.schedule,
+        "module_fqns_per_model_part": parts,
+    }
+    if plan.microbatch_size is not None:  # known from the global batch; else the example's batch size
+        parallelism["pipeline_parallel_microbatch_size"] = plan.microbatch_size
+    config: dict[str, Any] = {"parallelism": parallelism, "autopipe": {"layers_per_stage": layers}}
+    if plan.recompute_stages:
+        config["autopipe"]["recompute_stages"] = list(plan.recompute_stages)
+    return config
+
+
+def toml(config: dict[str, dict[str, Any]]) -> str:
+    """``config`` (sections of numbers, strings and lists) as TOML to paste into a framework's config file."""
+    lines: list[str] = []
+    for section, fields in config.items():
+        lines += ([""] if lines else []) + [f"[{section}]"]
+        lines += [f"{key} = {json.dumps(value)}" for key, value in fields.items()]
+    return "\n".join(lines)

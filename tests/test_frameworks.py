@@ -1,0 +1,100 @@
+"""Plans for a framework's stages: cut only where it can, and the split in its own config words."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopipe
+from autopipe import PlannerOptions, ProfileOptions
+from autopipe.models import seed_transformer
+from autopipe.planning import profile_segments, trace
+from autopipe.planning.frameworks import restrict_to_target, target_units, toml
+
+QUIET = ProfileOptions(progress=False)
+TITAN = PlannerOptions(target="torchtitan", cost="flops", profiling=QUIET)
+
+
+@pytest.fixture(scope="module")
+def model_and_args():
+    # Three equal blocks and a light head: torch's own split points balance 2 stages inside the middle block.
+    return seed_transformer(vocab_size=100, d_model=64, num_heads=4, d_ff=128, num_layers=3, batch=2, seq_len=16)
+
+
+def test_torchtitans_units_are_the_models_children_and_its_layer_entries(model_and_args):
+    model, _ = model_and_args
+    units = target_units(model)
+    assert {"embedding", "layers.0", "layers.2", "out_linear"} <= units
+    assert "layers" not in units and not any(u.startswith("layers.0.") for u in units)
+
+
+def test_a_torchtitan_plan_cuts_only_before_a_unit_and_exports_each_stages_modules(model_and_args):
+    model, args = model_and_args
+    free = autopipe.partition(model, 2, args, planner=PlannerOptions(cost="flops", profiling=QUIET))
+    assert any(p not in target_units(model) for p in free.split_points)  # the premise: torch would cut inside
+    plan = autopipe.partition(model, 2, args, n_microbatches=4,
+                              planner=PlannerOptions(target="torchtitan", cost="flops", global_batch=8, profiling=QUIET))
+    assert plan.target == "torchtitan" and set(plan.split_points) <= target_units(model)
+    config = plan.to_torchtitan()
+    parts = config["parallelism"]["module_fqns_per_model_part"]
+    assert len(parts) == 2 and parts[0][0] == "embedding" and parts[-1][-1] == "out_linear"
+    assert parts[1][0] == plan.split_points[0]  # the second stage starts where the plan cuts
+    assert sorted(n for part in parts for n in part if n.startswith("layers.")) == [f"layers.{k}" for k in range(3)]
+    assert config["parallelism"]["pipeline_parallel_degree"] == 2
+    assert config["parallelism"]["pipeline_parallel_schedule"] == "1F1B"
+    assert config["parallelism"]["pipeline_parallel_microbatch_size"] == args[0].shape[0]
+    assert sum(config["autopipe"]["layers_per_stage"]) == 3
+
+
+def test_a_looped_schedule_exports_every_stage_in_order(model_and_args):
+    model, args = model_and_args
+    plan = autopipe.partition(model, 2, args, schedule="Interleaved1F1B", n_microbatches=4, planner=TITAN)
+    parts = plan.to_torchtitan()["parallelism"]["module_fqns_per_model_part"]
+    assert len(parts) == 4 == plan.num_stages
+    assert "pipeline_parallel_microbatch_size" not in plan.to_torchtitan()["parallelism"]  # no global batch given
+    assert [n for part in parts for n in part] == [n for stage in plan.stages for n in stage.fqns]
+
+
+def test_the_target_is_kept_in_the_plan_file(model_and_args, tmp_path):
+    model, args = model_and_args
+    plan = autopipe.partition(model, 2, args, planner=TITAN)
+    plan.save(tmp_path / "plan.json")
+    assert autopipe.Plan.load(tmp_path / "plan.json").to_torchtitan() == plan.to_torchtitan()
+
+
+def test_what_a_torchtitan_plan_cannot_be_made_from_is_refused(model_and_args):
+    model, args = model_and_args
+    free = autopipe.partition(model, 2, args, planner=PlannerOptions(cost="flops", profiling=QUIET))
+    with pytest.raises(ValueError, match="plan with PlannerOptions\\(target='torchtitan'\\)"):
+        free.to_torchtitan()
+    profile = profile_segments(trace(model, args), cost="flops", device_flops=1e9, progress=False)
+    with pytest.raises(ValueError, match="measured at every split point torch can cut at"):
+        autopipe.partition(model, 2, args, planner=PlannerOptions(target="torchtitan", cost=profile, profiling=QUIET))
+    with pytest.raises(ValueError, match="PlannerOptions target='megatron' is not known; use one of \\['torchtitan'\\]"):
+        PlannerOptions(target="megatron")
+    with pytest.raises(ValueError, match="n_microbatches='auto' is not supported"):
+        autopipe.partition(model, 2, args, n_microbatches="auto",
+                           planner=PlannerOptions(target="torchtitan", cost="flops", global_batch=8, profiling=QUIET))
+
+
+def test_restricting_merges_the_segments_between_the_cuts_kept(model_and_args):
+    model, args = model_and_args
+    traced = trace(model, args)
+    titan = restrict_to_target(traced, model, "torchtitan")
+    assert titan.num_segments < traced.num_segments
+    assert [s.start for s in titan.segments][0] == 0 and titan.segments[-1].end == traced.segments[-1].end
+    assert all(a.end == b.start for a, b in zip(titan.segments, titan.segments[1:]))
+
+
+def test_toml_writes_sections_of_values_and_lists():
+    text = toml({"parallelism": {"pipeline_parallel_schedule": "1F1B", "module_fqns_per_model_part": [["a"], ["b"]]}})
+    assert text == '[parallelism]\npipeline_parallel_schedule = "1F1B"\nmodule_fqns_per_model_part = [["a"], ["b"]]'
+
+
+def test_the_command_line_prints_the_config_to_paste(capsys):
+    from autopipe.cli.main import main
+
+    assert main(["plan", "autopipe.models:seed_transformer", "--set", "vocab_size=500", "--set", "num_layers=2",
+                 "--set", "seq_len=8", "--gpus", "2", "--cost", "flops", "--target", "torchtitan", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "[parallelism]" in out and "module_fqns_per_model_part = [[" in out and "# layers_per_stage:" in out
