@@ -98,3 +98,41 @@ def test_the_command_line_prints_the_config_to_paste(capsys):
                  "--set", "seq_len=8", "--gpus", "2", "--cost", "flops", "--target", "torchtitan", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "[parallelism]" in out and "module_fqns_per_model_part = [[" in out and "# layers_per_stage:" in out
+
+
+class TitanStyle(torch.nn.Module):
+    """A decoder written as torchtitan writes its models: a forward that skips the children a stage lacks."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 3) -> None:
+        super().__init__()
+        self.tok_embeddings = torch.nn.Embedding(vocab, dim)
+        self.layers = torch.nn.ModuleDict({str(k): torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(),
+                                                                        torch.nn.Linear(2 * dim, dim))
+                                           for k in range(layers)})
+        self.norm = torch.nn.LayerNorm(dim)
+        self.output = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = h + layer(h)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+
+def test_torchtitans_own_splitter_builds_the_exported_stages_and_they_chain_to_the_whole_model():
+    pipeline_parallel = pytest.importorskip(
+        "torchtitan.distributed.pipeline_parallel",
+        reason="torchtitan is not importable here (pip install torchtitan==0.3.0 triton next to torch)")
+    torch.manual_seed(0)
+    model, tokens = TitanStyle(), torch.randint(0, 64, (2, 8))
+    plan = autopipe.partition(model, 2, (tokens,), schedule="Interleaved1F1B", n_microbatches=4, planner=TITAN)
+    parts = plan.to_torchtitan()["parallelism"]["module_fqns_per_model_part"]
+    chunks = [pipeline_parallel._split_module(model, names) for names in parts]
+    h = tokens
+    for chunk in chunks:
+        h = chunk(h)
+    torch.testing.assert_close(h, model(tokens), rtol=0, atol=0)
+    held = [{n for n, _ in chunk.named_parameters()} for chunk in chunks]
+    assert set().union(*held) == {n for n, _ in model.named_parameters()} and sum(map(len, held)) == len(
+        list(model.parameters()))  # every parameter on exactly one stage
