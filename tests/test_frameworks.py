@@ -44,6 +44,11 @@ def test_a_torchtitan_plan_cuts_only_before_a_unit_and_exports_each_stages_modul
     assert config["parallelism"]["pipeline_parallel_schedule"] == "1F1B"
     assert config["parallelism"]["pipeline_parallel_microbatch_size"] == args[0].shape[0]
     assert sum(config["autopipe"]["layers_per_stage"]) == 3
+    default = plan.baseline("torchtitan_default")
+    gain = default.predicted_step_s / plan.predicted_step_s - 1
+    assert gain >= -1e-9 and f"versus torchtitan's default split {default.split_points}: predicted {gain:.0%} faster" \
+        in plan.report()
+    assert "versus torchtitan" not in free.report()
 
 
 def test_a_looped_schedule_exports_every_stage_in_order(model_and_args):
@@ -98,6 +103,7 @@ def test_the_command_line_prints_the_config_to_paste(capsys):
                  "--set", "seq_len=8", "--gpus", "2", "--cost", "flops", "--target", "torchtitan", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "[parallelism]" in out and "module_fqns_per_model_part = [[" in out and "# layers_per_stage:" in out
+    assert "# versus torchtitan's default split" in out
 
 
 class TitanStyle(torch.nn.Module):

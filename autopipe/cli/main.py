@@ -476,7 +476,10 @@ def _show_plan(plan: Any, args: argparse.Namespace) -> int:
         from ..planning.frameworks import toml
 
         config = plan.to_torchtitan()
+        from ..planning.frameworks import versus_default
+
         extra = "".join(f"\n# {key}: {value}" for key, value in config["autopipe"].items())
+        extra += f"\n# {versus_default(plan)}"
         print(f"\ntorchtitan config (paste into your train config):\n{toml({'parallelism': config['parallelism']})}"
               + extra)
     _print_written(_write_plan_outputs(plan, args, data, timeline))

@@ -82,6 +82,20 @@ def torchtitan_config(plan: Any) -> dict[str, Any]:
     return config
 
 
+def versus_default(plan: Any) -> str | None:
+    """One line: the plan's predicted step against its target framework's own default split, or None."""
+    if plan.target != "torchtitan":
+        return None
+    default = next((b for b in plan.baselines if b.name == "torchtitan_default"), None)
+    if default is None or not default.split_points:
+        why = default.reason if default is not None else "no default split was costed"
+        return f"versus torchtitan's default split: not comparable ({why})"
+    gain = default.predicted_step_s / plan.predicted_step_s - 1.0 if plan.predicted_step_s > 0 else 0.0
+    return (f"versus torchtitan's default split {default.split_points}: predicted {gain:.0%} faster "
+            f"({plan.predicted_step_s * 1e3:.3g} ms against {default.predicted_step_s * 1e3:.3g} ms per step)"
+            + ("" if default.fits_memory else "; the default does not fit the memory given"))
+
+
 def toml(config: dict[str, dict[str, Any]]) -> str:
     """``config`` (sections of numbers, strings and lists) as TOML to paste into a framework's config file."""
     lines: list[str] = []

@@ -17,6 +17,7 @@ from dataclasses import asdict
 from typing import Any
 
 from ..machine.device import format_bytes
+from ..planning.frameworks import versus_default
 from .units import format_seconds, whole_pass_line
 
 
@@ -44,6 +45,7 @@ def plan_to_text(plan: Any) -> str:
         + (f"; planning's peak host memory: {format_bytes(plan.planning_peak_rss_bytes)}"
            if plan.planning_peak_rss_bytes else ""),
         *[f"note: {n}" for n in plan.notes],  # what autopipe changed or assumed to make the plan
+        *([line] if (line := versus_default(plan)) else []),  # a framework's plan against its own default
         "",
         "split_spec = {" + ", ".join(f'"{n}": SplitPoint.BEGINNING' for n in plan.split_points) + "}",
         "",
