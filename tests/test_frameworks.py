@@ -75,8 +75,8 @@ def test_what_a_torchtitan_plan_cannot_be_made_from_is_refused(model_and_args):
     profile = profile_segments(trace(model, args), cost="flops", device_flops=1e9, progress=False)
     with pytest.raises(ValueError, match="measured at every split point torch can cut at"):
         autopipe.partition(model, 2, args, planner=PlannerOptions(target="torchtitan", cost=profile, profiling=QUIET))
-    with pytest.raises(ValueError, match="PlannerOptions target='megatron' is not known; use one of \\['torchtitan'\\]"):
-        PlannerOptions(target="megatron")
+    with pytest.raises(ValueError, match="PlannerOptions target='deepspeed' is not known; use one of \\['torchtitan', "):
+        PlannerOptions(target="deepspeed")
     with pytest.raises(ValueError, match="n_microbatches='auto' is not supported"):
         autopipe.partition(model, 2, args, n_microbatches="auto",
                            planner=PlannerOptions(target="torchtitan", cost="flops", global_batch=8, profiling=QUIET))
@@ -142,3 +142,66 @@ def test_torchtitans_own_splitter_builds_the_exported_stages_and_they_chain_to_t
     held = [{n for n, _ in chunk.named_parameters()} for chunk in chunks]
     assert set().union(*held) == {n for n, _ in model.named_parameters()} and sum(map(len, held)) == len(
         list(model.parameters()))  # every parameter on exactly one stage
+
+
+# --------------------------------------------------------------------------- Megatron-Core
+
+MEGATRON = PlannerOptions(target="megatron", cost="flops", profiling=QUIET)
+
+
+@pytest.fixture(scope="module")
+def six_layers():
+    return seed_transformer(vocab_size=100, d_model=64, num_heads=4, d_ff=128, num_layers=6, batch=2, seq_len=16)
+
+
+@pytest.mark.parametrize("schedule, n_ranks", [("1F1B", 2), ("Interleaved1F1B", 2), ("1F1B", 3)])
+def test_a_megatron_plan_cuts_between_whole_layers_and_names_them_in_a_layout(six_layers, schedule, n_ranks):
+    model, args = six_layers
+    plan = autopipe.partition(model, n_ranks, args, schedule=schedule, n_microbatches=6, planner=MEGATRON)
+    assert plan.target == "megatron" and set(plan.split_points) <= {f"layers.{k}" for k in range(6)} | {"out_linear"}
+    config = plan.to_megatron()
+    stages = config["pipeline_model_parallel_layout"].split("|")
+    assert len(stages) == plan.num_stages and stages[0].startswith("E") and stages[-1].endswith("L")
+    assert [s.count("t") for s in stages] == [sum(n.startswith("layers.") for n in st.fqns) for st in plan.stages]
+    assert config["num_layers"] == 6 and config["pipeline_model_parallel_size"] == n_ranks
+    assert config.get("virtual_pipeline_model_parallel_size", 1) == plan.stages_per_rank
+
+
+def test_megatron_cores_own_parser_reads_the_layout(six_layers):
+    layout_module = pytest.importorskip(
+        "megatron.core.transformer.pipeline_parallel_layer_layout",
+        reason="megatron-core is not importable here (pip install --no-deps megatron-core)")
+    model, args = six_layers
+    plan = autopipe.partition(model, 2, args, schedule="Interleaved1F1B", n_microbatches=4, planner=MEGATRON)
+    config = plan.to_megatron()
+    layout = layout_module.PipelineParallelLayerLayout(config["pipeline_model_parallel_layout"],
+                                                       config["pipeline_model_parallel_size"])
+    layout.validate_layer_layout(config["num_layers"], None)
+    assert layout.virtual_pipeline_model_parallel_size == plan.stages_per_rank
+    # Megatron's rank r, virtual stage v is the plan's stage v * pp + r, as the plan places it.
+    for r, rank_stages in enumerate(layout.layout):
+        for v, layers in enumerate(rank_stages):
+            stage = plan.stages[v * config["pipeline_model_parallel_size"] + r]
+            assert plan.stage_ranks[stage.index] == r
+            assert sum(str(t).endswith("decoder") for t in layers) == sum(n.startswith("layers.") for n in stage.fqns)
+
+
+def test_what_a_megatron_layout_cannot_say_is_refused(six_layers):
+    model, args = six_layers
+    v_plan = autopipe.partition(model, 2, args, schedule="ZBVZeroBubble", n_microbatches=4, planner=MEGATRON)
+    with pytest.raises(ValueError, match="places stages in a V"):
+        v_plan.to_megatron()
+    with pytest.raises(ValueError, match="plan with PlannerOptions\\(target='megatron'\\)"):
+        autopipe.partition(model, 2, args, planner=TITAN).to_megatron()
+    flat = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="has no layer container"):
+        autopipe.partition(flat, 2, (torch.randn(2, 4),), planner=MEGATRON)
+
+
+def test_the_command_line_prints_megatrons_arguments(capsys):
+    from autopipe.cli.main import main
+
+    assert main(["plan", "autopipe.models:seed_transformer", "--set", "vocab_size=500", "--set", "num_layers=4",
+                 "--set", "seq_len=8", "--gpus", "2", "--cost", "flops", "--target", "megatron", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "--pipeline-model-parallel-layout 'E" in out and "L' --pipeline-model-parallel-size 2 --num-layers 4" in out

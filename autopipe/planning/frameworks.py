@@ -7,6 +7,11 @@ torchtitan builds its pipeline stages from a list of module names per stage
 before such a module (:func:`restrict_to_target`) and exports each stage's list
 (:func:`torchtitan_config`, ``plan.to_torchtitan()``).
 
+Megatron-Core places whole decoder layers, with the embedding ahead of the first and the
+loss (final norm, output layer) after the last: ``--pipeline-model-parallel-layout
+"Ettt|tttL"``. A Megatron plan cuts only before a decoder layer or before what follows the
+last one (:func:`megatron_layout`, ``plan.to_megatron()``).
+
 Example:
     >>> print(toml({"parallelism": {"pipeline_parallel_degree": 2,
     ...                             "module_fqns_per_model_part": [["tok_embeddings", "layers.0"], ["norm"]]}}))
@@ -23,9 +28,20 @@ from typing import Any
 import torch
 
 from .options import TARGETS
+from .schedules import schedule_spec
 from .tracing import SplitCandidate, TracedModel, with_candidates
 
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
+
+
+def decoder_layers(model: torch.nn.Module) -> tuple[str, list[str]]:
+    """The model's decoder layers as Megatron counts them: its longest layer container and that container's entries."""
+    containers = [(name, [f"{name}.{key}" for key, _ in m.named_children()]) for name, m in model.named_modules()
+                  if name and isinstance(m, _CONTAINERS)]
+    if not containers or not max(len(e) for _, e in containers):
+        raise ValueError("target='megatron' places whole decoder layers, but the model has no layer container "
+                         "(nn.ModuleList or nn.ModuleDict of its blocks)")
+    return max(containers, key=lambda c: len(c[1]))
 
 
 def target_units(model: torch.nn.Module) -> set[str]:
@@ -43,12 +59,29 @@ def restrict_to_target(traced: TracedModel, model: torch.nn.Module, target: str)
     """``traced`` cut only where ``target`` can cut (``target`` one of :data:`TARGETS`)."""
     if target not in TARGETS:
         raise ValueError(f"target={target!r} is not a framework autopipe plans for; use one of {list(TARGETS)}")
-    units = target_units(model)
+    if target == "megatron":
+        units = set(_megatron_cuts(traced, model))
+    else:
+        units = target_units(model)
 
     def cuttable(c: SplitCandidate) -> bool:
         return c.name in units or any(a in units for a in c.aliases)
 
     return with_candidates(traced, cuttable)
+
+
+def _megatron_cuts(traced: TracedModel, model: torch.nn.Module) -> list[str]:
+    """Before every decoder layer, and before the first split point after the last one (the loss part)."""
+    container, layers = decoder_layers(model)
+    at = {name: c for c in traced.candidates for name in (c.name, *c.aliases)}
+    missing = [name for name in layers[1:] if name not in at]
+    if missing:
+        raise ValueError(f"target='megatron' cuts between whole decoder layers of {container!r}, but "
+                         f"{missing[:3]} cannot be cut before (each layer must run once, its operations together)")
+    last = max((at[name].position for name in layers if name in at), default=0)
+    after = next((c.name for c in traced.candidates if c.position > last and c.name not in layers
+                  and not c.name.startswith(layers[-1] + ".")), None)
+    return [*layers, *([after] if after else [])]
 
 
 def torchtitan_config(plan: Any) -> dict[str, Any]:
@@ -79,6 +112,41 @@ def torchtitan_config(plan: Any) -> dict[str, Any]:
     config: dict[str, Any] = {"parallelism": parallelism, "autopipe": {"layers_per_stage": layers}}
     if plan.recompute_stages:
         config["autopipe"]["recompute_stages"] = list(plan.recompute_stages)
+    return config
+
+
+def megatron_layout(plan: Any) -> dict[str, Any]:
+    """Megatron-Core's arguments for a :class:`~autopipe.planning.Plan` made with ``target="megatron"``.
+
+    ``pipeline_model_parallel_layout`` names each stage in stage order (Megatron's virtual
+    stages, placed in loops as the plan's schedule places them): ``E`` the embedding, one
+    ``t`` per decoder layer, ``L`` the loss (final norm and output layer), stages split by
+    ``|``.
+
+    Raises:
+        ValueError: the plan was made for another granularity, or its schedule places stages
+            in a V (Megatron places virtual stages in loops).
+    """
+    if plan.target != "megatron":
+        raise ValueError(f"the plan was made for target={plan.target or None!r}, whose split points Megatron-Core "
+                         "may not be able to cut at: plan with PlannerOptions(target='megatron')")
+    if schedule_spec(plan.schedule).placement == "v":
+        raise ValueError(f"schedule {plan.schedule!r} places stages in a V; Megatron-Core's virtual stages are "
+                         "placed in loops: plan with 1F1B or Interleaved1F1B")
+    names = [name for stage in plan.stages for name in stage.fqns]
+    container = max({n.rsplit(".", 1)[0] for n in names if "." in n} or {""},
+                    key=lambda c: sum(n.rsplit(".", 1)[0] == c for n in names if "." in n))
+    layers = [sum(1 for n in stage.fqns if "." in n and n.rsplit(".", 1)[0] == container) for stage in plan.stages]
+    stages = ["E" * (s == 0) + "t" * k + "L" * (s == plan.num_stages - 1) for s, k in enumerate(layers)]
+    config: dict[str, Any] = {
+        "pipeline_model_parallel_layout": "|".join(stages),
+        "pipeline_model_parallel_size": plan.pp_degree,
+        "num_layers": sum(layers),
+    }
+    if plan.stages_per_rank > 1:
+        config["virtual_pipeline_model_parallel_size"] = plan.stages_per_rank
+    if plan.microbatch_size is not None:
+        config["micro_batch_size"] = plan.microbatch_size
     return config
 
 

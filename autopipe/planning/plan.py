@@ -28,7 +28,7 @@ from ..machine.device import default_link
 from . import costmodel
 from .costgraph import SegmentCost
 from .costmodel import StepTail
-from .frameworks import torchtitan_config
+from .frameworks import megatron_layout, torchtitan_config
 from .plan_file import PLAN_FORMAT_VERSION, check_model_names, plan_from_data, read_plan_file
 from .plan_records import DataParallelRecord
 from .plan_records import (BaselinePlan, Calibration, Link, MachineModel, PlanSegment, ScheduleAlternative,
@@ -399,6 +399,24 @@ class Plan:
             [['tok_embeddings', 'layers.0', 'layers.1'], ['layers.2', 'layers.3', 'norm', 'output']]
         """
         return torchtitan_config(self)
+
+    def to_megatron(self) -> dict[str, Any]:
+        """The split as Megatron-Core's arguments, for a plan made with ``target="megatron"``.
+
+        Returns:
+            ``{"pipeline_model_parallel_layout": "Ettt|tttL", "pipeline_model_parallel_size",
+            "num_layers"}`` and, where they apply, ``virtual_pipeline_model_parallel_size`` and
+            ``micro_batch_size`` (``--pipeline-model-parallel-layout`` etc. on the command line).
+
+        Raises:
+            ValueError: the plan was made without ``PlannerOptions(target="megatron")``, or its
+                schedule places stages in a V.
+
+        Example:
+            >>> plan.to_megatron()["pipeline_model_parallel_layout"]  # doctest: +SKIP
+            'Ettt|tttL'
+        """
+        return megatron_layout(self)
 
     def __str__(self) -> str:
         return (
