@@ -90,7 +90,7 @@ def partition(
             ``"auto"`` to compare them all (and 2 or 4 stages per rank for the looped ones)
             and keep the fastest that fits in memory; ``plan.alternatives`` lists them all.
         n_microbatches: Micro-batches per step; default ``2 * n_gpus``. ``"auto"`` tries
-            every divisor of ``global_batch`` (up to 64) as the micro-batch count, costing each
+            every divisor of ``planner.global_batch`` (up to 64) as the micro-batch count, costing each
             micro-batch size from a profile taken at several sizes (no re-profiling per
             count), and keeps the fastest that fits (``plan.microbatch_size``).
         loss_fn, example_target: The training loss ``loss_fn(output, target)`` and one
@@ -106,8 +106,8 @@ def partition(
             pipeline that runs no loss).
         planner: The hardware, the cost source and the search's settings, a
             :class:`~autopipe.planning.options.PlannerOptions` (devices, memory, cost,
-            profiling, objective, optimizer, global_batch, stages_per_rank, recompute); the
-            same value configures :class:`~autopipe.Pipeline`. None: its defaults (this
+            profiling, objective, optimizer, global_batch, stages_per_rank, recompute, target);
+            the same value configures :class:`~autopipe.Pipeline`. None: its defaults (this
             machine's device, memory unlimited, costs measured, Adam's state counted).
         data_parallel: Replicas of the pipeline (pipeline x data parallel): 1 (default, a pure
             pipeline of ``n_gpus`` ranks), a count dividing ``n_gpus``, or ``"auto"`` to compare
@@ -116,8 +116,8 @@ def partition(
             replicas reduce gradients: mode ``"fsdp"`` (default: parameters, gradients and
             optimizer state sharded over the replicas), ``"replicate"`` (whole copies and an
             all-reduce) or ``"auto"`` (both compared). Replicas need
-            ``planner.global_batch`` (each replica runs ``global_batch / dp`` samples in micro-batches of
-            the example's size). ``plan.pp_degree``, ``plan.dp_degree`` and
+            ``planner.global_batch`` (each replica runs ``global_batch / dp`` samples in
+            micro-batches of the example's size). ``plan.pp_degree``, ``plan.dp_degree`` and
             ``plan.data_parallel`` (every factorization, ranked) say what was chosen
             (:mod:`autopipe.planning.data_parallel`). ``planner.devices`` may then be a
             :class:`~autopipe.machine.topology.Topology`.
@@ -133,11 +133,11 @@ def partition(
             :data:`~autopipe.planning.schedules.MAX_SCHEDULE_SIZE` before tracing; more stages than
             the legal split points allow, or more (stage, micro-batch) pairs than
             ``MAX_SCHEDULE_SIZE``, right after tracing, before profiling.
-        TypeError: an argument of the wrong kind (``profiling`` not a ProfileOptions,
-            ``devices`` not Devices).
+        TypeError: an argument of the wrong kind (``planner`` not a PlannerOptions,
+            ``planner.devices`` not Devices).
         MissingExampleInputsError: no example inputs.
         ModelExportError: the model cannot be exported (with the exporter's reason).
-        InfeasibleMemoryError: no split fits ``memory`` (the message says what would).
+        InfeasibleMemoryError: no split fits ``planner.memory`` (the message says what would).
 
     Example:
         >>> import autopipe
