@@ -75,8 +75,8 @@ def test_what_a_torchtitan_plan_cannot_be_made_from_is_refused(model_and_args):
     profile = profile_segments(trace(model, args), cost="flops", device_flops=1e9, progress=False)
     with pytest.raises(ValueError, match="measured at every split point torch can cut at"):
         autopipe.partition(model, 2, args, planner=PlannerOptions(target="torchtitan", cost=profile, profiling=QUIET))
-    with pytest.raises(ValueError, match="PlannerOptions target='deepspeed' is not known; use one of \\['torchtitan', "):
-        PlannerOptions(target="deepspeed")
+    with pytest.raises(ValueError, match="PlannerOptions target='accelerate' is not known; use one of \\['torchtitan', "):
+        PlannerOptions(target="accelerate")
     with pytest.raises(ValueError, match="n_microbatches='auto' is not supported"):
         autopipe.partition(model, 2, args, n_microbatches="auto",
                            planner=PlannerOptions(target="torchtitan", cost="flops", global_batch=8, profiling=QUIET))
@@ -205,3 +205,50 @@ def test_the_command_line_prints_megatrons_arguments(capsys):
                  "--set", "seq_len=8", "--gpus", "2", "--cost", "flops", "--target", "megatron", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "--pipeline-model-parallel-layout 'E" in out and "L' --pipeline-model-parallel-size 2 --num-layers 4" in out
+
+
+# --------------------------------------------------------------------------- DeepSpeed
+
+
+def test_a_deepspeed_plan_cuts_between_the_layers_of_the_list_and_gives_the_boundaries():
+    from _frameworks_workers import uneven_layers
+
+    layers = uneven_layers()
+    plan = autopipe.partition(torch.nn.Sequential(*layers), 2, (torch.randn(4, 16),),
+                              planner=PlannerOptions(target="deepspeed", cost="flops", profiling=QUIET))
+    parts = plan.to_deepspeed(num_layers=len(layers))["parts"]
+    assert parts[0] == 0 and parts[-1] == len(layers) and parts[1] == int(plan.split_points[0])
+    assert [str(k) for k in range(parts[1], parts[2])] == plan.stages[1].fqns
+    assert parts != [0, 4, 8]  # not the equal count of layers: the wide layers weigh more
+    with pytest.raises(ValueError, match="pass it as nn.Sequential"):
+        autopipe.partition(TitanStyle(), 2, (torch.randint(0, 64, (2, 8)),),
+                           planner=PlannerOptions(target="deepspeed", cost="flops", profiling=QUIET))
+    looped = autopipe.partition(torch.nn.Sequential(*layers), 2, (torch.randn(4, 16),), schedule="Interleaved1F1B",
+                                n_microbatches=4, planner=PlannerOptions(target="deepspeed", cost="flops",
+                                                                          profiling=QUIET))
+    with pytest.raises(ValueError, match="one stage per rank"):
+        looped.to_deepspeed()
+
+
+@pytest.mark.distributed
+def test_deepspeeds_pipeline_module_holds_on_each_rank_the_layers_the_plan_gave_it():
+    pytest.importorskip("deepspeed.pipe", reason="DeepSpeed is not importable here (DS_BUILD_OPS=0 pip install "
+                                                 "deepspeed==0.19.8)")
+    from _dist_utils import run_world
+    from _frameworks_workers import deepspeed_stages
+
+    results = run_world(deepspeed_stages, 2, timeout_s=240)
+    parts = results[0]["parts"]
+    for rank, r in enumerate(results):
+        assert r["parts"] == parts and r["local"] == list(range(parts[rank], parts[rank + 1]))
+        assert [str(k) for k in r["local"]] == r["stage_fqns"][rank]
+
+
+def test_the_command_line_prints_deepspeeds_boundaries(tmp_path, capsys):
+    from autopipe.cli.main import main
+
+    (tmp_path / "layers.py").write_text("import torch\ndef make():\n    return torch.nn.Sequential(*[torch.nn.Linear(8, 8)"
+                                        " for _ in range(4)]), (torch.randn(2, 8),)\n")
+    assert main(["plan", f"{tmp_path / 'layers.py'}:make", "--gpus", "2", "--cost", "flops", "--target", "deepspeed",
+                 "--no-progress"]) == 0
+    assert "DeepSpeed PipelineModule boundaries: parts = [0, 2, 4]" in capsys.readouterr().out

@@ -259,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="minimise the simulated step, or only the heaviest stage")
     p.add_argument("--target", choices=TARGETS,
                    help="plan for a framework's stages and print its config (torchtitan: [parallelism] TOML; "
-                        "megatron: --pipeline-model-parallel-layout and its companions)")
+                        "megatron: --pipeline-model-parallel-layout and its companions; deepspeed: parts)")
     p.add_argument("--out", metavar="FILE", help="save the plan as JSON")
     _add_output_options(p)
 
@@ -483,6 +483,8 @@ def _show_plan(plan: Any, args: argparse.Namespace) -> int:
         extra += f"\n# {versus_default(plan)}"
         print(f"\ntorchtitan config (paste into your train config):\n{toml({'parallelism': config['parallelism']})}"
               + extra)
+    if plan.target == "deepspeed":  # the boundaries for PipelineModule (docs/frameworks.md)
+        print(f"\nDeepSpeed PipelineModule boundaries: parts = {plan.to_deepspeed()['parts']}")
     if plan.target == "megatron":  # the arguments to hand to Megatron-Core's training script
         flags = " ".join(f"--{key.replace('_', '-')} " + (repr(value) if isinstance(value, str) else str(value))
                          for key, value in plan.to_megatron().items())

@@ -12,6 +12,10 @@ loss (final norm, output layer) after the last: ``--pipeline-model-parallel-layo
 "Ettt|tttL"``. A Megatron plan cuts only before a decoder layer or before what follows the
 last one (:func:`megatron_layout`, ``plan.to_megatron()``).
 
+DeepSpeed's ``PipelineModule`` takes a list of layers and partitions it by boundaries
+(``parts``): a DeepSpeed plan is made for ``nn.Sequential(*layers)``, cuts only between its
+entries and exports the boundaries (:func:`deepspeed_parts`, ``plan.to_deepspeed()``).
+
 Example:
     >>> print(toml({"parallelism": {"pipeline_parallel_degree": 2,
     ...                             "module_fqns_per_model_part": [["tok_embeddings", "layers.0"], ["norm"]]}}))
@@ -61,6 +65,11 @@ def restrict_to_target(traced: TracedModel, model: torch.nn.Module, target: str)
         raise ValueError(f"target={target!r} is not a framework autopipe plans for; use one of {list(TARGETS)}")
     if target == "megatron":
         units = set(_megatron_cuts(traced, model))
+    elif target == "deepspeed":
+        if not isinstance(model, torch.nn.Sequential):
+            raise ValueError(f"target='deepspeed' plans the layer list a PipelineModule takes; pass it as "
+                             f"nn.Sequential(*layers), not a {type(model).__name__}")
+        units = {name for name, _ in model.named_children()}
     else:
         units = target_units(model)
 
@@ -148,6 +157,30 @@ def megatron_layout(plan: Any) -> dict[str, Any]:
     if plan.microbatch_size is not None:
         config["micro_batch_size"] = plan.microbatch_size
     return config
+
+
+def deepspeed_parts(plan: Any, num_layers: int | None = None) -> dict[str, Any]:
+    """The ``parts`` boundaries of a :class:`~autopipe.planning.Plan` made with ``target="deepspeed"``.
+
+    ``parts[s]`` is the index of stage ``s``'s first layer in the list, and the last entry the
+    number of layers (``num_layers``: by default one past the last layer a stage runs; give
+    ``len(layers)`` when trailing layers do no work). DeepSpeed runs one stage per rank.
+
+    Raises:
+        ValueError: the plan was made for another granularity, or holds several stages per rank.
+    """
+    if plan.target != "deepspeed":
+        raise ValueError(f"the plan was made for target={plan.target or None!r}, whose split points DeepSpeed may "
+                         "not be able to cut at: plan with PlannerOptions(target='deepspeed')")
+    if plan.stages_per_rank != 1:
+        raise ValueError(f"DeepSpeed's PipelineModule runs one stage per rank; the plan has {plan.stages_per_rank}: "
+                         "plan with GPipe or 1F1B")
+    used = [int(name) for stage in plan.stages for name in stage.fqns if name.isdigit()]
+    end = max(used, default=-1) + 1 if num_layers is None else num_layers
+    parts = [0, *(int(name) for name in plan.split_points), end]
+    if any(b <= a for a, b in zip(parts, parts[1:])):
+        raise ValueError(f"num_layers={num_layers} does not fit the plan's boundaries {parts[:-1]}")
+    return {"parts": parts, "num_stages": plan.num_stages}
 
 
 def versus_default(plan: Any) -> str | None:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 #: Accepted values of ``PlannerOptions.objective``.
 OBJECTIVES = ("step", "bottleneck")
 #: The frameworks a plan can be made for (``PlannerOptions(target=...)``, :mod:`autopipe.planning.frameworks`).
-TARGETS = ("torchtitan", "megatron")
+TARGETS = ("torchtitan", "megatron", "deepspeed")
 #: The cost sources' names (:data:`autopipe.planning.cost_sources.COST_SOURCES`), where torch is not imported.
 COST_SOURCE_NAMES = ("measured", "flops", "params")
 
@@ -189,9 +189,11 @@ class PlannerOptions:
         target: A framework whose stages the plan is for, one of :data:`TARGETS`: the
             planner cuts only where that framework can (``"torchtitan"``: before a child of
             the model or an entry of its layer container, ``layers.3``; ``"megatron"``: between
-            whole decoder layers, the embedding before the first, the loss after the last) and
-            the plan exports the split in its words (``plan.to_torchtitan()``,
-            ``plan.to_megatron()``). None: wherever torch's ``pipeline()`` can.
+            whole decoder layers, the embedding before the first, the loss after the last;
+            ``"deepspeed"``: between the entries of an ``nn.Sequential``, the layer list a
+            ``PipelineModule`` takes) and the plan exports the split in its words
+            (``plan.to_torchtitan()``, ``plan.to_megatron()``, ``plan.to_deepspeed()``). None:
+            wherever torch's ``pipeline()`` can.
 
     Raises:
         ValueError / TypeError: a field out of range or of the wrong kind, named.

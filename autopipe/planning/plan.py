@@ -28,7 +28,7 @@ from ..machine.device import default_link
 from . import costmodel
 from .costgraph import SegmentCost
 from .costmodel import StepTail
-from .frameworks import megatron_layout, torchtitan_config
+from .frameworks import deepspeed_parts, megatron_layout, torchtitan_config
 from .plan_file import PLAN_FORMAT_VERSION, check_model_names, plan_from_data, read_plan_file
 from .plan_records import DataParallelRecord
 from .plan_records import (BaselinePlan, Calibration, Link, MachineModel, PlanSegment, ScheduleAlternative,
@@ -417,6 +417,27 @@ class Plan:
             'Ettt|tttL'
         """
         return megatron_layout(self)
+
+    def to_deepspeed(self, num_layers: int | None = None) -> dict[str, Any]:
+        """DeepSpeed's ``parts`` boundaries, for a plan of ``nn.Sequential(*layers)`` made with ``target="deepspeed"``.
+
+        Args:
+            num_layers: ``len(layers)``; by default one past the last layer a stage runs.
+
+        Returns:
+            ``{"parts": [0, b1, ..., num_layers], "num_stages": p}``: stage ``s`` runs
+            ``layers[parts[s]:parts[s + 1]]``. ``PipelineModule`` takes them by its
+            ``_partition_layers`` hook (docs/frameworks.md shows the subclass).
+
+        Raises:
+            ValueError: the plan was made without ``PlannerOptions(target="deepspeed")``, or
+                holds several stages per rank.
+
+        Example:
+            >>> plan.to_deepspeed()  # doctest: +SKIP
+            {'parts': [0, 5, 8], 'num_stages': 2}
+        """
+        return deepspeed_parts(self, num_layers)
 
     def __str__(self) -> str:
         return (
