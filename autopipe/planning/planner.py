@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -161,9 +161,7 @@ def partition(
                          "Pipeline's hand split")
     return plan_partition(model, n_gpus, example_args, example_kwargs, loss_fn=loss_fn,
                           example_target=example_target, schedule=schedule, n_microbatches=n_microbatches,
-                          data_parallel=data_parallel, global_batch=o.global_batch, stages_per_rank=o.stages_per_rank,
-                          objective=o.objective, memory=o.memory, devices=o.devices, optimizer=o.optimizer,
-                          cost=o.cost, profiling=o.profiling, recompute=o.recompute, target=o.target)
+                          data_parallel=data_parallel, **{f.name: getattr(o, f.name) for f in fields(o)})
 
 
 def _from_profile(profile: SegmentCosts, example_args: Any, example_kwargs: Any,

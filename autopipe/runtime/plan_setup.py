@@ -28,10 +28,16 @@ class PlanRequest:
     split_points: list[str] | None
     schedule: str | None
     n_microbatches: int | None
-    stages_per_rank: int | None
     planner: PlannerOptions
-    profile_in_ranks: bool | None
     example_target: Any = None
+
+    @property
+    def stages_per_rank(self) -> int | None:
+        return self.planner.stages_per_rank
+
+    @property
+    def profile_in_ranks(self) -> bool | None:
+        return self.planner.profiling.in_ranks if self.planner.profiling is not None else None
 
     @classmethod
     def checked(cls, model: nn.Module, *, plan: Plan | str | os.PathLike | None = None,
@@ -46,17 +52,16 @@ class PlanRequest:
             check_int("n_microbatches", n_microbatches, not_int=TypeError)
         if schedule is not None:
             schedule = canonical_schedule_name(schedule)  # lists the valid names when unknown
-        planner = PlannerOptions.of(planner)
-        profile_in_ranks = planner.profiling.in_ranks if planner.profiling is not None else None
+        request = cls(plan=plan, split_points=split_points, schedule=schedule, n_microbatches=n_microbatches,
+                      planner=PlannerOptions.of(planner), example_target=example_target)
+        profile_in_ranks = request.profile_in_ranks
         if profile_in_ranks and (plan is not None or split_points is not None):
             raise ValueError("planner.profiling.in_ranks=True profiles for the planner, but a plan or split_points "
                              "was given: there is nothing to plan; drop one of them")
-        if profile_in_ranks and not _measures_costs(planner):
+        if profile_in_ranks and not _measures_costs(request.planner):
             raise ValueError(f"planner.profiling.in_ranks=True measures the costs, but the planner options give them "
-                             f"(cost={_short(planner.cost)}): drop one of them")
-        return cls(plan=plan, split_points=split_points, schedule=schedule,
-                   n_microbatches=n_microbatches, stages_per_rank=planner.stages_per_rank, planner=planner,
-                   profile_in_ranks=profile_in_ranks, example_target=example_target)
+                             f"(cost={_short(request.planner.cost)}): drop one of them")
+        return request
 
 
 @dataclass(frozen=True)
@@ -175,11 +180,9 @@ def _plan_on_rank0(request: PlanRequest, model: nn.Module, example_args: tuple, 
 def planner_kwargs(planner: PlannerOptions, model: nn.Module, example_args: tuple, example_kwargs: dict | None,
                    loss_fn: Callable | None, example_target: Any = None) -> tuple[dict[str, Any], str | None]:
     """The keywords the pipeline passes to ``partition`` (before ``profiling``), and a plan note or None."""
-    kwargs = {f.name: getattr(planner, f.name) for f in fields(planner)
-              if not isinstance(getattr(planner, f.name), str) or getattr(planner, f.name) != f.default}
-    kwargs = {k: v for k, v in kwargs.items() if v is not None}
-    if kwargs.get("recompute", False) is True or not isinstance(kwargs.get("recompute", False), (bool, str)):
-        kwargs["recompute"] = "auto"  # stages checkpointed by hand: the planner may still choose where to cut
+    kwargs = {f.name: v for f in fields(planner) if (v := getattr(planner, f.name)) is not None and v != f.default}
+    if kwargs.get("recompute") is not False:  # stages checkpointed by hand (True, indices): the planner decides freely
+        kwargs.pop("recompute", None)
     output = None
     if loss_fn is not None and example_target is None and on_meta(model):
         # A meta model cannot run (Hugging Face's mask code reads values): its output's shapes come from the trace.
