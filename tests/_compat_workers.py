@@ -63,3 +63,50 @@ def llama_1f1b_run(rank: int, world_size: int) -> dict:
     x, y = token_batch(MICROBATCH * N_MICROBATCHES, seed=2), token_batch(MICROBATCH * N_MICROBATCHES, seed=3)
     loss = pipe.step(x, target=y)
     return against_reference(pipe, model, loss, lm_loss(model(x), y))
+
+
+class EncoderDecoder(nn.Module):
+    """An encoder and a decoder embedding that need nothing from each other until the decoder's layers.
+
+    Cut before ``dec_embed`` and ``dec.0``, the second stage takes nothing the first computes:
+    the shape torch's ``pipeline()`` calls out of order (autopipe.runtime.compat.stages_in_split_order).
+    """
+
+    SPLIT = ["dec_embed", "dec.0"]
+
+    def __init__(self, width: int = 8, dropout: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.enc = nn.Sequential(nn.Linear(width, width), nn.Dropout(dropout), nn.Linear(width, width))
+        self.dec_embed = nn.Sequential(nn.Linear(width, width), nn.Dropout(dropout))
+        self.dec = nn.ModuleList([nn.Linear(width, width) for _ in range(2)])
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        e = self.enc(x)
+        d = self.dec_embed(y)
+        for layer in self.dec:
+            d = torch.tanh(layer(d) + e)
+        return self.head(d)
+
+
+def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
+
+
+def encoder_decoder_run(rank: int, world_size: int) -> dict:
+    """An interleaved step (4 stages on 2 ranks) of :class:`EncoderDecoder` cut so stage 1 needs nothing of stage 0."""
+    from _runtime_workers import against_reference
+
+    from autopipe.runtime import Pipeline
+
+    model = EncoderDecoder()
+    mb = (torch.randn(MICROBATCH, 8), torch.randn(MICROBATCH, 8))
+    pipe = Pipeline(model, example_args=mb, loss_fn=mse, schedule="Interleaved1F1B", n_microbatches=N_MICROBATCHES,
+                    split_points=[*EncoderDecoder.SPLIT, "dec.1"])
+    g = torch.Generator().manual_seed(5)
+    rows = MICROBATCH * N_MICROBATCHES
+    x, y, t = (torch.randn(rows, 8, generator=g), torch.randn(rows, 8, generator=g),
+               torch.randn(rows, 4, generator=g))
+    loss = pipe.step(x, y, target=t)
+    return against_reference(pipe, model, loss, mse(model(x, y), t))

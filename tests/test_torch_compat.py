@@ -12,6 +12,7 @@ stage ``k - 1`` sends), and must give the unsplit model's logits.
 
 from __future__ import annotations
 
+import copy
 import pytest
 import torch
 import torch.fx as fx
@@ -19,6 +20,7 @@ import torch.nn as nn
 from torch.distributed.pipelining import SplitPoint, _IR
 from torch.export.unflatten import InterpreterModule
 
+import autopipe
 from autopipe.runtime import compat
 from autopipe.runtime.compat import outlining_problems, rename_nodes_shadowing_self, safe_submodule_outlining
 from autopipe.runtime.stages import split_model
@@ -205,11 +207,78 @@ def test_placeholder_named_self_becomes_an_argument_of_another_name():
     assert module.arg_names == [n.target for n in graph.nodes if n.op == "placeholder"] != ["self"]
 
 
+# ---------------------------------------------------------------------- stages out of order
+def _stage_params(pipe, s: int) -> set[str]:
+    return {n for n, _ in pipe.get_stage_module(s).named_parameters()}
+
+
+def test_a_stage_that_needs_nothing_from_the_one_before_keeps_its_place():
+    """Stage 1 (the decoder's embedding) takes nothing stage 0 (the encoder) computes.
+
+    torch's own ``pipeline()`` calls it first; the split autopipe builds calls the stages in
+    the split's order, holds the encoder on stage 0, and with dropout draws the unsplit
+    model's masks in the unsplit model's order.
+    """
+    model = workers.EncoderDecoder(dropout=0.5).train()
+    args = (torch.randn(2, 8), torch.randn(2, 8))
+    spec = {p: SplitPoint.BEGINNING for p in workers.EncoderDecoder.SPLIT}
+    # torch's pipeline() wraps the split modules' forwards in place: it gets a copy.
+    torch_pipe = _IR.pipeline(copy.deepcopy(model), args, split_spec=spec)
+    assert compat.stage_call_order(torch_pipe.split_gm) == [1, 0, 2]  # the torch behaviour worked around
+
+    pipe = split_model(model, spec, (args, {}), training=True, expected=3)
+    assert compat.stage_call_order(pipe.split_gm) == [0, 1, 2]
+    assert _stage_params(pipe, 0) == {n for n, _ in model.enc.named_parameters(prefix="enc")}
+    assert _stage_params(pipe, 1) == {n for n, _ in model.dec_embed.named_parameters(prefix="dec_embed")}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        reference = model(*args)
+        torch.manual_seed(0)
+        output, = pipe(*args)
+    assert (output - reference).abs().max().item() <= TOL
+
+
+def test_the_cost_graph_predicts_torchs_stage_order_and_the_plan_says_so():
+    from autopipe.planning.costgraph import SegmentCost, build_cost_graph
+    from autopipe.planning.tracing import trace
+
+    model = workers.EncoderDecoder()
+    args = (torch.randn(2, 8), torch.randn(2, 8))
+    cg = build_cost_graph(trace(model, args))
+    assert cg.torch_stage_order(workers.EncoderDecoder.SPLIT) == [1, 0, 2]
+    assert cg.torch_stage_order(["dec.0", "dec.1"]) == [0, 1, 2]
+
+    # Costs that make the out-of-order split the only balanced one: encoder, embedding, the rest.
+    share = {"<input>": 0.01, "enc.1": 0.01, "enc.2": 1.0, "dec_embed": 0.7, "dec_embed.1": 0.3,
+             "dec.0": 1.0, "dec.1": 0.01, "head": 0.01}
+    assert list(share) == cg.segment_names
+    costs = [SegmentCost(fwd_s=share[name], bwd_s=2 * share[name], param_bytes=288, act_bytes=64,
+                         out_bytes=64) for name in cg.segment_names]
+    plan = autopipe.partition(model, 3, args, loss_fn=False, n_microbatches=3, schedule="GPipe",
+                              planner=autopipe.PlannerOptions(cost=costs, profiling=autopipe.ProfileOptions(
+                                  progress=False)))
+    assert plan.split_points == workers.EncoderDecoder.SPLIT
+    assert [n for n in plan.notes if "[1, 0, 2]" in n and "autopipe.runtime.split_model" in n]
+    hand = autopipe.partition(model, 3, args, loss_fn=False, n_microbatches=3, schedule="GPipe",
+                              planner=autopipe.PlannerOptions(cost="flops"))
+    if hand.split_points != workers.EncoderDecoder.SPLIT:
+        assert not [n for n in hand.notes if "pipeline() would call" in n]
+
+
 # ---------------------------------------------------------------------- two ranks
 @needs_transformers
 @pytest.mark.distributed
 def test_llama_1f1b_on_two_ranks_matches_unsplit():
     results = run_world(workers.llama_1f1b_run, 2, timeout_s=300)
+    assert set().union(*(r["grad_diff"] for r in results)) == set(results[0]["all_param_names"])
+    for r in results:
+        assert abs(r["loss"] - r["ref_loss"]) < TOL
+        assert max(r["grad_diff"].values()) < TOL, r["grad_diff"]
+
+
+@pytest.mark.distributed
+def test_a_stage_that_needs_nothing_from_the_one_before_trains_exactly_on_two_ranks():
+    results = run_world(workers.encoder_decoder_run, 2, timeout_s=300)
     assert set().union(*(r["grad_diff"] for r in results)) == set(results[0]["all_param_names"])
     for r in results:
         assert abs(r["loss"] - r["ref_loss"]) < TOL

@@ -13,6 +13,7 @@ Example:
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -133,6 +134,41 @@ class CostGraph:
             return self.segment_names.index(name)
         except ValueError:
             raise KeyError(f"no segment starts at {name!r}") from None
+
+    def torch_stage_order(self, split_points: list[str]) -> list[int]:
+        """The order in which torch's ``pipeline()`` would call the stages of this split.
+
+        ``torch.fx.passes.split_module`` sorts the partitions topologically, taking the last
+        ready one first: a stage that needs nothing computed by the stage before it (a
+        decoder's embedding after the encoder) is called first, and torch's stages, which
+        treat stage ``k - 1`` as stage ``k``'s sender, then compute another function.
+        autopipe's runtime keeps the split's order; a plan handed to torch's own
+        ``pipeline()`` says when it would not.
+
+        Example:
+            >>> cg = CostGraph(["a", "b", "c"], [0] * 4, [0] * 4, [[]] * 4,
+            ...                edges=[TensorEdge(0, 2, 4, 4, ("x",)), TensorEdge(1, 2, 4, 4, ("y",))])
+            >>> cg.torch_stage_order(["b", "c"]), cg.torch_stage_order(["c"])
+            ([1, 0, 2], [0, 1])
+        """
+        starts = sorted(self.segment_index(p) for p in split_points)
+        stage_of = [bisect.bisect_right(starts, s) for s in range(self.num_segments)]
+        n = len(starts) + 1
+        needs: list[set[int]] = [set() for _ in range(n)]
+        for e in self.edges:
+            if stage_of[e.producer] != stage_of[e.consumer]:
+                needs[stage_of[e.consumer]].add(stage_of[e.producer])
+        # The graph's order lists each partition's dependents in stage order.
+        ready, order = [k for k in range(n) if not needs[k]], []
+        while ready:
+            k = ready.pop()
+            order.append(k)
+            for j in range(k + 1, n):
+                if k in needs[j]:
+                    needs[j].discard(k)
+                    if not needs[j]:
+                        ready.append(j)
+        return order
 
     def attach_costs(self, costs: list[SegmentCost]) -> "CostGraph":
         """Record per-segment costs (and so on the exported graph's nodes); returns self for chaining.

@@ -313,6 +313,9 @@ def plan_partition(
         plan.notes = [*plan.notes, link_choice.note()]
     if loss_note:  # a loss assumed, or none costed: never silently
         plan.notes = [*plan.notes, loss_note]
+    torch_order = graphs[chosen.n_microbatches].torch_stage_order(plan.split_points)
+    if torch_order != sorted(torch_order):
+        plan.notes = [*plan.notes, torch_order_note(torch_order)]
     plan.loss = loss
     plan.whole_pass = getattr(costs, "whole", None)  # what the whole graph took beside the segments
     if plan.whole_pass is not None and plan.whole_pass.round_spread > NOISY_PROFILE_SPREAD:
@@ -329,6 +332,18 @@ def plan_partition(
 #: summed segment times) the plan says its profile is noisy. On a quiet host the rounds of a
 #: small model's profile differ by a few percent.
 NOISY_PROFILE_SPREAD = 0.25
+
+
+def torch_order_note(order: list[int]) -> str:
+    """The plan's note for a split whose stages torch's own ``pipeline()`` would call out of order.
+
+    Example:
+        >>> torch_order_note([1, 0, 2])[:50]
+        "torch's own pipeline() would call this split's sta"
+    """
+    return (f"torch's own pipeline() would call this split's stages in the order {order}, and its stages would "
+            "then compute another function (a stage that needs nothing from the one before it runs first); "
+            "autopipe.Pipeline and autopipe.runtime.split_model build them in order")
 
 
 def noisy_profile_note(spread: float) -> str:

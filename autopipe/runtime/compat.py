@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
 import weakref
 from collections.abc import Callable, Iterator
@@ -217,6 +218,47 @@ def _lookup(module: nn.Module, dotted: str) -> Any:
         if value is None:
             return None
     return value
+
+
+# ---------------------------------------------------------------------- stages out of order
+@contextlib.contextmanager
+def stages_in_split_order() -> Iterator[None]:
+    """Within the block, ``pipeline()`` numbers its stages in the order of the split points.
+
+    ``torch.fx.passes.split_module`` orders partitions by a topological sort that takes the
+    last ready partition first. A stage that needs nothing from the one before it (a
+    decoder's embedding, cut off from the encoder that runs before it) is then called
+    before that stage, while torch's stages still treat stage ``k - 1`` as stage ``k``'s
+    sender: the pipeline computes a different function and no error is raised. The
+    partitions' own order (the split points' order, which the graph's order makes a valid
+    one) is what ``keep_original_order`` keeps.
+
+    Example:
+        >>> import torch
+        >>> from torch.distributed.pipelining import SplitPoint, pipeline
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        >>> with stages_in_split_order():
+        ...     pipe = pipeline(model, (torch.randn(3, 4),), split_spec={"1": SplitPoint.BEGINNING})
+        >>> stage_call_order(pipe.split_gm)
+        [0, 1]
+    """
+    ir = _pipelining_ir()
+    split = getattr(ir, "split_module", None)
+    if split is None or isinstance(split, functools.partial):
+        yield
+        return
+    ir.split_module = functools.partial(split, keep_original_order=True)
+    try:
+        yield
+    finally:
+        ir.split_module = split
+
+
+def stage_call_order(split_gm: fx.GraphModule) -> list[int]:
+    """The stage indices in the order the split graph calls its stage modules."""
+    prefix = "submod_pp_"
+    return [int(node.target[len(prefix):]) for node in split_gm.graph.nodes
+            if node.op == "call_module" and str(node.target).startswith(prefix)]
 
 
 # ---------------------------------------------------------------------- submodule named ``self``

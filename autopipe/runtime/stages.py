@@ -24,7 +24,7 @@ from .checkpointing import checkpoint_stage
 from .materialize import (WeightSource, check_state_fits, describe_weights, load_weights, materialize_leftovers,
                           materialize_rank, on_meta, stored_shapes, to_meta)
 from .compat import (VStage, guard_stage_boundaries, make_boundary_tensors_sendable, rename_nodes_shadowing_self,
-                     safe_submodule_outlining, static_stage_meta)
+                     safe_submodule_outlining, stage_call_order, stages_in_split_order, static_stage_meta)
 from .distributed import gather_digests, raise_on_every_rank
 from .model_io import ModelIO, TracedBatch, capture_export
 from .params import (StateNames, first_model_difference, first_use_ranks, model_signature, model_state_names,
@@ -65,7 +65,7 @@ def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict],
             raise _SameGraph
 
     try:
-        with capture_export(stop_if_alike) as exported, safe_submodule_outlining(), \
+        with capture_export(stop_if_alike) as exported, safe_submodule_outlining(), stages_in_split_order(), \
                 warn_if_host_randomness_is_frozen(model):
             pipe = pipeline(model, tuple(example[0]), dict(example[1]) or None, split_spec=split_spec)
     except _SameGraph:
@@ -82,6 +82,11 @@ def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict],
         raise ValueError(
             f"splitting at {list(split_spec)} gave {pipe.num_stages} stages, not {expected}: a split "
             f"point must be a module called exactly once per forward, in forward order"
+        )
+    if stage_call_order(pipe.split_gm) != list(range(pipe.num_stages)):
+        raise RuntimeError(
+            f"torch's pipeline() called the stages of {list(split_spec)} in the order "
+            f"{stage_call_order(pipe.split_gm)}: its stages would compute another function"
         )
     #: How a call's (args, kwargs) map to stage 0's flat inputs, and the last stage's
     #: outputs back to what the model returns.
