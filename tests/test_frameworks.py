@@ -56,7 +56,8 @@ def test_a_looped_schedule_exports_every_stage_in_order(model_and_args):
     plan = autopipe.partition(model, 2, args, schedule="Interleaved1F1B", n_microbatches=4, planner=TITAN)
     parts = plan.to_torchtitan()["parallelism"]["module_fqns_per_model_part"]
     assert len(parts) == 4 == plan.num_stages
-    assert "pipeline_parallel_microbatch_size" not in plan.to_torchtitan()["parallelism"]  # no global batch given
+    # No global batch given: the micro-batch is the traced example.
+    assert plan.to_torchtitan()["parallelism"]["pipeline_parallel_microbatch_size"] == args[0].shape[0]
     assert [n for part in parts for n in part] == [n for stage in plan.stages for n in stage.fqns]
 
 

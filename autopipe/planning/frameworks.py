@@ -116,7 +116,7 @@ def torchtitan_config(plan: Any) -> dict[str, Any]:
         "pipeline_parallel_schedule": plan.schedule,
         "module_fqns_per_model_part": parts,
     }
-    if plan.microbatch_size is not None:  # known from the global batch; else the example's batch size
+    if plan.microbatch_size is not None:  # from the global batch, else the traced example's rows
         parallelism["pipeline_parallel_microbatch_size"] = plan.microbatch_size
     config: dict[str, Any] = {"parallelism": parallelism, "autopipe": {"layers_per_stage": layers}}
     if plan.recompute_stages:

@@ -79,6 +79,7 @@ class Plan:
     loss: LossCost | None = None  # the loss charged to the last stage: given, or assumed for a language model
     whole_pass: WholePass | None = None  # the whole graph timed beside the segments
     global_batch: int | None = None  # samples per optimizer step, when given
+    microbatch_rows: int | None = None  # the traced example's batch size: one micro-batch, when it has one
     scaling_fit_error: dict[str, float] = field(default_factory=dict)  # quantity -> worst relative fit error
     calibration: Calibration | None = None  # set by calibrate()
     tuning: TuningRecord | None = None  # set by autopipe.tune: the real steps measured
@@ -122,8 +123,10 @@ class Plan:
 
     @property
     def microbatch_size(self) -> int | None:
-        """Samples per micro-batch, when the plan knows the global batch (split over ``dp_degree`` replicas)."""
-        return self.global_batch // (self.dp_degree * self.n_microbatches) if self.global_batch else None
+        """Samples per micro-batch: the global batch split over replicas and micro-batches, else the example's rows."""
+        if self.global_batch:
+            return self.global_batch // (self.dp_degree * self.n_microbatches)
+        return self.microbatch_rows
 
     def baseline(self, name: str) -> BaselinePlan:
         """The baseline called ``name``; raises KeyError listing those present."""

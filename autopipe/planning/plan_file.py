@@ -446,6 +446,7 @@ def plan_from_data(data: Any, cls: type[PlanT], *, path: str | None = None) -> P
         "planning_peak_rss_bytes": lambda f, v: None if v is None else c.integer(f, v, 0),
         "model_name": c.text,
         "target": lambda f, v: c.text(f, v) if v in ("", *TARGETS) else c.bad(f, v, f"one of {['', *TARGETS]}"),
+        "microbatch_rows": lambda f, v: None if v is None else c.integer(f, v, 1),
         "segment_names": lambda f, v: c.sequence(f, v, c.text),
         "recompute_stages": lambda f, v: c.sequence(f, v, lambda g, x: c.integer(g, x, 0, MAX_STAGES)),
         # Pipeline x data parallel (optional: files without them are one replica).

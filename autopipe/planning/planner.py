@@ -24,7 +24,7 @@ import torch.distributed as dist
 from .._checks import check_at_most, check_int
 from . import schedules as sim
 from .costgraph import CostGraph, SegmentCost, build_cost_graph
-from .data_parallel import plan_data_parallel
+from .data_parallel import example_batch_size, plan_data_parallel
 from ..machine.topology import Topology
 from .link_choice import choose_link, link_mode
 from ..machine.device import (Device, format_bytes, default_action_overhead_s, default_copy_bandwidth, default_link,
@@ -321,6 +321,7 @@ def plan_partition(
     if plan.whole_pass is not None and plan.whole_pass.round_spread > NOISY_PROFILE_SPREAD:
         plan.notes = [*plan.notes, noisy_profile_note(plan.whole_pass.round_spread)]
     plan.global_batch = global_batch
+    plan.microbatch_rows = example_batch_size(example_args, example_kwargs)
     plan.target = target or ""
     if wanted.auto_microbatches and scaling is not None:
         plan.scaling_fit_error = {k: max(v) if v else 0.0 for k, v in scaling.fit_error.items()}
