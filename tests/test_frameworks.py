@@ -145,6 +145,25 @@ def test_torchtitans_own_splitter_builds_the_exported_stages_and_they_chain_to_t
         list(model.parameters()))  # every parameter on exactly one stage
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B"])
+def test_torchtitans_own_llama3_and_qwen3_split_by_the_export_train_like_the_unsplit_model(family, schedule):
+    pytest.importorskip("torchtitan.distributed.pipeline_parallel",
+                        reason="torchtitan is not importable here (pip install torchtitan==0.3.0 triton next to torch)")
+    from _dist_utils import run_world
+    from _frameworks_workers import torchtitan_step
+
+    results = run_world(torchtitan_step, 2, family, schedule, timeout_s=300)
+    assert results[0]["parts"] == results[1]["parts"] and len(results[0]["parts"]) == (
+        4 if schedule == "Interleaved1F1B" else 2)
+    held = [set(r["grad_diff"]) for r in results]
+    assert not held[0] & held[1] and held[0] | held[1] == set(results[0]["all"])  # every parameter on one rank
+    assert abs(results[1]["loss"] - results[1]["ref_loss"]) <= 1e-5
+    for r in results:
+        assert max(r["grad_diff"].values()) <= 1e-5, r["grad_diff"]
+
+
 # --------------------------------------------------------------------------- Megatron-Core
 
 MEGATRON = PlannerOptions(target="megatron", cost="flops", profiling=QUIET)
