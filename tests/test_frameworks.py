@@ -74,13 +74,37 @@ def test_what_a_torchtitan_plan_cannot_be_made_from_is_refused(model_and_args):
     with pytest.raises(ValueError, match="plan with PlannerOptions\\(target='torchtitan'\\)"):
         free.to_torchtitan()
     profile = profile_segments(trace(model, args), cost="flops", device_flops=1e9, progress=False)
-    with pytest.raises(ValueError, match="measured at every split point torch can cut at"):
-        autopipe.partition(model, 2, args, planner=PlannerOptions(target="torchtitan", cost=profile, profiling=QUIET))
+    with pytest.raises(ValueError, match="plans 6 segments \\(or .* at torch's split points\\), but the profile "
+                                         "given as cost= has 3"):
+        autopipe.partition(model, 2, args, planner=PlannerOptions(target="torchtitan", cost=profile[:3],
+                                                                  profiling=QUIET))
     with pytest.raises(ValueError, match="PlannerOptions target='accelerate' is not known; use one of \\['torchtitan', "):
         PlannerOptions(target="accelerate")
     with pytest.raises(ValueError, match="n_microbatches='auto' is not supported"):
         autopipe.partition(model, 2, args, n_microbatches="auto",
                            planner=PlannerOptions(target="torchtitan", cost="flops", global_batch=8, profiling=QUIET))
+
+
+def test_a_profile_at_torchs_split_points_is_summed_into_the_frameworks_units(model_and_args):
+    from autopipe.planning.profile import coarsened
+
+    model, args = model_and_args
+    traced = trace(model, args)
+    profile = profile_segments(traced, cost="flops", device_flops=1e9, progress=False)
+    titan = restrict_to_target(traced, model, "torchtitan")
+    merged = coarsened(profile, traced, titan)
+    assert len(merged) == titan.num_segments < len(profile)
+    for field in ("fwd_s", "bwd_s", "flops", "param_bytes", "act_bytes"):
+        assert sum(getattr(c, field) for c in merged) == pytest.approx(sum(getattr(c, field) for c in profile))
+    assert merged[-1].out_bytes == profile[-1].out_bytes
+    # Planning from the fine profile gives the plan the framework's own profile gives.
+    for n, schedule in ((2, "1F1B"), (2, "Interleaved1F1B"), (4, "1F1B")):
+        from_fine = autopipe.partition(profile, n, schedule=schedule, n_microbatches=4,
+                                       planner=PlannerOptions(target="torchtitan"))
+        direct = autopipe.partition(model, n, args, schedule=schedule, n_microbatches=4,
+                                    planner=PlannerOptions(target="torchtitan", cost=merged, profiling=QUIET))
+        assert from_fine.split_points == direct.split_points
+        assert from_fine.predicted_step_s == pytest.approx(direct.predicted_step_s)
 
 
 def test_restricting_merges_the_segments_between_the_cuts_kept(model_and_args):

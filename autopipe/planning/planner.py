@@ -39,7 +39,7 @@ from ..machine.speed import counting_flops
 from ..machine.timing import resolve_device
 from .default_loss import charged_loss
 from .cost_sources import COST_SOURCES, MEASURED, CostSource, cost_source
-from .profile import LossCost, SegmentCosts, profile_segments
+from .profile import LossCost, SegmentCosts, coarsened, profile_segments
 from .scaling import ScaledProfile, profile_scaling
 from .schedule_options import ScheduleOption, auto_schedule_options, cost_option
 from .split_candidates import INSIDE_BLOCK_MARGIN
@@ -245,11 +245,12 @@ def plan_partition(
     reuse = given is not None and traced_from(given, model, example_args, example_kwargs)
     traced = given if reuse else trace(model, example_args, example_kwargs)
     if target is not None:  # cut only where the framework can
-        traced = restrict_to_target(traced, model, target)
-        if costs is not None and len(costs) != traced.num_segments:
-            raise ValueError(f"planner.target={target!r} plans {traced.num_segments} segments, but the profile given "
-                             f"as cost= has {len(costs)} (measured at every split point torch can cut at); leave "
-                             "cost to the planner, or give 'flops'")
+        fine, traced = traced, restrict_to_target(traced, model, target)
+        if costs is not None and len(costs) == fine.num_segments != traced.num_segments:
+            costs = coarsened(costs, fine, traced)  # a profile at torch's split points, summed per unit
+        elif costs is not None and len(costs) != traced.num_segments:
+            raise ValueError(f"planner.target={target!r} plans {traced.num_segments} segments (or {fine.num_segments} "
+                             f"at torch's split points), but the profile given as cost= has {len(costs)}")
         if wanted.auto_microbatches:
             raise ValueError(f"planner.target={target!r} with n_microbatches='auto' is not supported: the size-"
                              "scaled profile is taken at torch's split points; give n_microbatches as a number")

@@ -88,6 +88,35 @@ class SegmentCosts(list):
         return {k: v for k, v in vars(self).items() if k != "traced"}  # a trace stays in its process
 
 
+def coarsened(costs: Sequence[SegmentCost], fine: TracedModel, coarse: TracedModel) -> SegmentCosts:
+    """A profile of ``fine``'s segments as costs of ``coarse``'s, each the sum of the fine segments it spans.
+
+    ``coarse`` is ``fine`` cut at fewer split points (``tracing.with_candidates``, as a
+    framework target cuts): times, FLOPs, parameter and saved bytes add up; the output is the
+    last piece's; a backward's peak beyond the saved bytes is the largest piece's, since the
+    pieces run their backwards one after another.
+
+    Raises:
+        ValueError: a coarse segment does not start where a fine one starts.
+
+    Example:
+        >>> merged = coarsened(profile, traced, with_candidates(traced, keep))  # doctest: +SKIP
+    """
+    starts = [seg.start for seg in fine.segments]
+    out = SegmentCosts()
+    for seg in coarse.segments:
+        if seg.start not in starts:
+            raise ValueError(f"segment {seg.name!r} starts inside a profiled segment: the profile is of another trace")
+        pieces = [c for c, f in zip(costs, fine.segments) if seg.start <= f.start < seg.end]
+        out.append(SegmentCost(
+            **{k: sum(getattr(c, k) for c in pieces) for k in ("fwd_s", "bwd_s", "param_bytes", "act_bytes", "flops",
+                                                              "trainable_param_bytes", "accum_s")},
+            out_bytes=pieces[-1].out_bytes, bwd_peak_bytes=max(c.bwd_peak_bytes for c in pieces),
+            bwd_input_peak_bytes=max(c.bwd_input_peak_bytes for c in pieces)))
+    out.whole, out.traced = getattr(costs, "whole", None), coarse
+    return out
+
+
 class _WholeGraph(torch.nn.Module):
     """The traced model's whole graph, called with the flat inputs the segments are fed."""
 
