@@ -32,12 +32,13 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # the checkout's autopipe, for its defaults
 
 # Order of the page; anything else found is appended.
-ORDER = ("peers", "real_steps", "split_quality", "split_quality_sim", "planner_scaling", "runtime_overhead", "prediction_accuracy",
+ORDER = ("peers", "real_steps", "frameworks", "split_quality", "split_quality_sim", "planner_scaling", "runtime_overhead", "prediction_accuracy",
          "schedule_memory", "trace_profile", "gpu_one_rank", "models", "meta_planning", "recompute", "meta_model",
          "scale_study")
 TITLES = {
     "peers": "0. autopipe against the real peers (2 and 4 stages, measured)",
     "real_steps": "0b. Every layer-level split of stock decoder LMs, real steps against predictions",
+    "frameworks": "0c. torchtitan's own Llama3 and Qwen3: autopipe's plan against torchtitan's default split",
     "split_quality": "1. Split quality, measured (2 stages, real pipelines)",
     "split_quality_sim": "2. Split quality at scale, simulated from measured segment costs",
     "planner_scaling": "3. Planner scaling",
@@ -86,6 +87,9 @@ ABOUT = {
         "On a GPU, does the plan's predicted step match torch's runtime? One rank (one GPU): 1F1B with one "
         "stage, Interleaved1F1B with two stages on the rank."),
     "models": "What autopipe does with stock models from other libraries, at their default settings.",
+    "frameworks": (
+        "Planned at torchtitan's granularity (`PlannerOptions(target=\"torchtitan\")`), is autopipe's split faster "
+        "than the one torchtitan makes by default, when torchtitan itself builds and runs the stages?"),
     "meta_planning": (
         "Can a model of over a billion parameters, built on the meta device, be planned on this host, and with "
         "how much host memory? Measured costs time one segment at a time; counted ones run nothing."),
@@ -94,6 +98,7 @@ ABOUT = {
         "per rank after construction, against the whole model's parameter bytes."),
 }
 RERUN_OPTIONS = {"recompute": "`--smoke` for a tiny run that only checks the script",
+                 "frameworks": "needs torchtitan 0.3.0; `--smoke` for a tiny run that only checks the script",
                  "real_steps": "`--quick` for two models, `--models` for a subset",
                  "peers": "`--quick` for a short run, `--models`/`--stages` for a subset",
                  "gpu_one_rank": "needs one GPU; `--device cpu` runs it on the CPU",
@@ -275,6 +280,35 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
               "profiling at once, just before the steps):\n\n"
             + table(["model", "split", "measured step", "predicted step", "error", "error, profiled in the ranks",
                      "÷ fastest"], detail))
+
+
+def render_frameworks(d: dict[str, Any], behind: list[str]) -> str:
+    """Per model: torchtitan's default step over autopipe's, measured at 2 stages and predicted at each count."""
+    counts = sorted({r["stages"] for f in d["families"] for r in f["rows"]})
+    head, rows = [], []
+    for f in d["families"]:
+        two = next(r for r in f["rows"] if r["stages"] == 2)
+        measured = two["default_measured_s"] / two["autopipe_measured_s"]
+        if measured < 1 - BEHIND_TOL:
+            behind.append(f"torchtitan {f['family']}, 2 stages measured: torchtitan's default split is "
+                          f"{1 / measured:.3f}x faster than autopipe's.")
+        by_count = {r["stages"]: r["default_predicted_s"] / r["autopipe_predicted_s"] for r in f["rows"]}
+        head.append([f["family"], ms(two["autopipe_measured_s"]), ms(two["default_measured_s"]), ratio(measured),
+                     *(ratio(by_count.get(p)) for p in counts)])
+        for r in f["rows"]:
+            rows.append([f["family"], r["stages"], ", ".join(r["autopipe_split"]), ", ".join(r["default_split"]),
+                         ms(r["autopipe_predicted_s"]), ms(r["default_predicted_s"]),
+                         ms(r.get("autopipe_measured_s")), ms(r.get("default_measured_s"))])
+    size = d["sizes"]
+    return (f"{d['framework']}, {d['schedule']} with {size['n_microbatches']} micro-batches of {size['rows']}x"
+            f"{size['seq']} tokens; width {size['dim']}, {size['layers']} layers, vocabulary {size['vocab']}. "
+            "Stages built by torchtitan's `_pipeline_module_split`; ratios are torchtitan's default step ÷ "
+            "autopipe's (above 1: autopipe faster).\n\n"
+            + table(["model", "p=2 autopipe ms", "p=2 torchtitan ms", "p=2 measured ÷",
+                     *(f"p={p} predicted ÷" for p in counts)], head)
+            + f"\n\n{DETAIL}\n\n"
+            + table(["model", "p", "autopipe split", "torchtitan split", "autopipe predicted ms",
+                     "torchtitan predicted ms", "autopipe measured ms", "torchtitan measured ms"], rows))
 
 
 def render_split_quality(d: dict[str, Any], behind: list[str]) -> str:
@@ -692,6 +726,7 @@ def _against_torchtitan(r: dict[str, Any]) -> str:
 RENDERERS: dict[str, Callable[[dict[str, Any], list[str]], str]] = {
     "peers": render_peers,
     "real_steps": render_real_steps,
+    "frameworks": render_frameworks,
     "split_quality": render_split_quality,
     "split_quality_sim": render_split_quality_sim,
     "planner_scaling": render_planner_scaling,

@@ -41,6 +41,7 @@ def deepspeed_stages(rank: int, world_size: int) -> dict:
 
 # --------------------------------------------------------------------------- torchtitan
 VOCAB, DIM, LAYERS, SEQ = 64, 32, 4, 16
+MAX_SEQ = 256  # positions the rotary tables hold
 
 
 def _sdpa(layers: list) -> list:
@@ -52,33 +53,33 @@ def _sdpa(layers: list) -> list:
     return layers
 
 
-def titan_model(family: str, *, layers: int = LAYERS, dim: int = DIM, seed: int = 0) -> nn.Module:
+def titan_model(family: str, *, layers: int = LAYERS, dim: int = DIM, vocab: int = VOCAB, seed: int = 0) -> nn.Module:
     """torchtitan 0.3.0's own ``llama3`` or ``qwen3`` model definition, built small with its own initialisation."""
     from torchtitan.models.common import Embedding, Linear, RMSNorm
     from torchtitan.models.common.rope import ComplexRoPE, CosSinRoPE
 
     heads = 4
-    embedding = Embedding.Config(num_embeddings=VOCAB, embedding_dim=dim, param_init={"weight": nn.init.normal_})
-    head = Linear.Config(in_features=dim, out_features=VOCAB, param_init={"weight": nn.init.normal_})
+    embedding = Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init={"weight": nn.init.normal_})
+    head = Linear.Config(in_features=dim, out_features=vocab, param_init={"weight": nn.init.normal_})
     if family == "llama3":
         from torchtitan.models.llama3 import Llama3Model, _build_llama3_layers
 
         config = Llama3Model.Config(
-            dim=dim, vocab_size=VOCAB, tok_embeddings=embedding, lm_head=head,
+            dim=dim, vocab_size=vocab, tok_embeddings=embedding, lm_head=head,
             norm=RMSNorm.Config(normalized_shape=dim, param_init={"weight": nn.init.ones_}),
             layers=_sdpa(_build_llama3_layers(
                 n_layers=layers, dim=dim, n_heads=heads, hidden_dim=2 * dim, attn_backend="flex",
-                rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=4 * SEQ, theta=10000.0, scaling="none"))))
+                rope=ComplexRoPE.Config(dim=dim // heads, max_seq_len=MAX_SEQ, theta=10000.0, scaling="none"))))
     elif family == "qwen3":
         from torchtitan.models.qwen3 import Qwen3Model, _build_qwen3_layers, _qwen3_norm
 
         config = Qwen3Model.Config(
-            dim=dim, vocab_size=VOCAB, tok_embeddings=embedding, lm_head=head, norm=_qwen3_norm(dim),
+            dim=dim, vocab_size=vocab, tok_embeddings=embedding, lm_head=head, norm=_qwen3_norm(dim),
             enable_weight_tying=False,  # torchtitan's pipeline splits untied models
             layers=_sdpa(_build_qwen3_layers(
                 fuse_qkv=True, n_layers=layers, dim=dim, n_heads=heads, n_kv_heads=heads // 2, head_dim=dim // heads,
                 hidden_dim=2 * dim, attn_backend="flex",
-                rope=CosSinRoPE.Config(dim=dim // heads, max_seq_len=4 * SEQ, theta=1000000.0))))
+                rope=CosSinRoPE.Config(dim=dim // heads, max_seq_len=MAX_SEQ, theta=1000000.0))))
     else:
         raise ValueError(f"family={family!r}: 'llama3' or 'qwen3'")
     torch.manual_seed(seed)

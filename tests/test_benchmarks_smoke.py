@@ -303,3 +303,19 @@ def test_real_steps_measures_every_layer_split_and_tunes(tmp_path):
     tuned = row["tuned"]
     assert tuned["split_points"][0] == splits[row["chosen"]]["split"], "tune starts from the plan's own split"
     assert 0 <= tuned["chosen"] < len(tuned["split_points"]) and all(_finite_positive(t) for t in tuned["measured_step_s"])
+
+
+def test_frameworks_compares_the_torchtitan_plan_with_torchtitans_default_split(tmp_path):
+    pytest.importorskip("torchtitan.distributed.pipeline_parallel",
+                        reason="torchtitan is not importable here (pip install torchtitan==0.3.0 triton next to torch)")
+    data = _run("frameworks", tmp_path / "frameworks.json")
+    (family,) = data["families"]
+    two, four = family["rows"]
+    assert (two["stages"], four["stages"]) == (2, 4) and len(four["default_parts"]) == 4
+    # torchtitan's default split is what autopipe's report compares with.
+    assert two["default_split"] == two["report_baseline_split"] and four["default_split"] == four["report_baseline_split"]
+    assert two["report_line"] and "torchtitan's default split" in two["report_line"]
+    for r in family["rows"]:
+        assert _finite_positive(r["autopipe_predicted_s"]) and _finite_positive(r["default_predicted_s"])
+        assert r["autopipe_predicted_s"] <= r["default_predicted_s"] * (1 + 1e-9)
+    assert _finite_positive(two["autopipe_measured_s"]) and _finite_positive(two["default_measured_s"])
