@@ -121,6 +121,16 @@ def test_toml_writes_sections_of_values_and_lists():
     assert text == '[parallelism]\npipeline_parallel_schedule = "1F1B"\nmodule_fqns_per_model_part = [["a"], ["b"]]'
 
 
+def test_the_toml_text_reads_back_as_the_config_fields(model_and_args):
+    import tomllib
+
+    model, args = model_and_args
+    plan = autopipe.partition(model, 2, args, n_microbatches=4, planner=TITAN)
+    text = plan.to_torchtitan(as_toml=True)
+    assert tomllib.loads(text) == {"parallelism": plan.to_torchtitan()["parallelism"]}
+    assert "# layers_per_stage: " in text and "# versus torchtitan's default split" in text
+
+
 def test_the_command_line_prints_the_config_to_paste(capsys):
     from autopipe.cli.main import main
 

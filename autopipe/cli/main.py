@@ -474,15 +474,7 @@ def _show_plan(plan: Any, args: argparse.Namespace) -> int:
     data = report_data(plan, timeline=timeline)
     print_plan(data, gantt=timeline.to_text())
     if plan.target == "torchtitan":  # the lines to paste into torchtitan's train config
-        from ..planning.frameworks import toml
-
-        config = plan.to_torchtitan()
-        from ..planning.frameworks import versus_default
-
-        extra = "".join(f"\n# {key}: {value}" for key, value in config["autopipe"].items())
-        extra += f"\n# {versus_default(plan)}"
-        print(f"\ntorchtitan config (paste into your train config):\n{toml({'parallelism': config['parallelism']})}"
-              + extra)
+        print(f"\ntorchtitan config (paste into your train config):\n{plan.to_torchtitan(as_toml=True)}")
     if plan.target == "deepspeed":  # the boundaries for PipelineModule (docs/frameworks.md)
         print(f"\nDeepSpeed PipelineModule boundaries: parts = {plan.to_deepspeed()['parts']}")
     if plan.target == "megatron":  # the arguments to hand to Megatron-Core's training script

@@ -197,6 +197,13 @@ def versus_default(plan: Any) -> str | None:
             + ("" if default.fits_memory else "; the default does not fit the memory given"))
 
 
+def torchtitan_toml(plan: Any) -> str:
+    """The ``[parallelism]`` lines to paste into torchtitan's train config, the rest as comments."""
+    config = torchtitan_config(plan)
+    extra = "".join(f"\n# {key}: {value}" for key, value in config["autopipe"].items())
+    return toml({"parallelism": config["parallelism"]}) + extra + f"\n# {versus_default(plan)}"
+
+
 def toml(config: dict[str, dict[str, Any]]) -> str:
     """``config`` (sections of numbers, strings and lists) as TOML to paste into a framework's config file."""
     lines: list[str] = []

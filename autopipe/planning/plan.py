@@ -28,7 +28,7 @@ from ..machine.device import default_link
 from . import costmodel
 from .costgraph import SegmentCost
 from .costmodel import StepTail
-from .frameworks import deepspeed_parts, megatron_layout, torchtitan_config
+from .frameworks import deepspeed_parts, megatron_layout, torchtitan_config, torchtitan_toml
 from .plan_file import PLAN_FORMAT_VERSION, check_model_names, plan_from_data, read_plan_file
 from .plan_records import DataParallelRecord
 from .plan_records import (BaselinePlan, Calibration, Link, MachineModel, PlanSegment, ScheduleAlternative,
@@ -383,14 +383,19 @@ class Plan:
 
         return plan_to_text(self)
 
-    def to_torchtitan(self) -> dict[str, Any]:
+    def to_torchtitan(self, as_toml: bool = False) -> dict[str, Any] | str:
         """The split as torchtitan's config: ``[parallelism]`` fields, for a plan made with ``target="torchtitan"``.
+
+        Args:
+            as_toml: return the ``[parallelism]`` section as TOML text to paste into the train
+                config, the ``autopipe`` fields and the comparison with torchtitan's default
+                split as comment lines below it.
 
         Returns:
             ``{"parallelism": {"pipeline_parallel_degree", "pipeline_parallel_schedule",
             "module_fqns_per_model_part", "pipeline_parallel_microbatch_size"}, "autopipe":
-            {"layers_per_stage", "recompute_stages" (when some stages recompute)}}``;
-            ``autopipe.planning.frameworks.toml(config)`` writes it as TOML.
+            {"layers_per_stage", "recompute_stages" (when some stages recompute)}}``, or that
+            text.
 
         Raises:
             ValueError: the plan was made without ``PlannerOptions(target="torchtitan")``.
@@ -400,8 +405,12 @@ class Plan:
             ...                           planner=autopipe.PlannerOptions(target="torchtitan"))  # doctest: +SKIP
             >>> plan.to_torchtitan()["parallelism"]["module_fqns_per_model_part"]  # doctest: +SKIP
             [['tok_embeddings', 'layers.0', 'layers.1'], ['layers.2', 'layers.3', 'norm', 'output']]
+            >>> print(plan.to_torchtitan(as_toml=True))  # doctest: +SKIP
+            [parallelism]
+            pipeline_parallel_degree = 2
+            ...
         """
-        return torchtitan_config(self)
+        return torchtitan_toml(self) if as_toml else torchtitan_config(self)
 
     def to_megatron(self) -> dict[str, Any]:
         """The split as Megatron-Core's arguments, for a plan made with ``target="megatron"``.
