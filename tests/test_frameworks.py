@@ -80,9 +80,6 @@ def test_what_a_torchtitan_plan_cannot_be_made_from_is_refused(model_and_args):
                                                                   profiling=QUIET))
     with pytest.raises(ValueError, match="PlannerOptions target='accelerate' is not known; use one of \\['torchtitan', "):
         PlannerOptions(target="accelerate")
-    with pytest.raises(ValueError, match="n_microbatches='auto' is not supported"):
-        autopipe.partition(model, 2, args, n_microbatches="auto",
-                           planner=PlannerOptions(target="torchtitan", cost="flops", global_batch=8, profiling=QUIET))
 
 
 def test_a_profile_at_torchs_split_points_is_summed_into_the_frameworks_units(model_and_args):
@@ -105,6 +102,21 @@ def test_a_profile_at_torchs_split_points_is_summed_into_the_frameworks_units(mo
                                     planner=PlannerOptions(target="torchtitan", cost=merged, profiling=QUIET))
         assert from_fine.split_points == direct.split_points
         assert from_fine.predicted_step_s == pytest.approx(direct.predicted_step_s)
+
+
+def test_the_micro_batch_count_is_chosen_at_the_frameworks_granularity(model_and_args):
+    model, args = model_and_args
+    titan = target_units(model)
+    plan = autopipe.partition(model, 2, args, n_microbatches="auto",
+                              planner=PlannerOptions(target="torchtitan", cost="flops", global_batch=8,
+                                                     profiling=QUIET))
+    assert plan.n_microbatches in (1, 2, 4, 8) and all(p in titan for p in plan.split_points)
+    assert plan.to_torchtitan()["parallelism"]["pipeline_parallel_microbatch_size"] == 8 // plan.n_microbatches
+    # The same count asked for directly, with one micro-batch of the size it implies, splits alike.
+    micro_batch = torch.cat([args[0]] * 4)[: 8 // plan.n_microbatches]
+    fixed = autopipe.partition(model, 2, (micro_batch,), n_microbatches=plan.n_microbatches,
+                               planner=PlannerOptions(target="torchtitan", cost="flops", profiling=QUIET))
+    assert fixed.split_points == plan.split_points
 
 
 def test_restricting_merges_the_segments_between_the_cuts_kept(model_and_args):

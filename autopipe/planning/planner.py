@@ -244,16 +244,14 @@ def plan_partition(
     given = getattr(costs, "traced", None)  # a profile brings the trace it was measured on
     reuse = given is not None and traced_from(given, model, example_args, example_kwargs)
     traced = given if reuse else trace(model, example_args, example_kwargs)
+    fine = traced  # at torch's split points, where profiles are taken
     if target is not None:  # cut only where the framework can
-        fine, traced = traced, restrict_to_target(traced, model, target)
+        traced = restrict_to_target(traced, model, target)
         if costs is not None and len(costs) == fine.num_segments != traced.num_segments:
             costs = coarsened(costs, fine, traced)  # a profile at torch's split points, summed per unit
         elif costs is not None and len(costs) != traced.num_segments:
             raise ValueError(f"planner.target={target!r} plans {traced.num_segments} segments (or {fine.num_segments} "
                              f"at torch's split points), but the profile given as cost= has {len(costs)}")
-        if wanted.auto_microbatches:
-            raise ValueError(f"planner.target={target!r} with n_microbatches='auto' is not supported: the size-"
-                             "scaled profile is taken at torch's split points; give n_microbatches as a number")
     # The stage count against the legal split points as soon as tracing knows them, before
     # torch's schedule orders (whose cost grows with ranks x micro-batches) or any profiling.
     if n_gpus * (wanted.stages_per_rank or 1) > traced.num_segments:
@@ -270,7 +268,7 @@ def plan_partition(
     if wanted.auto_microbatches and scaling is None:
         scaling = profile_scaling(model, example_args, example_kwargs,
                                   sizes=_scaling_sizes(global_batch, wanted.n_microbatches),
-                                  cost=source, traced=traced, **measure)
+                                  cost=source, traced=fine, **measure)
     if not wanted.auto_microbatches and costs is None:
         costs = profile_segments(traced, cost=source, **measure)
     # The loss given, or the one a model of this kind trains with (default_loss), or a note saying there is none.
@@ -279,7 +277,7 @@ def plan_partition(
                                    repeats=profiling.repeats, cost_source=source,
                                    profile_given=not isinstance(cost, str))
     graphs = _cost_graphs(traced, wanted.n_microbatches, global_batch, costs=costs,
-                          scaling=scaling if wanted.auto_microbatches else None, loss=loss)
+                          scaling=scaling if wanted.auto_microbatches else None, loss=loss, fine=fine)
 
     # ---- search: the best split for each (micro-batches, schedule) option, then the fastest that fits;
     # the default link is measured on this host where assuming it would decide the split (link_choice)
@@ -549,8 +547,13 @@ def _with_loss(costs: Sequence[SegmentCost], loss: LossCost | None, scale: float
 def _cost_graphs(
     traced: TracedModel, m_options: Sequence[int], global_batch: int | None, *,
     costs: Sequence[SegmentCost] | None, scaling: ScaledProfile | None, loss: LossCost | None = None,
+    fine: TracedModel | None = None,
 ) -> dict[int, CostGraph]:
-    """One cost graph per micro-batch count: from ``costs`` (one size) or from the size fits."""
+    """One cost graph per micro-batch count: from ``costs`` (one size) or from the size fits.
+
+    A size-scaled profile of ``fine`` (the trace at torch's split points, where ``traced``
+    keeps a framework's) is summed into ``traced``'s segments and cuts.
+    """
     if scaling is None:
         assert costs is not None
         if len(costs) != traced.num_segments:
@@ -559,14 +562,20 @@ def _cost_graphs(
                 "segments; pass the profile of this model with these example inputs"
             )
         return {m_options[0]: build_cost_graph(traced, _with_loss(costs, loss))}
-    if scaling.segment_names != [sg.name for sg in traced.segments]:
+    names = scaling.segment_names
+    summed = fine is not None and fine is not traced and names == [sg.name for sg in fine.segments]
+    if names != [sg.name for sg in traced.segments] and not summed:
         raise ValueError("scaling= was profiled on a different model or inputs: its segments do not match")
+    fine_index = {sg.start: k for k, sg in enumerate(fine.segments)} if summed else {}
+    cuts = [fine_index[sg.start] for sg in traced.segments] + [len(names)] if summed else None
     graphs = {}
     for mm in m_options:
         b = global_batch // mm
+        at_b = coarsened(scaling.costs_at(b), fine, traced) if summed else scaling.costs_at(b)
         # The loss is element-wise over the micro-batch: it scales with its size.
-        graph = build_cost_graph(traced, _with_loss(scaling.costs_at(b), loss, b / loss.batch if loss else 1.0))
-        graph.cut_fwd_bytes, graph.cut_bwd_bytes = (list(x) for x in scaling.cut_bytes_at(b))
+        graph = build_cost_graph(traced, _with_loss(at_b, loss, b / loss.batch if loss else 1.0))
+        graph.cut_fwd_bytes, graph.cut_bwd_bytes = ([x[k] for k in cuts] if cuts else list(x)
+                                                    for x in scaling.cut_bytes_at(b))
         graphs[mm] = graph
     return graphs
 
