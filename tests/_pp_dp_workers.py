@@ -1,9 +1,11 @@
 """What each rank runs in the pipeline x data parallel tests (spawned by tests/_dist_utils.run_world).
 
-Four ranks form a ``dp=2 x pp=2`` mesh. Every rank is given the same global batch of 16
-sequences; each replica trains on its 8 (4 micro-batches of 2). The unsplit model, run in
-the same process on the whole global batch, is the reference every loss, gradient, norm and
-gathered state dict is compared with.
+Four ranks form a ``dp=2 x pp=2`` mesh over a global batch of 16 sequences; each replica
+trains on its 8 (4 micro-batches of 2). As in DDP, each rank is given its replica's rows, drawn
+by a ``DistributedSampler`` over the 16 (``DataParallelOptions(batch="replica")``, the
+default); one case gives every rank the whole global batch instead (``batch="global"``). The
+unsplit model, run in the same process on the whole global batch, is the reference every loss,
+gradient, norm and gathered state dict is compared with.
 """
 
 from __future__ import annotations
@@ -28,12 +30,23 @@ def global_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return data[:, :-1], data[:, 1:]
 
 
+def replica_batch(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's replica's rows of ``(x, y)``, as a DDP training loop draws them."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    data = TensorDataset(x, y)
+    sampler = DistributedSampler(data, num_replicas=pipe.dp_size, rank=pipe.dp_rank, shuffle=False)
+    (batch,) = DataLoader(data, batch_size=len(x) // pipe.dp_size, sampler=sampler)
+    return batch[0], batch[1]
+
+
 def pp_dp_run(rank: int, world_size: int, dp_mode: str, use_mesh: bool) -> dict:
     """Each schedule, untied and tied: one step against the unsplit model, the clipped norm, the
-    gathered state dict; then the errors of a badly named mesh and a global batch dp does not divide."""
+    gathered state dict; then the errors of a badly named mesh and of batches that do not split."""
     mesh = init_device_mesh("cpu", (DP, world_size // DP), mesh_dim_names=("dp", "pp")) if use_mesh else None
     results: dict = {f"{schedule}{'+tied' if tied else ''}": _case(schedule, dp_mode, tied, mesh)
                      for tied in (False, True) for schedule in SCHEDULES}
+    results["1F1B+global"] = _case("1F1B", dp_mode, False, mesh, batch="global")
     x, y = global_batch()
     bad_mesh = init_device_mesh("cpu", (DP, world_size // DP), mesh_dim_names=("data", "pp"))
     results["bad_mesh_error"] = _error(lambda: Pipeline(tutorial_model(), example_args=(x[:MICROBATCH],),
@@ -41,18 +54,24 @@ def pp_dp_run(rank: int, world_size: int, dp_mode: str, use_mesh: bool) -> dict:
                                                         data_parallel=DataParallelOptions(mesh=bad_mesh)))
     with Pipeline(tutorial_model(), example_args=(x[:MICROBATCH],), loss_fn=loss_fn, schedule="1F1B",
                   n_microbatches=N_MICROBATCHES, split_points=SPLITS[2],
-                  data_parallel=DataParallelOptions(degree=DP, mode=dp_mode)) as pipe:
+                  data_parallel=DataParallelOptions(degree=DP, mode=dp_mode, batch="global")) as pipe:
         results["bad_batch_error"] = _error(lambda: pipe.step(x[:12], target=y[:12]))
         results["step_after_error"] = pipe.step(x, target=y).item()  # nothing was left half-done
+    with Pipeline(tutorial_model(), example_args=(x[:MICROBATCH],), loss_fn=loss_fn, schedule="1F1B",
+                  n_microbatches=N_MICROBATCHES, split_points=SPLITS[2],
+                  data_parallel=DataParallelOptions(degree=DP, mode=dp_mode)) as pipe:
+        # The global batch handed to a rank that expects its replica's rows.
+        results["global_to_replica_error"] = _error(lambda: pipe.step(x, target=y))
     # A plan made for pp x dp builds its mesh itself: no data_parallel= given.
     plan = autopipe.partition(tutorial_model(), world_size, (x[:MICROBATCH],),
                               data_parallel=DataParallelOptions(degree=DP, mode=dp_mode), loss_fn=False,
                               planner=autopipe.PlannerOptions(global_batch=len(x), cost="flops", profiling=autopipe.ProfileOptions(progress=False)))
     with Pipeline(tutorial_model(), example_args=(x[:MICROBATCH],), loss_fn=loss_fn, plan=plan) as pipe:
         dp = pipe.data_parallel
+        rows, targets = replica_batch(pipe, x, y)
         results["from_plan"] = {"plan": (plan.dp_degree, plan.dp_mode, plan.pp_degree),
                                 "built": (dp.dp_size, dp.mode, dp.pp_size) if dp else None,
-                                "loss": pipe.step(x, target=y).item()}
+                                "loss": pipe.step(rows, target=targets).item()}
     return results
 
 
@@ -64,15 +83,17 @@ def _error(fn) -> str | None:
     return None
 
 
-def _case(schedule: str, dp_mode: str, tied: bool, mesh) -> dict:
+def _case(schedule: str, dp_mode: str, tied: bool, mesh, batch: str = "replica") -> dict:
     stages_per_rank = 1 if schedule in ("GPipe", "1F1B") else 2
     model = tutorial_model(tied=tied)
     x, y = global_batch()
-    replicas = DataParallelOptions(mesh=mesh, mode=dp_mode) if mesh is not None else DataParallelOptions(DP, dp_mode)
+    replicas = (DataParallelOptions(mesh=mesh, mode=dp_mode, batch=batch) if mesh is not None
+                else DataParallelOptions(DP, dp_mode, batch=batch))
     with Pipeline(model, example_args=(x[:MICROBATCH],), loss_fn=loss_fn, schedule=schedule,
                   n_microbatches=N_MICROBATCHES, split_points=SPLITS[2 * stages_per_rank],
                   data_parallel=replicas, planner=autopipe.PlannerOptions(stages_per_rank=stages_per_rank)) as pipe:
-        loss = pipe.step(x, target=y)
+        given = (x, y) if batch == "global" else replica_batch(pipe, x, y)
+        loss = pipe.step(given[0], target=given[1])
         ref = loss_fn(model(x), y)
         ref.backward()
         ref_grads = dict(model.named_parameters(remove_duplicate=False))

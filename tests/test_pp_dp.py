@@ -2,9 +2,10 @@
 
 Four gloo ranks form a ``dp=2 x pp=2`` mesh; both ways of reducing over ``dp`` (FSDP2
 ``fully_shard`` per stage, and replicated parameters averaged by all-reduce) train the seed
-Transformer, untied and with a tied embedding, under GPipe, 1F1B and Interleaved1F1B, with the
-loss, every gradient, the clipped norm and the gathered state dict equal to the unsplit
-model's on the global batch. One world per reduction runs every case
+Transformer, untied and with a tied embedding, under GPipe, 1F1B and Interleaved1F1B, each
+replica stepping the rows its ``DistributedSampler`` yields (and once every rank the global
+batch), with the loss, every gradient, the clipped norm and the gathered state dict equal to
+the unsplit model's on the global batch. One world per reduction runs every case
 (``_pp_dp_workers.py``). The argument checks that need no world run in this process.
 """
 
@@ -20,7 +21,7 @@ from _dist_utils import run_world
 from autopipe.runtime.data_parallel import DataParallel, check_mesh_arguments, resolve_data_parallel
 
 TOL = 1e-5
-CASES = [f"{s}{t}" for t in ("", "+tied") for s in workers.SCHEDULES]
+CASES = [f"{s}{t}" for t in ("", "+tied") for s in workers.SCHEDULES] + ["1F1B+global"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,6 +77,9 @@ def test_bad_mesh_and_bad_global_batch_raise_clear_errors_on_every_rank(dp_mode)
         assert "dimensions named 'dp' and 'pp'" in r["bad_mesh_error"] and "('data', 'pp')" in r["bad_mesh_error"]
         assert "12 rows" in r["bad_batch_error"] and "dp=2" in r["bad_batch_error"]
         assert r["step_after_error"] > 0
+        error = r["global_to_replica_error"]  # DDP's convention by default: the global batch is named as such
+        assert "shape (16, 9)" in error and "pass a batch of shape (8, 9)" in error
+        assert "DistributedSampler" in error and "batch='global'" in error
 
 
 def test_mesh_and_degree_together_are_refused():
@@ -107,9 +111,23 @@ def test_degree_that_does_not_divide_the_world_is_refused_before_any_group():
 
 def test_each_replica_takes_its_contiguous_rows_of_the_global_batch():
     dp = DataParallel(mesh=None, mode="replicate", dp_size=2, pp_size=2, dp_rank=1, pp_rank=0,
-                      replicas=[[0, 1], [2, 3]])
+                      replicas=[[0, 1], [2, 3]], batch="global")
     x = torch.arange(16).reshape(8, 2)
     args, kwargs, target = dp.shard(((x,), {"scale": torch.tensor(2.0)}, x[:, 0]), 2)
     assert torch.equal(args[0], x[4:]) and torch.equal(target, x[4:, 0]) and kwargs["scale"].item() == 2.0
     with pytest.raises(ValueError, match="a global batch of 6 rows .* dp=2 replicas x n_microbatches=2"):
         dp.shard(torch.zeros(6, 2), 2)
+
+
+def test_a_replicas_own_rows_are_taken_as_they_are():
+    dp = DataParallel(mesh=None, mode="replicate", dp_size=2, pp_size=2, dp_rank=1, pp_rank=0,
+                      replicas=[[0, 1], [2, 3]])
+    x = torch.arange(16).reshape(8, 2)
+    assert dp.batch == "replica" and dp.batch_replicas == 1 and dp.shard(x, 2) is x
+
+
+def test_the_batch_convention_is_checked_where_it_is_written():
+    from autopipe import DataParallelOptions
+
+    with pytest.raises(ValueError, match="DataParallelOptions batch='local'.*'replica', 'global'"):
+        DataParallelOptions(degree=2, batch="local")

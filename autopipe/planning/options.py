@@ -16,6 +16,8 @@ if TYPE_CHECKING:
     from .costgraph import SegmentCost
     from .scaling import ScaledProfile
 
+#: What each rank is given under pipeline x data parallel (``DataParallelOptions.batch``).
+DP_BATCHES = ("replica", "global")
 #: Accepted values of ``PlannerOptions.objective``.
 OBJECTIVES = ("step", "bottleneck")
 #: The frameworks a plan can be made for (``PlannerOptions(target=...)``, :mod:`autopipe.planning.frameworks`).
@@ -109,6 +111,11 @@ class DataParallelOptions:
         mesh: a 2-D ``DeviceMesh`` with dimensions ``"dp"`` and ``"pp"`` to run on (a
             Pipeline only), in place of the ``(degree, world / degree)`` mesh built from
             ``degree`` (consecutive ranks form a pipeline); give one of the two.
+        batch: what each rank's ``step``/``evaluate`` is given (a Pipeline only):
+            ``"replica"`` (default, DDP's convention) its replica's own rows, ``n_microbatches``
+            micro-batches, e.g. from a ``DistributedSampler(dataset,
+            num_replicas=pipe.dp_size, rank=pipe.dp_rank)``; or ``"global"``: the whole global
+            batch on every rank, each replica taking its contiguous ``1 / degree`` of the rows.
 
     Example::
 
@@ -120,6 +127,10 @@ class DataParallelOptions:
     degree: int | str | None = None
     mode: str | None = None
     mesh: Any = None
+    batch: str = "replica"
+
+    def __post_init__(self) -> None:
+        check_choice("DataParallelOptions batch", self.batch, DP_BATCHES)
 
     @classmethod
     def of(cls, value: Any) -> DataParallelOptions:
@@ -130,7 +141,7 @@ class DataParallelOptions:
 
         Example:
             >>> DataParallelOptions.of(2)
-            DataParallelOptions(degree=2, mode=None, mesh=None)
+            DataParallelOptions(degree=2, mode=None, mesh=None, batch='replica')
         """
         if value is None:
             return cls()
@@ -139,7 +150,7 @@ class DataParallelOptions:
         if isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool)):
             return cls(degree=value)
         raise TypeError(f"data_parallel={value!r} must be a replica count, 'auto' or an "
-                        "autopipe.DataParallelOptions(degree=, mode=, mesh=)")
+                        "autopipe.DataParallelOptions(degree=, mode=, mesh=, batch=)")
 
 
 @dataclass(frozen=True)

@@ -37,9 +37,17 @@ class CallInputs:
             if self.unwritten:  # loaded since construction, or still an error
                 check_written(self.unwritten)
                 self.unwritten = {}
-            # The global batch is checked, so a wrong size is named as the caller gave it.
-            self.batch.check(args, kwargs, target, need_target=call != "forward",
-                             replicas=self.data_parallel.dp_size if self.data_parallel else 1)
+            # The batch is checked as given (a global batch whole), so a wrong size is named as the caller gave it.
+            try:
+                self.batch.check(args, kwargs, target, need_target=call != "forward",
+                                 replicas=self.data_parallel.batch_replicas if self.data_parallel else 1)
+            except ValueError as e:
+                dp = self.data_parallel
+                if dp is None or dp.batch == "global":
+                    raise
+                raise ValueError(f"{e} (each rank is given its own replica's rows, one of dp={dp.dp_size} "
+                                 "shards as a DistributedSampler yields them; for the global batch on every rank, "
+                                 "use DataParallelOptions(batch='global'))") from None
             args, kwargs, target = self.shard(args, kwargs, target)
             placed = self.place(args, kwargs, self.placeholder_target() if target is None else target)
         except Exception as e:  # noqa: BLE001 - raised by agree_to_start, after every rank has heard of it
@@ -48,7 +56,7 @@ class CallInputs:
         return placed
 
     def shard(self, args: tuple, kwargs: dict, target: Any) -> tuple[tuple, dict, Any]:
-        """This replica's rows of the global batch (all of it without data parallelism)."""
+        """This replica's rows of the batch given (all of it unless it is the global batch)."""
         if not self.data_parallel:
             return args, kwargs, target
         return self.data_parallel.shard((tuple(args), dict(kwargs), target), self.n_microbatches)

@@ -98,15 +98,21 @@ class DataParallel:
     dp_rank: int
     pp_rank: int
     replicas: list[list[int]]
+    batch: str = "replica"  # what a call is given: its replica's rows, or the global batch
 
     @classmethod
-    def from_mesh(cls, mesh: DeviceMesh, *, mode: str) -> "DataParallel":
+    def from_mesh(cls, mesh: DeviceMesh, *, mode: str, batch: str = "replica") -> "DataParallel":
         """Read the coordinates of this rank from ``mesh`` (no communication)."""
         names = list(mesh.mesh_dim_names)
         grid = mesh.mesh.permute(names.index("dp"), names.index("pp"))
         return cls(mesh=mesh, mode=mode, dp_size=grid.shape[0], pp_size=grid.shape[1],
                    dp_rank=mesh.get_local_rank("dp"), pp_rank=mesh.get_local_rank("pp"),
-                   replicas=[[int(r) for r in row] for row in grid.tolist()])
+                   replicas=[[int(r) for r in row] for row in grid.tolist()], batch=batch)
+
+    @property
+    def batch_replicas(self) -> int:
+        """How many replicas' rows a call's batch holds: all of them for a global batch, else this one's."""
+        return self.dp_size if self.batch == "global" else 1
 
     @property
     def pp_group(self) -> Any:
@@ -120,7 +126,9 @@ class DataParallel:
 
     # ------------------------------------------------------------------ the batch
     def shard(self, value: Any, n_microbatches: int) -> Any:
-        """This replica's rows of the global batch ``value`` (tensors with a batch dimension)."""
+        """This replica's rows of ``value``: all of them unless it is the global batch."""
+        if self.batch != "global":
+            return value
         parts = self.dp_size * n_microbatches
         for t in tree_flatten(value)[0]:
             if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] % parts:
@@ -178,7 +186,7 @@ class DataParallel:
 
 
 def resolve_data_parallel(mesh: DeviceMesh | None, dp_degree: int | None, dp_mode: str, *, world_size: int,
-                          device_type: str) -> DataParallel | None:
+                          device_type: str, batch: str = "replica") -> DataParallel | None:
     """The data-parallel layout, or None for a pure pipeline (creates the mesh's process groups)."""
     if mesh is None and dp_degree is None:
         return None
@@ -193,7 +201,7 @@ def resolve_data_parallel(mesh: DeviceMesh | None, dp_degree: int | None, dp_mod
         if dp_degree == 1:
             return None
         mesh = init_device_mesh(device_type, (dp_degree, world_size // dp_degree), mesh_dim_names=("dp", "pp"))
-    return DataParallel.from_mesh(mesh, mode=dp_mode)
+    return DataParallel.from_mesh(mesh, mode=dp_mode, batch=batch)
 
 
 def prepare_replicas(dp: DataParallel, built: Any, schedule: str) -> None:

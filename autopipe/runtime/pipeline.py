@@ -76,9 +76,11 @@ class Pipeline(PipelineLifecycle):
             or a 2-D ``DeviceMesh`` with dimensions ``"dp"`` and ``"pp"`` (``mesh``), and how
             the replicas reduce (``mode``: ``"fsdp"``, FSDP2 ``fully_shard`` per stage, or
             ``"replicate"``, whole parameters and gradients averaged by all-reduce). Each row
-            along ``pp`` runs the whole pipeline on its shard of the global
-            batch, and every stage's gradients are reduced over ``dp``
-            (:mod:`~autopipe.runtime.data_parallel`); every rank is given the global batch.
+            along ``pp`` runs the whole pipeline on its replica's shard of the data, and every
+            stage's gradients are reduced over ``dp`` (:mod:`~autopipe.runtime.data_parallel`).
+            As in DDP, each rank is given its replica's rows (``batch="replica"``; a
+            ``DistributedSampler(num_replicas=pipe.dp_size, rank=pipe.dp_rank)`` yields them),
+            or with ``batch="global"`` every rank the whole global batch.
             Default: the plan's (a plan made with ``data_parallel=``), else none; a mode left
             None is the plan's, else ``"fsdp"``.
         weights: where the weights come from: a full state dict, ``.safetensors`` file or
@@ -156,10 +158,14 @@ class Pipeline(PipelineLifecycle):
 
         #: The data-parallel layout (:class:`~autopipe.runtime.data_parallel.DataParallel`), None for a pure pipeline.
         self.data_parallel = resolve_data_parallel(mesh, dp_degree, dp_mode, world_size=self.world_size,
-                                                   device_type=self._comm_device().type)
+                                                   device_type=self._comm_device().type, batch=replicas.batch)
         dp = self.data_parallel
         #: This rank's place in its pipeline (its rank when there is no data parallelism).
         self.pp_rank: int = dp.pp_rank if dp else self.rank
+        #: This rank's replica and the replica count (0 and 1 without data parallelism): what a
+        #: ``DistributedSampler(dataset, num_replicas=pipe.dp_size, rank=pipe.dp_rank)`` needs.
+        self.dp_rank: int = dp.dp_rank if dp else 0
+        self.dp_size: int = dp.dp_size if dp else 1
 
         # ---- 3. one plan and schedule for all ranks
         layout = settle_plan(request, model, example_args, example_kwargs, loss_fn, rank=self.rank,
