@@ -279,6 +279,18 @@ def checkpointing_and_modes_run(rank: int, world_size: int) -> dict:
     pipe.train()
     result["train_mode_loss"] = pipe.step(x, target=y).item()  # runs: dropout on, finite loss
 
+    # Each rank given only what its stages read: the inputs where the first stage runs, the
+    # target where the last does, nothing elsewhere (V schedules hold both ends on rank 0).
+    for schedule, n_stages in (("1F1B", 2), ("ZBVZeroBubble", 4)):
+        model = tutorial_model()
+        pipe = build(model, schedule, n_stages)
+        inputs = (x,) if 0 in pipe.stage_indices else ()
+        target = y if n_stages - 1 in pipe.stage_indices else None
+        loss = pipe.step(*inputs, target=target)
+        result[f"only_needed_{schedule}"] = against_reference(pipe, model, loss, loss_fn(model(x), y))
+        result[f"only_needed_eval_{schedule}"] = (pipe.evaluate(*inputs, target=target).item(),
+                                                  loss_fn(model(x), y).item())
+
     # Stage times inside running steps (ZBV: two stages per rank, the backward split in B and W).
     pipe = build(tutorial_model(), "ZBVZeroBubble", 4)
     pipe.step(x, target=y)

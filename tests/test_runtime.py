@@ -241,6 +241,16 @@ def test_evaluate_returns_eval_mode_loss_on_every_rank():
         assert abs(r["eval_loss"] - r["ref_eval_loss"]) < TOL
 
 
+@pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
+def test_a_rank_is_given_only_what_its_stages_read(schedule):
+    for r in checkpointing_results():
+        case = r[f"only_needed_{schedule}"]
+        assert abs(case["loss"] - case["ref_loss"]) < 1e-5
+        assert max(case["grad_diff"].values()) < 1e-5, case["grad_diff"]
+        loss, ref = r[f"only_needed_eval_{schedule}"]
+        assert abs(loss - ref) < 1e-5
+
+
 def test_step_in_eval_mode_asks_for_train():
     assert "pipe.train()" in checkpointing_results()[0]["step_in_eval_mode"]
 

@@ -38,8 +38,12 @@ class CallInputs:
                 check_written(self.unwritten)
                 self.unwritten = {}
             # The batch is checked as given (a global batch whole), so a wrong size is named as the caller gave it.
+            # Only the first stage reads the inputs and only the last the target: a rank without
+            # them may be given nothing (pipe.step() on a middle rank).
+            need_inputs = self.has_first_stage or bool(args) or bool(kwargs)
+            need_target = call != "forward" and (self.has_last_stage or target is not None)
             try:
-                self.batch.check(args, kwargs, target, need_target=call != "forward",
+                self.batch.check(args, kwargs, target, need_target=need_target, need_inputs=need_inputs,
                                  replicas=self.data_parallel.batch_replicas if self.data_parallel else 1)
             except ValueError as e:
                 dp = self.data_parallel

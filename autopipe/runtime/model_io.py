@@ -152,11 +152,18 @@ class TracedBatch:
         """The first stage's tensors for a batch (:meth:`ModelIO.stage_inputs`), keywords as traced."""
         return self.io.stage_inputs(tuple(args), self.as_traced(kwargs))
 
-    def check(self, args: tuple, kwargs: dict, target: Any, *, need_target: bool, replicas: int = 1) -> None:
+    def check(self, args: tuple, kwargs: dict, target: Any, *, need_target: bool, replicas: int = 1,
+              need_inputs: bool = True) -> None:
         """Raise ``ValueError`` unless the batch splits into micro-batches shaped like the traced one."""
         m = self.n_microbatches * replicas
         split = f"n_microbatches={self.n_microbatches} micro-batches" + (
             f" for each of dp={replicas} replicas (the global batch)" if replicas > 1 else "")
+        if need_inputs:
+            self._check_inputs(args, kwargs, m, split, replicas)
+        if need_target:
+            self._check_target(target, m, split)
+
+    def _check_inputs(self, args: tuple, kwargs: dict, m: int, split: str, replicas: int) -> None:
         if len(args) != len(self.example[0]):
             raise ValueError(f"the batch has {len(args)} positional inputs, but the pipeline was traced with "
                              f"{len(self.example[0])}")
@@ -186,19 +193,21 @@ class TracedBatch:
                     + f", which does not split into {split} shaped like the example {tuple(ex.shape)}; "
                     f"pass a batch of shape {expected}"
                 )
-        if need_target:
-            if target is None:
-                raise ValueError("target=None: pass target=... for loss_fn(output, target)")
-            for t in tree_flatten(target)[0]:
-                if not isinstance(t, torch.Tensor):
-                    raise ValueError(
-                        f"target holds a {type(t).__name__}, but it is split into micro-batches along its first "
-                        f"dimension and must be a tensor (or tensors): pass torch.as_tensor(target)")
-                if t.dim() == 0 or t.shape[0] % m:
-                    raise ValueError(
-                        f"target has shape {tuple(t.shape)}, whose first dimension does not split "
-                        f"into {split} of equal size"
-                    )
+
+    @staticmethod
+    def _check_target(target: Any, m: int, split: str) -> None:
+        if target is None:
+            raise ValueError("target=None: pass target=... for loss_fn(output, target)")
+        for t in tree_flatten(target)[0]:
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(
+                    f"target holds a {type(t).__name__}, but it is split into micro-batches along its first "
+                    f"dimension and must be a tensor (or tensors): pass torch.as_tensor(target)")
+            if t.dim() == 0 or t.shape[0] % m:
+                raise ValueError(
+                    f"target has shape {tuple(t.shape)}, whose first dimension does not split "
+                    f"into {split} of equal size"
+                )
 
 
 def _describe(spec: TreeSpec) -> str:

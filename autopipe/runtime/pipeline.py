@@ -227,7 +227,9 @@ class Pipeline(PipelineLifecycle):
     def step(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         """Run one training step (forward and backward of every micro-batch); return the mean loss.
 
-        Every rank calls it with the same batch. Gradients accumulate into the local
+        Every rank calls it. Only the rank that runs the first stage reads the inputs and
+        only the one that runs the last stage reads the target, so the others may be given
+        nothing (a rank that is given them checks them). Gradients accumulate into the local
         stages' parameters as with ``loss.backward()``; call the optimizer afterwards.
 
         Args:
@@ -322,12 +324,14 @@ class Pipeline(PipelineLifecycle):
                 p.grad = grad
         return gather_stage_times(timer.means(), self.world_size)
 
-    def evaluate(self, *args: Any, target: Any, **kwargs: Any) -> torch.Tensor:
+    def evaluate(self, *args: Any, target: Any = None, **kwargs: Any) -> torch.Tensor:
         """Forward only, in the current mode; return the mean loss on every rank.
 
         Args:
-            *args, **kwargs: the model's inputs for the whole batch.
-            target: what ``loss_fn`` compares the output with.
+            *args, **kwargs: the model's inputs for the whole batch (needed only on the rank
+                that runs the first stage).
+            target: what ``loss_fn`` compares the output with (needed only on the rank that
+                runs the last stage).
 
         Returns:
             The mean micro-batch loss, a scalar tensor, on every rank.
