@@ -47,6 +47,7 @@ def pp_dp_run(rank: int, world_size: int, dp_mode: str, use_mesh: bool) -> dict:
     results: dict = {f"{schedule}{'+tied' if tied else ''}": _case(schedule, dp_mode, tied, mesh)
                      for tied in (False, True) for schedule in SCHEDULES}
     results["1F1B+global"] = _case("1F1B", dp_mode, False, mesh, batch="global")
+    results["1F1B+bf16"] = _bf16_case(dp_mode)
     x, y = global_batch()
     bad_mesh = init_device_mesh("cpu", (DP, world_size // DP), mesh_dim_names=("data", "pp"))
     results["bad_mesh_error"] = _error(lambda: Pipeline(tutorial_model(), example_args=(x[:MICROBATCH],),
@@ -116,3 +117,22 @@ def _case(schedule: str, dp_mode: str, tied: bool, mesh, batch: str = "replica")
                 "state_keys_match": sorted(full) == sorted(model.state_dict()), "state_diff": state_diff, "load_diff": load_diff,
                 "pp_rank": pipe.pp_rank, "dp_rank": pipe.data_parallel.dp_rank,
                 "stage_indices": pipe.stage_indices, "dp_mode": pipe.data_parallel.mode}
+
+
+def _bf16_case(dp_mode: str) -> dict:
+    """bf16 mixed precision (FSDP: parameters gathered in bfloat16, gradients reduced in float32)."""
+    model = tutorial_model()
+    x, y = global_batch()
+    with Pipeline(model, example_args=(x[:MICROBATCH],), loss_fn=loss_fn, schedule="1F1B",
+                  n_microbatches=N_MICROBATCHES, split_points=SPLITS[2], data_parallel=DataParallelOptions(DP, dp_mode),
+                  planner=autopipe.PlannerOptions(mixed_precision="bf16")) as pipe:
+        rows, targets = replica_batch(pipe, x, y)
+        loss = pipe.step(rows, target=targets)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref = loss_fn(model(x), y)
+        ref.backward()
+        ref_grads = dict(model.named_parameters(remove_duplicate=False))
+        diffs = [(full_tensor(p.grad).float() - ref_grads[n].grad).abs().max().item()
+                 for n, p in pipe.named_parameters()]
+        scale = max(ref_grads[n].grad.abs().max().item() for n, _ in pipe.named_parameters())
+        return {"loss": loss.item(), "ref_loss": ref.item(), "grad_diff": max(diffs), "grad_scale": scale}

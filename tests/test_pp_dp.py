@@ -56,6 +56,13 @@ def test_clip_grad_norm_and_full_state_dict_match_the_unsplit_model_and_load_bac
 
 
 @pytest.mark.parametrize("dp_mode", ["fsdp", "replicate"])
+def test_bf16_mixed_precision_equals_the_unsplit_model_under_autocast(dp_mode):
+    for r in (r["1F1B+bf16"] for r in results(dp_mode)):
+        assert abs(r["loss"] - r["ref_loss"]) <= 1e-2 * abs(r["ref_loss"]), r
+        assert r["grad_diff"] <= 5e-2 * r["grad_scale"], r
+
+
+@pytest.mark.parametrize("dp_mode", ["fsdp", "replicate"])
 def test_tied_embedding_gradient_is_summed_within_each_replica(dp_mode):
     for r in results(dp_mode):
         case = r["1F1B+tied"]

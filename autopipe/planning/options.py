@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._checks import check_bool, check_choice, check_int
 from ..machine.device import Device, parse_bytes
+from ..machine.precision import MIXED_PRECISIONS
 
 if TYPE_CHECKING:
     import torch
@@ -197,6 +198,13 @@ class PlannerOptions:
             picks the fastest split that fits (``plan.recompute_stages``, which a Pipeline
             follows); ``False``: no stage recomputes. A Pipeline also takes ``True`` (every
             stage) or a list of stage indices, to checkpoint by hand.
+        mixed_precision: ``"bf16"`` or ``"fp16"``: the model trains under ``torch.autocast``
+            in that dtype, its weights, gradients and optimizer state in float32. The planner
+            profiles the segments under autocast; a Pipeline runs every step, evaluation and
+            forward under it, its stage boundaries carry the dtypes autocast produces (a
+            bfloat16 activation crosses a cut in bfloat16), and in pp x dp with ``"fsdp"``
+            FSDP2 gathers parameters in that dtype and reduces gradients in float32
+            (``MixedPrecisionPolicy``). None (default): the model's own precision.
         target: A framework whose stages the plan is for, one of :data:`TARGETS`: the
             planner cuts only where that framework can (``"torchtitan"``: before a child of
             the model or an entry of its layer container, ``layers.3``; ``"megatron"``: between
@@ -226,6 +234,7 @@ class PlannerOptions:
     stages_per_rank: int | None = None
     recompute: str | bool | Sequence[int] = "auto"
     target: str | None = None
+    mixed_precision: str | None = None
 
     def __post_init__(self) -> None:
         if self.profiling is not None and not isinstance(self.profiling, ProfileOptions):
@@ -234,6 +243,8 @@ class PlannerOptions:
         check_choice("PlannerOptions objective", self.objective, OBJECTIVES)
         if self.target is not None:
             check_choice("PlannerOptions target", self.target, TARGETS)
+        if self.mixed_precision is not None:
+            check_choice("PlannerOptions mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
         for name in ("global_batch", "stages_per_rank"):
             if getattr(self, name) is not None:
                 check_int(f"PlannerOptions {name}", getattr(self, name), not_int=TypeError)
@@ -251,7 +262,8 @@ class PlannerOptions:
         if isinstance(value, cls):
             return value
         raise TypeError(f"planner={value!r} must be an autopipe.PlannerOptions (devices, memory, cost, profiling, "
-                        "objective, optimizer, global_batch, stages_per_rank, recompute) or None")
+                        "objective, optimizer, global_batch, stages_per_rank, recompute, target, "
+                        "mixed_precision) or None")
 
 
 def resolve_devices(n_gpus: int, devices: Device | Sequence[Device] | None,

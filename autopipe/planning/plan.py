@@ -80,6 +80,7 @@ class Plan:
     whole_pass: WholePass | None = None  # the whole graph timed beside the segments
     global_batch: int | None = None  # samples per optimizer step, when given
     microbatch_rows: int | None = None  # the traced example's batch size: one micro-batch, when it has one
+    mixed_precision: str = ""  # "bf16" or "fp16" when planned for autocast in that dtype
     scaling_fit_error: dict[str, float] = field(default_factory=dict)  # quantity -> worst relative fit error
     calibration: Calibration | None = None  # set by calibrate()
     tuning: TuningRecord | None = None  # set by autopipe.tune: the real steps measured

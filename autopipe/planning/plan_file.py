@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, TypeVar
 from ..errors import PlanFileError
 from ..machine.passes import WholePass
 from .costmodel import StepTail
+from ..machine.precision import MIXED_PRECISIONS
 from .options import TARGETS
 from .plan_records import (BaselinePlan, Calibration, DataParallelRecord, Factorization, Link, MachineModel,
                            PlanSegment, ScheduleAlternative, SearchRecord, StagePlan, TuningRecord)
@@ -447,6 +448,8 @@ def plan_from_data(data: Any, cls: type[PlanT], *, path: str | None = None) -> P
         "model_name": c.text,
         "target": lambda f, v: c.text(f, v) if v in ("", *TARGETS) else c.bad(f, v, f"one of {['', *TARGETS]}"),
         "microbatch_rows": lambda f, v: None if v is None else c.integer(f, v, 1),
+        "mixed_precision": lambda f, v: c.text(f, v) if v in ("", *MIXED_PRECISIONS) else c.bad(
+            f, v, f"one of {['', *MIXED_PRECISIONS]}"),
         "segment_names": lambda f, v: c.sequence(f, v, c.text),
         "recompute_stages": lambda f, v: c.sequence(f, v, lambda g, x: c.integer(g, x, 0, MAX_STAGES)),
         # Pipeline x data parallel (optional: files without them are one replica).

@@ -37,6 +37,7 @@ from .options import DataParallelOptions, PlannerOptions, ProfileOptions, resolv
 from ..machine.host_memory import PeakResidentMemory
 from ..machine.speed import counting_flops
 from ..machine.timing import resolve_device
+from ..machine.precision import mixed_precision_context
 from .default_loss import charged_loss
 from .cost_sources import COST_SOURCES, MEASURED, CostSource, cost_source
 from .profile import LossCost, SegmentCosts, coarsened, profile_segments
@@ -106,7 +107,8 @@ def partition(
             pipeline that runs no loss).
         planner: The hardware, the cost source and the search's settings, a
             :class:`~autopipe.planning.options.PlannerOptions` (devices, memory, cost,
-            profiling, objective, optimizer, global_batch, stages_per_rank, recompute, target);
+            profiling, objective, optimizer, global_batch, stages_per_rank, recompute, target,
+            mixed_precision);
             the same value configures :class:`~autopipe.Pipeline`. None: its defaults (this
             machine's device, memory unlimited, costs measured, Adam's state counted).
         data_parallel: Replicas of the pipeline (pipeline x data parallel): 1 (default, a pure
@@ -186,7 +188,7 @@ def plan_partition(
     n_microbatches: int | str | None = None, data_parallel: int | str | DataParallelOptions = 1,
     global_batch: int | None = None, stages_per_rank: int | None = None, objective: str = "step", memory: Any = None,
     devices: Any = None, optimizer: Any = "adam", cost: Any = "measured", profiling: ProfileOptions | None = None,
-    recompute: str | bool = "auto", target: str | None = None,
+    recompute: str | bool = "auto", target: str | None = None, mixed_precision: str | None = None,
 ) -> Plan:
     """``partition`` with the planner's options as keywords (what pp x dp planning calls per layout)."""
     # ---- validate everything before any work
@@ -205,7 +207,8 @@ def plan_partition(
             plan_partition, model, n_gpus, example_args, example_kwargs, data_parallel=degree, dp_mode=dp_mode,
             global_batch=global_batch, n_microbatches=n_microbatches, devices=devices, optimizer=optimizer,
             schedule=schedule, stages_per_rank=stages_per_rank, objective=objective, memory=memory, loss_fn=loss_fn,
-            example_target=example_target, cost=cost, profiling=profiling, recompute=recompute, target=target)
+            example_target=example_target, cost=cost, profiling=profiling, recompute=recompute, target=target,
+            mixed_precision=mixed_precision)
     source, costs, scaling = _cost_inputs(cost)
     wanted = _resolve_options(n_gpus, schedule, n_microbatches, global_batch, stages_per_rank, costs, scaling)
     opt_name, opt_factor = optimizer_state_factor(optimizer)
@@ -265,17 +268,19 @@ def plan_partition(
     needed = min((n_gpus * v for pairs in pairs_for.values() for _, v in pairs), default=n_gpus)
     if not any(pairs_for.values()) or needed > traced.num_segments:
         raise _too_many_stages(n_gpus, needed, traced)
-    if wanted.auto_microbatches and scaling is None:
-        scaling = profile_scaling(model, example_args, example_kwargs,
-                                  sizes=_scaling_sizes(global_batch, wanted.n_microbatches),
-                                  cost=source, traced=fine, **measure)
-    if not wanted.auto_microbatches and costs is None:
-        costs = profile_segments(traced, cost=source, **measure)
-    # The loss given, or the one a model of this kind trains with (default_loss), or a note saying there is none.
-    loss, loss_note = charged_loss(model, traced, loss_fn, example_target, device=measure["device"],
-                                   warmup=profiling.warmup,
-                                   repeats=profiling.repeats, cost_source=source,
-                                   profile_given=not isinstance(cost, str))
+    # Measured in the precision the model will train in: under autocast, as the stages will run.
+    with mixed_precision_context(mixed_precision, torch.device(measure["device"])):
+        if wanted.auto_microbatches and scaling is None:
+            scaling = profile_scaling(model, example_args, example_kwargs,
+                                      sizes=_scaling_sizes(global_batch, wanted.n_microbatches),
+                                      cost=source, traced=fine, **measure)
+        if not wanted.auto_microbatches and costs is None:
+            costs = profile_segments(traced, cost=source, **measure)
+        # The loss given, or the one a model of this kind trains with (default_loss), or a note saying there is none.
+        loss, loss_note = charged_loss(model, traced, loss_fn, example_target, device=measure["device"],
+                                       warmup=profiling.warmup,
+                                       repeats=profiling.repeats, cost_source=source,
+                                       profile_given=not isinstance(cost, str))
     graphs = _cost_graphs(traced, wanted.n_microbatches, global_batch, costs=costs,
                           scaling=scaling if wanted.auto_microbatches else None, loss=loss, fine=fine)
 
@@ -320,6 +325,7 @@ def plan_partition(
     if plan.whole_pass is not None and plan.whole_pass.round_spread > NOISY_PROFILE_SPREAD:
         plan.notes = [*plan.notes, noisy_profile_note(plan.whole_pass.round_spread)]
     plan.global_batch = global_batch
+    plan.mixed_precision = mixed_precision or ""
     plan.microbatch_rows = example_batch_size(example_args, example_kwargs)
     plan.target = target or ""
     if wanted.auto_microbatches and scaling is not None:

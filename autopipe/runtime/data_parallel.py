@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..machine.precision import precision_dtype
 from ..planning.schedules import schedule_spec
 from .params import stage_state
 
@@ -159,15 +160,26 @@ class DataParallel:
             t.copy_(flat[offset: offset + t.numel()].view_as(t).to(t.dtype))
             offset += t.numel()
 
-    def shard_modules(self, modules: Mapping[int, nn.Module], stages: Sequence[Any]) -> None:
-        """FSDP2 ``fully_shard`` on every stage module over the ``dp`` sub-mesh (``"fsdp"`` only)."""
-        from torch.distributed.fsdp import fully_shard
+    def shard_modules(self, modules: Mapping[int, nn.Module], stages: Sequence[Any],
+                      mixed_precision: str | None = None) -> None:
+        """FSDP2 ``fully_shard`` on every stage module over the ``dp`` sub-mesh (``"fsdp"`` only).
 
+        With a mixed precision, gradients are reduced in float32 and, on a GPU, parameters
+        gathered in its dtype (``MixedPrecisionPolicy``, torchtitan's setting for bf16
+        training). On the CPU they are gathered in float32 and autocast casts them where it
+        computes: the CPU kernels of layer and batch norm take float32 weights only.
+        """
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        policy = MixedPrecisionPolicy()
+        if mixed_precision:
+            gathered = precision_dtype(mixed_precision) if self.mesh.device_type != "cpu" else None
+            policy = MixedPrecisionPolicy(param_dtype=gathered, reduce_dtype=torch.float32)
         dp_mesh = self.mesh["dp"]
         for stage in stages:
             module = modules[stage.stage_index]
             # Gathered once per step, not once per micro-batch (torchtitan's setting under pipelining).
-            fully_shard(module, mesh=dp_mesh, reshard_after_forward=False)
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
             stage.submod = module
 
     @torch.no_grad()
@@ -204,7 +216,7 @@ def resolve_data_parallel(mesh: DeviceMesh | None, dp_degree: int | None, dp_mod
     return DataParallel.from_mesh(mesh, mode=dp_mode, batch=batch)
 
 
-def prepare_replicas(dp: DataParallel, built: Any, schedule: str) -> None:
+def prepare_replicas(dp: DataParallel, built: Any, schedule: str, mixed_precision: str | None = None) -> None:
     """Make the replicas of this rank's stages equal, and shard them under ``"fsdp"`` (collective)."""
     if dp.mode == "fsdp":
         spec = schedule_spec(schedule)
@@ -222,7 +234,7 @@ def prepare_replicas(dp: DataParallel, built: Any, schedule: str) -> None:
             seen.setdefault(id(t), t)
     dp.synchronize(seen.values())
     if dp.mode == "fsdp":
-        dp.shard_modules(built.train_modules, built.train_stages)
+        dp.shard_modules(built.train_modules, built.train_stages, mixed_precision)
         state: dict[str, torch.Tensor] = {}
         for module in modules:
             for canon, (_, tensor) in stage_state(module, built.names).items():

@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .._checks import check_int
+from ..machine.precision import mixed_precision_context
 from ..planning.options import DataParallelOptions, PlannerOptions
 from ..planning.plan import Plan
 from ..planning.schedules import TRAINING_STEP_KWARGS, stage_ranks
@@ -184,6 +185,8 @@ class Pipeline(PipelineLifecycle):
         self.has_last_stage: bool = self.num_stages - 1 in self.stage_indices
         self.training: bool = model.training
         self._loss_fn = loss_fn
+        #: ``"bf16"`` or ``"fp16"``: every step, evaluation and forward runs under ``torch.autocast``.
+        self.mixed_precision: str | None = request.planner.mixed_precision or self.plan.mixed_precision or None
 
         # ---- 4. build this rank's stages from a private copy of the model
         built = build_rank_stages(
@@ -192,9 +195,10 @@ class Pipeline(PipelineLifecycle):
             example=(tuple(example_args), dict(example_kwargs or {})), training=self.training,
             checkpointed=resolve_recompute(request.planner.recompute, self.num_stages, self.plan.recompute_stages),
             init_weights=init_weights, weights=weights, pp_rank=self.pp_rank,
-            replicas=dp.replicas if dp else None, pp_group=dp.pp_group if dp else None)
+            replicas=dp.replicas if dp else None, pp_group=dp.pp_group if dp else None,
+            mixed_precision=self.mixed_precision)
         if dp:
-            prepare_replicas(dp, built, self.schedule)
+            prepare_replicas(dp, built, self.schedule, self.mixed_precision)
         self._batch = built.batch
         self._names = built.names
         self._train_modules = built.train_modules
@@ -219,6 +223,10 @@ class Pipeline(PipelineLifecycle):
                                   has_first_stage=self.has_first_stage, has_last_stage=self.has_last_stage,
                                   device=self.device, placeholder_target=self._inference.placeholder_target,
                                   unwritten=built.unwritten)
+
+    def _autocast(self) -> Any:
+        """The pipeline's mixed precision around a schedule's run (nothing without one)."""
+        return mixed_precision_context(self.mixed_precision, self.device)
 
     def _comm_device(self) -> torch.device:
         return collective_device(self.device)
@@ -265,7 +273,7 @@ class Pipeline(PipelineLifecycle):
         for _, leaf in self._use_leaves:  # a failed step's per-use gradients belong to no step
             leaf.grad = None
         losses: list[torch.Tensor] = []
-        with self._failures.guard("step", self.rank):
+        with self._failures.guard("step", self.rank), self._autocast():
             self._train_schedule.step(*stage_args, target=stage_target, losses=losses, **TRAINING_STEP_KWARGS,
                                       **stage_kwargs)
             loss = self._share_loss(losses)  # also tells every rank whether any rank failed
@@ -347,7 +355,7 @@ class Pipeline(PipelineLifecycle):
         if self._loss_fn is None:
             raise RuntimeError("evaluate() needs a loss; construct the Pipeline with loss_fn=...")
         placed = self._open("evaluate", args, kwargs, target)
-        with self._failures.guard("evaluate", self.rank):
+        with self._failures.guard("evaluate", self.rank), self._autocast():
             _, losses = self._inference.run(*placed, training=self.training, with_loss=True)
             return self._share_loss(losses)
 
@@ -372,7 +380,7 @@ class Pipeline(PipelineLifecycle):
         """
         self._check_usable()
         placed = self._open("forward", args, kwargs, None)
-        with self._failures.guard("forward", self.rank):
+        with self._failures.guard("forward", self.rank), self._autocast():
             output, _ = self._inference.run(*placed, training=self.training, with_loss=False)
             agree_on_failures(self._failures, rank=self.rank, world_size=self.world_size, device=self._comm_device())
         return self._batch.io.unflatten_output(output) if self.has_last_stage else None

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from .._checks import check_int
+from ..machine.precision import mixed_precision_context
 from ..planning.default_loss import pipeline_loss, traced_output
 from ..planning.cost_sources import CostSource, cost_source
 from ..planning.options import PlannerOptions, ProfileOptions
@@ -154,8 +155,9 @@ def _plan_on_rank0(request: PlanRequest, model: nn.Module, example_args: tuple, 
     if profile_together:  # every rank at once, before rank 0 plans from their mean
         from ..planning.rank_profile import profile_in_ranks
 
-        kwargs["cost"] = profile_in_ranks(model, example_args, example_kwargs, device=profiling.device,
-                                          **rank_profile_settings(profiling))
+        with mixed_precision_context(planner.mixed_precision, torch.device(profiling.device)):
+            kwargs["cost"] = profile_in_ranks(model, example_args, example_kwargs, device=profiling.device,
+                                              **rank_profile_settings(profiling))
     outcome: tuple[str, Any] | None = None
     if rank == 0:
         try:

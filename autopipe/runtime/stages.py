@@ -26,6 +26,7 @@ from .materialize import (WeightSource, check_state_fits, describe_weights, load
 from .compat import (VStage, guard_stage_boundaries, make_boundary_tensors_sendable, rename_nodes_shadowing_self,
                      safe_submodule_outlining, stage_call_order, stages_in_split_order, static_stage_meta)
 from .distributed import gather_digests, raise_on_every_rank
+from .mixed_precision import carry_autocast_dtypes
 from .model_io import ModelIO, TracedBatch, capture_export
 from .params import (StateNames, first_model_difference, first_use_ranks, model_signature, model_state_names,
                      shared_parameters, stage_state, tie_aliases, used_attribute_names)
@@ -33,7 +34,8 @@ from .relay import relay_skip_connections
 from .step_failures import PlayThroughLoss, StepFailures, play_through_forward
 
 def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict], *, training: bool,
-                expected: int, unless_graph: list[str] | None = None) -> Any:
+                expected: int, unless_graph: list[str] | None = None,
+                autocast: tuple[str, torch.device] | None = None) -> Any:
     """``pipeline()`` on ``model`` in the given mode, each stage module ready to run split.
 
     The model's forwards are left as they were: torch's ``annotate_split_points`` wraps the
@@ -42,7 +44,9 @@ def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict],
     :class:`~autopipe.runtime.model_io.ModelIO` of the traced call.
 
     With ``unless_graph`` (another trace's :func:`graph_text`), the split is skipped and None
-    returned when this trace computes the same graph: the export alone tells.
+    returned when this trace computes the same graph: the export alone tells. With
+    ``autocast`` (a mixed precision and the device the stages run on), the stage boundaries
+    carry the dtypes autocast gives them there (:mod:`~autopipe.runtime.mixed_precision`).
 
     Raises:
         ValueError: the split did not give ``expected`` stages (a split point that is not
@@ -95,6 +99,9 @@ def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict],
     pipe.autopipe_graph = graph_text(exported[0].graph) if exported else None
     # torch's schedules and stages only pass tensors between neighbouring stages.
     relay_skip_connections(pipe)
+    if autocast is not None:  # before the boundaries are made sendable: they record the dtypes sent
+        carry_autocast_dtypes([pipe.get_stage_module(s) for s in range(pipe.num_stages)],
+                              pipe.autopipe_io.stage_inputs(tuple(example[0]), dict(example[1])), *autocast)
     for s in range(pipe.num_stages):
         # A received input is a leaf that requires grad: one the stage (or a submodule it
         # calls) writes in place, as ReLU(inplace=True) does, gets a copy (autopipe.planning.inplace).
@@ -161,7 +168,8 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
                       training: bool, checkpointed: Sequence[int],
                       init_weights: Callable[[nn.Module], Any] | None = None,
                       weights: WeightSource | None = None, pp_rank: int | None = None,
-                      replicas: Sequence[Sequence[int]] | None = None, pp_group: Any = None) -> RankStages:
+                      replicas: Sequence[Sequence[int]] | None = None, pp_group: Any = None,
+                      mixed_precision: str | None = None) -> RankStages:
     """Split a private copy of ``model`` at the plan's split points and build this rank's stages."""
     # Before anything is traced: ranks with different models would split differently and
     # disagree on the shared parameters' process groups.
@@ -184,12 +192,14 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
     meta = on_meta(local_model)
     # A meta model is traced with meta inputs; the batch is still checked against the real example.
     traced_example = to_meta(example) if meta else example
-    train_pipe = split_model(local_model, split_spec, traced_example, training=True, expected=num_stages)
+    autocast = (mixed_precision, device) if mixed_precision else None
+    train_pipe = split_model(local_model, split_spec, traced_example, training=True, expected=num_stages,
+                             autocast=autocast)
     # torch.export bakes train/eval behaviour (dropout, batch-norm statistics, branches on
     # `self.training`) into the graph, so inference in eval mode needs its own trace over the
     # same tensors wherever the two traces differ.
     eval_pipe = split_model(local_model, split_spec, traced_example, training=False, expected=num_stages,
-                            unless_graph=train_pipe.autopipe_graph)
+                            unless_graph=train_pipe.autopipe_graph, autocast=autocast)
 
     # What each stage uses, under the original names: every rank computes it for every
     # stage, so all ranks agree on which parameters are shared and by whom.
