@@ -290,6 +290,7 @@ def checkpointing_and_modes_run(rank: int, world_size: int) -> dict:
         result[f"only_needed_{schedule}"] = against_reference(pipe, model, loss, loss_fn(model(x), y))
         result[f"only_needed_eval_{schedule}"] = (pipe.evaluate(*inputs, target=target).item(),
                                                   loss_fn(model(x), y).item())
+    result["short"] = short_batch_run(rank, world_size)
 
     # Stage times inside running steps (ZBV: two stages per rank, the backward split in B and W).
     pipe = build(tutorial_model(), "ZBVZeroBubble", 4)
@@ -370,4 +371,26 @@ def errors_run(rank: int, world_size: int, plan_path: str) -> dict:
     planned.plan.save(path)
     reloaded = Pipeline(model, example_args=example_args(), loss_fn=loss_fn, plan=path)
     result["plan_file_step"] = reloaded.step(x, target=y).item()
+    return result
+
+
+def short_batch_run(rank: int, world_size: int) -> dict:
+    """A batch of 3 micro-batches (and 1) on pipelines built for 4, against the unsplit model on the same rows."""
+    result: dict = {}
+    x, y = tutorial_batch(0)
+    for schedule, n_stages in (("1F1B", 2), ("Interleaved1F1B", 4), ("ZBVZeroBubble", 4)):
+        for held in (3, 1):
+            rows = held * MICROBATCH
+            model = tutorial_model()
+            pipe = build(model, schedule, n_stages)
+            inputs = (x[:rows],) if 0 in pipe.stage_indices else ()
+            target = y[:rows] if n_stages - 1 in pipe.stage_indices else None
+            loss = pipe.step(*inputs, target=target)
+            case = against_reference(pipe, model, loss, loss_fn(model(x[:rows]), y[:rows]))
+            case["eval"] = (pipe.evaluate(*inputs, target=target).item(), loss_fn(model(x[:rows]), y[:rows]).item())
+            out = pipe(*inputs)
+            case["forward_diff"] = None if out is None else (out - model(x[:rows])).abs().max().item()
+            case["full_after"] = pipe.step(x, target=y).item()  # a whole batch again: every micro-batch counts
+            case["ref_full"] = loss_fn(model(x), y).item()
+            result[f"{schedule}-{held}"] = case
     return result

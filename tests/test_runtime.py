@@ -251,6 +251,20 @@ def test_a_rank_is_given_only_what_its_stages_read(schedule):
         assert abs(loss - ref) < 1e-5
 
 
+@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
+@pytest.mark.parametrize("held", [3, 1])
+def test_a_short_last_batch_of_whole_micro_batches_gives_the_unsplit_result(schedule, held):
+    # Built for 4 micro-batches of 2 rows; given 6 (or 2) rows, as a DataLoader's last batch.
+    for r in checkpointing_results():
+        case = r["short"][f"{schedule}-{held}"]
+        assert abs(case["loss"] - case["ref_loss"]) < 1e-5
+        assert max(case["grad_diff"].values()) < 1e-5, case["grad_diff"]
+        assert abs(case["eval"][0] - case["eval"][1]) < 1e-5
+        assert case["forward_diff"] is None or case["forward_diff"] < 1e-5
+        assert abs(case["full_after"] - case["ref_full"]) < 1e-5  # the next whole batch counts every micro-batch
+    assert any(r["short"][f"{schedule}-{held}"]["forward_diff"] is not None for r in checkpointing_results())
+
+
 def test_step_in_eval_mode_asks_for_train():
     assert "pipe.train()" in checkpointing_results()[0]["step_in_eval_mode"]
 

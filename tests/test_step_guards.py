@@ -85,6 +85,9 @@ def test_a_call_one_rank_refuses_is_refused_on_every_rank_and_later_steps_stay_e
     assert rank0["outcomes"]["wrong_batch_on_rank_0"].startswith("ValueError: input args[0] of the batch has shape")
     assert rank1["outcomes"]["wrong_batch_on_rank_0"].startswith("PipelineStepError:")
     for r in (rank0, rank1):
+        assert r["outcomes"]["different_counts"].startswith(
+            "ValueError: the ranks' batches hold different numbers of micro-batches ([2, 4])"), r["outcomes"]
+    for r in (rank0, rank1):
         assert r["outcomes"]["numpy_target"].startswith("ValueError: target holds a ndarray"), r["outcomes"]
         assert len(r["losses"]) == 3
         assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) < TOL, r

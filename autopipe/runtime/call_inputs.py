@@ -6,7 +6,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from .compat import to_stage_device
 from .materialize import check_written
@@ -27,12 +27,15 @@ class CallInputs:
         self.device = device
         self.placeholder_target = placeholder_target
         self.unwritten = dict(unwritten or {})
+        #: The micro-batches of the last call's batch that are real (fewer in a short last batch).
+        self.real_microbatches = n_microbatches
 
     def open(self, call: str, args: tuple, kwargs: dict, target: Any, failures: StepFailures, *, rank: int,
              world_size: int, comm_device: torch.device) -> tuple[tuple, dict, Any]:
         """This rank's share of the batch, checked and placed, once every rank agreed to start ``call``."""
         error: BaseException | None = None
         placed: tuple[tuple, dict, Any] = ((), {}, None)
+        held, target_rows = 0, 0
         try:
             if self.unwritten:  # loaded since construction, or still an error
                 check_written(self.unwritten)
@@ -43,8 +46,8 @@ class CallInputs:
             need_inputs = self.has_first_stage or bool(args) or bool(kwargs)
             need_target = call != "forward" and (self.has_last_stage or target is not None)
             try:
-                self.batch.check(args, kwargs, target, need_target=need_target, need_inputs=need_inputs,
-                                 replicas=self.data_parallel.batch_replicas if self.data_parallel else 1)
+                held = self.batch.check(args, kwargs, target, need_target=need_target, need_inputs=need_inputs,
+                                        replicas=self.data_parallel.batch_replicas if self.data_parallel else 1)
             except ValueError as e:
                 dp = self.data_parallel
                 if dp is None or dp.batch == "global":
@@ -53,11 +56,26 @@ class CallInputs:
                                  "shards as a DistributedSampler yields them; for the global batch on every rank, "
                                  "use DataParallelOptions(batch='global'))") from None
             args, kwargs, target = self.shard(args, kwargs, target)
+            target_rows = _rows(target) if need_target else 0
             placed = self.place(args, kwargs, self.placeholder_target() if target is None else target)
         except Exception as e:  # noqa: BLE001 - raised by agree_to_start, after every rank has heard of it
             error = e
-        failures.agree_to_start(call, error, rank=rank, world_size=world_size, device=comm_device)
+        self.real_microbatches = failures.agree_to_start(
+            call, error, rank=rank, world_size=world_size, device=comm_device, microbatches=held,
+            target_rows=target_rows) or self.n_microbatches
+        if self.real_microbatches < self.n_microbatches:  # a short last batch: filled up, the rest weighs nothing
+            placed = (_fill(placed[0], self.real_microbatches, self.n_microbatches), placed[1],
+                      _fill(placed[2], self.real_microbatches, self.n_microbatches) if target is not None
+                      else placed[2])
         return placed
+
+    def trim(self, output: Any) -> Any:
+        """The last call's merged output without the rows that filled up a short last batch."""
+        held, n = self.real_microbatches, self.n_microbatches
+        if held >= n:
+            return output
+        return tree_map(lambda t: t[: t.shape[0] * held // n] if isinstance(t, torch.Tensor) and t.dim() else t,
+                        output)
 
     def shard(self, args: tuple, kwargs: dict, target: Any) -> tuple[tuple, dict, Any]:
         """This replica's rows of the batch given (all of it unless it is the global batch)."""
@@ -74,3 +92,27 @@ class CallInputs:
         if self.has_last_stage and target is not None:
             stage_target = tree_map(lambda t: to_stage_device(t, self.device), target)
         return stage_args, {}, stage_target
+
+
+def _rows(value: Any) -> int:
+    """The first dimension of the first tensor in ``value`` (0 without one)."""
+    for t in tree_flatten(value)[0]:
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            return int(t.shape[0])
+    return 0
+
+
+def _fill(value: Any, held: int, n_microbatches: int) -> Any:
+    """``value``'s ``held`` micro-batches followed by copies of its first, up to ``n_microbatches``.
+
+    Example:
+        >>> _fill((torch.arange(4),), 2, 4)
+        (tensor([0, 1, 2, 3, 0, 1, 0, 1]),)
+    """
+    def fill(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        first = t[: t.shape[0] // held]
+        return torch.cat([t, *([first] * (n_microbatches - held))])
+
+    return tree_map(fill, value)

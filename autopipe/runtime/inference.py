@@ -43,6 +43,7 @@ class Inference:
         #: Whether torch can run this schedule forward-only (``schedule.eval``).
         self.forward_only: bool = schedule_spec(schedule).placement != "v" and hasattr(schedule_class(schedule), "eval")
         self._schedules: dict[tuple[bool, bool], Any] = {}  # (training, with_loss) -> schedule
+        self._losses: dict[tuple[bool, bool], MicrobatchMeanLoss] = {}  # the losses of those with one
 
     def placeholder_target(self) -> torch.Tensor | None:
         """What to pass as the target of a call without one: what :func:`zero_loss` ignores, one
@@ -61,7 +62,7 @@ class Inference:
                 # a forward-only run would overwrite for the training schedule.
                 stages = [rewrap_stage(st, modules[st.stage_index]) for st in self._train_stages]
             if with_loss:
-                loss = MicrobatchMeanLoss(self._loss_fn, self._n_microbatches, self._batch.io)
+                loss = self._losses[key] = MicrobatchMeanLoss(self._loss_fn, self._n_microbatches, self._batch.io)
             else:  # without forward-only support a backward runs too: it needs a loss
                 loss = None if self.forward_only else zero_loss
             self._schedules[key] = make_schedule(self._schedule, stages, self._n_microbatches, loss,
@@ -69,9 +70,14 @@ class Inference:
         return self._schedules[key]
 
     def run(self, stage_args: tuple, stage_kwargs: dict, stage_target: Any, *, training: bool,
-            with_loss: bool) -> tuple[Any, list[torch.Tensor]]:
-        """Forward every micro-batch without training; return the merged output and the losses."""
+            with_loss: bool, held: int | None = None) -> tuple[Any, list[torch.Tensor]]:
+        """Forward every micro-batch without training; return the merged output and the losses.
+
+        ``held``: the real micro-batches of a short last batch (the rest weigh nothing).
+        """
         schedule = self._schedule_for(training=training, with_loss=with_loss)
+        if with_loss:
+            self._losses[(training, with_loss)].start(held or self._n_microbatches)
         losses: list[torch.Tensor] = []
         if self.forward_only:
             with torch.no_grad():

@@ -126,11 +126,15 @@ class TracedBatch:
 
     Example:
         >>> io = ModelIO.from_example((torch.ones(2, 3),), {}, None)
-        >>> TracedBatch(io, ((torch.ones(2, 3),), {}), 4).check((torch.ones(8, 3),), {}, None, need_target=False)
-        >>> TracedBatch(io, ((torch.ones(2, 3),), {}), 4).check((torch.ones(6, 3),), {}, None, need_target=False)
+        >>> batch = TracedBatch(io, ((torch.ones(2, 3),), {}), 4)
+        >>> batch.check((torch.ones(8, 3),), {}, None, need_target=False)  # the micro-batches it holds
+        4
+        >>> batch.check((torch.ones(6, 3),), {}, None, need_target=False)  # a short last batch
+        3
+        >>> batch.check((torch.ones(5, 3),), {}, None, need_target=False)
         Traceback (most recent call last):
         ...
-        ValueError: input args[0] of the batch has shape (6, 3), which does not split into n_microbatches=4 micro-batches shaped like the example (2, 3); pass a batch of shape (8, 3)
+        ValueError: input args[0] of the batch has shape (5, 3), which does not split into n_microbatches=4 micro-batches shaped like the example (2, 3); pass a batch of shape (8, 3) (or, for a short last batch, fewer whole micro-batches of 2 rows)
     """
 
     def __init__(self, io: ModelIO, example: tuple[tuple, dict], n_microbatches: int) -> None:
@@ -153,23 +157,32 @@ class TracedBatch:
         return self.io.stage_inputs(tuple(args), self.as_traced(kwargs))
 
     def check(self, args: tuple, kwargs: dict, target: Any, *, need_target: bool, replicas: int = 1,
-              need_inputs: bool = True) -> None:
-        """Raise ``ValueError`` unless the batch splits into micro-batches shaped like the traced one."""
+              need_inputs: bool = True) -> int:
+        """The micro-batches per replica the batch holds (0 when its inputs are not checked).
+
+        Raises ``ValueError`` unless they are shaped like the traced one.
+
+        A batch of one replica (``replicas == 1``) may hold fewer than ``n_microbatches``
+        whole micro-batches: a short last batch.
+        """
         m = self.n_microbatches * replicas
         split = f"n_microbatches={self.n_microbatches} micro-batches" + (
             f" for each of dp={replicas} replicas (the global batch)" if replicas > 1 else "")
-        if need_inputs:
-            self._check_inputs(args, kwargs, m, split, replicas)
+        held = self._check_inputs(args, kwargs, m, split, replicas) if need_inputs else 0
         if need_target:
-            self._check_target(target, m, split)
+            # Without the inputs a short last batch's count is not known here: the ranks settle
+            # it as they agree to start (StepFailures.agree_to_start).
+            self._check_target(target, held or (m if replicas > 1 else 1), split)
+        return held // replicas
 
-    def _check_inputs(self, args: tuple, kwargs: dict, m: int, split: str, replicas: int) -> None:
+    def _check_inputs(self, args: tuple, kwargs: dict, m: int, split: str, replicas: int) -> int:
         if len(args) != len(self.example[0]):
             raise ValueError(f"the batch has {len(args)} positional inputs, but the pipeline was traced with "
                              f"{len(self.example[0])}")
         # Flattened the way the first stage takes them: keywords matched by name (a missing
         # or unknown keyword is named by flatten_inputs).
         given = self.io.flatten_inputs(tuple(args), self.as_traced(kwargs))
+        held: set[int] = set()
         for label, x, ex in zip(self.labels, given, self.inputs):
             if not isinstance(ex, torch.Tensor):
                 # torch.export bakes a non-tensor input into the graph as the traced value:
@@ -186,13 +199,23 @@ class TracedBatch:
             if ex.dim() == 0:
                 continue
             expected = (ex.shape[0] * m, *ex.shape[1:])
-            if tuple(x.shape) != expected:
+            # A short last batch: fewer whole micro-batches (one replica's batch only).
+            k = x.shape[0] // ex.shape[0] if x.dim() and ex.shape[0] and replicas == 1 else m
+            short = 0 < k < m and tuple(x.shape) == (ex.shape[0] * k, *ex.shape[1:])
+            if tuple(x.shape) != expected and not short:
                 raise ValueError(
                     f"input {label} of the batch has shape {tuple(x.shape)}"
                     + (f" (a global batch of {x.shape[0] if x.dim() else 0} rows)" if replicas > 1 else "")
                     + f", which does not split into {split} shaped like the example {tuple(ex.shape)}; "
                     f"pass a batch of shape {expected}"
+                    + (f" (or, for a short last batch, fewer whole micro-batches of {ex.shape[0]} rows)"
+                       if replicas == 1 else "")
                 )
+            held.add(k if short else m)
+        if len(held) > 1:
+            raise ValueError(f"the batch's inputs hold different numbers of micro-batches ({sorted(held)}); every "
+                             "input must have the same number of rows")
+        return held.pop() if held else m
 
     @staticmethod
     def _check_target(target: Any, m: int, split: str) -> None:

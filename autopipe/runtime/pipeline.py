@@ -212,10 +212,10 @@ class Pipeline(PipelineLifecycle):
         # What state dicts and checkpoints read and write (runtime/sharded_state.py).
         self._local = RankState(built.names, built.state, built.unheld_state, self.rank, self.world_size)
         self._train_schedule = None
+        self._train_loss = MicrobatchMeanLoss(loss_fn, self.n_microbatches, built.batch.io)
         if loss_fn is not None:
             self._train_schedule = make_schedule(self.schedule, self._train_stages, self.n_microbatches,
-                                                 MicrobatchMeanLoss(loss_fn, self.n_microbatches, built.batch.io),
-                                                 self._failures, self.device)
+                                                 self._train_loss, self._failures, self.device)
         self._inference = Inference(built, num_stages=self.num_stages, schedule=self.schedule,
                                     n_microbatches=self.n_microbatches, loss_fn=loss_fn, failures=self._failures,
                                     device=self.device)
@@ -273,6 +273,7 @@ class Pipeline(PipelineLifecycle):
         for _, leaf in self._use_leaves:  # a failed step's per-use gradients belong to no step
             leaf.grad = None
         losses: list[torch.Tensor] = []
+        self._train_loss.start(self._inputs.real_microbatches)
         with self._failures.guard("step", self.rank), self._autocast():
             self._train_schedule.step(*stage_args, target=stage_target, losses=losses, **TRAINING_STEP_KWARGS,
                                       **stage_kwargs)
@@ -356,7 +357,8 @@ class Pipeline(PipelineLifecycle):
             raise RuntimeError("evaluate() needs a loss; construct the Pipeline with loss_fn=...")
         placed = self._open("evaluate", args, kwargs, target)
         with self._failures.guard("evaluate", self.rank), self._autocast():
-            _, losses = self._inference.run(*placed, training=self.training, with_loss=True)
+            _, losses = self._inference.run(*placed, training=self.training, with_loss=True,
+                                            held=self._inputs.real_microbatches)
             return self._share_loss(losses)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -383,7 +385,7 @@ class Pipeline(PipelineLifecycle):
         with self._failures.guard("forward", self.rank), self._autocast():
             output, _ = self._inference.run(*placed, training=self.training, with_loss=False)
             agree_on_failures(self._failures, rank=self.rank, world_size=self.world_size, device=self._comm_device())
-        return self._batch.io.unflatten_output(output) if self.has_last_stage else None
+        return self._batch.io.unflatten_output(self._inputs.trim(output)) if self.has_last_stage else None
 
     __call__ = forward
 

@@ -357,7 +357,11 @@ def rewrap_stage(stage: PipelineStage, module: nn.Module) -> PipelineStage:
 
 
 class MicrobatchMeanLoss:
-    """The user's per-micro-batch loss divided by the number of micro-batches.
+    """The user's per-micro-batch loss divided by the number of micro-batches a call holds.
+
+    A short last batch holds fewer micro-batches than the schedule runs: the runtime fills
+    it up with copies (``call_inputs``), and :meth:`start` makes the copies weigh nothing.
+    torch's last stage computes the losses in micro-batch order.
 
     Example:
         >>> loss = MicrobatchMeanLoss(lambda out, y: (out - y).abs().sum(), 4)
@@ -369,11 +373,18 @@ class MicrobatchMeanLoss:
         self.loss_fn = loss_fn
         self.n_microbatches = n_microbatches
         self.io = io
+        self.held, self._calls = n_microbatches, 0
+
+    def start(self, held: int) -> None:
+        """A new call whose first ``held`` micro-batches are real (the rest fill a short batch)."""
+        self.held, self._calls = held, 0
 
     def __call__(self, output: Any, target: Any, **kwargs: Any) -> torch.Tensor:
         if self.io is not None:
             output = self.io.unflatten_output(output)
-        return self.loss_fn(output, target, **kwargs) / self.n_microbatches
+        index, self._calls = self._calls, self._calls + 1
+        loss = self.loss_fn(output, target, **kwargs)
+        return loss / self.held if index < self.held else loss * 0.0
 
 
 def make_schedule(schedule: str, stages: list, n_microbatches: int, loss_fn: Callable | None,

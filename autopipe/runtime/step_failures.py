@@ -121,14 +121,19 @@ class StepFailures:
             self.stop()
 
     def agree_to_start(self, call: str, error: BaseException | None, *, rank: int, world_size: int,
-                       device: torch.device) -> None:
-        """The opening collective of a call: every rank starts the same call, and its inputs passed their checks."""
+                       device: torch.device, microbatches: int = 0, target_rows: int = 0) -> int:
+        """The opening collective of a call: every rank starts the same call, and its inputs passed their checks.
+
+        ``microbatches``: how many micro-batches this rank's inputs hold (0: it was given
+        none); ``target_rows``: the rows of the target it was given (0: none). Returns the
+        micro-batch count every rank then runs with, that of the ranks given inputs.
+        """
         self._opened += 1
-        rows = torch.zeros(world_size, 3, dtype=torch.float64, device=device)
-        rows[rank] = torch.tensor([self._opened, _CALL_KINDS.index(call), float(error is not None)],
-                                  dtype=torch.float64)
+        rows = torch.zeros(world_size, 5, dtype=torch.float64, device=device)
+        rows[rank] = torch.tensor([self._opened, _CALL_KINDS.index(call), float(error is not None), microbatches,
+                                   target_rows], dtype=torch.float64)
         dist.all_reduce(rows)
-        calls = [(int(n), _CALL_KINDS[int(kind)]) for n, kind, _ in rows.tolist()]
+        calls = [(int(n), _CALL_KINDS[int(kind)]) for n, kind, *_ in rows.tolist()]
         if len(set(calls)) > 1:
             at = ", ".join(f"rank {r} at its call {n} ({kind}())" for r, (n, kind) in enumerate(calls))
             self.broken = (f"the ranks are out of step: {at}. Every rank must make the same calls of the pipeline "
@@ -137,8 +142,17 @@ class StepFailures:
                            f"Pipeline on every rank")
             raise RuntimeError(self.broken) from error
         failed = [r for r, row in enumerate(rows.tolist()) if row[2] > 0]
-        if not failed:
-            return
+        counts = {int(row[3]) for row in rows.tolist() if row[3] > 0}
+        if not failed:  # every rank sees the same counts, so every rank raises the same error
+            if len(counts) > 1:
+                raise ValueError(f"the ranks' batches hold different numbers of micro-batches ({sorted(counts)}): "
+                                 "every rank given inputs must be given the same number of rows")
+            k = counts.pop() if counts else 0
+            uneven = [(r, int(row[4])) for r, row in enumerate(rows.tolist()) if k and row[4] % k]
+            if uneven:
+                raise ValueError(f"the target given to rank {uneven[0][0]} has {uneven[0][1]} rows, which do not "
+                                 f"split into the {k} micro-batches the inputs hold")
+            return k
         failures, listed = _gather_failures(one_line(error) if error is not None else "", failed, world_size)
         if error is not None:
             raise error
