@@ -64,3 +64,37 @@ def mixed_precision_run(rank: int, world_size: int) -> dict:
                 "grad_scale": max(ref[n].grad.abs().max().item() for n, _ in pipe.named_parameters()),
                 "eval_loss": pipe.evaluate(x, target=y).item()}
     return results
+
+
+def compiled_run(rank: int, world_size: int, schedules: list[str]) -> dict:
+    """PlannerOptions(compile={"backend": "aot_eager"}): a step against eager, and dynamo's graphs on this rank."""
+    import torch._dynamo
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(2 * N_MICROBATCHES, 8, generator=g), torch.randn(2 * N_MICROBATCHES, 4, generator=g)
+    results = {}
+    for schedule in schedules:
+        torch._dynamo.reset()
+        model = TwoDtypes()
+        reference = copy.deepcopy(model)
+        ref_loss = mse(reference(x), y)
+        ref_loss.backward()
+        two = schedule_spec(schedule).default_stages_per_rank == 1
+        with Pipeline(model, example_args=(x[:2],), loss_fn=mse, schedule=schedule, n_microbatches=N_MICROBATCHES,
+                      split_points=["b"] if two else ["b", "c", "d"],
+                      planner=PlannerOptions(compile={"backend": "aot_eager"})) as pipe:
+            torch._dynamo.utils.counters.clear()
+            loss = pipe.step(x, target=y)
+            ref = dict(reference.named_parameters())
+            results[schedule] = {
+                "loss": loss.item(), "ref_loss": ref_loss.item(),
+                "graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
+                "grad_diff": max((p.grad - ref[n].grad).abs().max().item() for n, p in pipe.named_parameters()),
+                "eval_loss": pipe.evaluate(x, target=y).item()}
+    try:
+        Pipeline(TwoDtypes(), example_args=(x[:2],), loss_fn=mse, schedule="ZBVZeroBubble",
+                 n_microbatches=N_MICROBATCHES, split_points=["b", "c", "d"], planner=PlannerOptions(compile=True))
+        results["split_backward"] = "built"
+    except ValueError as e:
+        results["split_backward"] = str(e)
+    return results

@@ -205,6 +205,12 @@ class PlannerOptions:
             bfloat16 activation crosses a cut in bfloat16), and in pp x dp with ``"fsdp"``
             FSDP2 gathers parameters in that dtype and reduces gradients in float32
             (``MixedPrecisionPolicy``). None (default): the model's own precision.
+        compile: ``torch.compile`` a Pipeline's stage modules: True (torch's defaults,
+            inductor), or a dict of ``torch.compile`` keyword arguments (``{"backend":
+            "aot_eager"}``, ``{"mode": "max-autotune"}``). Each stage module is compiled in
+            place before the first step; the planner still costs eager segments: fold in the
+            compiled stages' times with ``pipe.plan.calibrate(pipe.measure_stage_times(...))``.
+            False (default): eager.
         target: A framework whose stages the plan is for, one of :data:`TARGETS`: the
             planner cuts only where that framework can (``"torchtitan"``: before a child of
             the model or an entry of its layer container, ``layers.3``; ``"megatron"``: between
@@ -235,6 +241,7 @@ class PlannerOptions:
     recompute: str | bool | Sequence[int] = "auto"
     target: str | None = None
     mixed_precision: str | None = None
+    compile: bool | dict[str, Any] = False
 
     def __post_init__(self) -> None:
         if self.profiling is not None and not isinstance(self.profiling, ProfileOptions):
@@ -245,6 +252,9 @@ class PlannerOptions:
             check_choice("PlannerOptions target", self.target, TARGETS)
         if self.mixed_precision is not None:
             check_choice("PlannerOptions mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
+        if not isinstance(self.compile, (bool, dict)):
+            raise TypeError(f"PlannerOptions compile={self.compile!r} must be True, False or a dict of "
+                            "torch.compile keyword arguments (e.g. {'backend': 'aot_eager'})")
         for name in ("global_batch", "stages_per_rank"):
             if getattr(self, name) is not None:
                 check_int(f"PlannerOptions {name}", getattr(self, name), not_int=TypeError)
@@ -263,7 +273,7 @@ class PlannerOptions:
             return value
         raise TypeError(f"planner={value!r} must be an autopipe.PlannerOptions (devices, memory, cost, profiling, "
                         "objective, optimizer, global_batch, stages_per_rank, recompute, target, "
-                        "mixed_precision) or None")
+                        "mixed_precision, compile) or None")
 
 
 def resolve_devices(n_gpus: int, devices: Device | Sequence[Device] | None,

@@ -108,7 +108,7 @@ def partition(
         planner: The hardware, the cost source and the search's settings, a
             :class:`~autopipe.planning.options.PlannerOptions` (devices, memory, cost,
             profiling, objective, optimizer, global_batch, stages_per_rank, recompute, target,
-            mixed_precision);
+            mixed_precision, compile);
             the same value configures :class:`~autopipe.Pipeline`. None: its defaults (this
             machine's device, memory unlimited, costs measured, Adam's state counted).
         data_parallel: Replicas of the pipeline (pipeline x data parallel): 1 (default, a pure
@@ -189,6 +189,7 @@ def plan_partition(
     global_batch: int | None = None, stages_per_rank: int | None = None, objective: str = "step", memory: Any = None,
     devices: Any = None, optimizer: Any = "adam", cost: Any = "measured", profiling: ProfileOptions | None = None,
     recompute: str | bool = "auto", target: str | None = None, mixed_precision: str | None = None,
+    compile: bool | dict[str, Any] = False,
 ) -> Plan:
     """``partition`` with the planner's options as keywords (what pp x dp planning calls per layout)."""
     # ---- validate everything before any work
@@ -208,7 +209,7 @@ def plan_partition(
             global_batch=global_batch, n_microbatches=n_microbatches, devices=devices, optimizer=optimizer,
             schedule=schedule, stages_per_rank=stages_per_rank, objective=objective, memory=memory, loss_fn=loss_fn,
             example_target=example_target, cost=cost, profiling=profiling, recompute=recompute, target=target,
-            mixed_precision=mixed_precision)
+            mixed_precision=mixed_precision, compile=compile)
     source, costs, scaling = _cost_inputs(cost)
     wanted = _resolve_options(n_gpus, schedule, n_microbatches, global_batch, stages_per_rank, costs, scaling)
     opt_name, opt_factor = optimizer_state_factor(optimizer)
@@ -326,6 +327,10 @@ def plan_partition(
         plan.notes = [*plan.notes, noisy_profile_note(plan.whole_pass.round_spread)]
     plan.global_batch = global_batch
     plan.mixed_precision = mixed_precision or ""
+    if compile:  # what the profile cannot know: compiled stages run faster than the eager segments it timed
+        plan.notes = [*plan.notes, "the stages will be compiled (torch.compile) but the segments were timed eager: "
+                      "time the compiled stages in running steps and fold them in with "
+                      "plan.calibrate(pipe.measure_stage_times(x, target=y))"]
     plan.microbatch_rows = example_batch_size(example_args, example_kwargs)
     plan.target = target or ""
     if wanted.auto_microbatches and scaling is not None:

@@ -14,7 +14,7 @@ from .._checks import check_int
 from ..machine.precision import mixed_precision_context
 from ..planning.options import DataParallelOptions, PlannerOptions
 from ..planning.plan import Plan
-from ..planning.schedules import TRAINING_STEP_KWARGS, stage_ranks
+from ..planning.schedules import TRAINING_STEP_KWARGS, schedule_spec, stage_ranks
 from .checkpointing import resolve_recompute
 from .data_parallel import (check_mesh_arguments, data_parallel_from_plan, full_tensor, prepare_replicas,
                             resolve_data_parallel)
@@ -29,7 +29,7 @@ from .sharded_state import (RankState, load_model_state_dict, load_optimizer_sta
 from .model_state import clip_grad_norm, full_state_dict, grads_before, sum_shared_grads
 from .plan_setup import PlanRequest, check_model_and_inputs, settle_plan
 from .stage_timer import StageTimer, gather_stage_times
-from .stages import MicrobatchMeanLoss, build_rank_stages, make_schedule
+from .stages import MicrobatchMeanLoss, build_rank_stages, compile_options, make_schedule
 from .step_failures import agree_on_failures, share_loss
 
 class Pipeline(PipelineLifecycle):
@@ -188,6 +188,11 @@ class Pipeline(PipelineLifecycle):
         #: ``"bf16"`` or ``"fp16"``: every step, evaluation and forward runs under ``torch.autocast``.
         self.mixed_precision: str | None = request.planner.mixed_precision or self.plan.mixed_precision or None
 
+        if request.planner.compile and schedule_spec(self.schedule).split_backward:  # the same on every rank
+            raise ValueError(f"planner.compile with schedule={self.schedule!r}: torch's split backward (input "
+                             "gradients, then weight gradients) cannot split a compiled stage's backward; compile "
+                             "with GPipe, 1F1B, Interleaved1F1B or LoopedBFS")
+
         # ---- 4. build this rank's stages from a private copy of the model
         built = build_rank_stages(
             model, self.plan, schedule=self.schedule, n_microbatches=self.n_microbatches,
@@ -196,7 +201,8 @@ class Pipeline(PipelineLifecycle):
             checkpointed=resolve_recompute(request.planner.recompute, self.num_stages, self.plan.recompute_stages),
             init_weights=init_weights, weights=weights, pp_rank=self.pp_rank,
             replicas=dp.replicas if dp else None, pp_group=dp.pp_group if dp else None,
-            mixed_precision=self.mixed_precision)
+            mixed_precision=self.mixed_precision,
+            compile_options=compile_options(request.planner.compile))
         if dp:
             prepare_replicas(dp, built, self.schedule, self.mixed_precision)
         self._batch = built.batch

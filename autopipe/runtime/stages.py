@@ -169,7 +169,8 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
                       init_weights: Callable[[nn.Module], Any] | None = None,
                       weights: WeightSource | None = None, pp_rank: int | None = None,
                       replicas: Sequence[Sequence[int]] | None = None, pp_group: Any = None,
-                      mixed_precision: str | None = None) -> RankStages:
+                      mixed_precision: str | None = None, compile_options: dict[str, Any] | None = None
+                      ) -> RankStages:
     """Split a private copy of ``model`` at the plan's split points and build this rank's stages."""
     # Before anything is traced: ranks with different models would split differently and
     # disagree on the shared parameters' process groups.
@@ -245,6 +246,8 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
             checkpoint_stage(train_modules[s])
     for module in {id(m): m for m in (*train_modules.values(), *eval_modules.values())}.values():
         guard_stage_boundaries(module, fresh_outputs=split_backward)
+        if compile_options is not None:  # in place: the stages, the state and the names keep the module
+            module.compile(**compile_options)
     batch = TracedBatch(train_pipe.autopipe_io, example, n_microbatches)
     if schedule_spec(schedule).placement == "v":
         # torch's Pipe.build_stage wires each stage's peers for the looped placement; a stage
@@ -354,6 +357,18 @@ def manual_stage(module: nn.Module, stage_index: int, num_stages: int, device: t
 def rewrap_stage(stage: PipelineStage, module: nn.Module) -> PipelineStage:
     """A new stage object of the same kind over ``module``, for a separate schedule."""
     return type(stage)(module, stage.stage_index, stage.pipe_info, stage.device, stage.group)
+
+
+def compile_options(compile: bool | dict[str, Any]) -> dict[str, Any] | None:
+    """``PlannerOptions.compile`` as ``torch.compile`` keyword arguments, None for eager.
+
+    Example:
+        >>> compile_options(True), compile_options({"backend": "aot_eager"}), compile_options(False)
+        ({}, {'backend': 'aot_eager'}, None)
+    """
+    if compile is False:
+        return None
+    return {} if compile is True else dict(compile)
 
 
 class MicrobatchMeanLoss:
