@@ -374,23 +374,27 @@ def errors_run(rank: int, world_size: int, plan_path: str) -> dict:
     return result
 
 
+#: (schedule, stages, micro-batches held) of the short-batch checks: one and three of four,
+#: one stage per rank and a V (both ends of the pipeline on rank 0).
+SHORT_BATCH_CASES = (("1F1B", 2, 3), ("1F1B", 2, 1), ("ZBVZeroBubble", 4, 3))
+
+
 def short_batch_run(rank: int, world_size: int) -> dict:
     """A batch of 3 micro-batches (and 1) on pipelines built for 4, against the unsplit model on the same rows."""
     result: dict = {}
     x, y = tutorial_batch(0)
-    for schedule, n_stages in (("1F1B", 2), ("Interleaved1F1B", 4), ("ZBVZeroBubble", 4)):
-        for held in (3, 1):
-            rows = held * MICROBATCH
-            model = tutorial_model()
-            pipe = build(model, schedule, n_stages)
-            inputs = (x[:rows],) if 0 in pipe.stage_indices else ()
-            target = y[:rows] if n_stages - 1 in pipe.stage_indices else None
-            loss = pipe.step(*inputs, target=target)
-            case = against_reference(pipe, model, loss, loss_fn(model(x[:rows]), y[:rows]))
-            case["eval"] = (pipe.evaluate(*inputs, target=target).item(), loss_fn(model(x[:rows]), y[:rows]).item())
-            out = pipe(*inputs)
-            case["forward_diff"] = None if out is None else (out - model(x[:rows])).abs().max().item()
-            case["full_after"] = pipe.step(x, target=y).item()  # a whole batch again: every micro-batch counts
-            case["ref_full"] = loss_fn(model(x), y).item()
-            result[f"{schedule}-{held}"] = case
+    for schedule, n_stages, held in SHORT_BATCH_CASES:
+        rows = held * MICROBATCH
+        model = tutorial_model()
+        pipe = build(model, schedule, n_stages)
+        inputs = (x[:rows],) if 0 in pipe.stage_indices else ()
+        target = y[:rows] if n_stages - 1 in pipe.stage_indices else None
+        loss = pipe.step(*inputs, target=target)
+        case = against_reference(pipe, model, loss, loss_fn(model(x[:rows]), y[:rows]))
+        case["eval"] = (pipe.evaluate(*inputs, target=target).item(), loss_fn(model(x[:rows]), y[:rows]).item())
+        out = pipe(*inputs)
+        case["forward_diff"] = None if out is None else (out - model(x[:rows])).abs().max().item()
+        case["full_after"] = pipe.step(x, target=y).item()  # a whole batch again: every micro-batch counts
+        case["ref_full"] = loss_fn(model(x), y).item()
+        result[f"{schedule}-{held}"] = case
     return result

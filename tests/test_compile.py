@@ -17,7 +17,7 @@ from _dist_utils import run_world
 from autopipe import PlannerOptions
 from autopipe.runtime.stages import compile_options
 
-SCHEDULES = ["1F1B", "Interleaved1F1B"]
+SCHEDULES = ["1F1B"]  # GPipe, Interleaved1F1B and LoopedBFS run alike (docs/training.md)
 
 
 @functools.lru_cache(maxsize=None)

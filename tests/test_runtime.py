@@ -251,9 +251,8 @@ def test_a_rank_is_given_only_what_its_stages_read(schedule):
         assert abs(loss - ref) < 1e-5
 
 
-@pytest.mark.parametrize("schedule", ["1F1B", "Interleaved1F1B", "ZBVZeroBubble"])
-@pytest.mark.parametrize("held", [3, 1])
-def test_a_short_last_batch_of_whole_micro_batches_gives_the_unsplit_result(schedule, held):
+@pytest.mark.parametrize("schedule, n_stages, held", workers.SHORT_BATCH_CASES)
+def test_a_short_last_batch_of_whole_micro_batches_gives_the_unsplit_result(schedule, n_stages, held):
     # Built for 4 micro-batches of 2 rows; given 6 (or 2) rows, as a DataLoader's last batch.
     for r in checkpointing_results():
         case = r["short"][f"{schedule}-{held}"]
