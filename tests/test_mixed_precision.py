@@ -54,6 +54,9 @@ def test_the_plan_is_profiled_in_the_precision_it_trains_in(tmp_path):
     saved = {p: sum(s.act_bytes for s in plan.segments) for p, plan in plans.items()}
     assert saved["bf16"] < 0.75 * saved[None]
     assert [s.param_bytes for s in plans["bf16"].segments] == [s.param_bytes for s in plans[None].segments]
+    # The cut before ``b`` sends a's output (64 x 16, bfloat16 under autocast) and sin(x) (64 x 8, float32).
+    cut = {p: next(s.cut_fwd_bytes for s in plan.segments if s.name == "b") for p, plan in plans.items()}
+    assert cut == {None: 64 * 16 * 4 + 64 * 8 * 4, "bf16": 64 * 16 * 2 + 64 * 8 * 4}
     plans["bf16"].save(tmp_path / "plan.json")
     assert autopipe.Plan.load(tmp_path / "plan.json").mixed_precision == "bf16"
 

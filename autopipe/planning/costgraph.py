@@ -239,13 +239,54 @@ def requires_grad_map(traced: TracedModel) -> dict[fx.Node, bool]:
     return rg
 
 
-def build_cost_graph(traced: TracedModel, costs: list[SegmentCost] | None = None) -> CostGraph:
+def autocast_dtypes(traced: TracedModel, precision: str, device: torch.device) -> dict[str, torch.dtype]:
+    """The dtype of each graph value under autocast in ``precision`` on ``device``, by node name.
+
+    The traced graph runs once on fake tensors (nothing computed, nothing allocated). A
+    graph that cannot run so (a model on the meta device) gives ``{}``: its values keep their
+    traced dtypes.
+
+    Example:
+        >>> dtypes = autocast_dtypes(traced, "bf16", torch.device("cpu"))  # doctest: +SKIP
+        >>> dtypes["linear"]  # doctest: +SKIP
+        torch.bfloat16
+    """
+    import torch.fx._pytree as fx_pytree
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..machine.precision import mixed_precision_context
+
+    found: dict[str, torch.dtype] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            out = super().run_node(n)
+            if isinstance(out, torch.Tensor):
+                found[n.name] = out.dtype
+            return out
+
+    gm = traced.graph_module
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        flat = fx_pytree.tree_flatten_spec((tuple(traced.example_args), dict(traced.example_kwargs or {})),
+                                           gm._in_spec)
+        with fake, mixed_precision_context(precision, device):
+            Recorder(gm).run(*[fake.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in flat])
+    except Exception:  # noqa: BLE001 - the traced dtypes stand where the graph cannot run on fake tensors
+        return {}
+    return found
+
+
+def build_cost_graph(traced: TracedModel, costs: list[SegmentCost] | None = None,
+                     dtypes: dict[str, torch.dtype] | None = None) -> CostGraph:
     """Build the cost graph of a traced model.
 
     Args:
         traced: The result of :func:`autopipe.planning.tracing.trace`.
         costs: Per-segment costs from :func:`autopipe.planning.profile.profile_segments`; may be
             attached later with :meth:`CostGraph.attach_costs`.
+        dtypes: The dtype a value has where it differs from its traced one, by node name
+            (:func:`autocast_dtypes`): the bytes crossing the cuts are counted in it.
 
     Returns:
         A :class:`CostGraph`; the planner reads its cut bytes and segment costs.
@@ -286,7 +327,10 @@ def build_cost_graph(traced: TracedModel, costs: list[SegmentCost] | None = None
         consumers.discard(src)
         if not consumers:
             continue
-        nbytes = tensor_bytes(producer.meta.get("val"))
+        val = producer.meta.get("val")
+        nbytes = tensor_bytes(val)
+        if dtypes and producer.name in dtypes and isinstance(val, torch.Tensor) and val.is_floating_point():
+            nbytes = val.numel() * dtypes[producer.name].itemsize
         grad = nbytes if requires_grad.get(producer, False) else 0
         messages, float_messages = tensor_count(producer.meta.get("val"))
         last = max(consumers)

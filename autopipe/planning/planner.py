@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from .._checks import check_at_most, check_int
 from . import schedules as sim
-from .costgraph import CostGraph, SegmentCost, build_cost_graph
+from .costgraph import CostGraph, SegmentCost, autocast_dtypes, build_cost_graph
 from .data_parallel import example_batch_size, plan_data_parallel
 from ..machine.topology import Topology
 from .link_choice import choose_link, link_mode
@@ -282,8 +282,10 @@ def plan_partition(
                                        warmup=profiling.warmup,
                                        repeats=profiling.repeats, cost_source=source,
                                        profile_given=not isinstance(cost, str))
+    # Under autocast the tensors crossing a cut are as wide as autocast makes them.
+    dtypes = autocast_dtypes(traced, mixed_precision, torch.device(measure["device"])) if mixed_precision else None
     graphs = _cost_graphs(traced, wanted.n_microbatches, global_batch, costs=costs,
-                          scaling=scaling if wanted.auto_microbatches else None, loss=loss, fine=fine)
+                          scaling=scaling if wanted.auto_microbatches else None, loss=loss, fine=fine, dtypes=dtypes)
 
     # ---- search: the best split for each (micro-batches, schedule) option, then the fastest that fits;
     # the default link is measured on this host where assuming it would decide the split (link_choice)
@@ -558,7 +560,7 @@ def _with_loss(costs: Sequence[SegmentCost], loss: LossCost | None, scale: float
 def _cost_graphs(
     traced: TracedModel, m_options: Sequence[int], global_batch: int | None, *,
     costs: Sequence[SegmentCost] | None, scaling: ScaledProfile | None, loss: LossCost | None = None,
-    fine: TracedModel | None = None,
+    fine: TracedModel | None = None, dtypes: dict[str, torch.dtype] | None = None,
 ) -> dict[int, CostGraph]:
     """One cost graph per micro-batch count: from ``costs`` (one size) or from the size fits.
 
@@ -572,7 +574,7 @@ def _cost_graphs(
                 f"costs has {len(costs)} entries but {traced.model_name} traces to {traced.num_segments} "
                 "segments; pass the profile of this model with these example inputs"
             )
-        return {m_options[0]: build_cost_graph(traced, _with_loss(costs, loss))}
+        return {m_options[0]: build_cost_graph(traced, _with_loss(costs, loss), dtypes)}
     names = scaling.segment_names
     summed = fine is not None and fine is not traced and names == [sg.name for sg in fine.segments]
     if names != [sg.name for sg in traced.segments] and not summed:
