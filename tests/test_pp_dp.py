@@ -21,7 +21,9 @@ from _dist_utils import run_world
 from autopipe.runtime.data_parallel import DataParallel, check_mesh_arguments, resolve_data_parallel
 
 TOL = 1e-5
-CASES = [f"{s}{t}" for t in ("", "+tied") for s in workers.SCHEDULES] + ["1F1B+global"]
+CASES = [f"{s}{t}" for t in ("", "+tied") for s in workers.SCHEDULES]
+# (mode, case): every case under both reductions; the global-batch convention under one.
+MODE_CASES = [(m, c) for m in ("fsdp", "replicate") for c in CASES] + [("replicate", "1F1B+global")]
 
 
 @functools.lru_cache(maxsize=None)
@@ -30,8 +32,7 @@ def results(dp_mode: str) -> list[dict]:
     return run_world(workers.pp_dp_run, 4, dp_mode, dp_mode == "fsdp", timeout_s=240)
 
 
-@pytest.mark.parametrize("dp_mode", ["fsdp", "replicate"])
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dp_mode, case", MODE_CASES)
 def test_loss_and_every_gradient_equal_the_unsplit_model_on_the_global_batch(dp_mode, case):
     per_rank = [r[case] for r in results(dp_mode)]
     assert {(r["dp_rank"], r["pp_rank"]) for r in per_rank} == {(0, 0), (0, 1), (1, 0), (1, 1)}
@@ -45,8 +46,7 @@ def test_loss_and_every_gradient_equal_the_unsplit_model_on_the_global_batch(dp_
     assert held == {n for r in per_rank for n in r["grad_diff"]} and "embedding.weight" in held
 
 
-@pytest.mark.parametrize("dp_mode", ["fsdp", "replicate"])
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dp_mode, case", MODE_CASES)
 def test_clip_grad_norm_and_full_state_dict_match_the_unsplit_model_and_load_back(dp_mode, case):
     for r in (r[case] for r in results(dp_mode)):
         assert abs(r["norm"] - r["ref_norm"]) <= TOL * max(1.0, r["ref_norm"])
