@@ -262,23 +262,24 @@ def test_the_cost_graph_predicts_torchs_stage_order_and_the_plan_says_so():
 
 
 # ---------------------------------------------------------------------- two ranks
-@needs_transformers
-@pytest.mark.distributed
-def test_llama_1f1b_on_two_ranks_matches_unsplit():
-    results = run_world(workers.llama_1f1b_run, 2, timeout_s=300)
+def assert_step_equals_unsplit(worker) -> None:
+    """Two ranks run ``worker``: every parameter held, the loss and every gradient the unsplit model's."""
+    results = run_world(worker, 2, timeout_s=300)
     assert set().union(*(r["grad_diff"] for r in results)) == set(results[0]["all_param_names"])
     for r in results:
         assert abs(r["loss"] - r["ref_loss"]) < TOL
         assert max(r["grad_diff"].values()) < TOL, r["grad_diff"]
+
+
+@needs_transformers
+@pytest.mark.distributed
+def test_llama_1f1b_on_two_ranks_matches_unsplit():
+    assert_step_equals_unsplit(workers.llama_1f1b_run)
 
 
 @pytest.mark.distributed
 def test_a_stage_that_needs_nothing_from_the_one_before_trains_exactly_on_two_ranks():
-    results = run_world(workers.encoder_decoder_run, 2, timeout_s=300)
-    assert set().union(*(r["grad_diff"] for r in results)) == set(results[0]["all_param_names"])
-    for r in results:
-        assert abs(r["loss"] - r["ref_loss"]) < TOL
-        assert max(r["grad_diff"].values()) < TOL, r["grad_diff"]
+    assert_step_equals_unsplit(workers.encoder_decoder_run)
 
 
 def test_docstring_examples_run():

@@ -93,6 +93,13 @@ def _megatron_cuts(traced: TracedModel, model: torch.nn.Module) -> list[str]:
     return [*layers, *([after] if after else [])]
 
 
+def _check_made_for(plan: Any, target: str, framework: str) -> None:
+    """Refuse to export a plan made for another granularity than ``target``'s."""
+    if plan.target != target:
+        raise ValueError(f"the plan was made for target={plan.target or None!r}, whose split points {framework} "
+                         f"may not be able to cut at: plan with PlannerOptions(target={target!r})")
+
+
 def torchtitan_config(plan: Any) -> dict[str, Any]:
     """The ``[parallelism]`` fields that make torchtitan build a :class:`~autopipe.planning.Plan`'s stages.
 
@@ -106,9 +113,7 @@ def torchtitan_config(plan: Any) -> dict[str, Any]:
         ValueError: the plan was made for another granularity than torchtitan's (its split
             points may fall inside a module torchtitan places whole).
     """
-    if plan.target != "torchtitan":
-        raise ValueError(f"the plan was made for target={plan.target or None!r}, whose split points torchtitan "
-                         "may not be able to cut at: plan with PlannerOptions(target='torchtitan')")
+    _check_made_for(plan, "torchtitan", "torchtitan")
     parts = [list(stage.fqns) for stage in plan.stages]
     layers = [sum(1 for name in fqns if "." in name) for fqns in parts]
     parallelism: dict[str, Any] = {
@@ -136,9 +141,7 @@ def megatron_layout(plan: Any) -> dict[str, Any]:
         ValueError: the plan was made for another granularity, or its schedule places stages
             in a V (Megatron places virtual stages in loops).
     """
-    if plan.target != "megatron":
-        raise ValueError(f"the plan was made for target={plan.target or None!r}, whose split points Megatron-Core "
-                         "may not be able to cut at: plan with PlannerOptions(target='megatron')")
+    _check_made_for(plan, "megatron", "Megatron-Core")
     if schedule_spec(plan.schedule).placement == "v":
         raise ValueError(f"schedule {plan.schedule!r} places stages in a V; Megatron-Core's virtual stages are "
                          "placed in loops: plan with 1F1B or Interleaved1F1B")
@@ -169,9 +172,7 @@ def deepspeed_parts(plan: Any, num_layers: int | None = None) -> dict[str, Any]:
     Raises:
         ValueError: the plan was made for another granularity, or holds several stages per rank.
     """
-    if plan.target != "deepspeed":
-        raise ValueError(f"the plan was made for target={plan.target or None!r}, whose split points DeepSpeed may "
-                         "not be able to cut at: plan with PlannerOptions(target='deepspeed')")
+    _check_made_for(plan, "deepspeed", "DeepSpeed")
     if plan.stages_per_rank != 1:
         raise ValueError(f"DeepSpeed's PipelineModule runs one stage per rank; the plan has {plan.stages_per_rank}: "
                          "plan with GPipe or 1F1B")

@@ -102,12 +102,13 @@ def coarsened(costs: Sequence[SegmentCost], fine: TracedModel, coarse: TracedMod
     Example:
         >>> merged = coarsened(profile, traced, with_candidates(traced, keep))  # doctest: +SKIP
     """
-    starts = [seg.start for seg in fine.segments]
+    index = {seg.start: k for k, seg in enumerate(fine.segments)}  # fine segment by its first node
     out = SegmentCosts()
-    for seg in coarse.segments:
-        if seg.start not in starts:
-            raise ValueError(f"segment {seg.name!r} starts inside a profiled segment: the profile is of another trace")
-        pieces = [c for c, f in zip(costs, fine.segments) if seg.start <= f.start < seg.end]
+    for seg, after in zip(coarse.segments, [*coarse.segments[1:], None]):
+        if seg.start not in index or (after is not None and after.start not in index):
+            bad = seg if seg.start not in index else after
+            raise ValueError(f"segment {bad.name!r} starts inside a profiled segment: the profile is of another trace")
+        pieces = costs[index[seg.start]: index[after.start] if after is not None else len(costs)]
         out.append(SegmentCost(
             **{k: sum(getattr(c, k) for c in pieces) for k in ("fwd_s", "bwd_s", "param_bytes", "act_bytes", "flops",
                                                               "trainable_param_bytes", "accum_s")},

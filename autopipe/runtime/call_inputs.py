@@ -6,7 +6,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
+
+from ..planning.data_parallel import example_batch_size
 
 from .compat import to_stage_device
 from .materialize import check_written
@@ -56,7 +58,7 @@ class CallInputs:
                                  "shards as a DistributedSampler yields them; for the global batch on every rank, "
                                  "use DataParallelOptions(batch='global'))") from None
             args, kwargs, target = self.shard(args, kwargs, target)
-            target_rows = _rows(target) if need_target else 0
+            target_rows = (example_batch_size(target, None) or 0) if need_target else 0
             placed = self.place(args, kwargs, self.placeholder_target() if target is None else target)
         except Exception as e:  # noqa: BLE001 - raised by agree_to_start, after every rank has heard of it
             error = e
@@ -92,14 +94,6 @@ class CallInputs:
         if self.has_last_stage and target is not None:
             stage_target = tree_map(lambda t: to_stage_device(t, self.device), target)
         return stage_args, {}, stage_target
-
-
-def _rows(value: Any) -> int:
-    """The first dimension of the first tensor in ``value`` (0 without one)."""
-    for t in tree_flatten(value)[0]:
-        if isinstance(t, torch.Tensor) and t.dim() > 0:
-            return int(t.shape[0])
-    return 0
 
 
 def _fill(value: Any, held: int, n_microbatches: int) -> Any:

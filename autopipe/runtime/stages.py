@@ -87,10 +87,11 @@ def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict],
             f"splitting at {list(split_spec)} gave {pipe.num_stages} stages, not {expected}: a split "
             f"point must be a module called exactly once per forward, in forward order"
         )
-    if stage_call_order(pipe.split_gm) != list(range(pipe.num_stages)):
+    order = stage_call_order(pipe.split_gm)
+    if order != list(range(pipe.num_stages)):
         raise RuntimeError(
-            f"torch's pipeline() called the stages of {list(split_spec)} in the order "
-            f"{stage_call_order(pipe.split_gm)}: its stages would compute another function"
+            f"torch's pipeline() called the stages of {list(split_spec)} in the order {order}: its stages "
+            "would compute another function"
         )
     #: How a call's (args, kwargs) map to stage 0's flat inputs, and the last stage's
     #: outputs back to what the model returns.

@@ -133,7 +133,8 @@ class StepFailures:
         rows[rank] = torch.tensor([self._opened, _CALL_KINDS.index(call), float(error is not None), microbatches,
                                    target_rows], dtype=torch.float64)
         dist.all_reduce(rows)
-        calls = [(int(n), _CALL_KINDS[int(kind)]) for n, kind, *_ in rows.tolist()]
+        table = rows.tolist()
+        calls = [(int(n), _CALL_KINDS[int(kind)]) for n, kind, *_ in table]
         if len(set(calls)) > 1:
             at = ", ".join(f"rank {r} at its call {n} ({kind}())" for r, (n, kind) in enumerate(calls))
             self.broken = (f"the ranks are out of step: {at}. Every rank must make the same calls of the pipeline "
@@ -141,14 +142,14 @@ class StepFailures:
                            f"on every rank); this pipeline cannot run again: restart the job, or build a new "
                            f"Pipeline on every rank")
             raise RuntimeError(self.broken) from error
-        failed = [r for r, row in enumerate(rows.tolist()) if row[2] > 0]
-        counts = {int(row[3]) for row in rows.tolist() if row[3] > 0}
+        failed = [r for r, row in enumerate(table) if row[2] > 0]
+        counts = {int(row[3]) for row in table if row[3] > 0}
         if not failed:  # every rank sees the same counts, so every rank raises the same error
             if len(counts) > 1:
                 raise ValueError(f"the ranks' batches hold different numbers of micro-batches ({sorted(counts)}): "
                                  "every rank given inputs must be given the same number of rows")
             k = counts.pop() if counts else 0
-            uneven = [(r, int(row[4])) for r, row in enumerate(rows.tolist()) if k and row[4] % k]
+            uneven = [(r, int(row[4])) for r, row in enumerate(table) if k and row[4] % k]
             if uneven:
                 raise ValueError(f"the target given to rank {uneven[0][0]} has {uneven[0][1]} rows, which do not "
                                  f"split into the {k} micro-batches the inputs hold")
