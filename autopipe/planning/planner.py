@@ -329,7 +329,7 @@ def plan_partition(
         plan.notes = [*plan.notes, noisy_profile_note(plan.whole_pass.round_spread)]
     plan.global_batch = global_batch
     plan.mixed_precision = mixed_precision or ""
-    if compile:  # what the profile cannot know: compiled stages run faster than the eager segments it timed
+    if compile is not False:  # True or torch.compile's arguments: what the profile cannot know: compiled stages run faster than the eager segments it timed
         plan.notes = [*plan.notes, "the stages will be compiled (torch.compile) but the segments were timed eager: "
                       "time the compiled stages in running steps and fold them in with "
                       "plan.calibrate(pipe.measure_stage_times(x, target=y))"]

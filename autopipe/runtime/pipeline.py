@@ -188,7 +188,8 @@ class Pipeline(PipelineLifecycle):
         #: ``"bf16"`` or ``"fp16"``: every step, evaluation and forward runs under ``torch.autocast``.
         self.mixed_precision: str | None = request.planner.mixed_precision or self.plan.mixed_precision or None
 
-        if request.planner.compile and schedule_spec(self.schedule).split_backward:  # the same on every rank
+        compiled = compile_options(request.planner.compile)
+        if compiled is not None and schedule_spec(self.schedule).split_backward:  # the same on every rank
             raise ValueError(f"planner.compile with schedule={self.schedule!r}: torch's split backward (input "
                              "gradients, then weight gradients) cannot split a compiled stage's backward; compile "
                              "with GPipe, 1F1B, Interleaved1F1B or LoopedBFS")
@@ -202,7 +203,7 @@ class Pipeline(PipelineLifecycle):
             init_weights=init_weights, weights=weights, pp_rank=self.pp_rank,
             replicas=dp.replicas if dp else None, pp_group=dp.pp_group if dp else None,
             mixed_precision=self.mixed_precision,
-            compile_options=compile_options(request.planner.compile))
+            compile_options=compiled)
         if dp:
             prepare_replicas(dp, built, self.schedule, self.mixed_precision)
         self._batch = built.batch
