@@ -31,13 +31,15 @@ class CallInputs:
         self.unwritten = dict(unwritten or {})
         #: The micro-batches of the last call's batch that are real (fewer in a short last batch).
         self.real_microbatches = n_microbatches
+        #: The last call's inputs' dimensions after the rows (``TracedBatch.micro_dims``), agreed by every rank.
+        self.dims: tuple[int, ...] = batch.traced_dims
 
     def open(self, call: str, args: tuple, kwargs: dict, target: Any, failures: StepFailures, *, rank: int,
              world_size: int, comm_device: torch.device) -> tuple[tuple, dict, Any]:
         """This rank's share of the batch, checked and placed, once every rank agreed to start ``call``."""
         error: BaseException | None = None
         placed: tuple[tuple, dict, Any] = ((), {}, None)
-        held, target_rows = 0, 0
+        held, target_rows, dims = 0, 0, (0,) * len(self.batch.traced_dims)
         try:
             if self.unwritten:  # loaded since construction, or still an error
                 check_written(self.unwritten)
@@ -48,8 +50,12 @@ class CallInputs:
             need_inputs = self.has_first_stage or bool(args) or bool(kwargs)
             need_target = call != "forward" and (self.has_last_stage or target is not None)
             try:
+                # Another sequence length retraces the stages (runtime.shapes), which pp x dp does not do.
                 held = self.batch.check(args, kwargs, target, need_target=need_target, need_inputs=need_inputs,
-                                        replicas=self.data_parallel.batch_replicas if self.data_parallel else 1)
+                                        replicas=self.data_parallel.batch_replicas if self.data_parallel else 1,
+                                        any_length=not self.data_parallel)
+                if need_inputs:
+                    dims = self.batch.micro_dims(args, kwargs)
             except ValueError as e:
                 dp = self.data_parallel
                 if dp is None or dp.batch == "global":
@@ -62,9 +68,10 @@ class CallInputs:
             placed = self.place(args, kwargs, self.placeholder_target() if target is None else target)
         except Exception as e:  # noqa: BLE001 - raised by agree_to_start, after every rank has heard of it
             error = e
-        self.real_microbatches = failures.agree_to_start(
+        agreed, self.dims = failures.agree_to_start(
             call, error, rank=rank, world_size=world_size, device=comm_device, microbatches=held,
-            target_rows=target_rows) or self.n_microbatches
+            target_rows=target_rows, dims=dims)
+        self.real_microbatches = agreed or self.n_microbatches
         if self.real_microbatches < self.n_microbatches:  # a short last batch: filled up, the rest weighs nothing
             placed = (_fill(placed[0], self.real_microbatches, self.n_microbatches), placed[1],
                       _fill(placed[2], self.real_microbatches, self.n_microbatches) if target is not None

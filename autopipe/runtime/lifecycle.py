@@ -41,6 +41,9 @@ class PipelineLifecycle:
         if inference is not None:
             inference.close()
         self._train_stages = []
+        shapes = getattr(self, "_shapes", None)
+        if shapes is not None:
+            shapes.close()
         # getattr: a constructor that raised after joining the job leaves no _shared behind.
         shared = getattr(self, "_shared", [])
         self._shared = [(names, None) for names, _ in shared]

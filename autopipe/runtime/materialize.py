@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from .._checks import listed
-from .params import StateNames, set_tensor
+from .params import StateNames, set_tensor, used_attribute_names
 
 #: What ``weights=`` accepts: a state dict, or the path of a ``.safetensors`` file or a DCP directory.
 WeightSource = Union[Mapping[str, torch.Tensor], str, os.PathLike]
@@ -429,3 +429,51 @@ def materialize_leftovers(module: nn.Module, used: set[str]) -> list[str]:
             f"a stage reads tensors that are still on the meta device and are no parameter or buffer of the "
             f"original model (constants made while tracing): {sorted(read)}; build this model on a real device")
     return replaced
+
+
+def meta_twin(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are on the meta device: its structure, no memory.
+
+    Example:
+        >>> twin = meta_twin(nn.Linear(2, 2))
+        >>> twin.weight.device.type, isinstance(twin.weight, nn.Parameter)
+        ('meta', True)
+    """
+    memo: dict[int, Any] = {}
+    for t in (*model.parameters(), *model.buffers()):  # a tied tensor once: the twin ties it too
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def take_constants(module: nn.Module, like: nn.Module) -> list[str]:
+    """Give the meta tensors ``module``'s code reads the values ``like`` holds under the same names.
+
+    A stage traced again from a meta twin (:mod:`~autopipe.runtime.shapes`) holds meta copies
+    of what is no parameter of the model (constants made while tracing); the stage first
+    traced holds their values.
+
+    Example:
+        >>> m = torch.fx.symbolic_trace(nn.Linear(2, 2)); m.weight = nn.Parameter(m.weight.to("meta"))
+        >>> take_constants(m, nn.Linear(2, 2)), m.weight.device.type
+        (['weight'], 'cpu')
+    """
+    taken = []
+    for name in sorted(used_attribute_names(module)):
+        prefix, _, leaf = name.rpartition(".")
+        try:
+            parent = module.get_submodule(prefix) if prefix else module
+            mine = getattr(parent, leaf)
+            theirs = like.get_submodule(prefix) if prefix else like
+            value = getattr(theirs, leaf)
+        except AttributeError:
+            continue
+        if not (isinstance(mine, torch.Tensor) and mine.is_meta and isinstance(value, torch.Tensor)
+                and value.shape == mine.shape and value.dtype == mine.dtype and not value.is_meta):
+            continue
+        if leaf in parent._parameters or leaf in parent._buffers:
+            set_tensor(parent, leaf, value)
+        else:
+            setattr(parent, leaf, value)
+        taken.append(name)
+    return taken

@@ -135,6 +135,10 @@ class TracedBatch:
         Traceback (most recent call last):
         ...
         ValueError: input args[0] of the batch has shape (5, 3), which does not split into n_microbatches=4 micro-batches shaped like the example (2, 3); pass a batch of shape (8, 3) (or, for a short last batch, fewer whole micro-batches of 2 rows)
+        >>> batch.check((torch.ones(8, 5),), {}, None, need_target=False, any_length=True)  # another length
+        4
+        >>> batch.micro_dims((torch.ones(8, 5),), {}), batch.traced_dims
+        ((5,), (3,))
     """
 
     def __init__(self, io: ModelIO, example: tuple[tuple, dict], n_microbatches: int) -> None:
@@ -144,6 +148,8 @@ class TracedBatch:
         # Flattened as the first stage takes them, and a name for each input.
         self.inputs: list[Any] = io.flatten_inputs(*example)
         self.labels: list[str] = io.input_labels(*example)
+        #: The traced micro-batch's dimensions after the first, every tensor input's in turn.
+        self.traced_dims: tuple[int, ...] = self.micro_dims(*example)
 
     def as_traced(self, kwargs: dict) -> dict:
         """``kwargs`` with ``use_cache=True`` read as False where the model was traced with a
@@ -156,11 +162,26 @@ class TracedBatch:
         """The first stage's tensors for a batch (:meth:`ModelIO.stage_inputs`), keywords as traced."""
         return self.io.stage_inputs(tuple(args), self.as_traced(kwargs))
 
+    def micro_dims(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
+        """Every tensor input's dimensions after the first (the rows), in the first stage's order."""
+        flat = self.io.flatten_inputs(tuple(args), self.as_traced(kwargs))
+        return tuple(d for x in flat if isinstance(x, torch.Tensor) for d in x.shape[1:])
+
+    def meta_example(self, dims: tuple[int, ...]) -> tuple[tuple, dict]:
+        """One micro-batch on the meta device whose tensor inputs have the dimensions ``dims``
+        after the rows (:meth:`micro_dims`), to trace the stages at that shape."""
+        rest = iter(dims)
+        flat = [torch.empty((x.shape[0], *(next(rest) for _ in x.shape[1:])), dtype=x.dtype, device="meta")
+                if isinstance(x, torch.Tensor) and x.dim() else x for x in self.inputs]
+        args, kwargs = tree_unflatten(flat, self.io.in_spec)
+        return tuple(args), dict(kwargs)
+
     def check(self, args: tuple, kwargs: dict, target: Any, *, need_target: bool, replicas: int = 1,
-              need_inputs: bool = True) -> int:
+              need_inputs: bool = True, any_length: bool = False) -> int:
         """The micro-batches per replica the batch holds (0 when its inputs are not checked).
 
-        Raises ``ValueError`` unless they are shaped like the traced one.
+        Raises ``ValueError`` unless they are shaped like the traced one; with ``any_length``
+        the dimensions after the rows may differ (the stages are traced again at them).
 
         A batch of one replica (``replicas == 1``) may hold fewer than ``n_microbatches``
         whole micro-batches: a short last batch.
@@ -168,14 +189,15 @@ class TracedBatch:
         m = self.n_microbatches * replicas
         split = f"n_microbatches={self.n_microbatches} micro-batches" + (
             f" for each of dp={replicas} replicas (the global batch)" if replicas > 1 else "")
-        held = self._check_inputs(args, kwargs, m, split, replicas) if need_inputs else 0
+        held = self._check_inputs(args, kwargs, m, split, replicas, any_length) if need_inputs else 0
         if need_target:
             # Without the inputs a short last batch's count is not known here: the ranks settle
             # it as they agree to start (StepFailures.agree_to_start).
             self._check_target(target, held or (m if replicas > 1 else 1), split)
         return held // replicas
 
-    def _check_inputs(self, args: tuple, kwargs: dict, m: int, split: str, replicas: int) -> int:
+    def _check_inputs(self, args: tuple, kwargs: dict, m: int, split: str, replicas: int,
+                      any_length: bool) -> int:
         if len(args) != len(self.example[0]):
             raise ValueError(f"the batch has {len(args)} positional inputs, but the pipeline was traced with "
                              f"{len(self.example[0])}")
@@ -198,10 +220,16 @@ class TracedBatch:
                                  f"convert the batch (e.g. x.to({ex.dtype})) or trace with that dtype")
             if ex.dim() == 0:
                 continue
-            expected = (ex.shape[0] * m, *ex.shape[1:])
+            if any_length and x.dim() != ex.dim():
+                raise ValueError(f"input {label} of the batch has {x.dim()} dimensions {tuple(x.shape)}, but the "
+                                 f"pipeline was traced with {ex.dim()} {tuple(ex.shape)}; the number of dimensions "
+                                 "is fixed at tracing (their sizes after the rows may change)")
+            # Another length: the sizes after the rows are the batch's own.
+            rest = tuple(x.shape[1:]) if any_length else tuple(ex.shape[1:])
+            expected = (ex.shape[0] * m, *rest)
             # A short last batch: fewer whole micro-batches (one replica's batch only).
             k = x.shape[0] // ex.shape[0] if x.dim() and ex.shape[0] and replicas == 1 else m
-            short = 0 < k < m and tuple(x.shape) == (ex.shape[0] * k, *ex.shape[1:])
+            short = 0 < k < m and tuple(x.shape) == (ex.shape[0] * k, *rest)
             if tuple(x.shape) != expected and not short:
                 raise ValueError(
                     f"input {label} of the batch has shape {tuple(x.shape)}"

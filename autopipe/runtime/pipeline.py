@@ -28,6 +28,7 @@ from .sharded_state import (RankState, load_model_state_dict, load_optimizer_sta
                             optimizer_state_dict, read_checkpoint, save_checkpoint)
 from .model_state import clip_grad_norm, full_state_dict, grads_before, sum_shared_grads
 from .plan_setup import PlanRequest, check_model_and_inputs, settle_plan
+from .shapes import ShapeVariants
 from .stage_timer import StageTimer, gather_stage_times
 from .stages import MicrobatchMeanLoss, build_rank_stages, compile_options, make_schedule
 from .step_failures import agree_on_failures, share_loss
@@ -226,6 +227,10 @@ class Pipeline(PipelineLifecycle):
         self._inference = Inference(built, num_stages=self.num_stages, schedule=self.schedule,
                                     n_microbatches=self.n_microbatches, loss_fn=loss_fn, failures=self._failures,
                                     device=self.device)
+        self._shapes = ShapeVariants(built, schedule=self.schedule, num_stages=self.num_stages,
+                                     n_microbatches=self.n_microbatches, train_loss=self._train_loss, loss_fn=loss_fn,
+                                     failures=self._failures, device=self.device, rank=self.rank,
+                                     world_size=self.world_size)
         self._inputs = CallInputs(built.batch, dp, n_microbatches=self.n_microbatches,
                                   has_first_stage=self.has_first_stage, has_last_stage=self.has_last_stage,
                                   device=self.device, placeholder_target=self._inference.placeholder_target,
@@ -281,9 +286,9 @@ class Pipeline(PipelineLifecycle):
             leaf.grad = None
         losses: list[torch.Tensor] = []
         self._train_loss.start(self._inputs.real_microbatches)
+        schedule, _ = self._at_shape()
         with self._failures.guard("step", self.rank), self._autocast():
-            self._train_schedule.step(*stage_args, target=stage_target, losses=losses, **TRAINING_STEP_KWARGS,
-                                      **stage_kwargs)
+            schedule.step(*stage_args, target=stage_target, losses=losses, **TRAINING_STEP_KWARGS, **stage_kwargs)
             loss = self._share_loss(losses)  # also tells every rank whether any rank failed
         # Every copy of a parameter shared by stages or ranks gets the sum of their gradients.
         sum_shared_grads(self._shared, self._state, self._use_leaves, before)
@@ -364,7 +369,7 @@ class Pipeline(PipelineLifecycle):
             raise RuntimeError("evaluate() needs a loss; construct the Pipeline with loss_fn=...")
         placed = self._open("evaluate", args, kwargs, target)
         with self._failures.guard("evaluate", self.rank), self._autocast():
-            _, losses = self._inference.run(*placed, training=self.training, with_loss=True,
+            _, losses = self._at_shape()[1].run(*placed, training=self.training, with_loss=True,
                                             held=self._inputs.real_microbatches)
             return self._share_loss(losses)
 
@@ -390,11 +395,16 @@ class Pipeline(PipelineLifecycle):
         self._check_usable()
         placed = self._open("forward", args, kwargs, None)
         with self._failures.guard("forward", self.rank), self._autocast():
-            output, _ = self._inference.run(*placed, training=self.training, with_loss=False)
+            output, _ = self._at_shape()[1].run(*placed, training=self.training, with_loss=False)
             agree_on_failures(self._failures, rank=self.rank, world_size=self.world_size, device=self._comm_device())
         return self._batch.io.unflatten_output(self._inputs.trim(output)) if self.has_last_stage else None
 
     __call__ = forward
+
+    def _at_shape(self) -> tuple[Any, Inference]:
+        """The training schedule and inference for the shape the call opened with (runtime.shapes)."""
+        found = self._shapes.at(self._inputs.dims, self.training)
+        return (self._train_schedule, self._inference) if found is None else (found.train_schedule, found.inference)
 
     def _share_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The mean loss on every rank; every rank raises if a rank failed (step_failures.share_loss)."""

@@ -22,7 +22,7 @@ from ..planning.schedules import schedule_class, schedule_spec
 from ..planning.tracing import release_last_export, warn_if_host_randomness_is_frozen
 from .checkpointing import checkpoint_stage
 from .materialize import (WeightSource, check_state_fits, describe_weights, load_weights, materialize_leftovers,
-                          materialize_rank, on_meta, stored_shapes, to_meta)
+                          materialize_rank, meta_twin, on_meta, stored_shapes, take_constants, to_meta)
 from .compat import (VStage, guard_stage_boundaries, make_boundary_tensors_sendable, rename_nodes_shadowing_self,
                      safe_submodule_outlining, stage_call_order, stages_in_split_order, static_stage_meta)
 from .distributed import gather_digests, raise_on_every_rank
@@ -162,6 +162,29 @@ class RankStages:
     grad_norm_rank: dict[str, int]
     unheld_state: dict[str, torch.Tensor]
     unwritten: dict[str, torch.Tensor]
+    #: What tracing this rank's stages again at another input shape needs (:func:`retrace_rank_stages`).
+    retrace: Retrace | None = None
+
+
+@dataclass
+class Retrace:
+    """How this rank's stages were built, to build them again at another input shape over the same tensors."""
+
+    model: nn.Module  # the private copy's twin on the meta device: its structure, no memory
+    split_spec: dict
+    num_stages: int
+    stage_indices: list[int]
+    device: torch.device
+    pp_group: Any
+    names: StateNames
+    state: dict[str, torch.Tensor]
+    traced: dict[int, nn.Module]  # the training stages first built, whose constants a retrace reuses
+    checkpointed: Sequence[int]
+    split_backward: bool
+    v_placement: bool
+    training: bool
+    autocast: tuple[str, torch.device] | None
+    compile_options: dict[str, Any] | None
 
 
 def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbatches: int, stage_ranks: list[int],
@@ -192,6 +215,7 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
     num_stages = plan.num_stages
     split_spec = {name: SplitPoint.BEGINNING for name in plan.split_points}
     meta = on_meta(local_model)
+    twin = local_model if meta else meta_twin(local_model)
     # A meta model is traced with meta inputs; the batch is still checked against the real example.
     traced_example = to_meta(example) if meta else example
     autocast = (mixed_precision, device) if mixed_precision else None
@@ -242,21 +266,16 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
         eval_modules = _build_eval_modules(eval_pipe, stage_indices, device, names, state, split_backward, meta)
     if weights is not None and not meta:
         load_weights({**unheld, **state}, names, weights)
-    for s in checkpointed:
-        if s in train_modules:
-            checkpoint_stage(train_modules[s])
-    for module in {id(m): m for m in (*train_modules.values(), *eval_modules.values())}.values():
-        guard_stage_boundaries(module, fresh_outputs=split_backward)
-        if compile_options is not None:  # in place: the stages, the state and the names keep the module
-            module.compile(**compile_options)
     batch = TracedBatch(train_pipe.autopipe_io, example, n_microbatches)
-    if schedule_spec(schedule).placement == "v":
-        # torch's Pipe.build_stage wires each stage's peers for the looped placement; a stage
-        # placed in a V is a manual PipelineStage, which learns its peers from the schedule.
-        train_stages = [manual_stage(train_modules[s], s, num_stages, device, batch, pp_group)
-                        for s in stage_indices]
-    for module in train_modules.values():
-        module.train(training)
+    v_placement = schedule_spec(schedule).placement == "v"
+    train_stages = _ready_to_run(train_modules, eval_modules, train_stages, batch, checkpointed=checkpointed,
+                                 split_backward=split_backward, compile_options=compile_options,
+                                 v_placement=v_placement, num_stages=num_stages, device=device, pp_group=pp_group,
+                                 training=training)
+    retrace = Retrace(model=twin, split_spec=split_spec, num_stages=num_stages, stage_indices=stage_indices,
+                      device=device, pp_group=pp_group, names=names, state=state, traced=train_modules,
+                      checkpointed=checkpointed, split_backward=split_backward, v_placement=v_placement,
+                      training=training, autocast=autocast, compile_options=compile_options)
 
     # Parameters held on several ranks: their gradients are summed after each backward.
     # new_group is collective: every rank creates every group, in the same order.
@@ -279,7 +298,67 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
     return_freed_heap()
     return RankStages(batch=batch, names=names, train_modules=train_modules, eval_modules=eval_modules,
                       train_stages=train_stages, state=state, use_leaves=use_leaves, shared=shared,
-                      grad_norm_rank=grad_norm_rank, unheld_state=unheld, unwritten=pending)
+                      grad_norm_rank=grad_norm_rank, unheld_state=unheld, unwritten=pending, retrace=retrace)
+
+
+def _ready_to_run(train_modules: Mapping[int, nn.Module], eval_modules: Mapping[int, nn.Module], train_stages: list,
+                  batch: TracedBatch, *, checkpointed: Sequence[int], split_backward: bool,
+                  compile_options: dict[str, Any] | None, v_placement: bool, num_stages: int,
+                  device: torch.device, pp_group: Any, training: bool) -> list:
+    """Recompute, boundary guards and compilation on this rank's stage modules; the training stages to run."""
+    for s in checkpointed:
+        if s in train_modules:
+            checkpoint_stage(train_modules[s])
+    for module in {id(m): m for m in (*train_modules.values(), *eval_modules.values())}.values():
+        guard_stage_boundaries(module, fresh_outputs=split_backward)
+        if compile_options is not None:  # in place: the stages, the state and the names keep the module
+            module.compile(**compile_options)
+    if v_placement:
+        # torch's Pipe.build_stage wires each stage's peers for the looped placement; a stage
+        # placed in a V is a manual PipelineStage, which learns its peers from the schedule.
+        train_stages = [manual_stage(train_modules[st.stage_index], st.stage_index, num_stages, device, batch,
+                                     pp_group) for st in train_stages]
+    for module in train_modules.values():
+        module.train(training)
+    return train_stages
+
+
+def retrace_rank_stages(r: Retrace, batch: TracedBatch, dims: tuple[int, ...]) -> RankStages:
+    """This rank's stages traced again for inputs whose dimensions after the rows are ``dims``.
+
+    The model's meta twin is traced at that shape and split at the same points; every
+    parameter and buffer of the new stage modules is the tensor the first stages hold, so
+    gradients and optimizer steps reach the same parameters whatever shape a call has.
+    """
+    example = batch.meta_example(dims)
+    train_pipe = split_model(r.model, r.split_spec, example, training=True, expected=r.num_stages,
+                             autocast=r.autocast)
+    eval_pipe = split_model(r.model, r.split_spec, example, training=False, expected=r.num_stages,
+                            unless_graph=train_pipe.autopipe_graph, autocast=r.autocast)
+    for s in r.stage_indices:
+        module = train_pipe.get_stage_module(s)
+        tie_aliases(module, r.names, r.state)
+        take_constants(module, r.traced[s])
+        materialize_leftovers(module, used_attribute_names(module))
+    train_stages = [train_pipe.build_stage(s, r.device, r.pp_group) for s in r.stage_indices]
+    train_modules = {st.stage_index: st.submod for st in train_stages}
+    use_leaves: list[tuple[str, nn.Parameter]] = []
+    for module in train_modules.values():
+        use_leaves += tie_aliases(module, r.names, r.state, leaf_per_use=r.split_backward)
+    eval_modules = train_modules
+    if eval_pipe is not None:
+        for s in r.stage_indices:
+            take_constants(eval_pipe.get_stage_module(s), r.traced[s])
+        eval_modules = _build_eval_modules(eval_pipe, r.stage_indices, r.device, r.names, r.state, r.split_backward,
+                                           meta=True)
+    new_batch = TracedBatch(train_pipe.autopipe_io, example, batch.n_microbatches)
+    train_stages = _ready_to_run(train_modules, eval_modules, train_stages, new_batch, checkpointed=r.checkpointed,
+                                 split_backward=r.split_backward, compile_options=r.compile_options,
+                                 v_placement=r.v_placement, num_stages=r.num_stages, device=r.device,
+                                 pp_group=r.pp_group, training=r.training)
+    return RankStages(batch=new_batch, names=r.names, train_modules=train_modules, eval_modules=eval_modules,
+                      train_stages=train_stages, state=r.state, use_leaves=use_leaves, shared=[], grad_norm_rank={},
+                      unheld_state={}, unwritten={})
 
 
 def _share_local_replicas(modules: Mapping[int, nn.Module], names: StateNames, *, leaf_per_use: bool

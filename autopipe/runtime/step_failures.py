@@ -14,7 +14,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -121,17 +121,20 @@ class StepFailures:
             self.stop()
 
     def agree_to_start(self, call: str, error: BaseException | None, *, rank: int, world_size: int,
-                       device: torch.device, microbatches: int = 0, target_rows: int = 0) -> int:
+                       device: torch.device, microbatches: int = 0, target_rows: int = 0,
+                       dims: Sequence[int] = ()) -> tuple[int, tuple[int, ...]]:
         """The opening collective of a call: every rank starts the same call, and its inputs passed their checks.
 
         ``microbatches``: how many micro-batches this rank's inputs hold (0: it was given
-        none); ``target_rows``: the rows of the target it was given (0: none). Returns the
-        micro-batch count every rank then runs with, that of the ranks given inputs.
+        none); ``target_rows``: the rows of the target it was given (0: none); ``dims``: its
+        inputs' dimensions after the rows (``TracedBatch.micro_dims``; zeros without inputs,
+        as long on every rank). Returns the micro-batch count and the dimensions every rank
+        then runs with, those of the ranks given inputs.
         """
         self._opened += 1
-        rows = torch.zeros(world_size, 5, dtype=torch.float64, device=device)
+        rows = torch.zeros(world_size, 5 + len(dims), dtype=torch.float64, device=device)
         rows[rank] = torch.tensor([self._opened, _CALL_KINDS.index(call), float(error is not None), microbatches,
-                                   target_rows], dtype=torch.float64)
+                                   target_rows, *dims], dtype=torch.float64)
         dist.all_reduce(rows)
         table = rows.tolist()
         calls = [(int(n), _CALL_KINDS[int(kind)]) for n, kind, *_ in table]
@@ -144,16 +147,20 @@ class StepFailures:
             raise RuntimeError(self.broken) from error
         failed = [r for r, row in enumerate(table) if row[2] > 0]
         counts = {int(row[3]) for row in table if row[3] > 0}
+        shapes = {tuple(int(d) for d in row[5:]) for row in table if row[3] > 0}
         if not failed:  # every rank sees the same counts, so every rank raises the same error
             if len(counts) > 1:
                 raise ValueError(f"the ranks' batches hold different numbers of micro-batches ({sorted(counts)}): "
                                  "every rank given inputs must be given the same number of rows")
+            if len(shapes) > 1:
+                raise ValueError(f"the ranks' batches have different sizes after the rows ({sorted(shapes)}): "
+                                 "every rank given inputs must be given the same sequence length")
             k = counts.pop() if counts else 0
             uneven = [(r, int(row[4])) for r, row in enumerate(table) if k and row[4] % k]
             if uneven:
                 raise ValueError(f"the target given to rank {uneven[0][0]} has {uneven[0][1]} rows, which do not "
                                  f"split into the {k} micro-batches the inputs hold")
-            return k
+            return k, shapes.pop() if shapes else tuple(dims)
         failures, listed = _gather_failures(one_line(error) if error is not None else "", failed, world_size)
         if error is not None:
             raise error
