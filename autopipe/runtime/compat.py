@@ -516,3 +516,38 @@ def static_stage_meta(stage_module: nn.Module, first_stage_args: tuple | None
     if any(t is None for t in inputs) or not outputs or any(t is None for t in outputs):
         return None, None
     return tuple(inputs), tuple(outputs)
+
+
+def meta_devices_to(stage_module: nn.Module, device: torch.device) -> int:
+    """Point every ``device=meta`` a meta trace baked into the stage's graphs at ``device``; the count.
+
+    torch's ``build_stage`` rewrites ``device=`` keywords only; a positional device, as
+    ``x.to(inv_freq.device)`` in rotary embeddings traces, stays on meta.
+
+    Example:
+        >>> g = fx.Graph(); x = g.placeholder("x")
+        >>> _ = g.output(g.call_function(torch.ops.aten.to.device, (x, torch.device("meta"), torch.float32)))
+        >>> gm = fx.GraphModule(nn.Module(), g)
+        >>> meta_devices_to(gm, torch.device("cpu")), gm(torch.ones(1)).device.type
+        (1, 'cpu')
+    """
+    def moved(value: Any) -> Any:
+        return device if isinstance(value, torch.device) and value.type == "meta" else value
+
+    changed = 0
+    for module in stage_module.modules():
+        graph_module = module if isinstance(module, fx.GraphModule) else getattr(module, "graph_module", None)
+        if not isinstance(graph_module, fx.GraphModule):
+            continue
+        count = 0
+        for node in graph_module.graph.nodes:
+            if node.op != "call_function":
+                continue
+            args, kwargs = tree_map(moved, node.args), tree_map(moved, dict(node.kwargs))
+            if args != node.args or kwargs != dict(node.kwargs):
+                node.args, node.kwargs = args, kwargs
+                count += 1
+        if count:
+            graph_module.recompile()
+            changed += count
+    return changed

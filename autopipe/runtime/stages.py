@@ -23,8 +23,9 @@ from ..planning.tracing import release_last_export, warn_if_host_randomness_is_f
 from .checkpointing import checkpoint_stage
 from .materialize import (WeightSource, check_state_fits, describe_weights, load_weights, materialize_leftovers,
                           materialize_rank, meta_twin, on_meta, stored_shapes, take_constants, to_meta)
-from .compat import (VStage, guard_stage_boundaries, make_boundary_tensors_sendable, rename_nodes_shadowing_self,
-                     safe_submodule_outlining, stage_call_order, stages_in_split_order, static_stage_meta)
+from .compat import (VStage, guard_stage_boundaries, make_boundary_tensors_sendable, meta_devices_to,
+                     rename_nodes_shadowing_self, safe_submodule_outlining, stage_call_order, stages_in_split_order,
+                     static_stage_meta)
 from .distributed import gather_digests, raise_on_every_rank
 from .mixed_precision import carry_autocast_dtypes
 from .model_io import ModelIO, TracedBatch, capture_export
@@ -260,6 +261,9 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
     split_backward = schedule_spec(schedule).split_backward
     train_stages = [train_pipe.build_stage(s, device, pp_group) for s in stage_indices]  # also rewrites device constants
     train_modules = {st.stage_index: st.submod for st in train_stages}
+    if meta:
+        for module in train_modules.values():
+            meta_devices_to(module, device)
     state, use_leaves = _share_local_replicas(train_modules, names, leaf_per_use=split_backward)
     eval_modules = train_modules
     if eval_pipe is not None:
@@ -342,6 +346,8 @@ def retrace_rank_stages(r: Retrace, batch: TracedBatch, dims: tuple[int, ...]) -
         materialize_leftovers(module, used_attribute_names(module))
     train_stages = [train_pipe.build_stage(s, r.device, r.pp_group) for s in r.stage_indices]
     train_modules = {st.stage_index: st.submod for st in train_stages}
+    for module in train_modules.values():
+        meta_devices_to(module, r.device)
     use_leaves: list[tuple[str, nn.Parameter]] = []
     for module in train_modules.values():
         use_leaves += tie_aliases(module, r.names, r.state, leaf_per_use=r.split_backward)
@@ -383,6 +389,8 @@ def _build_eval_modules(eval_pipe: Any, stage_indices: Sequence[int], device: to
             tie_aliases(eval_pipe.get_stage_module(s), names, state)
             materialize_leftovers(eval_pipe.get_stage_module(s), used_attribute_names(eval_pipe.get_stage_module(s)))
         module = eval_pipe.build_stage(s, device).submod
+        if meta:
+            meta_devices_to(module, device)
         missing = sorted(set(stage_state(module, names)) - set(state))
         if missing:
             raise RuntimeError(f"stage {s}'s eval-mode trace reads {missing}, which its training trace "
