@@ -140,6 +140,10 @@ def rank_local_errors_run(rank: int, world_size: int) -> dict:
             lambda: pipe.step(x[:3] if rank == 0 else x, target=y))
         # Two whole micro-batches on rank 0 (a short last batch) but four on rank 1: the ranks disagree.
         out["outcomes"]["different_counts"] = outcome(lambda: pipe.step(x[:4] if rank == 0 else x, target=y))
+        # Another width on rank 0 only: the ranks disagree; on every rank: the layers cannot take it.
+        out["outcomes"]["different_widths"] = outcome(lambda: pipe.step(x[:, :3] if rank == 0 else x, target=y))
+        out["outcomes"]["untraceable_width"] = outcome(lambda: pipe.step(x[:, :3], target=y))
+        out["outcomes"]["another_rank"] = outcome(lambda: pipe.step(x[:, :, None], target=y))
         for name in ("per_element", "python_float"):
             chosen["name"] = name
             out["outcomes"][name] = outcome(lambda: pipe.step(x, target=y))

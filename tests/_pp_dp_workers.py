@@ -48,6 +48,7 @@ def pp_dp_run(rank: int, world_size: int, dp_mode: str, use_mesh: bool) -> dict:
                      for tied in (False, True) for schedule in SCHEDULES}
     if dp_mode == "replicate":  # the batch convention does not depend on how the replicas reduce
         results["1F1B+global"] = _case("1F1B", dp_mode, False, mesh, batch="global")
+    results["lengths"] = _lengths_case(dp_mode)
     results["1F1B+bf16"] = _bf16_case(dp_mode)
     x, y = global_batch()
     bad_mesh = init_device_mesh("cpu", (DP, world_size // DP), mesh_dim_names=("data", "pp"))
@@ -118,6 +119,31 @@ def _case(schedule: str, dp_mode: str, tied: bool, mesh, batch: str = "replica")
                 "state_keys_match": sorted(full) == sorted(model.state_dict()), "state_diff": state_diff, "load_diff": load_diff,
                 "pp_rank": pipe.pp_rank, "dp_rank": pipe.data_parallel.dp_rank,
                 "stage_indices": pipe.stage_indices, "dp_mode": pipe.data_parallel.mode}
+
+
+def _lengths_case(dp_mode: str) -> dict:
+    """Each replica's batch padded to its own length (5 and 7 tokens, traced at 9), as per-batch padding gives.
+
+    Under "replicate" the mean over the replicas equals the unsplit model's mean of the two
+    batches' losses; FSDP shards the traced stages only and refuses, on every rank.
+    """
+    model = tutorial_model()
+    x, y = global_batch()
+    half = len(x) // DP
+    parts = [(x[:half, :5], y[:half, :5]), (x[half:, :7], y[half:, :7])]
+    with Pipeline(model, example_args=(x[:MICROBATCH],), loss_fn=loss_fn, schedule="1F1B",
+                  n_microbatches=N_MICROBATCHES, split_points=SPLITS[2],
+                  data_parallel=DataParallelOptions(DP, dp_mode)) as pipe:
+        rows, targets = parts[pipe.dp_rank]
+        if dp_mode == "fsdp":
+            return {"error": _error(lambda: pipe.step(rows, target=targets)),
+                    "after": pipe.step(*replica_batch(pipe, x, y)[:1], target=replica_batch(pipe, x, y)[1]).item()}
+        loss = pipe.step(rows, target=targets)
+        ref = sum(loss_fn(model(a), b) for a, b in parts) / DP
+        ref.backward()
+        ref_grads = dict(model.named_parameters())
+        return {"loss": loss.item(), "ref_loss": ref.item(),
+                "grad_diff": max((p.grad - ref_grads[n].grad).abs().max().item() for n, p in pipe.named_parameters())}
 
 
 def _bf16_case(dp_mode: str) -> dict:

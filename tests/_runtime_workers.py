@@ -291,6 +291,7 @@ def checkpointing_and_modes_run(rank: int, world_size: int) -> dict:
         result[f"only_needed_eval_{schedule}"] = (pipe.evaluate(*inputs, target=target).item(),
                                                   loss_fn(model(x), y).item())
     result["short"] = short_batch_run(rank, world_size)
+    result["lengths"] = other_lengths_run(rank, world_size)
 
     # Stage times inside running steps (ZBV: two stages per rank, the backward split in B and W).
     pipe = build(tutorial_model(), "ZBVZeroBubble", 4)
@@ -397,4 +398,40 @@ def short_batch_run(rank: int, world_size: int) -> dict:
         case["full_after"] = pipe.step(x, target=y).item()  # a whole batch again: every micro-batch counts
         case["ref_full"] = loss_fn(model(x), y).item()
         result[f"{schedule}-{held}"] = case
+    return result
+
+
+#: (schedule, stages) of the other-length checks: one stage per rank, and a V with a split backward.
+LENGTH_CASES = (("1F1B", 2), ("ZBVZeroBubble", 4))
+#: (sequence length, rows) of the calls, in order, on a pipeline traced at length 12:
+#: shorter, longer, a short last batch at another length, the traced length again, 8 once more.
+LENGTH_CALLS = ((8, 8), (16, 8), (16, 6), (12, 8), (8, 8))
+
+
+def sequences(length: int, rows: int = MICROBATCH * N_MICROBATCHES) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` token sequences of ``length`` (sequence ``i`` counts up from ``i``) and their next tokens."""
+    data = torch.stack([torch.arange(i, i + length + 1) % VOCAB for i in range(rows)])
+    return data[:, :-1], data[:, 1:]
+
+
+def other_lengths_run(rank: int, world_size: int) -> dict:
+    """Calls whose sequence length differs from the traced one, against the unsplit model on the same batch."""
+    result: dict = {}
+    for schedule, n_stages in LENGTH_CASES:
+        model = tutorial_model()
+        pipe = Pipeline(model, example_args=(sequences(12)[0][:MICROBATCH],), loss_fn=loss_fn, schedule=schedule,
+                        split_points=SPLITS[n_stages], n_microbatches=N_MICROBATCHES)
+        for call, (length, rows) in enumerate(LENGTH_CALLS):
+            x, y = sequences(length, rows)
+            inputs = (x,) if 0 in pipe.stage_indices else ()
+            target = y if n_stages - 1 in pipe.stage_indices else None
+            pipe.zero_grad()
+            model.zero_grad()
+            loss = pipe.step(*inputs, target=target)
+            case = against_reference(pipe, model, loss, loss_fn(model(x), y))
+            case["eval"] = (pipe.evaluate(*inputs, target=target).item(), loss_fn(model(x), y).item())
+            out = pipe(*inputs)
+            case["forward_diff"] = None if out is None else (out - model(x)).abs().max().item()
+            result[f"{schedule}-{call}"] = case
+        result[f"{schedule}-shapes"] = len(pipe._shapes._kept)
     return result

@@ -12,6 +12,7 @@ the unsplit model's on the global batch. One world per reduction runs every case
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -63,6 +64,17 @@ def test_bf16_mixed_precision_equals_the_unsplit_model_under_autocast(dp_mode):
 
 
 @pytest.mark.parametrize("dp_mode", ["fsdp", "replicate"])
+def test_replicas_padded_to_their_own_lengths_equal_the_unsplit_model_or_fsdp_refuses(dp_mode):
+    for r in results(dp_mode):
+        case = r["lengths"]
+        if dp_mode == "fsdp":
+            assert case["error"].startswith("ValueError: the batch's inputs have sizes [") and \
+                "after the rows, but the pipeline was traced at [9]: FSDP shards" in case["error"], case
+            assert math.isfinite(case["after"])
+        else:
+            assert abs(case["loss"] - case["ref_loss"]) < 1e-5 and case["grad_diff"] < 1e-5, case
+
+
 def test_tied_embedding_gradient_is_summed_within_each_replica(dp_mode):
     for r in results(dp_mode):
         case = r["1F1B+tied"]

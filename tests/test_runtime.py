@@ -264,6 +264,20 @@ def test_a_short_last_batch_of_whole_micro_batches_gives_the_unsplit_result(sche
     assert any(r["short"][f"{schedule}-{held}"]["forward_diff"] is not None for r in checkpointing_results())
 
 
+@pytest.mark.parametrize("schedule", [s for s, _ in workers.LENGTH_CASES])
+def test_batches_of_other_sequence_lengths_give_the_unsplit_result(schedule):
+    # Traced at length 12; called at 8, 16, 16 with 3 of 4 micro-batches, 12 and 8 again.
+    for r in checkpointing_results():
+        for call in range(len(workers.LENGTH_CALLS)):
+            case = r["lengths"][f"{schedule}-{call}"]
+            assert abs(case["loss"] - case["ref_loss"]) < 1e-5, (call, case)
+            assert max(case["grad_diff"].values()) < 1e-5, (call, case["grad_diff"])
+            assert abs(case["eval"][0] - case["eval"][1]) < 1e-5
+            assert case["forward_diff"] is None or case["forward_diff"] < 1e-5
+        assert r["lengths"][f"{schedule}-shapes"] == 2  # 8 and 16 traced once each, kept; 12 is the first trace
+    assert any(r["lengths"][f"{schedule}-0"]["forward_diff"] is not None for r in checkpointing_results())
+
+
 def test_step_in_eval_mode_asks_for_train():
     assert "pipe.train()" in checkpointing_results()[0]["step_in_eval_mode"]
 

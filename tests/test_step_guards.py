@@ -87,6 +87,14 @@ def test_a_call_one_rank_refuses_is_refused_on_every_rank_and_later_steps_stay_e
     for r in (rank0, rank1):
         assert r["outcomes"]["different_counts"].startswith(
             "ValueError: the ranks' batches hold different numbers of micro-batches ([2, 4])"), r["outcomes"]
+        assert r["outcomes"]["different_widths"].startswith(
+            "ValueError: the ranks' batches have different sizes after the rows ([(3,), (8,)])"), r["outcomes"]
+        assert r["outcomes"]["untraceable_width"].startswith(
+            "ValueError: the batch's inputs have sizes [3] after the rows (traced at [8]), and the model cannot be "
+            "traced at them"), r["outcomes"]
+        assert r["outcomes"]["another_rank"].startswith(
+            "ValueError: input args[0] of the batch has 3 dimensions (8, 8, 1), but the pipeline was traced with 2 "
+            "(2, 8)"), r["outcomes"]
     for r in (rank0, rank1):
         assert r["outcomes"]["numpy_target"].startswith("ValueError: target holds a ndarray"), r["outcomes"]
         assert len(r["losses"]) == 3

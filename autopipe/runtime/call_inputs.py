@@ -50,10 +50,13 @@ class CallInputs:
             need_inputs = self.has_first_stage or bool(args) or bool(kwargs)
             need_target = call != "forward" and (self.has_last_stage or target is not None)
             try:
-                # Another sequence length retraces the stages (runtime.shapes), which pp x dp does not do.
+                # Another sequence length retraces the stages (runtime.shapes); FSDP shards the traced ones only.
+                fsdp = self.data_parallel is not None and self.data_parallel.mode == "fsdp"
+                if fsdp and need_inputs:
+                    self._check_fsdp_length(args, kwargs)
                 held = self.batch.check(args, kwargs, target, need_target=need_target, need_inputs=need_inputs,
                                         replicas=self.data_parallel.batch_replicas if self.data_parallel else 1,
-                                        any_length=not self.data_parallel)
+                                        any_length=not fsdp)
                 if need_inputs:
                     dims = self.batch.micro_dims(args, kwargs)
             except ValueError as e:
@@ -70,13 +73,24 @@ class CallInputs:
             error = e
         agreed, self.dims = failures.agree_to_start(
             call, error, rank=rank, world_size=world_size, device=comm_device, microbatches=held,
-            target_rows=target_rows, dims=dims)
+            target_rows=target_rows, dims=dims, pipelines=self.data_parallel.replicas if self.data_parallel else None)
         self.real_microbatches = agreed or self.n_microbatches
         if self.real_microbatches < self.n_microbatches:  # a short last batch: filled up, the rest weighs nothing
             placed = (_fill(placed[0], self.real_microbatches, self.n_microbatches), placed[1],
                       _fill(placed[2], self.real_microbatches, self.n_microbatches) if target is not None
                       else placed[2])
         return placed
+
+    def _check_fsdp_length(self, args: tuple, kwargs: dict) -> None:
+        try:
+            dims = self.batch.micro_dims(args, kwargs)
+        except ValueError:
+            return  # named by TracedBatch.check
+        if dims != self.batch.traced_dims:
+            raise ValueError(f"the batch's inputs have sizes {list(dims)} after the rows, but the pipeline was "
+                             f"traced at {list(self.batch.traced_dims)}: FSDP shards the traced stages only, so "
+                             "under data_parallel mode 'fsdp' every batch keeps the traced sizes (pad to them, or "
+                             "use mode='replicate')")
 
     def trim(self, output: Any) -> Any:
         """The last call's merged output without the rows that filled up a short last batch."""

@@ -270,10 +270,12 @@ def destroy_groups(groups: Iterable[Any]) -> None:
             pass
 
 
-def raise_on_every_rank(error: BaseException | None, *, rank: int, world_size: int, what: str) -> None:
-    """Raise on every rank when some rank failed ``what`` (collective; one all-gather)."""
+def raise_on_every_rank(error: BaseException | None, *, rank: int, world_size: int, what: str,
+                        group: Any = None) -> None:
+    """Raise on every rank (of ``group``, ranks and size counted in it) when some rank failed ``what``
+    (collective; one all-gather)."""
     texts: list[Any] = [None] * world_size
-    dist.all_gather_object(texts, None if error is None else f"{type(error).__name__}: {error}")
+    dist.all_gather_object(texts, None if error is None else f"{type(error).__name__}: {error}", group=group)
     if error is not None:
         raise error
     failed = [(r, text) for r, text in enumerate(texts) if text is not None]

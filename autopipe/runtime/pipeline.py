@@ -229,8 +229,9 @@ class Pipeline(PipelineLifecycle):
                                     device=self.device)
         self._shapes = ShapeVariants(built, schedule=self.schedule, num_stages=self.num_stages,
                                      n_microbatches=self.n_microbatches, train_loss=self._train_loss, loss_fn=loss_fn,
-                                     failures=self._failures, device=self.device, rank=self.rank,
-                                     world_size=self.world_size)
+                                     failures=self._failures, device=self.device, rank=self.pp_rank,
+                                     world_size=dp.pp_size if dp else self.world_size,
+                                     group=dp.pp_group if dp else None)
         self._inputs = CallInputs(built.batch, dp, n_microbatches=self.n_microbatches,
                                   has_first_stage=self.has_first_stage, has_last_stage=self.has_last_stage,
                                   device=self.device, placeholder_target=self._inference.placeholder_target,

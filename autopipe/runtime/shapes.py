@@ -48,7 +48,7 @@ class ShapeVariants:
 
     def __init__(self, built: RankStages, *, schedule: str, num_stages: int, n_microbatches: int,
                  train_loss: MicrobatchMeanLoss, loss_fn: Callable | None, failures: StepFailures,
-                 device: torch.device, rank: int, world_size: int) -> None:
+                 device: torch.device, rank: int, world_size: int, group: Any = None) -> None:
         self._base = built
         self._schedule = schedule
         self._num_stages = num_stages
@@ -57,16 +57,17 @@ class ShapeVariants:
         self._loss_fn = loss_fn
         self._failures = failures
         self._device = device
-        self._rank, self._world_size = rank, world_size
+        # The ranks of this pipeline (a replica's pp group under pp x dp): they trace a new shape together.
+        self._rank, self._world_size, self._group = rank, world_size, group
         self._kept: OrderedDict[tuple[int, ...], ShapeStages] = OrderedDict()
         self._warned = False
 
     def at(self, dims: tuple[int, ...], training: bool) -> ShapeStages | None:
         """The stages for inputs whose dimensions after the rows are ``dims``; None at the traced shape.
 
-        Collective the first time a shape comes (every rank traces, and a rank that cannot
-        raises on every rank); every rank calls it with the same ``dims`` (agreed as the
-        call opened).
+        Collective over the pipeline's ranks the first time a shape comes (each traces, and
+        a rank that cannot raises on every rank); they call it with the same ``dims``
+        (agreed as the call opened).
         """
         if tuple(dims) == self._base.batch.traced_dims:
             return None
@@ -81,15 +82,17 @@ class ShapeVariants:
     def _trace(self, dims: tuple[int, ...]) -> ShapeStages:
         """Trace and build the stages at ``dims`` (collective: every rank does so)."""
         built, error = None, None
+        shapes = f"sizes {list(dims)} after the rows (traced at {list(self._base.batch.traced_dims)})"
         try:
             if self._base.retrace is None:
                 raise RuntimeError("this pipeline's stages cannot be traced again")
             built = retrace_rank_stages(self._base.retrace, self._base.batch, dims)
         except Exception as e:  # noqa: BLE001 - raised below, on every rank
-            error = e
-        raise_on_every_rank(error, rank=self._rank, world_size=self._world_size,
-                            what=f"trace its stages for inputs of sizes {list(dims)} after the rows "
-                                 f"(traced at {list(self._base.batch.traced_dims)})")
+            error = ValueError(f"the batch's inputs have {shapes}, and the model cannot be traced at them: "
+                               f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+            error.__cause__ = e
+        raise_on_every_rank(error, rank=self._rank, world_size=self._world_size, group=self._group,
+                            what=f"trace its stages for inputs of {shapes}")
         assert built is not None
         # Per-use parameters of a split backward are folded into the pipeline's gradients with the first ones.
         self._base.use_leaves.extend(built.use_leaves)

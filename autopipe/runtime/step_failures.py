@@ -122,14 +122,17 @@ class StepFailures:
 
     def agree_to_start(self, call: str, error: BaseException | None, *, rank: int, world_size: int,
                        device: torch.device, microbatches: int = 0, target_rows: int = 0,
-                       dims: Sequence[int] = ()) -> tuple[int, tuple[int, ...]]:
+                       dims: Sequence[int] = (), pipelines: Sequence[Sequence[int]] | None = None
+                       ) -> tuple[int, tuple[int, ...]]:
         """The opening collective of a call: every rank starts the same call, and its inputs passed their checks.
 
         ``microbatches``: how many micro-batches this rank's inputs hold (0: it was given
         none); ``target_rows``: the rows of the target it was given (0: none); ``dims``: its
         inputs' dimensions after the rows (``TracedBatch.micro_dims``; zeros without inputs,
-        as long on every rank). Returns the micro-batch count and the dimensions every rank
-        then runs with, those of the ranks given inputs.
+        as long on every rank); ``pipelines``: the ranks of each pipeline replica (default: one
+        pipeline of every rank), whose ranks run one shape while other replicas may run
+        another. Returns the micro-batch count and the dimensions this rank's pipeline then
+        runs with, those of its ranks given inputs.
         """
         self._opened += 1
         rows = torch.zeros(world_size, 5 + len(dims), dtype=torch.float64, device=device)
@@ -147,20 +150,23 @@ class StepFailures:
             raise RuntimeError(self.broken) from error
         failed = [r for r, row in enumerate(table) if row[2] > 0]
         counts = {int(row[3]) for row in table if row[3] > 0}
-        shapes = {tuple(int(d) for d in row[5:]) for row in table if row[3] > 0}
+        pipelines = pipelines or [range(world_size)]
+        shapes = [{tuple(int(d) for d in table[r][5:]) for r in ranks if table[r][3] > 0} for ranks in pipelines]
+        mine = next(i for i, ranks in enumerate(pipelines) if rank in ranks)
         if not failed:  # every rank sees the same counts, so every rank raises the same error
             if len(counts) > 1:
                 raise ValueError(f"the ranks' batches hold different numbers of micro-batches ({sorted(counts)}): "
                                  "every rank given inputs must be given the same number of rows")
-            if len(shapes) > 1:
-                raise ValueError(f"the ranks' batches have different sizes after the rows ({sorted(shapes)}): "
-                                 "every rank given inputs must be given the same sequence length")
+            differ = next((sorted(found) for found in shapes if len(found) > 1), None)
+            if differ:
+                raise ValueError(f"the ranks' batches have different sizes after the rows ({differ}): every rank "
+                                 "of a pipeline given inputs must be given the same sequence length")
             k = counts.pop() if counts else 0
             uneven = [(r, int(row[4])) for r, row in enumerate(table) if k and row[4] % k]
             if uneven:
                 raise ValueError(f"the target given to rank {uneven[0][0]} has {uneven[0][1]} rows, which do not "
                                  f"split into the {k} micro-batches the inputs hold")
-            return k, shapes.pop() if shapes else tuple(dims)
+            return k, shapes[mine].pop() if shapes[mine] else tuple(dims)
         failures, listed = _gather_failures(one_line(error) if error is not None else "", failed, world_size)
         if error is not None:
             raise error
