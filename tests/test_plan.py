@@ -90,6 +90,24 @@ def test_calibrate_with_per_stage_times_rescales_stages_and_prediction():
     assert plan.stages[0].fwd_s == 1e-3  # the original is untouched
 
 
+def test_a_plan_predicts_its_step_at_another_sequence_length_and_says_which_it_was_made_for(tmp_path):
+    plan = _plan()
+    plan.input_shapes = [[2, 12], [2, 12]]  # token ids and a mask of one micro-batch
+    assert plan.sequence_length == 12
+    assert plan.predict_at(12) == pytest.approx(plan.simulated_step_s())
+    # A step of compute alone: twice the tokens per micro-batch, twice the step.
+    assert plan.predict_at(24) == pytest.approx(2 * plan.simulated_step_s())
+    assert plan.predict_at(6) == pytest.approx(plan.simulated_step_s() / 2)
+    assert "made for micro-batches of inputs shaped (2, 12), (2, 12) (sequence length 12" in plan.report()
+    plan.save(tmp_path / "plan.json")
+    assert Plan.load(tmp_path / "plan.json").input_shapes == [[2, 12], [2, 12]]
+    with pytest.raises(ValueError, match=r"length=0 must be an integer >= 1 \(the sequence length"):
+        plan.predict_at(0)
+    plan.input_shapes = [[2]]
+    with pytest.raises(ValueError, match=r"predict_at\(length=8\): the plan records no input with a sequence"):
+        plan.predict_at(8)
+
+
 def test_calibrate_with_a_step_time_scales_everything_by_one_factor():
     plan = _plan()
     cal = plan.calibrate({"step_s": 2 * plan.predicted_step_s})

@@ -80,6 +80,7 @@ def test_plan_stage_records_are_complete(small_transformer, small_costs):
     assert plan.lower_bound_s <= plan.bottleneck_s
     assert [b.name for b in plan.baselines] == list(autopipe.planning.baselines.BASELINES)
     assert "split_spec" in plan.report() and "deepspeed_uniform" in plan.report()
+    assert plan.input_shapes == [list(args[0].shape)] and plan.sequence_length == 8  # what it was made for
 
 
 def test_partition_leaves_the_model_exactly_as_it_was(small_transformer):

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.distributed.pipelining import SplitPoint
 
+from .._checks import check_int
 from ..machine.device import default_link
 from . import costmodel
 from .costgraph import SegmentCost
@@ -80,6 +81,7 @@ class Plan:
     whole_pass: WholePass | None = None  # the whole graph timed beside the segments
     global_batch: int | None = None  # samples per optimizer step, when given
     microbatch_rows: int | None = None  # the traced example's batch size: one micro-batch, when it has one
+    input_shapes: list[list[int]] = field(default_factory=list)  # each tensor input's shape in one micro-batch
     mixed_precision: str = ""  # "bf16" or "fp16" when planned for autocast in that dtype
     scaling_fit_error: dict[str, float] = field(default_factory=dict)  # quantity -> worst relative fit error
     calibration: Calibration | None = None  # set by calibrate()
@@ -264,6 +266,49 @@ class Plan:
         return costmodel.predicted_step_s(
             [st.fwd_s * compute_factor for st in self.stages], [st.bwd_s * compute_factor for st in self.stages],
             self.cut_comm_s(), **self.simulation_options(), tail=self.step_tail)
+
+    @property
+    def sequence_length(self) -> int | None:
+        """The length the plan was made for: dimension 1 of its first input with two or more (None without)."""
+        return next((shape[1] for shape in self.input_shapes if len(shape) >= 2), None)
+
+    def predict_at(self, length: int) -> float:
+        """The predicted step for micro-batches of sequence ``length`` instead of :attr:`sequence_length`.
+
+        Every stage's compute and the bytes crossing every cut are scaled by the ratio of the
+        lengths (the tokens per micro-batch), and the step simulated again under the plan's
+        schedule; the optimizer step and the other once-per-step work stay. Exact for work
+        per token (linear layers, norms, the loss); attention's share that grows with the
+        square of the length is under-counted at longer lengths, and per-call overheads
+        over-counted at shorter ones. For a split made at that length, plan with an example
+        of it.
+
+        Args:
+            length: the sequence length, a positive integer.
+
+        Returns:
+            The predicted seconds per step.
+
+        Raises:
+            ValueError: ``length`` is not a positive integer, or the plan records no input
+                with a sequence dimension (a plan file written before it recorded them).
+
+        Example:
+            >>> plan.predict_at(2 * plan.sequence_length) > plan.predicted_step_s  # doctest: +SKIP
+            True
+        """
+        check_int("length", length, what="the sequence length to predict a step at")
+        if self.sequence_length is None:
+            raise ValueError(f"predict_at(length={length}): the plan records no input with a sequence dimension "
+                             f"(input_shapes={self.input_shapes}); plan with an example of that length instead")
+        factor = length / self.sequence_length
+        scaled = copy.deepcopy(self)
+        for st in scaled.stages:
+            st.fwd_s, st.bwd_s = st.fwd_s * factor, st.bwd_s * factor
+            st.send_bytes, st.recv_bytes = round(st.send_bytes * factor), round(st.recv_bytes * factor)
+        scaled.segments = [replace(seg, cut_fwd_bytes=round(seg.cut_fwd_bytes * factor),
+                                   cut_bwd_bytes=round(seg.cut_bwd_bytes * factor)) for seg in scaled.segments]
+        return scaled.simulated_step_s()
 
     def split_step_s(self, split_points: Sequence[str]) -> float:
         """Predicted step of another split of the plan's profiled segments, under the plan's schedule.

@@ -448,6 +448,7 @@ def plan_from_data(data: Any, cls: type[PlanT], *, path: str | None = None) -> P
         "model_name": c.text,
         "target": lambda f, v: c.text(f, v) if v in ("", *TARGETS) else c.bad(f, v, f"one of {['', *TARGETS]}"),
         "microbatch_rows": lambda f, v: None if v is None else c.integer(f, v, 1),
+        "input_shapes": lambda f, v: c.sequence(f, v, lambda g, x: c.sequence(g, x, lambda h, d: c.integer(h, d, 0))),
         "mixed_precision": lambda f, v: c.text(f, v) if v in ("", *MIXED_PRECISIONS) else c.bad(
             f, v, f"one of {['', *MIXED_PRECISIONS]}"),
         "segment_names": lambda f, v: c.sequence(f, v, c.text),

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_leaves
 
 from .._checks import check_at_most, check_int
 from . import schedules as sim
@@ -334,6 +335,8 @@ def plan_partition(
                       "time the compiled stages in running steps and fold them in with "
                       "plan.calibrate(pipe.measure_stage_times(x, target=y))"]
     plan.microbatch_rows = example_batch_size(example_args, example_kwargs)
+    plan.input_shapes = [list(t.shape) for t in tree_leaves((tuple(example_args or ()), dict(example_kwargs or {})))
+                         if isinstance(t, torch.Tensor)]
     plan.target = target or ""
     if wanted.auto_microbatches and scaling is not None:
         plan.scaling_fit_error = {k: max(v) if v else 0.0 for k, v in scaling.fit_error.items()}

@@ -44,6 +44,9 @@ def plan_to_text(plan: Any) -> str:
         f"search: exact ({plan.objective}), {format_seconds(plan.planner_s)}"
         + (f"; planning's peak host memory: {format_bytes(plan.planning_peak_rss_bytes)}"
            if plan.planning_peak_rss_bytes else ""),
+        *([f"made for micro-batches of inputs shaped {', '.join(map(str, map(tuple, plan.input_shapes)))}"
+           + (f" (sequence length {plan.sequence_length}; another length's step: plan.predict_at(length))"
+              if plan.sequence_length else "")] if plan.input_shapes else []),
         *[f"note: {n}" for n in plan.notes],  # what autopipe changed or assumed to make the plan
         *([line] if (line := versus_default(plan)) else []),  # a framework's plan against its own default
         "",
