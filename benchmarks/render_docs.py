@@ -32,13 +32,14 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))  # the checkout's autopipe, for its defaults
 
 # Order of the page; anything else found is appended.
-ORDER = ("peers", "real_steps", "frameworks", "split_quality", "split_quality_sim", "planner_scaling", "runtime_overhead", "prediction_accuracy",
+ORDER = ("peers", "real_steps", "frameworks", "precision", "split_quality", "split_quality_sim", "planner_scaling", "runtime_overhead", "prediction_accuracy",
          "schedule_memory", "trace_profile", "gpu_one_rank", "models", "meta_planning", "recompute", "meta_model",
          "scale_study")
 TITLES = {
     "peers": "0. autopipe against the real peers (2 and 4 stages, measured)",
     "real_steps": "0b. Every layer-level split of stock decoder LMs, real steps against predictions",
     "frameworks": "0c. torchtitan's own Llama3 and Qwen3: autopipe's plan against torchtitan's default split",
+    "precision": "0d. bf16 autocast, compiled stages and another sequence length: real steps against the plan",
     "split_quality": "1. Split quality, measured (2 stages, real pipelines)",
     "split_quality_sim": "2. Split quality at scale, simulated from measured segment costs",
     "planner_scaling": "3. Planner scaling",
@@ -90,6 +91,9 @@ ABOUT = {
     "frameworks": (
         "Planned at torchtitan's granularity (`PlannerOptions(target=\"torchtitan\")`), is autopipe's split faster "
         "than the one torchtitan makes by default, when torchtitan itself builds and runs the stages?"),
+    "precision": (
+        "Does the plan predict the real step of a pipeline that trains in bf16 autocast, with compiled stages, or "
+        "at another sequence length than it was made for? One model, 2 gloo ranks, variants interleaved."),
     "meta_planning": (
         "Can a model of over a billion parameters, built on the meta device, be planned on this host, and with "
         "how much host memory? Measured costs time one segment at a time; counted ones run nothing."),
@@ -98,6 +102,7 @@ ABOUT = {
         "per rank after construction, against the whole model's parameter bytes."),
 }
 RERUN_OPTIONS = {"recompute": "`--smoke` for a tiny run that only checks the script",
+                 "precision": "`--smoke` for a tiny run that only checks the script",
                  "frameworks": "needs torchtitan 0.3.0; `--smoke` for a tiny run that only checks the script",
                  "real_steps": "`--quick` for two models, `--models` for a subset",
                  "peers": "`--quick` for a short run, `--models`/`--stages` for a subset",
@@ -311,6 +316,19 @@ def render_frameworks(d: dict[str, Any], behind: list[str]) -> str:
                      "torchtitan predicted ms", "autopipe measured ms", "torchtitan measured ms"], rows))
 
 
+def render_precision(d: dict[str, Any], behind: list[str]) -> str:
+    """Per variant: the measured step, the plan's prediction and the calibrated one, with their errors."""
+    rows = [[r["variant"], r["length"], ms(r["measured_s"]), ms(r["predicted_s"]), pct(r["predicted_error"]),
+             ms(r.get("calibrated_s")), pct(r.get("calibrated_error"))] for r in d["rows"]]
+    shape = "x".join(map(str, d["microbatch_shape"]))
+    splits = "; ".join(f"{r['variant']}: {', '.join(r['split_points'])}" for r in d["rows"])
+    return (f"{d['model']}, {d['schedule']} with {d['n_microbatches']} micro-batches of {shape} tokens, 2 stages. "
+            "Predicted: the plan's step (at 2x length `Plan.predict_at`); calibrated: the plan with its stages "
+            "timed inside running steps (`Plan.calibrate`).\n\n"
+            + table(["variant", "length", "measured ms", "predicted ms", "error", "calibrated ms", "error"], rows)
+            + f"\n\n{DETAIL}\n\nSplits: {splits}.")
+
+
 def render_split_quality(d: dict[str, Any], behind: list[str]) -> str:
     """One row per model: autopipe's cut against the exhaustive best, and the baselines' real steps."""
     baselines = list(dict.fromkeys(k for r in d["rows"] for k in r["methods"]
@@ -490,10 +508,11 @@ def render_prediction_accuracy(d: dict[str, Any], behind: list[str]) -> str:
             behind.append(f"prediction accuracy: the median |error| of the step-time prediction is {head:.1%} "
                           f"(target: under 10%) over {s['run']} real 2-rank runs; median signed error "
                           f"{s.get('median_signed_error', 0):+.1%}.")
+    moved: list[str] = []  # memory and the measured machine: on the every-row page
     memory_file = Path(__file__).parent / "prediction_accuracy" / "memory.json"
     mem = json.loads(memory_file.read_text())["summary"] if memory_file.exists() else None
     if mem and mem.get("median_abs_memory_error") is not None:
-        notes.append(f"Peak memory per rank (`prediction_accuracy/memory.json`, `main.py --memory-only`: plans "
+        moved.append(f"Peak memory per rank (`prediction_accuracy/memory.json`, `main.py --memory-only`: plans "
                      f"from FLOP-counted costs, no step timed): median |error| "
                      f"{apct(mem['median_abs_memory_error'])}, largest {apct(mem['max_abs_memory_error'])}, "
                      f"{mem['within_10pct']} of {mem['rank_figures']} rank figures within 10% "
@@ -504,17 +523,17 @@ def render_prediction_accuracy(d: dict[str, Any], behind: list[str]) -> str:
                           f"{apct(mem['max_abs_memory_error'])}; target: every rank within 10%); section 5.")
     elif s.get("median_abs_memory_error") is not None:
         largest = s.get("max_abs_memory_error")
-        notes.append(f"Peak memory per rank: median |error| {apct(s['median_abs_memory_error'])}"
+        moved.append(f"Peak memory per rank: median |error| {apct(s['median_abs_memory_error'])}"
                      + (f", largest {apct(largest)}" if largest is not None else "")
                      + " over every rank of every case (predicted: `plan.rank_peak_bytes`).")
     machine = d.get("measured_machine") or {}
     if machine.get("link") and machine.get("overhead"):
         link, ov = machine["link"], machine["overhead"]
-        notes.append(f"The machine as measured before the run (`autopipe measure --overhead`): "
+        moved.append(f"The machine as measured before the run (`autopipe measure --overhead`): "
                      f"link {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s and {link['latency_s'] * 1e6:.0f} µs "
                      f"per message, {ov['action_overhead_s'] * 1e3:.2f} ms of runtime overhead per action, ranks "
                      f"computing at once {ov['concurrent_slowdown']:.2f}× as slow as alone.")
-    return "\n\n".join(out + notes) + f"\n\n{DETAIL}\n\n" + table(header, rows)
+    return "\n\n".join(out + notes) + f"\n\n{DETAIL}\n\n" + "\n\n".join([*moved, table(header, rows)])
 
 
 def render_schedule_memory(d: dict[str, Any], behind: list[str]) -> str:
@@ -523,8 +542,7 @@ def render_schedule_memory(d: dict[str, Any], behind: list[str]) -> str:
              r.get("predicted_inflight_microbatches"), ratio(r.get("vs_gpipe"))] for r in d.get("rows", [])]
     split = ", ".join(f"`{s}`" for s in d.get("split_points", []))
     return (f"{d.get('model')}, {d.get('batch')}, split at {split or '–'}. Peak: bytes the step allocates "
-            "beyond what existed before it (parameters, gradients and receive buffers excluded).\n\n"
-            + "Rank 0:\n\n"
+            "beyond what existed before it (parameters, gradients and receive buffers excluded). Rank 0:\n\n"
             + table(["variant", "micro-batches", "rank", "peak MiB", "micro-batches in flight (planner)", "÷ GPipe"],
                     [row for row in rows if row[2] == 0]) + f"\n\n{DETAIL}\n\n"
             + table(["variant", "micro-batches", "rank", "peak MiB", "micro-batches in flight (planner)", "÷ GPipe"],
@@ -608,8 +626,9 @@ def render_gpu_one_rank(d: dict[str, Any], behind: list[str]) -> str:
                       f"m = {s['check_m']}; target 10%); section 8.")
     return (f"Median |error| at m = {s['check_m']}: {err * 100:.1f}% as planned (no per-action overhead, the CUDA "
             f"default), {s['median_abs_error_fitted'] * 100:.1f}% with one overhead per action fitted on "
-            f"m = {s['fit_m']} ({s['overhead_fitted_s'] * 1e6:.0f} µs). At m = {s['check_m']}:\n\n"
-            + table(header, [row for row in rows if row[2] == s["check_m"]]) + f"\n\n{DETAIL}\n\n"
+            f"m = {s['fit_m']} ({s['overhead_fitted_s'] * 1e6:.0f} µs). At m = {s['check_m']}, 1F1B:\n\n"
+            + table(header, [row for row in rows if row[2] == s["check_m"] and row[1] == "1F1B"])
+            + f"\n\n{DETAIL}\n\n"
             + table(header, rows))
 
 
@@ -691,13 +710,14 @@ def render_scale_study(d: dict[str, Any], behind: list[str]) -> str:
            f"schedule {d.get('schedule')}. Predicted, not measured. {sizes}. The sizes torchtitan reports a layout "
            "for:", table(header, [row for row in rows if row[-1] != "–"])]
     against = [_against_torchtitan(r) for r in d.get("rows", []) if r.get("torchtitan")]
-    if against:
-        out.append("**Against torchtitan's layouts.** autopipe composes pipeline and data parallelism only: "
-                   "a tensor-parallel degree of torchtitan's is matched here by as many pipeline stages. "
-                   "autopipe recomputes whole stages (a recomputing stage holds all of one micro-batch's "
-                   "activations while it recomputes), where torchtitan checkpoints each Transformer block.\n\n"
-                   + "\n".join(f"- {line}" for line in against))
-    return "\n\n".join(out) + f"\n\n{DETAIL}\n\n" + table(header, rows)
+    detail = []
+    if against:  # every row's page: the reasoning behind each comparison
+        detail.append("**Against torchtitan's layouts.** autopipe composes pipeline and data parallelism only: "
+                      "a tensor-parallel degree of torchtitan's is matched here by as many pipeline stages. "
+                      "autopipe recomputes whole stages (a recomputing stage holds all of one micro-batch's "
+                      "activations while it recomputes), where torchtitan checkpoints each Transformer block.\n\n"
+                      + "\n".join(f"- {line}" for line in against))
+    return "\n\n".join(out) + f"\n\n{DETAIL}\n\n" + "\n\n".join([*detail, table(header, rows)])
 
 
 def _against_torchtitan(r: dict[str, Any]) -> str:
@@ -727,6 +747,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any], list[str]], str]] = {
     "peers": render_peers,
     "real_steps": render_real_steps,
     "frameworks": render_frameworks,
+    "precision": render_precision,
     "split_quality": render_split_quality,
     "split_quality_sim": render_split_quality_sim,
     "planner_scaling": render_planner_scaling,

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ORDER = ("planner_scaling", "trace_profile", "split_quality", "split_quality_sim", "real_steps", "prediction_accuracy",
+ORDER = ("planner_scaling", "trace_profile", "split_quality", "split_quality_sim", "real_steps", "prediction_accuracy", "precision",
          "runtime_overhead", "schedule_memory")
 # Not timings but a behaviour counted over many runs (clean_exit: 100 launches, ~20-40 min):
 # run only when named with --only.
