@@ -63,6 +63,15 @@ def mixed_precision_run(rank: int, world_size: int) -> dict:
                 "grad_diff": max((p.grad - ref[n].grad).abs().max().item() for n, p in pipe.named_parameters()),
                 "grad_scale": max(ref[n].grad.abs().max().item() for n, _ in pipe.named_parameters()),
                 "eval_loss": pipe.evaluate(x, target=y).item()}
+        # The user's own autocast around step() and evaluate(), on a pipeline planned without the option.
+        with Pipeline(TwoDtypes(), example_args=(x[:2],), loss_fn=mse, schedule=schedule,
+                      n_microbatches=N_MICROBATCHES, split_points=["b"] if two else ["b", "c", "d"]) as pipe:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = pipe.step(x, target=y)
+                eval_loss = pipe.evaluate(x, target=y)
+            results[schedule].update(
+                user_loss=loss.item(), user_eval_loss=eval_loss.item(),
+                user_grad_diff=max((p.grad - ref[n].grad).abs().max().item() for n, p in pipe.named_parameters()))
     return results
 
 

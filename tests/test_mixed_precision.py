@@ -34,6 +34,10 @@ def test_every_schedule_trains_like_the_unsplit_model_under_the_same_autocast(sc
         assert abs(r["loss"] - r["ref_loss"]) <= 1e-3 * abs(r["ref_loss"])
         assert r["grad_diff"] <= 2e-2 * r["grad_scale"], r
         assert abs(r["eval_loss"] - r["ref_loss"]) <= 1e-3 * abs(r["ref_loss"])
+        # The same under the user's own torch.autocast around step() and evaluate() (no option).
+        assert abs(r["user_loss"] - r["ref_loss"]) <= 1e-3 * abs(r["ref_loss"]), r
+        assert abs(r["user_eval_loss"] - r["ref_loss"]) <= 1e-3 * abs(r["ref_loss"]), r
+        assert r["user_grad_diff"] <= 2e-2 * r["grad_scale"], r
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
