@@ -75,6 +75,7 @@ def test_replicas_padded_to_their_own_lengths_equal_the_unsplit_model_or_fsdp_re
             assert abs(case["loss"] - case["ref_loss"]) < 1e-5 and case["grad_diff"] < 1e-5, case
 
 
+@pytest.mark.parametrize("dp_mode", ["fsdp", "replicate"])
 def test_tied_embedding_gradient_is_summed_within_each_replica(dp_mode):
     for r in results(dp_mode):
         case = r["1F1B+tied"]
