@@ -24,6 +24,8 @@ The modules, in the order a pipeline's data flows through them:
 - ``step_failures.py``: a stage that raises plays the step through, so no rank waits for it;
   the step's closing collective (the loss, and which ranks failed).
 - ``inference.py``: forward only where torch can, else through a training step (V schedules).
+- ``shapes.py``: a call of another sequence length: this rank's stages traced again at it,
+  over the same tensors, and kept for the calls that come back to it.
 - ``model_state.py``: gradients of shared parameters summed across ranks, the global
   gradient norm, full state dicts.
 - ``stage_timer.py``: every stage timed inside running steps, for ``Plan.calibrate``.
