@@ -506,6 +506,14 @@ def test_a_profile_is_planned_in_place_of_its_model(monkeypatch):
     from_model = [autopipe.partition(model, n, args, planner=autopipe.PlannerOptions(cost=profile, profiling=QUIET))
                   for n in (2, 4)]
     assert [p.split_points for p in from_profile] == [p.split_points for p in from_model]
+    # Schedules, micro-batch counts and pp x dp layouts are searched over the same profile, measured once.
+    from autopipe.planning import planner
+
+    monkeypatch.setattr(planner, "profile_segments", lambda *a, **k: pytest.fail("profiled again"))
+    searched = autopipe.partition(profile, 4, schedule="auto",
+                                  data_parallel=autopipe.DataParallelOptions(degree="auto", mode="replicate"),
+                                  planner=autopipe.PlannerOptions(profiling=QUIET, global_batch=32))
+    assert searched.dp_degree * searched.pp_degree == 4 and len(searched.data_parallel.factorizations) >= 2
     with pytest.raises(ValueError, match="a profile brings the inputs it was traced with"):
         autopipe.partition(profile, 2, args)
     with pytest.raises(ValueError, match="a profile brings its costs"):
