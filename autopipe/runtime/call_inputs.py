@@ -50,15 +50,13 @@ class CallInputs:
             need_inputs = self.has_first_stage or bool(args) or bool(kwargs)
             need_target = call != "forward" and (self.has_last_stage or target is not None)
             try:
-                # Another sequence length retraces the stages (runtime.shapes); FSDP shards the traced ones only.
-                fsdp = self.data_parallel is not None and self.data_parallel.mode == "fsdp"
-                if fsdp and need_inputs:
-                    self._check_fsdp_length(args, kwargs)
+                # Another sequence length retraces the stages (runtime.shapes).
                 held = self.batch.check(args, kwargs, target, need_target=need_target, need_inputs=need_inputs,
                                         replicas=self.data_parallel.batch_replicas if self.data_parallel else 1,
-                                        any_length=not fsdp)
+                                        any_length=True)
                 if need_inputs:
                     dims = self.batch.micro_dims(args, kwargs)
+                    self._check_fsdp_length(dims)
             except ValueError as e:
                 dp = self.data_parallel
                 if dp is None or dp.batch == "global":
@@ -81,12 +79,9 @@ class CallInputs:
                       else placed[2])
         return placed
 
-    def _check_fsdp_length(self, args: tuple, kwargs: dict) -> None:
-        try:
-            dims = self.batch.micro_dims(args, kwargs)
-        except ValueError:
-            return  # named by TracedBatch.check
-        if dims != self.batch.traced_dims:
+    def _check_fsdp_length(self, dims: tuple[int, ...]) -> None:
+        """FSDP shards the traced stages only: under it another length is refused."""
+        if self.data_parallel is not None and self.data_parallel.mode == "fsdp" and dims != self.batch.traced_dims:
             raise ValueError(f"the batch's inputs have sizes {list(dims)} after the rows, but the pipeline was "
                              f"traced at {list(self.batch.traced_dims)}: FSDP shards the traced stages only, so "
                              "under data_parallel mode 'fsdp' every batch keeps the traced sizes (pad to them, or "

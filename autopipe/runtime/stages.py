@@ -245,9 +245,7 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
             local_state, unheld = materialize_rank(model, names, local_canon, device=device, extra=unheld_names,
                                                    init_weights=init_weights, weights=weights, unwritten_out=pending)
             for s in stage_indices:
-                module = train_pipe.get_stage_module(s)
-                tie_aliases(module, names, local_state)
-                materialize_leftovers(module, used_attribute_names(module))
+                _read_real_tensors(train_pipe.get_stage_module(s), names, local_state)
         except Exception as e:  # noqa: BLE001 - raised below, on every rank
             error = e
         raise_on_every_rank(error, rank=rank, world_size=world_size,
@@ -340,23 +338,17 @@ def retrace_rank_stages(r: Retrace, batch: TracedBatch, dims: tuple[int, ...]) -
     eval_pipe = split_model(r.model, r.split_spec, example, training=False, expected=r.num_stages,
                             unless_graph=train_pipe.autopipe_graph, autocast=r.autocast)
     for s in r.stage_indices:
-        module = train_pipe.get_stage_module(s)
-        tie_aliases(module, r.names, r.state)
-        take_constants(module, r.traced[s])
-        materialize_leftovers(module, used_attribute_names(module))
+        _read_real_tensors(train_pipe.get_stage_module(s), r.names, r.state, constants_from=r.traced[s])
     train_stages = [train_pipe.build_stage(s, r.device, r.pp_group) for s in r.stage_indices]
     train_modules = {st.stage_index: st.submod for st in train_stages}
-    for module in train_modules.values():
-        meta_devices_to(module, r.device)
     use_leaves: list[tuple[str, nn.Parameter]] = []
     for module in train_modules.values():
+        meta_devices_to(module, r.device)
         use_leaves += tie_aliases(module, r.names, r.state, leaf_per_use=r.split_backward)
     eval_modules = train_modules
     if eval_pipe is not None:
-        for s in r.stage_indices:
-            take_constants(eval_pipe.get_stage_module(s), r.traced[s])
         eval_modules = _build_eval_modules(eval_pipe, r.stage_indices, r.device, r.names, r.state, r.split_backward,
-                                           meta=True)
+                                           meta=True, constants_from=r.traced)
     new_batch = TracedBatch(train_pipe.autopipe_io, example, batch.n_microbatches)
     train_stages = _ready_to_run(train_modules, eval_modules, train_stages, new_batch, checkpointed=r.checkpointed,
                                  split_backward=r.split_backward, compile_options=r.compile_options,
@@ -379,15 +371,25 @@ def _share_local_replicas(modules: Mapping[int, nn.Module], names: StateNames, *
     return state, use_leaves
 
 
+def _read_real_tensors(module: nn.Module, names: StateNames, state: Mapping[str, torch.Tensor], *,
+                       constants_from: nn.Module | None = None) -> None:
+    """A meta-traced stage module reads ``state``'s tensors (and ``constants_from``'s traced constants);
+    what it holds but never reads takes no memory. Before torch moves the module to the device."""
+    tie_aliases(module, names, state)
+    if constants_from is not None:
+        take_constants(module, constants_from)
+    materialize_leftovers(module, used_attribute_names(module))
+
+
 def _build_eval_modules(eval_pipe: Any, stage_indices: Sequence[int], device: torch.device, names: StateNames,
-                        state: Mapping[str, torch.Tensor], leaf_per_use: bool,
-                        meta: bool = False) -> dict[int, nn.Module]:
+                        state: Mapping[str, torch.Tensor], leaf_per_use: bool, meta: bool = False,
+                        constants_from: Mapping[int, nn.Module] | None = None) -> dict[int, nn.Module]:
     """The eval-mode trace of this rank's stages, reading the training stages' tensors (every alias)."""
     modules: dict[int, nn.Module] = {}
     for s in stage_indices:
         if meta:  # the training stages' tensors, before torch moves the module to the device
-            tie_aliases(eval_pipe.get_stage_module(s), names, state)
-            materialize_leftovers(eval_pipe.get_stage_module(s), used_attribute_names(eval_pipe.get_stage_module(s)))
+            _read_real_tensors(eval_pipe.get_stage_module(s), names, state,
+                               constants_from=constants_from[s] if constants_from else None)
         module = eval_pipe.build_stage(s, device).submod
         if meta:
             meta_devices_to(module, device)
