@@ -45,7 +45,7 @@ from autopipe.machine.working_set import LiveStorage
 __all__ = [
     "BenchModel", "MODELS", "host_info", "make_model", "ce_loss", "make_target", "stack_microbatches",
     "StageChain", "use_codegen", "interpreter_modules", "LiveBytes", "run_world", "run_variants",
-    "pipeline_worker", "parallel_efficiency", "WorldFailed", "median", "world_of_one", "profile_in_world",
+    "pipeline_worker", "pooled_steps", "parallel_efficiency", "WorldFailed", "median", "world_of_one", "profile_in_world",
 ]
 
 
@@ -485,6 +485,35 @@ def run_variants(job: dict[str, Any], *, device: str = "cpu", threads: int = 1, 
             r["errors"] = dict(failed)
         return results, failed
     return [], failed
+
+
+def pooled_steps(job: dict[str, Any], worlds: int, *, device: str = "cpu", threads: int = 1,
+                 timeout_s: float = 300.0, log: Callable[[str], None] = print
+                 ) -> tuple[dict[str, list[float]], list[dict[str, float]], dict[str, str]]:
+    """:func:`run_variants` in ``worlds`` fresh worlds one after another: every variant's steps, pooled.
+
+    Which of two variants within a few percent of each other wins moves with the host's state
+    from one world to the next, so the steps of several worlds are pooled. A step ends when
+    its slower rank ends: the ranks' times are paired step by step. Returns ``{label: every
+    step over all worlds}``, one ``{label: median step}`` per world that ran, and
+    ``{label: error}`` for the variants that could not run.
+    """
+    pooled: dict[str, list[float]] = {v["label"]: [] for v in job["variants"]}
+    per_world: list[dict[str, float]] = []
+    failed: dict[str, str] = {}
+    for _ in range(worlds):
+        results, failed_here = run_variants(job, device=device, threads=threads, timeout_s=timeout_s, log=log)
+        failed.update(failed_here)
+        if not results:
+            continue
+        world = {}
+        for label in pooled:
+            if label not in failed_here:
+                steps = [max(ts) for ts in zip(*(r["times"][label] for r in results))]
+                pooled[label] += steps
+                world[label] = median(steps)
+        per_world.append(world)
+    return {k: v for k, v in pooled.items() if v and k not in failed}, per_world, failed
 
 
 def _rank_device(device: str, rank: int) -> torch.device:

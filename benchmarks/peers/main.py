@@ -18,8 +18,10 @@ For each benchmark model and stage count this script
    method is reported as its bottleneck over that best (autopipe may cut inside a layer, so it
    can come out below 1);
 4. at 2 stages, runs every distinct split as a real 2-rank ``autopipe.Pipeline`` (gloo on
-   127.0.0.1, one thread per rank), interleaved in rounds, and reports the median step over
-   the best layer-level split's.
+   127.0.0.1, one thread per rank), interleaved in rounds, in 3 fresh worlds one after
+   another, and reports the median step over all of them against the best layer-level
+   split's (and each world's ratio: which of two close splits wins moves with the host's
+   state from one world to the next).
 
 Nothing is asserted; everything goes to ``results.json`` beside this file, which
 ``benchmarks/render_docs.py`` renders into ``docs/benchmarks.md``.
@@ -44,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from _common import write_result  # noqa: E402
 from _pipebench import (  # noqa: E402
-    MODELS, StageChain, host_info, make_model, make_target, median, run_variants,
+    MODELS, StageChain, host_info, make_model, make_target, median, pooled_steps,
 )
 
 import autopipe  # noqa: E402
@@ -149,27 +151,30 @@ def bench_stages(model, args, target, name: str, size: str, p: int, layer_names:
 
 def real_steps(name: str, size: str, splits: list[tuple[str, ...]], methods: dict[str, dict[str, Any]],
                opts: argparse.Namespace, log) -> dict[str, Any]:
-    """Every split as a real 2-rank pipeline, interleaved in rounds; median step per split."""
+    """Every split as a real 2-rank pipeline, interleaved in rounds, in ``opts.real_worlds`` fresh worlds.
+
+    A split's step is the median over every world's steps: which of two splits within a few
+    percent wins moves with the host's state from one world to the next, so one world alone
+    can rank them either way. Each world's own ratio is kept beside the pooled one.
+    """
     labels = {s: ",".join(s) for s in splits}
     job = {"model": name, "size": size, "device": "cpu", "codegen": False, "rounds": opts.real_rounds,
            "steps": opts.steps, "warmup_steps": 1,
            "variants": [{"label": labels[s], "split_points": list(s), "schedule": "1F1B", "n_microbatches": 4,
                          "stages_per_rank": 1} for s in splits]}
-    results, failed = run_variants(job, threads=1, timeout_s=opts.world_timeout, log=log)
-    step_s = {}
-    for s in splits:
-        if labels[s] in failed or not results:
-            continue
-        per_step = [max(ts) for ts in zip(*(r["times"][labels[s]] for r in results))]
-        step_s[s] = median(per_step)
+    pooled, per_world, failed = pooled_steps(job, opts.real_worlds, threads=1, timeout_s=opts.world_timeout,
+                                             log=log)
     best = methods[BEST]["split"]
     for m in methods.values():
-        s = m["split"]
-        if s in step_s:
-            m["step_s"] = step_s[s]
-            if best in step_s:
-                m["step_vs_best"] = step_s[s] / step_s[best]
-    return {"ran": bool(results), "rounds": opts.real_rounds, "steps_per_round": opts.steps, "not_run": failed}
+        s, b = m["split"] and labels.get(m["split"]), labels.get(best)
+        if s in pooled:
+            m["step_s"] = median(pooled[s])
+            m["world_steps_s"] = [w.get(s) for w in per_world]
+            if b in pooled:
+                m["step_vs_best"] = m["step_s"] / median(pooled[b])
+                m["step_vs_best_per_world"] = [w[s] / w[b] for w in per_world if s in w and b in w]
+    return {"ran": bool(per_world), "rounds": opts.real_rounds, "steps_per_round": opts.steps,
+            "worlds": len(per_world), "not_run": failed}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -184,13 +189,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds of the compute-only re-measurement")
     ap.add_argument("--real-rounds", type=int, default=None, help="interleaved rounds of the real 2-rank pipelines")
     ap.add_argument("--steps", type=int, default=None, help="steps per split per round")
+    ap.add_argument("--real-worlds", type=int, default=None, help="fresh 2-rank worlds the real steps are pooled over "
+                    "(default 3, --quick and --smoke 1)")
     ap.add_argument("--no-real", action="store_true", help="skip the real 2-rank pipelines")
     ap.add_argument("--world-timeout", type=float, default=300.0)
     ap.add_argument("--out", default=None)
     opts = ap.parse_args(argv)
     size = "smoke" if opts.smoke else "quick" if opts.quick else "full"
-    defaults = {"smoke": (1, 1, 1, 1, 1), "quick": (3, 3, 5, 3, 1), "full": (5, 5, 11, 5, 2)}[size]
-    for attr, d in zip(("profile_repeats", "layer_repeats", "rounds", "real_rounds", "steps"), defaults):
+    defaults = {"smoke": (1, 1, 1, 1, 1, 1), "quick": (3, 3, 5, 3, 1, 1), "full": (5, 5, 11, 5, 2, 3)}[size]
+    for attr, d in zip(("profile_repeats", "layer_repeats", "rounds", "real_rounds", "steps", "real_worlds"), defaults):
         if getattr(opts, attr) is None:
             setattr(opts, attr, d)
     unknown = [m for m in opts.models or () if m not in MODELS]
@@ -210,7 +217,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = [bench_model(n, size, opts, log) for n in names]
     payload = {
         "benchmark": "peers", "size": size, "stages": opts.stages, "schedule": "1F1B", "threads_per_process": 1,
-        "repeats": {k: getattr(opts, k) for k in ("profile_repeats", "layer_repeats", "rounds", "real_rounds", "steps")},
+        "repeats": {k: getattr(opts, k) for k in ("profile_repeats", "layer_repeats", "rounds", "real_rounds", "steps",
+                                                  "real_worlds")},
         "host_start": host_start, "host_end": host_info(), "rows": rows, "wall_s": time.perf_counter() - t0,
     }
     path = write_result(out, payload)

@@ -17,7 +17,9 @@ For each zoo model with uneven layers this script
 3. **re-measures** the finalists (autopipe, each baseline, the scan's best three)
    interleaved (A B C A B C ...), so the minimum of a noisy scan does not flatter the best;
 4. **runs each contender as a real 2-rank pipeline** (:class:`autopipe.Pipeline`, gloo on
-   127.0.0.1, one process per rank), interleaved in rounds, and takes the median step time.
+   127.0.0.1, one process per rank), interleaved in rounds, in 3 fresh worlds one after
+   another (``--worlds``), and takes the median step time over all of them (each world's is
+   kept: which of two close splits wins moves with the host's state).
 
 One thread per rank (and for profiling, planning and stage timing) on CPU, so what the
 planner measured is what each rank sees. Nothing is asserted; everything is written to
@@ -41,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from _common import write_result  # noqa: E402
 from _pipebench import (  # noqa: E402
-    MODELS, StageChain, host_info, make_model, make_target, median, parallel_efficiency, run_variants,
+    MODELS, StageChain, host_info, make_model, make_target, median, parallel_efficiency, pooled_steps,
 )
 
 import autopipe  # noqa: E402
@@ -160,25 +162,25 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log) -> dict[str
                "warmup_steps": 1,
                "variants": [{"label": s, "split_points": [s], "schedule": opts.schedule,
                              "n_microbatches": opts.microbatches, "stages_per_rank": 1} for s in contenders]}
-        results, failed = run_variants(job, device=device, threads=opts.threads, timeout_s=opts.world_timeout, log=log)
-        for s in contenders:
+        pooled, per_world, failed = pooled_steps(job, opts.worlds, device=device, threads=opts.threads,
+                                                 timeout_s=opts.world_timeout, log=log)
+        for m in methods.values():
+            s = m["split_point"]
             if s in failed:
-                for m in methods.values():
-                    if m["split_point"] == s:
-                        m["not_run"] = failed[s]
-                continue
-            # A step ends for both ranks with the loss broadcast; take the slower rank's view of each step.
-            per_step = [max(ts) for ts in zip(*(r["times"][s] for r in results))]
-            for m in methods.values():
-                if m["split_point"] == s:
-                    m["step_s"] = median(per_step)
-                    m["step_samples"] = per_step
-        real = {"ran": bool(results), "rounds": opts.rounds, "steps_per_round": opts.steps, "not_run": failed}
+                m["not_run"] = failed[s]
+            elif s in pooled:
+                m["step_s"] = median(pooled[s])
+                m["step_samples"] = pooled[s]
+                m["world_steps_s"] = [w.get(s) for w in per_world]
+        real = {"ran": bool(per_world), "rounds": opts.rounds, "steps_per_round": opts.steps,
+                "worlds": len(per_world), "not_run": failed}
     best = methods["exhaustive_best"]
     for m in methods.values():
         m["bottleneck_vs_best"] = m["bottleneck_s"] / best["bottleneck_s"]
         if "step_s" in m and "step_s" in best:
             m["step_vs_best"] = m["step_s"] / best["step_s"]
+            m["step_vs_best_per_world"] = [a / b for a, b in zip(m["world_steps_s"], best["world_steps_s"])
+                                           if a is not None and b is not None]
     row = {
         "model": name, "why": MODELS[name].why, "size": getattr(MODELS[name], size),
         "params": sum(p.numel() for p in model.parameters()),
@@ -218,13 +220,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--remeasure-rounds", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds of the real pipelines")
     ap.add_argument("--steps", type=int, default=None, help="steps per variant per round")
+    ap.add_argument("--worlds", type=int, default=None, help="fresh 2-rank worlds the real steps are pooled over "
+                    "(default 3, --quick and --smoke 1)")
     ap.add_argument("--no-real", action="store_true", help="skip the real 2-rank pipelines")
     ap.add_argument("--world-timeout", type=float, default=300.0)
     ap.add_argument("--out", default=None)
     opts = ap.parse_args(argv)
     size = "smoke" if opts.smoke else "quick" if opts.quick else "full"
-    defaults = {"smoke": (1, 1, 1, 1, 1), "quick": (3, 3, 5, 3, 1), "full": (5, 3, 9, 5, 2)}[size]
-    for attr, d in zip(("profile_repeats", "scan_repeats", "remeasure_rounds", "rounds", "steps"), defaults):
+    defaults = {"smoke": (1, 1, 1, 1, 1, 1), "quick": (3, 3, 5, 3, 1, 1), "full": (5, 3, 9, 5, 2, 3)}[size]
+    for attr, d in zip(("profile_repeats", "scan_repeats", "remeasure_rounds", "rounds", "steps", "worlds"), defaults):
         if getattr(opts, attr) is None:
             setattr(opts, attr, d)
     names = opts.models or (["mlp"] if opts.smoke else list(QUICK_MODELS) if opts.quick else list(MODELS))
@@ -248,7 +252,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "n_microbatches": opts.microbatches, "threads_per_process": opts.threads, "exhaustive": opts.exhaustive,
         "codegen_stages": opts.codegen_stages,
         "prune_slack": None if opts.exhaustive else opts.prune_slack,
-        "repeats": {k: getattr(opts, k) for k in ("profile_repeats", "scan_repeats", "remeasure_rounds", "rounds", "steps")},
+        "repeats": {k: getattr(opts, k) for k in ("profile_repeats", "scan_repeats", "remeasure_rounds", "rounds", "steps",
+                                                  "worlds")},
         "host_start": host_start, "host_end": host_info(), "parallel_efficiency": parallel, "rows": rows, "wall_s": time.perf_counter() - t0,
     }
     path = write_result(out, payload)
