@@ -45,7 +45,7 @@ from autopipe.machine.working_set import LiveStorage
 __all__ = [
     "BenchModel", "MODELS", "host_info", "make_model", "ce_loss", "make_target", "stack_microbatches",
     "StageChain", "use_codegen", "interpreter_modules", "LiveBytes", "run_world", "run_variants",
-    "pipeline_worker", "pooled_steps", "parallel_efficiency", "WorldFailed", "median", "world_of_one", "profile_in_world",
+    "pipeline_worker", "pooled_steps", "paired_ratio", "fastest_paired", "parallel_efficiency", "WorldFailed", "median", "world_of_one", "profile_in_world",
 ]
 
 
@@ -487,33 +487,57 @@ def run_variants(job: dict[str, Any], *, device: str = "cpu", threads: int = 1, 
     return [], failed
 
 
+def paired_ratio(steps: Sequence[float], reference: Sequence[float]) -> float:
+    """The median over rounds of ``steps[i] / reference[i]``: two variants' steps, paired as they were interleaved.
+
+    Interleaved variants run their i-th steps within the same round, so each pair saw the
+    same state of the host; the median of the paired ratios leaves out the drift between
+    rounds and worlds that a ratio of two pooled medians keeps (on a shared host, a
+    variant's median step moved by a fifth between worlds minutes apart).
+
+    Example:
+        >>> paired_ratio([2.0, 4.0, 6.0], [1.0, 2.0, 2.0])
+        2.0
+    """
+    return median([a / b for a, b in zip(steps, reference) if b > 0])
+
+
+def fastest_paired(steps: dict[str, Sequence[float]]) -> tuple[str, dict[str, float]]:
+    """The variant the others are slowest against, and every variant's :func:`paired_ratio` over it (itself 1.0)."""
+    fastest = min(steps, key=lambda k: median(steps[k]))
+    for _ in range(len(steps)):  # medians of ratios need not be transitive: settle on one nothing beats
+        ratios = {k: paired_ratio(v, steps[fastest]) for k, v in steps.items()}
+        quicker = min(ratios, key=ratios.get)
+        if ratios[quicker] >= 1.0:
+            break
+        fastest = quicker
+    return fastest, {k: (1.0 if k == fastest else r) for k, r in ratios.items()}
+
+
 def pooled_steps(job: dict[str, Any], worlds: int, *, device: str = "cpu", threads: int = 1,
                  timeout_s: float = 300.0, log: Callable[[str], None] = print
-                 ) -> tuple[dict[str, list[float]], list[dict[str, float]], dict[str, str]]:
+                 ) -> tuple[dict[str, list[float]], list[dict[str, list[float]]], dict[str, str]]:
     """:func:`run_variants` in ``worlds`` fresh worlds one after another: every variant's steps, pooled.
 
     Which of two variants within a few percent of each other wins moves with the host's state
     from one world to the next, so the steps of several worlds are pooled. A step ends when
     its slower rank ends: the ranks' times are paired step by step. Returns ``{label: every
-    step over all worlds}``, one ``{label: median step}`` per world that ran, and
-    ``{label: error}`` for the variants that could not run.
+    step over all worlds, in the order they ran}`` (the i-th steps of two variants ran in the
+    same round: :func:`paired_ratio`), the same per world that ran, and ``{label: error}`` for
+    the variants that could not run (left out of every later world, and of the pooled steps).
     """
-    pooled: dict[str, list[float]] = {v["label"]: [] for v in job["variants"]}
-    per_world: list[dict[str, float]] = []
+    per_world: list[dict[str, list[float]]] = []
     failed: dict[str, str] = {}
     for _ in range(worlds):
+        job = {**job, "variants": [v for v in job["variants"] if v["label"] not in failed]}
         results, failed_here = run_variants(job, device=device, threads=threads, timeout_s=timeout_s, log=log)
         failed.update(failed_here)
-        if not results:
-            continue
-        world = {}
-        for label in pooled:
-            if label not in failed_here:
-                steps = [max(ts) for ts in zip(*(r["times"][label] for r in results))]
-                pooled[label] += steps
-                world[label] = median(steps)
-        per_world.append(world)
-    return {k: v for k, v in pooled.items() if v and k not in failed}, per_world, failed
+        if results:
+            per_world.append({v["label"]: [max(ts) for ts in zip(*(r["times"][v["label"]] for r in results))]
+                              for v in job["variants"] if v["label"] not in failed_here})
+    labels = [v["label"] for v in job["variants"] if v["label"] not in failed]
+    pooled = {k: [t for w in per_world for t in w.get(k, [])] for k in labels}
+    return {k: v for k, v in pooled.items() if v}, per_world, failed
 
 
 def _rank_device(device: str, rank: int) -> torch.device:

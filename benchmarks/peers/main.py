@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from _common import write_result  # noqa: E402
 from _pipebench import (  # noqa: E402
-    MODELS, StageChain, host_info, make_model, make_target, median, pooled_steps,
+    MODELS, StageChain, host_info, make_model, make_target, median, paired_ratio, pooled_steps,
 )
 
 import autopipe  # noqa: E402
@@ -153,9 +153,10 @@ def real_steps(name: str, size: str, splits: list[tuple[str, ...]], methods: dic
                opts: argparse.Namespace, log) -> dict[str, Any]:
     """Every split as a real 2-rank pipeline, interleaved in rounds, in ``opts.real_worlds`` fresh worlds.
 
-    A split's step is the median over every world's steps: which of two splits within a few
-    percent wins moves with the host's state from one world to the next, so one world alone
-    can rank them either way. Each world's own ratio is kept beside the pooled one.
+    Which of two splits within a few percent wins moves with the host's state from one world
+    to the next, so one world alone can rank them either way: a split's step over the best's
+    is the median of their steps' ratios paired round by round over every world
+    (:func:`_pipebench.paired_ratio`), and each world's own ratio is kept beside it.
     """
     labels = {s: ",".join(s) for s in splits}
     job = {"model": name, "size": size, "device": "cpu", "codegen": False, "rounds": opts.real_rounds,
@@ -165,14 +166,15 @@ def real_steps(name: str, size: str, splits: list[tuple[str, ...]], methods: dic
     pooled, per_world, failed = pooled_steps(job, opts.real_worlds, threads=1, timeout_s=opts.world_timeout,
                                              log=log)
     best = methods[BEST]["split"]
+    b = labels.get(best)
     for m in methods.values():
-        s, b = m["split"] and labels.get(m["split"]), labels.get(best)
+        s = m["split"] and labels.get(m["split"])
         if s in pooled:
             m["step_s"] = median(pooled[s])
-            m["world_steps_s"] = [w.get(s) for w in per_world]
-            if b in pooled:
-                m["step_vs_best"] = m["step_s"] / median(pooled[b])
-                m["step_vs_best_per_world"] = [w[s] / w[b] for w in per_world if s in w and b in w]
+            m["world_steps_s"] = [median(w[s]) for w in per_world if s in w]
+            if b in pooled:  # paired round by round: the host's drift between rounds cancels
+                m["step_vs_best"] = paired_ratio(pooled[s], pooled[b])
+                m["step_vs_best_per_world"] = [paired_ratio(w[s], w[b]) for w in per_world if s in w and b in w]
     return {"ran": bool(per_world), "rounds": opts.real_rounds, "steps_per_round": opts.steps,
             "worlds": len(per_world), "not_run": failed}
 

@@ -45,7 +45,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from _common import write_result  # noqa: E402
-from _pipebench import host_info, median, run_world, stack_microbatches  # noqa: E402
+from _pipebench import fastest_paired, host_info, median, run_world, stack_microbatches  # noqa: E402
 
 #: Model sizes. "full": 4 decoder layers of width 128 and an 8k-token vocabulary, so the head
 #: costs about as much as two layers (as in a real LM, where vocabulary x width is large);
@@ -207,13 +207,14 @@ def run_model(name: str, *, size: str, rounds: int, steps: int, plans: int, worl
                        "predicted_step_s": plan.split_step_s(split),
                        "predicted_in_ranks_s": results[0]["predicted_in_ranks_s"].get(label),
                        "in_run": results[0]["in_run"][label], "planned_stage_s": _planned_stage_times(plan, split)}
-    fastest = min(rows, key=lambda k: rows[k]["measured_step_s"])
-    for r in rows.values():
-        r["vs_fastest"] = r["measured_step_s"] / rows[fastest]["measured_step_s"]
+    # Every split's steps over the fastest's, paired round by round (the splits were interleaved,
+    # so each pair saw the same state of the host; it drifts between rounds and worlds).
+    fastest, vs_fastest = fastest_paired({label: [t for w in per_world for t in w[label]] for label in splits})
+    for label, r in rows.items():
+        r["vs_fastest"] = vs_fastest[label]
         r["prediction_error"] = r["predicted_step_s"] / r["measured_step_s"] - 1.0
         if r["predicted_in_ranks_s"] is not None:
             r["in_ranks_error"] = r["predicted_in_ranks_s"] / r["measured_step_s"] - 1.0
-    world_fastest = [min(w, key=lambda k: median(w[k])) for w in per_world]
     tuned = results[0]["tuned"]
     tuned_label = "+".join(tuned["split_points"][tuned["chosen"]])
     flops_label = "+".join(flops.split_points) if flops.split_points else None
@@ -224,7 +225,7 @@ def run_model(name: str, *, size: str, rounds: int, steps: int, plans: int, worl
                       "vs_fastest": rows[tuned_label]["vs_fastest"] if tuned_label in rows else None},
             "splits": rows, "plan_notes": list(plan.notes), "worlds": worlds,
             "host_start": host_start, "host_end": host_info(),
-            "chosen_vs_fastest_per_world": [median(w[chosen]) / median(w[f]) for w, f in zip(per_world, world_fastest)],
+            "chosen_vs_fastest_per_world": [fastest_paired(w)[1][chosen] for w in per_world],
             "partition_splits": ["+".join(x) for x in [list(plan.split_points), *replans]],
             "pipeline_splits": ["+".join(x) for x in results[0]["pipeline_plans"]]}
 

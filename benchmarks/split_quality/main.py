@@ -18,8 +18,8 @@ For each zoo model with uneven layers this script
    interleaved (A B C A B C ...), so the minimum of a noisy scan does not flatter the best;
 4. **runs each contender as a real 2-rank pipeline** (:class:`autopipe.Pipeline`, gloo on
    127.0.0.1, one process per rank), interleaved in rounds, in 3 fresh worlds one after
-   another (``--worlds``), and takes the median step time over all of them (each world's is
-   kept: which of two close splits wins moves with the host's state).
+   another (``--worlds``); a split's step over the best's is the median of their steps'
+   ratios paired round by round (which of two close splits wins moves with the host's state).
 
 One thread per rank (and for profiling, planning and stage timing) on CPU, so what the
 planner measured is what each rank sees. Nothing is asserted; everything is written to
@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from _common import write_result  # noqa: E402
 from _pipebench import (  # noqa: E402
-    MODELS, StageChain, host_info, make_model, make_target, median, parallel_efficiency, pooled_steps,
+    MODELS, StageChain, host_info, make_model, make_target, median, paired_ratio, parallel_efficiency, pooled_steps,
 )
 
 import autopipe  # noqa: E402
@@ -171,16 +171,17 @@ def bench_model(name: str, size: str, opts: argparse.Namespace, log) -> dict[str
             elif s in pooled:
                 m["step_s"] = median(pooled[s])
                 m["step_samples"] = pooled[s]
-                m["world_steps_s"] = [w.get(s) for w in per_world]
+                m["world_steps_s"] = [median(w[s]) for w in per_world if s in w]
         real = {"ran": bool(per_world), "rounds": opts.rounds, "steps_per_round": opts.steps,
                 "worlds": len(per_world), "not_run": failed}
     best = methods["exhaustive_best"]
     for m in methods.values():
         m["bottleneck_vs_best"] = m["bottleneck_s"] / best["bottleneck_s"]
         if "step_s" in m and "step_s" in best:
-            m["step_vs_best"] = m["step_s"] / best["step_s"]
-            m["step_vs_best_per_world"] = [a / b for a, b in zip(m["world_steps_s"], best["world_steps_s"])
-                                           if a is not None and b is not None]
+            # Paired round by round (the variants were interleaved): the host's drift cancels.
+            m["step_vs_best"] = paired_ratio(m["step_samples"], best["step_samples"])
+        if "step_s" in m and "step_s" in methods["autopipe"]:
+            m["step_vs_autopipe"] = paired_ratio(m["step_samples"], methods["autopipe"]["step_samples"])
     row = {
         "model": name, "why": MODELS[name].why, "size": getattr(MODELS[name], size),
         "params": sum(p.numel() for p in model.parameters()),
