@@ -271,8 +271,9 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
              f"{', '.join(rerun)}.\n\n" if rerun else "")
     return again + (f"Each split runs in {worlds} fresh 2-rank world{'s' if worlds > 1 else ''}, one after another, "
             "stepped in interleaved rounds in each; its step is the median over all of them of the slower rank's "
-            "step, and \"÷ fastest\" is the median of its steps' ratios to the fastest split's, paired round by "
-            "round. \"Per world\": autopipe's split over the "
+            "step, and \"÷ fastest\" is " + ("the median of its steps' ratios to the fastest split's, paired round "
+                                           "by round" if d.get("ratios") == "paired" else "over the fastest split's")
+            + ". \"Per world\": autopipe's split over the "
             "fastest within each world alone (which of two close splits wins moves with the host's state). "
             "The FLOPs DP is torch PR #179212's partitioner "
             "(`autopipe/planning/peers.py`); `tune` is `autopipe.tune(plan, candidates=3)` in the first world. "

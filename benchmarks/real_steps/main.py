@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"      {label:40s} measured {s['measured_step_s'] * 1e3:6.1f} ms  predicted "
                   f"{s['predicted_step_s'] * 1e3:6.1f} ms  ({s['prediction_error']:+.1%}; profiled in the ranks "
                   f"{s.get('in_ranks_error', float('nan')):+.1%})")
-    payload = {"benchmark": "real_steps", "schedule": "1F1B", "n_microbatches": N_MICROBATCHES, "stages": 2,
+    payload = {"benchmark": "real_steps", "ratios": "paired", "schedule": "1F1B", "n_microbatches": N_MICROBATCHES, "stages": 2,
                "threads_per_process": 1, "rounds": rounds, "worlds": worlds, "steps_per_round": 1 if a.smoke else 2, "quick": a.quick,
                "size": size, "sizes": SIZES[size],
                "host_start": start, "host_end": host_info(), "rows": rows, "wall_s": time.perf_counter() - t0}
