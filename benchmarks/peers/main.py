@@ -26,7 +26,7 @@ For each benchmark model and stage count this script
 Nothing is asserted; everything goes to ``results.json`` beside this file, which
 ``benchmarks/render_docs.py`` renders into ``docs/benchmarks.md``.
 
-    python benchmarks/peers/main.py              # 7 models x 2 and 4 stages (about 15 minutes on 2 cores)
+    python benchmarks/peers/main.py              # 7 models x 2 and 4 stages (about 6 minutes on 2 cores)
     python benchmarks/peers/main.py --quick      # 3 models, fewer rounds
     python benchmarks/peers/main.py --models unet --stages 4 --no-real
 """

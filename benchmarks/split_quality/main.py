@@ -25,7 +25,7 @@ One thread per rank (and for profiling, planning and stage timing) on CPU, so wh
 planner measured is what each rank sees. Nothing is asserted; everything is written to
 JSON beside this file.
 
-    python benchmarks/split_quality/main.py            # 7 models, 4-7 minutes on 2 cores
+    python benchmarks/split_quality/main.py            # 7 models, about 7 minutes on 2 cores
     python benchmarks/split_quality/main.py --quick    # 3 smaller models, under 2 minutes
 """
 
