@@ -545,8 +545,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         path = write_result(out, payload)
         log(f"wrote {path} ({payload['wall_s']:.0f} s)")
         return payload
-    # How much two ranks computing at once slow each other down here (1.0 = truly parallel).
-    parallel = parallel_efficiency(threads=opts.threads) if opts.device == "cpu" else None
+    # How much two ranks computing at once slow each other down here (1.0 = truly parallel). A
+    # smoke run leaves it out: it only informs the reader, and split_quality's smoke run checks it.
+    parallel = parallel_efficiency(threads=opts.threads) if opts.device == "cpu" and size != "smoke" else None
     if parallel:
         log(f"two processes computing at once take {parallel['together_over_alone']:.2f}x as long as one alone")
     log(f"prediction accuracy: {names} x {[s for s, _ in opts.schedule_list]} x m={opts.microbatches}, "
