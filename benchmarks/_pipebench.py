@@ -45,7 +45,8 @@ from autopipe.machine.working_set import LiveStorage
 __all__ = [
     "BenchModel", "MODELS", "host_info", "make_model", "ce_loss", "make_target", "stack_microbatches",
     "StageChain", "use_codegen", "interpreter_modules", "LiveBytes", "run_world", "run_variants",
-    "pipeline_worker", "pooled_steps", "paired_ratio", "fastest_paired", "parallel_efficiency", "WorldFailed", "median", "world_of_one", "profile_in_world",
+    "pipeline_worker", "pooled_steps", "paired_ratio", "fastest_paired", "parallel_efficiency", "WorldFailed",
+    "median", "world_of_one", "profile_in_world",
 ]
 
 
@@ -505,13 +506,14 @@ def paired_ratio(steps: Sequence[float], reference: Sequence[float]) -> float:
 def fastest_paired(steps: dict[str, Sequence[float]]) -> tuple[str, dict[str, float]]:
     """The variant the others are slowest against, and every variant's :func:`paired_ratio` over it (itself 1.0)."""
     fastest = min(steps, key=lambda k: median(steps[k]))
+    ratios = {k: paired_ratio(v, steps[fastest]) for k, v in steps.items()}
     for _ in range(len(steps)):  # medians of ratios need not be transitive: settle on one nothing beats
-        ratios = {k: paired_ratio(v, steps[fastest]) for k, v in steps.items()}
         quicker = min(ratios, key=ratios.get)
         if ratios[quicker] >= 1.0:
             break
         fastest = quicker
-    return fastest, {k: (1.0 if k == fastest else r) for k, r in ratios.items()}
+        ratios = {k: paired_ratio(v, steps[fastest]) for k, v in steps.items()}
+    return fastest, ratios
 
 
 def pooled_steps(job: dict[str, Any], worlds: int, *, device: str = "cpu", threads: int = 1,

@@ -199,17 +199,17 @@ def run_model(name: str, *, size: str, rounds: int, steps: int, plans: int, worl
     # A step ends when its slower rank ends: pair the ranks' times step by step, per world.
     per_world = [{label: [max(a, b) for a, b in zip(w[0]["times"][label], w[1]["times"][label])] for label in splits}
                  for w in [results, *further]]
+    pooled = {label: [t for w in per_world for t in w[label]] for label in splits}
     rows = {}
     for label, split in splits.items():
-        step = [t for w in per_world for t in w[label]]
-        rows[label] = {"split": split, "layer_level": label in layer_level, "measured_step_s": median(step),
+        rows[label] = {"split": split, "layer_level": label in layer_level, "measured_step_s": median(pooled[label]),
                        "world_steps_s": [median(w[label]) for w in per_world],
                        "predicted_step_s": plan.split_step_s(split),
                        "predicted_in_ranks_s": results[0]["predicted_in_ranks_s"].get(label),
                        "in_run": results[0]["in_run"][label], "planned_stage_s": _planned_stage_times(plan, split)}
     # Every split's steps over the fastest's, paired round by round (the splits were interleaved,
     # so each pair saw the same state of the host; it drifts between rounds and worlds).
-    fastest, vs_fastest = fastest_paired({label: [t for w in per_world for t in w[label]] for label in splits})
+    fastest, vs_fastest = fastest_paired(pooled)
     for label, r in rows.items():
         r["vs_fastest"] = vs_fastest[label]
         r["prediction_error"] = r["predicted_step_s"] / r["measured_step_s"] - 1.0
