@@ -72,6 +72,28 @@ def finish_rank(out_dir: str, rank: int, result: tuple[str, Any]) -> NoReturn:
     os._exit(0 if result[0] == "ok" else 1)
 
 
+#: Imported once in the fork server, so that each rank starts with them loaded.
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.pipelining"]
+
+
+def _context() -> Any:
+    """The forkserver context, its server preloading :data:`_PRELOAD`; spawn where there is no forkserver."""
+    import multiprocessing
+
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _in_callers_environment(environ: dict[str, str], target: Callable[..., None], *args: Any) -> None:
+    """In a rank: take the caller's environment (the fork server holds the one it started with), run ``target``."""
+    os.environ.clear()
+    os.environ.update(environ)
+    target(*args)
+
+
 def spawn_ranks(
     target: Callable[..., None],
     world_size: int,
@@ -81,10 +103,12 @@ def spawn_ranks(
     prefix: str = "autopipe-ranks-",
 ) -> tuple[list[tuple[str, Any]], list[int], list[int | None]]:
     """Start ``target(*make_args(rank, port, out_dir))`` on ``world_size`` spawned processes."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = free_port()
+    environ = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix=prefix) as out_dir:
-        procs = [ctx.Process(target=target, args=make_args(rank, port, out_dir), daemon=True)
+        procs = [ctx.Process(target=_in_callers_environment, args=(environ, target, *make_args(rank, port, out_dir)),
+                             daemon=True)
                  for rank in range(world_size)]
         for p in procs:
             p.start()

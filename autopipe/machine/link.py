@@ -279,8 +279,8 @@ def measure_link(
     Starts two processes, joins them in a process group on ``127.0.0.1``, and runs
     :func:`measure_link_in_group` between them. Never hangs: the group's transfers time out
     after ``timeout_s``, and both processes are killed if they are not done by then. The
-    processes are started with the ``spawn`` method, so a script that calls this must do so
-    under ``if __name__ == "__main__":``.
+    processes start as fresh interpreters do (a fork server, or ``spawn``), so a script that
+    calls this must do so under ``if __name__ == "__main__":``.
 
     Keyword Args:
         device: ``"cpu"`` (both processes on the CPU), ``"cuda"`` (GPUs 0 and 1), or a pair
