@@ -9,17 +9,15 @@ Example:
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 import statistics
 import tempfile
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 from .._checks import check_int
+from .._spawn import finish_rank, join_loopback_world, spawn_ranks
 from ..planning.options import PlannerOptions
 
 DEMO_RANKS = 2  # CPU processes, one pipeline stage each
@@ -39,12 +37,6 @@ def _hand_split(num_layers: int) -> list[str]:
     return [f"layers.{max(1, num_layers // 2)}"]
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # --------------------------------------------------------------------------- training (in each rank)
 
 
@@ -55,14 +47,14 @@ def _lm_loss(logits: Any, target: Any) -> Any:
 
 
 def _train_worker(rank: int, world_size: int, port: int, config: dict[str, Any], plan_dict: dict[str, Any],
-                  hand_split: list[str], steps: int, work_dir: str) -> None:
-    """One rank: build both pipelines, alternate their training steps, time them, save results."""
+                  hand_split: list[str], steps: int, work_dir: str, out_dir: str) -> None:
+    """One rank: build both pipelines, alternate their training steps, time them, hand the times back."""
     # Results travel back in a file; the profiler's C++ chatter on stdout/stderr would only
     # interleave with the parent's tables.
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
-    result: dict[str, Any]
+    result: tuple[str, Any]
     try:
         import warnings
 
@@ -70,7 +62,6 @@ def _train_worker(rank: int, world_size: int, port: int, config: dict[str, Any],
         import torch
         import torch.distributed as dist
 
-        from .._spawn import join_loopback_world
         from ..models import seed_transformer
         from ..planning.plan import Plan
         from ..runtime import Pipeline
@@ -118,47 +109,28 @@ def _train_worker(rank: int, world_size: int, port: int, config: dict[str, Any],
         prof.export_chrome_trace(os.path.join(work_dir, f"trace_rank{rank}.json"))
         dist.barrier()
         dist.destroy_process_group()
-        result = {"ok": True, "runs": runs}
+        result = ("ok", runs)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which prints one line
-        result = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-    with open(os.path.join(work_dir, f"rank{rank}.json"), "w", encoding="utf-8") as f:
-        json.dump(result, f)
+        result = ("error", f"{type(e).__name__}: {e}")
+    finish_rank(out_dir, rank, result)
 
 
 def _train(config: dict[str, Any], plan_dict: dict[str, Any], hand_split: list[str], steps: int,
            work_dir: str) -> dict[str, Any]:
-    """Start the ranks, wait for them (killing any that overrun), and return rank 0's results."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_train_worker, args=(r, DEMO_RANKS, port, config, plan_dict, hand_split, steps,
-                                                     work_dir), daemon=True)
-             for r in range(DEMO_RANKS)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + _WORKER_TIMEOUT_S + 30
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    stuck = [r for r, p in enumerate(procs) if p.is_alive()]
-    for r in stuck:
-        procs[r].kill()  # only the processes this function started
-        procs[r].join(5)
-    results = []
-    for r in range(DEMO_RANKS):
-        path = os.path.join(work_dir, f"rank{r}.json")
-        results.append(json.load(open(path, encoding="utf-8")) if os.path.exists(path) else None)
-    for r, res in enumerate(results):
-        if res is not None and not res["ok"]:
-            raise RuntimeError(f"training failed on rank {r}: {res['error']}")
-    if stuck or any(res is None for res in results):
-        why = f"ranks {stuck} did not finish within {_WORKER_TIMEOUT_S:.0f} s" if stuck else "a rank died"
-        raise RuntimeError(f"training failed: {why}")
+    """Run the ranks (killing any that overrun) and return rank 0's results, with every rank's CPU times."""
+    outcomes, _, _ = spawn_ranks(
+        _train_worker, DEMO_RANKS,
+        lambda rank, port, out_dir: (rank, DEMO_RANKS, port, config, plan_dict, hand_split, steps, work_dir, out_dir),
+        timeout_s=_WORKER_TIMEOUT_S + 30, prefix="autopipe-demo-")
+    errors = [f"rank {r}: {text}" for r, (status, text) in enumerate(outcomes) if status != "ok"]
+    if errors:
+        raise RuntimeError("training failed on " + "; ".join(errors))
+    results = [runs for _, runs in outcomes]
     # Wall times and losses are the same on every rank (barriers, shared mean loss); CPU
     # times are per rank.
-    merged = results[0]
+    merged = {"runs": results[0]}
     for name, run in merged["runs"].items():
-        run["rank_cpu_s"] = [res["runs"][name]["cpu_s"] for res in results]
+        run["rank_cpu_s"] = [res[name]["cpu_s"] for res in results]
         del run["cpu_s"]
     return merged
 
