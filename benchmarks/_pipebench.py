@@ -39,7 +39,7 @@ from autopipe import PlannerOptions
 from autopipe._spawn import finish_rank, join_loopback_world, spawn_ranks
 import _common  # noqa: F401  (puts tests/ on the path, for the test models)
 from zoo import build
-from autopipe.machine.timing import Timer, per_run_s
+from autopipe.machine.timing import Timer, fastest_paired, paired_ratio, per_run_s  # noqa: F401 - scripts read the paired ones here
 from autopipe.machine.working_set import LiveStorage
 
 __all__ = [
@@ -486,34 +486,6 @@ def run_variants(job: dict[str, Any], *, device: str = "cpu", threads: int = 1, 
             r["errors"] = dict(failed)
         return results, failed
     return [], failed
-
-
-def paired_ratio(steps: Sequence[float], reference: Sequence[float]) -> float:
-    """The median over rounds of ``steps[i] / reference[i]``: two variants' steps, paired as they were interleaved.
-
-    Interleaved variants run their i-th steps within the same round, so each pair saw the
-    same state of the host; the median of the paired ratios leaves out the drift between
-    rounds and worlds that a ratio of two pooled medians keeps (on a shared host, a
-    variant's median step moved by a fifth between worlds minutes apart).
-
-    Example:
-        >>> paired_ratio([2.0, 4.0, 6.0], [1.0, 2.0, 2.0])
-        2.0
-    """
-    return median([a / b for a, b in zip(steps, reference) if b > 0])
-
-
-def fastest_paired(steps: dict[str, Sequence[float]]) -> tuple[str, dict[str, float]]:
-    """The variant the others are slowest against, and every variant's :func:`paired_ratio` over it (itself 1.0)."""
-    fastest = min(steps, key=lambda k: median(steps[k]))
-    ratios = {k: paired_ratio(v, steps[fastest]) for k, v in steps.items()}
-    for _ in range(len(steps)):  # medians of ratios need not be transitive: settle on one nothing beats
-        quicker = min(ratios, key=ratios.get)
-        if ratios[quicker] >= 1.0:
-            break
-        fastest = quicker
-        ratios = {k: paired_ratio(v, steps[fastest]) for k, v in steps.items()}
-    return fastest, ratios
 
 
 def pooled_steps(job: dict[str, Any], worlds: int, *, device: str = "cpu", threads: int = 1,

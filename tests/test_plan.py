@@ -198,11 +198,16 @@ def test_a_tuning_record_is_saved_and_read_back_and_a_bad_one_is_refused(tmp_pat
 
     plan = _plan()
     plan.tuning = TuningRecord(split_points=[["layers.1"], ["layers.2"]], predicted_step_s=[0.02, 0.021],
-                               measured_step_s=[0.025, 0.023], rounds=5, chosen=1)
+                               measured_step_s=[0.025, 0.023], rounds=5, chosen=1, vs_chosen=[1.08, 1.0])
     plan.save(tmp_path / "plan.json")
     assert Plan.load(tmp_path / "plan.json").tuning == plan.tuning
     data = json.loads((tmp_path / "plan.json").read_text())
-    data["tuning"]["chosen"] = 2
-    (tmp_path / "bad.json").write_text(json.dumps(data))
-    with pytest.raises(PlanFileError, match="tuning"):
-        Plan.load(tmp_path / "bad.json")
+    for key, bad in {"chosen": 2, "vs_chosen": [1.0]}.items():  # out of range; one ratio for two splits
+        wrong = copy.deepcopy(data)
+        wrong["tuning"][key] = bad
+        (tmp_path / "bad.json").write_text(json.dumps(wrong))
+        with pytest.raises(PlanFileError, match="tuning"):
+            Plan.load(tmp_path / "bad.json")
+    del data["tuning"]["vs_chosen"]  # a record written without the ratios still reads
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert Plan.load(tmp_path / "old.json").tuning.vs_chosen == []

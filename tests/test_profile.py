@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 import torch.nn as nn
 
 from autopipe.machine.passes import accumulate, measure_backward_start_s, time_in_rounds
 from autopipe.machine.speed import measure_device_flops
-from autopipe.machine.timing import CacheFlusher, last_level_cache_bytes, per_run_s, resolve_device
+from autopipe.machine.timing import (CacheFlusher, fastest_paired, last_level_cache_bytes, paired_ratio, per_run_s,
+                                     resolve_device)
 from autopipe.planning.profile import fit_to_whole_default, profile_segments, room_for_whole
 from autopipe.planning.segment_graphs import copy_to_device, segment_modules
 from autopipe.planning.tracing import trace
@@ -388,3 +391,20 @@ def test_no_room_on_the_device_skips_the_whole_copy(small_traced, monkeypatch):
 def test_only_cuda_s_free_memory_limits_the_whole_copy():
     assert room_for_whole(nn.Linear(4096, 4096), torch.device("cpu"))
     assert room_for_whole(nn.Linear(4096, 4096), torch.device("meta"))
+
+
+def test_steps_are_compared_round_by_round_and_the_search_settles_on_one_nothing_beats():
+    # "b" steps a tenth slower than "a" in four rounds of five; in the third the host sped up
+    # between a's step and b's. That one round pulls b's median below a's: pooled medians say "b".
+    a, b = [1.0, 1.0, 2.0, 2.0, 2.0], [1.1, 1.1, 1.1, 2.2, 2.2]
+    assert statistics.median(b) < statistics.median(a)
+    assert fastest_paired({"a": a, "b": b}) == ("a", {"a": 1.0, "b": pytest.approx(1.1)})
+    # Medians of ratios are not transitive: x beats y, y beats z, z beats x. The search stops
+    # after one move per variant (x -> z -> y -> x) and gives the ratios over the one it stopped on.
+    steps = {"x": [1.0, 2.0, 3.0], "y": [2.0, 3.0, 1.0], "z": [3.0, 1.0, 2.0]}
+    kept, ratios = fastest_paired(steps, start="x")
+    assert kept == "x" and ratios == {k: paired_ratio(v, steps["x"]) for k, v in steps.items()}
+    # A start that nothing beats is kept even where another has the lower median.
+    assert fastest_paired({"own": [1.0, 1.0, 1.0], "other": [1.0, 0.5, 1.0]}, start="own")[0] == "own"
+    with pytest.raises(ValueError, match="positive reference"):
+        paired_ratio([1.0], [0.0])

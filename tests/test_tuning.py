@@ -30,8 +30,10 @@ def test_every_rank_measures_the_same_candidates_and_keeps_the_same_split():
     assert len(r0["splits"]) >= 2 and len({tuple(s) for s in r0["splits"]}) == len(r0["splits"])
     assert len(r0["measured"]) == len(r0["predicted"]) == len(r0["splits"]) and r0["rounds"] == 2
     assert all(t > 0 for t in r0["measured"])
-    best = min(range(len(r0["measured"])), key=lambda k: (r0["measured"][k], k))
-    assert r0["chosen"] == best and r0["pipe_split"] == r0["splits"][best]
+    # Kept: a split no other beats round by round (each split's paired ratio over it >= 1).
+    assert r0["vs_chosen"] == r1["vs_chosen"] and len(r0["vs_chosen"]) == len(r0["splits"])
+    assert r0["vs_chosen"][r0["chosen"]] == 1.0 and min(r0["vs_chosen"]) >= 1.0
+    assert r0["pipe_split"] == r0["splits"][r0["chosen"]]
 
 
 @pytest.mark.distributed

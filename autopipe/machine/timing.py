@@ -60,6 +60,45 @@ def per_run_s(samples: Sequence[float]) -> float:
     return statistics.fmean(values)
 
 
+def paired_ratio(steps: Sequence[float], reference: Sequence[float]) -> float:
+    """The median over rounds of ``steps[i] / reference[i]``: two variants' steps, paired as they were interleaved.
+
+    Interleaved variants run their i-th steps within the same round, so each pair saw the
+    same state of the host; the median of the paired ratios leaves out the drift between
+    rounds that a ratio of two pooled medians keeps.
+
+    Example:
+        >>> paired_ratio([2.0, 4.0, 6.0], [1.0, 2.0, 2.0])
+        2.0
+    """
+    ratios = [a / b for a, b in zip(steps, reference) if b > 0]
+    if not ratios:
+        raise ValueError("paired_ratio needs at least one round with a positive reference step")
+    return float(statistics.median(ratios))
+
+
+def fastest_paired(steps: dict[Any, Sequence[float]], start: Any = None) -> tuple[Any, dict[Any, float]]:
+    """The variant no other beats by :func:`paired_ratio`, and every variant's ratio over it (itself 1.0).
+
+    The search starts from ``start`` (default: the variant with the lowest median step) and
+    moves to whichever variant is paired-faster until none is: medians of ratios need not be
+    transitive, so this settles on one rather than cycling.
+
+    Example:
+        >>> fastest_paired({"a": [1.0, 2.0, 1.0], "b": [0.9, 1.8, 1.2]})
+        ('b', {'a': 1.1111111111111112, 'b': 1.0})
+    """
+    fastest = min(steps, key=lambda k: statistics.median(steps[k])) if start is None else start
+    ratios = {k: paired_ratio(v, steps[fastest]) for k, v in steps.items()}
+    for _ in range(len(steps)):
+        quicker = min(ratios, key=ratios.get)
+        if ratios[quicker] >= 1.0:
+            break
+        fastest = quicker
+        ratios = {k: paired_ratio(v, steps[fastest]) for k, v in steps.items()}
+    return fastest, ratios
+
+
 class TimerLike(Protocol):
     """What the timing functions need of a timer: its device and ``time(fn) -> (seconds, result)``."""
 

@@ -275,10 +275,13 @@ def _tuning(c: FieldCheck, field: str, value: Any) -> TuningRecord:
         "split_points": lambda f, v: c.sequence(f, v, lambda g, x: c.sequence(g, x, c.text)),
         "predicted_step_s": lambda f, v: c.sequence(f, v, c.number),
         "measured_step_s": lambda f, v: c.sequence(f, v, c.number),
-        "rounds": lambda f, v: c.integer(f, v, 1), "chosen": c.integer}, required_fields(TuningRecord))
+        "rounds": lambda f, v: c.integer(f, v, 1), "chosen": c.integer,
+        "vs_chosen": lambda f, v: c.sequence(f, v, c.number)}, required_fields(TuningRecord))
     n = len(record["split_points"])
-    if not (len(record["predicted_step_s"]) == len(record["measured_step_s"]) == n and 0 <= record["chosen"] < n):
-        c.fail(field, f"{field} needs one predicted and one measured step per candidate ({n}) and chosen in 0..{n - 1}")
+    if not (len(record["predicted_step_s"]) == len(record["measured_step_s"]) == n and 0 <= record["chosen"] < n
+            and len(record.get("vs_chosen", [])) in (0, n)):
+        c.fail(field, f"{field} needs one predicted and one measured step per candidate ({n}), as many ratios "
+                      f"over the chosen one or none, and chosen in 0..{n - 1}")
     return TuningRecord(**record)
 
 

@@ -149,9 +149,11 @@ class TuningRecord:
 
     split_points: list[list[str]]
     predicted_step_s: list[float]
-    measured_step_s: list[float]
+    measured_step_s: list[float]  # each split's median step
     rounds: int
     chosen: int
+    # Each split's step over the chosen one's, the median of their rounds' ratios (1.0 for itself).
+    vs_chosen: list[float] = field(default_factory=list)
 
 
 @dataclass

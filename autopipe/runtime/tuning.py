@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .._checks import check_int
-from ..machine.timing import synchronize
+from ..machine.timing import fastest_paired, synchronize
 from ..planning.options import PlannerOptions
 from ..planning.plan import Plan
 from ..planning.plan_records import TuningRecord
@@ -54,7 +54,9 @@ def tune(model: torch.nn.Module, *args: Any, target: Any, plan: Plan, candidates
         target: what ``loss_fn`` compares the output with.
         plan: the plan whose splits compete (:func:`tuning_candidates`).
         candidates: how many splits to measure, >= 1 (the plan's own among them).
-        rounds: timed steps of each split, >= 1; the median decides.
+        rounds: timed steps of each split, >= 1. Splits are compared round by round: the
+            kept split is one that no other beats by the median of their rounds' step ratios
+            (the plan's own unless another beats it).
         **pipeline_kwargs: what :class:`Pipeline` takes beside the model and the plan
             (``loss_fn`` and ``example_args`` at least).
 
@@ -102,13 +104,17 @@ def tune(model: torch.nn.Module, *args: Any, target: Any, plan: Plan, candidates
     # The step of a split is its slowest rank's; every rank then reads the same numbers.
     shared = times.to(collective_device(pipes[0].device))
     dist.all_reduce(shared, op=dist.ReduceOp.MAX)
-    measured = [statistics.median(row) for row in shared.cpu().tolist()]
-    best = min(range(len(pipes)), key=lambda k: (measured[k], k))
+    rows = shared.cpu().tolist()
+    measured = [statistics.median(row) for row in rows]
+    # Compared round by round, as they ran: the host's drift between rounds cancels. The plan's
+    # own split stays unless another split's steps beat it.
+    best, vs_best = fastest_paired(dict(enumerate(rows)), start=0)
     winner = pipes[best]
     del pipes
     gc.collect()
     record = TuningRecord(split_points=[s for s, _ in splits], predicted_step_s=[p for _, p in splits],
-                          measured_step_s=measured, rounds=rounds, chosen=best)
+                          measured_step_s=measured, rounds=rounds, chosen=best,
+                          vs_chosen=[vs_best[k] for k in range(len(rows))])
     winner.plan = copy.copy(winner.plan)
     winner.plan.tuning = record
     return winner

@@ -156,7 +156,7 @@ def real_steps(name: str, size: str, splits: list[tuple[str, ...]], methods: dic
     Which of two splits within a few percent wins moves with the host's state from one world
     to the next, so one world alone can rank them either way: a split's step over the best's
     is the median of their steps' ratios paired round by round over every world
-    (:func:`_pipebench.paired_ratio`), and each world's own ratio is kept beside it.
+    (:func:`autopipe.machine.timing.paired_ratio`), and each world's own ratio is kept beside it.
     """
     labels = {s: ",".join(s) for s in splits}
     job = {"model": name, "size": size, "device": "cpu", "codegen": False, "rounds": opts.real_rounds,
