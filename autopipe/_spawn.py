@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -77,10 +78,10 @@ _PRELOAD = ["torch", "torch.distributed", "torch.distributed.pipelining"]
 
 
 def _context() -> Any:
-    """The forkserver context, its server preloading :data:`_PRELOAD`; spawn where there is no forkserver."""
-    import multiprocessing
-
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    """The forkserver context, its server preloading :data:`_PRELOAD`, on Linux; spawn elsewhere."""
+    # macOS has a fork server too, but forking a process that has loaded its system
+    # frameworks is not safe there (why Python defaults to spawn on macOS).
+    if not sys.platform.startswith("linux"):
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
