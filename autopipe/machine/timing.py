@@ -1,4 +1,4 @@
-"""Time work on a device: a clock that is right on CPU and CUDA, and caches emptied between runs.
+"""Time work on a device: a clock right on CPU and CUDA, caches emptied between runs, steps compared by round.
 
 Example:
     >>> timer = Timer(resolve_device("cpu"))
@@ -81,8 +81,9 @@ def fastest_paired(steps: dict[Any, Sequence[float]], start: Any = None) -> tupl
     """The variant no other beats by :func:`paired_ratio`, and every variant's ratio over it (itself 1.0).
 
     The search starts from ``start`` (default: the variant with the lowest median step) and
-    moves to whichever variant is paired-faster until none is: medians of ratios need not be
-    transitive, so this settles on one rather than cycling.
+    moves to whichever variant is paired-faster until none is. Medians of ratios need not be
+    transitive, so it makes at most one move per variant: where three variants beat each other
+    in a circle, it stops on one of them rather than going round.
 
     Example:
         >>> fastest_paired({"a": [1.0, 2.0, 1.0], "b": [0.9, 1.8, 1.2]})
