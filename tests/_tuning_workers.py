@@ -41,6 +41,7 @@ def tune_run(rank: int, world_size: int, candidates: int) -> dict:
     grad_diff = max((p.grad - ref[n].grad).abs().max().item() for n, p in pipe.named_parameters())
     return {"splits": record.split_points, "measured": record.measured_step_s, "predicted": record.predicted_step_s,
             "chosen": record.chosen, "rounds": record.rounds, "vs_chosen": record.vs_chosen,
+            "round_steps": record.round_steps_s,
             "pipe_split": list(pipe.plan.split_points), "plan_split": list(plan.split_points),
             "untouched": untouched, "grads_clear": grads_clear,
             "loss": loss.item(), "ref_loss": ref_loss.item(), "grad_diff": grad_diff}

@@ -198,16 +198,21 @@ def test_a_tuning_record_is_saved_and_read_back_and_a_bad_one_is_refused(tmp_pat
 
     plan = _plan()
     plan.tuning = TuningRecord(split_points=[["layers.1"], ["layers.2"]], predicted_step_s=[0.02, 0.021],
-                               measured_step_s=[0.025, 0.023], rounds=5, chosen=1, vs_chosen=[1.08, 1.0])
+                               measured_step_s=[0.025, 0.023], rounds=3, chosen=1, vs_chosen=[1.08, 1.0],
+                               round_steps_s=[[0.025, 0.024, 0.026], [0.023, 0.022, 0.024]])
     plan.save(tmp_path / "plan.json")
     assert Plan.load(tmp_path / "plan.json").tuning == plan.tuning
     data = json.loads((tmp_path / "plan.json").read_text())
-    for key, bad in {"chosen": 2, "vs_chosen": [1.0]}.items():  # out of range; one ratio for two splits
+    # out of range; one ratio for two splits; one split's rounds; two rounds of three
+    for key, bad in {"chosen": 2, "vs_chosen": [1.0], "round_steps_s": [[0.025, 0.024, 0.026]],
+                     "rounds": 2}.items():
         wrong = copy.deepcopy(data)
         wrong["tuning"][key] = bad
         (tmp_path / "bad.json").write_text(json.dumps(wrong))
         with pytest.raises(PlanFileError, match="tuning"):
             Plan.load(tmp_path / "bad.json")
-    del data["tuning"]["vs_chosen"]  # a record written without the ratios still reads
+    for key in ("vs_chosen", "round_steps_s"):  # a record written without the ratios or rounds still reads
+        del data["tuning"][key]
     (tmp_path / "old.json").write_text(json.dumps(data))
-    assert Plan.load(tmp_path / "old.json").tuning.vs_chosen == []
+    old = Plan.load(tmp_path / "old.json").tuning
+    assert old.vs_chosen == [] and old.round_steps_s == []

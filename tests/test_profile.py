@@ -399,11 +399,18 @@ def test_steps_are_compared_round_by_round_and_the_search_settles_on_one_nothing
     a, b = [1.0, 1.0, 2.0, 2.0, 2.0], [1.1, 1.1, 1.1, 2.2, 2.2]
     assert statistics.median(b) < statistics.median(a)
     assert fastest_paired({"a": a, "b": b}) == ("a", {"a": 1.0, "b": pytest.approx(1.1)})
-    # Medians of ratios are not transitive: x beats y, y beats z, z beats x. The search stops
-    # after one move per variant (x -> z -> y -> x) and gives the ratios over the one it stopped on.
+    # Medians of ratios are not transitive: x beats y, y beats z, z beats x. Nothing is
+    # unbeaten, so the start stays, whichever it is, with the ratios over it.
     steps = {"x": [1.0, 2.0, 3.0], "y": [2.0, 3.0, 1.0], "z": [3.0, 1.0, 2.0]}
-    kept, ratios = fastest_paired(steps, start="x")
-    assert kept == "x" and ratios == {k: paired_ratio(v, steps["x"]) for k, v in steps.items()}
+    assert paired_ratio(steps["x"], steps["y"]) < 1 and paired_ratio(steps["y"], steps["z"]) < 1
+    assert paired_ratio(steps["z"], steps["x"]) < 1
+    for start in steps:
+        kept, ratios = fastest_paired(steps, start=start)
+        assert kept == start and ratios == {k: paired_ratio(v, steps[start]) for k, v in steps.items()}
+    # The same circle beside a variant that beats all three: that one is chosen from any start,
+    # though the circle's members beat each other on the way.
+    steps["w"] = [0.9, 0.9, 0.9]
+    assert {fastest_paired(steps, start=s)[0] for s in steps} == {"w"}
     # A start that nothing beats is kept even where another has the lower median.
     assert fastest_paired({"own": [1.0, 1.0, 1.0], "other": [1.0, 0.5, 1.0]}, start="own")[0] == "own"
     with pytest.raises(ValueError, match="positive reference"):

@@ -7,11 +7,13 @@ is recorded, and that the pipeline it returns trains as the unsplit model does.
 from __future__ import annotations
 
 import functools
+import statistics
 
 import pytest
 
 import _tuning_workers as workers
 from _dist_utils import run_world
+from autopipe.machine.timing import paired_ratio
 
 TOL = 1e-5
 
@@ -30,9 +32,15 @@ def test_every_rank_measures_the_same_candidates_and_keeps_the_same_split():
     assert len(r0["splits"]) >= 2 and len({tuple(s) for s in r0["splits"]}) == len(r0["splits"])
     assert len(r0["measured"]) == len(r0["predicted"]) == len(r0["splits"]) and r0["rounds"] == 2
     assert all(t > 0 for t in r0["measured"])
-    # Kept: a split no other beats round by round (each split's paired ratio over it >= 1).
-    assert r0["vs_chosen"] == r1["vs_chosen"] and len(r0["vs_chosen"]) == len(r0["splits"])
-    assert r0["vs_chosen"][r0["chosen"]] == 1.0 and min(r0["vs_chosen"]) >= 1.0
+    # The choice and the ratios follow from the recorded rounds: the plan's own split unless
+    # another beats it round by round and nothing beats that one.
+    steps = r0["round_steps"]
+    assert steps == r1["round_steps"] and len(steps) == len(r0["splits"]) and all(len(s) == 2 for s in steps)
+    assert [statistics.median(s) for s in steps] == pytest.approx(r0["measured"])
+    unbeaten = [k for k in range(len(steps)) if min(paired_ratio(s, steps[k]) for s in steps) >= 1.0]
+    own_stays = 0 in unbeaten or not unbeaten  # unbeaten, or the splits beat each other in a circle
+    assert r0["chosen"] == (0 if own_stays else min(unbeaten, key=lambda k: statistics.median(steps[k])))
+    assert r0["vs_chosen"] == r1["vs_chosen"] == [paired_ratio(s, steps[r0["chosen"]]) for s in steps]
     assert r0["pipe_split"] == r0["splits"][r0["chosen"]]
 
 

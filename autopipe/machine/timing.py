@@ -80,24 +80,22 @@ def paired_ratio(steps: Sequence[float], reference: Sequence[float]) -> float:
 def fastest_paired(steps: dict[Any, Sequence[float]], start: Any = None) -> tuple[Any, dict[Any, float]]:
     """The variant no other beats by :func:`paired_ratio`, and every variant's ratio over it (itself 1.0).
 
-    The search starts from ``start`` (default: the variant with the lowest median step) and
-    moves to whichever variant is paired-faster until none is. Medians of ratios need not be
-    transitive, so it makes at most one move per variant: where three variants beat each other
-    in a circle, it stops on one of them rather than going round.
+    Variant ``a`` beats ``b`` when ``paired_ratio(steps[a], steps[b]) < 1``. Medians of ratios
+    need not be transitive: three variants can beat each other in a circle, and then none is
+    unbeaten. The choice is ``start`` (default: the variant with the lowest median step) when
+    nothing beats it or nothing is unbeaten; otherwise the unbeaten variant (of several tied
+    ones, the lowest median).
 
     Example:
         >>> fastest_paired({"a": [1.0, 2.0, 1.0], "b": [0.9, 1.8, 1.2]})
         ('b', {'a': 1.1111111111111112, 'b': 1.0})
     """
-    fastest = min(steps, key=lambda k: statistics.median(steps[k])) if start is None else start
-    ratios = {k: paired_ratio(v, steps[fastest]) for k, v in steps.items()}
-    for _ in range(len(steps)):
-        quicker = min(ratios, key=ratios.get)
-        if ratios[quicker] >= 1.0:
-            break
-        fastest = quicker
-        ratios = {k: paired_ratio(v, steps[fastest]) for k, v in steps.items()}
-    return fastest, ratios
+    by_median = sorted(steps, key=lambda k: statistics.median(steps[k]))
+    start = by_median[0] if start is None else start
+    over = {ref: {k: paired_ratio(v, steps[ref]) for k, v in steps.items()} for ref in steps}
+    unbeaten = [ref for ref in by_median if min(over[ref].values()) >= 1.0]
+    chosen = start if start in unbeaten or not unbeaten else unbeaten[0]
+    return chosen, over[chosen]
 
 
 class TimerLike(Protocol):

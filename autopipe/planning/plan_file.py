@@ -276,12 +276,17 @@ def _tuning(c: FieldCheck, field: str, value: Any) -> TuningRecord:
         "predicted_step_s": lambda f, v: c.sequence(f, v, c.number),
         "measured_step_s": lambda f, v: c.sequence(f, v, c.number),
         "rounds": lambda f, v: c.integer(f, v, 1), "chosen": c.integer,
-        "vs_chosen": lambda f, v: c.sequence(f, v, c.number)}, required_fields(TuningRecord))
-    n = len(record["split_points"])
+        "vs_chosen": lambda f, v: c.sequence(f, v, c.number),
+        "round_steps_s": lambda f, v: c.sequence(f, v, lambda g, x: c.sequence(g, x, c.number))},
+        required_fields(TuningRecord))
+    n, rounds = len(record["split_points"]), record["rounds"]
+    per_round = record.get("round_steps_s", [])
     if not (len(record["predicted_step_s"]) == len(record["measured_step_s"]) == n and 0 <= record["chosen"] < n
-            and len(record.get("vs_chosen", [])) in (0, n)):
+            and len(record.get("vs_chosen", [])) in (0, n)
+            and (not per_round or (len(per_round) == n and all(len(row) == rounds for row in per_round)))):
         c.fail(field, f"{field} needs one predicted and one measured step per candidate ({n}), as many ratios "
-                      f"over the chosen one or none, and chosen in 0..{n - 1}")
+                      f"over the chosen one or none, {rounds} round steps per candidate or none, "
+                      f"and chosen in 0..{n - 1}")
     return TuningRecord(**record)
 
 

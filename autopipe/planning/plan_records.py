@@ -154,6 +154,8 @@ class TuningRecord:
     chosen: int
     # Each split's step over the chosen one's, the median of their rounds' ratios (1.0 for itself).
     vs_chosen: list[float] = field(default_factory=list)
+    # Each split's step in each timed round, the slowest rank's: what chosen and vs_chosen come from.
+    round_steps_s: list[list[float]] = field(default_factory=list)
 
 
 @dataclass

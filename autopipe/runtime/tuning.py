@@ -54,9 +54,10 @@ def tune(model: torch.nn.Module, *args: Any, target: Any, plan: Plan, candidates
         target: what ``loss_fn`` compares the output with.
         plan: the plan whose splits compete (:func:`tuning_candidates`).
         candidates: how many splits to measure, >= 1 (the plan's own among them).
-        rounds: timed steps of each split, >= 1. Splits are compared round by round: the
-            kept split is one that no other beats by the median of their rounds' step ratios
-            (the plan's own unless another beats it).
+        rounds: timed steps of each split, >= 1. Splits are compared round by round, by the
+            median of their rounds' step ratios: the plan's own split is kept unless another
+            beats it and nothing beats that one; where the splits beat each other in a circle,
+            the plan's own is kept (:func:`~autopipe.machine.timing.fastest_paired`).
         **pipeline_kwargs: what :class:`Pipeline` takes beside the model and the plan
             (``loss_fn`` and ``example_args`` at least).
 
@@ -107,14 +108,14 @@ def tune(model: torch.nn.Module, *args: Any, target: Any, plan: Plan, candidates
     rows = shared.cpu().tolist()
     measured = [statistics.median(row) for row in rows]
     # Compared round by round, as they ran: the host's drift between rounds cancels. The plan's
-    # own split stays unless another split's steps beat it.
+    # own split stays unless another split's steps beat it and nothing beats that one.
     best, vs_best = fastest_paired(dict(enumerate(rows)), start=0)
     winner = pipes[best]
     del pipes
     gc.collect()
     record = TuningRecord(split_points=[s for s, _ in splits], predicted_step_s=[p for _, p in splits],
                           measured_step_s=measured, rounds=rounds, chosen=best,
-                          vs_chosen=[vs_best[k] for k in range(len(rows))])
+                          vs_chosen=[vs_best[k] for k in range(len(rows))], round_steps_s=rows)
     winner.plan = copy.copy(winner.plan)
     winner.plan.tuning = record
     return winner
