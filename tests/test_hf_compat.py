@@ -146,12 +146,17 @@ def test_cut_bytes_in_the_batch_size_with_use_cache_given_as_a_keyword():
     assert model.config.use_cache is True
 
 
+def _besides_the_split(notes: list[str]) -> list[str]:
+    """The notes other than one about the split itself (a close call between two splits)."""
+    return [n for n in notes if not n.startswith("a close call")]
+
+
 @needs_transformers
 def test_hf_model_with_the_cache_already_off_gets_no_note():
     model, kwargs = _gpt2()
     model.config.use_cache = False
     plan = _partition(model, kwargs, loss_fn=False)  # no loss note either (tests/test_loss_default.py)
-    assert plan.notes == []
+    assert _besides_the_split(plan.notes) == []
     assert CACHE_NOTE not in plan.report()
     assert model.config.use_cache is False
 
@@ -160,7 +165,7 @@ def test_model_without_hf_config_gets_no_note(small_transformer):
     model, args = small_transformer
     plan = autopipe.partition(model, 2, example_args=args, loss_fn=False,
                               planner=autopipe.PlannerOptions(cost="flops", profiling=autopipe.ProfileOptions(progress=False)))
-    assert plan.notes == []
+    assert _besides_the_split(plan.notes) == []
     assert CACHE_NOTE not in plan.report()
     assert trace(model, args).notes == []
 

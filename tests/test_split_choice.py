@@ -20,7 +20,9 @@ import autopipe
 from autopipe import ProfileOptions
 from autopipe.planning.costgraph import SegmentCost
 from autopipe.planning.partitioner import PartitionProblem, every_split
-from autopipe.planning.split_candidates import BRUTE_FORCE_MAX, layer_problem, prefer_layer_split
+from autopipe.planning.plan_records import BaselinePlan
+from autopipe.planning.split_candidates import (BRUTE_FORCE_MAX, CLOSE_CALL, close_call_note, layer_problem,
+                                               prefer_layer_split)
 
 pytestmark = pytest.mark.unit
 
@@ -112,3 +114,24 @@ def test_a_profile_whose_rounds_disagree_is_called_noisy_in_the_plan():
         notes[spread] = [n for n in plan.notes if n.startswith("the profile is noisy")]
     quiet, noisy = notes.values()
     assert quiet == [] and len(noisy) == 1 and "autopipe.tune" in noisy[0] and "35%" in noisy[0]
+
+
+def test_a_reported_split_predicted_within_a_close_call_is_named_in_the_notes():
+    plan = plan_for(0, 9, "1F1B", 1)
+
+    def peer(split, ratio, **kw):
+        return BaselinePlan(name="flops_dp", description="", split_points=split, bottleneck_s=0.0,
+                            predicted_step_s=plan.predicted_step_s * ratio, peak_bytes=0, **kw)
+
+    other = [str(int(plan.split_points[0]) + 1)]
+    plan.baselines = [peer(other, 1.02), peer(["1"], 1.2)]
+    note = close_call_note(plan)
+    assert note and f"split {other} is predicted 2.0% slower" in note and "autopipe.tune" in note
+    for beside in ([peer(other, 1 + CLOSE_CALL)], [peer(list(plan.split_points), 1.0)],  # far enough; the same split
+                   [peer(other, 1.01, fits_memory=False)], [peer([], 1.0, reason="not applicable: ...")]):
+        plan.baselines = beside
+        assert close_call_note(plan) is None, beside
+    # partition() adds the note exactly where a reported split is that close (some seeds have one).
+    plans = [plan_for(seed, 9, "1F1B", 1) for seed in range(8)]
+    noted = [any(n.startswith("a close call") for n in p.notes) for p in plans]
+    assert noted == [close_call_note(p) is not None for p in plans] and 0 < sum(noted) < len(plans)

@@ -44,7 +44,7 @@ from .cost_sources import COST_SOURCES, MEASURED, CostSource, cost_source
 from .profile import LossCost, SegmentCosts, coarsened, profile_segments
 from .scaling import ScaledProfile, profile_scaling
 from .schedule_options import ScheduleOption, auto_schedule_options, cost_option
-from .split_candidates import INSIDE_BLOCK_MARGIN
+from .split_candidates import INSIDE_BLOCK_MARGIN, close_call_note
 from .segment_graphs import on_meta_device
 from .frameworks import restrict_to_target
 from .tracing import TracedModel, trace, traced_from
@@ -328,6 +328,9 @@ def plan_partition(
     plan.whole_pass = getattr(costs, "whole", None)  # what the whole graph took beside the segments
     if plan.whole_pass is not None and plan.whole_pass.round_spread > NOISY_PROFILE_SPREAD:
         plan.notes = [*plan.notes, noisy_profile_note(plan.whole_pass.round_spread)]
+    close = close_call_note(plan)
+    if close:
+        plan.notes = [*plan.notes, close]
     plan.global_batch = global_batch
     plan.mixed_precision = mixed_precision or ""
     if compile is not False:  # True or torch.compile's arguments: what the profile cannot know: compiled stages run faster than the eager segments it timed

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,6 +20,9 @@ from .baselines import LayerUnits, evaluate_baselines
 from .costgraph import SegmentCost
 from .partitioner import PartitionProblem, PartitionResult, candidate_partitions, evaluate, every_split
 from .tracing import TracedModel
+
+if TYPE_CHECKING:
+    from .plan import Plan
 
 #: Splits into stages that a small problem has at most for all of them to be costed.
 BRUTE_FORCE_MAX = 64
@@ -29,6 +33,10 @@ BRUTE_FORCE_MAX = 64
 INSIDE_BLOCK_MARGIN = 0.01
 # Thresholds on the geometric ladder of the layer-level search (candidate_partitions' steps).
 _LAYER_STEPS = 4
+#: Splits whose predicted steps differ by less than this share can run in either order: the
+#: median error of a predicted real step on a CPU host is about this size, and real steps of
+#: two such splits swap places from run to run there (docs/design.md, "Not explained yet").
+CLOSE_CALL = 0.03
 
 
 def layer_problem(problem: PartitionProblem, starts: Sequence[int]) -> PartitionProblem:
@@ -102,3 +110,25 @@ def prefer_layer_split(scored: Sequence[tuple[float, PartitionResult, bool]], st
     if scored[pick][0] <= scored[best][0] * (1 + margin) and all(scored[pick][0] <= s for s in peer_steps):
         return pick
     return best
+
+
+def close_call_note(plan: Plan) -> str | None:
+    """The plan's note naming the reported split predicted closest to its own, when within :data:`CLOSE_CALL`.
+
+    Example:
+        >>> close_call_note(plan)  # doctest: +SKIP
+        "a close call: flops_dp's split ['model.norm'] is predicted 1.8% slower than this one; ..."
+    """
+    own = list(plan.split_points)
+    others = [b for b in plan.baselines if b.split_points and list(b.split_points) != own and b.fits_memory
+              and not b.reason]
+    if not others or plan.predicted_step_s <= 0:
+        return None
+    near = min(others, key=lambda b: abs(b.predicted_step_s - plan.predicted_step_s))
+    gap = near.predicted_step_s / plan.predicted_step_s - 1.0
+    if abs(gap) >= CLOSE_CALL:
+        return None
+    side = f"{abs(gap):.1%} {'slower' if gap >= 0 else 'faster'}"
+    return (f"a close call: {near.name}'s split {list(near.split_points)} is predicted {side} than this one; "
+            f"real steps of splits within {CLOSE_CALL:.0%} of each other can come out in either order, "
+            "so measure both on the ranks with autopipe.tune before a long run")
