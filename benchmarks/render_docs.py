@@ -245,14 +245,16 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
         same = f"{plans.count(r['chosen'])}/{len(plans)}" if plans else "–"
         own = r.get("pipeline_splits") or []
         per_world = r.get("chosen_vs_fastest_per_world") or []
-        rows.append([r["model"], f"`{r['chosen']}`", ratio(r["chosen_vs_fastest"]),
+        interval = r.get("chosen_vs_fastest_interval")
+        spread = f" ({ratio(interval[0])}–{ratio(interval[1])})" if interval else ""
+        rows.append([r["model"], f"`{r['chosen']}`", ratio(r["chosen_vs_fastest"]) + spread,
                      ", ".join(ratio(x) for x in per_world) or "–", f"`{r['fastest']}`",
                      ratio(r.get("flops_dp_vs_fastest")), f"`{tuned.get('label', '–')}` ({ratio(tuned.get('vs_fastest'))})",
                      apct(statistics.median(errors)), apct(max(errors)), same,
                      ", ".join(f"`{x}`" for x in own) or "–"])
         if r["chosen_vs_fastest"] > 1 + BEHIND_TOL:
             behind.append(f"real steps, {r['model']}: autopipe's split `{r['chosen']}` stepped "
-                          f"{r['chosen_vs_fastest']:.3f}× the fastest layer-level split's (`{r['fastest']}`).")
+                          f"{r['chosen_vs_fastest']:.3f}×{spread} the fastest layer-level split's (`{r['fastest']}`).")
         if max(errors) > TARGET_ERROR:
             behind.append(f"real steps, {r['model']}: a split's predicted step is off by {max(errors):.1%} "
                           f"(target: every split within {TARGET_ERROR:.0%}).")
@@ -273,7 +275,8 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
             "stepped in interleaved rounds in each; its step is the median over all of them of the slower rank's "
             "step, and \"÷ fastest\" is " + ("the median of its steps' ratios to the fastest split's, paired round "
                                            "by round" if d.get("ratios") == "paired" else "over the fastest split's")
-            + ". \"Per world\": autopipe's split over the "
+            + "; in brackets, a 95% bootstrap interval of that ratio over the paired steps. "
+              "\"Per world\": autopipe's split over the "
             "fastest within each world alone (which of two close splits wins moves with the host's state). "
             "The FLOPs DP is torch PR #179212's partitioner "
             "(`autopipe/planning/peers.py`); `tune` is `autopipe.tune(plan, candidates=3)` in the first world. "

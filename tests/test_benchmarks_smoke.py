@@ -300,6 +300,8 @@ def test_real_steps_measures_every_layer_split_and_tunes(tmp_path):
         assert len(s["in_run"]["fwd_s"]) == 2
     assert min(s["vs_fastest"] for s in splits.values()) == 1.0
     assert len(row["chosen_vs_fastest_per_world"]) == data["worlds"] == 1
+    low, high = row["chosen_vs_fastest_interval"]
+    assert low <= row["chosen_vs_fastest"] <= high
     tuned = row["tuned"]
     assert tuned["split_points"][0] == splits[row["chosen"]]["split"], "tune starts from the plan's own split"
     assert 0 <= tuned["chosen"] < len(tuned["split_points"]) and all(_finite_positive(t) for t in tuned["measured_step_s"])

@@ -45,7 +45,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from _common import write_result  # noqa: E402
-from _pipebench import fastest_paired, host_info, median, run_world, stack_microbatches  # noqa: E402
+from _pipebench import (fastest_paired, host_info, median, paired_ratio_interval, run_world,  # noqa: E402
+                        stack_microbatches)
 
 #: Model sizes. "full": 4 decoder layers of width 128 and an 8k-token vocabulary, so the head
 #: costs about as much as two layers (as in a real LM, where vocabulary x width is large);
@@ -226,6 +227,7 @@ def run_model(name: str, *, size: str, rounds: int, steps: int, plans: int, worl
             "splits": rows, "plan_notes": list(plan.notes), "worlds": worlds,
             "host_start": host_start, "host_end": host_info(),
             "chosen_vs_fastest_per_world": [fastest_paired(w)[1][chosen] for w in per_world],
+            "chosen_vs_fastest_interval": paired_ratio_interval(pooled[chosen], pooled[fastest]),
             "partition_splits": ["+".join(x) for x in [list(plan.split_points), *replans]],
             "pipeline_splits": ["+".join(x) for x in results[0]["pipeline_plans"]]}
 
