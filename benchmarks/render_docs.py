@@ -257,7 +257,9 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
                           f"{r['chosen_vs_fastest']:.3f}×{spread} the fastest layer-level split's (`{r['fastest']}`).")
         if max(errors) > TARGET_ERROR:
             signed = [s["prediction_error"] for s in r["splits"].values()]
-            missed.append(f"{r['model']} {max(errors):.1%} (its splits' mean {statistics.fmean(signed):+.1%})")
+            amid = [abs(s["amid_error"]) for s in r["splits"].values() if s.get("amid_error") is not None]
+            missed.append(f"{r['model']} {max(errors):.1%} (its splits' mean {statistics.fmean(signed):+.1%}"
+                          + (f"; from the profiles amid the steps {max(amid):.1%}" if amid else "") + ")")
         plans = r.get("partition_splits") or []
         if len(set(plans)) > 1:
             behind.append(f"real steps, {r['model']}: {len(plans)} plans of the same model gave "
@@ -265,7 +267,8 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
         for label, sp in r["splits"].items():
             detail.append([r["model"], f"`{label}`" + ("" if sp["layer_level"] else " (inside a layer)"),
                            f"{sp['measured_step_s'] * 1e3:.1f} ms", f"{sp['predicted_step_s'] * 1e3:.1f} ms",
-                           pct(sp["prediction_error"]), pct(sp.get("in_ranks_error")), ratio(sp["vs_fastest"])])
+                           pct(sp["prediction_error"]), pct(sp.get("in_ranks_error")), pct(sp.get("amid_error")),
+                           ratio(sp["vs_fastest"])])
     if missed:
         behind.append(f"real steps: the worst split's predicted step is off by more than {TARGET_ERROR:.0%} on "
                       f"{', '.join(missed)} (target: every split within {TARGET_ERROR:.0%}; a mean far from 0 moves "
@@ -292,10 +295,12 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
                      "tune kept (÷ fastest)", "median |pred. error|", "max |pred. error|",
                      "same split, partition() runs", "Pipeline's own plan"], rows)
             + f"\n\n{DETAIL}\n\nEvery split, predicted against measured: by `partition()`'s plan (profiled in one process "
-              "before the 2-rank world starts), and by the plan the `Pipeline` made for itself (both ranks "
-              "profiling at once, just before the steps):\n\n"
+              "before the 2-rank world starts), by the plan the `Pipeline` made for itself (both ranks "
+              "profiling at once, just before the steps), and by the same cost model on profiles rank 0 took "
+              "between every other round of steps, averaged (the host as fast or as slow as during the steps; "
+              "`_profiled_amid` in the script):\n\n"
             + table(["model", "split", "measured step", "predicted step", "error", "error, profiled in the ranks",
-                     "÷ fastest"], detail))
+                     "error, profiled amid the steps", "÷ fastest"], detail))
 
 
 def render_frameworks(d: dict[str, Any], behind: list[str]) -> str:

@@ -297,6 +297,7 @@ def test_real_steps_measures_every_layer_split_and_tunes(tmp_path):
     assert sum(s["layer_level"] for s in splits.values()) >= 3, "every layer-level split runs"
     for s in splits.values():
         assert _finite_positive(s["measured_step_s"]) and _finite_positive(s["predicted_step_s"])
+        assert _finite_positive(s["predicted_amid_s"]), "predicted from the profile taken between the rounds"
         assert len(s["in_run"]["fwd_s"]) == 2
     assert min(s["vs_fastest"] for s in splits.values()) == 1.0
     assert len(row["chosen_vs_fastest_per_world"]) == data["worlds"] == 1

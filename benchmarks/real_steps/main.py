@@ -34,9 +34,12 @@ turns a fast split into a slow one.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
+import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -136,9 +139,20 @@ def step_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
         for _ in range(2):  # the first steps set up buffers and communication
             pipes[label].zero_grad()
             pipes[label].step(*batch, target=target)
-    times = interleaved_steps(pipes, batch, target, rounds=job["rounds"], steps=job["steps"])
+    amid: list[dict[str, list[float]]] = []
+    from autopipe.planning.profile import profile_segments
+    from autopipe.planning.tracing import trace
+
+    traced = trace(model, args) if job.get("profile_amid") and rank == 0 else None
+
+    def profile_amid() -> None:  # rank 0 profiles the model as partition() does; rank 1 waits
+        if traced is not None:
+            costs = profile_segments(traced, device=torch.device("cpu"), warmup=1, repeats=3, progress=False)
+            amid.append({k: [getattr(c, k) for c in costs] for k in ("fwd_s", "bwd_s", "accum_s")})
+    times = interleaved_steps(pipes, batch, target, rounds=job["rounds"], steps=job["steps"],
+                              between=profile_amid if job.get("profile_amid") else None)
     if not job.get("measure_more", True):  # a further world: its steps only
-        return {"times": times}
+        return {"times": times, "amid": amid}
     in_run = {label: pipe.measure_stage_times(*batch, target=target, steps=3) for label, pipe in pipes.items()}
     del pipes
     # autopipe.tune as a user would call it: the plan's best few splits, measured on the ranks.
@@ -147,18 +161,22 @@ def step_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     tuned = tune(model, *batch, target=target, plan=Plan.from_dict(job["plan"]), candidates=3, rounds=job["rounds"],
                  loss_fn=lm_loss, example_args=args, device=torch.device("cpu"))
     record = tuned.plan.tuning
-    return {"times": times, "in_run": in_run, "pipeline_plans": planned, "predicted_in_ranks_s": in_ranks,
+    return {"times": times, "amid": amid, "in_run": in_run, "pipeline_plans": planned, "predicted_in_ranks_s": in_ranks,
             "tuned": {"split_points": record.split_points, "measured_step_s": record.measured_step_s,
                       "predicted_step_s": record.predicted_step_s, "chosen": record.chosen}}
 
 
 def interleaved_steps(pipes: dict[str, Any], batch: tuple, target: torch.Tensor, *, rounds: int,
-                      steps: int) -> dict[str, list[float]]:
-    """Each pipeline's step times over ``rounds`` interleaved rounds of ``steps`` steps (A B C A B C ...)."""
+                      steps: int, between: Any = None) -> dict[str, list[float]]:
+    """Each pipeline's step times over ``rounds`` interleaved rounds of ``steps`` steps (A B C A B C ...).
+
+    ``between``, when given, runs after the first round and every other one from there (untimed),
+    the ranks meeting after it.
+    """
     import torch.distributed as dist
 
     times: dict[str, list[float]] = {label: [] for label in pipes}
-    for _ in range(rounds):
+    for r in range(rounds):
         for label, pipe in pipes.items():
             for _ in range(steps):
                 pipe.zero_grad()
@@ -166,6 +184,9 @@ def interleaved_steps(pipes: dict[str, Any], batch: tuple, target: torch.Tensor,
                 t0 = time.perf_counter()
                 pipe.step(*batch, target=target)
                 times[label].append(time.perf_counter() - t0)
+        if between is not None and r % 2 == 0:
+            between()
+            dist.barrier()
     return times
 
 
@@ -193,7 +214,7 @@ def run_model(name: str, *, size: str, rounds: int, steps: int, plans: int, worl
     flops = plan.baseline("flops_dp")
     log(f"  {name}: autopipe chose {chosen} (planned in {planner_s:.1f} s); running {len(splits)} splits")
     job = {"model": name, "size": size, "splits": splits, "rounds": rounds, "steps": steps, "plan": plan.to_dict(),
-           "pipeline_plans": 1 if plans > 1 else 0}
+           "pipeline_plans": 1 if plans > 1 else 0, "profile_amid": True}
     results = run_world(step_worker, 2, job, timeout_s=900.0)
     further = [run_world(step_worker, 2, {**job, "pipeline_plans": 0, "measure_more": False}, timeout_s=900.0)
                for _ in range(worlds - 1)]
@@ -201,12 +222,14 @@ def run_model(name: str, *, size: str, rounds: int, steps: int, plans: int, worl
     per_world = [{label: [max(a, b) for a, b in zip(w[0]["times"][label], w[1]["times"][label])] for label in splits}
                  for w in [results, *further]]
     pooled = {label: [t for w in per_world for t in w[label]] for label in splits}
+    amid_plan = _profiled_amid(plan, [p for w in [results, *further] for p in w[0]["amid"]])
     rows = {}
     for label, split in splits.items():
         rows[label] = {"split": split, "layer_level": label in layer_level, "measured_step_s": median(pooled[label]),
                        "world_steps_s": [median(w[label]) for w in per_world],
                        "predicted_step_s": plan.split_step_s(split),
                        "predicted_in_ranks_s": results[0]["predicted_in_ranks_s"].get(label),
+                       "predicted_amid_s": amid_plan.split_step_s(split) if amid_plan is not None else None,
                        "in_run": results[0]["in_run"][label], "planned_stage_s": _planned_stage_times(plan, split)}
     # Every split's steps over the fastest's, paired round by round (the splits were interleaved,
     # so each pair saw the same state of the host; it drifts between rounds and worlds).
@@ -216,6 +239,8 @@ def run_model(name: str, *, size: str, rounds: int, steps: int, plans: int, worl
         r["prediction_error"] = r["predicted_step_s"] / r["measured_step_s"] - 1.0
         if r["predicted_in_ranks_s"] is not None:
             r["in_ranks_error"] = r["predicted_in_ranks_s"] / r["measured_step_s"] - 1.0
+        if r["predicted_amid_s"] is not None:
+            r["amid_error"] = r["predicted_amid_s"] / r["measured_step_s"] - 1.0
     tuned = results[0]["tuned"]
     tuned_label = "+".join(tuned["split_points"][tuned["chosen"]])
     flops_label = "+".join(flops.split_points) if flops.split_points else None
@@ -230,6 +255,25 @@ def run_model(name: str, *, size: str, rounds: int, steps: int, plans: int, worl
             "chosen_vs_fastest_interval": paired_ratio_interval(pooled[chosen], pooled[fastest]),
             "partition_splits": ["+".join(x) for x in [list(plan.split_points), *replans]],
             "pipeline_splits": ["+".join(x) for x in results[0]["pipeline_plans"]]}
+
+
+def _profiled_amid(plan: Any, profiles: list[dict[str, list[float]]]) -> Any:
+    """``plan`` with its segments' times replaced by the mean of ``profiles``, taken between rounds of steps.
+
+    The same cost model on a profile taken while the host ran as during the steps: what is
+    left of its error is the model's, not the host's drift between a profile and the steps.
+    None without profiles.
+    """
+    if not profiles:
+        return None
+    if any(len(p["fwd_s"]) != len(plan.segments) for p in profiles):
+        raise RuntimeError("a profile taken between the rounds has another number of segments than the plan")
+    mean = {k: [statistics.fmean(p[k][i] for p in profiles) for i in range(len(plan.segments))]
+            for k in ("fwd_s", "bwd_s", "accum_s")}
+    amid = copy.copy(plan)
+    amid.segments = [replace(seg, fwd_s=mean["fwd_s"][i], bwd_s=mean["bwd_s"][i], accum_s=mean["accum_s"][i])
+                     for i, seg in enumerate(plan.segments)]
+    return amid
 
 
 def _planned_stage_times(plan: Any, split: list[str]) -> dict[str, list[float]]:
@@ -271,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         for label, s in r["splits"].items():
             print(f"      {label:40s} measured {s['measured_step_s'] * 1e3:6.1f} ms  predicted "
                   f"{s['predicted_step_s'] * 1e3:6.1f} ms  ({s['prediction_error']:+.1%}; profiled in the ranks "
-                  f"{s.get('in_ranks_error', float('nan')):+.1%})")
+                  f"{s.get('in_ranks_error', float('nan')):+.1%}; amid the steps {s.get('amid_error', float('nan')):+.1%})")
     payload = {"benchmark": "real_steps", "ratios": "paired", "schedule": "1F1B", "n_microbatches": N_MICROBATCHES, "stages": 2,
                "threads_per_process": 1, "rounds": rounds, "worlds": worlds, "steps_per_round": 1 if a.smoke else 2, "quick": a.quick,
                "size": size, "sizes": SIZES[size],
