@@ -39,7 +39,8 @@ from autopipe import PlannerOptions
 from autopipe._spawn import finish_rank, join_loopback_world, spawn_ranks
 import _common  # noqa: F401  (puts tests/ on the path, for the test models)
 from zoo import build
-from autopipe.machine.timing import Timer, fastest_paired, paired_ratio, per_run_s  # noqa: F401 - scripts read the paired ones here
+from autopipe.machine.timing import (  # noqa: F401 - the scripts read the paired ones from here
+    Timer, fastest_paired, paired_ratio, paired_ratio_interval, per_run_s)
 from autopipe.machine.working_set import LiveStorage
 
 __all__ = [
@@ -52,31 +53,6 @@ __all__ = [
 
 def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
-
-
-def paired_ratio_interval(steps: Sequence[float], reference: Sequence[float], *, level: float = 0.95,
-                          resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """A bootstrap interval of :func:`paired_ratio`: the steps' pairs drawn again with replacement.
-
-    How far a ratio of a few dozen paired steps can be trusted: where the interval holds 1.03,
-    a ratio of 1.02 or 1.04 from these steps says nothing about which side of 3% the splits lie.
-
-    Example:
-        >>> lo, hi = paired_ratio_interval([1.0, 1.1, 1.2, 1.05], [1.0, 1.0, 1.0, 1.0])
-        >>> lo <= paired_ratio([1.0, 1.1, 1.2, 1.05], [1.0, 1.0, 1.0, 1.0]) <= hi
-        True
-    """
-    pairs = torch.tensor([a / b for a, b in zip(steps, reference) if b > 0], dtype=torch.float64)
-    if not len(pairs):
-        raise ValueError("paired_ratio_interval needs at least one pair with a positive reference step")
-    draw = torch.randint(len(pairs), (resamples, len(pairs)), generator=torch.Generator().manual_seed(seed))
-    # statistics.median's convention (the mean of the two middle values), as paired_ratio takes it
-    ordered = pairs[draw].sort(dim=1).values
-    n = len(pairs)
-    medians = (ordered[:, (n - 1) // 2] + ordered[:, n // 2]) / 2
-    tail = (1.0 - level) / 2
-    lo, hi = torch.quantile(medians, torch.tensor([tail, 1.0 - tail], dtype=torch.float64)).tolist()
-    return float(lo), float(hi)
 
 
 def host_info() -> dict[str, Any]:

@@ -10,8 +10,8 @@ import torch.nn as nn
 
 from autopipe.machine.passes import accumulate, measure_backward_start_s, time_in_rounds
 from autopipe.machine.speed import measure_device_flops
-from autopipe.machine.timing import (CacheFlusher, fastest_paired, last_level_cache_bytes, paired_ratio, per_run_s,
-                                     resolve_device)
+from autopipe.machine.timing import (CacheFlusher, fastest_paired, last_level_cache_bytes, paired_ratio,
+                                     paired_ratio_interval, per_run_s, resolve_device)
 from autopipe.planning.profile import fit_to_whole_default, profile_segments, room_for_whole
 from autopipe.planning.segment_graphs import copy_to_device, segment_modules
 from autopipe.planning.tracing import trace
@@ -415,3 +415,16 @@ def test_steps_are_compared_round_by_round_and_the_search_settles_on_one_nothing
     assert fastest_paired({"own": [1.0, 1.0, 1.0], "other": [1.0, 0.5, 1.0]}, start="own")[0] == "own"
     with pytest.raises(ValueError, match="positive reference"):
         paired_ratio([1.0], [0.0])
+
+
+def test_the_interval_of_a_paired_ratio_holds_it_and_narrows_with_agreeing_rounds():
+    reference = [1.0, 2.0, 1.5, 1.2, 1.8, 1.1, 1.4]
+    noisy = [a * f for a, f in zip(reference, [0.9, 1.2, 1.0, 0.85, 1.1, 1.05, 0.95])]
+    low, high = paired_ratio_interval(noisy, reference)
+    assert low <= paired_ratio(noisy, reference) <= high and low < 1.0 < high
+    assert paired_ratio_interval(noisy, reference) == (low, high)  # seeded: every rank computes the same
+    assert paired_ratio_interval([1.1 * a for a in reference], reference) == pytest.approx((1.1, 1.1))
+    narrow = paired_ratio_interval(noisy, reference, level=0.5)
+    assert low <= narrow[0] <= narrow[1] <= high
+    with pytest.raises(ValueError, match="positive reference"):
+        paired_ratio_interval([1.0], [0.0])

@@ -14,6 +14,7 @@ import pytest
 import _tuning_workers as workers
 from _dist_utils import run_world
 from autopipe.machine.timing import paired_ratio
+from autopipe.runtime.tuning import faster_beyond_noise
 
 TOL = 1e-5
 
@@ -33,13 +34,11 @@ def test_every_rank_measures_the_same_candidates_and_keeps_the_same_split():
     assert len(r0["measured"]) == len(r0["predicted"]) == len(r0["splits"]) and r0["rounds"] == 2
     assert all(t > 0 for t in r0["measured"])
     # The choice and the ratios follow from the recorded rounds: the plan's own split unless
-    # another beats it round by round and nothing beats that one.
+    # another beats it beyond the noise of their paired ratios.
     steps = r0["round_steps"]
     assert steps == r1["round_steps"] and len(steps) == len(r0["splits"]) and all(len(s) == 2 for s in steps)
     assert [statistics.median(s) for s in steps] == pytest.approx(r0["measured"])
-    unbeaten = [k for k in range(len(steps)) if min(paired_ratio(s, steps[k]) for s in steps) >= 1.0]
-    own_stays = 0 in unbeaten or not unbeaten  # unbeaten, or the splits beat each other in a circle
-    assert r0["chosen"] == (0 if own_stays else min(unbeaten, key=lambda k: statistics.median(steps[k])))
+    assert r0["chosen"] == faster_beyond_noise(steps)
     assert r0["vs_chosen"] == r1["vs_chosen"] == [paired_ratio(s, steps[r0["chosen"]]) for s in steps]
     assert r0["pipe_split"] == r0["splits"][r0["chosen"]]
 
@@ -58,3 +57,21 @@ def test_tune_refuses_what_it_sets_itself_and_counts_below_one():
         assert "split_points" in errors["split_points"] and "plan=" in errors["split_points"]
         assert "rounds" in errors["rounds"]
         assert "candidates" in errors["candidates"]
+
+
+@pytest.mark.unit
+def test_another_split_replaces_the_plans_own_only_beyond_the_noise_of_the_rounds():
+    own = [1.0, 1.2, 0.9, 1.1, 1.0]
+    clearly = [0.9 * t for t in own]  # a tenth faster in every round
+    mixed = [0.8, 1.3, 0.85, 1.15, 0.95]  # faster by the median ratio (0.95), slower in two rounds of five
+    assert paired_ratio(mixed, own) < 1.0
+    assert faster_beyond_noise([own, mixed]) == 0
+    assert faster_beyond_noise([own, mixed, clearly]) == 2
+    assert faster_beyond_noise([own, [1.01 * t for t in own]]) == 0
+    # Of two splits both clearly faster than the plan's own, the one the other does not beat.
+    quickest = [0.8 * t for t in own]
+    assert faster_beyond_noise([own, clearly, quickest]) == 2
+    # Three splits, each clearly faster than the own, beating each other in a circle: the own stays.
+    x, y, z = [0.5, 0.6, 0.7, 0.5, 0.6], [0.6, 0.7, 0.5, 0.6, 0.7], [0.7, 0.5, 0.6, 0.7, 0.5]
+    assert paired_ratio(x, y) < 1 and paired_ratio(y, z) < 1 and paired_ratio(z, x) < 1
+    assert faster_beyond_noise([own, x, y, z]) == 0

@@ -77,6 +77,29 @@ def paired_ratio(steps: Sequence[float], reference: Sequence[float]) -> float:
     return float(statistics.median(ratios))
 
 
+def paired_ratio_interval(steps: Sequence[float], reference: Sequence[float], *, level: float = 0.95,
+                          resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A bootstrap interval of :func:`paired_ratio`: the rounds' pairs drawn again with replacement.
+
+    How far the ratio of a few paired steps can be trusted: where the interval holds 1, these
+    steps do not say which variant is faster. Seeded, so every rank computes the same interval.
+
+    Example:
+        >>> paired_ratio_interval([1.0, 1.1, 1.2, 1.05], [1.0, 1.0, 1.0, 1.0])
+        (1.0, 1.2)
+    """
+    pairs = torch.tensor([a / b for a, b in zip(steps, reference) if b > 0], dtype=torch.float64)
+    if not len(pairs):
+        raise ValueError("paired_ratio_interval needs at least one round with a positive reference step")
+    draw = torch.randint(len(pairs), (resamples, len(pairs)), generator=torch.Generator().manual_seed(seed))
+    ordered = pairs[draw].sort(dim=1).values
+    n = len(pairs)
+    medians = (ordered[:, (n - 1) // 2] + ordered[:, n // 2]) / 2  # statistics.median's, as paired_ratio takes it
+    tail = (1.0 - level) / 2
+    low, high = torch.quantile(medians, torch.tensor([tail, 1.0 - tail], dtype=torch.float64)).tolist()
+    return float(low), float(high)
+
+
 def fastest_paired(steps: dict[Any, Sequence[float]], start: Any = None) -> tuple[Any, dict[Any, float]]:
     """The variant no other beats by :func:`paired_ratio`, and every variant's ratio over it (itself 1.0).
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .._checks import check_int
-from ..machine.timing import fastest_paired, synchronize
+from ..machine.timing import fastest_paired, paired_ratio, paired_ratio_interval, synchronize
 from ..planning.options import PlannerOptions
 from ..planning.plan import Plan
 from ..planning.plan_records import TuningRecord
@@ -56,8 +56,8 @@ def tune(model: torch.nn.Module, *args: Any, target: Any, plan: Plan, candidates
         candidates: how many splits to measure, >= 1 (the plan's own among them).
         rounds: timed steps of each split, >= 1. Splits are compared round by round, by the
             median of their rounds' step ratios: the plan's own split is kept unless another
-            beats it and nothing beats that one; where the splits beat each other in a circle,
-            the plan's own is kept (:func:`~autopipe.machine.timing.fastest_paired`).
+            beats it beyond the noise of those ratios (:func:`faster_beyond_noise`); with few
+            rounds only a clear difference moves it.
         **pipeline_kwargs: what :class:`Pipeline` takes beside the model and the plan
             (``loss_fn`` and ``example_args`` at least).
 
@@ -107,15 +107,34 @@ def tune(model: torch.nn.Module, *args: Any, target: Any, plan: Plan, candidates
     dist.all_reduce(shared, op=dist.ReduceOp.MAX)
     rows = shared.cpu().tolist()
     measured = [statistics.median(row) for row in rows]
-    # Compared round by round, as they ran: the host's drift between rounds cancels. The plan's
-    # own split stays unless another split's steps beat it and nothing beats that one.
-    best, vs_best = fastest_paired(dict(enumerate(rows)), start=0)
+    best = faster_beyond_noise(rows)
     winner = pipes[best]
     del pipes
     gc.collect()
     record = TuningRecord(split_points=[s for s, _ in splits], predicted_step_s=[p for _, p in splits],
                           measured_step_s=measured, rounds=rounds, chosen=best,
-                          vs_chosen=[vs_best[k] for k in range(len(rows))], round_steps_s=rows)
+                          vs_chosen=[paired_ratio(row, rows[best]) for row in rows], round_steps_s=rows)
     winner.plan = copy.copy(winner.plan)
     winner.plan.tuning = record
     return winner
+
+
+def faster_beyond_noise(rows: list[list[float]]) -> int:
+    """Index of the split to keep, from each split's step in each round (``rows[0]``: the plan's own).
+
+    Compared round by round, as they ran, so that the host's drift between rounds cancels.
+    Another split replaces the plan's own only where its steps beat the own split's beyond
+    their noise: the whole 95% interval of its paired ratio over the own split lies below 1
+    (:func:`~autopipe.machine.timing.paired_ratio_interval`). Of several such splits, the one
+    none of them beats (:func:`~autopipe.machine.timing.fastest_paired`); where they beat each
+    other in a circle, the plan's own stays.
+
+    Example:
+        >>> faster_beyond_noise([[1.0, 1.0, 1.0], [0.9, 0.9, 0.9], [0.98, 1.05, 0.97]])
+        1
+    """
+    beyond = [k for k in range(1, len(rows)) if paired_ratio_interval(rows[k], rows[0])[1] < 1.0]
+    if not beyond:
+        return 0
+    best, _ = fastest_paired({k: rows[k] for k in [0, *beyond]}, start=0)
+    return best
