@@ -283,7 +283,9 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
             "stepped in interleaved rounds in each; its step is the median over all of them of the slower rank's "
             "step, and \"÷ fastest\" is " + ("the median of its steps' ratios to the fastest split's, paired round "
                                            "by round" if d.get("ratios") == "paired" else "over the fastest split's")
-            + "; in brackets, a 95% bootstrap interval of that ratio over the paired steps. "
+            + " (where no split beats every other, as the medians of ratios allow, the fastest is the one with "
+              "the lowest median step, and another split's ratio can fall under 1); in brackets, a 95% bootstrap "
+              "interval of autopipe's ratio over the paired steps. "
               "\"Per world\": autopipe's split over the "
             "fastest within each world alone (which of two close splits wins moves with the host's state). "
             "The FLOPs DP is torch PR #179212's partitioner "
