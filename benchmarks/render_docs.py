@@ -285,7 +285,8 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
                                            "by round" if d.get("ratios") == "paired" else "over the fastest split's")
             + " (where no split beats every other, as the medians of ratios allow, the fastest is the one with "
               "the lowest median step, and another split's ratio can fall under 1); in brackets, a 95% bootstrap "
-              "interval of autopipe's ratio over the paired steps. "
+              "interval of autopipe's ratio over the paired steps: the noise within this run, not the host's "
+              "state changing between runs, which can move the ratio as much again. "
               "\"Per world\": autopipe's split over the "
             "fastest within each world alone (which of two close splits wins moves with the host's state). "
             "The FLOPs DP is torch PR #179212's partitioner "

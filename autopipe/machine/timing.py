@@ -81,8 +81,10 @@ def paired_ratio_interval(steps: Sequence[float], reference: Sequence[float], *,
                           resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
     """A bootstrap interval of :func:`paired_ratio`: the rounds' pairs drawn again with replacement.
 
-    How far the ratio of a few paired steps can be trusted: where the interval holds 1, these
-    steps do not say which variant is faster. Seeded, so every rank computes the same interval.
+    How far the ratio of a few paired steps can be trusted within the run they come from: where
+    the interval holds 1, these steps do not say which variant is faster. Another run, on a
+    host in another state, can move the ratio beyond it. Seeded, so every rank computes the
+    same interval.
 
     Example:
         >>> paired_ratio_interval([1.0, 1.1, 1.2, 1.05], [1.0, 1.0, 1.0, 1.0])
