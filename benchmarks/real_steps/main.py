@@ -260,8 +260,8 @@ def run_model(name: str, *, size: str, rounds: int, steps: int, plans: int, worl
 def _profiled_amid(plan: Any, profiles: list[dict[str, list[float]]]) -> Any:
     """``plan`` with its segments' times replaced by the mean of ``profiles``, taken between rounds of steps.
 
-    The same cost model on a profile taken while the host ran as during the steps: what is
-    left of its error is the model's, not the host's drift between a profile and the steps.
+    The same cost model on profiles taken over the same minutes as the steps: a drift of the
+    host between a profile and the steps does not explain what is left of its error.
     None without profiles.
     """
     if not profiles:
