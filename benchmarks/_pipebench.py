@@ -47,12 +47,17 @@ __all__ = [
     "BenchModel", "MODELS", "host_info", "make_model", "ce_loss", "make_target", "stack_microbatches",
     "StageChain", "use_codegen", "interpreter_modules", "LiveBytes", "run_world", "run_variants",
     "pipeline_worker", "pooled_steps", "paired_ratio", "fastest_paired", "parallel_efficiency", "WorldFailed",
-    "median", "world_of_one", "profile_in_world", "paired_ratio_interval",
+    "median", "world_of_one", "profile_in_world", "paired_ratio_interval", "segment_times",
 ]
 
 
 def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs)) if xs else float("nan")
+
+
+def segment_times(costs: Sequence[Any]) -> dict[str, list[float]]:
+    """A profile's per-segment seconds as a rank returns them: forward, backward, accumulation."""
+    return {k: [getattr(c, k) for c in costs] for k in ("fwd_s", "bwd_s", "accum_s")}
 
 
 def host_info() -> dict[str, Any]:
@@ -634,9 +639,7 @@ def pipeline_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any
                 costs = profile_segments(traced, device=device, warmup=1,
                                          repeats=job.get("profile_repeats", 5), progress=False)
             if rank == 0:
-                (in_ranks_profiles if in_ranks else profiles).append(
-                    {"fwd_s": [c.fwd_s for c in costs], "bwd_s": [c.bwd_s for c in costs],
-                     "accum_s": [c.accum_s for c in costs]})
+                (in_ranks_profiles if in_ranks else profiles).append(segment_times(costs))
             dist.barrier()
     out: dict[str, Any] = {"times": times, "errors": {}, "profiles": profiles, "in_ranks_profiles": in_ranks_profiles,
                            "interpreter_modules": {label: [interpreter_modules(m) for m in pipe.stage_modules.values()]

@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from _common import write_result  # noqa: E402
 from _pipebench import (fastest_paired, host_info, median, paired_ratio_interval, run_world,  # noqa: E402
-                        stack_microbatches)
+                        segment_times, stack_microbatches)
 
 #: Model sizes. "full": 4 decoder layers of width 128 and an 8k-token vocabulary, so the head
 #: costs about as much as two layers (as in a real LM, where vocabulary x width is large);
@@ -148,7 +148,7 @@ def step_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     def profile_amid() -> None:  # rank 0 profiles the model as partition() does; rank 1 waits
         if traced is not None:
             costs = profile_segments(traced, device=torch.device("cpu"), warmup=1, repeats=3, progress=False)
-            amid.append({k: [getattr(c, k) for c in costs] for k in ("fwd_s", "bwd_s", "accum_s")})
+            amid.append(segment_times(costs))
     times = interleaved_steps(pipes, batch, target, rounds=job["rounds"], steps=job["steps"],
                               between=profile_amid if job.get("profile_amid") else None)
     if not job.get("measure_more", True):  # a further world: its steps only
