@@ -46,7 +46,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from _common import write_result  # noqa: E402
 from _pipebench import (  # noqa: E402
-    MODELS, StageChain, host_info, make_model, make_target, median, paired_ratio, pooled_steps,
+    MODELS, StageChain, host_info, make_model, make_target, median, paired_ratio, paired_ratio_interval,
+    pooled_steps,
 )
 
 import autopipe  # noqa: E402
@@ -156,7 +157,8 @@ def real_steps(name: str, size: str, splits: list[tuple[str, ...]], methods: dic
     Which of two splits within a few percent wins moves with the host's state from one world
     to the next, so one world alone can rank them either way: a split's step over the best's
     is the median of their steps' ratios paired round by round over every world
-    (:func:`autopipe.machine.timing.paired_ratio`), and each world's own ratio is kept beside it.
+    (:func:`autopipe.machine.timing.paired_ratio`), with its 95% bootstrap interval over those
+    pairs, and each world's own ratio is kept beside it.
     """
     labels = {s: ",".join(s) for s in splits}
     job = {"model": name, "size": size, "device": "cpu", "codegen": False, "rounds": opts.real_rounds,
@@ -174,6 +176,7 @@ def real_steps(name: str, size: str, splits: list[tuple[str, ...]], methods: dic
             m["world_steps_s"] = [median(w[s]) for w in per_world if s in w]
             if b in pooled:  # paired round by round: the host's drift between rounds cancels
                 m["step_vs_best"] = paired_ratio(pooled[s], pooled[b])
+                m["step_vs_best_interval"] = paired_ratio_interval(pooled[s], pooled[b])
                 m["step_vs_best_per_world"] = [paired_ratio(w[s], w[b]) for w in per_world if s in w and b in w]
     return {"ran": bool(per_world), "rounds": opts.real_rounds, "steps_per_round": opts.steps,
             "worlds": len(per_world), "not_run": failed}
@@ -198,7 +201,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--out", default=None)
     opts = ap.parse_args(argv)
     size = "smoke" if opts.smoke else "quick" if opts.quick else "full"
-    defaults = {"smoke": (1, 1, 1, 1, 1, 1), "quick": (3, 3, 5, 3, 1, 1), "full": (5, 5, 11, 5, 2, 3)}[size]
+    defaults = {"smoke": (1, 1, 1, 1, 1, 1), "quick": (3, 3, 5, 3, 1, 1), "full": (5, 5, 11, 7, 2, 3)}[size]
     for attr, d in zip(("profile_repeats", "layer_repeats", "rounds", "real_rounds", "steps", "real_worlds"), defaults):
         if getattr(opts, attr) is None:
             setattr(opts, attr, d)
