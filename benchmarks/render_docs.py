@@ -280,11 +280,12 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
                       "every split of a model alike, as the host's speed drifting between the profile and the steps "
                       "does: design.md, finding 13).")
     worlds = d.get("worlds", 1)
-    rerun = [f"{r['model']} (load average {'/'.join(map(str, r['host_start']['load_avg']))} → "
-             f"{'/'.join(map(str, r['host_end']['load_avg']))})" for r in d["rows"] if r.get("host_start")]
-    again = (f"Rows measured again in a later invocation, after other work on the host had disturbed them: "
-             f"{', '.join(rerun)}.\n\n" if rerun else "")
-    return again + (f"Each split runs in {worlds} fresh 2-rank world{'s' if worlds > 1 else ''}, one after another, "
+    loads = [f"{r['model']} {'/'.join(map(str, r['host_start']['load_avg']))} → "
+             f"{'/'.join(map(str, r['host_end']['load_avg']))}" for r in d["rows"] if r.get("host_start")]
+    # Each model's profile is taken right after the previous model's steps: its start shows them.
+    per_model = (f"Load average at each model's start and end (the models run one after another): "
+                 f"{', '.join(loads)}.\n\n" if loads else "")
+    return per_model + (f"Each split runs in {worlds} fresh 2-rank world{'s' if worlds > 1 else ''}, one after another, "
             "stepped in interleaved rounds in each; its step is the median over all of them of the slower rank's "
             "step, and \"÷ fastest\" is " + ("the median of its steps' ratios to the fastest split's, paired round "
                                            "by round" if d.get("ratios") == "paired" else "over the fastest split's")

@@ -1,0 +1,99 @@
+"""How far one profile's level moves with the host's speed, on the models of ``main.py``.
+
+A plan predicts every split of a model from one profile, which takes about a second. On a
+shared host the speed of a core moves in phases of a few seconds, so the profile catches one
+phase, and every split of that model shares it. This script shows both:
+
+1. the host's speed over ``--trace-s`` seconds: a fixed piece of work (40 float32 matmuls of
+   256 x 256, one thread) timed every 50 ms, printed as the median of each second;
+2. ``--plans`` calls of ``autopipe.partition`` one after another, as ``main.py`` makes them,
+   each with the same fixed work timed just before and after: the plan's predicted step, and
+   how closely it follows the reference (their correlation, and the spread of the predictions
+   before and after dividing by the reference).
+
+Nothing is asserted. Hold the machine while it runs (``flock``), as for ``main.py``.
+
+    python benchmarks/real_steps/profile_phases.py --models llama mistral
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parents[1]), str(HERE.parent), str(HERE)]
+
+
+def reference_ms(a: torch.Tensor, b: torch.Tensor, repeats: int = 3) -> float:
+    """The median over ``repeats`` of 40 matmuls ``a @ b``, in milliseconds."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(40):
+            a @ b
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def speed_trace(a: torch.Tensor, b: torch.Tensor, seconds: float) -> list[float]:
+    """The fixed work's time every 50 ms for ``seconds``: the median of each second, in ms."""
+    per_second: dict[int, list[float]] = {}
+    start = time.perf_counter()
+    while (now := time.perf_counter() - start) < seconds:
+        per_second.setdefault(int(now), []).append(reference_ms(a, b, repeats=1))
+        time.sleep(0.05)
+    return [statistics.median(v) for _, v in sorted(per_second.items())]
+
+
+def plan_levels(name: str, plans: int, a: torch.Tensor, b: torch.Tensor) -> list[tuple[float, float]]:
+    """``plans`` plans of model ``name``, one after another: (reference around the call in ms, predicted step in ms)."""
+    import autopipe
+    from main import N_MICROBATCHES, build  # this folder's main.py
+
+    model, args, _ = build(name)
+    out = []
+    for _ in range(plans):
+        before = reference_ms(a, b)
+        plan = autopipe.partition(model, 2, args, schedule="1F1B", n_microbatches=N_MICROBATCHES)
+        out.append(((before + reference_ms(a, b)) / 2, plan.predicted_step_s * 1e3))
+    return out
+
+
+def spread(xs: list[float]) -> float:
+    """How far the largest of ``xs`` lies above the smallest, as a share of the smallest."""
+    return max(xs) / min(xs) - 1.0
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the host's speed trace, then each model's predicted steps against the reference."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="*", default=["llama"])
+    ap.add_argument("--plans", type=int, default=12)
+    ap.add_argument("--trace-s", type=float, default=40.0)
+    a = ap.parse_args(argv)
+    if a.plans < 2:
+        ap.error(f"--plans {a.plans}: need at least 2 plans to compare")
+    torch.set_num_threads(1)  # as each rank runs
+    x, y = torch.randn(256, 256), torch.randn(256, 256)
+    trace_ms = speed_trace(x, y, a.trace_s)
+    print(f"fixed work, median of each second (ms): {' '.join(f'{t:.1f}' for t in trace_ms)}")
+    print(f"  typical {statistics.median(trace_ms):.1f} ms, slowest second {max(trace_ms):.1f} ms")
+    for name in a.models:
+        rows = plan_levels(name, a.plans, x, y)
+        refs, preds = [r for r, _ in rows], [p for _, p in rows]
+        corr = torch.corrcoef(torch.tensor([refs, preds], dtype=torch.float64))[0, 1].item()
+        for r, p in rows:
+            print(f"  {name}: reference {r:5.1f} ms  predicted step {p:6.1f} ms")
+        print(f"{name}: {a.plans} plans, predicted step {min(preds):.1f}-{max(preds):.1f} ms "
+              f"({spread(preds):.1%} apart); correlation with the reference {corr:.2f}; "
+              f"divided by it, {spread([p / r for r, p in rows]):.1%} apart")
+
+
+if __name__ == "__main__":
+    main()
