@@ -456,11 +456,18 @@ def test_gpipe_keeps_its_backward_sends_to_the_end_and_1f1b_keeps_one_send():
     assert one_f_one_b.peak_activation_bytes([0, 0], send_bytes=([1, 0], [0, 1])) == [1, 1]
 
 
-def test_the_turn_of_a_v_sends_nothing_to_keep():
-    # ZBV on 2 ranks: stages 1 and 2 share rank 1, so only cuts 0 and 2 move tensors.
+def test_the_turn_of_a_v_keeps_what_it_hands_over_until_the_step_ends():
+    # ZBV on 2 ranks: stages 1 and 2 share rank 1, so the cut between them is handed over, not
+    # sent. torch keeps each micro-batch's tensor in the receiving stage's slot until the next
+    # step refills it: 4 outputs and 4 gradients of 5 bytes on rank 1 by the end, none on rank 0.
     timeline = uniform("ZBVZeroBubble", 2, 4, 2)
     turn_only = timeline.peak_activation_bytes([0] * 4, send_bytes=([0, 5, 0, 0], [0, 0, 5, 0]))
-    assert turn_only == [0, 0]
+    assert turn_only == [0, 40]
+    # The output joins the kept tensors only when stage 1's saved tensors, charged with one
+    # output per micro-batch in flight under a split backward, go with its weight-grad: each
+    # micro-batch's output counts once, 4 x 5 bytes at most.
+    both = timeline.peak_activation_bytes([0, 5, 0, 0], send_bytes=([0, 5, 0, 0], [0, 0, 0, 0]))
+    assert both == [0, 20]
 
 
 def test_send_bytes_of_the_wrong_shape_are_refused():

@@ -245,6 +245,16 @@ def inflight_peaks(
                 # A sent output is the stage's own output, which it keeps for this backward
                 # anyway; from here on only the unwaited send holds it (multi-stage schedules).
                 sent = (fwd[s] if sends_on and retention == "step" else 0.0) + (bwd[s] if sends_back else 0.0)
+            if retention == "step":
+                # A neighbour on the same rank (V schedules) is handed the tensor, not sent it:
+                # torch (2.13, set_local_fwd_input / set_local_bwd_input) keeps it in that
+                # stage's slot for the micro-batch until the next step refills the slot. The
+                # output goes there once the stage's own saved tensors have gone with its last
+                # backward; the input's gradient as this backward makes it.
+                if s < last and not sends_on and e.kind in (FULL_BACKWARD, WEIGHT_GRAD):
+                    sent += fwd[s]
+                if s > 0 and not sends_back and e.kind in (FULL_BACKWARD, INPUT_GRAD):
+                    sent += bwd[s]
             # 1F1B waits on each send before its next action's: it keeps at most the last one.
             kept[e.rank] = sent if retention == "next" else kept[e.rank] + sent
         stage_peak[s] = max(stage_peak[s], stage_now[s])
