@@ -320,3 +320,71 @@ def test_weight_gradient_action_holds_fresh_gradients_of_the_stage_at_once() -> 
     assert peaks([0, 0, 0, 0]) == [2010.0, 2010.0]
     assert peaks([500, 0, 0, 0]) == [2010.0, 2010.0]  # stage 0: its measured working set only
     assert peaks([0, 500, 0, 0]) == [2010.0, 2500.0]  # stage 1: all 500 of its gradients fresh
+
+
+class _LongSkip(nn.Module):
+    """``l0``'s output is read by ``l1`` and again by the add after ``l3``: ``l2`` only relays it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l0, self.l1, self.l2, self.l3, self.l4 = (nn.Linear(8, 8) for _ in range(5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.l0(x)
+        return self.l4(self.l3(self.l2(self.l1(a))) + a)
+
+
+def test_a_stage_between_two_reads_of_a_tensor_relays_its_gradient() -> None:
+    import numpy as np
+
+    from autopipe.planning.costgraph import build_cost_graph
+    from autopipe.planning.costmodel import relayed_gradient_bytes
+
+    graph = build_cost_graph(trace(_LongSkip(), (torch.randn(2, 8),)))
+    assert graph.segment_names == ["<input>", "l1", "l2", "l3", "l4"]
+    # Made in segment 0, read in 1, then next in 3 (the add): segment 2 lies in between.
+    assert graph.relay_gaps == [(1, 3, 2 * 8 * 4)]
+    gaps = np.array(graph.relay_gaps, dtype=float)
+    assert relayed_gradient_bytes(gaps, [1, 2, 3], 5) == [0.0, 0.0, 64.0, 0.0]
+    assert relayed_gradient_bytes(gaps, [2, 3], 5) == [0.0, 64.0, 0.0]  # l2 alone: it reads nothing of it
+    assert relayed_gradient_bytes(gaps, [1, 4], 5) == [0.0, 0.0, 0.0]  # l1..l3 read it in l1 and the add
+
+
+def test_a_relayed_gradient_is_kept_once_under_a_split_backward_and_copied_under_a_full_one() -> None:
+    """ZBV on 2 ranks: rank 1 runs stages 1 and 2. Stage 1 sends 5 bytes of input gradient back per
+    micro-batch, kept until the step ends: 20 bytes by the end. If stage 1 only relays that tensor,
+    a split backward (torch.autograd.grad) hands back the storage the gradient arrived in, already
+    held; a full backward accumulates it into a fresh ``.grad`` (torch 2.13, measured on a U-Net)."""
+    from autopipe.planning.costmodel import rank_peak_bytes, simulate_step
+
+    timeline = simulate_step([1.0] * 4, [2.0] * 4, [], schedule="ZBVZeroBubble", n_microbatches=4, stages_per_rank=2)
+    assert timeline.stage_ranks == [0, 1, 1, 0]
+
+    def peaks(split: bool, relayed: list[float] | None) -> list[float]:
+        return rank_peak_bytes(timeline, stage_static_bytes=[0] * 4, stage_act_bytes=[0] * 4, cut_fwd_bytes=[0, 0, 0],
+                               cut_bwd_bytes=[5, 0, 0], split_backward=split, relayed_grad_bytes=relayed)
+
+    assert peaks(True, None) == [0.0, 20.0]
+    assert peaks(True, [0, 5, 0, 0]) == [0.0, 0.0]
+    assert peaks(False, [0, 5, 0, 0]) == peaks(False, None) == [0.0, 20.0]
+
+
+def test_layer_level_problem_keeps_the_relay_gaps_a_layer_can_lie_in() -> None:
+    from autopipe.planning.partitioner import PartitionProblem
+    from autopipe.planning.split_candidates import layer_problem
+
+    problem = PartitionProblem.uniform([1.0] * 6, 2)
+    problem = PartitionProblem(**{**problem.__dict__, "relay_gaps": [[0, 5, 8], [1, 2, 8], [-1, 6, 4]]})
+    # Layers [0, 1], [2, 3], [4, 5]: segment 0 -> 5 spans layers 0 -> 2; 1 -> 2 stays within 0 -> 1;
+    # a model input (-1) read by the output (6) spans all three.
+    assert layer_problem(problem, [0, 2, 4]).relay_gaps.tolist() == [[0.0, 2.0, 8.0], [-1.0, 3.0, 4.0]]
+
+
+def test_relay_gaps_outside_the_segments_are_refused() -> None:
+    import pytest
+
+    from autopipe.planning.partitioner import PartitionProblem
+
+    problem = PartitionProblem.uniform([1.0] * 6, 2)
+    with pytest.raises(ValueError, match="relay_gaps"):
+        PartitionProblem(**{**problem.__dict__, "relay_gaps": [[0, 9, 8]]})

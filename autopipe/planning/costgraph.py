@@ -93,6 +93,10 @@ class CostGraph:
     # and a gradient back for every floating-point one (whether the model needs it or not).
     cut_fwd_messages: list[int] = field(default_factory=list)
     cut_bwd_messages: list[int] = field(default_factory=list)
+    # (lo, hi, gradient bytes) for each stretch a tensor with a gradient crosses unread: made or
+    # read in segment lo (-1: a model input), read next in segment hi. A stage lying inside the
+    # stretch only relays the tensor, and passes its gradient back in the storage it received.
+    relay_gaps: list[tuple[int, int, int]] = field(default_factory=list)
     edges: list[TensorEdge] = field(default_factory=list)
     segment_modules: list[list[str]] = field(default_factory=list)  # per segment, the modules it runs
     segment_num_nodes: list[int] = field(default_factory=list)  # per segment, its exported graph nodes
@@ -316,6 +320,7 @@ def build_cost_graph(traced: TracedModel, costs: list[SegmentCost] | None = None
     bwd = [0] * (n + 1)
     crossing: list[list[str]] = [[] for _ in range(n + 1)]
     fwd_msgs, bwd_msgs = [0] * (n + 1), [0] * (n + 1)
+    gaps: list[tuple[int, int, int]] = []
 
     for producer, src in seg_of.items():
         consumers = set()
@@ -334,6 +339,9 @@ def build_cost_graph(traced: TracedModel, costs: list[SegmentCost] | None = None
         grad = nbytes if requires_grad.get(producer, False) else 0
         messages, float_messages = tensor_count(producer.meta.get("val"))
         last = max(consumers)
+        if grad:
+            points = sorted({src, *consumers})
+            gaps += [(a, b, grad) for a, b in zip(points, points[1:]) if b - a >= 2]
         # The tensor is live across every cut between its producer and its last consumer.
         for k in range(max(src, 0) + 1, min(last, n - 1) + 1):
             fwd[k] += nbytes
@@ -358,6 +366,7 @@ def build_cost_graph(traced: TracedModel, costs: list[SegmentCost] | None = None
         cut_tensors=crossing,
         cut_fwd_messages=fwd_msgs,
         cut_bwd_messages=bwd_msgs,
+        relay_gaps=gaps,
         edges=[TensorEdge(a, b, nbytes, grad, tuple(names)) for (a, b), (nbytes, grad, names) in edges.items()],
         segment_modules=[list(s.modules) for s in traced.segments],
         segment_num_nodes=[s.end - s.start for s in traced.segments],

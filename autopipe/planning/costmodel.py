@@ -279,8 +279,16 @@ def rank_peak_bytes(timeline: Timeline, *, stage_static_bytes: Sequence[float], 
                     merge_bytes: float = 0.0, overcount: Sequence[float] | None = None,
                     recompute: Sequence[int] = (), stage_input_bytes: Sequence[float] | None = None,
                     stage_work_bytes: tuple[Sequence[int], Sequence[int]] | None = None,
-                    stage_grad_bytes: Sequence[float] | None = None) -> list[float]:
+                    stage_grad_bytes: Sequence[float] | None = None,
+                    relayed_grad_bytes: Sequence[float] | None = None) -> list[float]:
     """Per rank, the predicted peak bytes of one step of ``timeline``.
+
+    ``relayed_grad_bytes``: per stage, the part of the gradient it sends back that it only
+    relays (:func:`relayed_gradient_bytes`). Under a split backward torch computes input
+    gradients with ``torch.autograd.grad``, which hands a relayed one back in the storage it
+    arrived in (a receive buffer kept across steps, or what the stage beside it on the same
+    rank handed over and was charged for), so the kept sends leave it out; a full backward
+    accumulates it into the input's ``.grad``, a fresh copy, and counts it.
 
     Example:
         >>> t = simulate_step([1.0, 1.0], [2.0, 2.0], [], schedule="1F1B", n_microbatches=4, stages_per_rank=1)
@@ -291,8 +299,9 @@ def rank_peak_bytes(timeline: Timeline, *, stage_static_bytes: Sequence[float], 
     ranks = list(timeline.stage_ranks)
     p = len(ranks)
     sent_fwd, sent_bwd = [0] * p, [0] * p
+    relayed = [0.0] * p if relayed_grad_bytes is None or not split_backward else [float(b) for b in relayed_grad_bytes]
     for c in range(p - 1):  # stage c sends forward over cut c; stage c + 1 sends the gradient back
-        sent_fwd[c], sent_bwd[c + 1] = int(cut_fwd_bytes[c]), int(cut_bwd_bytes[c])
+        sent_fwd[c], sent_bwd[c + 1] = int(cut_fwd_bytes[c]), int(max(0.0, cut_bwd_bytes[c] - relayed[c + 1]))
     act = [int(a) for a in stage_act_bytes]
     again = sorted(set(int(s) for s in recompute))
     if again and (stage_input_bytes is None or len(stage_input_bytes) != p):
@@ -317,6 +326,22 @@ def rank_peak_bytes(timeline: Timeline, *, stage_static_bytes: Sequence[float], 
     last = ranks[-1]
     peak[last] = max(peak[last], static[last] + merge_bytes)
     return peak
+
+
+def relayed_gradient_bytes(relay_gaps: np.ndarray, cuts: Sequence[int], num_segments: int) -> list[float]:
+    """Per stage of the split at ``cuts``, the bytes of gradients it passes back for tensors it only relays.
+
+    A tensor made before a stage and read after it, but not inside it, crosses the stage
+    unread (``relay_gaps``: :attr:`~autopipe.planning.costgraph.CostGraph.relay_gaps`); the
+    stage's input gradient for it is the gradient its output received, in the same storage,
+    so sending or handing it back allocates nothing.
+
+    Example:
+        >>> relayed_gradient_bytes(np.array([[0, 3, 64]]), [1, 2], 4)  # made in 0, read in 3: stage 1 relays it
+        [0.0, 64.0, 0.0]
+    """
+    edges = [0, *[int(c) for c in cuts], num_segments]
+    return [float(sum(g for lo, hi, g in relay_gaps if lo < i and hi >= j)) for i, j in zip(edges, edges[1:])]
 
 
 def stage_work_bytes(work: Sequence[int], cuts: Sequence[int], cut_bwd_bytes: Sequence[int],

@@ -44,6 +44,8 @@ class PartitionProblem:
             ``cut_fwd_bytes``).
         cut_fwd_messages / cut_bwd_messages: (n+1,) tensors crossing the cut before segment
             k each way; each pays the link's latency. None: one where bytes cross.
+        relay_gaps: (k, 3) ``(lo, hi, gradient bytes)`` per stretch of segments a tensor
+            crosses unread (:attr:`~autopipe.planning.costgraph.CostGraph.relay_gaps`); None: none.
     """
 
     compute_s: np.ndarray
@@ -61,6 +63,7 @@ class PartitionProblem:
     input_bytes: float = 0.0
     cut_fwd_messages: np.ndarray | None = None
     cut_bwd_messages: np.ndarray | None = None
+    relay_gaps: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         f = lambda a: np.asarray(a, dtype=np.float64)  # noqa: E731
@@ -96,6 +99,10 @@ class PartitionProblem:
             if value.shape != (n + 1,) or np.any(value < 0):
                 raise ValueError(f"{name} must hold {n + 1} message counts >= 0 (one per cut), got {given!r}")
             setattr(self, name, value)
+        gaps = np.zeros((0, 3)) if self.relay_gaps is None else f(self.relay_gaps).reshape(-1, 3)
+        if len(gaps) and (np.any(gaps[:, 0] < -1) or np.any(gaps[:, 1] > n) or np.any(gaps[:, 2] < 0)):
+            raise ValueError(f"relay_gaps must hold (lo >= -1, hi <= {n}, bytes >= 0) rows, got {self.relay_gaps!r}")
+        self.relay_gaps = gaps
         if not float(self.input_bytes) >= 0:
             raise ValueError(f"input_bytes={self.input_bytes!r} must be a byte count >= 0")
         self.input_bytes = float(self.input_bytes)

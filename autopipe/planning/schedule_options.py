@@ -298,7 +298,8 @@ def _rank_peaks(option: ScheduleOption, problem: PartitionProblem, cuts: Sequenc
         recompute=again, stage_input_bytes=[float(into[i]) for i in edges[:-1]],
         stage_work_bytes=tuple(costmodel.stage_work_bytes(w, cuts, problem.cut_bwd_bytes, problem.act_bytes)
                                for w in ([c.bwd_peak_bytes for c in costs], [c.bwd_input_peak_bytes for c in costs])),
-        stage_grad_bytes=stage_grad_bytes(traced, cuts, ranks))
+        stage_grad_bytes=stage_grad_bytes(traced, cuts, ranks),
+        relayed_grad_bytes=costmodel.relayed_gradient_bytes(problem.relay_gaps, cuts, problem.num_segments))
     return peaks, timeline
 
 

@@ -50,7 +50,17 @@ def layer_problem(problem: PartitionProblem, starts: Sequence[int]) -> Partition
         "act_bytes": merge(problem.act_bytes), "fwd_s": None if problem.fwd_s is None else merge(problem.fwd_s),
         "cut_fwd_bytes": at_cuts(problem.cut_fwd_bytes), "cut_bwd_bytes": at_cuts(problem.cut_bwd_bytes),
         "cut_fwd_messages": at_cuts(problem.cut_fwd_messages), "cut_bwd_messages": at_cuts(problem.cut_bwd_messages),
+        "relay_gaps": _layer_gaps(problem.relay_gaps, starts, problem.num_segments),
     })
+
+
+def _layer_gaps(gaps: np.ndarray, starts: Sequence[int], n: int) -> np.ndarray:
+    """``gaps`` (rows of segment lo, hi, bytes) with lo and hi as the layers holding them; those a layer can lie in."""
+    layer = lambda x: np.where(x < 0, -1, np.where(x >= n, len(starts),  # noqa: E731
+                                                   np.searchsorted(starts, x, side="right") - 1))
+    lo, hi = layer(gaps[:, 0]), layer(gaps[:, 1])
+    keep = hi - lo >= 2
+    return np.column_stack([lo[keep], hi[keep], gaps[keep, 2]])
 
 
 def more_candidates(problem: PartitionProblem, traced: TracedModel, costs: Sequence[SegmentCost],
