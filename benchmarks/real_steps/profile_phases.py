@@ -11,9 +11,12 @@ phase, and every split of that model shares it. This script shows both:
    how closely it follows the reference (their correlation, and the spread of the predictions
    before and after dividing by the reference).
 
-Nothing is asserted. Hold the machine while it runs (``flock``), as for ``main.py``.
+``--repeats 5 40`` alternates plans profiled in 5 and in 40 rounds: whether a longer profile
+averages the phases out. Nothing is asserted. Hold the machine while it runs (``flock``), as
+for ``main.py``.
 
     python benchmarks/real_steps/profile_phases.py --models llama mistral
+    python benchmarks/real_steps/profile_phases.py --models llama --plans 6 --trace-s 5 --repeats 5 40
 """
 
 from __future__ import annotations
@@ -51,18 +54,16 @@ def speed_trace(a: torch.Tensor, b: torch.Tensor, seconds: float) -> list[float]
     return [statistics.median(v) for _, v in sorted(per_second.items())]
 
 
-def plan_levels(name: str, plans: int, a: torch.Tensor, b: torch.Tensor) -> list[tuple[float, float]]:
-    """``plans`` plans of model ``name``, one after another: (reference around the call in ms, predicted step in ms)."""
+def plan_level(model: torch.nn.Module, args: tuple, a: torch.Tensor, b: torch.Tensor,
+               repeats: int) -> tuple[float, float]:
+    """One plan of ``model``, its profile timing ``repeats`` rounds: (reference around the call in ms, predicted step in ms)."""
     import autopipe
-    from main import N_MICROBATCHES, build  # this folder's main.py
+    from main import N_MICROBATCHES  # this folder's main.py
 
-    model, args, _ = build(name)
-    out = []
-    for _ in range(plans):
-        before = reference_ms(a, b)
-        plan = autopipe.partition(model, 2, args, schedule="1F1B", n_microbatches=N_MICROBATCHES)
-        out.append(((before + reference_ms(a, b)) / 2, plan.predicted_step_s * 1e3))
-    return out
+    before = reference_ms(a, b)
+    plan = autopipe.partition(model, 2, args, schedule="1F1B", n_microbatches=N_MICROBATCHES,
+                              planner=autopipe.PlannerOptions(profiling=autopipe.ProfileOptions(repeats=repeats)))
+    return (before + reference_ms(a, b)) / 2, plan.predicted_step_s * 1e3
 
 
 def spread(xs: list[float]) -> float:
@@ -76,23 +77,34 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--models", nargs="*", default=["llama"])
     ap.add_argument("--plans", type=int, default=12)
     ap.add_argument("--trace-s", type=float, default=40.0)
+    ap.add_argument("--repeats", type=int, nargs="*", default=[5],
+                    help="profile rounds per plan; several values alternate plan by plan (default 5, the library's)")
     a = ap.parse_args(argv)
     if a.plans < 2:
         ap.error(f"--plans {a.plans}: need at least 2 plans to compare")
+    if not a.repeats or min(a.repeats) < 1:
+        ap.error(f"--repeats {a.repeats}: give one or more counts >= 1")
     torch.set_num_threads(1)  # as each rank runs
     x, y = torch.randn(256, 256), torch.randn(256, 256)
     trace_ms = speed_trace(x, y, a.trace_s)
     print(f"fixed work, median of each second (ms): {' '.join(f'{t:.1f}' for t in trace_ms)}")
     print(f"  typical {statistics.median(trace_ms):.1f} ms, slowest second {max(trace_ms):.1f} ms")
+    from main import build  # this folder's main.py
+
     for name in a.models:
-        rows = plan_levels(name, a.plans, x, y)
-        refs, preds = [r for r, _ in rows], [p for _, p in rows]
-        corr = torch.corrcoef(torch.tensor([refs, preds], dtype=torch.float64))[0, 1].item()
-        for r, p in rows:
-            print(f"  {name}: reference {r:5.1f} ms  predicted step {p:6.1f} ms")
-        print(f"{name}: {a.plans} plans, predicted step {min(preds):.1f}-{max(preds):.1f} ms "
-              f"({spread(preds):.1%} apart); correlation with the reference {corr:.2f}; "
-              f"divided by it, {spread([p / r for r, p in rows]):.1%} apart")
+        model, args, _ = build(name)
+        by_repeats: dict[int, list[tuple[float, float]]] = {r: [] for r in a.repeats}
+        for _ in range(a.plans):  # the repeat counts alternate, so each sees the host's phases alike
+            for r in a.repeats:
+                by_repeats[r].append(plan_level(model, args, x, y, r))
+        for r, rows in by_repeats.items():
+            refs, preds = [ref for ref, _ in rows], [p for _, p in rows]
+            corr = torch.corrcoef(torch.tensor([refs, preds], dtype=torch.float64))[0, 1].item()
+            for ref, p in rows:
+                print(f"  {name}, {r} rounds: reference {ref:5.1f} ms  predicted step {p:6.1f} ms")
+            print(f"{name}, profiles of {r} rounds: {a.plans} plans, predicted step {min(preds):.1f}-{max(preds):.1f} ms "
+                  f"({spread(preds):.1%} apart); correlation with the reference {corr:.2f}; "
+                  f"divided by it, {spread([p / ref for ref, p in rows]):.1%} apart")
 
 
 if __name__ == "__main__":
