@@ -222,8 +222,8 @@ def render_peers(d: dict[str, Any], behind: list[str]) -> str:
                 if a[key] > 1 + tol or a[key] > m[winner][key] * (1 + tol):
                     lead = f", {winner} {m[winner][key]:.2f}× (`{', '.join(m[winner]['split'])}`)" \
                         if winner != "autopipe" else ""
-                    spread = a.get("step_vs_best_interval") if key == "step_vs_best" else None
-                    spread = f"; 95% interval {ratio(spread[0])}–{ratio(spread[1])}" if spread else ""
+                    interval = a.get("step_vs_best_interval") if key == "step_vs_best" else None
+                    spread = f"; 95% interval {ratio(interval[0])}–{ratio(interval[1])}" if interval else ""
                     behind.append(f"peers, {r['model']} at {p} stages, {what} over the best layer-level split's "
                                   f"(`{', '.join(m[best]['split'])}`): autopipe {a[key]:.2f}× "
                                   f"(`{', '.join(a['split'])}`{spread}){lead}.")
