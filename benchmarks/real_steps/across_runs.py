@@ -1,4 +1,4 @@
-"""Two questions asked of several committed runs of ``main.py`` at once, not of one run alone.
+"""Three questions asked of several committed runs of ``main.py`` at once, not of one run alone.
 
 One run of ``main.py`` on a shared host can place two close splits in either order, so
 these read ``results.json`` as committed at several revisions (``git show``) and pool them:
@@ -8,7 +8,11 @@ these read ``results.json`` as committed at several revisions (``git show``) and
    fastest (what it would run were such cuts barred), each over the fastest split measured
    (ratios of median steps): the rule in ``autopipe.planning.split_candidates``
    (``INSIDE_BLOCK_MARGIN``) is judged by which of the two is more often the fastest.
-2. **Does a contention term help?** Each split's step re-simulated from the plan's stage
+2. **Level or shape?** Per model and run, the level of its predictions (the median over its
+   splits of predicted ÷ measured, which the profile shares with every split) and its worst
+   split's error once the level is taken out (how the cost model places the splits against
+   each other): ``render_docs.prediction_level``.
+3. **Does a contention term help?** Each split's step re-simulated from the plan's stage
    times (1F1B, 1 ms per cut, the CPU per-action overhead, lazy sends) with every action
    slowed by ``k`` times the share of its time the other rank computes (iterated to a fixed
    point), as a scale on the prediction the run recorded; per ``k``, the median and worst
@@ -30,7 +34,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-sys.path[:0] = [str(ROOT)]
+sys.path[:0] = [str(ROOT), str(HERE.parent)]
 RESULTS = "benchmarks/real_steps/results.json"
 
 
@@ -69,6 +73,18 @@ def inside_against_layer_level(runs: list[tuple[str, dict[str, Any]]]) -> None:
                   f"worst {max(xs):.3f}, over 1.03 in {sum(x > 1.03 for x in xs)} of {len(xs)}")
 
 
+def level_and_shape(runs: list[tuple[str, dict[str, Any]]]) -> None:
+    """Question 2: per run, each model's level and its worst error without it."""
+    from render_docs import prediction_level
+
+    print("2. each model's level (median predicted / measured - 1) and its worst split's error without it")
+    for rev, data in runs:
+        pairs = {row["model"]: prediction_level(list(row["splits"].values())) for row in data["rows"]}
+        cells = [f"{m} {lvl:+.1%} / {shape:.1%}" for m, (lvl, shape) in pairs.items()]
+        worst = max(shape for _, shape in pairs.values())
+        print(f"  {rev}: worst without the level {worst:.1%}; " + "; ".join(cells))
+
+
 def contention_scale(fwd: list[float], bwd: list[float], k: float) -> float:
     """How much slower the simulated step runs with every action slowed by ``k`` x the other rank's busy share."""
     from autopipe.machine.device import default_action_overhead_s
@@ -95,8 +111,8 @@ def contention_scale(fwd: list[float], bwd: list[float], k: float) -> float:
 
 
 def contention_term(runs: list[tuple[str, dict[str, Any]]], ks: list[float]) -> None:
-    """Question 2: per run and per ``k``, the median and worst |error| of the re-simulated predictions."""
-    print("2. |error| of every split's predicted step, the busy-share contention term at each k: median / worst")
+    """Question 3: per run and per ``k``, the median and worst |error| of the re-simulated predictions."""
+    print("3. |error| of every split's predicted step, the busy-share contention term at each k: median / worst")
     for rev, data in runs:
         splits = [s for row in data["rows"] for s in row["splits"].values() if s.get("planned_stage_s")]
         cells = []
@@ -109,7 +125,7 @@ def contention_term(runs: list[tuple[str, dict[str, Any]]], ks: list[float]) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Print both questions' answers over the chosen revisions."""
+    """Print the three answers over the chosen revisions."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--revs", nargs="*", help="git revisions whose results.json to read (default: the last --count)")
     ap.add_argument("--count", type=int, default=5, help="how many revisions that changed results.json")
@@ -119,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--count {a.count}: need at least 1 revision")
     runs = committed_runs(a.revs, a.count)
     inside_against_layer_level(runs)
+    level_and_shape(runs)
     contention_term(runs, a.k)
 
 
