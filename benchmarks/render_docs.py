@@ -272,8 +272,11 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
         if max(errors) > TARGET_ERROR:
             level, shape = prediction_level(list(r["splits"].values()))
             amid = [abs(s["amid_error"]) for s in r["splits"].values() if s.get("amid_error") is not None]
+            tuned_errors = [abs(s["after_tune_error"]) for s in r["splits"].values()
+                            if s.get("after_tune_error") is not None]
             missed.append(f"{r['model']} {max(errors):.1%} (its level {level:+.1%}, the worst without it {shape:.1%}"
-                          + (f"; from the profiles amid the steps {max(amid):.1%}" if amid else "") + ")")
+                          + (f"; from the profiles amid the steps {max(amid):.1%}" if amid else "")
+                          + (f"; by the plan tune calibrated {max(tuned_errors):.1%}" if tuned_errors else "") + ")")
         plans = r.get("partition_splits") or []
         if len(set(plans)) > 1:
             behind.append(f"real steps, {r['model']}: {len(plans)} plans of the same model gave "
@@ -282,7 +285,7 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
             detail.append([r["model"], f"`{label}`" + ("" if sp["layer_level"] else " (inside a layer)"),
                            f"{sp['measured_step_s'] * 1e3:.1f} ms", f"{sp['predicted_step_s'] * 1e3:.1f} ms",
                            pct(sp["prediction_error"]), pct(sp.get("in_ranks_error")), pct(sp.get("amid_error")),
-                           ratio(sp["vs_fastest"])])
+                           pct(sp.get("after_tune_error")), ratio(sp["vs_fastest"])])
     if missed:
         behind.append(f"real steps: the worst split's predicted step is off by more than {TARGET_ERROR:.0%} on "
                       f"{', '.join(missed)} (target: every split within {TARGET_ERROR:.0%}; a model's level, the median of its "
@@ -316,9 +319,10 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
               "before the 2-rank world starts), by the plan the `Pipeline` made for itself (both ranks "
               "profiling at once, just before the steps), and by the same cost model on profiles rank 0 took "
               "between every other round of steps, averaged (the host as fast or as slow as during the steps; "
-              "`_profiled_amid` in the script):\n\n"
+              "`_profiled_amid` in the script), and by the plan `autopipe.tune` hands back, calibrated to the step "
+              "it measured for the split it kept (a profile whose level that split's real steps set):\n\n"
             + table(["model", "split", "measured step", "predicted step", "error", "error, profiled in the ranks",
-                     "error, profiled amid the steps", "÷ fastest"], detail))
+                     "error, profiled amid the steps", "error, after tune", "÷ fastest"], detail))
 
 
 def render_frameworks(d: dict[str, Any], behind: list[str]) -> str:

@@ -306,6 +306,9 @@ def test_real_steps_measures_every_layer_split_and_tunes(tmp_path):
     tuned = row["tuned"]
     assert tuned["split_points"][0] == splits[row["chosen"]]["split"], "tune starts from the plan's own split"
     assert 0 <= tuned["chosen"] < len(tuned["split_points"]) and all(_finite_positive(t) for t in tuned["measured_step_s"])
+    # The plan tune hands back predicts every split, or none where it was not calibrated.
+    after = [s["predicted_after_tune_s"] for s in splits.values()]
+    assert all(x is None for x in after) or all(_finite_positive(x) for x in after)
 
 
 def test_frameworks_compares_the_torchtitan_plan_with_torchtitans_default_split(tmp_path):

@@ -159,6 +159,16 @@ def test_calibrating_a_plan_with_no_compute_to_scale_ends():
     assert cal.predicted_step_s == pytest.approx(plan.predicted_step_s)
 
 
+def test_a_step_under_what_the_plan_charges_beyond_compute_is_refused():
+    plan = _plan()
+    plan.machine = MachineModel(action_overhead_s=[1e-3, 1e-3])
+    plan.predicted_step_s = plan.simulated_step_s()
+    floor = plan.simulated_step_s(0.0)
+    with pytest.raises(ValueError, match="step_s=.* beyond compute"):
+        plan.calibrate({"step_s": 0.5 * floor})
+    assert plan.calibrate({"step_s": 2 * floor}).predicted_step_s == pytest.approx(2 * floor)
+
+
 def test_solve_increasing_finds_the_crossing_and_stops_when_there_is_none():
     from autopipe.planning.simulator import solve_increasing
 

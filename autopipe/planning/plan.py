@@ -334,6 +334,12 @@ class Plan:
             return 1.0
         if not any(self.action_overhead_s()) and not any(self.cut_comm_s()) and not self.step_tail_s():
             return step_s / self.predicted_step_s  # the step is proportional to compute alone
+        floor = self.simulated_step_s(0.0)
+        if step_s <= floor:
+            raise ValueError(
+                f"measured step_s={step_s:.6g} s is no longer than the {floor:.6g} s the plan charges beyond compute "
+                "(per-action overhead, communication, once-per-step work): no factor on the stages' compute reaches "
+                "it; measure this machine's action_overhead_s (autopipe measure --overhead) and plan with it")
         from .simulator import solve_increasing
 
         return solve_increasing(self.simulated_step_s, step_s)  # the simulated step grows with the factor
@@ -357,7 +363,8 @@ class Plan:
             :func:`autopipe.partition` to re-plan with the corrected costs.
 
         Raises:
-            ValueError: wrong number of stages, or a non-positive time.
+            ValueError: wrong number of stages, a non-positive time, or a ``step_s`` no longer
+                than what the plan charges beyond compute.
 
         Example:
             >>> calibrated = plan.calibrate([0.012, 0.015])  # doctest: +SKIP

@@ -17,7 +17,8 @@ only the sizes made small, token ids in, logits out) this script
    step time. Inside the same world each split's stages are also timed in running steps
    (:meth:`autopipe.Pipeline.measure_stage_times`);
 4. runs :func:`autopipe.tune` on the plan in the same world (its best three splits, measured
-   on the ranks) and records the split it keeps.
+   on the ranks) and records the split it keeps, and the prediction of every split by the
+   plan it hands back, calibrated to the step it measured.
 
 It reports, per model: autopipe's measured step over the fastest measured split's, and
 every split's predicted step against its measured one. Nothing is asserted; the results go
@@ -161,7 +162,11 @@ def step_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     tuned = tune(model, *batch, target=target, plan=Plan.from_dict(job["plan"]), candidates=3, rounds=job["rounds"],
                  loss_fn=lm_loss, example_args=args, device=torch.device("cpu"))
     record = tuned.plan.tuning
+    # The plan tune hands back is calibrated to the step it measured: its prediction of every split.
+    after_tune = ({label: tuned.plan.split_step_s(split) for label, split in job["splits"].items()}
+                  if tuned.plan.calibration is not None else {})
     return {"times": times, "amid": amid, "in_run": in_run, "pipeline_plans": planned, "predicted_in_ranks_s": in_ranks,
+            "predicted_after_tune_s": after_tune,
             "tuned": {"split_points": record.split_points, "measured_step_s": record.measured_step_s,
                       "predicted_step_s": record.predicted_step_s, "chosen": record.chosen}}
 
@@ -230,6 +235,7 @@ def run_model(name: str, *, size: str, rounds: int, steps: int, plans: int, worl
                        "predicted_step_s": plan.split_step_s(split),
                        "predicted_in_ranks_s": results[0]["predicted_in_ranks_s"].get(label),
                        "predicted_amid_s": amid_plan.split_step_s(split) if amid_plan is not None else None,
+                       "predicted_after_tune_s": results[0].get("predicted_after_tune_s", {}).get(label),
                        "in_run": results[0]["in_run"][label], "planned_stage_s": _planned_stage_times(plan, split)}
     # Every split's steps over the fastest's, paired round by round (the splits were interleaved,
     # so each pair saw the same state of the host; it drifts between rounds and worlds).
@@ -241,6 +247,8 @@ def run_model(name: str, *, size: str, rounds: int, steps: int, plans: int, worl
             r["in_ranks_error"] = r["predicted_in_ranks_s"] / r["measured_step_s"] - 1.0
         if r["predicted_amid_s"] is not None:
             r["amid_error"] = r["predicted_amid_s"] / r["measured_step_s"] - 1.0
+        if r["predicted_after_tune_s"] is not None:
+            r["after_tune_error"] = r["predicted_after_tune_s"] / r["measured_step_s"] - 1.0
     tuned = results[0]["tuned"]
     tuned_label = "+".join(tuned["split_points"][tuned["chosen"]])
     flops_label = "+".join(flops.split_points) if flops.split_points else None
