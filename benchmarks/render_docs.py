@@ -276,7 +276,7 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
                             if s.get("after_tune_error") is not None]
             missed.append(f"{r['model']} {max(errors):.1%} (its level {level:+.1%}, the worst without it {shape:.1%}"
                           + (f"; from the profiles amid the steps {max(amid):.1%}" if amid else "")
-                          + (f"; by the plan tune calibrated {max(tuned_errors):.1%}" if tuned_errors else "") + ")")
+                          + (f"; calibrated to tune's step {max(tuned_errors):.1%}" if tuned_errors else "") + ")")
         plans = r.get("partition_splits") or []
         if len(set(plans)) > 1:
             behind.append(f"real steps, {r['model']}: {len(plans)} plans of the same model gave "
@@ -319,10 +319,10 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
               "before the 2-rank world starts), by the plan the `Pipeline` made for itself (both ranks "
               "profiling at once, just before the steps), and by the same cost model on profiles rank 0 took "
               "between every other round of steps, averaged (the host as fast or as slow as during the steps; "
-              "`_profiled_amid` in the script), and by the plan `autopipe.tune` hands back, calibrated to the step "
-              "it measured for the split it kept (a profile whose level that split's real steps set):\n\n"
+              "`_profiled_amid` in the script), and by `partition()`'s plan calibrated to the step `autopipe.tune` "
+              "measured for the split it kept, in the first world after its rounds:\n\n"
             + table(["model", "split", "measured step", "predicted step", "error", "error, profiled in the ranks",
-                     "error, profiled amid the steps", "error, after tune", "÷ fastest"], detail))
+                     "error, profiled amid the steps", "error, calibrated to tune's step", "÷ fastest"], detail))
 
 
 def render_frameworks(d: dict[str, Any], behind: list[str]) -> str:

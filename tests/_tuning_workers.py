@@ -21,18 +21,13 @@ def _model() -> nn.Sequential:
     return nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6)), nn.Linear(16, 4))
 
 
-def tune_run(rank: int, world_size: int, candidates: int, action_overhead_s: float | None = None) -> dict:
-    """Plan with counted costs, tune, then one training step against the unsplit model's.
-
-    ``action_overhead_s`` is given to the planned devices (None: the default for the CPU); with
-    none, the plan charges little beyond compute, and the step tune measures lies above it.
-    """
+def tune_run(rank: int, world_size: int, candidates: int) -> dict:
+    """Plan with counted costs, tune, then one training step against the unsplit model's."""
     model = _model()
     reference = copy.deepcopy(model)
     x, y = torch.randn(8, 16, generator=torch.Generator().manual_seed(1)), torch.randn(8, 4)
-    devices = None if action_overhead_s is None else [autopipe.Device(action_overhead_s=action_overhead_s)] * world_size
     plan = autopipe.partition(model, world_size, (x[:2],), n_microbatches=N_MICROBATCHES, loss_fn=mse,
-                              example_target=y[:2], planner=autopipe.PlannerOptions(cost="flops", devices=devices))
+                              example_target=y[:2], planner=autopipe.PlannerOptions(cost="flops"))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     pipe = autopipe.tune(model, x, target=y, plan=plan, candidates=candidates, rounds=2, loss_fn=mse,
                          example_args=(x[:2],))
@@ -46,9 +41,7 @@ def tune_run(rank: int, world_size: int, candidates: int, action_overhead_s: flo
     grad_diff = max((p.grad - ref[n].grad).abs().max().item() for n, p in pipe.named_parameters())
     return {"splits": record.split_points, "measured": record.measured_step_s, "predicted": record.predicted_step_s,
             "chosen": record.chosen, "rounds": record.rounds, "vs_chosen": record.vs_chosen,
-            "round_steps": record.round_steps_s, "tuned_predicted": pipe.plan.predicted_step_s,
-            "calibrated": pipe.plan.calibration is not None, "plan_predicted": plan.predicted_step_s,
-            "notes": list(pipe.plan.notes), "floor": pipe.plan.simulated_step_s(0.0),
+            "round_steps": record.round_steps_s,
             "pipe_split": list(pipe.plan.split_points), "plan_split": list(plan.split_points),
             "untouched": untouched, "grads_clear": grads_clear,
             "loss": loss.item(), "ref_loss": ref_loss.item(), "grad_diff": grad_diff}

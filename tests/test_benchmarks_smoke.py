@@ -306,7 +306,7 @@ def test_real_steps_measures_every_layer_split_and_tunes(tmp_path):
     tuned = row["tuned"]
     assert tuned["split_points"][0] == splits[row["chosen"]]["split"], "tune starts from the plan's own split"
     assert 0 <= tuned["chosen"] < len(tuned["split_points"]) and all(_finite_positive(t) for t in tuned["measured_step_s"])
-    # The plan tune hands back predicts every split, or none where it was not calibrated.
+    # The plan calibrated to tune's step predicts every split, or none where no level could be set.
     after = [s["predicted_after_tune_s"] for s in splits.values()]
     assert all(x is None for x in after) or all(_finite_positive(x) for x in after)
 

@@ -65,11 +65,7 @@ def tune(model: torch.nn.Module, *args: Any, target: Any, plan: Plan, candidates
         The fastest split's :class:`Pipeline`, ready to train; ``pipe.plan.tuning`` is a
         :class:`~autopipe.planning.plan_records.TuningRecord` of every split measured.
         Where the plan's own split wins, ``pipe.plan`` is the plan; otherwise the plan of
-        the split that won, as :class:`Pipeline` builds it from split points. Either is
-        calibrated to the winner's measured step (:meth:`~autopipe.Plan.calibrate` with
-        ``{"step_s": ...}``) where it predicts one, so its predictions of this and any other
-        split (:meth:`~autopipe.Plan.split_step_s`) start from the real step; where the step
-        measured is under what the plan charges beyond compute, a note says so instead.
+        the split that won, as :class:`Pipeline` builds it from split points.
 
     Raises:
         ValueError: ``candidates`` or ``rounds`` is not a positive integer, or
@@ -118,16 +114,8 @@ def tune(model: torch.nn.Module, *args: Any, target: Any, plan: Plan, candidates
     record = TuningRecord(split_points=[s for s, _ in splits], predicted_step_s=[p for _, p in splits],
                           measured_step_s=measured, rounds=rounds, chosen=best,
                           vs_chosen=[paired_ratio(row, rows[best]) for row in rows], round_steps_s=rows)
-    # The step measured here sets the plan's level: a profile of under a second catches one phase
-    # of a shared host's speed (docs/design.md, finding 13), the rounds here span several.
-    kept = copy.copy(winner.plan)
-    if kept.predicted_step_s > 0:
-        try:
-            kept = kept.calibrate({"step_s": measured[best]})
-        except ValueError as e:  # the step measured is under what the plan charges beyond compute
-            kept.notes = [*kept.notes, f"tune did not calibrate the plan to the step it measured: {e}"]
-    kept.tuning = record
-    winner.plan = kept
+    winner.plan = copy.copy(winner.plan)
+    winner.plan.tuning = record
     return winner
 
 

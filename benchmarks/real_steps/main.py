@@ -17,8 +17,8 @@ only the sizes made small, token ids in, logits out) this script
    step time. Inside the same world each split's stages are also timed in running steps
    (:meth:`autopipe.Pipeline.measure_stage_times`);
 4. runs :func:`autopipe.tune` on the plan in the same world (its best three splits, measured
-   on the ranks) and records the split it keeps, and the prediction of every split by the
-   plan it hands back, calibrated to the step it measured.
+   on the ranks) and records the split it keeps; the plan, calibrated to the step tune
+   measured for that split, predicts every split once more.
 
 It reports, per model: autopipe's measured step over the fastest measured split's, and
 every split's predicted step against its measured one. Nothing is asserted; the results go
@@ -162,9 +162,15 @@ def step_worker(rank: int, world: int, job: dict[str, Any]) -> dict[str, Any]:
     tuned = tune(model, *batch, target=target, plan=Plan.from_dict(job["plan"]), candidates=3, rounds=job["rounds"],
                  loss_fn=lm_loss, example_args=args, device=torch.device("cpu"))
     record = tuned.plan.tuning
-    # The plan tune hands back is calibrated to the step it measured: its prediction of every split.
-    after_tune = ({label: tuned.plan.split_step_s(split) for label, split in job["splits"].items()}
-                  if tuned.plan.calibration is not None else {})
+    # The plan calibrated to the step tune measured for the split it kept: real steps, taken in this
+    # world after the rounds, setting the level of the prediction of every split.
+    after_tune = {}
+    if tuned.plan.predicted_step_s > 0:
+        try:
+            level_set = tuned.plan.calibrate({"step_s": record.measured_step_s[record.chosen]})
+            after_tune = {label: level_set.split_step_s(split) for label, split in job["splits"].items()}
+        except ValueError:  # a step under what the plan charges beyond compute: no level to set
+            pass
     return {"times": times, "amid": amid, "in_run": in_run, "pipeline_plans": planned, "predicted_in_ranks_s": in_ranks,
             "predicted_after_tune_s": after_tune,
             "tuned": {"split_points": record.split_points, "measured_step_s": record.measured_step_s,
