@@ -340,8 +340,10 @@ def relayed_gradient_bytes(relay_gaps: np.ndarray, cuts: Sequence[int], num_segm
         >>> relayed_gradient_bytes(np.array([[0, 3, 64]]), [1, 2], 4)  # made in 0, read in 3: stage 1 relays it
         [0.0, 64.0, 0.0]
     """
-    edges = [0, *[int(c) for c in cuts], num_segments]
-    return [float(sum(g for lo, hi, g in relay_gaps if lo < i and hi >= j)) for i, j in zip(edges, edges[1:])]
+    edges = np.array([0, *[int(c) for c in cuts], num_segments])
+    gaps = np.asarray(relay_gaps, dtype=float).reshape(-1, 3)
+    inside = (gaps[:, :1] < edges[None, :-1]) & (gaps[:, 1:2] >= edges[None, 1:])  # (gap, stage)
+    return [float(x) for x in gaps[:, 2] @ inside]
 
 
 def stage_work_bytes(work: Sequence[int], cuts: Sequence[int], cut_bwd_bytes: Sequence[int],
