@@ -47,7 +47,7 @@ __all__ = [
     "BenchModel", "MODELS", "host_info", "make_model", "ce_loss", "make_target", "stack_microbatches",
     "StageChain", "use_codegen", "interpreter_modules", "LiveBytes", "run_world", "run_variants",
     "pipeline_worker", "pooled_steps", "paired_ratio", "fastest_paired", "parallel_efficiency", "WorldFailed",
-    "median", "world_of_one", "profile_in_world", "paired_ratio_interval", "segment_times",
+    "median", "world_of_one", "profile_in_world", "paired_ratio_interval", "segment_times", "busy_share_by_stage",
 ]
 
 
@@ -342,6 +342,23 @@ def interpreter_modules(module: nn.Module) -> dict[str, int]:
     mods = [m for m in module.modules() if isinstance(m, InterpreterModule)]
     interp = sum(1 for m in mods if getattr(m, "_run_with_interpreter", True))
     return {"interpreter": interp, "codegen": len(mods) - interp}
+
+
+def busy_share_by_stage(timeline: Any, n_stages: int) -> tuple[list[float], list[float]]:
+    """Per stage, forward and backward: the share of its actions' time during which another rank computes."""
+    by_rank: dict[int, list[Any]] = {}
+    for e in timeline.events:
+        by_rank.setdefault(e.rank, []).append(e)
+    covered = {"F": [0.0] * n_stages, "B": [0.0] * n_stages}
+    total = {"F": [0.0] * n_stages, "B": [0.0] * n_stages}
+    for e in timeline.events:
+        busy = sum(max(0.0, min(e.end_s, o.end_s) - max(e.start_s, o.start_s))
+                   for r, evs in by_rank.items() if r != e.rank for o in evs)
+        kind = "F" if e.kind == "F" else "B"
+        covered[kind][e.stage] += min(busy, e.duration_s)
+        total[kind][e.stage] += e.duration_s
+    return tuple([c / t if t > 0 else 0.0 for c, t in zip(covered[k], total[k])] for k in ("F", "B"))
+
 
 
 # --------------------------------------------------------------------------- memory

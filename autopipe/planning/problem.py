@@ -96,7 +96,7 @@ def build_problem(
         input_bytes=input_bytes(traced),
         cut_fwd_messages=np.array(cost_graph.cut_fwd_messages, dtype=float) if cost_graph.cut_fwd_messages else None,
         cut_bwd_messages=np.array(cost_graph.cut_bwd_messages, dtype=float) if cost_graph.cut_bwd_messages else None,
-        relay_gaps=np.array(cost_graph.relay_gaps, dtype=float).reshape(-1, 3),
+        relay_gaps=cost_graph.relay_gaps,
     )
 
 

@@ -44,8 +44,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from _common import write_result  # noqa: E402
 from _pipebench import (  # noqa: E402
-    MODELS, StageChain, ce_loss, host_info, make_model, make_target, median, parallel_efficiency, profile_in_world,
-    run_variants,
+    MODELS, StageChain, busy_share_by_stage, ce_loss, host_info, make_model, make_target, median,
+    parallel_efficiency, profile_in_world, run_variants,
 )
 
 import autopipe  # noqa: E402
@@ -132,22 +132,6 @@ def _same_time_prediction(plan: autopipe.Plan, profile: tuple[list[float], list[
     return plan.calibrate({"fwd_s": fwd, "bwd_s": bwd}).predicted_step_s
 
 
-def _overlap_by_stage(timeline: Any, n_stages: int) -> tuple[list[float], list[float]]:
-    """Per stage, forward and backward: the share of its actions' time during which another rank computes."""
-    by_rank: dict[int, list[Any]] = {}
-    for e in timeline.events:
-        by_rank.setdefault(e.rank, []).append(e)
-    covered = {"F": [0.0] * n_stages, "B": [0.0] * n_stages}
-    total = {"F": [0.0] * n_stages, "B": [0.0] * n_stages}
-    for e in timeline.events:
-        busy = sum(max(0.0, min(e.end_s, o.end_s) - max(e.start_s, o.start_s))
-                   for r, evs in by_rank.items() if r != e.rank for o in evs)
-        kind = "F" if e.kind == "F" else "B"
-        covered[kind][e.stage] += min(busy, e.duration_s)
-        total[kind][e.stage] += e.duration_s
-    return tuple([c / t if t > 0 else 0.0 for c, t in zip(covered[k], total[k])] for k in ("F", "B"))
-
-
 def _contention_prediction(plan: autopipe.Plan, alone: tuple[list[float], ...],
                            together: tuple[list[float], ...]) -> float:
     """The plan's step with each stage's compute between its time alone and its time with every rank computing.
@@ -161,7 +145,7 @@ def _contention_prediction(plan: autopipe.Plan, alone: tuple[list[float], ...],
     fwd, bwd = fa, ba
     for _ in range(4):
         timeline = costmodel.simulate_step(fwd, bwd, plan.cut_comm_s(), **plan.simulation_options())
-        uf, ub = _overlap_by_stage(timeline, plan.num_stages)
+        uf, ub = busy_share_by_stage(timeline, plan.num_stages)
         fwd = [a * (1 + (t / a - 1) * u) if a > 0 else t for a, t, u in zip(fa, ft, uf)]
         bwd = [a * (1 + (t / a - 1) * u) if a > 0 else t for a, t, u in zip(ba, bt, ub)]
     return plan.calibrate({"fwd_s": fwd, "bwd_s": bwd}).predicted_step_s

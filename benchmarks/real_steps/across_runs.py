@@ -87,6 +87,7 @@ def level_and_shape(runs: list[tuple[str, dict[str, Any]]]) -> None:
 
 def contention_scale(fwd: list[float], bwd: list[float], k: float) -> float:
     """How much slower the simulated step runs with every action slowed by ``k`` x the other rank's busy share."""
+    from _pipebench import busy_share_by_stage
     from autopipe.machine.device import default_action_overhead_s
     from autopipe.planning.simulator import simulate
 
@@ -94,20 +95,12 @@ def contention_scale(fwd: list[float], bwd: list[float], k: float) -> float:
         return simulate(f, b, schedule="1F1B", n_microbatches=4, comm_s=1e-3,
                         action_overhead_s=default_action_overhead_s("cpu"), lazy_sends=True)
 
-    f, b = fwd, bwd
+    base = step(fwd, bwd)
+    timeline = base
     for _ in range(4):
-        events = step(f, b).events
-        share = {}
-        for kind in ("F", "B"):
-            for s in range(len(fwd)):
-                own = [e for e in events if e.stage == s and (e.kind == "F") == (kind == "F")]
-                total = sum(e.duration_s for e in own)
-                busy = sum(min(e.duration_s, sum(max(0.0, min(e.end_s, o.end_s) - max(e.start_s, o.start_s))
-                                                  for o in events if o.rank != e.rank)) for e in own)
-                share[kind, s] = busy / total if total > 0 else 0.0
-        f = [x * (1 + k * share["F", s]) for s, x in enumerate(fwd)]
-        b = [x * (1 + k * share["B", s]) for s, x in enumerate(bwd)]
-    return step(f, b).step_s / step(fwd, bwd).step_s
+        share_f, share_b = busy_share_by_stage(timeline, len(fwd))
+        timeline = step([x * (1 + k * u) for x, u in zip(fwd, share_f)], [x * (1 + k * u) for x, u in zip(bwd, share_b)])
+    return timeline.step_s / base.step_s
 
 
 def contention_term(runs: list[tuple[str, dict[str, Any]]], ks: list[float]) -> None:
