@@ -249,6 +249,20 @@ def prediction_level(splits: list[dict[str, Any]]) -> tuple[float, float]:
     return level - 1, max(abs(x / level - 1) for x in ratios)
 
 
+def world_movement(splits: list[dict[str, Any]]) -> tuple[float, float] | None:
+    """How far one world moves a split's step against its model's other splits: per split, the
+    range over the worlds of its step ÷ the median split's step in that world; the median and the
+    largest over the splits. ``None`` with fewer than two worlds. A prediction can be judged
+    against the measured steps only to about this resolution."""
+    worlds = [s.get("world_steps_s") or [] for s in splits]
+    n = min(map(len, worlds), default=0)
+    if n < 2:
+        return None
+    medians = [statistics.median(w[i] for w in worlds) for i in range(n)]
+    ranges = [max(w[i] / medians[i] for i in range(n)) - min(w[i] / medians[i] for i in range(n)) for w in worlds]
+    return statistics.median(ranges), max(ranges)
+
+
 def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
     """Per model: the chosen, the FLOPs DP's and tune's split against the fastest; every split's prediction."""
     rows, detail, missed = [], [], []
@@ -261,10 +275,12 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
         per_world = r.get("chosen_vs_fastest_per_world") or []
         interval = r.get("chosen_vs_fastest_interval")
         spread = f" ({ratio(interval[0])}–{ratio(interval[1])})" if interval and r["chosen"] != r["fastest"] else ""
+        moved = world_movement(list(r["splits"].values()))
         rows.append([r["model"], f"`{r['chosen']}`", ratio(r["chosen_vs_fastest"]) + spread,
                      ", ".join(ratio(x) for x in per_world) or "–", f"`{r['fastest']}`",
                      ratio(r.get("flops_dp_vs_fastest")), f"`{tuned.get('label', '–')}` ({ratio(tuned.get('vs_fastest'))})",
-                     apct(statistics.median(errors)), apct(max(errors)), same,
+                     apct(statistics.median(errors)), apct(max(errors)),
+                     f"{apct(moved[0])} / {apct(moved[1])}" if moved else "–", same,
                      ", ".join(f"`{x}`" for x in own) or "–"])
         if r["chosen_vs_fastest"] > 1 + BEHIND_TOL:
             behind.append(f"real steps, {r['model']}: autopipe's split `{r['chosen']}` stepped "
@@ -275,6 +291,7 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
             tuned_errors = [abs(s["after_tune_error"]) for s in r["splits"].values()
                             if s.get("after_tune_error") is not None]
             missed.append(f"{r['model']} {max(errors):.1%} (its level {level:+.1%}, the worst without it {shape:.1%}"
+                          + (f"; its splits moved world to world by up to {moved[1]:.1%}" if moved else "")
                           + (f"; from the profiles amid the steps {max(amid):.1%}" if amid else "")
                           + (f"; calibrated to tune's step {max(tuned_errors):.1%}" if tuned_errors else "") + ")")
         plans = r.get("partition_splits") or []
@@ -307,6 +324,10 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
               "state changing between runs, which can move the ratio as much again. "
               "\"Per world\": autopipe's split over the "
             "fastest within each world alone (which of two close splits wins moves with the host's state). "
+            "\"World to world\": how far the worlds placed a split's step against its model's other splits "
+            "(per split, the range over the worlds of its step ÷ the model's median split's in that world; the "
+            "median and the largest over its splits): the resolution of the measured steps a prediction is "
+            "judged against (`render_docs.world_movement`). "
             "The FLOPs DP is torch PR #179212's partitioner "
             "(`autopipe/planning/peers.py`); `tune` is `autopipe.tune(plan, candidates=3)` in the first world. "
             "\"Same split\": how many of the `partition()` calls, each with a fresh profile, gave the split "
@@ -314,7 +335,7 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
             "on the 2 ranks (profiled in both at once).\n\n"
             + table(["model", "autopipe's split", "÷ fastest", "per world", "fastest split", "FLOPs DP ÷ fastest",
                      "tune kept (÷ fastest)", "median |pred. error|", "max |pred. error|",
-                     "same split, partition() runs", "Pipeline's own plan"], rows)
+                     "world to world, median / max", "same split, partition() runs", "Pipeline's own plan"], rows)
             + f"\n\n{DETAIL}\n\nEvery split, predicted against measured: by `partition()`'s plan (profiled in one process "
               "before the 2-rank world starts), by the plan the `Pipeline` made for itself (both ranks "
               "profiling at once, just before the steps), and by the same cost model on profiles rank 0 took "

@@ -26,7 +26,7 @@ to ``results.json`` beside this file, which ``benchmarks/render_docs.py`` render
 ``docs/benchmarks.md``. Hold the machine for it (``flock``): other work on the cores
 turns a fast split into a slow one.
 
-    python benchmarks/real_steps/main.py                      # 6 models x 3 worlds, about 15 minutes on 2 cores
+    python benchmarks/real_steps/main.py                      # 6 models x 5 worlds, about 15 minutes on 2 cores
     python benchmarks/real_steps/main.py --models llama gpt2  # a subset
     python benchmarks/real_steps/main.py --quick              # 2 models, fewer rounds
     python benchmarks/real_steps/main.py --smoke              # one tiny model: checks the script
@@ -305,16 +305,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="one tiny model, one round: checks the script")
     ap.add_argument("--plans", type=int, default=5, help="partition() calls per model, each with a fresh profile, "
                     "to see whether the split holds (default 5; 1 skips it and the Pipeline's own plan)")
-    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds per world (default 7, --quick 3)")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds per world (default 5, --quick 3)")
     ap.add_argument("--worlds", type=int, default=None, help="fresh 2-rank worlds per model, their steps pooled "
-                    "(default 3, --quick and --smoke 1)")
+                    "(default 5, --quick and --smoke 1)")
     ap.add_argument("--out", default=str(Path(__file__).with_name("results.json")))
     a = ap.parse_args(argv)
     torch.set_num_threads(1)  # as each rank runs: the profile sees what a rank sees
     os.environ.setdefault("AUTOPIPE_PROGRESS", "0")
     names = a.models or (["gpt2"] if a.smoke else list(QUICK_MODELS) if a.quick else list(MODELS))
-    rounds = a.rounds or (1 if a.smoke else 3 if a.quick else 7)
-    worlds = a.worlds or (1 if a.smoke or a.quick else 3)
+    rounds = a.rounds or (1 if a.smoke else 3 if a.quick else 5)
+    worlds = a.worlds or (1 if a.smoke or a.quick else 5)
     size = "smoke" if a.smoke else "full"
     start, t0 = host_info(), time.perf_counter()
     rows = []
