@@ -271,6 +271,9 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
         tuned = r.get("tuned") or {}
         plans = r.get("partition_splits") or []
         same = f"{plans.count(r['chosen'])}/{len(plans)}" if plans else "–"
+        predicted = r.get("partition_predicted_s") or []
+        if len(predicted) > 1:  # one profile's level against the next's, seconds apart
+            same += f" (its step predicted {min(predicted) * 1e3:.1f}–{max(predicted) * 1e3:.1f} ms)"
         own = r.get("pipeline_splits") or []
         per_world = r.get("chosen_vs_fastest_per_world") or []
         interval = r.get("chosen_vs_fastest_interval")
@@ -331,7 +334,8 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
             "The FLOPs DP is torch PR #179212's partitioner "
             "(`autopipe/planning/peers.py`); `tune` is `autopipe.tune(plan, candidates=3)` in the first world. "
             "\"Same split\": how many of the `partition()` calls, each with a fresh profile, gave the split "
-            "measured here; \"Pipeline's own plan\": the split `autopipe.Pipeline` chose planning for itself "
+            "measured here, and the range of their predictions of that split's step (how far one profile's "
+            "level lies from the next's, seconds apart); \"Pipeline's own plan\": the split `autopipe.Pipeline` chose planning for itself "
             "on the 2 ranks (profiled in both at once).\n\n"
             + table(["model", "autopipe's split", "÷ fastest", "per world", "fastest split", "FLOPs DP ÷ fastest",
                      "tune kept (÷ fastest)", "median |pred. error|", "max |pred. error|",

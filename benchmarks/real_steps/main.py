@@ -216,7 +216,7 @@ def run_model(name: str, *, size: str, rounds: int, steps: int, plans: int, worl
     plan = autopipe.partition(model, 2, args, schedule="1F1B", n_microbatches=N_MICROBATCHES)
     planner_s = time.perf_counter() - t0
     # The same call again, each with a fresh profile: a stable planner gives the same split every time.
-    replans = [list(autopipe.partition(model, 2, args, schedule="1F1B", n_microbatches=N_MICROBATCHES).split_points)
+    replans = [autopipe.partition(model, 2, args, schedule="1F1B", n_microbatches=N_MICROBATCHES)
                for _ in range(plans - 1)]
     splits = {"+".join(s): s for s in layer_splits(model, args)}
     layer_level = set(splits)
@@ -267,7 +267,9 @@ def run_model(name: str, *, size: str, rounds: int, steps: int, plans: int, worl
             "host_start": host_start, "host_end": host_info(),
             "chosen_vs_fastest_per_world": [fastest_paired(w)[1][chosen] for w in per_world],
             "chosen_vs_fastest_interval": paired_ratio_interval(pooled[chosen], pooled[fastest]),
-            "partition_splits": ["+".join(x) for x in [list(plan.split_points), *replans]],
+            "partition_splits": ["+".join(p.split_points) for p in [plan, *replans]],
+            # Each call's prediction of the first call's split: how far one profile's level moves from the next's.
+            "partition_predicted_s": [p.split_step_s(list(plan.split_points)) for p in [plan, *replans]],
             "pipeline_splits": ["+".join(x) for x in results[0]["pipeline_plans"]]}
 
 
