@@ -12,20 +12,27 @@ phase, and every split of that model shares it. This script shows both:
    before and after dividing by the reference).
 
 ``--repeats 5 40`` alternates plans profiled in 5 and in 40 rounds: whether a longer profile
-averages the phases out. Nothing is asserted. Hold the machine while it runs (``flock``), as
+averages the phases out. ``--cores`` first traces each core of the host on its own (the same
+work pinned to one core after the other, the other cores idle, as in a profile), then every
+core at once (one process pinned to each, all busy, as in steps whose ranks all compute):
+whether the cores run at one speed, and whether it is the same speed when they all work (Linux). Nothing is asserted. Hold the machine while it runs (``flock``), as
 for ``main.py``.
 
     python benchmarks/real_steps/profile_phases.py --models llama mistral
     python benchmarks/real_steps/profile_phases.py --models llama --plans 6 --trace-s 5 --repeats 5 40
+    python benchmarks/real_steps/profile_phases.py --cores --trace-s 40 --plans 2 --models
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -54,6 +61,62 @@ def speed_trace(a: torch.Tensor, b: torch.Tensor, seconds: float) -> list[float]
     return [statistics.median(v) for _, v in sorted(per_second.items())]
 
 
+def core_trace(a: torch.Tensor, b: torch.Tensor, seconds: float, cores: list[int]) -> dict[int, list[float]]:
+    """The fixed work pinned to each core in turn, every 50 ms for ``seconds``: per core, the median of each second."""
+    per_second: dict[int, dict[int, list[float]]] = {c: {} for c in cores}
+    mask = os.sched_getaffinity(0)
+    start = time.perf_counter()
+    try:
+        while (now := time.perf_counter() - start) < seconds:
+            for c in cores:
+                os.sched_setaffinity(0, {c})
+                per_second[c].setdefault(int(now), []).append(reference_ms(a, b, repeats=1))
+            time.sleep(0.05)
+    finally:
+        os.sched_setaffinity(0, mask)
+    return {c: [statistics.median(v) for _, v in sorted(d.items())] for c, d in per_second.items()}
+
+
+def _busy_core(core: int, seconds: float, out: Any) -> None:
+    """Child process: the fixed work back to back on ``core`` for ``seconds``; (core, per-second medians) to ``out``."""
+    os.sched_setaffinity(0, {core})
+    torch.set_num_threads(1)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    per_second: dict[int, list[float]] = {}
+    start = time.perf_counter()
+    while (now := time.perf_counter() - start) < seconds:
+        per_second.setdefault(int(now), []).append(reference_ms(a, b, repeats=1))
+    out.put((core, [statistics.median(v) for _, v in sorted(per_second.items())]))
+
+
+def busy_cores_trace(seconds: float, cores: list[int]) -> dict[int, list[float]]:
+    """Every core busy at once (a process pinned to each): per core, the fixed work's median of each second."""
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_busy_core, args=(c, seconds, out)) for c in cores]
+    for p in procs:
+        p.start()
+    try:
+        traces = dict(out.get(timeout=seconds + 60) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return traces
+
+
+def print_cores(label: str, traces: dict[int, list[float]]) -> None:
+    """Per core, each second's median, and how far apart the cores ran in the seconds where they differed most."""
+    cores = sorted(traces)
+    n = min(len(t) for t in traces.values())
+    for c in cores:
+        print(f"{label}, core {c} (ms): {' '.join(f'{t:.1f}' for t in traces[c][:n])}")
+    apart = [max(traces[c][i] for c in cores) / min(traces[c][i] for c in cores) - 1 for i in range(n)]
+    print(f"  {label}: the cores' medians {statistics.median([t for c in cores for t in traces[c][:n]]):.1f} ms; "
+          f"apart by a median {statistics.median(apart):.1%} of a second, at most {max(apart):.1%}")
+
+
 def plan_level(model: torch.nn.Module, args: tuple, a: torch.Tensor, b: torch.Tensor,
                repeats: int) -> tuple[float, float]:
     """One plan of ``model``, its profile timing ``repeats`` rounds: (reference around the call in ms, predicted step in ms)."""
@@ -79,13 +142,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--trace-s", type=float, default=40.0)
     ap.add_argument("--repeats", type=int, nargs="*", default=[5],
                     help="profile rounds per plan; several values alternate plan by plan (default 5, the library's)")
+    ap.add_argument("--cores", action="store_true", help="first trace each core alone, then all cores at once (Linux)")
     a = ap.parse_args(argv)
     if a.plans < 2:
         ap.error(f"--plans {a.plans}: need at least 2 plans to compare")
     if not a.repeats or min(a.repeats) < 1:
         ap.error(f"--repeats {a.repeats}: give one or more counts >= 1")
+    if a.cores and not hasattr(os, "sched_setaffinity"):
+        ap.error("--cores: this platform cannot pin a process to a core (os.sched_setaffinity)")
     torch.set_num_threads(1)  # as each rank runs
     x, y = torch.randn(256, 256), torch.randn(256, 256)
+    if a.cores:
+        cores = sorted(os.sched_getaffinity(0))
+        print_cores("one core at a time", core_trace(x, y, a.trace_s, cores))
+        print_cores("every core at once", busy_cores_trace(a.trace_s, cores))
     trace_ms = speed_trace(x, y, a.trace_s)
     print(f"fixed work, median of each second (ms): {' '.join(f'{t:.1f}' for t in trace_ms)}")
     print(f"  typical {statistics.median(trace_ms):.1f} ms, slowest second {max(trace_ms):.1f} ms")
