@@ -11,7 +11,9 @@ these read ``results.json`` as committed at several revisions (``git show``) and
 2. **Level or shape?** Per model and run, the level of its predictions (the median over its
    splits of predicted ÷ measured, which the profile shares with every split) and its worst
    split's error once the level is taken out (how the cost model places the splits against
-   each other): ``render_docs.prediction_level``.
+   each other): ``render_docs.prediction_level``; beside it, the most that one world moved a
+   split's step against its model's other splits (``render_docs.world_movement``), the
+   resolution of the measured steps.
 3. **Does a contention term help?** Each split's step re-simulated from the plan's stage
    times (1F1B, 1 ms per cut, the CPU per-action overhead, lazy sends) with every action
    slowed by ``k`` times the share of its time the other rank computes (iterated to a fixed
@@ -75,14 +77,25 @@ def inside_against_layer_level(runs: list[tuple[str, dict[str, Any]]]) -> None:
 
 def level_and_shape(runs: list[tuple[str, dict[str, Any]]]) -> None:
     """Question 2: per run, each model's level and its worst error without it."""
-    from render_docs import prediction_level
+    from render_docs import prediction_level, world_movement
 
-    print("2. each model's level (median predicted / measured - 1) and its worst split's error without it")
+    print("2. each model's level (median predicted / measured - 1) and its worst split's error without it; "
+          "the most one world moved a split against the model's others")
+    noise_and_error = []
     for rev, data in runs:
         pairs = {row["model"]: prediction_level(list(row["splits"].values())) for row in data["rows"]}
+        moved = [m for row in data["rows"] if (m := world_movement(list(row["splits"].values())))]
         cells = [f"{m} {lvl:+.1%} / {shape:.1%}" for m, (lvl, shape) in pairs.items()]
         worst = max(shape for _, shape in pairs.values())
-        print(f"  {rev}: worst without the level {worst:.1%}; " + "; ".join(cells))
+        if moved:
+            error = max(abs(s["predicted_step_s"] / s["measured_step_s"] - 1) for row in data["rows"]
+                        for s in row["splits"].values())
+            noise_and_error.append((max(x[1] for x in moved), error))
+        print(f"  {rev}: worst without the level {worst:.1%}"
+              + (f"; world to world up to {max(x[1] for x in moved):.1%}" if moved else "") + "; " + "; ".join(cells))
+    if len(noise_and_error) > 2:  # does a run predict worse where its own steps moved more?
+        print(f"  over the runs, the most a world moved a split against the worst |error|: correlation "
+              f"{statistics.correlation(*zip(*noise_and_error)):.2f} ({len(noise_and_error)} runs)")
 
 
 def contention_scale(fwd: list[float], bwd: list[float], k: float) -> float:
