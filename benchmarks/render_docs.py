@@ -250,17 +250,17 @@ def prediction_level(splits: list[dict[str, Any]]) -> tuple[float, float]:
 
 
 def world_movement(splits: list[dict[str, Any]]) -> tuple[float, float] | None:
-    """How far one world moves a split's step against its model's other splits: per split, the
-    range over the worlds of its step ÷ the median split's step in that world; the median and the
-    largest over the splits. ``None`` with fewer than two worlds. A prediction can be judged
-    against the measured steps only to about this resolution."""
+    """How far one world moves a split's step against its model's other splits: per split, its
+    step ÷ the median split's step in each world, the largest of these over the smallest, minus 1;
+    the median and the largest over the splits. ``None`` with fewer than two worlds. A prediction
+    can be judged against the measured steps only to about this resolution."""
     worlds = [s.get("world_steps_s") or [] for s in splits]
     n = min(map(len, worlds), default=0)
     if n < 2:
         return None
     medians = [statistics.median(w[i] for w in worlds) for i in range(n)]
-    ranges = [max(w[i] / medians[i] for i in range(n)) - min(w[i] / medians[i] for i in range(n)) for w in worlds]
-    return statistics.median(ranges), max(ranges)
+    apart = [max(w[i] / medians[i] for i in range(n)) / min(w[i] / medians[i] for i in range(n)) - 1 for w in worlds]
+    return statistics.median(apart), max(apart)
 
 
 def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
@@ -328,8 +328,8 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
               "\"Per world\": autopipe's split over the "
             "fastest within each world alone (which of two close splits wins moves with the host's state). "
             "\"World to world\": how far the worlds placed a split's step against its model's other splits "
-            "(per split, the range over the worlds of its step ÷ the model's median split's in that world; the "
-            "median and the largest over its splits): the resolution of the measured steps a prediction is "
+            "(per split, its step ÷ the model's median split's in each world, the largest over the smallest; "
+            "the median and the largest over its splits): the resolution of the measured steps a prediction is "
             "judged against (`render_docs.world_movement`). "
             "The FLOPs DP is torch PR #179212's partitioner "
             "(`autopipe/planning/peers.py`); `tune` is `autopipe.tune(plan, candidates=3)` in the first world. "

@@ -309,6 +309,25 @@ def test_real_steps_measures_every_layer_split_and_tunes(tmp_path):
     # The plan calibrated to tune's step predicts every split, or none where no level could be set.
     after = [s["predicted_after_tune_s"] for s in splits.values()]
     assert all(x is None for x in after) or all(_finite_positive(x) for x in after)
+    # Each partition() call's prediction of the chosen split, beside the split each call chose.
+    assert len(row["partition_predicted_s"]) == len(row["partition_splits"])
+    assert all(_finite_positive(x) for x in row["partition_predicted_s"])
+
+
+def test_world_movement_is_how_far_the_worlds_move_a_split_against_its_models_others():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("render_docs", BENCH / "render_docs.py")
+    render = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render)
+    # The host twice as slow in the second world moves no split against the others.
+    steady = [{"world_steps_s": [1.0, 2.0]}, {"world_steps_s": [2.0, 4.0]}, {"world_steps_s": [3.0, 6.0]}]
+    assert render.world_movement(steady) == pytest.approx((0.0, 0.0))
+    # The third split 1.5x the median split in the first world and 2.25x in the second: 50% apart.
+    moved = [{"world_steps_s": [1.0, 1.0]}, {"world_steps_s": [2.0, 2.0]}, {"world_steps_s": [3.0, 3.0 * 1.5]}]
+    median, largest = render.world_movement(moved)
+    assert largest == pytest.approx(0.5) and median == pytest.approx(0.0)
+    assert render.world_movement([{"world_steps_s": [1.0]}]) is None, "one world moves nothing"
 
 
 def test_frameworks_compares_the_torchtitan_plan_with_torchtitans_default_split(tmp_path):
