@@ -360,7 +360,6 @@ def busy_share_by_stage(timeline: Any, n_stages: int) -> tuple[list[float], list
     return tuple([c / t if t > 0 else 0.0 for c, t in zip(covered[k], total[k])] for k in ("F", "B"))
 
 
-
 # --------------------------------------------------------------------------- memory
 
 

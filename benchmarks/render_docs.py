@@ -297,7 +297,6 @@ def render_real_steps(d: dict[str, Any], behind: list[str]) -> str:
                           + (f"; its splits moved world to world by up to {moved[1]:.1%}" if moved else "")
                           + (f"; from the profiles amid the steps {max(amid):.1%}" if amid else "")
                           + (f"; calibrated to tune's step {max(tuned_errors):.1%}" if tuned_errors else "") + ")")
-        plans = r.get("partition_splits") or []
         if len(set(plans)) > 1:
             behind.append(f"real steps, {r['model']}: {len(plans)} plans of the same model gave "
                           f"{len(set(plans))} different splits ({', '.join(sorted(set(plans)))}).")

@@ -88,8 +88,7 @@ def level_and_shape(runs: list[tuple[str, dict[str, Any]]]) -> None:
         cells = [f"{m} {lvl:+.1%} / {shape:.1%}" for m, (lvl, shape) in pairs.items()]
         worst = max(shape for _, shape in pairs.values())
         if moved:
-            error = max(abs(s["predicted_step_s"] / s["measured_step_s"] - 1) for row in data["rows"]
-                        for s in row["splits"].values())
+            error = max(abs(s["prediction_error"]) for row in data["rows"] for s in row["splits"].values())
             noise_and_error.append((max(x[1] for x in moved), error))
         print(f"  {rev}: worst without the level {worst:.1%}"
               + (f"; world to world up to {max(x[1] for x in moved):.1%}" if moved else "") + "; " + "; ".join(cells))

@@ -51,30 +51,37 @@ def reference_ms(a: torch.Tensor, b: torch.Tensor, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def speed_trace(a: torch.Tensor, b: torch.Tensor, seconds: float) -> list[float]:
-    """The fixed work's time every 50 ms for ``seconds``: the median of each second, in ms."""
-    per_second: dict[int, list[float]] = {}
+def each_second(seconds: float, samples: dict[int, Any], pause_s: float) -> dict[int, list[float]]:
+    """Call every one of ``samples`` (key -> a function giving ms) in turn, then pause ``pause_s``, for
+    ``seconds``: per key, the median of each second."""
+    per_second: dict[int, dict[int, list[float]]] = {k: {} for k in samples}
     start = time.perf_counter()
     while (now := time.perf_counter() - start) < seconds:
-        per_second.setdefault(int(now), []).append(reference_ms(a, b, repeats=1))
-        time.sleep(0.05)
-    return [statistics.median(v) for _, v in sorted(per_second.items())]
+        for k, sample in samples.items():
+            per_second[k].setdefault(int(now), []).append(sample())
+        if pause_s:
+            time.sleep(pause_s)
+    return {k: [statistics.median(v) for _, v in sorted(d.items())] for k, d in per_second.items()}
+
+
+def speed_trace(a: torch.Tensor, b: torch.Tensor, seconds: float) -> list[float]:
+    """The fixed work's time every 50 ms for ``seconds``: the median of each second, in ms."""
+    return each_second(seconds, {0: lambda: reference_ms(a, b, repeats=1)}, 0.05)[0]
 
 
 def core_trace(a: torch.Tensor, b: torch.Tensor, seconds: float, cores: list[int]) -> dict[int, list[float]]:
     """The fixed work pinned to each core in turn, every 50 ms for ``seconds``: per core, the median of each second."""
-    per_second: dict[int, dict[int, list[float]]] = {c: {} for c in cores}
+    def on(core: int) -> Any:
+        def sample() -> float:
+            os.sched_setaffinity(0, {core})
+            return reference_ms(a, b, repeats=1)
+        return sample
+
     mask = os.sched_getaffinity(0)
-    start = time.perf_counter()
     try:
-        while (now := time.perf_counter() - start) < seconds:
-            for c in cores:
-                os.sched_setaffinity(0, {c})
-                per_second[c].setdefault(int(now), []).append(reference_ms(a, b, repeats=1))
-            time.sleep(0.05)
+        return each_second(seconds, {c: on(c) for c in cores}, 0.05)
     finally:
         os.sched_setaffinity(0, mask)
-    return {c: [statistics.median(v) for _, v in sorted(d.items())] for c, d in per_second.items()}
 
 
 def _busy_core(core: int, seconds: float, out: Any) -> None:
@@ -82,11 +89,7 @@ def _busy_core(core: int, seconds: float, out: Any) -> None:
     os.sched_setaffinity(0, {core})
     torch.set_num_threads(1)
     a, b = torch.randn(256, 256), torch.randn(256, 256)
-    per_second: dict[int, list[float]] = {}
-    start = time.perf_counter()
-    while (now := time.perf_counter() - start) < seconds:
-        per_second.setdefault(int(now), []).append(reference_ms(a, b, repeats=1))
-    out.put((core, [statistics.median(v) for _, v in sorted(per_second.items())]))
+    out.put((core, each_second(seconds, {core: lambda: reference_ms(a, b, repeats=1)}, 0.0)[core]))
 
 
 def busy_cores_trace(seconds: float, cores: list[int]) -> dict[int, list[float]]:
@@ -107,7 +110,7 @@ def busy_cores_trace(seconds: float, cores: list[int]) -> dict[int, list[float]]
 
 
 def print_cores(label: str, traces: dict[int, list[float]]) -> None:
-    """Per core, each second's median, and how far apart the cores ran in the seconds where they differed most."""
+    """Per core, each second's median; how far apart the cores ran in a second, the median and the largest."""
     cores = sorted(traces)
     n = min(len(t) for t in traces.values())
     for c in cores:
