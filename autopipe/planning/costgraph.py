@@ -188,13 +188,35 @@ class CostGraph:
         return self
 
 
-def tensor_bytes(value: Any) -> int:
-    """Bytes of every tensor inside ``value`` (tensors, fake tensors, nested tuples)."""
+def tensor_bytes(value: Any, sizes: dict[str, int] | None = None, dtype: torch.dtype | None = None) -> int:
+    """Bytes of every tensor inside ``value`` (tensors, fake tensors, nested tuples).
+
+    A size that depends on data (a symbol such as ``u0``) counts as ``sizes`` gives it
+    (:attr:`autopipe.planning.tracing.TracedModel.unbacked_sizes`); ``dtype``, where given,
+    replaces each tensor's own element size.
+
+    Example:
+        >>> tensor_bytes((torch.ones(2, 3), torch.ones(4, dtype=torch.int8)))
+        28
+    """
     total = 0
     for leaf in tree_leaves(value):
         if isinstance(leaf, torch.Tensor):
-            total += leaf.numel() * leaf.element_size()
+            total += numel(leaf, sizes) * (dtype.itemsize if dtype is not None else leaf.element_size())
     return total
+
+
+def numel(tensor: torch.Tensor, sizes: dict[str, int] | None = None) -> int:
+    """``tensor.numel()`` as an int, data-dependent sizes counted as ``sizes`` gives them."""
+    n = tensor.numel()
+    if isinstance(n, torch.SymInt):
+        expr = n.node.expr
+        known = {s: sizes[str(s)] for s in expr.free_symbols if sizes and str(s) in sizes}
+        n = expr.xreplace(known)
+        if n.free_symbols:
+            raise ValueError(f"a traced tensor of shape {tuple(tensor.shape)} has a size no measurement or bound "
+                             f"gives ({', '.join(sorted(map(str, n.free_symbols)))})")
+    return int(n)
 
 
 def tensor_count(value: Any) -> tuple[int, int]:
@@ -333,9 +355,8 @@ def build_cost_graph(traced: TracedModel, costs: list[SegmentCost] | None = None
         if not consumers:
             continue
         val = producer.meta.get("val")
-        nbytes = tensor_bytes(val)
-        if dtypes and producer.name in dtypes and isinstance(val, torch.Tensor) and val.is_floating_point():
-            nbytes = val.numel() * dtypes[producer.name].itemsize
+        recast = dtypes and producer.name in dtypes and isinstance(val, torch.Tensor) and val.is_floating_point()
+        nbytes = tensor_bytes(val, traced.unbacked_sizes, dtypes[producer.name] if recast else None)
         grad = nbytes if requires_grad.get(producer, False) else 0
         messages, float_messages = tensor_count(producer.meta.get("val"))
         last = max(consumers)

@@ -539,9 +539,15 @@ def _buildable(wanted: _Wanted, n_gpus: int, global_batch: int | None) -> _Wante
 
 
 def _too_many_stages(n_gpus: int, needed: int, traced: TracedModel) -> ValueError:
+    excluded = ""
+    if traced.excluded_cuts:
+        names = ", ".join(f"{name} ({why})" for name, why in list(traced.excluded_cuts.items())[:5])
+        excluded = (f"; {len(traced.excluded_cuts)} more are not offered because a tensor whose size depends on the "
+                    f"data would cross them, which a pipeline stage cannot receive: {names}. Keep such tensors "
+                    f"inside one module (reduce them to a fixed size, e.g. pad or pool, before the next block)")
     return ValueError(
         f"n_gpus={n_gpus} needs at least {needed} stages, but {traced.model_name} has only "
-        f"{len(traced.candidates)} legal split points ({traced.num_segments} segments); use at most "
+        f"{len(traced.candidates)} legal split points ({traced.num_segments} segments){excluded}; use at most "
         f"{traced.num_segments} stages"
     )
 

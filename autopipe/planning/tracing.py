@@ -30,6 +30,8 @@ import torch.fx as fx
 from torch.export import ExportedProgram
 
 from . import hf_compat
+from .autograd_functions import functions_kept, kept_function_classes
+from .export_check import compare_with_eager, gradient_mismatch_message, gradients_checked_here
 from ..errors import ModelExportError, MissingExampleInputsError
 
 @dataclass(frozen=True)
@@ -65,7 +67,14 @@ class TracedModel:
         segments: ``len(candidates) + 1`` runs of nodes between the cuts.
         example_args / example_kwargs: the micro-batch the model was traced with.
         notes: one line per setting autopipe changed to capture the model (a Hugging Face
-            KV cache turned off, :mod:`autopipe.planning.hf_compat`); the plan's report shows them.
+            KV cache turned off, :mod:`autopipe.planning.hf_compat`), per custom autograd
+            Function kept whole, per data-dependent size and how it was counted; the plan's
+            report shows them.
+        unbacked_sizes: the size each data-dependent symbol (``u0``: rows a ``nonzero`` or a
+            boolean mask keeps) is counted at, by symbol name: what the example micro-batch
+            gave when the model ran, else the largest the trace allows.
+        excluded_cuts: split points a tensor of data-dependent size would cross, with why;
+            they are not among ``candidates``.
     """
 
     exported: ExportedProgram
@@ -77,6 +86,8 @@ class TracedModel:
     example_kwargs: dict[str, Any]
     model_name: str = ""
     notes: list[str] = field(default_factory=list)  # what autopipe changed to capture it, for the plan
+    unbacked_sizes: dict[str, int] = field(default_factory=dict)
+    excluded_cuts: dict[str, str] = field(default_factory=dict)
     # What it was traced from (the model, weakly; the inputs' shapes; the module tree), for traced_from.
     source: tuple[Any, str, tuple] | None = field(default=None, repr=False, compare=False)
 
@@ -135,12 +146,48 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     """``torch.export.export`` as ``pipeline()`` calls it, with a useful error when it fails."""
     try:
         # export prints long guard/warning logs for some models; keep the user's terminal clean.
-        with contextlib.redirect_stdout(io.StringIO()), warn_if_host_randomness_is_frozen(model):
+        with contextlib.redirect_stdout(io.StringIO()), export_guards(model):
             return torch.export.export(model, args, kwargs)
     except Exception as e:  # noqa: BLE001 - re-raised with advice, cause kept
+        own = _own_error(e)
+        if own is not None:
+            raise own from e
         raise export_error(model, e) from e
     finally:
         release_last_export()
+
+
+def _own_error(error: BaseException) -> ModelExportError | None:
+    """autopipe's own refusal raised inside the exporter (a custom Function it cannot keep), if that is the cause."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, ModelExportError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+@contextlib.contextmanager
+def export_guards(model: torch.nn.Module) -> Iterator[list[type]]:
+    """What every ``torch.export`` of a model for training runs under, autopipe's trace and ``pipeline()`` alike.
+
+    A custom ``torch.autograd.Function`` stays one node with its own backward
+    (:mod:`autopipe.planning.autograd_functions`), and randomness drawn outside torch warns
+    (:func:`warn_if_host_randomness_is_frozen`). What export still changes is found after the
+    capture, by :func:`autopipe.planning.export_check.compare_with_eager`.
+
+    Returns:
+        (as the ``with`` target) the Function classes kept, filled in when the block ends.
+
+    Example:
+        >>> with export_guards(torch.nn.Identity()) as kept:
+        ...     _ = torch.export.export(torch.nn.Identity(), (torch.ones(1),))
+        >>> kept
+        []
+    """
+    with warn_if_host_randomness_is_frozen(model), functions_kept() as kept:
+        yield kept
 
 
 class FrozenRandomnessWarning(UserWarning):
@@ -492,18 +539,115 @@ def _trace(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[st
     with hf_compat.training_config(model) as config_changes:
         exported = _export(model, args, kwargs)
     note = hf_compat.cache_note(kwarg_changes + config_changes)
+    notes = [note] if note else []
     nodes = [n for n in exported.graph.nodes if n.op == "call_function"]
     user_fqns = {name for name, _ in model.named_modules() if name}
     candidates = _find_candidates(nodes, user_fqns)
+    graph_module = exported.module()
+    kept = kept_function_classes(exported.graph)
+    if kept:
+        notes.append(f"custom autograd Functions kept whole, each with its own backward: {', '.join(kept)}")
+    comparison = compare_with_eager(model, graph_module, args, kwargs, gradients=gradients_checked_here())
+    if comparison.differing:
+        raise ModelExportError(gradient_mismatch_message(type(model).__name__, comparison, kept),
+                               kind="gradient-mismatch")
+    unbacked = unbacked_symbols(nodes)
+    sizes: dict[str, int] = {}
+    if unbacked:
+        sizes = _unbacked_sizes(model, unbacked, comparison.unbacked_sizes, exported)
+        notes.append(_unbacked_note(unbacked, sizes, comparison.unbacked_sizes))
+        candidates, excluded = _without_unbacked_cuts(nodes, candidates)
+        if excluded:
+            notes.append(f"split points not offered, as a tensor of data-dependent size would cross them: "
+                         f"{', '.join(excluded)}")
+    else:
+        excluded = {}
     segments = _build_segments(nodes, candidates, exported)
     return TracedModel(
         exported=exported,
-        graph_module=exported.module(),
+        graph_module=graph_module,
         nodes=nodes,
         candidates=candidates,
         segments=segments,
         example_args=args,
         example_kwargs=kwargs,
         model_name=type(model).__name__,
-        notes=[note] if note else [],
+        notes=notes,
+        unbacked_sizes=sizes,
+        excluded_cuts=excluded,
     )
+
+
+# --------------------------------------------------------------------------- data-dependent sizes
+
+
+def unbacked_symbols(nodes: Sequence[fx.Node]) -> set[str]:
+    """The data-dependent size symbols (``u0``, ...) any node's value has, by name.
+
+    Example:
+        >>> class Positive(torch.nn.Module):
+        ...     def forward(self, x):
+        ...         return x[x > 0] * 2
+        >>> sorted(unbacked_symbols(trace(Positive(), (torch.randn(5),)).nodes))
+        ['u0']
+    """
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    found: set[str] = set()
+    for node in nodes:
+        val = node.meta.get("val")
+        if isinstance(val, (torch.Tensor, torch.SymInt, tuple, list)):
+            found |= {str(s) for s in free_unbacked_symbols(val)}
+    return found
+
+
+def _unbacked_sizes(model: torch.nn.Module, symbols: set[str], measured: Mapping[str, int],
+                    exported: ExportedProgram) -> dict[str, int]:
+    """Each symbol's size: measured on the example where the model ran, else the trace's upper bound."""
+    bounds = {str(sym): r.upper for sym, r in exported.range_constraints.items()}
+    sizes: dict[str, int] = {}
+    for name in sorted(symbols):
+        if name in measured:
+            sizes[name] = measured[name]
+            continue
+        upper = bounds.get(name)
+        try:
+            sizes[name] = int(upper)
+        except (TypeError, ValueError, OverflowError):
+            raise ModelExportError(
+                f"{type(model).__name__} makes a tensor whose size depends on the data (symbol {name}, from "
+                f"nonzero, a boolean mask or similar), and autopipe can neither measure it (the model is on the "
+                f"meta device) nor bound it (the trace allows any size). What to do: plan with the model on a real "
+                f"device, so the example micro-batch gives the size; or bound it in forward with "
+                f"torch._check(n <= bound) on the size; or give the split yourself with split_points=.",
+                kind="data-dependent") from None
+    return sizes
+
+
+def _unbacked_note(symbols: set[str], sizes: Mapping[str, int], measured: Mapping[str, int]) -> str:
+    parts = [f"{name} = {sizes[name]} ({'on the example micro-batch' if name in measured else 'its upper bound'})"
+             for name in sorted(symbols, key=lambda n: (len(n), n))]
+    return f"data-dependent sizes counted as: {', '.join(parts)}"
+
+
+def _without_unbacked_cuts(nodes: Sequence[fx.Node], candidates: list[SplitCandidate]
+                           ) -> tuple[list[SplitCandidate], dict[str, str]]:
+    """The candidates no data-dependent tensor crosses, and the others with why: a pipeline stage
+    receives into buffers of a fixed shape, and such a tensor's shape changes with every batch."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    index = {node: i for i, node in enumerate(nodes)}
+    live: list[tuple[int, int, str]] = []  # (made at, last read at, name)
+    for i, node in enumerate(nodes):
+        val = node.meta.get("val")
+        if isinstance(val, (torch.Tensor, tuple, list)) and free_unbacked_symbols(val):
+            last = max((index.get(u, len(nodes)) for u in node.users), default=i)
+            live.append((i, last, node.name))
+    kept, excluded = [], {}
+    for c in candidates:
+        crossing = [name for made, last, name in live if made < c.position <= last]
+        if crossing:
+            excluded[c.name] = f"{crossing[0]} has a data-dependent size"
+        else:
+            kept.append(c)
+    return kept, excluded

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from .._checks import check_int
 from ..machine.precision import mixed_precision_context
+from ..planning.export_check import gradients_checked_later
 from ..planning.options import DataParallelOptions, PlannerOptions
 from ..planning.plan import Plan
 from ..planning.schedules import TRAINING_STEP_KWARGS, schedule_spec, stage_ranks
@@ -169,10 +170,11 @@ class Pipeline(PipelineLifecycle):
         self.dp_rank: int = dp.dp_rank if dp else 0
         self.dp_size: int = dp.dp_size if dp else 1
 
-        # ---- 3. one plan and schedule for all ranks
-        layout = settle_plan(request, model, example_args, example_kwargs, loss_fn, rank=self.rank,
-                             world_size=self.world_size, device=self.device, comm_device=self._comm_device(),
-                             pp_size=dp.pp_size if dp else None)
+        # ---- 3. one plan and schedule for all ranks (the traced gradients are checked in step 4, on every rank)
+        with gradients_checked_later():
+            layout = settle_plan(request, model, example_args, example_kwargs, loss_fn, rank=self.rank,
+                                 world_size=self.world_size, device=self.device, comm_device=self._comm_device(),
+                                 pp_size=dp.pp_size if dp else None)
         self.plan: Plan = layout.plan
         self.schedule: str = layout.schedule
         self.n_microbatches: int = layout.n_microbatches

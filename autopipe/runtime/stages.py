@@ -19,7 +19,10 @@ from ..planning import hf_compat
 from ..planning.inplace import clone_inputs_written_in_place
 from ..planning.plan import Plan
 from ..planning.schedules import schedule_class, schedule_spec
-from ..planning.tracing import release_last_export, warn_if_host_randomness_is_frozen
+from ..errors import ModelExportError
+from ..planning.autograd_functions import kept_function_classes
+from ..planning.export_check import EagerComparison, compare_with_eager, gradient_mismatch_message
+from ..planning.tracing import export_guards, release_last_export
 from .checkpointing import checkpoint_stage
 from .materialize import (WeightSource, check_state_fits, describe_weights, load_weights, materialize_leftovers,
                           materialize_rank, meta_twin, on_meta, stored_shapes, take_constants, to_meta)
@@ -36,7 +39,7 @@ from .step_failures import PlayThroughLoss, StepFailures, play_through_forward
 
 def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict], *, training: bool,
                 expected: int, unless_graph: list[str] | None = None,
-                autocast: tuple[str, torch.device] | None = None) -> Any:
+                autocast: tuple[str, torch.device] | None = None, check_gradients: bool = False) -> Any:
     """``pipeline()`` on ``model`` in the given mode, each stage module ready to run split.
 
     The model's forwards are left as they were: torch's ``annotate_split_points`` wraps the
@@ -48,6 +51,9 @@ def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict],
     returned when this trace computes the same graph: the export alone tells. With
     ``autocast`` (a mixed precision and the device the stages run on), the stage boundaries
     carry the dtypes autocast gives them there (:mod:`~autopipe.runtime.mixed_precision`).
+    With ``check_gradients``, the traced program's gradients are compared with the model's on
+    the example (:func:`~autopipe.planning.export_check.compare_with_eager`), and the Pipe
+    carries the result as ``autopipe_gradient_check`` for the caller to act on.
 
     Raises:
         ValueError: the split did not give ``expected`` stages (a split point that is not
@@ -71,8 +77,11 @@ def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict],
 
     try:
         with capture_export(stop_if_alike) as exported, safe_submodule_outlining(), stages_in_split_order(), \
-                warn_if_host_randomness_is_frozen(model):
+                export_guards(model):
             pipe = pipeline(model, tuple(example[0]), dict(example[1]) or None, split_spec=split_spec)
+        comparison = EagerComparison(skipped="not asked for")
+        if check_gradients and exported:
+            comparison = compare_with_eager(model, exported[0].module(), tuple(example[0]), dict(example[1]))
     except _SameGraph:
         return None
     finally:
@@ -99,6 +108,9 @@ def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict],
     pipe.autopipe_io = ModelIO.from_example(tuple(example[0]), dict(example[1]), exported[0] if exported else None)
     #: What the traced program computes (:func:`graph_text`), to compare another mode's trace with.
     pipe.autopipe_graph = graph_text(exported[0].graph) if exported else None
+    #: The traced program's gradients against the model's, and the Functions kept whole.
+    pipe.autopipe_gradient_check = comparison
+    pipe.autopipe_kept_functions = kept_function_classes(exported[0].graph) if exported else []
     # torch's schedules and stages only pass tensors between neighbouring stages.
     relay_skip_connections(pipe)
     if autocast is not None:  # before the boundaries are made sendable: they record the dtypes sent
@@ -221,7 +233,15 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
     traced_example = to_meta(example) if meta else example
     autocast = (mixed_precision, device) if mixed_precision else None
     train_pipe = split_model(local_model, split_spec, traced_example, training=True, expected=num_stages,
-                             autocast=autocast)
+                             autocast=autocast, check_gradients=training)
+    # Every rank traced the same model, so all should agree; a rank that differs still must not
+    # leave the others waiting.
+    comparison = train_pipe.autopipe_gradient_check
+    mismatch = ModelExportError(gradient_mismatch_message(type(model).__name__, comparison,
+                                                          train_pipe.autopipe_kept_functions),
+                                kind="gradient-mismatch") if comparison.differing else None
+    raise_on_every_rank(mismatch, rank=rank, world_size=world_size,
+                        what="build stages whose gradients are the model's")
     # torch.export bakes train/eval behaviour (dropout, batch-norm statistics, branches on
     # `self.training`) into the graph, so inference in eval mode needs its own trace over the
     # same tensors wherever the two traces differ.
