@@ -49,8 +49,6 @@ from torch.utils import _pytree as pytree
 
 from ..errors import ModelExportError
 
-__all__ = ["functions_kept", "kept_function_classes", "OP_NAME"]
-
 #: The graph node that stands for one application of a user's Function.
 OP_NAME = "autopipe::autograd_function"
 

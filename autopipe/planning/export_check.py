@@ -38,9 +38,6 @@ from torch.utils import _pytree as pytree
 
 from . import hf_compat
 
-__all__ = ["EagerComparison", "compare_with_eager", "gradient_mismatch_message", "gradients_checked_later",
-           "gradients_checked_here"]
-
 #: Set to 0 to skip the comparison (a model whose eager run cannot be repeated on this device).
 ENV_SWITCH = "AUTOPIPE_GRADIENT_CHECK"
 
