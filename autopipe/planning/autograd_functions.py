@@ -11,7 +11,7 @@ exactly as in eager mode, in every pipeline stage that holds the node.
 
 What each node calls is kept in a process-wide table under its ``key`` (the Function's class
 and the non-tensor arguments of that call site); every rank traces the model itself, so each
-fills its own table the same way. Applications that the node cannot stand for (a Function that
+fills its own table the same way. Applications the node cannot stand for (a Function that
 writes its input in place, or returns something other than tensors) raise
 :class:`~autopipe.errors.ModelExportError` naming the Function, before any step.
 
@@ -126,9 +126,9 @@ def _name(function: type) -> str:
 
 
 def _kept(function: type) -> bool:
-    """Whether an application of ``function`` becomes a node: Functions torch and autopipe ship stay inlined."""
+    """Whether an application of ``function`` becomes a node: Functions of torch and of autopipe's runtime stay inlined."""
     module = function.__module__ or ""
-    return not (module == "torch" or module.startswith(("torch.", "autopipe.")))
+    return not (module == "torch" or module.startswith(("torch.", "autopipe.runtime.")))
 
 
 def _key(site: _CallSite) -> str:
@@ -165,7 +165,7 @@ def functions_kept() -> Iterator[list[type]]:
     """Within it, a traced custom ``autograd.Function`` becomes one node that runs the Function itself.
 
     Wrap every ``torch.export`` of a model that training will run (autopipe's trace and torch's
-    ``pipeline()`` alike). Functions torch and autopipe ship are left as they are.
+    ``pipeline()`` alike). Functions of torch and of autopipe's runtime are left as they are.
 
     Returns:
         (as the ``with`` target) the Function classes captured, in first-use order, filled in as

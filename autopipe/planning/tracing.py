@@ -31,6 +31,7 @@ from torch.export import ExportedProgram
 
 from . import hf_compat
 from .autograd_functions import functions_kept, kept_function_classes
+from .data_dependent import unbacked_note, unbacked_sizes, unbacked_symbols, without_unbacked_cuts
 from .export_check import compare_with_eager, gradient_mismatch_message, gradients_checked_here
 from ..errors import ModelExportError, MissingExampleInputsError
 
@@ -554,9 +555,9 @@ def _trace(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[st
     unbacked = unbacked_symbols(nodes)
     sizes: dict[str, int] = {}
     if unbacked:
-        sizes = _unbacked_sizes(model, unbacked, comparison.unbacked_sizes, exported)
-        notes.append(_unbacked_note(unbacked, sizes, comparison.unbacked_sizes))
-        candidates, excluded = _without_unbacked_cuts(nodes, candidates)
+        sizes = unbacked_sizes(model, unbacked, comparison.unbacked_sizes, exported)
+        notes.append(unbacked_note(unbacked, sizes, comparison.unbacked_sizes))
+        candidates, excluded = without_unbacked_cuts(nodes, candidates)
         if excluded:
             notes.append(f"split points not offered, as a tensor of data-dependent size would cross them: "
                          f"{', '.join(excluded)}")
@@ -576,78 +577,3 @@ def _trace(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[st
         unbacked_sizes=sizes,
         excluded_cuts=excluded,
     )
-
-
-# --------------------------------------------------------------------------- data-dependent sizes
-
-
-def unbacked_symbols(nodes: Sequence[fx.Node]) -> set[str]:
-    """The data-dependent size symbols (``u0``, ...) any node's value has, by name.
-
-    Example:
-        >>> class Positive(torch.nn.Module):
-        ...     def forward(self, x):
-        ...         return x[x > 0] * 2
-        >>> sorted(unbacked_symbols(trace(Positive(), (torch.randn(5),)).nodes))
-        ['u0']
-    """
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    found: set[str] = set()
-    for node in nodes:
-        val = node.meta.get("val")
-        if isinstance(val, (torch.Tensor, torch.SymInt, tuple, list)):
-            found |= {str(s) for s in free_unbacked_symbols(val)}
-    return found
-
-
-def _unbacked_sizes(model: torch.nn.Module, symbols: set[str], measured: Mapping[str, int],
-                    exported: ExportedProgram) -> dict[str, int]:
-    """Each symbol's size: measured on the example where the model ran, else the trace's upper bound."""
-    bounds = {str(sym): r.upper for sym, r in exported.range_constraints.items()}
-    sizes: dict[str, int] = {}
-    for name in sorted(symbols):
-        if name in measured:
-            sizes[name] = measured[name]
-            continue
-        upper = bounds.get(name)
-        try:
-            sizes[name] = int(upper)
-        except (TypeError, ValueError, OverflowError):
-            raise ModelExportError(
-                f"{type(model).__name__} makes a tensor whose size depends on the data (symbol {name}, from "
-                f"nonzero, a boolean mask or similar), and autopipe can neither measure it (the model is on the "
-                f"meta device) nor bound it (the trace allows any size). What to do: plan with the model on a real "
-                f"device, so the example micro-batch gives the size; or bound it in forward with "
-                f"torch._check(n <= bound) on the size; or give the split yourself with split_points=.",
-                kind="data-dependent") from None
-    return sizes
-
-
-def _unbacked_note(symbols: set[str], sizes: Mapping[str, int], measured: Mapping[str, int]) -> str:
-    parts = [f"{name} = {sizes[name]} ({'on the example micro-batch' if name in measured else 'its upper bound'})"
-             for name in sorted(symbols, key=lambda n: (len(n), n))]
-    return f"data-dependent sizes counted as: {', '.join(parts)}"
-
-
-def _without_unbacked_cuts(nodes: Sequence[fx.Node], candidates: list[SplitCandidate]
-                           ) -> tuple[list[SplitCandidate], dict[str, str]]:
-    """The candidates no data-dependent tensor crosses, and the others with why: a pipeline stage
-    receives into buffers of a fixed shape, and such a tensor's shape changes with every batch."""
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    index = {node: i for i, node in enumerate(nodes)}
-    live: list[tuple[int, int, str]] = []  # (made at, last read at, name)
-    for i, node in enumerate(nodes):
-        val = node.meta.get("val")
-        if isinstance(val, (torch.Tensor, tuple, list)) and free_unbacked_symbols(val):
-            last = max((index.get(u, len(nodes)) for u in node.users), default=i)
-            live.append((i, last, node.name))
-    kept, excluded = [], {}
-    for c in candidates:
-        crossing = [name for made, last, name in live if made < c.position <= last]
-        if crossing:
-            excluded[c.name] = f"{crossing[0]} has a data-dependent size"
-        else:
-            kept.append(c)
-    return kept, excluded

@@ -1,0 +1,117 @@
+"""Tensors whose size depends on the data: how big they are counted, and which cuts they rule out.
+
+A model that routes tokens (``topk`` then ``nonzero`` per expert) or drops them by a mask
+(``x[mask]``) makes tensors that ``torch.export`` sizes with a symbol (``u0``) instead of a
+number. The cost graph counts such a tensor at the size the example micro-batch gave it when
+the traced program ran (:mod:`autopipe.planning.export_check`), or, where nothing can run (a
+model on the meta device), at the largest the trace allows (tokens x top-k for a top-k
+router). A cut such a tensor would cross is not offered: a pipeline stage receives into
+buffers of one fixed shape.
+
+Example:
+    >>> class Positive(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return x[x > 0] * 2
+    >>> program = torch.export.export(Positive(), (torch.randn(5),))
+    >>> unbacked_note({"u0"}, unbacked_sizes(Positive(), {"u0"}, {}, program), {})
+    'data-dependent sizes counted as: u0 = 5 (its upper bound)'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.fx as fx
+from torch.export import ExportedProgram
+
+from ..errors import ModelExportError
+
+
+def unbacked_symbols(nodes: Sequence[fx.Node]) -> set[str]:
+    """The data-dependent size symbols (``u0``, ...) any node's value has, by name.
+
+    Example:
+        >>> class Positive(torch.nn.Module):
+        ...     def forward(self, x):
+        ...         return x[x > 0] * 2
+        >>> sorted(unbacked_symbols(torch.export.export(Positive(), (torch.randn(5),)).graph.nodes))
+        ['u0']
+    """
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    found: set[str] = set()
+    for node in nodes:
+        val = node.meta.get("val")
+        if isinstance(val, (torch.Tensor, torch.SymInt, tuple, list)):
+            found |= {str(s) for s in free_unbacked_symbols(val)}
+    return found
+
+
+def unbacked_sizes(model: torch.nn.Module, symbols: set[str], measured: Mapping[str, int],
+                    exported: ExportedProgram) -> dict[str, int]:
+    """Each symbol's size: measured on the example where the model ran, else the trace's upper bound.
+
+    Raises:
+        ModelExportError: a symbol neither measured nor bounded, naming what to do.
+    """
+    bounds = {str(sym): r.upper for sym, r in exported.range_constraints.items()}
+    sizes: dict[str, int] = {}
+    for name in sorted(symbols):
+        if name in measured:
+            sizes[name] = measured[name]
+            continue
+        upper = bounds.get(name)
+        try:
+            sizes[name] = int(upper)
+        except (TypeError, ValueError, OverflowError):
+            raise ModelExportError(
+                f"{type(model).__name__} makes a tensor whose size depends on the data (symbol {name}, from "
+                f"nonzero, a boolean mask or similar), and autopipe can neither measure it (the model is on the "
+                f"meta device) nor bound it (the trace allows any size). What to do: plan with the model on a real "
+                f"device, so the example micro-batch gives the size; or bound it in forward with "
+                f"torch._check(n <= bound) on the size; or give the split yourself with split_points=.",
+                kind="data-dependent") from None
+    return sizes
+
+
+def unbacked_note(symbols: set[str], sizes: Mapping[str, int], measured: Mapping[str, int]) -> str:
+    """The plan's note on how each data-dependent size was counted."""
+    parts = [f"{name} = {sizes[name]} ({'on the example micro-batch' if name in measured else 'its upper bound'})"
+             for name in sorted(symbols, key=lambda n: (len(n), n))]
+    return f"data-dependent sizes counted as: {', '.join(parts)}"
+
+
+def without_unbacked_cuts(nodes: Sequence[fx.Node], candidates: list[SplitCandidate]
+                           ) -> tuple[list[SplitCandidate], dict[str, str]]:
+    """The candidates no data-dependent tensor crosses, and the others with why: a pipeline stage
+    receives into buffers of a fixed shape, and such a tensor's shape changes with every batch.
+
+    Example:
+        >>> class Positive(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.scale = torch.nn.Linear(1, 1)
+        ...     def forward(self, x):
+        ...         return self.scale(x[x > 0].unsqueeze(1))
+        >>> from autopipe.planning.tracing import trace
+        >>> trace(Positive(), (torch.randn(5),)).excluded_cuts
+        {'scale': 'unsqueeze has a data-dependent size'}
+    """
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    index = {node: i for i, node in enumerate(nodes)}
+    live: list[tuple[int, int, str]] = []  # (made at, last read at, name)
+    for i, node in enumerate(nodes):
+        val = node.meta.get("val")
+        if isinstance(val, (torch.Tensor, tuple, list)) and free_unbacked_symbols(val):
+            last = max((index.get(u, len(nodes)) for u in node.users), default=i)
+            live.append((i, last, node.name))
+    kept, excluded = [], {}
+    for c in candidates:
+        crossing = [name for made, last, name in live if made < c.position <= last]
+        if crossing:
+            excluded[c.name] = f"{crossing[0]} has a data-dependent size"
+        else:
+            kept.append(c)
+    return kept, excluded
