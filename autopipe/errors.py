@@ -13,6 +13,7 @@ __all__ = [
     "InfeasibleMemoryError",
     "PlanFileError",
     "PipelineStepError",
+    "CheckpointError",
 ]
 
 
@@ -93,3 +94,15 @@ class PipelineStepError(AutopipeError, RuntimeError):
     def __init__(self, message: str, *, failures: dict[int, str] | None = None) -> None:
         super().__init__(message)
         self.failures = dict(failures or {})
+
+
+class CheckpointError(AutopipeError, RuntimeError):
+    """A checkpoint could not be saved or loaded: some rank failed to write or read its part, or the
+    folder is incomplete. Raised on every rank, with torch's own exception (a
+    ``CheckpointException``, which is no ``Exception``) as the cause. A failed save leaves the
+    previous checkpoint in place (:mod:`autopipe.runtime.checkpoint_files`).
+
+    Example:
+        >>> isinstance(CheckpointError("could not save"), RuntimeError)
+        True
+    """

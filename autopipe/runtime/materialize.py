@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from .._checks import listed
 from .params import StateNames, set_tensor, used_attribute_names
+from .checkpoint_files import checkpoint_errors
 
 #: What ``weights=`` accepts: a state dict, or the path of a ``.safetensors`` file or a DCP directory.
 WeightSource = Union[Mapping[str, torch.Tensor], str, os.PathLike]
@@ -248,7 +249,8 @@ def _read_dcp(path: Path, wanted: Mapping[str, Sequence[str]],
             key_of[canon] = key
     if request:
         # no_dist: each rank reads its own keys on its own, with no collective among the ranks.
-        dcp.load(request, storage_reader=reader, no_dist=True)
+        with checkpoint_errors(f"read weights from {os.fspath(path)!r}"):
+            dcp.load(request, storage_reader=reader, no_dist=True)
     return {canon: request[key] for canon, key in key_of.items()}
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn as nn
 
 from .._checks import listed
+from .checkpoint_files import checkpoint_to_read, load_into, save_replacing
 from .distributed import raise_on_every_rank
 from .materialize import check_state_fits, read_dcp_metadata
 from .model_state import load_local_state
@@ -192,21 +193,27 @@ def _same(a: Any, b: Any) -> bool:
 
 def save_checkpoint(local: RankState, checkpoint_id: str | os.PathLike,
                     optimizer: torch.optim.Optimizer | None = None) -> None:
-    """``dcp.save`` of ``{"model": model_state_dict(local), "optim": optimizer_state_dict(local, optimizer)}``."""
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save(_checkpoint_state(local, optimizer), checkpoint_id=os.fspath(checkpoint_id))
+    """``dcp.save`` of ``{"model": model_state_dict(local), "optim": optimizer_state_dict(local, optimizer)}``,
+    written beside the target and swapped in once every rank wrote (:func:`~autopipe.runtime.checkpoint_files.save_replacing`)."""
+    error: Exception | None = None
+    state: dict[str, Any] = {}
+    try:  # every rank has its part ready before any writes: a rank failing here leaves none waiting
+        state = _checkpoint_state(local, optimizer)
+    except Exception as e:  # noqa: BLE001 - raised below, on every rank
+        error = e
+    raise_on_every_rank(error, rank=local.rank, world_size=local.world_size, what="gather its part of the checkpoint")
+    save_replacing(state, checkpoint_id, rank=local.rank, world_size=local.world_size)
 
 
 def read_checkpoint(local: RankState, checkpoint_id: str | os.PathLike,
                     optimizer: torch.optim.Optimizer | None = None) -> dict[str, Any]:
-    """A checkpoint of :func:`save_checkpoint`, checked against the whole model on every rank, read for this rank."""
-    import torch.distributed.checkpoint as dcp
+    """A checkpoint of :func:`save_checkpoint`, checked whole and against the whole model on every rank, read for this rank."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     error: Exception | None = None
     try:
-        stored = read_dcp_metadata(checkpoint_id, "checkpoint_id").state_dict_metadata
+        path = checkpoint_to_read(checkpoint_id)
+        stored = read_dcp_metadata(path, "checkpoint_id").state_dict_metadata
         model = {k[len("model."):]: tuple(m.size) for k, m in stored.items()
                  if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
         check_state_fits(model, local.names, f"checkpoint {os.fspath(checkpoint_id)!r}")
@@ -214,7 +221,7 @@ def read_checkpoint(local: RankState, checkpoint_id: str | os.PathLike,
         error = e
     raise_on_every_rank(error, rank=local.rank, world_size=local.world_size, what="use the checkpoint")
     state = _checkpoint_state(local, optimizer)
-    dcp.load(state, checkpoint_id=os.fspath(checkpoint_id))
+    load_into(state, path)
     return state
 
 

@@ -287,7 +287,12 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
     if eval_pipe is not None:
         eval_modules = _build_eval_modules(eval_pipe, stage_indices, device, names, state, split_backward, meta)
     if weights is not None and not meta:
-        load_weights({**unheld, **state}, names, weights)
+        unread: Exception | None = None
+        try:
+            load_weights({**unheld, **state}, names, weights)
+        except Exception as e:  # noqa: BLE001 - raised below, on every rank
+            unread = e
+        raise_on_every_rank(unread, rank=rank, world_size=world_size, what="read its weights")
     batch = TracedBatch(train_pipe.autopipe_io, example, n_microbatches)
     v_placement = schedule_spec(schedule).placement == "v"
     train_stages = _ready_to_run(train_modules, eval_modules, train_stages, batch, checkpointed=checkpointed,
