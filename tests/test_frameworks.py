@@ -263,6 +263,45 @@ def test_what_a_megatron_layout_cannot_say_is_refused(six_layers):
         autopipe.partition(flat, 2, (torch.randn(2, 4),), planner=MEGATRON)
 
 
+class _EncoderDecoder(torch.nn.Module):
+    """Two stacks of layers, as T5 or BART have: an encoder's and a decoder's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.decoder = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        for layer in [*self.encoder, *self.decoder]:
+            x = torch.relu(layer(x))
+        return self.head(x)
+
+
+def test_a_megatron_plan_of_an_encoder_decoder_is_refused_naming_both_stacks(six_layers):
+    with pytest.raises(ValueError, match=r"has several: encoder \(3 layers\), decoder \(3 layers\)\. "
+                                         r"Megatron-Core's layout cannot express"):
+        autopipe.partition(_EncoderDecoder(), 2, (torch.randn(2, 8),), planner=MEGATRON)
+    plan = autopipe.partition(six_layers[0], 2, six_layers[1], planner=MEGATRON)
+    data = plan.to_dict()
+    data["stages"][0]["fqns"] = [*data["stages"][0]["fqns"], "extra.0"]  # a plan file naming a second stack
+    with pytest.raises(ValueError, match=r"several containers \(extra, layers\)"):
+        autopipe.Plan.from_dict(data).to_megatron()
+
+
+def test_the_megatron_export_is_the_same_under_every_hash_seed():
+    import subprocess
+    import sys
+
+    code = ("import autopipe; from autopipe.models import seed_transformer; m, a = seed_transformer(vocab_size=50, "
+            "d_model=16, num_heads=2, d_ff=32, num_layers=4, batch=2, seq_len=8); print(autopipe.partition(m, 2, a, "
+            "planner=autopipe.PlannerOptions(target='megatron', cost='flops', profiling=autopipe.ProfileOptions("
+            "progress=False))).to_megatron())")
+    outputs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              env={**__import__("os").environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
+    assert len(outputs) == 1 and "pipeline_model_parallel_layout" in outputs.pop()
+
+
 def test_the_command_line_prints_megatrons_arguments(capsys):
     from autopipe.cli.main import main
 
@@ -293,6 +332,49 @@ def test_a_deepspeed_plan_cuts_between_the_layers_of_the_list_and_gives_the_boun
                                                                           profiling=QUIET))
     with pytest.raises(ValueError, match="one stage per rank"):
         looped.to_deepspeed()
+
+
+def test_a_deepspeed_plan_of_a_named_sequential_is_refused_with_the_remedy():
+    from collections import OrderedDict
+
+    from _frameworks_workers import uneven_layers
+
+    named = torch.nn.Sequential(OrderedDict((f"layer{k}", m) for k, m in enumerate(uneven_layers())))
+    with pytest.raises(ValueError, match=r"names its entries \(layer0, layer1, layer2, layer3\): build it as "
+                                         r"nn.Sequential\(\*layers\)"):
+        autopipe.partition(named, 2, (torch.randn(4, 16),),
+                           planner=PlannerOptions(target="deepspeed", cost="flops", profiling=QUIET))
+    free = autopipe.partition(named, 2, (torch.randn(4, 16),), planner=PlannerOptions(cost="flops", profiling=QUIET))
+    data = free.to_dict()
+    data["target"] = "deepspeed"  # a plan file claiming DeepSpeed's granularity
+    with pytest.raises(ValueError, match="names its entries"):
+        autopipe.Plan.from_dict(data).to_deepspeed()
+
+
+class _SharedRope(torch.nn.Module):
+    """A torchtitan-style model whose one child (``scale``, with a parameter) every layer calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(8, 8)
+        self.scale = torch.nn.Linear(8, 8)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+        self.norm = torch.nn.LayerNorm(8)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for layer in self.layers:
+            x = x + self.scale(layer(x))
+        return self.norm(x)
+
+
+def test_a_torchtitan_plan_never_cuts_between_two_calls_of_one_module():
+    plan = autopipe.partition(_SharedRope(), 2, (torch.randn(2, 8),), planner=TITAN)
+    assert plan.split_points == ["norm"] and "scale" in plan.to_torchtitan()["parallelism"][
+        "module_fqns_per_model_part"][0]
+    with pytest.raises(ValueError, match=r"more are not offered: layers\.1 \(scale runs on both sides, and "
+                                         r"torchtitan places a module on one stage\)"):
+        autopipe.partition(_SharedRope(), 4, (torch.randn(2, 8),), planner=TITAN)
 
 
 @pytest.mark.distributed

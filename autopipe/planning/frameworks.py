@@ -33,19 +33,38 @@ import torch
 
 from .options import TARGETS
 from .schedules import schedule_spec
-from .tracing import SplitCandidate, TracedModel, with_candidates
+from .tracing import SplitCandidate, TracedModel, module_spans, with_candidates
 
 _CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
 
 
 def decoder_layers(model: torch.nn.Module) -> tuple[str, list[str]]:
-    """The model's decoder layers as Megatron counts them: its longest layer container and that container's entries."""
-    containers = [(name, [f"{name}.{key}" for key, _ in m.named_children()]) for name, m in model.named_modules()
-                  if name and isinstance(m, _CONTAINERS)]
-    if not containers or not max(len(e) for _, e in containers):
+    """The model's decoder layers as Megatron counts them: its one stack of layers and that stack's entries.
+
+    A stack is a layer container (``nn.ModuleList`` / ``nn.ModuleDict``) not inside another, with
+    entries that hold parameters. Megatron-Core's layout (``E t…t L``) places one such stack.
+
+    Raises:
+        ValueError: the model has no stack, or several (an encoder and a decoder), which the
+            layout cannot express.
+    """
+    stacks: list[tuple[str, list[str]]] = []
+    for name, m in model.named_modules():
+        inside = any(name.startswith(outer + ".") for outer, _ in stacks)
+        if name and isinstance(m, _CONTAINERS) and not inside:
+            entries = [f"{name}.{key}" for key, child in m.named_children() if any(True for _ in child.parameters())]
+            if entries:
+                stacks.append((name, entries))
+    if not stacks:
         raise ValueError("target='megatron' places whole decoder layers, but the model has no layer container "
                          "(nn.ModuleList or nn.ModuleDict of its blocks)")
-    return max(containers, key=lambda c: len(c[1]))
+    if len(stacks) > 1:
+        found = ", ".join(f"{name} ({len(entries)} layers)" for name, entries in stacks)
+        raise ValueError(f"target='megatron' places one stack of decoder layers (--pipeline-model-parallel-layout "
+                         f"'Ett|ttL'), but {type(model).__name__} has several: {found}. Megatron-Core's layout "
+                         f"cannot express the others, so its export would not be this model: plan it for autopipe's "
+                         f"own Pipeline (no target) or for torchtitan (target='torchtitan')")
+    return stacks[0]
 
 
 def target_units(model: torch.nn.Module) -> set[str]:
@@ -69,14 +88,42 @@ def restrict_to_target(traced: TracedModel, model: torch.nn.Module, target: str)
         if not isinstance(model, torch.nn.Sequential):
             raise ValueError(f"target='deepspeed' plans the layer list a PipelineModule takes; pass it as "
                              f"nn.Sequential(*layers), not a {type(model).__name__}")
+        _check_numbered(name for name, _ in model.named_children())
         units = {name for name, _ in model.named_children()}
     else:
         units = target_units(model)
+    inside = _inside_shared_units(traced, units) if target == "torchtitan" else {}
 
     def cuttable(c: SplitCandidate) -> bool:
-        return c.name in units or any(a in units for a in c.aliases)
+        return c.name not in inside and (c.name in units or any(a in units for a in c.aliases))
 
-    return with_candidates(traced, cuttable)
+    restricted = with_candidates(traced, cuttable)
+    restricted.excluded_cuts = {**traced.excluded_cuts, **inside}
+    return restricted
+
+
+def _inside_shared_units(traced: TracedModel, units: set[str]) -> dict[str, str]:
+    """The candidates between the first and last call of a unit called more than once, with why: torchtitan
+    builds each stage from its module list, so a module two stages call would be in one only (or copied,
+    its parameters no longer shared)."""
+    spans, called_twice = module_spans(traced.nodes)
+    inside: dict[str, str] = {}
+    for unit in sorted(units & called_twice):
+        first, last = spans[unit][0], spans[unit][-1]
+        for c in traced.candidates:
+            if first < c.position <= last:
+                inside.setdefault(c.name, f"{unit} runs on both sides, and torchtitan places a module on one stage")
+    return inside
+
+
+def _check_numbered(names: Any) -> None:
+    """DeepSpeed numbers a PipelineModule's layers by position: refuse a Sequential whose entries have names."""
+    named = [n for n in names if not n.isdigit()]
+    if named:
+        raise ValueError(f"target='deepspeed' numbers the layers by their position in the list a PipelineModule "
+                         f"takes, but this nn.Sequential names its entries ({', '.join(named[:4])}): build it as "
+                         f"nn.Sequential(*layers) (positions 0, 1, ...) and plan that, so the split points are the "
+                         f"layer indices DeepSpeed uses")
 
 
 def _megatron_cuts(traced: TracedModel, model: torch.nn.Module) -> list[str]:
@@ -146,8 +193,11 @@ def megatron_layout(plan: Any) -> dict[str, Any]:
         raise ValueError(f"schedule {plan.schedule!r} places stages in a V; Megatron-Core's virtual stages are "
                          "placed in loops: plan with 1F1B or Interleaved1F1B")
     names = [name for stage in plan.stages for name in stage.fqns]
-    container = max({n.rsplit(".", 1)[0] for n in names if "." in n} or {""},
-                    key=lambda c: sum(n.rsplit(".", 1)[0] == c for n in names if "." in n))
+    containers = sorted({n.rsplit(".", 1)[0] for n in names if "." in n})
+    if len(containers) > 1:
+        raise ValueError(f"the plan places layers of several containers ({', '.join(containers)}); Megatron-Core's "
+                         f"layout places one stack of decoder layers, so it cannot express this model")
+    container = containers[0] if containers else ""
     layers = [sum(1 for n in stage.fqns if "." in n and n.rsplit(".", 1)[0] == container) for stage in plan.stages]
     stages = ["E" * (s == 0) + "t" * k + "L" * (s == plan.num_stages - 1) for s, k in enumerate(layers)]
     config: dict[str, Any] = {
@@ -176,6 +226,7 @@ def deepspeed_parts(plan: Any, num_layers: int | None = None) -> dict[str, Any]:
     if plan.stages_per_rank != 1:
         raise ValueError(f"DeepSpeed's PipelineModule runs one stage per rank; the plan has {plan.stages_per_rank}: "
                          "plan with GPipe or 1F1B")
+    _check_numbered(plan.split_points)
     used = [int(name) for stage in plan.stages for name in stage.fqns if name.isdigit()]
     end = max(used, default=-1) + 1 if num_layers is None else num_layers
     parts = [0, *(int(name) for name in plan.split_points), end]

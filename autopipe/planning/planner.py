@@ -542,9 +542,11 @@ def _too_many_stages(n_gpus: int, needed: int, traced: TracedModel) -> ValueErro
     excluded = ""
     if traced.excluded_cuts:
         names = ", ".join(f"{name} ({why})" for name, why in list(traced.excluded_cuts.items())[:5])
-        excluded = (f"; {len(traced.excluded_cuts)} more are not offered because a tensor whose size depends on the "
-                    f"data would cross them, which a pipeline stage cannot receive: {names}. Keep such tensors "
-                    f"inside one module (reduce them to a fixed size, e.g. pad or pool, before the next block)")
+        excluded = f"; {len(traced.excluded_cuts)} more are not offered: {names}"
+        if any("data-dependent" in why for why in traced.excluded_cuts.values()):
+            excluded += (". A tensor whose size depends on the data cannot be received by a pipeline stage: keep "
+                         "such tensors inside one module (reduce them to a fixed size, e.g. pad or pool, before the "
+                         "next block)")
     return ValueError(
         f"n_gpus={n_gpus} needs at least {needed} stages, but {traced.model_name} has only "
         f"{len(traced.candidates)} legal split points ({traced.num_segments} segments){excluded}; use at most "
