@@ -92,10 +92,11 @@ def seed_run(rank: int, world_size: int, safetensors_path: str, dcp_dir: str) ->
     }
 
 
-def unwritten_run(rank: int, world_size: int) -> dict:
+def unwritten_run(rank: int, world_size: int, folder: str) -> dict:
     """The default init leaves the positional table (computed in __init__, no reset_parameters) unwritten.
 
-    The pipeline is built anyway; the first step refuses on every rank, and once the
+    The pipeline is built anyway; the first step, a full state dict and a checkpoint into
+    ``folder`` refuse on every rank, and once the
     state dict is loaded (PyTorch's usual order: build, then load) it steps as the unsplit model.
     """
     reference = seed_model(meta=False)
@@ -108,6 +109,13 @@ def unwritten_run(rank: int, world_size: int) -> dict:
             out["first_step"] = "no error"
         except Exception as e:  # noqa: BLE001 - the error each rank raises is the result
             out["first_step"] = f"{type(e).__name__}: {e}"
+        for what, save in (("full_state_dict", lambda: pipe.state_dict(full=True)),
+                           ("save_checkpoint", lambda: pipe.save_checkpoint(folder))):
+            try:
+                save()
+                out[what] = "no error"
+            except Exception as e:  # noqa: BLE001 - the error each rank raises is the result
+                out[what] = f"{type(e).__name__}: {e}"
         pipe.load_state_dict(reference.state_dict())
         pipe.zero_grad()
         out["after_load"] = against_reference(pipe, reference, pipe.step(x, target=y), loss_fn(reference(x), y))

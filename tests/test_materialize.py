@@ -164,11 +164,17 @@ def test_the_eval_trace_of_a_meta_model_reads_the_loaded_tensors(seed_results):
         assert result["loss"] == pytest.approx(result["ref_loss"], abs=TOL)
 
 
-def test_a_tensor_the_default_init_leaves_unwritten_fails_the_first_step_on_every_rank_until_loaded():
-    results = run_world(workers.unwritten_run, 2, timeout_s=200)
+def test_a_tensor_the_default_init_leaves_unwritten_fails_the_first_step_and_saves_on_every_rank_until_loaded(
+        tmp_path):
+    results = run_world(workers.unwritten_run, 2, str(tmp_path / "ckpt"), timeout_s=200)
     first = [r["first_step"] for r in results]
     assert first[0].startswith("UnwrittenTensorsError") and "pos_encoding.pe" in first[0]
     assert first[1].startswith("PipelineStepError: step() call 1 was refused on rank 0") and "pos_encoding.pe" in first[1]
+    for what, words in (("full_state_dict", "before you gather the full state dict"),
+                        ("save_checkpoint", "before you save a checkpoint")):
+        assert results[0][what].startswith("UnwrittenTensorsError") and words in results[0][what]
+        assert results[1][what].startswith("RuntimeError: rank 0 could not") and "pos_encoding.pe" in results[1][what]
+    assert not (tmp_path / "ckpt").exists()
     for r in results:
         after = r["after_load"]
         assert abs(after["loss"] - after["ref_loss"]) < TOL and max(after["grad_diff"].values()) < TOL, after

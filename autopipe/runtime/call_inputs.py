@@ -34,6 +34,12 @@ class CallInputs:
         #: The last call's inputs' dimensions after the rows (``TracedBatch.micro_dims``), agreed by every rank.
         self.dims: tuple[int, ...] = batch.traced_dims
 
+    def check_written(self, before: str = "the first step") -> None:
+        """Raise while a meta-device model's tensors are still placeholders no init or load wrote."""
+        if self.unwritten:  # loaded since construction, or still an error
+            check_written(self.unwritten, before)
+            self.unwritten = {}
+
     def open(self, call: str, args: tuple, kwargs: dict, target: Any, failures: StepFailures, *, rank: int,
              world_size: int, comm_device: torch.device) -> tuple[tuple, dict, Any]:
         """This rank's share of the batch, checked and placed, once every rank agreed to start ``call``."""
@@ -41,9 +47,7 @@ class CallInputs:
         placed: tuple[tuple, dict, Any] = ((), {}, None)
         held, target_rows, dims = 0, 0, (0,) * len(self.batch.traced_dims)
         try:
-            if self.unwritten:  # loaded since construction, or still an error
-                check_written(self.unwritten)
-                self.unwritten = {}
+            self.check_written()
             # The batch is checked as given (a global batch whole), so a wrong size is named as the caller gave it.
             # Only the first stage reads the inputs and only the last the target: a rank without
             # them may be given nothing (pipe.step() on a middle rank).

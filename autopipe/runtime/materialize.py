@@ -350,8 +350,9 @@ def materialize_rank(model: nn.Module, names: StateNames, local: Iterable[str], 
     return {c: made[c] for c in local}, {c: made[c] for c in extra}
 
 
-def check_written(tensors: Mapping[str, torch.Tensor]) -> None:
-    """Raise :class:`UnwrittenTensorsError` if some of ``tensors`` still hold :func:`fill_sentinel`'s value.
+def check_written(tensors: Mapping[str, torch.Tensor], before: str = "the first step") -> None:
+    """Raise :class:`UnwrittenTensorsError` if some of ``tensors`` still hold :func:`fill_sentinel`'s value
+    (``before``: what they must be written before).
 
     Example:
         >>> check_written({"w": torch.ones(2)})
@@ -364,7 +365,7 @@ def check_written(tensors: Mapping[str, torch.Tensor]) -> None:
             f"Hugging Face's _init_weights), and no such init wrote these: give weights= (a function init(model) "
             f"that initializes the model in place, a state dict, a .safetensors file or a "
             f"torch.distributed.checkpoint directory), or load them (load_state_dict, load_checkpoint) before "
-            f"the first step")
+            f"{before}")
 
 
 @torch.no_grad()

@@ -538,6 +538,7 @@ class Pipeline(PipelineLifecycle):
         """
         if not full:
             return model_state_dict(self._local)
+        self._refuse_placeholders("gather the full state dict")
         local = {n: full_tensor(t.detach()) for n, t in self._state.items() if n in self._names.canonical}
         # Gathered from dp rank 0's replica only: the others hold the same model.
         return full_state_dict(local, self._unheld_state, self._names, self.world_size,
@@ -605,7 +606,17 @@ class Pipeline(PipelineLifecycle):
         Example:
             >>> pipe.save_checkpoint("ckpt/100", opt)  # doctest: +SKIP
         """
+        self._refuse_placeholders("save a checkpoint")
         save_checkpoint(self._local, checkpoint_id, optimizer)
+
+    def _refuse_placeholders(self, what: str) -> None:
+        """Every rank raises while some rank still holds a meta-device tensor no init or load wrote."""
+        error: Exception | None = None
+        try:
+            self._inputs.check_written(before=f"you {what}")
+        except Exception as e:  # noqa: BLE001 - raised below, on every rank
+            error = e
+        raise_on_every_rank(error, rank=self.rank, world_size=self.world_size, what=what)
 
     def load_checkpoint(self, checkpoint_id: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Resume the model (and ``optimizer``) from a checkpoint of :meth:`save_checkpoint`.
