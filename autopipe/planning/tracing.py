@@ -465,7 +465,7 @@ def trace(
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     reused = _REUSED.get()
-    key = (id(model), _inputs_key(example_args, example_kwargs))
+    key = (id(model), inputs_signature(example_args, example_kwargs))
     if reused is not None and key in reused:
         return reused[key][1]
     traced = _trace(model, example_args, example_kwargs)
@@ -510,7 +510,7 @@ def traced_from(traced: TracedModel, model: torch.nn.Module, example_args: Any,
     if traced.source is None:
         return False
     ref, inputs, structure = traced.source
-    return ref() is model and inputs == _inputs_key(example_args, example_kwargs) \
+    return ref() is model and inputs == inputs_signature(example_args, example_kwargs) \
         and structure == _structure_key(model)
 
 
@@ -522,8 +522,15 @@ def _structure_key(model: torch.nn.Module) -> tuple:
     return modules, tensors
 
 
-def _inputs_key(example_args: Any, example_kwargs: Mapping[str, Any] | None) -> str:
-    """What a trace depends on in its inputs: each tensor's shape, dtype and device; other values as written."""
+def inputs_signature(example_args: Any, example_kwargs: Mapping[str, Any] | None) -> str:
+    """What a trace depends on in its inputs: each tensor's shape, dtype and device; other values as written.
+
+    Example:
+        >>> inputs_signature((torch.ones(2, 3),), None) == inputs_signature((torch.zeros(2, 3),), None)
+        True
+        >>> inputs_signature((torch.ones(2, 3),), None) == inputs_signature((torch.ones(2, 4),), None)
+        False
+    """
     args = tuple(example_args) if isinstance(example_args, (tuple, list)) else \
         (() if example_args is None else (example_args,))
     leaves, spec = torch.utils._pytree.tree_flatten((args, dict(example_kwargs or {})))

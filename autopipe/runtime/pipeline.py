@@ -28,7 +28,7 @@ from .materialize import WeightSource, check_weight_arguments
 from .sharded_state import (RankState, load_model_state_dict, load_optimizer_state_dict, model_state_dict,
                             optimizer_state_dict, read_checkpoint, save_checkpoint)
 from .model_state import clip_grad_norm, full_state_dict, grads_before, sum_shared_grads
-from .plan_setup import PlanRequest, check_model_and_inputs, settle_plan
+from .plan_setup import PlanRequest, check_model_and_inputs, check_ranks_agree_on_inputs, settle_plan
 from .shapes import ShapeVariants
 from .stage_timer import StageTimer, gather_stage_times
 from .stages import MicrobatchMeanLoss, build_rank_stages, compile_options, make_schedule
@@ -158,6 +158,8 @@ class Pipeline(PipelineLifecycle):
             self.device = default_device() if dist.get_backend() == "nccl" else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL collectives use the current device
+        # Before anything is traced: ranks tracing different inputs would split differently and wait on each other.
+        check_ranks_agree_on_inputs(example_args, example_kwargs, self.world_size)
 
         #: The data-parallel layout (:class:`~autopipe.runtime.data_parallel.DataParallel`), None for a pure pipeline.
         self.data_parallel = resolve_data_parallel(mesh, dp_degree, dp_mode, world_size=self.world_size,

@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from .._checks import check_int
@@ -191,6 +192,43 @@ def planner_kwargs(planner: PlannerOptions, model: nn.Module, example_args: tupl
         output = traced_output(trace(model, to_meta(tuple(example_args)), to_meta(example_kwargs)))
     loss_kwargs, note = pipeline_loss(model, example_args, example_kwargs, loss_fn, example_target, output)
     return {**kwargs, **loss_kwargs}, note
+
+
+def check_ranks_agree_on_inputs(example_args: tuple, example_kwargs: dict | None, world_size: int) -> None:
+    """Every rank must trace the same example micro-batch (shapes, dtypes, other values); otherwise all
+    raise at once, naming the ranks and the input that differ, instead of splitting differently and
+    waiting (collective)."""
+    described = describe_inputs(example_args, example_kwargs)
+    if len(set(gather_digests(described, world_size))) == 1:
+        return
+    every: list[Any] = [None] * world_size
+    dist.all_gather_object(every, described)
+    differ = [r for r, d in enumerate(every) if d != every[0]]
+    first = differ[0]
+    where = next((f"{a} on rank 0, {b} on rank {first}" for a, b in zip(every[0], every[first]) if a != b),
+                 f"{len(every[0])} inputs on rank 0, {len(every[first])} on rank {first}")
+    raise ValueError(f"the ranks were given different example inputs (example_args / example_kwargs): ranks {differ} "
+                     f"differ from rank 0, first at {where}. Every rank traces the model on its example, so all must "
+                     f"give the same shapes, dtypes and values of other arguments")
+
+
+def describe_inputs(example_args: tuple, example_kwargs: dict | None) -> list[str]:
+    """One line per input leaf: where it sits, and its dtype and shape (or its value).
+
+    Example:
+        >>> describe_inputs((torch.ones(2, 3),), {"causal": True})
+        ['args[0]: torch.float32 (2, 3) on cpu', "kwargs['causal']: True"]
+    """
+    from torch.utils._pytree import keystr, tree_flatten_with_path
+
+    leaves, _ = tree_flatten_with_path({"args": tuple(example_args), "kwargs": dict(example_kwargs or {})})
+    lines = []
+    for path, leaf in leaves:
+        where = keystr(path)[2:].replace("']", "", 1)  # "['args'][0]" -> "args[0]"
+        value = f"{leaf.dtype} {tuple(leaf.shape)} on {leaf.device.type}" if isinstance(leaf, torch.Tensor) \
+            else repr(leaf)
+        lines.append(f"{where}: {value}")
+    return lines
 
 
 def _check_ranks_agree(plan: Plan, schedule: str, n_microbatches: int, stages_per_rank: int,

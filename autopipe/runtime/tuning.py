@@ -17,7 +17,7 @@ from ..machine.timing import fastest_paired, paired_ratio, paired_ratio_interval
 from ..planning.options import PlannerOptions
 from ..planning.plan import Plan
 from ..planning.plan_records import TuningRecord
-from .distributed import collective_device
+from .distributed import collective_device, gather_digests
 from .pipeline import Pipeline
 
 def tuning_candidates(plan: Plan, count: int) -> list[tuple[list[str], float]]:
@@ -86,10 +86,17 @@ def tune(model: torch.nn.Module, *args: Any, target: Any, plan: Plan, candidates
     planner = PlannerOptions.of(pipeline_kwargs.get("planner"))
     layout = {"schedule": plan.schedule, "n_microbatches": plan.n_microbatches,
               "planner": replace(planner, stages_per_rank=plan.stages_per_rank)}
-    pipes = []
-    for k, (split, _) in enumerate(splits):
-        own = {"plan": plan, "planner": planner} if k == 0 else {"split_points": split, **layout}
-        pipes.append(Pipeline(model, **own, **rest))
+    pipes = [Pipeline(model, plan=plan, planner=planner, **rest)]  # the same on every rank, whatever they were given
+    settings = {"candidates": candidates, "rounds": rounds, "splits": [s for s, _ in splits]}
+    digests = gather_digests(settings, pipes[0].world_size)
+    if len(set(digests)) > 1:
+        pipes[0].close()
+        groups = sorted([r for r, d in enumerate(digests) if d == digest] for digest in set(digests))
+        raise ValueError(f"tune() was called with different candidates, rounds or plans on different ranks (ranks "
+                         f"agreeing with each other: {groups}); this rank has candidates={candidates}, "
+                         f"rounds={rounds}. Every rank must call it with the same arguments")
+    for split, _ in splits[1:]:
+        pipes.append(Pipeline(model, split_points=split, **layout, **rest))
     times = torch.zeros(len(pipes), rounds, dtype=torch.float64)
     for r in range(-1, rounds):  # round -1 sets up buffers and communication: untimed
         for k, pipe in enumerate(pipes):
