@@ -50,7 +50,8 @@ def _torch_failure_text(error: BaseException) -> str:
         lines = []
         for rank, failure in sorted(failures.items()):
             cause = failure[0] if isinstance(failure, tuple) else failure
-            lines.append(f"rank {rank}: {type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}")
+            first = str(cause).splitlines()[0] if str(cause) else ""
+            lines.append(f"rank {rank}: {type(cause).__name__}: {first}")
         return "; ".join(lines)
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import linecache
 import logging
 import weakref
 from collections.abc import Callable, Iterator
@@ -551,3 +552,52 @@ def meta_devices_to(stage_module: nn.Module, device: torch.device) -> int:
             graph_module.recompile()
             changed += count
     return changed
+
+
+# ---------------------------------------------------------------------- torch.fx keeps generated source
+def _fx_loader() -> Any:
+    """torch.fx's store of generated source (``torch.fx.graph_module._loader``), or None where it has none."""
+    from torch.fx import graph_module
+
+    loader = getattr(graph_module, "_loader", None)
+    return loader if isinstance(getattr(loader, "eval_cache", None), dict) else None
+
+
+@contextlib.contextmanager
+def generated_source_recorded() -> Iterator[list[str]]:
+    """The keys under which torch.fx files the source of every module generated within the block.
+
+    torch.fx keeps each generated module's source in its loader, and an entry holding a copy
+    of the module's globals in ``linecache``, for tracebacks, and never drops either: a pipeline
+    that traces its stages again for every new input shape would grow by a quarter of a MB a
+    trace. :func:`forget_generated_source` drops them when the stages that need them go.
+
+    Returns:
+        (as the ``with`` target) the keys, filled in when the block ends.
+
+    Example:
+        >>> with generated_source_recorded() as keys:
+        ...     _ = torch.fx.symbolic_trace(torch.nn.ReLU())
+        >>> len(keys) >= 1
+        True
+        >>> forget_generated_source(keys)
+    """
+    loader = _fx_loader()
+    before = set(loader.eval_cache) if loader is not None else set()
+    keys: list[str] = []
+    try:
+        yield keys
+    finally:
+        if loader is not None:
+            keys.extend(k for k in loader.eval_cache if k not in before)
+
+
+def forget_generated_source(keys: list[str]) -> None:
+    """Drop the source torch.fx kept under ``keys`` (:func:`generated_source_recorded`); the modules still run."""
+    loader = _fx_loader()
+    for key in keys:
+        if loader is not None:
+            loader.eval_cache.pop(key, None)
+        linecache.cache.pop(key, None)
+    keys.clear()
+

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .compat import forget_generated_source
 from .distributed import raise_on_every_rank
 from .inference import Inference
 from .stages import MicrobatchMeanLoss, RankStages, make_schedule, retrace_rank_stages
@@ -106,6 +107,7 @@ class ShapeVariants:
         if len(self._kept) > KEPT_SHAPES:
             _, dropped = self._kept.popitem(last=False)
             dropped.inference.close()
+            forget_generated_source(dropped.built.generated_source)
             gone = {id(leaf) for _, leaf in dropped.built.use_leaves}
             self._base.use_leaves[:] = [(c, leaf) for c, leaf in self._base.use_leaves if id(leaf) not in gone]
             if not self._warned:
@@ -116,7 +118,9 @@ class ShapeVariants:
         return found
 
     def close(self) -> None:
-        """Drop every other shape's stages and schedules."""
+        """Drop every other shape's stages and schedules, and the source torch.fx kept for all of them."""
         for found in self._kept.values():
             found.inference.close()
+            forget_generated_source(found.built.generated_source)
         self._kept.clear()
+        forget_generated_source(self._base.generated_source)

@@ -6,7 +6,7 @@ import copy
 import gc
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,9 +26,9 @@ from ..planning.tracing import export_guards, release_last_export
 from .checkpointing import checkpoint_stage
 from .materialize import (WeightSource, check_state_fits, describe_weights, load_weights, materialize_leftovers,
                           materialize_rank, meta_twin, on_meta, stored_shapes, take_constants, to_meta)
-from .compat import (VStage, guard_stage_boundaries, make_boundary_tensors_sendable, meta_devices_to,
-                     rename_nodes_shadowing_self, safe_submodule_outlining, stage_call_order, stages_in_split_order,
-                     static_stage_meta)
+from .compat import (VStage, generated_source_recorded, guard_stage_boundaries, make_boundary_tensors_sendable,
+                     meta_devices_to, rename_nodes_shadowing_self, safe_submodule_outlining, stage_call_order,
+                     stages_in_split_order, static_stage_meta)
 from .distributed import gather_digests, raise_on_every_rank
 from .mixed_precision import carry_autocast_dtypes
 from .model_io import ModelIO, TracedBatch, capture_export
@@ -177,6 +177,8 @@ class RankStages:
     unwritten: dict[str, torch.Tensor]
     #: What tracing this rank's stages again at another input shape needs (:func:`retrace_rank_stages`).
     retrace: Retrace | None = None
+    #: Where torch.fx keeps the source it generated while building them (``compat.generated_source_recorded``).
+    generated_source: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -357,6 +359,13 @@ def retrace_rank_stages(r: Retrace, batch: TracedBatch, dims: tuple[int, ...]) -
     parameter and buffer of the new stage modules is the tensor the first stages hold, so
     gradients and optimizer steps reach the same parameters whatever shape a call has.
     """
+    with generated_source_recorded() as keys:
+        built = _retrace_rank_stages(r, batch, dims)
+    built.generated_source = keys
+    return built
+
+
+def _retrace_rank_stages(r: Retrace, batch: TracedBatch, dims: tuple[int, ...]) -> RankStages:
     example = batch.meta_example(dims)
     train_pipe = split_model(r.model, r.split_spec, example, training=True, expected=r.num_stages,
                              autocast=r.autocast)
