@@ -434,4 +434,23 @@ def other_lengths_run(rank: int, world_size: int) -> dict:
             case["forward_diff"] = None if out is None else (out - model(x)).abs().max().item()
             result[f"{schedule}-{call}"] = case
         result[f"{schedule}-shapes"] = len(pipe._shapes._kept)
+        if schedule == "1F1B":
+            result["linecache"] = _generated_source_over_cycles(pipe)
     return result
+
+
+def _generated_source_over_cycles(pipe: Pipeline) -> list[int]:
+    """``linecache``'s size after each of two cycles through one more length than a pipeline keeps: every
+    call traces the stages again and drops another shape's."""
+    import linecache
+
+    from autopipe.runtime.shapes import KEPT_SHAPES
+
+    lengths = [k for k in range(3, 20) if k not in (8, 12, 16)][:KEPT_SHAPES + 1]
+    sizes = []
+    for _ in range(2):
+        for length in lengths:
+            x, y = sequences(length)
+            pipe.step(*((x,) if 0 in pipe.stage_indices else ()), target=y if pipe.has_last_stage else None)
+        sizes.append(len(linecache.cache))
+    return sizes

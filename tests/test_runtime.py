@@ -278,6 +278,13 @@ def test_batches_of_other_sequence_lengths_give_the_unsplit_result(schedule):
     assert any(r["lengths"][f"{schedule}-0"]["forward_diff"] is not None for r in checkpointing_results())
 
 
+def test_tracing_again_for_new_lengths_frees_the_source_torch_fx_keeps():
+    # Two cycles through one more length than a pipeline keeps: every call traces again and drops a shape.
+    for r in checkpointing_results():
+        first, second = r["lengths"]["linecache"]
+        assert second == first, r["lengths"]["linecache"]
+
+
 def test_step_in_eval_mode_asks_for_train():
     assert "pipe.train()" in checkpointing_results()[0]["step_in_eval_mode"]
 
