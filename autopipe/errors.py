@@ -39,9 +39,11 @@ class ModelExportError(AutopipeError, RuntimeError):
 
 
 class InfeasibleMemoryError(AutopipeError, ValueError):
-    """No split fits the given device memory; the message says the smallest memory that fits.
+    """No split fits the given device memory; the message says a memory that fits.
 
-    ``min_memory_bytes``: that memory, where known. ``factorizations``: when pipeline x data
+    ``min_memory_bytes``: that memory, where known: the least the search found among the
+    splits it tries (exact for one stage per rank; with several, another split may fit in a
+    little less). ``factorizations``: when pipeline x data
     parallel was planned, every (pp, dp) layout tried, each with its own least memory
     (:class:`autopipe.planning.plan_records.Factorization`); empty otherwise.
     """

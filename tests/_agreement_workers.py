@@ -48,3 +48,12 @@ def weights_one_rank_finds_corrupt(rank: int, world_size: int, folder: str) -> s
                                      split_points=SPLITS[2], n_microbatches=N_MICROBATCHES, weights=folder))
 
 
+
+
+def too_few_ranks_per_pipeline(rank: int, world_size: int) -> str:
+    """data_parallel=2 on 2 ranks leaves one rank per pipeline, and the plan has two stages."""
+    model = seed_model(meta=False)
+    plan = autopipe.partition(model, 2, example_args(), n_microbatches=N_MICROBATCHES,
+                              planner=autopipe.PlannerOptions(cost="flops"))
+    return _outcome(lambda: Pipeline(model, example_args=example_args(), loss_fn=loss_fn, plan=plan,
+                                     data_parallel=2))

@@ -45,3 +45,10 @@ def test_a_weight_file_only_one_rank_finds_corrupt_ends_every_rank_with_the_caus
                         pg_timeout_s=PG_TIMEOUT_S)
     assert results[1].startswith("CheckpointError: could not read weights from"), results[1]
     assert results[0].startswith("RuntimeError: rank 1 could not") and "CheckpointError" in results[0], results[0]
+
+
+def test_too_few_ranks_per_pipeline_under_data_parallel_names_the_degree_not_a_mesh():
+    for text in run_world(workers.too_few_ranks_per_pipeline, 2, timeout_s=120):
+        assert "but data_parallel=2 leaves each pipeline (2 ranks / 2) 1 processes; launch with --nproc 4, or give " \
+               "data_parallel=1" in text, text
+        assert "mesh" not in text

@@ -350,8 +350,9 @@ def _least_memory_error(problem: PartitionProblem, need: float, considered: str,
     others = " (a device that has more keeps its own)" if np.isfinite(caps).all() and caps.min() < caps.max() else ""
     return InfeasibleMemoryError(
         f"no split into {problem.num_stages} stages fits the memory given ({format_capacities(problem.capacity_bytes)})"
-        f"{considered}; the least per-device memory found to fit is {format_bytes(need, round_up=True)}{others} "
-        f"(with {problem.num_stages} stages, this schedule and optimizer, {how}). {advice}",
+        f"{considered}; {format_bytes(need, round_up=True)} per device fits{others} (with {problem.num_stages} "
+        f"stages, this schedule and optimizer, {how}): the least of the splits the search tries, within "
+        f"{LEAST_MEMORY_TOLERANCE:.1%}; another split may fit in a little less. {advice}",
         min_memory_bytes=int(np.ceil(need)),
     )
 
@@ -380,17 +381,25 @@ def _least_rank_memory(problem: PartitionProblem, stage_need: float,
     if not np.isfinite(per_rank):
         return stage_need
     # The splits found at the per-stage least can need more per rank than others found with a
-    # little more memory: the least on a ladder between the two that fits per rank is named.
-    for memory in np.geomspace(stage_need, per_rank, LEAST_MEMORY_LADDER)[1:-1]:
-        if least_found(memory) <= memory * (1 + 1e-9):
-            return float(max(stage_need, memory))
-    return max(stage_need, per_rank)
+    # little more memory: bisect between the two for the least memory at which a split found
+    # fits per rank (that least is what is named, so it must fit and little less may).
+    lo, hi = stage_need, max(stage_need, per_rank)
+    if least_found(lo) <= lo * (1 + 1e-9):
+        return float(lo)
+    while hi > lo * (1 + LEAST_MEMORY_TOLERANCE):
+        mid = float(np.sqrt(lo * hi))
+        need = least_found(mid)
+        if need <= mid * (1 + 1e-9):
+            hi = max(stage_need, need)
+        else:
+            lo = mid
+    return float(hi)
 
 
 #: Splits fitting at the least per-stage memory that :func:`_least_rank_memory` checks per rank.
 LEAST_MEMORY_SPLITS = 8
-#: Memories between the per-stage least and the first that fits per rank that are tried.
-LEAST_MEMORY_LADDER = 16
+#: How close to the least memory that fits per rank the named figure is (a share of it).
+LEAST_MEMORY_TOLERANCE = 0.005
 
 
 def auto_schedule_options(n_gpus: int, n_microbatches: int, num_segments: int) -> list[tuple[str, int]]:

@@ -177,7 +177,7 @@ class Pipeline(PipelineLifecycle):
         with gradients_checked_later():
             layout = settle_plan(request, model, example_args, example_kwargs, loss_fn, rank=self.rank,
                                  world_size=self.world_size, device=self.device, comm_device=self._comm_device(),
-                                 pp_size=dp.pp_size if dp else None)
+                                 pp_size=dp.pp_size if dp else None, mesh_given=mesh is not None)
         self.plan: Plan = layout.plan
         self.schedule: str = layout.schedule
         self.n_microbatches: int = layout.n_microbatches

@@ -79,12 +79,20 @@ class PipelineLayout:
 
 def settle_plan(request: PlanRequest, model: nn.Module, example_args: tuple, example_kwargs: dict | None,
                 loss_fn: Callable | None, *, rank: int, world_size: int, device: torch.device,
-                comm_device: torch.device, pp_size: int | None = None) -> PipelineLayout:
-    """One plan and schedule for every rank (collective)."""
+                comm_device: torch.device, pp_size: int | None = None, mesh_given: bool = False) -> PipelineLayout:
+    """One plan and schedule for every rank (collective). ``pp_size``: the ranks of one pipeline under
+    data parallelism; ``mesh_given``: whether the user built the mesh (else ``data_parallel=`` did)."""
     plan, schedule = request.plan, request.schedule
     pipeline_ranks = world_size if pp_size is None else pp_size
-    where = "the world has" if pp_size is None else "the mesh's pp dimension has"
-    fix = "launch with --nproc {n}" if pp_size is None else "build the mesh with pp={n}"
+    dp = world_size // pipeline_ranks
+    if pp_size is None:
+        where, fix = "the world has", lambda n: f"launch with --nproc {n}"
+    elif mesh_given:
+        where, fix = "the mesh's pp dimension has", lambda n: f"build the mesh with pp={n}"
+    else:
+        where = f"data_parallel={dp} leaves each pipeline ({world_size} ranks / {dp})"
+        fix = lambda n: (f"launch with --nproc {n * dp}" + (f", or give data_parallel={world_size // n}"  # noqa: E731
+                                                              if world_size % n == 0 else ""))
     n_microbatches, stages_per_rank = request.n_microbatches, request.stages_per_rank
     # ---- the settings every rank derives from its own arguments (no communication)
     if plan is not None:
@@ -111,7 +119,7 @@ def settle_plan(request: PlanRequest, model: nn.Module, example_args: tuple, exa
     if n_ranks != pipeline_ranks:
         raise ValueError(
             f"the pipeline needs {n_ranks} ranks (the plan: {n_ranks * stages_per_rank} stages, "
-            f"{stages_per_rank} per rank) but {where} {pipeline_ranks} processes; {fix.format(n=n_ranks)}"
+            f"{stages_per_rank} per rank) but {where} {pipeline_ranks} processes; {fix(n_ranks)}"
         )
     if n_microbatches is not None:
         validate_schedule(schedule, n_ranks, n_microbatches, stages_per_rank)
