@@ -606,7 +606,14 @@ class Pipeline(PipelineLifecycle):
         Every rank writes its own tensors (``{"model": state_dict(), "optim":
         optimizer_state_dict(optimizer)}``); any split, schedule or world size resumes from
         it with :meth:`load_checkpoint`, and the unsplit model with torch's ``set_state_dict``.
-        Collective.
+        The checkpoint is written beside ``checkpoint_id`` and moved there once every rank has
+        written its part, so a save that fails leaves the previous checkpoint there, whole
+        (:mod:`~autopipe.runtime.checkpoint_files`). Collective.
+
+        Raises:
+            CheckpointError: some rank could not write its part (every rank raises; the
+                previous checkpoint is untouched). UnwrittenTensorsError: a meta-device
+                tensor was never initialized or loaded.
 
         Example:
             >>> pipe.save_checkpoint("ckpt/100", opt)  # doctest: +SKIP
@@ -635,8 +642,10 @@ class Pipeline(PipelineLifecycle):
             optimizer: an optimizer over :meth:`parameters` to resume too (a fresh one is fine).
 
         Raises:
-            KeyError / ValueError: the checkpoint does not fit the model (named), or is
-                damaged (an unreadable ``.metadata``); on the other ranks a RuntimeError.
+            KeyError / ValueError: the checkpoint does not fit the model (named); on the other
+                ranks a RuntimeError.
+            CheckpointError: the checkpoint is incomplete or damaged (a shard missing or short,
+                an unreadable ``.metadata``), or some rank could not read its part.
 
         Example:
             >>> opt = torch.optim.AdamW(pipe.parameters())  # doctest: +SKIP
