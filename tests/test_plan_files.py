@@ -393,3 +393,9 @@ def test_report_names_the_field_of_a_bad_plan_instead_of_running_out_of_memory(v
     err = capsys.readouterr().err
     assert status != 0
     assert "n_microbatches=10000000" in err and "<= 262144" in err
+
+
+def test_a_plan_of_an_earlier_format_is_refused_saying_to_plan_again(valid):
+    with pytest.raises(PlanFileError, match=r"format_version=1 \(written by an earlier autopipe: plan the "
+                                                     r"model again to write the current format\)"):
+        autopipe.Plan.from_dict({**valid, "format_version": 1})

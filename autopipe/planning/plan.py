@@ -523,8 +523,8 @@ class Plan:
     def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
         """Inverse of :meth:`to_dict`, every field checked before the plan is built.
 
-        The checks are :meth:`load`'s, listed in :mod:`autopipe.planning.plan_file`; data of
-        format version 1 (its ``extras`` object) is converted to the typed fields.
+        The checks are :meth:`load`'s, listed in :mod:`autopipe.planning.plan_file`; only the
+        format version this autopipe writes is read (an older one is refused, saying to plan again).
 
         Raises:
             PlanFileError: the first field at fault (``.field``): a newer or unknown format
@@ -557,7 +557,8 @@ class Plan:
         The file is read as JSON data only: nothing in it is run. Every field is checked
         (types, ranges, the counts agreeing with each other; :mod:`autopipe.planning.plan_file` has
         the list) and, with ``model``, the split points against the model's modules
-        (:meth:`check_model`). Files of format version 1 load too.
+        (:meth:`check_model`). A file of an older format version is refused: plan again to
+        write the current one.
 
         Args:
             path: the plan file.

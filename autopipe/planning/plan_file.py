@@ -428,8 +428,11 @@ def plan_from_data(data: Any, cls: type[PlanT], *, path: str | None = None) -> P
                f"{list(READ_FORMAT_VERSIONS)} (files written by Plan.save carry it)")
     version = data["format_version"]
     if isinstance(version, bool) or not isinstance(version, int) or version not in READ_FORMAT_VERSIONS:
-        newer = " (written by a newer autopipe)" if isinstance(version, int) and version > PLAN_FORMAT_VERSION else ""
-        c.fail("format_version", f"plan format_version={show(version)}{newer} is not supported; this autopipe "
+        known = isinstance(version, int) and not isinstance(version, bool)
+        which = (" (written by a newer autopipe)" if known and version > PLAN_FORMAT_VERSION else
+                 " (written by an earlier autopipe: plan the model again to write the current format)"
+                 if known and 0 < version < PLAN_FORMAT_VERSION else "")
+        c.fail("format_version", f"plan format_version={show(version)}{which} is not supported; this autopipe "
                f"reads versions {list(READ_FORMAT_VERSIONS)}")
     _check_nesting(c, data)
 
