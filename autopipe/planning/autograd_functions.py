@@ -1,20 +1,5 @@
 """Keep a model's own ``torch.autograd.Function`` backward through ``torch.export``.
 
-``torch.export`` runs a custom Function's ``forward`` as plain ops and keeps no trace of its
-``backward``: a graph captured so trains with autograd's gradient of the forward ops, not the
-Function's own (a straight-through estimator gets zero gradient through its rounding, a
-gradient-reversal layer the wrong sign). Within :func:`functions_kept`, every application of a
-Function defined outside torch is captured as one opaque graph node,
-``torch.ops.autopipe.autograd_function(tensors, key)``, whose kernel calls the Function's own
-``apply`` when the graph runs: the forward, the saved tensors and the backward are the user's,
-exactly as in eager mode, in every pipeline stage that holds the node.
-
-What each node calls is kept in a process-wide table under its ``key`` (the Function's class
-and the non-tensor arguments of that call site); every rank traces the model itself, so each
-fills its own table the same way. Applications the node cannot stand for (a Function that
-writes its input in place, or returns something other than tensors) raise
-:class:`~autopipe.errors.ModelExportError` naming the Function, before any step.
-
 Example:
     >>> class Reverse(torch.autograd.Function):
     ...     @staticmethod

@@ -1,13 +1,5 @@
 """Tensors whose size depends on the data: how big they are counted, and which cuts they rule out.
 
-A model that routes tokens (``topk`` then ``nonzero`` per expert) or drops them by a mask
-(``x[mask]``) makes tensors that ``torch.export`` sizes with a symbol (``u0``) instead of a
-number. The cost graph counts such a tensor at the size the example micro-batch gave it when
-the traced program ran (:mod:`autopipe.planning.export_check`), or, where nothing can run (a
-model on the meta device), at the largest the trace allows (tokens x top-k for a top-k
-router). A cut such a tensor would cross is not offered: a pipeline stage receives into
-buffers of one fixed shape.
-
 Example:
     >>> class Positive(torch.nn.Module):
     ...     def forward(self, x):

@@ -1,20 +1,5 @@
 """Check the traced program against the model itself: one forward and backward of each, compared.
 
-``torch.export`` can change what a model computes without an error: a custom
-``autograd.Function`` it inlines (:mod:`autopipe.planning.autograd_functions` keeps those), a hook
-registered on a tensor inside ``forward`` (dropped), randomness drawn outside torch (frozen).
-The pipeline trains the traced program, so a difference in its gradients would train a different
-model. :func:`compare_with_eager` runs the traced program and the model eagerly on the example
-micro-batch, with the same torch random numbers, and compares every parameter's gradient.
-
-The same run sees the real sizes of the tensors whose size depends on data (``nonzero``, a
-boolean mask, top-k routing), which the trace only knows as symbols: they are returned for the
-cost graph to count bytes with.
-
-It costs one forward and backward of the whole model on the example micro-batch, twice, on the
-device the model is on. It does not run where the model is on the meta device (nothing to run),
-and where ``AUTOPIPE_GRADIENT_CHECK=0`` is set; the result says why.
-
 Example:
     >>> model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU())
     >>> x = torch.randn(2, 3)

@@ -1,18 +1,5 @@
 """Checkpoint folders that a failed save cannot spoil: written beside the target, agreed, then swapped in.
 
-``torch.distributed.checkpoint`` writes one file per rank and the ``.metadata`` that indexes
-them. Written straight over an older checkpoint, a save that fails on one rank leaves that
-rank's old file beside the others' new ones, and a save cut short leaves a truncated file:
-either way the folder no longer holds one model. :func:`save_replacing` writes into
-``<target>.autopipe-partial`` instead; only once every rank has written its part does rank 0
-move the old folder aside (``<target>.autopipe-previous``), move the new one in and delete the
-old. Until that moment the target is the last good checkpoint, untouched.
-
-:func:`checkpoint_to_read` finds what to load (the target, or, where a save was cut between
-its two moves, the complete new folder or the previous one) and refuses an incomplete one
-(a shard missing or shorter than its index says). Every failure reaches every rank as
-:class:`~autopipe.errors.CheckpointError`, torch's own exception attached as the cause.
-
 Example:
     >>> import tempfile
     >>> folder = tempfile.mkdtemp()
