@@ -42,3 +42,9 @@ def hooked_pipeline(rank: int, world_size: int) -> None:
     model, example, _ = build("hooked")
     with Pipeline(model, example_args=example, loss_fn=_loss, split_points=["second"], n_microbatches=2):
         raise AssertionError("the pipeline was built")
+
+
+def split_across_a_masked_tensor(rank: int, world_size: int) -> None:
+    model, example, _ = build("masked_unpooled")
+    with Pipeline(model, example_args=example, loss_fn=_loss, split_points=["mix"], n_microbatches=2):
+        raise AssertionError("the pipeline was built")

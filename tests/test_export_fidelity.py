@@ -153,3 +153,10 @@ def test_a_pipeline_with_a_dropped_hook_is_refused_on_every_rank_before_any_step
     results = run_world(workers.hooked_pipeline, 2, timeout_s=120, allow_errors=True)
     assert [status for status, _ in results] == ["error", "error"]
     assert all("ModelExportError" in text and "first.weight: differs by up to" in text for _, text in results)
+
+
+def test_a_split_given_across_a_data_dependent_tensor_is_refused_on_every_rank_naming_it():
+    results = run_world(workers.split_across_a_masked_tensor, 2, timeout_s=120, allow_errors=True)
+    for status, text in results:
+        assert status == "error" and "split point 'mix': index crosses it with a size that depends on the data" \
+            in text and "Give other split_points=" in text, text

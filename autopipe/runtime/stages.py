@@ -111,6 +111,7 @@ def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict],
     #: The traced program's gradients against the model's, and the Functions kept whole.
     pipe.autopipe_gradient_check = comparison
     pipe.autopipe_kept_functions = kept_function_classes(exported[0].graph) if exported else []
+    _refuse_data_dependent_boundaries(pipe, list(split_spec))
     # torch's schedules and stages only pass tensors between neighbouring stages.
     relay_skip_connections(pipe)
     if autocast is not None:  # before the boundaries are made sendable: they record the dtypes sent
@@ -123,6 +124,21 @@ def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict],
         make_boundary_tensors_sendable(pipe.get_stage_module(s), first=s == 0, last=s == pipe.num_stages - 1)
         run_generated_code(pipe.get_stage_module(s))
     return pipe
+
+
+def _refuse_data_dependent_boundaries(pipe: Any, split_points: list[str]) -> None:
+    """A stage receives into buffers of one fixed shape: refuse a split a tensor of data-dependent size crosses."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for s in range(1, pipe.num_stages):
+        for node in pipe.get_stage_module(s).graph.nodes:
+            val = node.meta.get("val") if node.op == "placeholder" else None
+            if isinstance(val, torch.Tensor) and free_unbacked_symbols(val):
+                raise ValueError(
+                    f"split point {split_points[s - 1]!r}: {node.name} crosses it with a size that depends on the data "
+                    f"(shape {tuple(val.shape)}), and a pipeline stage receives into buffers of one fixed shape. Give "
+                    f"other split_points= (autopipe.partition offers only cuts no such tensor crosses), or reduce the "
+                    f"tensor to a fixed size (pad, pool) before that module")
 
 
 def run_generated_code(stage_module: nn.Module) -> int:
