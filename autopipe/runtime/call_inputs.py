@@ -11,6 +11,7 @@ from torch.utils._pytree import tree_map
 from ..planning.data_parallel import example_batch_size
 
 from .compat import to_stage_device
+from .distributed import raise_on_every_rank
 from .materialize import check_written
 from .model_io import TracedBatch
 from .step_failures import StepFailures
@@ -39,6 +40,15 @@ class CallInputs:
         if self.unwritten:  # loaded since construction, or still an error
             check_written(self.unwritten, before)
             self.unwritten = {}
+
+    def refuse_placeholders(self, what: str, *, rank: int, world_size: int) -> None:
+        """Every rank raises before ``what`` while some rank still holds a placeholder (collective)."""
+        error: Exception | None = None
+        try:
+            self.check_written(before=f"you {what}")
+        except Exception as e:  # noqa: BLE001 - raised below, on every rank
+            error = e
+        raise_on_every_rank(error, rank=rank, world_size=world_size, what=what)
 
     def open(self, call: str, args: tuple, kwargs: dict, target: Any, failures: StepFailures, *, rank: int,
              world_size: int, comm_device: torch.device) -> tuple[tuple, dict, Any]:

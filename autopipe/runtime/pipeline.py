@@ -159,7 +159,6 @@ class Pipeline(PipelineLifecycle):
             self.device = default_device() if dist.get_backend() == "nccl" else torch.device("cpu")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # NCCL collectives use the current device
-        # Before anything is traced: ranks tracing different inputs would split differently and wait on each other.
         check_ranks_agree_on_inputs(example_args, example_kwargs, self.world_size)
 
         #: The data-parallel layout (:class:`~autopipe.runtime.data_parallel.DataParallel`), None for a pure pipeline.
@@ -543,7 +542,7 @@ class Pipeline(PipelineLifecycle):
         """
         if not full:
             return model_state_dict(self._local)
-        self._refuse_placeholders("gather the full state dict")
+        self._inputs.refuse_placeholders("gather the full state dict", rank=self.rank, world_size=self.world_size)
         local = {n: full_tensor(t.detach()) for n, t in self._state.items() if n in self._names.canonical}
         # Gathered from dp rank 0's replica only: the others hold the same model.
         return full_state_dict(local, self._unheld_state, self._names, self.world_size,
@@ -606,29 +605,18 @@ class Pipeline(PipelineLifecycle):
         Every rank writes its own tensors (``{"model": state_dict(), "optim":
         optimizer_state_dict(optimizer)}``); any split, schedule or world size resumes from
         it with :meth:`load_checkpoint`, and the unsplit model with torch's ``set_state_dict``.
-        The checkpoint is written beside ``checkpoint_id`` and moved there once every rank has
-        written its part, so a save that fails leaves the previous checkpoint there, whole
-        (:mod:`~autopipe.runtime.checkpoint_files`). Collective.
+        Written beside ``checkpoint_id`` and moved there once every rank has written, so a failed
+        save leaves the previous checkpoint whole (:mod:`~autopipe.runtime.checkpoint_files`). Collective.
 
         Raises:
-            CheckpointError: some rank could not write its part (every rank raises; the
-                previous checkpoint is untouched). UnwrittenTensorsError: a meta-device
-                tensor was never initialized or loaded.
+            CheckpointError: a rank could not write its part (on every rank; the previous
+                checkpoint stays). UnwrittenTensorsError: a meta tensor was never written.
 
         Example:
             >>> pipe.save_checkpoint("ckpt/100", opt)  # doctest: +SKIP
         """
-        self._refuse_placeholders("save a checkpoint")
+        self._inputs.refuse_placeholders("save a checkpoint", rank=self.rank, world_size=self.world_size)
         save_checkpoint(self._local, checkpoint_id, optimizer)
-
-    def _refuse_placeholders(self, what: str) -> None:
-        """Every rank raises while some rank still holds a meta-device tensor no init or load wrote."""
-        error: Exception | None = None
-        try:
-            self._inputs.check_written(before=f"you {what}")
-        except Exception as e:  # noqa: BLE001 - raised below, on every rank
-            error = e
-        raise_on_every_rank(error, rank=self.rank, world_size=self.world_size, what=what)
 
     def load_checkpoint(self, checkpoint_id: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Resume the model (and ``optimizer``) from a checkpoint of :meth:`save_checkpoint`.
@@ -645,7 +633,7 @@ class Pipeline(PipelineLifecycle):
             KeyError / ValueError: the checkpoint does not fit the model (named); on the other
                 ranks a RuntimeError.
             CheckpointError: the checkpoint is incomplete or damaged (a shard missing or short,
-                an unreadable ``.metadata``), or some rank could not read its part.
+                an unreadable ``.metadata``), or a rank could not read its part.
 
         Example:
             >>> opt = torch.optim.AdamW(pipe.parameters())  # doctest: +SKIP
