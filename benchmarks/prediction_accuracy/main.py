@@ -12,7 +12,7 @@ count this script
    devices=[Device(bandwidth=, latency_s=, action_overhead_s=)] * 2))``: the plan's own prediction, the
    loss (cross-entropy) charged to the last stage. With ``--plan-profile parent`` the plans
    are made from a profile this process takes alone, slowed by the measured slowdown of
-   ranks computing together (``Device(speed=1 / slowdown)``), as up to session 8;
+   ranks computing together (``Device(speed=1 / slowdown)``);
 2. runs every plan of the model as a real 2-rank :class:`autopipe.Pipeline` (gloo on
    127.0.0.1), all plans side by side in interleaved rounds, and takes the median step;
    then measures each rank's peak memory during one steady-state step with Adam
