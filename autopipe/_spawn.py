@@ -77,7 +77,7 @@ def finish_rank(out_dir: str, rank: int, result: tuple[str, Any]) -> NoReturn:
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.pipelining"]
 
 
-def _context() -> Any:
+def process_context() -> Any:
     """The forkserver context, its server preloading :data:`_PRELOAD`, on Linux; spawn elsewhere."""
     # macOS has a fork server too, but forking a process that has loaded its system
     # frameworks is not safe there (why Python defaults to spawn on macOS).
@@ -104,7 +104,7 @@ def spawn_ranks(
     prefix: str = "autopipe-ranks-",
 ) -> tuple[list[tuple[str, Any]], list[int], list[int | None]]:
     """Start ``target(*make_args(rank, port, out_dir))`` on ``world_size`` spawned processes."""
-    ctx = _context()
+    ctx = process_context()
     port = free_port()
     environ = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix=prefix) as out_dir:

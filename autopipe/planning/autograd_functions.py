@@ -11,9 +11,9 @@ Example:
     >>> class Model(torch.nn.Module):
     ...     def forward(self, x):
     ...         return Reverse.apply(x) * 2
-    >>> with functions_kept() as seen:
+    >>> with functions_kept():
     ...     program = torch.export.export(Model(), (torch.ones(2),))
-    >>> [cls.__name__ for cls in seen]
+    >>> [name.rsplit(".", 1)[-1] for name in kept_function_classes(program.graph)]
     ['Reverse']
     >>> x = torch.ones(2, requires_grad=True)
     >>> program.module()(x).sum().backward()
@@ -62,14 +62,15 @@ class _CallSite:
 
 _CALL_SITES: dict[str, _CallSite] = {}
 _OUT_SPECS: dict[str, Any] = {}  # how each key's outputs nest, learnt when it first runs
-_STATE = threading.local()  # .capturing: functions_kept depth; .running: inside a node's kernel
+_STATE = threading.local()  # .capturing: functions_kept depth in this thread; .running: inside a node's kernel
+_ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"]
+# Function.apply is patched while any thread captures; each thread decides for itself whether it does.
+_PATCH_LOCK = threading.Lock()
+_PATCH_USERS = 0
 
 
 def _original_apply(function: type, *args: Any) -> Any:
     return _ORIGINAL_APPLY.__func__(function, *args)
-
-
-_ORIGINAL_APPLY = torch.autograd.Function.__dict__["apply"]
 
 
 def _run_node(tensors: list[torch.Tensor], key: str) -> list[torch.Tensor]:
@@ -140,44 +141,37 @@ def _apply_as_node(function: type, *args: Any) -> Any:
     leaves, in_spec = pytree.tree_flatten(args)
     site = _CallSite(function, in_spec, tuple(_TENSOR if isinstance(x, torch.Tensor) else x for x in leaves))
     key = _key(site)
-    _STATE.seen.setdefault(function, None)
     outs = torch.ops.autopipe.autograd_function([x for x in leaves if isinstance(x, torch.Tensor)], key)
     return pytree.tree_unflatten(list(outs), _OUT_SPECS[key])
 
 
 @contextlib.contextmanager
-def functions_kept() -> Iterator[list[type]]:
+def functions_kept() -> Iterator[None]:
     """Within it, a traced custom ``autograd.Function`` becomes one node that runs the Function itself.
 
     Wrap every ``torch.export`` of a model that training will run (autopipe's trace and torch's
-    ``pipeline()`` alike). Functions of torch and of autopipe's runtime are left as they are.
-
-    Returns:
-        (as the ``with`` target) the Function classes captured, in first-use order, filled in as
-        the trace runs.
+    ``pipeline()`` alike). Functions of torch and of autopipe's runtime are left as they are;
+    :func:`kept_function_classes` names those a graph keeps.
 
     Example:
-        >>> with functions_kept() as seen:
-        ...     _ = torch.export.export(torch.nn.Linear(2, 2), (torch.ones(1, 2),))
-        >>> seen
+        >>> with functions_kept():
+        ...     program = torch.export.export(torch.nn.Linear(2, 2), (torch.ones(1, 2),))
+        >>> kept_function_classes(program.graph)
         []
     """
-    seen: dict[type, None] = {}
-    outer_seen = getattr(_STATE, "seen", None)
-    _STATE.seen = seen
+    global _PATCH_USERS
+    with _PATCH_LOCK:
+        _PATCH_USERS += 1
+        torch.autograd.Function.apply = classmethod(_apply_as_node)
     _STATE.capturing = getattr(_STATE, "capturing", 0) + 1
-    torch.autograd.Function.apply = classmethod(_apply_as_node)
-    found: list[type] = []
     try:
-        yield found
+        yield
     finally:
         _STATE.capturing -= 1
-        if not _STATE.capturing:
-            torch.autograd.Function.apply = _ORIGINAL_APPLY
-        _STATE.seen = outer_seen
-        found.extend(seen)
-        if outer_seen is not None:
-            outer_seen.update(seen)
+        with _PATCH_LOCK:
+            _PATCH_USERS -= 1
+            if not _PATCH_USERS:
+                torch.autograd.Function.apply = _ORIGINAL_APPLY
 
 
 def kept_function_classes(graph: torch.fx.Graph) -> list[str]:

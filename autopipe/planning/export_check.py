@@ -79,7 +79,8 @@ def _tolerance(dtype: torch.dtype) -> float:
     return _RELATIVE_TOLERANCE.get(dtype, _HALF_TOLERANCE)
 
 
-def _host_random_state() -> tuple:
+def host_random_state() -> tuple:
+    """NumPy's and Python's random generators' states, to tell whether something drew from them."""
     import numpy as np
 
     _, keys, pos, has_gauss, gauss = np.random.get_state()
@@ -113,12 +114,6 @@ class _SizeRecorder(fx.Interpreter):
                 if expr is not None and expr.is_Symbol:
                     self.sizes.setdefault(str(expr), int(real))
         return out
-
-
-@dataclass
-class _Run:
-    outputs: list[Any]
-    grads: list[torch.Tensor | None]
 
 
 def _gradients(outputs: list[Any], params: list[torch.nn.Parameter]) -> list[torch.Tensor | None]:
@@ -173,7 +168,7 @@ def compare_with_eager(model: torch.nn.Module, program: fx.GraphModule, example_
     saved_buffers = [(b, b.detach().clone()) for b in model.buffers()]
     device = _device_of(model)
     devices = [device] if device is not None and device.type == "cuda" else []
-    host_before = _host_random_state()
+    host_before = host_random_state()
     try:
         with torch.random.fork_rng(devices=devices), torch.set_grad_enabled(gradients):
             seed = torch.initial_seed() % (2 ** 31)
@@ -183,27 +178,27 @@ def compare_with_eager(model: torch.nn.Module, program: fx.GraphModule, example_
             result.unbacked_sizes = recorder.sizes
             if not gradients:
                 return result
-            traced_run = _Run(outputs, _gradients(outputs, params))
+            traced_grads = _gradients(outputs, params)
             for b, value in saved_buffers:
                 b.data.copy_(value)
             torch.manual_seed(seed)
             with hf_compat.training_config(model):
                 eager_out = pytree.tree_leaves(model(*example_args, **example_kwargs))
-            eager_run = _Run(eager_out, _gradients(eager_out, params))
+            eager_grads = _gradients(eager_out, params)
     except torch.OutOfMemoryError:
         result.skipped = "the device ran out of memory running the whole model on the example micro-batch"
         return result
     finally:
         for b, value in saved_buffers:
             b.data.copy_(value)
-    if _host_random_state() != host_before:
+    if host_random_state() != host_before:
         result.skipped = "the model draws random numbers with NumPy or Python (see FrozenRandomnessWarning)"
         return result
-    if [_shape(x) for x in traced_run.outputs] != [_shape(x) for x in eager_run.outputs]:
+    if [_shape(x) for x in outputs] != [_shape(x) for x in eager_out]:
         result.skipped = "the traced program returns other outputs than the model's forward"
         return result
     result.ran = True
-    for name, p, a, b in zip(names, params, traced_run.grads, eager_run.grads):
+    for name, p, a, b in zip(names, params, traced_grads, eager_grads):
         a = torch.zeros_like(p) if a is None else a
         b = torch.zeros_like(p) if b is None else b
         scale = max(a.abs().max().item(), b.abs().max().item()) if p.numel() else 0.0

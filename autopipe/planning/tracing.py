@@ -32,7 +32,8 @@ from torch.export import ExportedProgram
 from . import hf_compat
 from .autograd_functions import functions_kept, kept_function_classes
 from .data_dependent import unbacked_note, unbacked_sizes, unbacked_symbols, without_unbacked_cuts
-from .export_check import compare_with_eager, gradient_mismatch_message, gradients_checked_here
+from .export_check import (EagerComparison, compare_with_eager, gradient_mismatch_message, gradients_checked_here,
+                           host_random_state)
 from ..errors import ModelExportError, MissingExampleInputsError
 
 @dataclass(frozen=True)
@@ -170,7 +171,7 @@ def _own_error(error: BaseException) -> ModelExportError | None:
 
 
 @contextlib.contextmanager
-def export_guards(model: torch.nn.Module) -> Iterator[list[type]]:
+def export_guards(model: torch.nn.Module) -> Iterator[None]:
     """What every ``torch.export`` of a model for training runs under, autopipe's trace and ``pipeline()`` alike.
 
     A custom ``torch.autograd.Function`` stays one node with its own backward
@@ -178,17 +179,12 @@ def export_guards(model: torch.nn.Module) -> Iterator[list[type]]:
     (:func:`warn_if_host_randomness_is_frozen`). What export still changes is found after the
     capture, by :func:`autopipe.planning.export_check.compare_with_eager`.
 
-    Returns:
-        (as the ``with`` target) the Function classes kept, filled in when the block ends.
-
     Example:
-        >>> with export_guards(torch.nn.Identity()) as kept:
+        >>> with export_guards(torch.nn.Identity()):
         ...     _ = torch.export.export(torch.nn.Identity(), (torch.ones(1),))
-        >>> kept
-        []
     """
-    with warn_if_host_randomness_is_frozen(model), functions_kept() as kept:
-        yield kept
+    with warn_if_host_randomness_is_frozen(model), functions_kept():
+        yield
 
 
 class FrozenRandomnessWarning(UserWarning):
@@ -203,17 +199,9 @@ def warn_if_host_randomness_is_frozen(model: torch.nn.Module) -> Iterator[None]:
         >>> with warn_if_host_randomness_is_frozen(torch.nn.Identity()):
         ...     pass
     """
-    import random
-
-    import numpy as np
-
-    def states() -> tuple:
-        _, keys, pos, has_gauss, gauss = np.random.get_state()
-        return random.getstate(), keys.tobytes(), pos, has_gauss, gauss
-
-    before = states()
+    before = host_random_state()
     yield
-    if states() != before:
+    if host_random_state() != before:
         warnings.warn(
             f"{type(model).__name__}'s forward drew random numbers with NumPy or Python's random module while it "
             f"was traced: they are now constants of the graph, the same at every step (a random mask drawn this "
@@ -555,11 +543,14 @@ def _trace(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[st
     kept = kept_function_classes(exported.graph)
     if kept:
         notes.append(f"custom autograd Functions kept whole, each with its own backward: {', '.join(kept)}")
-    comparison = compare_with_eager(model, graph_module, args, kwargs, gradients=gradients_checked_here())
+    unbacked = unbacked_symbols(nodes)
+    checked = gradients_checked_here()
+    # One run serves both: the gradients against eager autograd's, and the sizes data-dependent symbols take.
+    comparison = compare_with_eager(model, graph_module, args, kwargs, gradients=checked) if checked or unbacked \
+        else EagerComparison(skipped="compared when the pipeline builds its stages")
     if comparison.differing:
         raise ModelExportError(gradient_mismatch_message(type(model).__name__, comparison, kept),
                                kind="gradient-mismatch")
-    unbacked = unbacked_symbols(nodes)
     sizes: dict[str, int] = {}
     if unbacked:
         sizes = unbacked_sizes(model, unbacked, comparison.unbacked_sizes, exported)
