@@ -21,9 +21,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ORDER = ("planner_scaling", "trace_profile", "split_quality", "split_quality_sim", "real_steps", "prediction_accuracy", "precision",
          "runtime_overhead", "schedule_memory")
-# Not timings but a behaviour counted over many runs (clean_exit: 100 launches, ~20-40 min):
-# run only when named with --only.
-ON_REQUEST = ("clean_exit",)
+# Not timings but a behaviour counted over many runs (clean_exit: 100 launches, ~20-40 min;
+# retrace_memory: 1,000 steps each tracing the stages again, ~30 min): run only when named with --only.
+ON_REQUEST = ("clean_exit", "retrace_memory")
 
 
 def main(argv: list[str] | None = None) -> int:

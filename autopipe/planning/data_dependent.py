@@ -6,7 +6,7 @@ Example:
     ...         return x[x > 0] * 2
     >>> program = torch.export.export(Positive(), (torch.randn(5),))
     >>> unbacked_note({"u0"}, unbacked_sizes(Positive(), {"u0"}, {}, program), {})
-    'data-dependent sizes counted as: u0 = 5 (its upper bound)'
+    'data-dependent sizes counted as: u0 = 5 (their upper bound)'
 """
 
 from __future__ import annotations
@@ -68,10 +68,32 @@ def unbacked_sizes(model: torch.nn.Module, symbols: set[str], measured: Mapping[
 
 
 def unbacked_note(symbols: set[str], sizes: Mapping[str, int], measured: Mapping[str, int]) -> str:
-    """The plan's note on how each data-dependent size was counted."""
-    parts = [f"{name} = {sizes[name]} ({'on the example micro-batch' if name in measured else 'its upper bound'})"
-             for name in sorted(symbols, key=lambda n: (len(n), n))]
-    return f"data-dependent sizes counted as: {', '.join(parts)}"
+    """The plan's note on how the data-dependent sizes were counted (a range where there are many).
+
+    Example:
+        >>> unbacked_note({"u0", "u1"}, {"u0": 3, "u1": 5}, {"u0": 3, "u1": 5})
+        'data-dependent sizes counted as: u0 = 3, u1 = 5 (on the example micro-batch)'
+    """
+    ordered = sorted(symbols, key=lambda n: (len(n), n))
+    groups = []
+    for how, names in (("on the example micro-batch", [n for n in ordered if n in measured]),
+                       ("their upper bound", [n for n in ordered if n not in measured])):
+        if not names:
+            continue
+        if len(names) <= 4:
+            listed = ", ".join(f"{n} = {sizes[n]}" for n in names)
+        else:
+            values = [sizes[n] for n in names]
+            listed = f"{len(names)} sizes ({names[0]} to {names[-1]}) from {min(values)} to {max(values)}"
+        groups.append(f"{listed} ({how})")
+    return f"data-dependent sizes counted as: {'; '.join(groups)}"
+
+
+def excluded_note(excluded: Mapping[str, str]) -> str:
+    """The plan's note naming the split points a data-dependent tensor rules out (the first few, and how many)."""
+    names = list(excluded)
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more (TracedModel.excluded_cuts)" if len(names) > 3 else "")
+    return f"split points not offered, as a tensor of data-dependent size would cross them: {shown}"
 
 
 def without_unbacked_cuts(nodes: Sequence[fx.Node], candidates: list[SplitCandidate]

@@ -31,7 +31,7 @@ from torch.export import ExportedProgram
 
 from . import hf_compat
 from .autograd_functions import functions_kept, kept_function_classes
-from .data_dependent import unbacked_note, unbacked_sizes, unbacked_symbols, without_unbacked_cuts
+from .data_dependent import excluded_note, unbacked_note, unbacked_sizes, unbacked_symbols, without_unbacked_cuts
 from .export_check import (EagerComparison, compare_with_eager, gradient_mismatch_message, gradients_checked_here,
                            host_random_state)
 from ..errors import ModelExportError, MissingExampleInputsError
@@ -557,8 +557,7 @@ def _trace(model: torch.nn.Module, example_args: Any, example_kwargs: Mapping[st
         notes.append(unbacked_note(unbacked, sizes, comparison.unbacked_sizes))
         candidates, excluded = without_unbacked_cuts(nodes, candidates)
         if excluded:
-            notes.append(f"split points not offered, as a tensor of data-dependent size would cross them: "
-                         f"{', '.join(excluded)}")
+            notes.append(excluded_note(excluded))
     else:
         excluded = {}
     segments = _build_segments(nodes, candidates, exported)

@@ -8,7 +8,7 @@ keeps in ``linecache`` after every cycle. Flat after the first cycles means re-t
 what they make.
 
     python benchmarks/retrace_memory/main.py                    # 1,000 steps (50 cycles)
-    python benchmarks/retrace_memory/main.py --steps 100        # a short check
+    python benchmarks/retrace_memory/main.py --quick            # 100 steps, a short check
 
 Writes ``results.json`` beside this file (``--out`` elsewhere).
 """
@@ -66,9 +66,12 @@ def worker(rank: int, world: int, job: dict) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--quick", action="store_true", help="100 steps (5 cycles)")
     parser.add_argument("--lengths", type=int, default=20, help="distinct sequence lengths cycled through")
     parser.add_argument("--out", default=str(HERE / "results.json"))
     args = parser.parse_args()
+    if args.quick:
+        args.steps = 100
     lengths = [8 + k for k in range(args.lengths)]
     per_rank = run_world(worker, 2, {"steps": args.steps, "lengths": lengths}, timeout_s=6 * 3600,
                          pg_timeout_s=300)
