@@ -20,12 +20,12 @@ import _save_failure_workers as workers
 
 
 def _saved(folder: str, value: float) -> None:
-    save_replacing({"w": torch.full((4,), value)}, folder, rank=0, world_size=1)
+    save_replacing(lambda: {"w": torch.full((4,), value)}, folder, rank=0, world_size=1)
 
 
 def _read(folder: str) -> torch.Tensor:
     state = {"w": torch.zeros(4)}
-    load_into(state, folder)
+    load_into(state, checkpoint_to_read(folder)[0])
     return state["w"]
 
 

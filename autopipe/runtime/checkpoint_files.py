@@ -3,8 +3,8 @@
 Example:
     >>> import tempfile
     >>> folder = tempfile.mkdtemp()
-    >>> save_replacing({"w": torch.ones(2)}, f"{folder}/ckpt", rank=0, world_size=1)
-    >>> sorted(os.listdir(folder)), checkpoint_to_read(f"{folder}/ckpt") == f"{folder}/ckpt"
+    >>> save_replacing(lambda: {"w": torch.ones(2)}, f"{folder}/ckpt", rank=0, world_size=1)
+    >>> sorted(os.listdir(folder)), checkpoint_to_read(f"{folder}/ckpt")[0] == f"{folder}/ckpt"
     (['ckpt'], True)
 """
 
@@ -14,7 +14,7 @@ import contextlib
 import os
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -64,8 +64,8 @@ def checkpoint_errors(what: str) -> Iterator[None]:
         raise CheckpointError(f"could not {what}: {_torch_failure_text(e)}") from e
 
 
-def check_complete(path: str | os.PathLike) -> None:
-    """Raise :class:`~autopipe.errors.CheckpointError` unless every file ``path``'s ``.metadata`` indexes is there, whole.
+def check_complete(path: str | os.PathLike) -> Any:
+    """``path``'s DCP ``Metadata``, once every file it indexes is there, whole; else :class:`~autopipe.errors.CheckpointError`.
 
     Example:
         >>> import tempfile
@@ -97,10 +97,11 @@ def check_complete(path: str | os.PathLike) -> None:
             found = "is missing" if size is None else f"has {size} bytes where its index needs {end}"
             raise CheckpointError(f"checkpoint {path!r} is incomplete: {name} {found}. Its save was cut short or "
                                   f"the folder was copied in part; load an earlier checkpoint.")
+    return metadata
 
 
-def checkpoint_to_read(target: str | os.PathLike) -> str:
-    """The folder to load for ``target``: itself, or what a save cut between its two moves left.
+def checkpoint_to_read(target: str | os.PathLike) -> tuple[str, Any]:
+    """The folder to load for ``target`` (itself, or what a save cut between its two moves left), and its ``Metadata``.
 
     Raises:
         CheckpointError: nothing whole to load (a missing folder, or an incomplete one, named).
@@ -114,15 +115,16 @@ def checkpoint_to_read(target: str | os.PathLike) -> str:
             target = previous  # the old one was moved aside, the new one never finished
         else:
             raise CheckpointError(f"checkpoint_id={target!r} does not exist")
-    check_complete(target)
-    return target
+    return target, check_complete(target)
 
 
-def save_replacing(state: dict[str, Any], target: str | os.PathLike, *, rank: int, world_size: int) -> None:
-    """``dcp.save(state)`` to ``target`` so that any failure leaves the previous checkpoint there, whole. Collective.
+def save_replacing(gather: Callable[[], dict[str, Any]], target: str | os.PathLike, *, rank: int,
+                   world_size: int) -> None:
+    """``dcp.save(gather())`` to ``target`` so that any failure leaves the previous checkpoint there, whole. Collective.
 
     Args:
-        state: this rank's part of the checkpoint, as ``dcp.save`` takes it.
+        gather: makes this rank's part of the checkpoint, as ``dcp.save`` takes it; called before
+            anything is written, and a rank it fails on stops every rank.
         target: the checkpoint's folder.
         rank / world_size: this rank, and the ranks that save together.
 
@@ -134,13 +136,17 @@ def save_replacing(state: dict[str, Any], target: str | os.PathLike, *, rank: in
     target = os.fspath(target)
     partial, previous = target + PARTIAL_SUFFIX, target + PREVIOUS_SUFFIX
     error: BaseException | None = None
-    if rank == 0:
-        try:
-            if os.path.exists(partial):
+    state: dict[str, Any] = {}
+    try:
+        state = gather()
+        if rank == 0 and os.path.exists(partial):
+            try:
                 shutil.rmtree(partial)
-        except OSError as e:
-            error = CheckpointError(f"could not clear {partial!r}, left by an earlier save: {e}")
-    _agree(error, rank, world_size, "prepare the checkpoint folder")
+            except OSError as e:
+                raise CheckpointError(f"could not clear {partial!r}, left by an earlier save: {e}") from e
+    except Exception as e:  # noqa: BLE001 - raised below, on every rank
+        error = e
+    _agree(error, rank, world_size, "prepare its part of the checkpoint")
     with checkpoint_errors(f"save the checkpoint {target!r} (the previous one there is untouched)"), _alone_quietly():
         dcp.save(state, checkpoint_id=partial, no_dist=not dist.is_initialized())
     if rank == 0:
@@ -175,10 +181,10 @@ def _agree(error: BaseException | None, rank: int, world_size: int, what: str) -
         raise error
 
 
-def load_into(state: dict[str, Any], target: str | os.PathLike) -> None:
-    """``dcp.load(state)`` from the folder :func:`checkpoint_to_read` finds; errors as ``CheckpointError``."""
+def load_into(state: dict[str, Any], path: str | os.PathLike) -> None:
+    """``dcp.load(state)`` from ``path``, a folder :func:`checkpoint_to_read` gave; errors as ``CheckpointError``."""
     import torch.distributed.checkpoint as dcp
 
-    path = checkpoint_to_read(target)
+    path = os.fspath(path)
     with checkpoint_errors(f"load the checkpoint {path!r}"), _alone_quietly():
         dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())

@@ -29,7 +29,6 @@ from .sharded_state import (RankState, load_model_state_dict, load_optimizer_sta
                             optimizer_state_dict, read_checkpoint, save_checkpoint)
 from .model_state import clip_grad_norm, full_state_dict, grads_before, sum_shared_grads
 from .plan_setup import PlanRequest, check_model_and_inputs, check_ranks_agree_on_inputs, settle_plan
-from .compat import generated_source_recorded
 from .shapes import ShapeVariants
 from .stage_timer import StageTimer, gather_stage_times
 from .stages import MicrobatchMeanLoss, build_rank_stages, compile_options, make_schedule
@@ -200,17 +199,15 @@ class Pipeline(PipelineLifecycle):
                              "with GPipe, 1F1B, Interleaved1F1B or LoopedBFS")
 
         # ---- 4. build this rank's stages from a private copy of the model
-        with generated_source_recorded() as generated:
-            built = build_rank_stages(
-                model, self.plan, schedule=self.schedule, n_microbatches=self.n_microbatches,
-                stage_ranks=self.stage_ranks, rank=self.rank, world_size=self.world_size, device=self.device,
-                example=(tuple(example_args), dict(example_kwargs or {})), training=self.training,
-                checkpointed=resolve_recompute(request.planner.recompute, self.num_stages, self.plan.recompute_stages),
-                init_weights=init_weights, weights=weights, pp_rank=self.pp_rank,
-                replicas=dp.replicas if dp else None, pp_group=dp.pp_group if dp else None,
-                mixed_precision=self.mixed_precision,
-                compile_options=compiled)
-        built.generated_source = generated
+        built = build_rank_stages(
+            model, self.plan, schedule=self.schedule, n_microbatches=self.n_microbatches,
+            stage_ranks=self.stage_ranks, rank=self.rank, world_size=self.world_size, device=self.device,
+            example=(tuple(example_args), dict(example_kwargs or {})), training=self.training,
+            checkpointed=resolve_recompute(request.planner.recompute, self.num_stages, self.plan.recompute_stages),
+            init_weights=init_weights, weights=weights, pp_rank=self.pp_rank,
+            replicas=dp.replicas if dp else None, pp_group=dp.pp_group if dp else None,
+            mixed_precision=self.mixed_precision,
+            compile_options=compiled)
         if dp:
             prepare_replicas(dp, built, self.schedule, self.mixed_precision)
         self._batch = built.batch

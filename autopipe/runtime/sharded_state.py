@@ -13,7 +13,7 @@ import torch.nn as nn
 from .._checks import listed
 from .checkpoint_files import checkpoint_to_read, load_into, save_replacing
 from .distributed import raise_on_every_rank
-from .materialize import check_state_fits, read_dcp_metadata
+from .materialize import check_state_fits
 from .model_state import load_local_state
 from .params import StateNames
 
@@ -195,14 +195,8 @@ def save_checkpoint(local: RankState, checkpoint_id: str | os.PathLike,
                     optimizer: torch.optim.Optimizer | None = None) -> None:
     """``dcp.save`` of ``{"model": model_state_dict(local), "optim": optimizer_state_dict(local, optimizer)}``,
     written beside the target and swapped in once every rank wrote (:func:`~autopipe.runtime.checkpoint_files.save_replacing`)."""
-    error: Exception | None = None
-    state: dict[str, Any] = {}
-    try:  # every rank has its part ready before any writes: a rank failing here leaves none waiting
-        state = _checkpoint_state(local, optimizer)
-    except Exception as e:  # noqa: BLE001 - raised below, on every rank
-        error = e
-    raise_on_every_rank(error, rank=local.rank, world_size=local.world_size, what="gather its part of the checkpoint")
-    save_replacing(state, checkpoint_id, rank=local.rank, world_size=local.world_size)
+    save_replacing(lambda: _checkpoint_state(local, optimizer), checkpoint_id, rank=local.rank,
+                   world_size=local.world_size)
 
 
 def read_checkpoint(local: RankState, checkpoint_id: str | os.PathLike,
@@ -212,8 +206,8 @@ def read_checkpoint(local: RankState, checkpoint_id: str | os.PathLike,
 
     error: Exception | None = None
     try:
-        path = checkpoint_to_read(checkpoint_id)
-        stored = read_dcp_metadata(path, "checkpoint_id").state_dict_metadata
+        path, metadata = checkpoint_to_read(checkpoint_id)
+        stored = metadata.state_dict_metadata
         model = {k[len("model."):]: tuple(m.size) for k, m in stored.items()
                  if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
         check_state_fits(model, local.names, f"checkpoint {os.fspath(checkpoint_id)!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import inspect
 from collections.abc import Callable, Mapping, Sequence
@@ -218,6 +219,19 @@ class Retrace:
     compile_options: dict[str, Any] | None
 
 
+def _generated_source_kept_with(build: Callable[..., RankStages]) -> Callable[..., RankStages]:
+    """``build``, the source torch.fx generates while it runs recorded on the stages it returns, to drop with them."""
+    @functools.wraps(build)
+    def recorded(*args: Any, **kwargs: Any) -> RankStages:
+        with generated_source_recorded() as keys:
+            built = build(*args, **kwargs)
+        built.generated_source = keys
+        return built
+
+    return recorded
+
+
+@_generated_source_kept_with
 def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbatches: int, stage_ranks: list[int],
                       rank: int, world_size: int, device: torch.device, example: tuple[tuple, dict],
                       training: bool, checkpointed: Sequence[int],
@@ -368,6 +382,7 @@ def _ready_to_run(train_modules: Mapping[int, nn.Module], eval_modules: Mapping[
     return train_stages
 
 
+@_generated_source_kept_with
 def retrace_rank_stages(r: Retrace, batch: TracedBatch, dims: tuple[int, ...]) -> RankStages:
     """This rank's stages traced again for inputs whose dimensions after the rows are ``dims``.
 
@@ -375,13 +390,6 @@ def retrace_rank_stages(r: Retrace, batch: TracedBatch, dims: tuple[int, ...]) -
     parameter and buffer of the new stage modules is the tensor the first stages hold, so
     gradients and optimizer steps reach the same parameters whatever shape a call has.
     """
-    with generated_source_recorded() as keys:
-        built = _retrace_rank_stages(r, batch, dims)
-    built.generated_source = keys
-    return built
-
-
-def _retrace_rank_stages(r: Retrace, batch: TracedBatch, dims: tuple[int, ...]) -> RankStages:
     example = batch.meta_example(dims)
     train_pipe = split_model(r.model, r.split_spec, example, training=True, expected=r.num_stages,
                              autocast=r.autocast)
