@@ -28,6 +28,7 @@ class Accelerator:
     memory: str
     link: str  # the usual link to a neighbour in the same node (a key of LINKS)
     source: str
+    memory_bandwidth: float = 0.0  # bytes/s of the device memory (HBM)
 
 
 # Message latencies are an order of magnitude for one NCCL point-to-point send, not a
@@ -43,11 +44,11 @@ LINKS: dict[str, Link] = {
 
 ACCELERATORS: dict[str, Accelerator] = {
     "A100": Accelerator({"bf16": 312e12, "fp16": 312e12, "fp32": 156e12}, "80GB", "nvlink3",
-                        "NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB)"),
-    "H100": Accelerator({"bf16": 989e12, "fp16": 989e12, "fp32": 494e12}, "80GB", "nvlink4",
-                        "NVIDIA H100 Tensor Core GPU data sheet (SXM5)"),
-    "H200": Accelerator({"bf16": 989e12, "fp16": 989e12, "fp32": 494e12}, "141GB", "nvlink4",
-                        "NVIDIA H200 Tensor Core GPU data sheet (SXM)"),
+                        "NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB)", memory_bandwidth=2.039e12),
+    "H100": Accelerator({"bf16": 989e12, "fp16": 989e12, "fp32": 494e12, "fp8": 1979e12}, "80GB", "nvlink4",
+                        "NVIDIA H100 Tensor Core GPU data sheet (SXM5)", memory_bandwidth=3.35e12),
+    "H200": Accelerator({"bf16": 989e12, "fp16": 989e12, "fp32": 494e12, "fp8": 1979e12}, "141GB", "nvlink4",
+                        "NVIDIA H200 Tensor Core GPU data sheet (SXM)", memory_bandwidth=4.8e12),
 }
 
 #: Share of the peak FLOP rate a large training run reaches (its model FLOPs utilization).

@@ -1,0 +1,325 @@
+"""A layout's training step on N GPUs: time, memory per GPU and what limits it.
+
+A :class:`Layout` fixes every choice a user makes for a Transformer at scale: the tensor-,
+pipeline- and data-parallel degrees (``tp x pp x dp`` GPUs), the micro-batch size and the
+global batch (so the micro-batch count), the schedule and its virtual stages, which blocks
+checkpoint how, sequence parallelism, how data parallelism keeps its state (replicated,
+ZeRO-1, FSDP) and the precision options. :func:`predict_step` charges it on a
+:class:`~autopipe.layouts.gpu.GpuCosts`:
+
+- each rank's forward and backward per micro-batch: its blocks (:mod:`.blocks`), and the
+  embedding or the output layer and loss on the first and last rank; recomputation in the
+  backward; tensor-parallel collectives on the critical path (half hidden with async TP);
+  the sends to the pipeline neighbours;
+- the schedule: ``m`` micro-batches through ``p`` ranks take ``m x slowest + (p - 1) / v x
+  mean`` (1F1B and GPipe: ``v = 1``; Interleaved 1F1B with ``v`` stages per rank);
+- data parallelism: gradients all-reduced (replicate), reduce-scattered with parameters
+  all-gathered (ZeRO-1, FSDP), hidden behind the backward where the runtime overlaps them;
+- the optimizer step, memory-bound over the rank's shard of the parameters.
+
+Ranks are ordered tensor-parallel first, then data-parallel, then pipeline (Megatron-LM's
+and torchtitan's order), so a tensor-parallel group shares a node whenever ``tp <=
+gpus_per_node``.
+
+Example:
+    >>> from autopipe.layouts.shapes import TransformerShape
+    >>> from autopipe.layouts.gpu import GpuCosts
+    >>> from autopipe.machine.topology import Topology
+    >>> gpu = GpuCosts("H100", Topology(gpus_per_node=8))
+    >>> shape = TransformerShape.named("llama3-8b")
+    >>> p = predict_step(shape, Layout(dp=8, micro_batch=2, global_batch=16, dp_mode="fsdp",
+    ...                                recompute="selective"), gpu)
+    >>> p.tokens_per_s_per_gpu > 0 and p.memory_bytes < 80e9
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from .._checks import check_choice, check_int
+from .blocks import (RECOMPUTE_MODES, activation_bytes, block_matmuls, block_params_per_rank, head_flops_per_token,
+                     attention_flops_per_token, memory_bound_bytes, tp_collectives, tp_divides)
+from .gpu import GpuCosts
+from .shapes import TransformerShape
+
+LAYOUT_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
+DP_MODES = ("replicate", "zero1", "fsdp")
+#: Bytes of state per parameter beside the bf16/fp16 weight, by data-parallel mode: an fp32
+#: gradient, an fp32 master copy and Adam's two fp32 moments (Megatron-LM's mixed precision).
+GRAD_BYTES, MASTER_AND_ADAM_BYTES = 4, 12
+#: Bytes the optimizer step reads and writes per parameter it updates (master, moments,
+#: gradient in fp32; the new low-precision weight).
+OPTIMIZER_STEP_BYTES = 30
+#: Memory every rank holds beyond the model: the CUDA context, NCCL's buffers, allocator slack.
+RESERVED_BYTES = 3e9
+#: Share of the tensor-parallel collectives left on the critical path with async TP
+#: (torchtitan's micro-pipelined all-gather and reduce-scatter): stated, not fitted.
+ASYNC_TP_EXPOSED = 0.5
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Every choice of a training layout on ``tp * pp * dp`` GPUs.
+
+    Args:
+        tp, pp, dp: tensor-, pipeline- and data-parallel degrees.
+        micro_batch: sequences per micro-batch.
+        global_batch: sequences per step, over all data-parallel ranks.
+        schedule: one of :data:`LAYOUT_SCHEDULES`.
+        virtual_stages: stages per pipeline rank (Interleaved1F1B; 1 otherwise).
+        recompute: the checkpointing mode of checkpointed blocks (see
+            :data:`~autopipe.layouts.blocks.RECOMPUTE_MODES`).
+        recompute_layers: blocks per pipeline rank that checkpoint (Megatron-LM's
+            ``--recompute-num-layers``); None = all of them.
+        sequence_parallel: norms and dropouts sharded along the sequence over tp.
+        dp_mode: ``"replicate"``, ``"zero1"`` (optimizer state sharded over dp) or
+            ``"fsdp"`` (parameters, gradients and optimizer state sharded).
+        overlap_dp: the runtime overlaps gradient reduction with the backward.
+        flash: a fused attention kernel (no ``seq x seq`` scores kept).
+        float8: GEMMs of the blocks in float8.
+        compiled: stages compiled (element-wise chains fused).
+        async_tp: tensor-parallel collectives micro-pipelined with the GEMMs.
+
+    Raises:
+        ValueError: a degree or size that is not a positive integer, or an unknown choice.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch: int = 1
+    global_batch: int = 1
+    schedule: str = "1F1B"
+    virtual_stages: int = 1
+    recompute: str = "none"
+    recompute_layers: int | None = None
+    sequence_parallel: bool = False
+    dp_mode: str = "replicate"
+    overlap_dp: bool = True
+    flash: bool = True
+    float8: bool = False
+    compiled: bool = False
+    async_tp: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp", "micro_batch", "global_batch", "virtual_stages"):
+            check_int(f"Layout {name}", getattr(self, name))
+        check_choice("Layout schedule", self.schedule, LAYOUT_SCHEDULES)
+        check_choice("Layout recompute", self.recompute, RECOMPUTE_MODES)
+        check_choice("Layout dp_mode", self.dp_mode, DP_MODES)
+        if self.recompute_layers is not None:
+            check_int("Layout recompute_layers", self.recompute_layers, minimum=0)
+        if self.virtual_stages > 1 and self.schedule != "Interleaved1F1B":
+            raise ValueError(f"Layout virtual_stages={self.virtual_stages} needs schedule='Interleaved1F1B', "
+                             f"not {self.schedule!r}")
+        if self.global_batch % (self.dp * self.micro_batch):
+            raise ValueError(f"Layout global_batch={self.global_batch} must divide by dp x micro_batch = "
+                             f"{self.dp} x {self.micro_batch}")
+
+    @property
+    def n_gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def n_microbatches(self) -> int:
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    def describe(self) -> str:
+        """One line: ``tp 8 x pp 2 x dp 4, micro-batch 1 x 64, 1F1B, full AC``."""
+        parts = [f"tp {self.tp} x pp {self.pp} x dp {self.dp}" + (f" ({self.dp_mode})" if self.dp > 1 else ""),
+                 f"micro-batch {self.micro_batch} x {self.n_microbatches}",
+                 self.schedule + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")]
+        if self.recompute != "none":
+            some = "" if self.recompute_layers is None else f" on {self.recompute_layers} blocks/rank"
+            parts.append(f"{self.recompute} AC{some}")
+        parts += [flag for flag, on in (("SP", self.sequence_parallel), ("fp8", self.float8),
+                                        ("compiled", self.compiled), ("async TP", self.async_tp)) if on]
+        return ", ".join(parts)
+
+
+@dataclass
+class StepPrediction:
+    """What :func:`predict_step` charges a layout: seconds, bytes and their parts."""
+
+    layout: Layout
+    step_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float  # model FLOPs (6 N + attention, no recomputation) per second over the dense peak
+    memory_bytes: float  # on the fullest rank
+    parts_s: dict[str, float] = field(default_factory=dict)  # compute, recompute, tp_comm, pp_comm, bubble, dp_comm, optimizer
+    memory_parts: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"layout": asdict(self.layout), "describe": self.layout.describe(), "step_s": self.step_s,
+                "tokens_per_s_per_gpu": self.tokens_per_s_per_gpu, "mfu": self.mfu,
+                "memory_bytes": self.memory_bytes, "parts_s": dict(self.parts_s),
+                "memory_parts": dict(self.memory_parts)}
+
+
+def layout_problem(shape: TransformerShape, layout: Layout, gpus_per_node: int) -> str | None:
+    """None when ``layout`` can run ``shape``, else why not (a sentence naming the degree)."""
+    if layout.tp > 1:
+        why = tp_divides(shape, layout.tp)
+        if why:
+            return why
+    if layout.tp > gpus_per_node:
+        return f"tp={layout.tp} spans more than one node of {gpus_per_node} GPUs"
+    chunks = layout.pp * layout.virtual_stages
+    if chunks > shape.layers:
+        return f"pp x virtual stages = {chunks} exceeds the {shape.layers} blocks"
+    return None
+
+
+def model_flops_per_token(shape: TransformerShape) -> float:
+    """Training FLOPs per token without recomputation: 6 x matrix parameters (output layer
+    included) plus the attention core's 12 x layers x hidden x seq_len (no causal discount,
+    as torchtitan and the Llama 3 paper count MFU)."""
+    matrix = shape.layers * sum(m.out_features * m.in_features for m in block_matmuls(shape))
+    return 6.0 * (matrix + shape.vocab * shape.hidden) + 12.0 * shape.layers * shape.hidden * shape.seq_len
+
+
+def _block_times(shape: TransformerShape, layout: Layout, gpu: GpuCosts, tokens: int) -> dict[str, float]:
+    """Seconds of one block for one micro-batch: forward compute, backward compute, its
+    recomputation (full and selective), and its tensor-parallel collectives."""
+    t = layout.tp
+    fwd_mm = sum(gpu.gemm_s(tokens, *m.shape_at(t), fp8=layout.float8) for m in block_matmuls(shape))
+    if layout.float8:  # casts of each GEMM's activation input to float8 (read bf16, write fp8) and amax
+        fwd_mm += gpu.memory_s(sum(3.0 * tokens * m.shape_at(t)[1] for m in block_matmuls(shape)))
+    if layout.flash:
+        attn_f = gpu.flash_attention_s(tokens * attention_flops_per_token(shape, t, causal_skip=True))
+        attn_b = 2.5 * attn_f  # the backward recomputes the scores: 5 GEMM-sized passes to the forward's 2
+    else:  # scores materialized: batched GEMMs at the GEMM rate, softmax and mask over the scores
+        scores = tokens * shape.heads / t * shape.seq_len * gpu.dtype_bytes
+        attn_f = tokens * attention_flops_per_token(shape, t, causal_skip=False) / gpu.gemm_rate() \
+            + gpu.memory_s(4 * scores)
+        attn_b = 2 * attn_f
+    elementwise = gpu.memory_s(tokens * memory_bound_bytes(shape, t, sequence_parallel=layout.sequence_parallel,
+                                                           dtype_bytes=gpu.dtype_bytes))
+    if layout.compiled:
+        elementwise *= gpu.efficiency.compiled_memory
+    fwd = fwd_mm + attn_f + elementwise
+    bwd = 2 * fwd_mm + attn_b + 2 * elementwise
+    # Selective recomputation re-runs the cheap part: the attention core of a GPT block
+    # (Korthikanti et al.), the element-wise ops of a Llama block (torchtitan's op-level AC).
+    selective = (attn_f + elementwise) if shape.kind == "gpt" else elementwise
+    message = tokens * shape.hidden * gpu.dtype_bytes
+    one = gpu.allreduce_s(message, t, crosses_nodes=t > gpu.topology.gpus_per_node)
+    exposed = ASYNC_TP_EXPOSED if layout.async_tp else 1.0
+    return {"fwd": fwd, "bwd": bwd, "full": fwd, "selective": selective, "tp_collective_s": one * exposed}
+
+
+def predict_step(shape: TransformerShape, layout: Layout, gpu: GpuCosts) -> StepPrediction:
+    """Charge one training step of ``shape`` under ``layout`` on ``gpu``'s cluster.
+
+    Args:
+        shape: the model.
+        layout: every degree and option (see :class:`Layout`).
+        gpu: the accelerator, its links and the efficiency shares.
+
+    Returns:
+        A :class:`StepPrediction`: step seconds with their parts, tokens/s per GPU, MFU,
+        and the bytes of the fullest rank with their parts.
+
+    Raises:
+        ValueError: a layout that cannot run ``shape`` (:func:`layout_problem` says why).
+    """
+    why = layout_problem(shape, layout, gpu.topology.gpus_per_node)
+    if why:
+        raise ValueError(f"predict_step layout={layout.describe()!r} cannot run {shape.name or 'the model'}: {why}")
+    t, p, d, v = layout.tp, layout.pp, layout.dp, layout.virtual_stages
+    m = layout.n_microbatches
+    tokens = layout.micro_batch * shape.seq_len
+    node = gpu.topology.gpus_per_node
+    blk = _block_times(shape, layout, gpu, tokens)
+    blocks = math.ceil(shape.layers / (p * v)) * v  # on the fullest rank
+    checkpointed = blocks if layout.recompute_layers is None else min(layout.recompute_layers, blocks)
+    recompute_mode = layout.recompute
+    recompute_s = checkpointed * blk[recompute_mode] if recompute_mode != "none" else 0.0
+    collectives = tp_collectives(t, recompute="none")
+    tp_fwd = blocks * collectives["forward"] * blk["tp_collective_s"]
+    tp_bwd = blocks * collectives["backward"] * blk["tp_collective_s"]
+    if recompute_mode == "full":
+        tp_bwd += checkpointed * collectives["forward"] * blk["tp_collective_s"]
+
+    # The output layer and its loss (last rank): a vocabulary-sharded GEMM and the softmax over it.
+    head_f = gpu.gemm_s(tokens, shape.vocab / t, shape.hidden) + gpu.memory_s(tokens * shape.vocab / t * 4 * 3)
+    head_b = 2 * head_f
+    # Sends to the pipeline neighbours: one activation per micro-batch and stage boundary each way,
+    # split over the tensor-parallel ranks (Megatron's scatter-gather); crossing nodes when a
+    # pipeline neighbour is tp x dp ranks away.
+    send = 0.0
+    if p > 1:
+        send = v * gpu.send_s(tokens * shape.hidden * gpu.dtype_bytes / t, crosses_nodes=t * d >= node)
+    fwd_body = blocks * blk["fwd"] + tp_fwd + send
+    bwd_body = blocks * blk["bwd"] + recompute_s + tp_bwd + send
+    last = fwd_body + bwd_body + head_f + head_b
+    mean = (p * (fwd_body + bwd_body) + head_f + head_b) / p
+    pipeline_s = m * last + (p - 1) / v * mean
+
+    # Data parallelism over the rank's parameters.
+    params = blocks * block_params_per_rank(shape, t) + shape.vocab * shape.hidden / t
+    dp_cross = t * d > node
+    dp_s = 0.0
+    if d > 1:
+        if layout.dp_mode == "replicate":
+            dp_s = gpu.allreduce_s(params * GRAD_BYTES, d, crosses_nodes=dp_cross)
+        else:
+            gathers = 1 if layout.dp_mode == "zero1" or p > 1 else 2  # FSDP re-gathers for the backward
+            dp_s = gpu.allgather_s(params * gpu.dtype_bytes, d, crosses_nodes=dp_cross) * gathers \
+                + gpu.allgather_s(params * GRAD_BYTES, d, crosses_nodes=dp_cross)
+    if layout.overlap_dp and d > 1:
+        # Hidden behind the compute it overlaps (the step's backward; FSDP also the forward),
+        # but for one block's share, which waits on the first gather or the last reduction.
+        window = m * (bwd_body + (fwd_body if layout.dp_mode == "fsdp" else 0.0))
+        dp_exposed = max(dp_s - window, dp_s / max(blocks, 1))
+    else:
+        dp_exposed = dp_s
+    sharded_state = d if layout.dp_mode in ("zero1", "fsdp") else 1
+    optimizer_s = gpu.memory_s(params / sharded_state * OPTIMIZER_STEP_BYTES)
+    step_s = pipeline_s + dp_exposed + optimizer_s
+
+    compute = m * (blocks * (blk["fwd"] + blk["bwd"]) + head_f + head_b)
+    parts = {"compute": compute, "recompute": m * recompute_s, "tp_comm": m * (tp_fwd + tp_bwd),
+             "pp_comm": m * 2 * send, "bubble": pipeline_s - m * last, "dp_comm": dp_exposed, "optimizer": optimizer_s}
+    memory = _memory(shape, layout, params, blocks, checkpointed, tokens, gpu)
+    tokens_per_s = layout.global_batch * shape.seq_len / step_s / layout.n_gpus
+    mfu = tokens_per_s * model_flops_per_token(shape) / gpu.peak
+    return StepPrediction(layout, step_s, tokens_per_s, mfu, sum(memory.values()), parts, memory)
+
+
+def _memory(shape: TransformerShape, layout: Layout, params: float, blocks: int, checkpointed: int,
+            tokens: int, gpu: GpuCosts) -> dict[str, float]:
+    """Bytes on the fullest rank: weights, gradients and optimizer state, activations in
+    flight (the first rank's), the loss's logits, and what every process reserves."""
+    t, p, d, v = layout.tp, layout.pp, layout.dp, layout.virtual_stages
+    w = gpu.dtype_bytes
+    if layout.dp_mode == "fsdp":
+        state = params * (w + GRAD_BYTES + MASTER_AND_ADAM_BYTES) / d
+        # Gathered low-precision weights: one block at a time, or the whole rank's with a
+        # pipeline (not re-sharded between micro-batches).
+        state += params * w if p > 1 else params / blocks * w * 2
+    elif layout.dp_mode == "zero1":
+        state = params * (w + GRAD_BYTES) + params * MASTER_AND_ADAM_BYTES / d
+    else:
+        state = params * (w + GRAD_BYTES + MASTER_AND_ADAM_BYTES)
+    m = layout.n_microbatches
+    if layout.schedule == "GPipe":
+        in_flight = m * v
+    elif v > 1:  # Interleaved 1F1B's warm-up on the first rank, in stage-chunks of blocks / v
+        in_flight = min(m * v, 2 * (p - 1) + (v - 1) * p + 1)
+    else:
+        in_flight = min(m, p)
+    per_chunk = blocks / v
+    sp, flash = layout.sequence_parallel, layout.flash
+    kept = activation_bytes(shape, t, recompute=layout.recompute, sequence_parallel=sp, flash=flash)
+    whole = activation_bytes(shape, t, recompute="none", sequence_parallel=sp, flash=flash)
+    frac = checkpointed / blocks
+    per_block = frac * kept + (1 - frac) * whole
+    activations = in_flight * per_chunk * per_block * tokens
+    if layout.recompute != "none":
+        activations += whole * tokens  # the block being recomputed holds its whole activations
+    logits = tokens * shape.vocab / t * (w + 4)  # the logits and their fp32 log-softmax (its gradient reuses it)
+    return {"parameters_and_optimizer": state, "activations": activations, "logits": logits,
+            "reserved": RESERVED_BYTES}
