@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))  # the checkout's autopipe, for its defaults
 # Order of the page; anything else found is appended.
 ORDER = ("peers", "real_steps", "frameworks", "precision", "split_quality", "split_quality_sim", "planner_scaling", "runtime_overhead", "prediction_accuracy",
          "schedule_memory", "trace_profile", "gpu_one_rank", "models", "meta_planning", "recompute", "meta_model",
-         "scale_study")
+         "scale_study", "published_layouts")
 TITLES = {
     "peers": "0. autopipe against the real peers (2 and 4 stages, measured)",
     "real_steps": "0b. Every layer-level split of stock decoder LMs, real steps against predictions",
@@ -53,6 +53,7 @@ TITLES = {
     "meta_model": "12. A pipeline built from the meta device: host memory per rank",
     "recompute": "11. Recomputation the planner chooses",
     "scale_study": "13. Pipeline × data parallel at scale, simulated",
+    "published_layouts": "14. Layouts at scale: predictions against published measured runs",
 }
 # What each benchmark measures, in a sentence or three; the folder's README has the method.
 ABOUT = {
@@ -100,6 +101,11 @@ ABOUT = {
     "meta_model": (
         "Does each rank of a `Pipeline` built from a meta-device model hold only its own stages? Host memory "
         "per rank after construction, against the whole model's parameter bytes."),
+    "published_layouts": (
+        "Does `autopipe.layouts` predict the throughput of published training runs at 8 to 3,072 GPUs "
+        "(Megatron-LM SC'21 Table 1, Korthikanti et al. 2022 Table 5, BLOOM-176B, torchtitan's Tables 1, 3, 4, 5) "
+        "when given each run's exact layout, and what layout would it choose itself? Efficiency shares are fitted "
+        "on the rows named below; every other row is held out."),
 }
 RERUN_OPTIONS = {"recompute": "`--smoke` for a tiny run that only checks the script",
                  "precision": "`--smoke` for a tiny run that only checks the script",
@@ -110,7 +116,8 @@ RERUN_OPTIONS = {"recompute": "`--smoke` for a tiny run that only checks the scr
                  "models": "renders docs/models.md too; `--quick` skips the 2-rank pipelines",
                  "meta_planning": "`--layers 4 --seq 64` for a quick look",
                  "meta_model": "`--layers 2 --seq 64` for a quick look",
-                 "scale_study": "`--quick` for a tiny model that only checks the script"}
+                 "scale_study": "`--quick` for a tiny model that only checks the script",
+                 "published_layouts": "`--smoke` for three rows without the fit; seconds, no GPU"}
 BEHIND_TOL = 0.03  # a ratio within 3% counts as a tie: the split-quality target, and about the run-to-run noise
 #: Where a renderer's section splits: above it, the headline on docs/benchmarks.md; below
 #: it, every row, on the benchmark's own generated RESULTS.md.
@@ -784,6 +791,61 @@ def render_scale_study(d: dict[str, Any], behind: list[str]) -> str:
     return "\n\n".join(out) + f"\n\n{DETAIL}\n\n" + "\n\n".join([*detail, table(header, rows)])
 
 
+def render_published_layouts(d: dict[str, Any], behind: list[str]) -> str:
+    """The held-out error, the fitted shares, then every row: published, predicted, and autopipe's own layout."""
+    summary = d.get("summary", {})
+    held = summary.get("median_abs_error_held_out")
+    worst = summary.get("max_abs_error_held_out")
+    ratio = summary.get("interleaved_over_1f1b")
+    shares = ", ".join(f"{k} {v:.2f}" for k, v in (summary.get("fitted_shares") or {}).items()) or "the defaults"
+    lines = [f"Held out: {summary.get('held_out_rows')} rows, median |error| {apct(held)}, worst {apct(worst)} "
+             f"(targets: 10% and 25%). Fitted on {len(summary.get('fit_rows', []))} rows "
+             f"({', '.join(summary.get('fit_rows', []))}): {shares}."]
+    if ratio:
+        lines.append(f"torchtitan's Interleaved 1F1B over 1F1B (Table 5): published {ratio['published']:.2f}, "
+                     f"predicted {ratio['predicted']:.2f} ({apct(ratio['predicted'] / ratio['published'] - 1)} off; "
+                     "target 10%).")
+        if abs(ratio["predicted"] / ratio["published"] - 1) > 0.10:
+            behind.append(f"published_layouts: torchtitan's Interleaved/1F1B ratio is predicted "
+                          f"{ratio['predicted']:.2f}, published {ratio['published']:.2f}")
+    if held is not None and (held > 0.10 or (worst or 0) > 0.25):
+        behind.append(f"published_layouts: held-out median |error| {apct(held)}, worst {apct(worst)}")
+    header = ["run", "", "published layout", "published", "predicted", "error", "memory error", "autopipe's layout",
+              "× published", "what holds the published one back"]
+    rows = []
+    for r in d.get("rows", []):
+        own = r.get("own", {})
+        unit = {"iteration_s": "s/step", "tokens_per_s_per_gpu": "tokens/s/GPU",
+                "megatron_tflops_per_gpu": "TFLOP/s/GPU"}.get(r["published"]["unit"], r["published"]["unit"])
+        rows.append([r["id"], "fit" if r["fit"] else "held out", r["layout"],
+                     f"{r['published']['value']:,g} {unit}", f"{r['predicted']:,.4g}", pct(r["error"]),
+                     pct(r.get("memory_error")) if r.get("memory_error") is not None else "–",
+                     own.get("layout", "–"), ratio_x(own.get("speedup_over_published")),
+                     own.get("why_published_is_slower") or "–"])
+    sources = sorted({r["source"] for r in d.get("rows", [])})
+    families: dict[str, list[dict[str, Any]]] = {}
+    for r in d.get("rows", []):
+        families.setdefault(r["id"].split("-")[0], []).append(r)
+    short = table(["source", "rows (held out)", "median |error| held out", "worst held out",
+                   "autopipe's layout × published (median)"],
+                  [[name, f"{len(rs)} ({sum(not r['fit'] for r in rs)})",
+                    apct(_median([abs(r["error"]) for r in rs if not r["fit"]])),
+                    apct(max((abs(r["error"]) for r in rs if not r["fit"]), default=None)),
+                    ratio_x(_median([r["own"]["speedup_over_published"] for r in rs if r.get("own")]))]
+                   for name, rs in families.items()])
+    return ("\n\n".join(lines) + "\n\n" + short + f"\n\n{DETAIL}\n\n" + table(header, rows) + "\n\nSources: "
+            + "; ".join(sources) + ". Each row's assumptions are in `benchmarks/published_layouts/rows.json`.")
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
+
+
+def ratio_x(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}×"
+
+
 def _against_torchtitan(r: dict[str, Any]) -> str:
     """One line: torchtitan's layout at this size, autopipe's choice, and how autopipe's model rates torchtitan's."""
     tt = r["torchtitan"]
@@ -825,6 +887,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any], list[str]], str]] = {
     "meta_model": render_meta_model,
     "recompute": render_recompute,
     "scale_study": render_scale_study,
+    "published_layouts": render_published_layouts,
 }
 
 

@@ -30,8 +30,8 @@ OUT = ROOT / "docs" / "api.md"
 #: The sections after the top level, in the order the data flows (bottom layer first): each
 #: public package, documented through its ``__all__``. The modules inside a package are
 #: internal: they declare no ``__all__`` and are not documented here.
-SECTIONS = ("autopipe.errors", "autopipe.machine", "autopipe.planning", "autopipe.reporting", "autopipe.runtime",
-            "autopipe.models", "autopipe.cli")
+SECTIONS = ("autopipe.errors", "autopipe.machine", "autopipe.planning", "autopipe.layouts", "autopipe.reporting",
+            "autopipe.runtime", "autopipe.models", "autopipe.cli")
 
 INTRO = """\
 # API reference

@@ -344,3 +344,12 @@ def test_frameworks_compares_the_torchtitan_plan_with_torchtitans_default_split(
         assert _finite_positive(r["autopipe_predicted_s"]) and _finite_positive(r["default_predicted_s"])
         assert r["autopipe_predicted_s"] <= r["default_predicted_s"] * (1 + 1e-9)
     assert _finite_positive(two["autopipe_measured_s"]) and _finite_positive(two["default_measured_s"])
+
+
+def test_published_layouts_predicts_each_row_in_its_own_unit_and_searches_a_layout(tmp_path):
+    data = _run("published_layouts", tmp_path / "layouts.json")
+    assert data["benchmark"] == "published_layouts"
+    assert {r["id"] for r in data["rows"]} == {"sc21-1.7B", "korthikanti-22B-selective", "torchtitan-t1-fsdp"}
+    for row in data["rows"]:
+        assert row["source"] and _finite_positive(row["predicted"]) and math.isfinite(row["error"])
+        assert row["own"]["speedup_over_published"] >= 1.0 - 1e-9, "the search considers the published layout"

@@ -1,1 +1,45 @@
-"""Layouts at scale: tensor, pipeline and data parallelism, micro-batches, schedule and per-block checkpointing planned together (see :mod:`.step`)."""
+"""Layouts at scale: tensor, pipeline and data parallelism, micro-batches, the schedule and
+per-block checkpointing of a Transformer on N GPUs, charged and searched together.
+
+In the order the data flows:
+
+1. **Shape.** :mod:`.shapes`: the model's sizes, from a Hugging Face ``config.json`` or a
+   named published shape.
+2. **Block costs.** :mod:`.blocks`: what one block computes, keeps and communicates at
+   tensor-parallel degree t, under each checkpointing mode.
+3. **Device costs.** :mod:`.gpu`: GEMMs, attention, element-wise work and collectives on a
+   data-sheet GPU and its links, with the stated or fitted efficiency shares.
+4. **Step.** :mod:`.step`: one :class:`Layout`'s step time, tokens/s per GPU, MFU and memory
+   per GPU, with the parts that hold it back.
+5. **Search.** :mod:`.search`: every layout of N GPUs ranked, the fastest that fits first.
+
+Example:
+    >>> from autopipe.layouts import GpuCosts, Layout, TransformerShape, predict_step
+    >>> from autopipe.machine.topology import Topology
+    >>> gpu = GpuCosts("H100", Topology(gpus_per_node=8))
+    >>> p = predict_step(TransformerShape.named("llama3-70b"),
+    ...                  Layout(tp=8, dp=32, micro_batch=16, global_batch=512, dp_mode="fsdp",
+    ...                         recompute="full", sequence_parallel=True), gpu)
+    >>> p.layout.n_gpus
+    256
+"""
+
+from __future__ import annotations
+
+from .._lazy import lazy_exports
+
+# Public name -> the module that defines it, loaded on first use.
+_PUBLIC = {
+    "TransformerShape": "shapes",
+    "GpuCosts": "gpu",
+    "Efficiency": "gpu",
+    "Layout": "step",
+    "StepPrediction": "step",
+    "predict_step": "step",
+    "LayoutSearch": "search",
+    "search_layouts": "search",
+}
+
+__all__ = list(_PUBLIC)
+
+__getattr__, __dir__ = lazy_exports(__name__, _PUBLIC)
