@@ -16,7 +16,8 @@ torch's schedules (``pipe.step(x, target=y)``); launch with ``torchrun`` or
 The packages follow the data flow, each importing only those before it:
 :mod:`autopipe.machine` (the devices and links, and measuring them) ->
 :mod:`autopipe.planning` (trace, profile, cost graph, partitioner, schedule simulator,
-the :class:`Plan`) -> :mod:`autopipe.reporting` (text, tables, charts of a plan) ->
+the :class:`Plan`) -> :mod:`autopipe.layouts` (tp x pp x dp layouts at scale, charged and
+searched) -> :mod:`autopipe.reporting` (text, tables, charts of a plan) ->
 :mod:`autopipe.runtime` (the stages running under torch) -> :mod:`autopipe.models`
 (example and third-party models) -> :mod:`autopipe.cli` (the ``autopipe`` command).
 The top level holds the entry points below; everything else is imported from its module

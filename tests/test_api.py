@@ -66,8 +66,8 @@ def test_the_top_level_holds_the_entry_points_and_each_resolves_without_a_warnin
             assert getattr(autopipe, name).__name__ == name
 
 
-PUBLIC_PACKAGES = ("autopipe", "autopipe.errors", "autopipe.machine", "autopipe.planning", "autopipe.reporting",
-                   "autopipe.runtime", "autopipe.models", "autopipe.cli")
+PUBLIC_PACKAGES = ("autopipe", "autopipe.errors", "autopipe.machine", "autopipe.planning", "autopipe.layouts",
+                   "autopipe.reporting", "autopipe.runtime", "autopipe.models", "autopipe.cli")
 
 
 def test_the_public_surface_is_the_packages_all_and_stays_small():

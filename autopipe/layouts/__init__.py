@@ -12,6 +12,8 @@ In the order the data flows:
 4. **Step.** :mod:`.step`: one :class:`Layout`'s step time, tokens/s per GPU, MFU and memory
    per GPU, with the parts that hold it back.
 5. **Search.** :mod:`.search`: every layout of N GPUs ranked, the fastest that fits first.
+6. **Exports.** :mod:`.exports`: a layout in torchtitan's config fields and Megatron-LM's
+   arguments.
 
 Example:
     >>> from autopipe.layouts import GpuCosts, Layout, TransformerShape, predict_step
@@ -38,6 +40,8 @@ _PUBLIC = {
     "predict_step": "step",
     "LayoutSearch": "search",
     "search_layouts": "search",
+    "torchtitan_fields": "exports",
+    "megatron_arguments": "exports",
 }
 
 __all__ = list(_PUBLIC)

@@ -1,0 +1,113 @@
+"""A :class:`~autopipe.layouts.step.Layout` in the words of the frameworks that run it.
+
+- :func:`torchtitan_fields`: torchtitan's job-config sections (``[parallelism]``,
+  ``[activation_checkpoint]``, ``[training]``, ``[compile]``, ``[model]``).
+- :func:`megatron_arguments`: Megatron-LM's command-line arguments.
+
+A choice the framework cannot express is refused by name rather than dropped.
+
+Example:
+    >>> from autopipe.layouts.shapes import TransformerShape
+    >>> from autopipe.layouts.step import Layout
+    >>> layout = Layout(tp=8, pp=4, dp=2, micro_batch=1, global_batch=64, schedule="Interleaved1F1B",
+    ...                 virtual_stages=2, recompute="full", recompute_layers=3, sequence_parallel=True,
+    ...                 dp_mode="zero1")
+    >>> " ".join(megatron_arguments(layout, TransformerShape.named("llama3-70b")))[:120]
+    '--tensor-model-parallel-size 8 --pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 10 --sequence-pa'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .shapes import TransformerShape
+from .step import Layout
+
+
+def torchtitan_fields(layout: Layout, shape: TransformerShape) -> dict[str, dict[str, Any]]:
+    """torchtitan's config sections for ``layout`` (a TOML file's tables, as dicts).
+
+    Raises:
+        ValueError: ZeRO-1 (torchtitan shards with FSDP or replicates), or a number of
+            checkpointed blocks that is not every k-th block of a stage.
+    """
+    if layout.dp_mode == "zero1":
+        raise ValueError("Layout dp_mode='zero1' has no torchtitan equivalent: torchtitan replicates "
+                         "(data_parallel_replicate_degree) or shards with FSDP (data_parallel_shard_degree)")
+    parallelism: dict[str, Any] = {
+        "data_parallel_replicate_degree": layout.dp if layout.dp_mode == "replicate" else 1,
+        "data_parallel_shard_degree": layout.dp if layout.dp_mode == "fsdp" else 1,
+        "tensor_parallel_degree": layout.tp,
+        "enable_async_tensor_parallel": layout.async_tp,
+        "pipeline_parallel_degree": layout.pp,
+    }
+    if layout.pp > 1:
+        parallelism["pipeline_parallel_schedule"] = layout.schedule
+        parallelism["pipeline_parallel_microbatch_size"] = layout.micro_batch
+        parallelism["pipeline_parallel_layers_per_stage"] = -(-shape.layers // (layout.pp * layout.virtual_stages))
+    checkpoint: dict[str, Any] = {"mode": layout.recompute}
+    if layout.recompute == "selective":
+        checkpoint["selective_ac_option"] = "op"
+    elif layout.recompute == "full" and layout.recompute_layers is not None:
+        blocks = -(-shape.layers // layout.pp)
+        k = layout.recompute_layers
+        if k == 0:
+            checkpoint = {"mode": "none"}
+        elif blocks % k:
+            raise ValueError(f"Layout recompute_layers={k} of {blocks} blocks per stage: torchtitan checkpoints "
+                             "every n-th block (selective_ac_option = n), so give a divisor of the blocks per stage")
+        else:  # every n-th block: torchtitan's layer-wise selective option
+            checkpoint = {"mode": "selective", "selective_ac_option": str(blocks // k)}
+    fields: dict[str, dict[str, Any]] = {
+        "parallelism": parallelism,
+        "activation_checkpoint": checkpoint,
+        "training": {"local_batch_size": layout.global_batch // layout.dp, "global_batch_size": layout.global_batch,
+                     "seq_len": shape.seq_len},
+        "compile": {"enable": layout.compiled},
+    }
+    if layout.float8:
+        fields["model"] = {"converters": ["float8"]}
+    return fields
+
+
+def megatron_arguments(layout: Layout, shape: TransformerShape) -> list[str]:
+    """Megatron-LM's arguments for ``layout``.
+
+    Raises:
+        ValueError: async tensor parallelism (Megatron overlaps its TP communication with
+            its own options, not expressed here), or stages that do not divide the blocks.
+    """
+    chunks = layout.pp * layout.virtual_stages
+    if shape.layers % chunks:
+        raise ValueError(f"Layout pp x virtual_stages = {chunks} does not divide the {shape.layers} blocks: "
+                         "Megatron-LM's uniform stages need it to (give an uneven split with "
+                         "--pipeline-model-parallel-layout from Plan.to_megatron instead)")
+    args = ["--tensor-model-parallel-size", str(layout.tp), "--pipeline-model-parallel-size", str(layout.pp)]
+    if layout.virtual_stages > 1:
+        args += ["--num-layers-per-virtual-pipeline-stage", str(shape.layers // (layout.pp * layout.virtual_stages))]
+    if layout.sequence_parallel:
+        args.append("--sequence-parallel")
+    if layout.recompute == "selective":
+        args += ["--recompute-granularity", "selective"]
+    elif layout.recompute == "full":
+        if layout.recompute_layers is None:
+            args += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+        elif layout.recompute_layers > 0:
+            args += ["--recompute-granularity", "full", "--recompute-method", "block",
+                     "--recompute-num-layers", str(layout.recompute_layers)]
+    args += ["--micro-batch-size", str(layout.micro_batch), "--global-batch-size", str(layout.global_batch),
+             "--seq-length", str(shape.seq_len)]
+    if layout.dp_mode == "zero1":
+        args.append("--use-distributed-optimizer")
+    elif layout.dp_mode == "fsdp":
+        args.append("--use-torch-fsdp2")
+    if layout.overlap_dp and layout.dp > 1:
+        args.append("--overlap-grad-reduce")
+    if layout.flash:
+        args.append("--use-flash-attn")
+    if layout.float8:
+        args += ["--fp8-format", "hybrid"]
+    if layout.async_tp:
+        raise ValueError("Layout async_tp=True: Megatron-LM overlaps tensor-parallel communication with its own "
+                         "options (--tp-comm-overlap, with Transformer Engine); set async_tp=False to export")
+    return args
