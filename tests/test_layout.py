@@ -14,7 +14,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "autopipe"
 
 # Bottom to top: a folder may import from the ones before it, never after it.
-LAYERS = ["machine", "planning", "reporting", "runtime", "models", "cli"]
+LAYERS = ["machine", "planning", "layouts", "reporting", "runtime", "models", "cli"]
 # Private helpers and the package's own top-level modules that every layer may use.
 BASE = {"_checks", "_progress", "_spawn", "errors"}
 # The deliberate exceptions: a convenience method that reaches up lazily, inside a function.
