@@ -35,6 +35,14 @@ MODULES = [
     "autopipe.reporting.text",
     "autopipe.models.transformer",
     "autopipe.runtime.step_failures",
+    "autopipe.layouts",
+    "autopipe.layouts.shapes",
+    "autopipe.layouts.blocks",
+    "autopipe.layouts.gpu",
+    "autopipe.layouts.step",
+    "autopipe.layouts.search",
+    "autopipe.layouts.sharding",
+    "autopipe.layouts.exports",
 ]
 
 

@@ -5,8 +5,10 @@ In the order the data flows:
 
 1. **Shape.** :mod:`.shapes`: the model's sizes, from a Hugging Face ``config.json`` or a
    named published shape.
-2. **Block costs.** :mod:`.blocks`: what one block computes, keeps and communicates at
-   tensor-parallel degree t, under each checkpointing mode.
+2. **Block costs.** :mod:`.sharding` reads from a traced graph what tensor parallelism can
+   shard (column/row pairs, heads, the output layer) and the shape of a decoder stack;
+   :mod:`.blocks`: what one block computes, keeps and communicates at tensor-parallel
+   degree t, under each checkpointing mode.
 3. **Device costs.** :mod:`.gpu`: GEMMs, attention, element-wise work and collectives on a
    data-sheet GPU and its links, with the stated or fitted efficiency shares.
 4. **Step.** :mod:`.step`: one :class:`Layout`'s step time, tokens/s per GPU, MFU and memory
@@ -40,6 +42,8 @@ _PUBLIC = {
     "predict_step": "step",
     "LayoutSearch": "search",
     "search_layouts": "search",
+    "find_tensor_parallel": "sharding",
+    "shape_from_graph": "sharding",
     "torchtitan_fields": "exports",
     "megatron_arguments": "exports",
 }

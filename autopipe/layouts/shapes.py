@@ -191,8 +191,8 @@ def megatron_gpt(layers: int, hidden: int, heads: int, *, seq_len: int = 2048, v
     """A GPT as Megatron-LM's scaling studies size it: feed-forward 4 × hidden, tied embedding.
 
     Example:
-        >>> megatron_gpt(96, 12288, 96).params() // 10**9
-        175
+        >>> round(megatron_gpt(96, 12288, 96).params() / 1e9, 1)   # GPT-3 175B
+        174.6
     """
     return TransformerShape(layers=layers, hidden=hidden, heads=heads, ffn=4 * hidden, vocab=vocab,
                             seq_len=seq_len, kind="gpt", tied=True, name=name or f"GPT {layers}x{hidden}")
