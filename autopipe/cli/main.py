@@ -280,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("run", help="start a training script on N processes (torchrun)", add_help=False,
                    formatter_class=_Formatter, description=_RUN_HELP)
     sub.add_parser("measure", help="measure this host's link between ranks, kept for later plans", add_help=False)
+    sub.add_parser("layout", help="tp x pp x dp layout of a Transformer on N GPUs, from a config.json or a name",
+                   add_help=False)
     return parser
 
 
@@ -554,6 +556,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .measure import main as measure_main
 
         return measure_main(argv[first + 1:])
+    if first is not None and argv[first] == "layout":  # its own parser (autopipe layout)
+        from .layout import main as layout_main
+
+        try:
+            return layout_main(argv[first + 1:])
+        except ValueError as e:
+            print(f"{PROG} layout: error: {_one_line(e)}", file=sys.stderr)
+            return 2
     parser = build_parser()
     args = parser.parse_args(argv)
     command = args.command

@@ -152,4 +152,5 @@ def _fewest_checkpointed_blocks(shape: TransformerShape, layout: Layout, gpu: Gp
             best, hi = p, mid
         else:
             lo = mid + 1
-    return best if best is not None and best.layout.recompute_layers < blocks else None
+    # None checkpointed is the layout without recomputation, and all of them the one given.
+    return best if best is not None and 0 < best.layout.recompute_layers < blocks else None
