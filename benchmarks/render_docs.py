@@ -780,6 +780,13 @@ def render_scale_study(d: dict[str, Any], behind: list[str]) -> str:
     out = [f"{d.get('machine_simulated')}; FLOP-counted costs, {d.get('seq_per_gpu')} sequences per GPU per step, "
            f"schedule {d.get('schedule')}. Predicted, not measured. {sizes}. The sizes torchtitan reports a layout "
            "for:", table(header, [row for row in rows if row[-1] != "–"])]
+    tp_header, tp_rows = _scale_study_layouts(d)
+    if tp_rows:
+        out += ["With tensor parallelism and per-block checkpointing allowed (`autopipe.layouts`, the shape read "
+                "from each model's traced graph; same GPUs, batch and H100s, FLOP rates from the fitted shares of "
+                "benchmark 14, not the flat 40% above, so the two tables' throughputs are not comparable), at the "
+                "sizes torchtitan reports:",
+                table(tp_header, [row for row in tp_rows if row[-1] != "–"])]
     against = [_against_torchtitan(r) for r in d.get("rows", []) if r.get("torchtitan")]
     detail = []
     if against:  # every row's page: the reasoning behind each comparison
@@ -788,7 +795,24 @@ def render_scale_study(d: dict[str, Any], behind: list[str]) -> str:
                       "autopipe recomputes whole stages (a recomputing stage holds all of one micro-batch's "
                       "activations while it recomputes), where torchtitan checkpoints each Transformer block.\n\n"
                       + "\n".join(f"- {line}" for line in against))
-    return "\n\n".join(out) + f"\n\n{DETAIL}\n\n" + "\n\n".join([*detail, table(header, rows)])
+    every = [*detail, table(header, rows)] + ([table(tp_header, tp_rows)] if tp_rows else [])
+    return "\n\n".join(out) + f"\n\n{DETAIL}\n\n" + "\n\n".join(every)
+
+
+def _scale_study_layouts(d: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    """The tensor-parallel table of the scale study: each GPU count's searched layout beside pp x dp's."""
+    header = ["model", "GPUs", "layout (autopipe.layouts)", "tokens/s/GPU", "MFU", "memory", "torchtitan"]
+    pp_dp = {(r["model"], r["n_gpus"]): r for r in d.get("rows", [])}
+    rows = []
+    for r in d.get("layouts", []):
+        twin = pp_dp.get((r["model"], r["n_gpus"]), {})
+        tt = (twin.get("torchtitan") or {}).get("layout", "–")
+        if not r.get("fits"):
+            rows.append([r["model"], r["n_gpus"], "none fits", "", "", "", tt])
+            continue
+        rows.append([r["model"], r["n_gpus"], r["describe"], f"{r['tokens_per_s_per_gpu']:,.0f}", f"{r['mfu']:.1%}",
+                     f"{r['memory_bytes'] / 1e9:.0f} GB", tt])
+    return header, rows
 
 
 def render_published_layouts(d: dict[str, Any], behind: list[str]) -> str:

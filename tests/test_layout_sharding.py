@@ -115,3 +115,11 @@ def test_an_output_layer_whose_loss_is_traced_shards_over_the_vocabulary():
     plan = find_tensor_parallel(torch.export.export(_TinyLM(), (ids, ids)))
     assert {m.parameter: m.shard for m in plan.matmuls} == {"emb.weight": "embedding", "up.weight": "column",
                                                             "down.weight": "row", "head.weight": "vocab"}
+
+
+def test_a_batch_of_one_sequence_reads_the_same_shape():
+    # Dimensions of size 1 start at every offset of a reshape: the heads must still be found.
+    model, config, _ = _hf("llama")
+    exported = trace(model, (torch.randint(0, 96, (1, 16)),)).exported
+    assert shape_from_graph(exported, seq_len=16) == TransformerShape(
+        **{**TransformerShape.from_hf_config(config.to_dict(), seq_len=16).__dict__, "name": ""})

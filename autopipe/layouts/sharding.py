@@ -121,7 +121,7 @@ def _map_view(before: tuple[int, ...], after: tuple[int, ...], dim: int) -> int 
         prefix *= s
     acc = 1
     for i, s in enumerate(after):
-        if acc == prefix:
+        if acc == prefix and s != 1:  # dimensions of size 1 start at every offset: skip them
             return i - len(after)
         acc *= s
     return None

@@ -147,6 +147,35 @@ def study(name: str, seq: int, gpu_counts: list[int], schedule: str) -> tuple[di
     return info, rows
 
 
+def layout_rows(name: str, seq: int, gpu_counts: list[int]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Every GPU count again with tensor parallelism and per-block checkpointing allowed
+    (autopipe.layouts), the model's shape read from its traced graph on the meta device."""
+    from autopipe.layouts import GpuCosts, search_layouts, shape_from_graph
+    from autopipe.machine.topology import Topology
+    from autopipe.planning.tracing import trace
+
+    start = time.perf_counter()
+    model, args, _ = build(name, seq)
+    shape = shape_from_graph(trace(model, args).exported, seq_len=seq, name=name)
+    traced_s = time.perf_counter() - start
+    gpu = GpuCosts("H100", Topology(gpus_per_node=8, intra="nvlink4", inter="ib-ndr"))
+    rows = []
+    for n in gpu_counts:
+        started = time.perf_counter()
+        found = search_layouts(shape, n, global_batch=SEQ_PER_GPU * n, gpu=gpu)
+        row: dict[str, Any] = {"model": name, "n_gpus": n, "search_s": time.perf_counter() - started,
+                               "considered": found.considered, "fits": bool(found.ranked)}
+        if found.ranked:
+            best = found.best
+            row.update(best.to_dict())
+            print(f"  {n:4d} GPUs with TP: {best.layout.describe()}: {best.tokens_per_s_per_gpu:.0f} tok/s/GPU, "
+                  f"{best.memory_bytes / 1e9:.0f} GB", flush=True)
+        rows.append(row)
+    shape_info = {"model": name, "layers": shape.layers, "hidden": shape.hidden, "heads": shape.heads,
+                  "kv_heads": shape.kv_heads, "ffn": shape.ffn, "vocab": shape.vocab, "traced_s": traced_s}
+    return shape_info, rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", "--smoke", action="store_true",
@@ -156,6 +185,8 @@ def main() -> None:
     parser.add_argument("--gpus-8b", type=int, nargs="+", default=list(GPU_COUNTS))
     parser.add_argument("--gpus-70b", type=int, nargs="+", default=list(GPU_COUNTS))
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--layouts-only", action="store_true",
+                        help="only (re)compute the tensor-parallel layouts, into the existing results.json")
     a = parser.parse_args()
     from _common import write_result
 
@@ -164,6 +195,20 @@ def main() -> None:
         plan = [("tiny", 128, [8, 16])]
     else:
         plan = [("llama3-8b", a.seq, a.gpus_8b), ("llama3-70b", a.seq, a.gpus_70b)]
+    shapes, layouts = [], []
+    for name, seq, counts in plan:
+        info, got = layout_rows(name, seq, counts)
+        shapes.append(info)
+        layouts.extend(got)
+    if a.layouts_only:
+        import json
+
+        out = a.out or RESULTS
+        payload = json.loads(out.read_text())
+        payload.update({"layout_shapes": shapes, "layouts": layouts})
+        out.write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"added {len(layouts)} tensor-parallel layouts to {out}")
+        return
     models, rows = [], []
     for name, seq, counts in plan:
         info, got = study(name, seq, counts, a.schedule)
@@ -173,6 +218,7 @@ def main() -> None:
                                     "(450 GB/s) inside, InfiniBand NDR (50 GB/s per GPU) across",
                "cost": "flops", "schedule": a.schedule, "seq_per_gpu": SEQ_PER_GPU,
                "optimizer_bytes_per_param_byte": OPTIMIZER_FACTOR, "models": models, "rows": rows,
+               "layout_shapes": shapes, "layouts": layouts,
                "wall_s": time.perf_counter() - start}
     if a.quick and a.out is None:
         print(f"quick run done in {payload['wall_s']:.1f} s ({len(rows)} rows); results not written")
