@@ -228,17 +228,17 @@ from autopipe.layouts.exports import megatron_arguments, torchtitan_fields  # no
 def test_torchtitans_fields_carry_every_degree_and_the_checkpointing():
     shape = TransformerShape.named("llama3-70b")
     layout = Layout(tp=8, pp=2, dp=4, micro_batch=2, global_batch=64, dp_mode="fsdp", recompute="full",
-                    recompute_layers=20, sequence_parallel=True, float8=True, async_tp=True)
+                    sequence_parallel=True, float8=True, async_tp=True, compiled=True)
     fields = torchtitan_fields(layout, shape)
     assert fields["parallelism"] == {"data_parallel_replicate_degree": 1, "data_parallel_shard_degree": 4,
-                                     "tensor_parallel_degree": 8, "enable_async_tensor_parallel": True,
+                                     "tensor_parallel_degree": 8, "enable_sequence_parallel": True,
                                      "pipeline_parallel_degree": 2, "pipeline_parallel_schedule": "1F1B",
                                      "pipeline_parallel_microbatch_size": 2, "pipeline_parallel_layers_per_stage": 40}
-    # 20 of 40 blocks per stage: every second block, torchtitan's layer-wise option.
-    assert fields["activation_checkpoint"] == {"mode": "selective", "selective_ac_option": "2"}
+    assert fields["activation_checkpoint"] == "full"
     assert fields["training"] == {"local_batch_size": 16, "global_batch_size": 64, "seq_len": 8192}
-    assert fields["model"] == {"converters": ["float8"]}
-    with pytest.raises(ValueError, match="recompute_layers=3 of 40 blocks"):
+    assert fields["compile"] == {"enable": True, "enable_async_tensor_parallel": True}
+    assert fields["model_converters"] == ["Float8LinearConverter"]
+    with pytest.raises(ValueError, match="recompute_layers=3: torchtitan 0.3.0 checkpoints every block"):
         torchtitan_fields(replace(layout, recompute_layers=3), shape)
     with pytest.raises(ValueError, match="dp_mode='zero1' has no torchtitan equivalent"):
         torchtitan_fields(replace(layout, dp_mode="zero1"), shape)
@@ -250,7 +250,7 @@ def test_megatrons_arguments_carry_every_degree_and_the_checkpointing():
                     recompute="full", recompute_layers=2, sequence_parallel=True, dp_mode="zero1")
     args = " ".join(megatron_arguments(layout, shape))
     for expected in ("--tensor-model-parallel-size 4", "--pipeline-model-parallel-size 4",
-                     "--num-layers-per-virtual-pipeline-stage 4", "--sequence-parallel",
+                     "--virtual-pipeline-model-parallel-size 5", "--sequence-parallel",
                      "--recompute-granularity full --recompute-method block --recompute-num-layers 2",
                      "--micro-batch-size 1", "--global-batch-size 32", "--use-distributed-optimizer"):
         assert expected in args
@@ -258,27 +258,48 @@ def test_megatrons_arguments_carry_every_degree_and_the_checkpointing():
         megatron_arguments(replace(layout, virtual_stages=3), shape)
 
 
-def test_megatron_knows_every_argument_exported():
-    arguments = pytest.importorskip("megatron.training.arguments", reason="megatron-core is not installed")
-    import argparse
+#: Megatron-LM's own training arguments, beside megatron-core's config fields.
+MEGATRON_TRAINING_ARGUMENTS = {"--micro-batch-size", "--global-batch-size", "--seq-length", "--use-flash-attn",
+                               "--use-torch-fsdp2", "--fp8-format"}
 
-    parser = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
-    known = {opt for action in parser._actions for opt in action.option_strings}
-    layout = Layout(tp=2, pp=2, dp=2, micro_batch=1, global_batch=8, recompute="selective", sequence_parallel=True,
-                    dp_mode="zero1", float8=True)
-    exported = [a for a in megatron_arguments(layout, TransformerShape.named("llama3-8b")) if a.startswith("--")]
-    assert set(exported) <= known, set(exported) - known
+
+def test_megatron_core_knows_every_parallelism_and_recomputation_argument_exported():
+    pytest.importorskip("megatron.core", reason="megatron-core is not installed")
+    import dataclasses
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    fields = {f.name for c in (TransformerConfig, DistributedDataParallelConfig, OptimizerConfig)
+              for f in dataclasses.fields(c)}
+    layout = Layout(tp=2, pp=2, dp=2, micro_batch=1, global_batch=8, schedule="Interleaved1F1B", virtual_stages=2,
+                    recompute="full", recompute_layers=2, sequence_parallel=True, dp_mode="zero1", float8=True)
+    flags = [a for a in megatron_arguments(layout, TransformerShape.named("llama3-8b")) if a.startswith("--")]
+    core = [f for f in flags if f not in MEGATRON_TRAINING_ARGUMENTS]
+    assert len(core) >= 8
+    assert {f[2:].replace("-", "_") for f in core} <= fields, {f for f in core if f[2:].replace("-", "_") not in fields}
+    assert "fp8" in fields  # --fp8-format sets TransformerConfig.fp8
 
 
 def test_torchtitan_knows_every_field_exported():
-    job_config = pytest.importorskip("torchtitan.config.job_config", reason="torchtitan is not installed")
+    pytest.importorskip("torchtitan.config.configs", reason="torchtitan 0.3.0 is not installed")
+    activation_checkpoint = pytest.importorskip("torchtitan.distributed.activation_checkpoint")
     import dataclasses
+    import importlib.util
+    from pathlib import Path
+
+    from torchtitan.config.configs import CompileConfig, ParallelismConfig, TrainingConfig
 
     layout = Layout(tp=2, pp=2, dp=2, micro_batch=1, global_batch=8, recompute="selective", sequence_parallel=True,
-                    dp_mode="fsdp", float8=True, compiled=True)
-    sections = {f.name: f.type for f in dataclasses.fields(job_config.JobConfig)}
-    for section, fields in torchtitan_fields(layout, TransformerShape.named("llama3-8b")).items():
-        cls = getattr(job_config, {"parallelism": "Parallelism", "activation_checkpoint": "ActivationCheckpoint",
-                                   "training": "Training", "compile": "Compile", "model": "Model"}[section])
-        names = {f.name for f in dataclasses.fields(cls)}
-        assert section in sections and set(fields) <= names, (section, set(fields) - names)
+                    dp_mode="fsdp", float8=True, compiled=True, async_tp=True)
+    fields = torchtitan_fields(layout, TransformerShape.named("llama3-8b"))
+    for section, config in (("parallelism", ParallelismConfig), ("training", TrainingConfig),
+                            ("compile", CompileConfig)):
+        names = {f.name for f in dataclasses.fields(config)}
+        assert set(fields[section]) <= names, (section, set(fields[section]) - names)
+    for policy, cls in (("selective", "SelectiveAC"), ("full", "FullAC")):
+        assert hasattr(activation_checkpoint, cls), policy
+    # Read, not imported: the float8 module needs triton, which CPU machines lack.
+    float8 = Path(importlib.util.find_spec("torchtitan.components.quantization").submodule_search_locations[0])
+    assert all(f"class {name}(" in (float8 / "float8.py").read_text() for name in fields["model_converters"])

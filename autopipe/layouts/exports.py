@@ -1,8 +1,11 @@
 """A :class:`~autopipe.layouts.step.Layout` in the words of the frameworks that run it.
 
-- :func:`torchtitan_fields`: torchtitan's job-config sections (``[parallelism]``,
-  ``[activation_checkpoint]``, ``[training]``, ``[compile]``, ``[model]``).
-- :func:`megatron_arguments`: Megatron-LM's command-line arguments.
+- :func:`torchtitan_fields`: torchtitan 0.3.0's trainer config: its ``parallelism``,
+  ``training`` and ``compile`` fields, the activation-checkpointing policy, the model
+  converters.
+- :func:`megatron_arguments`: Megatron-LM's command-line arguments; the parallelism and
+  recomputation ones are megatron-core config fields (``--tensor-model-parallel-size`` is
+  ``tensor_model_parallel_size``).
 
 A choice the framework cannot express is refused by name rather than dropped.
 
@@ -13,7 +16,7 @@ Example:
     ...                 virtual_stages=2, recompute="full", recompute_layers=3, sequence_parallel=True,
     ...                 dp_mode="zero1")
     >>> " ".join(megatron_arguments(layout, TransformerShape.named("llama3-70b")))[:120]
-    '--tensor-model-parallel-size 8 --pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 10 --sequence-pa'
+    '--tensor-model-parallel-size 8 --pipeline-model-parallel-size 4 --virtual-pipeline-model-parallel-size 2 --sequence-para'
 """
 
 from __future__ import annotations
@@ -24,49 +27,42 @@ from .shapes import TransformerShape
 from .step import Layout
 
 
-def torchtitan_fields(layout: Layout, shape: TransformerShape) -> dict[str, dict[str, Any]]:
-    """torchtitan's config sections for ``layout`` (a TOML file's tables, as dicts).
+def torchtitan_fields(layout: Layout, shape: TransformerShape) -> dict[str, Any]:
+    """torchtitan 0.3.0's trainer config for ``layout``: the fields of its ``parallelism``,
+    ``training`` and ``compile`` sections, the ``activation_checkpoint`` policy
+    (``"selective"``, ``"full"`` or ``"none"``, its subcommand names) and the model
+    converters (``Float8LinearConverter`` for float8).
 
     Raises:
-        ValueError: ZeRO-1 (torchtitan shards with FSDP or replicates), or a number of
-            checkpointed blocks that is not every k-th block of a stage.
+        ValueError: ZeRO-1 (torchtitan shards with FSDP or replicates), or checkpointing
+            only some blocks (torchtitan 0.3.0 applies one policy to every block).
     """
     if layout.dp_mode == "zero1":
         raise ValueError("Layout dp_mode='zero1' has no torchtitan equivalent: torchtitan replicates "
                          "(data_parallel_replicate_degree) or shards with FSDP (data_parallel_shard_degree)")
+    if layout.recompute_layers is not None and layout.recompute != "none":
+        raise ValueError(f"Layout recompute_layers={layout.recompute_layers}: torchtitan 0.3.0 checkpoints every "
+                         "block with one policy; export recompute_layers=None (all blocks) instead")
     parallelism: dict[str, Any] = {
         "data_parallel_replicate_degree": layout.dp if layout.dp_mode == "replicate" else 1,
         "data_parallel_shard_degree": layout.dp if layout.dp_mode == "fsdp" else 1,
         "tensor_parallel_degree": layout.tp,
-        "enable_async_tensor_parallel": layout.async_tp,
+        "enable_sequence_parallel": layout.sequence_parallel,
         "pipeline_parallel_degree": layout.pp,
     }
     if layout.pp > 1:
         parallelism["pipeline_parallel_schedule"] = layout.schedule
         parallelism["pipeline_parallel_microbatch_size"] = layout.micro_batch
         parallelism["pipeline_parallel_layers_per_stage"] = -(-shape.layers // (layout.pp * layout.virtual_stages))
-    checkpoint: dict[str, Any] = {"mode": layout.recompute}
-    if layout.recompute == "selective":
-        checkpoint["selective_ac_option"] = "op"
-    elif layout.recompute == "full" and layout.recompute_layers is not None:
-        blocks = -(-shape.layers // layout.pp)
-        k = layout.recompute_layers
-        if k == 0:
-            checkpoint = {"mode": "none"}
-        elif blocks % k:
-            raise ValueError(f"Layout recompute_layers={k} of {blocks} blocks per stage: torchtitan checkpoints "
-                             "every n-th block (selective_ac_option = n), so give a divisor of the blocks per stage")
-        else:  # every n-th block: torchtitan's layer-wise selective option
-            checkpoint = {"mode": "selective", "selective_ac_option": str(blocks // k)}
-    fields: dict[str, dict[str, Any]] = {
+    fields: dict[str, Any] = {
         "parallelism": parallelism,
-        "activation_checkpoint": checkpoint,
         "training": {"local_batch_size": layout.global_batch // layout.dp, "global_batch_size": layout.global_batch,
                      "seq_len": shape.seq_len},
-        "compile": {"enable": layout.compiled},
+        "compile": {"enable": layout.compiled, "enable_async_tensor_parallel": layout.async_tp},
+        "activation_checkpoint": layout.recompute,
     }
     if layout.float8:
-        fields["model"] = {"converters": ["float8"]}
+        fields["model_converters"] = ["Float8LinearConverter"]
     return fields
 
 
@@ -84,7 +80,7 @@ def megatron_arguments(layout: Layout, shape: TransformerShape) -> list[str]:
                          "--pipeline-model-parallel-layout from Plan.to_megatron instead)")
     args = ["--tensor-model-parallel-size", str(layout.tp), "--pipeline-model-parallel-size", str(layout.pp)]
     if layout.virtual_stages > 1:
-        args += ["--num-layers-per-virtual-pipeline-stage", str(shape.layers // (layout.pp * layout.virtual_stages))]
+        args += ["--virtual-pipeline-model-parallel-size", str(layout.virtual_stages)]
     if layout.sequence_parallel:
         args.append("--sequence-parallel")
     if layout.recompute == "selective":
@@ -106,7 +102,7 @@ def megatron_arguments(layout: Layout, shape: TransformerShape) -> list[str]:
     if layout.flash:
         args.append("--use-flash-attn")
     if layout.float8:
-        args += ["--fp8-format", "hybrid"]
+        args += ["--fp8-format", "hybrid"]  # megatron-core's TransformerConfig.fp8
     if layout.async_tp:
         raise ValueError("Layout async_tp=True: Megatron-LM overlaps tensor-parallel communication with its own "
                          "options (--tp-comm-overlap, with Transformer Engine); set async_tp=False to export")
