@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))  # the checkout's autopipe, for its defaults
 # Order of the page; anything else found is appended.
 ORDER = ("peers", "real_steps", "frameworks", "precision", "split_quality", "split_quality_sim", "planner_scaling", "runtime_overhead", "prediction_accuracy",
          "schedule_memory", "trace_profile", "gpu_one_rank", "models", "meta_planning", "recompute", "meta_model",
-         "scale_study", "published_layouts")
+         "scale_study", "published_layouts", "layout_search_speed")
 TITLES = {
     "peers": "0. autopipe against the real peers (2 and 4 stages, measured)",
     "real_steps": "0b. Every layer-level split of stock decoder LMs, real steps against predictions",
@@ -54,6 +54,7 @@ TITLES = {
     "recompute": "11. Recomputation the planner chooses",
     "scale_study": "13. Pipeline × data parallel at scale, simulated",
     "published_layouts": "14. Layouts at scale: predictions against published measured runs",
+    "layout_search_speed": "15. Layout search time at scale",
 }
 # What each benchmark measures, in a sentence or three; the folder's README has the method.
 ABOUT = {
@@ -117,7 +118,8 @@ RERUN_OPTIONS = {"recompute": "`--smoke` for a tiny run that only checks the scr
                  "meta_planning": "`--layers 4 --seq 64` for a quick look",
                  "meta_model": "`--layers 2 --seq 64` for a quick look",
                  "scale_study": "`--quick` for a tiny model that only checks the script",
-                 "published_layouts": "`--smoke` for three rows without the fit; seconds, no GPU"}
+                 "published_layouts": "`--smoke` for three rows without the fit; seconds, no GPU",
+                 "layout_search_speed": "`--smoke` for a small Llama on 64 GPUs"}
 BEHIND_TOL = 0.03  # a ratio within 3% counts as a tie: the split-quality target, and about the run-to-run noise
 #: Where a renderer's section splits: above it, the headline on docs/benchmarks.md; below
 #: it, every row, on the benchmark's own generated RESULTS.md.
@@ -866,6 +868,22 @@ def _median(xs: list[float]) -> float | None:
     return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
 
 
+def render_retrace_memory(d: dict[str, Any], behind: list[str]) -> str:
+    """One line per rank: resident memory and linecache entries after warm-up and at the end."""
+    return "\n".join(
+        f"* rank {r['rank']}, {d.get('steps')} steps: resident memory {r['rss_after_warmup_mb']:.1f} MB after warm-up, "
+        f"{r['rss_end_mb']:.1f} MB at the end (+{r['growth_after_warmup_mb']:.1f} MB); linecache entries "
+        f"{r['linecache_after_warmup']} then {r['linecache_end']}." for r in d.get("summary", []))
+
+
+def render_layout_search_speed(d: dict[str, Any], behind: list[str]) -> str:
+    """Per case: the phases' seconds, the peak memory and the layout found."""
+    rows = [[r["case"], f"{r['gpus']:,}", f"{r['build_s'] + r['trace_s']:.1f} s", f"{r['search_s']:.2f} s",
+             f"{r['total_s']:.1f} s", f"{r['peak_rss_bytes'] / 2**30:.2f} GiB", f"{r['layouts_considered']:,}", r["best"]]
+            for r in d.get("rows", [])]
+    return table(["case", "GPUs", "build and trace", "search", "total", "peak memory", "layouts", "best"], rows)
+
+
 def ratio_x(x: float | None) -> str:
     return "–" if x is None else f"{x:.2f}×"
 
@@ -912,6 +930,8 @@ RENDERERS: dict[str, Callable[[dict[str, Any], list[str]], str]] = {
     "recompute": render_recompute,
     "scale_study": render_scale_study,
     "published_layouts": render_published_layouts,
+    "layout_search_speed": render_layout_search_speed,
+    "retrace_memory": render_retrace_memory,
 }
 
 

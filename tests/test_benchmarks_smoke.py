@@ -353,3 +353,11 @@ def test_published_layouts_predicts_each_row_in_its_own_unit_and_searches_a_layo
     for row in data["rows"]:
         assert row["source"] and _finite_positive(row["predicted"]) and math.isfinite(row["error"])
         assert row["own"]["speedup_over_published"] >= 1.0 - 1e-9, "the search considers the published layout"
+
+
+def test_layout_search_speed_times_each_phase_in_a_fresh_process(tmp_path):
+    data = _run("layout_search_speed", tmp_path / "speed.json")
+    (row,) = data["rows"]
+    assert row["case"] == "llama-small" and row["layers"] == 8 and row["layouts_considered"] > 0
+    assert all(_finite_positive(row[k]) for k in ("trace_s", "search_s", "total_s", "peak_rss_bytes"))
+    assert row["total_s"] >= row["trace_s"] + row["search_s"]
