@@ -43,6 +43,7 @@ MODULES = [
     "autopipe.layouts.search",
     "autopipe.layouts.sharding",
     "autopipe.layouts.exports",
+    "autopipe.layouts.calibrate",
 ]
 
 

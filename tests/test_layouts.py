@@ -303,3 +303,28 @@ def test_torchtitan_knows_every_field_exported():
     # Read, not imported: the float8 module needs triton, which CPU machines lack.
     float8 = Path(importlib.util.find_spec("torchtitan.components.quantization").submodule_search_locations[0])
     assert all(f"class {name}(" in (float8 / "float8.py").read_text() for name in fields["model_converters"])
+
+
+# ----------------------------------------------------------------------------- calibration
+
+from autopipe.layouts.calibrate import block_seconds, calibrate_on_block  # noqa: E402
+from autopipe.layouts.gpu import Efficiency  # noqa: E402
+
+
+def test_calibrating_on_a_block_recovers_the_shares_it_was_timed_at():
+    # A "measurement" made at known shares: the calibration finds them again from the default ones.
+    truth = H100.with_efficiency(Efficiency(gemm={"H100": 0.3}, attention=0.3 * 0.19 / 0.42, fp8_gemm=0.3 * 0.53 / 0.42))
+    measured = block_seconds(LLAMA_8B, truth, tokens=4096)
+    calibrated = calibrate_on_block(H100, LLAMA_8B, tokens=4096, measured_s=measured)
+    assert calibrated.efficiency.gemm_share("H100") == pytest.approx(0.3, rel=1e-3)
+    assert block_seconds(LLAMA_8B, calibrated, tokens=4096) == pytest.approx(measured, rel=1e-6)
+    assert H100.efficiency.gemm_share("H100") == pytest.approx(0.42)  # the costs given are left as they were
+    # Every layout is then charged at the calibrated speed.
+    layout = Layout(dp=8, micro_batch=1, global_batch=8, dp_mode="fsdp")
+    assert predict_step(LLAMA_8B, layout, calibrated).step_s > predict_step(LLAMA_8B, layout, H100).step_s
+
+
+@pytest.mark.parametrize("measured, message", [(0.0, "must be seconds > 0"), (1e-9, "faster than H100's data sheet")])
+def test_a_measurement_that_cannot_be_this_block_is_refused(measured, message):
+    with pytest.raises(ValueError, match=message):
+        calibrate_on_block(H100, LLAMA_8B, tokens=4096, measured_s=measured)

@@ -10,7 +10,8 @@ In the order the data flows:
    :mod:`.blocks`: what one block computes, keeps and communicates at tensor-parallel
    degree t, under each checkpointing mode.
 3. **Device costs.** :mod:`.gpu`: GEMMs, attention, element-wise work and collectives on a
-   data-sheet GPU and its links, with the stated or fitted efficiency shares.
+   data-sheet GPU and its links, with the stated or fitted efficiency shares;
+   :mod:`.calibrate` rescales them to one block measured on the GPU at hand.
 4. **Step.** :mod:`.step`: one :class:`Layout`'s step time, tokens/s per GPU, MFU and memory
    per GPU, with the parts that hold it back.
 5. **Search.** :mod:`.search`: every layout of N GPUs ranked, the fastest that fits first.
@@ -44,6 +45,7 @@ _PUBLIC = {
     "search_layouts": "search",
     "find_tensor_parallel": "sharding",
     "shape_from_graph": "sharding",
+    "calibrate_on_block": "calibrate",
     "torchtitan_fields": "exports",
     "megatron_arguments": "exports",
 }

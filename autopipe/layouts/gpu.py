@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 from ..machine.device import parse_bytes
@@ -102,6 +103,12 @@ class GpuCosts:
         self.hbm = memory_bandwidth or acc.memory_bandwidth
         self.memory_bytes = memory_bytes or parse_bytes(acc.memory, name="memory")
         self.dtype_bytes = 4 if dtype == "fp32" else 2
+
+    def with_efficiency(self, efficiency: Efficiency) -> "GpuCosts":
+        """The same GPU and cluster charged at other shares."""
+        other = copy.copy(self)
+        other.efficiency = efficiency
+        return other
 
     # ------------------------------------------------------------------ compute
 
