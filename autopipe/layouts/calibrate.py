@@ -24,12 +24,12 @@ from __future__ import annotations
 
 from .gpu import Efficiency, GpuCosts
 from .shapes import TransformerShape
-from .step import Layout, _block_times
+from .step import Layout, block_times
 
 
 def block_seconds(shape: TransformerShape, gpu: GpuCosts, *, tokens: int, layout: Layout | None = None) -> float:
     """Forward plus backward seconds one block is charged for ``tokens`` tokens on one GPU."""
-    times = _block_times(shape, layout or Layout(), gpu, tokens)
+    times = block_times(shape, layout or Layout(), gpu, tokens)
     return times["fwd"] + times["bwd"]
 
 

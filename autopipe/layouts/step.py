@@ -180,9 +180,11 @@ def model_flops_per_token(shape: TransformerShape) -> float:
     return 6.0 * (matrix + shape.vocab * shape.hidden) + 12.0 * shape.layers * shape.hidden * shape.seq_len
 
 
-def _block_times(shape: TransformerShape, layout: Layout, gpu: GpuCosts, tokens: int) -> dict[str, float]:
-    """Seconds of one block for one micro-batch: forward compute, backward compute, its
-    recomputation (full and selective), and its tensor-parallel collectives."""
+def block_times(shape: TransformerShape, layout: Layout, gpu: GpuCosts, tokens: int) -> dict[str, float]:
+    """Seconds of one block of ``shape`` for a micro-batch of ``tokens`` tokens under
+    ``layout``'s degree and options: ``{"fwd", "bwd", "full", "selective",
+    "tp_collective_s"}`` (forward and backward compute, what full and selective
+    recomputation re-run, one tensor-parallel collective's exposed seconds)."""
     t = layout.tp
     fwd_mm = sum(gpu.gemm_s(tokens, *m.shape_at(t), fp8=layout.float8) for m in block_matmuls(shape))
     if layout.float8:  # casts of each GEMM's activation input to float8 (read bf16, write fp8) and amax
@@ -232,7 +234,7 @@ def predict_step(shape: TransformerShape, layout: Layout, gpu: GpuCosts) -> Step
     m = layout.n_microbatches
     tokens = layout.micro_batch * shape.seq_len
     node = gpu.topology.gpus_per_node
-    blk = _block_times(shape, layout, gpu, tokens)
+    blk = block_times(shape, layout, gpu, tokens)
     blocks = math.ceil(shape.layers / (p * v)) * v  # on the fullest rank
     checkpointed = blocks if layout.recompute_layers is None else min(layout.recompute_layers, blocks)
     recompute_mode = layout.recompute
