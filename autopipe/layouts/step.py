@@ -131,7 +131,7 @@ class Layout:
         parts = [f"tp {self.tp} x pp {self.pp} x dp {self.dp}" + (f" ({self.dp_mode})" if self.dp > 1 else ""),
                  f"micro-batch {self.micro_batch} x {self.n_microbatches}",
                  self.schedule + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")]
-        if self.recompute != "none":
+        if self.recompute != "none" and self.recompute_layers != 0:
             some = "" if self.recompute_layers is None else f" on {self.recompute_layers} blocks/rank"
             parts.append(f"{self.recompute} AC{some}")
         parts += [flag for flag, on in (("SP", self.sequence_parallel), ("fp8", self.float8),
