@@ -156,177 +156,187 @@ def find_tensor_parallel(exported: Any) -> TensorParallelPlan:
         group (from its attention kernel's query and key shapes), and why any matrix stays
         whole.
     """
-    params = dict(exported.graph_signature.inputs_to_parameters)
-    state: dict[fx.Node, _Sliced] = {}
-    members: dict[int, list[str]] = {}  # group -> column parameters
-    rows: dict[int, list[str]] = {}
-    broken: dict[int, str] = {}
-    ended_at: dict[int, str] = {}  # group -> the op that ended it
-    merged: dict[int, int] = {}
-    heads: dict[int, tuple[int, int]] = {}
-    found: dict[str, tuple[int, int, str, int | None]] = {}
+    walk = _Walk(dict(exported.graph_signature.inputs_to_parameters))
+    for node in exported.graph.nodes:
+        if node.op == "call_function":
+            walk.visit(node)
+    return walk.plan()
 
-    def root(g: int) -> int:
-        while g in merged:
-            g = merged[g]
+
+class _Walk:
+    """One pass over a graph in execution order: which tensors are sliced, and by which group."""
+
+    def __init__(self, params: dict[str, str]) -> None:
+        self.params = params  # placeholder name -> parameter name
+        self.state: dict[fx.Node, _Sliced] = {}
+        self.rows: dict[int, list[str]] = {}  # group -> its row-parallel parameters
+        self.broken: dict[int, str] = {}  # group -> why it cannot be sharded
+        self.ended_at: dict[int, str] = {}  # group -> the op that ended it
+        self.merged: dict[int, int] = {}  # group -> the group it joined (gate and up become one)
+        self.heads: dict[int, tuple[int, int]] = {}
+        self.found: dict[str, tuple[int, int, str, int | None]] = {}  # parameter -> (out, in, shard, group)
+        self.groups = 0
+
+    # ------------------------------------------------------------------ groups
+
+    def root(self, g: int) -> int:
+        while g in self.merged:
+            g = self.merged[g]
         return g
 
-    def join(groups: frozenset[int]) -> frozenset[int]:
-        roots = sorted({root(g) for g in groups})
+    def join(self, groups: frozenset[int]) -> frozenset[int]:
+        roots = sorted({self.root(g) for g in groups})
         for g in roots[1:]:
-            merged[g] = roots[0]
+            self.merged[g] = roots[0]
         return frozenset(roots[:1])
 
-    def sliced_inputs(node: fx.Node) -> list[tuple[fx.Node, _Sliced]]:
-        return [(a, state[a]) for a in node.all_input_nodes if a in state]
-
-    def brk(groups: frozenset[int], why: str) -> None:  # ends ``groups`` at the op the loop is on
+    def end(self, groups: frozenset[int], op: str, why: str) -> None:
         for g in groups:
-            broken.setdefault(root(g), why)
-            ended_at.setdefault(root(g), op)
+            self.broken.setdefault(self.root(g), why)
+            self.ended_at.setdefault(self.root(g), op)
 
-    next_group = 0
-    for node in exported.graph.nodes:
-        if node.op != "call_function":
-            continue
+    # ------------------------------------------------------------------ ops
+
+    def visit(self, node: fx.Node) -> None:
         op = _name(node)
-        ins = sliced_inputs(node)
-        shape = _shape(node)
         if op in _LINEAR:
-            if op == "addmm":
-                x, w = node.args[1], node.args[2]
-                out_f, in_f = (_shape(w) or (0, 0))[::-1]
-            else:
-                x, w = node.args[0], node.args[1]
-                ws = _shape(w) or (0, 0)
-                out_f, in_f = (ws[0], ws[1]) if op == "linear" else (ws[1], ws[0])
-            pname = params.get(getattr(w, "name", None))
-            if pname is None:  # activation times activation (manual attention scores)
-                if ins:
-                    groups = join(frozenset().union(*(s.groups for _, s in ins)))
-                    dims = {s.dim for _, s in ins}
-                    if shape is not None and len(dims) == 1 and next(iter(dims)) < -2:
-                        d = next(iter(dims))  # a batch dimension: the heads of a hand-written attention
-                        state[node] = _Sliced(d, groups)
-                        a, b = (_shape(arg) for arg in node.args[:2])
-                        if a and b and len(ins) == 2:
-                            heads.setdefault(root(next(iter(groups))), (a[d], b[d]))
-                    else:
-                        brk(groups, f"{node.name} ({op}) multiplies across the sliced features")
-                continue
-            if x in state:
-                s = state[x]
-                if s.dim != -1:
-                    brk(s.groups, f"{node.name}: a matrix reduces over a dimension other than the sliced one")
-                    found.setdefault(pname, (out_f, in_f, "whole", None))
-                    continue
-                g = root(next(iter(join(s.groups))))
-                rows.setdefault(g, []).append(pname)
-                found[pname] = (out_f, in_f, "row", g)
-            else:
-                g = next_group
-                next_group += 1
-                members[g] = [pname]
-                found[pname] = (out_f, in_f, "column", g)
-                state[node] = _Sliced(-1, frozenset({g}))
-            continue
+            self.matmul(node, op)
+            return
         if op == "embedding":
-            pname = params.get(getattr(node.args[0], "name", None))
+            pname = self.params.get(getattr(node.args[0], "name", None))
             if pname:
-                rows_, width = _shape(node.args[0]) or (0, 0)
-                found.setdefault(pname, (rows_, width, "embedding", None))
-            continue
+                rows, width = _shape(node.args[0]) or (0, 0)
+                self.found.setdefault(pname, (rows, width, "embedding", None))
+            return
+        ins = [self.state[a] for a in node.all_input_nodes if a in self.state]
         if not ins:
-            continue
-        groups = join(frozenset().union(*(s.groups for _, s in ins)))
-        dims = {s.dim for _, s in ins}
+            return  # nothing sliced reaches this op
+        groups = self.join(frozenset().union(*(s.groups for s in ins)))
+        dims = {s.dim for s in ins}
         if len(dims) > 1:
-            brk(groups, f"{node.name} ({op}) combines tensors sliced along different dimensions")
-            continue
-        dim = next(iter(dims))
+            self.end(groups, op, f"{node.name} ({op}) combines tensors sliced along different dimensions")
+            return
+        kept = self.follow(node, op, next(iter(dims)), groups)
+        if isinstance(kept, str):
+            self.end(groups, op, kept)
+        else:
+            self.state[node] = _Sliced(kept, groups)
+
+    def matmul(self, node: fx.Node, op: str) -> None:
+        """A weight matrix (column or row, by whether its input is sliced), or an activation
+        product (the scores and weighted values of a hand-written attention)."""
+        if op == "addmm":
+            x, w = node.args[1], node.args[2]
+            out_f, in_f = (_shape(w) or (0, 0))[::-1]
+        else:
+            x, w = node.args[0], node.args[1]
+            ws = _shape(w) or (0, 0)
+            out_f, in_f = (ws[0], ws[1]) if op == "linear" else (ws[1], ws[0])
+        pname = self.params.get(getattr(w, "name", None))
+        ins = [self.state[a] for a in node.all_input_nodes if a in self.state]
+        if pname is None:
+            if not ins:
+                return
+            groups = self.join(frozenset().union(*(s.groups for s in ins)))
+            dims = {s.dim for s in ins}
+            d = next(iter(dims))
+            if _shape(node) is None or len(dims) > 1 or d >= -2:
+                self.end(groups, op, f"{node.name} ({op}) multiplies across the sliced features")
+                return
+            self.state[node] = _Sliced(d, groups)  # a batch dimension: the heads
+            a, b = (_shape(arg) for arg in node.args[:2])
+            if a and b and len(ins) == 2:
+                self.heads.setdefault(self.root(next(iter(groups))), (a[d], b[d]))
+            return
+        if x in self.state:
+            s = self.state[x]
+            if s.dim != -1:
+                self.end(s.groups, op, f"{node.name}: a matrix reduces over a dimension other than the sliced one")
+                self.found.setdefault(pname, (out_f, in_f, "whole", None))
+                return
+            g = self.root(next(iter(self.join(s.groups))))
+            self.rows.setdefault(g, []).append(pname)
+            self.found[pname] = (out_f, in_f, "row", g)
+            return
+        g, self.groups = self.groups, self.groups + 1
+        self.found[pname] = (out_f, in_f, "column", g)
+        self.state[node] = _Sliced(-1, frozenset({g}))
+
+    def follow(self, node: fx.Node, op: str, dim: int, groups: frozenset[int]) -> int | str:
+        """Where the sliced dimension is in ``node``'s output, or why the slices end here."""
+        shape = _shape(node)
         if op in _ATTENTION:
             q, k = _shape(node.args[0]), _shape(node.args[1])
             if q and k and len(q) == 4 and dim == -3:
-                heads[root(next(iter(groups)))] = (q[1], k[1])
-                state[node] = _Sliced(-3, groups)
-            else:
-                brk(groups, f"{node.name}: attention over sliced features that are not whole heads")
-            continue
+                self.heads[self.root(next(iter(groups)))] = (q[1], k[1])
+                return -3
+            return f"{node.name}: attention over sliced features that are not whole heads"
         if op in _ELEMENTWISE:
-            whole = [a for a in node.all_input_nodes if a not in state and _spans(_shape(a), dim)]
+            whole = [a for a in node.all_input_nodes if a not in self.state and _spans(_shape(a), dim)]
             if whole:  # a residual add of the sliced output to the whole stream: it must be gathered first
-                brk(groups, f"{node.name} ({op}) combines the sliced features with the whole {whole[0].name}")
-            else:
-                state[node] = _Sliced(dim, groups)
-            continue
+                return f"{node.name} ({op}) combines the sliced features with the whole {whole[0].name}"
+            return dim
         if op in _SHAPE:
             src = _shape(node.args[0])
             if op in ("expand", "unsqueeze", "squeeze") and src is not None:
-                state[node] = _Sliced(_map_inserted(op, node.args[1:], len(src), dim), groups)
-                continue
+                return _map_inserted(op, node.args[1:], len(src), dim)
             mapped = _map_view(src, shape, dim) if src and shape else None
-            if mapped is None:
-                brk(groups, f"{node.name} ({op}) scatters the sliced features")
-            else:
-                state[node] = _Sliced(mapped, groups)
-            continue
+            return f"{node.name} ({op}) scatters the sliced features" if mapped is None else mapped
         if op == "transpose" and shape:
-            rank = len(shape)
-            a, b = (d if d < 0 else d - rank for d in node.args[1:3])
-            state[node] = _Sliced(b if dim == a else a if dim == b else dim, groups)
-            continue
+            a, b = (d if d < 0 else d - len(shape) for d in node.args[1:3])
+            return b if dim == a else a if dim == b else dim
         if op == "permute" and shape:
             order = [d if d < 0 else d - len(shape) for d in node.args[1]]
-            state[node] = _Sliced(order.index(dim) - len(shape), groups)
-            continue
-        if op in ("split", "split_with_sizes", "chunk", "slice", "cat", "_softmax", "softmax", "mean", "sum"):
+            return order.index(dim) - len(shape)
+        if op in ("split", "split_with_sizes", "chunk") or node.target is operator.getitem:
+            # A fused projection split into its parts (GPT-2's q, k, v): each part stays
+            # sliced, the runtime slicing every part of the weight by itself.
+            return dim
+        if op in ("slice", "cat", "_softmax", "softmax", "mean", "sum"):
             axis = node.args[1] if len(node.args) > 1 else 0
+            first = node.args[0][0] if isinstance(node.args[0], (list, tuple)) else node.args[0]
+            rank = len(_shape(first) or ())
             axes = axis if isinstance(axis, (list, tuple)) else [axis]
-            src = _shape(node.args[0] if not isinstance(node.args[0], (list, tuple)) else node.args[0][0])
-            rank = len(src) if src else 0
-            if op == "split" or op == "split_with_sizes" or op == "chunk":
-                # A fused projection split into its parts (GPT-2's q, k, v): each part stays sliced,
-                # the runtime slicing every part of the weight by itself.
-                state[node] = _Sliced(dim, groups)
-                continue
             if any((a if a < 0 else a - rank) == dim for a in axes if isinstance(a, int)):
-                brk(groups, f"{node.name} ({op}) works across the sliced features")
-            else:
-                state[node] = _Sliced(dim, groups)
-            continue
-        if node.target is operator.getitem:
-            state[node] = _Sliced(dim, groups)
-            continue
-        brk(groups, f"{node.name} ({op}) is not known to keep the sliced features apart")
+                return f"{node.name} ({op}) works across the sliced features"
+            return dim
+        return f"{node.name} ({op}) is not known to keep the sliced features apart"
 
-    out = []
-    refused: dict[str, str] = {}
-    for pname, (out_f, in_f, shard, g) in found.items():
-        r = root(g) if g is not None else None
-        if shard == "column" and r is not None and r not in rows and ended_at.get(r) in _LOSS:
-            shard, r = "vocab", None  # the output layer: its softmax or loss runs vocabulary-parallel
-        elif shard == "column" and r is not None and r not in rows and r not in broken:
-            shard, r = "vocab", None  # its output leaves the graph unreduced: the output layer
-        elif shard in ("column", "row") and r is not None and r in broken:
-            refused[pname] = broken[r]
-            shard, r = "whole", None
-        out.append(ShardedMatmul(pname, out_f, in_f, shard, r))
-    groups_heads = {}
-    for g, (q_heads, k_heads) in heads.items():
-        r = root(g)
-        if r in broken:
-            continue
-        # The kernel may see keys already repeated for grouped-query attention: the key-value
-        # heads are read off the projections (the narrowest column matrix, or what a fused
-        # q/k/v matrix holds beyond the queries), in units of the query heads' width.
-        widths = [m.out_features for m in out if m.group == r and m.shard == "column"]
-        head_dim = max(widths) // q_heads if len(widths) > 1 else widths[0] // (q_heads + 2 * k_heads) if widths else 0
-        if len(widths) > 1:
-            kv = min(widths) // max(head_dim, 1)
-        else:
-            kv = (widths[0] // max(head_dim, 1) - q_heads) // 2 if widths else k_heads
-        groups_heads[r] = (q_heads, min(k_heads, kv) if kv > 0 else k_heads)
-    return TensorParallelPlan(out, groups_heads, refused)
+    # ------------------------------------------------------------------ result
+
+    def plan(self) -> TensorParallelPlan:
+        out = []
+        refused: dict[str, str] = {}
+        for pname, (out_f, in_f, shard, g) in self.found.items():
+            r = self.root(g) if g is not None else None
+            alone = shard == "column" and r is not None and r not in self.rows
+            if alone and (self.ended_at.get(r) in _LOSS or r not in self.broken):
+                shard, r = "vocab", None  # the output layer: left unreduced, or its loss vocabulary-parallel
+            elif shard in ("column", "row") and r is not None and r in self.broken:
+                refused[pname] = self.broken[r]
+                shard, r = "whole", None
+            out.append(ShardedMatmul(pname, out_f, in_f, shard, r))
+        return TensorParallelPlan(out, self.head_counts(out), refused)
+
+    def head_counts(self, matmuls: list[ShardedMatmul]) -> dict[int, tuple[int, int]]:
+        """Query and key-value heads per attention group. The kernel may see keys already
+        repeated for grouped-query attention, so the key-value heads are read off the
+        projections: the narrowest column matrix, or what a fused q/k/v matrix holds beyond
+        the queries, in units of a query head's width."""
+        counts = {}
+        for g, (q_heads, k_heads) in self.heads.items():
+            r = self.root(g)
+            widths = [m.out_features for m in matmuls if m.group == r and m.shard == "column"]
+            if r in self.broken or not widths:
+                continue
+            if len(widths) > 1:  # separate projections: the query's is the widest
+                head_dim = max(max(widths) // q_heads, 1)
+                kv = min(widths) // head_dim
+            else:  # one fused q/k/v matrix, as wide as the queries and twice the key-values
+                head_dim = max(widths[0] // (q_heads + 2 * k_heads), 1)
+                kv = (widths[0] // head_dim - q_heads) // 2
+            counts[r] = (q_heads, min(k_heads, kv) if kv > 0 else k_heads)
+        return counts
 
 
 def shape_from_graph(exported: Any, *, seq_len: int, name: str = "") -> TransformerShape:
