@@ -103,8 +103,9 @@ ABOUT = {
         "Does each rank of a `Pipeline` built from a meta-device model hold only its own stages? Host memory "
         "per rank after construction, against the whole model's parameter bytes."),
     "published_layouts": (
-        "Does `autopipe.layouts` predict the throughput of published training runs at 8 to 3,072 GPUs "
-        "(Megatron-LM SC'21 Table 1, Korthikanti et al. 2022 Table 5, BLOOM-176B, torchtitan's Tables 1, 3, 4, 5) "
+        "Does `autopipe.layouts` predict the throughput of published training runs at 8 to 16,384 GPUs "
+        "(Megatron-LM SC'21 Table 1, Korthikanti et al. 2022 Table 5, BLOOM-176B, torchtitan's Tables 1, 3, 4, 5, "
+        "the Llama 3 paper's Table 4) "
         "when given each run's exact layout, and what layout would it choose itself? Efficiency shares are fitted "
         "on the rows named below; every other row is held out."),
 }
@@ -785,9 +786,9 @@ def render_scale_study(d: dict[str, Any], behind: list[str]) -> str:
     tp_header, tp_rows = _scale_study_layouts(d)
     if tp_rows:
         out += ["With tensor parallelism and per-block checkpointing allowed (`autopipe.layouts`, the shape read "
-                "from each model's traced graph; same GPUs, batch and H100s, FLOP rates from the fitted shares of "
-                "benchmark 14, not the flat 40% above, so the two tables' throughputs are not comparable), at the "
-                "sizes torchtitan reports:",
+                "from each model's traced graph; same GPU counts and batch, on torchtitan's own H100 part (96 GB "
+                "HBM2e, 500 W) at the shares fitted in benchmark 14, not the flat 40% of an 80 GB H100 above, so the "
+                "two tables' throughputs are not comparable), at the sizes torchtitan reports:",
                 table(tp_header, [row for row in tp_rows if row[-1] != "–"])]
     against = [_against_torchtitan(r) for r in d.get("rows", []) if r.get("torchtitan")]
     detail = []
@@ -842,7 +843,7 @@ def render_published_layouts(d: dict[str, Any], behind: list[str]) -> str:
     for r in d.get("rows", []):
         own = r.get("own", {})
         unit = {"iteration_s": "s/step", "tokens_per_s_per_gpu": "tokens/s/GPU",
-                "megatron_tflops_per_gpu": "TFLOP/s/GPU"}.get(r["published"]["unit"], r["published"]["unit"])
+                "megatron_tflops_per_gpu": "TFLOP/s/GPU", "model_tflops_per_gpu": "model TFLOP/s/GPU"}.get(r["published"]["unit"], r["published"]["unit"])
         rows.append([r["id"], "fit" if r["fit"] else "held out", r["layout"],
                      f"{r['published']['value']:,g} {unit}", f"{r['predicted']:,.4g}", pct(r["error"]),
                      pct(r.get("memory_error")) if r.get("memory_error") is not None else "–",

@@ -88,9 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``autopipe layout``: print the fastest layout that fits (or the one given), with its parts."""
     args = build_parser().parse_args(argv)
     shape = load_shape(args.model, args.seq_len)
+    accelerator = next((a for name, a in ACCELERATORS.items() if name.lower() == args.device.lower()), None)
     topology = Topology(gpus_per_node=args.gpus_per_node,
-                        intra=args.intra or ACCELERATORS.get(args.device.upper(), ACCELERATORS["H100"]).link,
-                        inter=args.inter)
+                        intra=args.intra or (accelerator or ACCELERATORS["H100"]).link, inter=args.inter)
     gpu = GpuCosts(args.device, topology, dtype=args.dtype,
                    memory_bytes=parse_bytes(args.memory, name="--memory") if args.memory else None)
     runtime = Layout(flash=not args.no_flash, float8=args.float8, compiled=args.compile, async_tp=args.async_tp)

@@ -35,10 +35,10 @@ def block_seconds(shape: TransformerShape, gpu: GpuCosts, *, tokens: int, layout
 
 def _scaled(gpu: GpuCosts, factor: float) -> GpuCosts:
     e = gpu.efficiency
+    # The attention and float8 rates are ratios to the GEMM's, so they follow it.
     shares = Efficiency(gemm={**e.gemm, gpu.name: min(1.0, e.gemm_share(gpu.name) * factor)},
-                        attention=min(1.0, e.attention * factor), fp8_gemm=min(1.0, e.fp8_gemm * factor),
-                        memory=e.memory, collective=e.collective, kernel_s=e.kernel_s,
-                        compiled_memory=e.compiled_memory)
+                        attention=e.attention, fp8_gemm=e.fp8_gemm, memory=e.memory, collective=e.collective,
+                        kernel_s=e.kernel_s, compiled_memory=e.compiled_memory)
     return gpu.with_efficiency(shares)
 
 
@@ -64,7 +64,7 @@ def calibrate_on_block(gpu: GpuCosts, shape: TransformerShape, *, tokens: int, m
     """
     if isinstance(measured_s, bool) or not isinstance(measured_s, (int, float)) or not measured_s > 0:
         raise ValueError(f"calibrate_on_block measured_s={measured_s!r} must be seconds > 0")
-    lo, hi = 1e-6, 1.0 / max(gpu.efficiency.gemm_share(gpu.name), gpu.efficiency.attention, 1e-9)
+    lo, hi = 1e-6, 1.0 / max(gpu.efficiency.gemm_share(gpu.name), 1e-9)
     if block_seconds(shape, _scaled(gpu, hi), tokens=tokens, layout=layout) > measured_s:
         raise ValueError(f"calibrate_on_block measured_s={measured_s:.3g} is faster than {gpu.name}'s data sheet "
                          f"allows for this block at {tokens} tokens: time one block of this model on this GPU")

@@ -7,7 +7,9 @@ Every time is the device's data-sheet rate times a stated efficiency
   its bytes at ``memory`` of the HBM bandwidth (a roofline), plus a fixed ``kernel_s``: the
   thin shards of a high tensor-parallel degree read as many bytes per FLOP as they must and
   fall below the FLOP rate;
-- a fused attention kernel runs at ``attention`` of the peak; an unfused one (scores
+- a fused attention kernel runs at ``attention`` times a large GEMM's rate, and a float8
+  GEMM at ``fp8_gemm`` times the fp8 peak scaled the same way: the ratios between kernels
+  are shared by every accelerator, the GEMM share is each accelerator's own; an unfused one (scores
   materialized, as Megatron-LM before flash attention) as batched GEMMs plus its softmax's
   bytes;
 - element-wise work at ``memory`` of the HBM bandwidth;
@@ -47,8 +49,8 @@ class Efficiency:
     Args:
         gemm: of the dense peak, for a large GEMM, per accelerator name (``"A100"``, ...);
             ``"*"`` for any other.
-        attention: of the dense peak, for a fused (flash) attention kernel's FLOPs.
-        fp8_gemm: of the fp8 peak, for a float8 GEMM.
+        attention: a fused (flash) attention kernel's FLOP rate over a large GEMM's.
+        fp8_gemm: a float8 GEMM's share of the fp8 peak over a bf16 GEMM's share of the bf16 peak.
         memory: of the HBM bandwidth, for element-wise kernels.
         collective: of a link's bandwidth, for NCCL's ring collectives and sends.
         kernel_s: fixed seconds per GEMM (launch and tail).
@@ -56,14 +58,14 @@ class Efficiency:
             (torch.compile fuses element-wise chains, so intermediates are not written back).
     """
 
-    # "H100" was fitted on torchtitan's H100s at a 500 W power limit, charged at the SXM peak.
-    gemm: dict[str, float] = field(default_factory=lambda: {"A100": 0.83, "H100": 0.42, "*": 0.6})
-    attention: float = 0.19
-    fp8_gemm: float = 0.53
+    gemm: dict[str, float] = field(default_factory=lambda: {"A100": 0.83, "H100": 0.73, "H100-HBM2e": 0.41,
+                                                             "*": 0.6})
+    attention: float = 0.51
+    fp8_gemm: float = 1.27
     memory: float = 0.7
     collective: float = 0.75
     kernel_s: float = 5e-6
-    compiled_memory: float = 0.78
+    compiled_memory: float = 0.81
 
     def gemm_share(self, accelerator: str) -> float:
         return self.gemm.get(accelerator, self.gemm.get("*", 0.6))
@@ -116,14 +118,15 @@ class GpuCosts:
         """Seconds for one ``(m x k) @ (k x n)`` GEMM."""
         e = self.efficiency
         flops = 2.0 * m * n * k
-        rate = self.fp8_peak * e.fp8_gemm if fp8 else self.peak * e.gemm_share(self.name)
+        share = e.gemm_share(self.name)
+        rate = self.fp8_peak * min(1.0, share * e.fp8_gemm) if fp8 else self.peak * share
         elem = 1 if fp8 else self.dtype_bytes
         moved = elem * (m * k + k * n) + self.dtype_bytes * m * n
         return max(flops / rate, moved / (self.hbm * e.memory)) + e.kernel_s
 
     def flash_attention_s(self, flops: float) -> float:
         """Seconds for a fused attention kernel doing ``flops``."""
-        return flops / (self.peak * self.efficiency.attention)
+        return flops / (self.gemm_rate() * self.efficiency.attention)
 
     def memory_s(self, moved_bytes: float) -> float:
         """Seconds for element-wise kernels reading and writing ``moved_bytes``."""

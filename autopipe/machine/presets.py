@@ -47,6 +47,12 @@ ACCELERATORS: dict[str, Accelerator] = {
                         "NVIDIA A100 Tensor Core GPU data sheet (SXM4 80GB)", memory_bandwidth=2.039e12),
     "H100": Accelerator({"bf16": 989e12, "fp16": 989e12, "fp32": 494e12, "fp8": 1979e12}, "80GB", "nvlink4",
                         "NVIDIA H100 Tensor Core GPU data sheet (SXM5)", memory_bandwidth=3.35e12),
+    # torchtitan's benchmark hosts (benchmarks/llama3_h100_202412_torchtitan.md): SXM H100s with
+    # 96 GB of HBM2e at 2.4 TB/s and a 500 W limit, whose peak "lies between SXM and NVL"; the
+    # SXM figure is kept and the planner's fitted GEMM share for this part absorbs the rest.
+    "H100-HBM2e": Accelerator({"bf16": 989e12, "fp16": 989e12, "fp32": 494e12, "fp8": 1979e12}, "96GB", "nvlink4",
+                              "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md (Grand Teton, 500 W)",
+                              memory_bandwidth=2.4e12),
     "H200": Accelerator({"bf16": 989e12, "fp16": 989e12, "fp32": 494e12, "fp8": 1979e12}, "141GB", "nvlink4",
                         "NVIDIA H200 Tensor Core GPU data sheet (SXM)", memory_bandwidth=4.8e12),
 }

@@ -36,14 +36,15 @@ from _common import write_result  # noqa: E402
 from autopipe.layouts.gpu import Efficiency, GpuCosts  # noqa: E402
 from autopipe.layouts.search import search_layouts  # noqa: E402
 from autopipe.layouts.shapes import TransformerShape  # noqa: E402
-from autopipe.layouts.step import Layout, predict_step  # noqa: E402
+from autopipe.layouts.step import Layout, model_flops_per_token, predict_step  # noqa: E402
 from autopipe.machine.topology import Topology  # noqa: E402
 
 #: The shares fitted, with the range searched for each and where the search starts (a fixed
 #: start, so the fit does not depend on the library's current defaults, which it sets).
-FITTED = {"gemm:A100": (0.3, 0.95), "gemm:H100": (0.2, 0.95), "attention": (0.15, 0.9), "fp8_gemm": (0.1, 0.9),
-          "compiled_memory": (0.05, 1.0)}
-START = {"gemm:A100": 0.72, "gemm:H100": 0.62, "attention": 0.45, "fp8_gemm": 0.45, "compiled_memory": 0.5}
+FITTED = {"gemm:A100": (0.3, 0.95), "gemm:H100": (0.2, 0.95), "gemm:H100-HBM2e": (0.2, 0.95), "attention": (0.15, 1.5),
+          "fp8_gemm": (0.3, 2.0), "compiled_memory": (0.05, 1.0)}
+START = {"gemm:A100": 0.72, "gemm:H100": 0.62, "gemm:H100-HBM2e": 0.62, "attention": 0.7, "fp8_gemm": 1.0,
+         "compiled_memory": 0.5}
 
 
 def load_rows(path: Path = HERE / "rows.json") -> list[dict]:
@@ -82,6 +83,8 @@ def in_published_unit(row: dict, shape: TransformerShape, layout: Layout, step_s
         return step_s
     if unit == "tokens_per_s_per_gpu":
         return layout.global_batch * shape.seq_len / step_s / layout.n_gpus
+    if unit == "model_tflops_per_gpu":  # 6 N + attention per token, as the Llama 3 paper and torchtitan count
+        return layout.global_batch * shape.seq_len / step_s / layout.n_gpus * model_flops_per_token(shape) / 1e12
     if unit == "megatron_tflops_per_gpu":
         return megatron_flops_per_step(shape, layout.global_batch) / step_s / layout.n_gpus / 1e12
     raise ValueError(f"row {row['id']}: unknown unit {unit!r}")

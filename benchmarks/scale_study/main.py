@@ -158,7 +158,8 @@ def layout_rows(name: str, seq: int, gpu_counts: list[int]) -> tuple[dict[str, A
     model, args, _ = build(name, seq)
     shape = shape_from_graph(trace(model, args).exported, seq_len=seq, name=name)
     traced_s = time.perf_counter() - start
-    gpu = GpuCosts("H100", Topology(gpus_per_node=8, intra="nvlink4", inter="ib-ndr"))
+    # torchtitan's own part (96 GB of HBM2e, 500 W), so its tables compare like with like.
+    gpu = GpuCosts("H100-HBM2e", Topology(gpus_per_node=8, intra="nvlink4", inter="ib-ndr"))
     rows = []
     for n in gpu_counts:
         started = time.perf_counter()
