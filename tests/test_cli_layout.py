@@ -46,3 +46,10 @@ def test_bad_input_is_one_line_naming_it(capsys, argv, message):
     assert main(["layout", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("autopipe layout: error:") and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_factory_is_built_on_meta_traced_and_its_shape_read_from_the_graph(capsys):
+    assert main(["layout", "autopipe.models:seed_transformer", "--gpus", "4", "--global-batch", "8", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "autopipe.models:seed_transformer: 4 blocks, hidden 128, 4 heads (4 key-value)" in out
+    assert "layouts considered" in out and "Megatron-LM: --tensor-model-parallel-size" in out

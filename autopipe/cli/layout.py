@@ -1,7 +1,8 @@
 """``autopipe layout``: the layout of a Transformer on a GPU cluster, searched or checked.
 
-The model is a named shape (``llama3-70b``) or a Hugging Face ``config.json`` (a file or
-its folder): nothing is built, downloaded or run. With every degree given (``--tp --pp
+The model is a named shape (``llama3-70b``), a Hugging Face ``config.json`` (a file or its
+folder), or a factory (``package.module:factory``, ``file.py:factory``) built on the meta
+device and traced, its shape read from the graph: nothing is downloaded or run. With every degree given (``--tp --pp
 --dp --micro-batch``), that layout alone is predicted; otherwise every layout is searched
 and the fastest that fits is printed with the runners-up, then in torchtitan's and
 Megatron-LM's words.
@@ -10,6 +11,7 @@ Example::
 
     autopipe layout llama3-70b --gpus 256 --global-batch 512 --device H100
     autopipe layout path/to/config.json --gpus 64 --global-batch 128 --seq-len 4096
+    autopipe layout mypkg.models:build_llama --gpus 64 --global-batch 128   # traced on meta
     autopipe layout llama3-70b --gpus 256 --global-batch 512 --tp 8 --pp 1 --dp 32 --micro-batch 16 \\
         --recompute full --dp-mode fsdp          # predict the layout you run today
 """
@@ -37,8 +39,8 @@ _GIVEN = ("tp", "pp", "dp", "micro_batch")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="autopipe layout", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("model", help=f"a named shape ({', '.join(sorted(NAMED_SHAPES))}) or a Hugging Face config.json "
-                                 "(file or folder)")
+    p.add_argument("model", help=f"a named shape ({', '.join(sorted(NAMED_SHAPES))}), a Hugging Face config.json "
+                                 "(file or folder), or package.module:factory / file.py:factory (traced on meta)")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in all")
     p.add_argument("--global-batch", type=int, required=True, help="sequences per step")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the shape's)")
@@ -73,10 +75,31 @@ def load_shape(model: str, seq_len: int | None) -> TransformerShape:
         shape = TransformerShape.named(model)
         return shape.with_seq_len(seq_len) if seq_len else shape
     path = Path(model)
-    if not path.exists():
-        raise ValueError(f"model={model!r} is neither a named shape ({', '.join(sorted(NAMED_SHAPES))}) nor a "
-                         "config.json file or folder")
-    return TransformerShape.from_hf_config(path, seq_len=seq_len, name=path.stem if path.is_file() else path.name)
+    if path.exists():
+        return TransformerShape.from_hf_config(path, seq_len=seq_len, name=path.stem if path.is_file() else path.name)
+    if ":" in model:
+        return _traced_shape(model, seq_len)
+    raise ValueError(f"model={model!r} is neither a named shape ({', '.join(sorted(NAMED_SHAPES))}), a config.json "
+                     "file or folder, nor a package.module:factory")
+
+
+def _traced_shape(spec: str, seq_len: int | None) -> TransformerShape:
+    """Build the factory's model and example on the meta device, trace it, read its shape."""
+    import torch
+
+    from ..layouts.sharding import shape_from_graph
+    from ..planning.tracing import trace
+    from .modelspec import load_model_spec
+
+    with torch.device("meta"):
+        loaded = load_model_spec(spec)
+    args = loaded.example_args or ()
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if first is None or first.dim() < 2:
+        raise ValueError(f"model={spec!r}: its example must start with a (batch, sequence) tensor of token ids")
+    shape = shape_from_graph(trace(loaded.model, args, loaded.example_kwargs).exported,
+                             seq_len=int(first.shape[1]), name=spec)
+    return shape.with_seq_len(seq_len) if seq_len else shape
 
 
 def _row(p: StepPrediction, why: str) -> str:
