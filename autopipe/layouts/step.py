@@ -299,9 +299,10 @@ def _memory(shape: TransformerShape, layout: Layout, params: float, blocks: int,
     w = gpu.dtype_bytes
     if layout.dp_mode == "fsdp":
         state = params * (w + GRAD_BYTES + MASTER_AND_ADAM_BYTES) / d
-        # Gathered low-precision weights: one block at a time, or the whole rank's with a
-        # pipeline (not re-sharded between micro-batches).
-        state += params * w if p > 1 else params / blocks * w * 2
+        # Gathered low-precision weights: one block at a time; with a pipeline, the whole
+        # rank's, and their gradients unsharded too, as torchtitan keeps both between
+        # micro-batches (no re-sharding, one gradient reduction on the last micro-batch).
+        state += params * w * 2 if p > 1 else params / blocks * w * 2
     elif layout.dp_mode == "zero1":
         state = params * (w + GRAD_BYTES) + params * MASTER_AND_ADAM_BYTES / d
     else:
