@@ -865,8 +865,7 @@ def render_published_layouts(d: dict[str, Any], behind: list[str]) -> str:
 
 
 def _median(xs: list[float]) -> float | None:
-    xs = sorted(xs)
-    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
+    return statistics.median(xs) if xs else None
 
 
 def render_retrace_memory(d: dict[str, Any], behind: list[str]) -> str:

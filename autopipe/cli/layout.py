@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from ..layouts.blocks import RECOMPUTE_MODES
@@ -30,7 +31,7 @@ from ..layouts.search import search_layouts
 from ..layouts.shapes import NAMED_SHAPES, TransformerShape
 from ..layouts.step import DP_MODES, LAYOUT_SCHEDULES, Layout, StepPrediction, predict_step
 from ..machine.device import parse_bytes
-from ..machine.presets import ACCELERATORS, LINKS
+from ..machine.presets import ACCELERATORS, LINKS, find_accelerator
 from ..machine.topology import Topology
 
 _GIVEN = ("tp", "pp", "dp", "micro_batch")
@@ -111,9 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``autopipe layout``: print the fastest layout that fits (or the one given), with its parts."""
     args = build_parser().parse_args(argv)
     shape = load_shape(args.model, args.seq_len)
-    accelerator = next((a for name, a in ACCELERATORS.items() if name.lower() == args.device.lower()), None)
-    topology = Topology(gpus_per_node=args.gpus_per_node,
-                        intra=args.intra or (accelerator or ACCELERATORS["H100"]).link, inter=args.inter)
+    accelerator = ACCELERATORS[find_accelerator(args.device) or "H100"]  # GpuCosts names an unknown one
+    topology = Topology(gpus_per_node=args.gpus_per_node, intra=args.intra or accelerator.link, inter=args.inter)
     gpu = GpuCosts(args.device, topology, dtype=args.dtype,
                    memory_bytes=parse_bytes(args.memory, name="--memory") if args.memory else None)
     runtime = Layout(flash=not args.no_flash, float8=args.float8, compiled=args.compile, async_tp=args.async_tp)
@@ -127,12 +127,10 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"global batch {args.global_batch}")
     header = f"{'layout':<78} {'tokens/s/GPU':>10} {'MFU':>6} {'memory':>10}  what holds it back"
     if given:
-        layout = Layout(**given, global_batch=args.global_batch, schedule=args.schedule,
-                        virtual_stages=args.virtual_stages, recompute=args.recompute,
-                        recompute_layers=args.recompute_layers, dp_mode=args.dp_mode,
-                        sequence_parallel=given["tp"] > 1 and not args.no_sequence_parallel,
-                        flash=runtime.flash, float8=runtime.float8, compiled=runtime.compiled,
-                        async_tp=runtime.async_tp)
+        layout = replace(runtime, **given, global_batch=args.global_batch, schedule=args.schedule,
+                         virtual_stages=args.virtual_stages, recompute=args.recompute,
+                         recompute_layers=args.recompute_layers, dp_mode=args.dp_mode,
+                         sequence_parallel=given["tp"] > 1 and not args.no_sequence_parallel)
         if layout.n_gpus != args.gpus:
             raise ValueError(f"--tp x --pp x --dp = {layout.n_gpus}, not --gpus {args.gpus}")
         chosen = predict_step(shape, layout, gpu)

@@ -104,11 +104,6 @@ def block_flops(shape: TransformerShape, tp: int, *, causal_skip: bool = False) 
             "attention": attention_flops_per_token(shape, tp, causal_skip=causal_skip)}
 
 
-def head_flops_per_token(shape: TransformerShape, tp: int) -> float:
-    """Forward FLOPs of the output layer per token and rank (vocabulary sharded over tp)."""
-    return 2.0 * shape.hidden * shape.vocab / tp
-
-
 def block_params_per_rank(shape: TransformerShape, tp: int) -> float:
     """Parameters of one block a rank holds: matrices and their biases at 1/t, norms whole."""
     sharded = block_matmul_params(shape)

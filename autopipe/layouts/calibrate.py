@@ -22,7 +22,9 @@ Example:
 
 from __future__ import annotations
 
-from .gpu import Efficiency, GpuCosts
+from dataclasses import replace
+
+from .gpu import GpuCosts
 from .shapes import TransformerShape
 from .step import Layout, block_times
 
@@ -36,10 +38,7 @@ def block_seconds(shape: TransformerShape, gpu: GpuCosts, *, tokens: int, layout
 def _scaled(gpu: GpuCosts, factor: float) -> GpuCosts:
     e = gpu.efficiency
     # The attention and float8 rates are ratios to the GEMM's, so they follow it.
-    shares = Efficiency(gemm={**e.gemm, gpu.name: min(1.0, e.gemm_share(gpu.name) * factor)},
-                        attention=e.attention, fp8_gemm=e.fp8_gemm, memory=e.memory, collective=e.collective,
-                        kernel_s=e.kernel_s, compiled_memory=e.compiled_memory)
-    return gpu.with_efficiency(shares)
+    return gpu.with_efficiency(replace(e, gemm={**e.gemm, gpu.name: min(1.0, e.gemm_share(gpu.name) * factor)}))
 
 
 def calibrate_on_block(gpu: GpuCosts, shape: TransformerShape, *, tokens: int, measured_s: float,

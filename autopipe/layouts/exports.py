@@ -53,7 +53,7 @@ def torchtitan_fields(layout: Layout, shape: TransformerShape) -> dict[str, Any]
     if layout.pp > 1:
         parallelism["pipeline_parallel_schedule"] = layout.schedule
         parallelism["pipeline_parallel_microbatch_size"] = layout.micro_batch
-        parallelism["pipeline_parallel_layers_per_stage"] = -(-shape.layers // (layout.pp * layout.virtual_stages))
+        parallelism["pipeline_parallel_layers_per_stage"] = layout.blocks_per_rank(shape.layers) // layout.virtual_stages
     fields: dict[str, Any] = {
         "parallelism": parallelism,
         "training": {"local_batch_size": layout.global_batch // layout.dp, "global_batch_size": layout.global_batch,

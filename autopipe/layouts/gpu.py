@@ -34,7 +34,7 @@ import copy
 from dataclasses import dataclass, field
 
 from ..machine.device import parse_bytes
-from ..machine.presets import ACCELERATORS
+from ..machine.presets import ACCELERATORS, find_accelerator
 from ..machine.topology import Topology
 
 
@@ -90,7 +90,7 @@ class GpuCosts:
     def __init__(self, accelerator: str, topology: Topology, *, dtype: str = "bf16",
                  efficiency: Efficiency | None = None, memory_bytes: float | None = None,
                  memory_bandwidth: float | None = None) -> None:
-        key = next((k for k in ACCELERATORS if k.lower() == str(accelerator).lower()), None)
+        key = find_accelerator(accelerator)
         if key is None:
             raise ValueError(f"GpuCosts accelerator={accelerator!r} is not known; use one of {sorted(ACCELERATORS)}")
         acc = ACCELERATORS[key]

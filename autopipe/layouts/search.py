@@ -2,17 +2,18 @@
 
 :func:`search_layouts` enumerates every layout of ``n_gpus`` for a global batch:
 
-- tp: divisors of the GPUs per node that divide the heads and key-value heads (sequence
-  parallelism on whenever tp > 1);
-- pp: divisors of ``n_gpus / tp`` up to the number of blocks; dp what remains;
+- tp: divisors of the GPUs per node (sequence parallelism on whenever tp > 1);
+- pp: divisors of ``n_gpus / tp``; dp what remains;
 - the micro-batch size (a divisor of the batch each data-parallel rank takes, up to
   ``max_micro_batch``), so the micro-batch count;
-- the schedule: 1F1B, and Interleaved 1F1B with 2 or 4 stages per rank where the blocks allow;
+- the schedule: 1F1B, and Interleaved 1F1B with 2 or 4 stages per rank;
 - checkpointing: none, selective, or full on all blocks or on the fewest that fit;
 - data parallelism replicated, ZeRO-1 or FSDP;
 
-charges each with :func:`~autopipe.layouts.step.predict_step` and ranks those within the
-device's memory by tokens/s per GPU. Identical blocks are costed once per layout, so a
+turns away, counting each reason, those the model cannot take (a tp that does not divide its
+heads, more stages than blocks: :func:`~autopipe.layouts.step.layout_problem`), charges the
+others with :func:`~autopipe.layouts.step.predict_step` and ranks those within the device's
+memory by tokens/s per GPU. Identical blocks are costed once per layout, so a
 search takes seconds even for thousands of GPUs.
 
 Example:
@@ -32,7 +33,6 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from .._checks import check_int
-from .blocks import tp_divides
 from .gpu import GpuCosts
 from .shapes import TransformerShape
 from .step import Layout, StepPrediction, layout_problem, predict_step
@@ -71,15 +71,17 @@ def candidate_layouts(shape: TransformerShape, n_gpus: int, global_batch: int, g
                       base: Layout, max_micro_batch: int = 8) -> list[Layout]:
     """Every layout :func:`search_layouts` considers (see the module docstring)."""
     out = []
+    # Degrees the model cannot take (heads that do not divide tp, more stages than blocks)
+    # are kept: layout_problem turns each away with its reason, which the search reports.
     for tp in _divisors(gpus_per_node):
-        if n_gpus % tp or (tp > 1 and tp_divides(shape, tp)):
+        if n_gpus % tp:
             continue
         for pp in _divisors(n_gpus // tp):
             dp = n_gpus // (tp * pp)
-            if pp > shape.layers or global_batch % dp:
+            if global_batch % dp:
                 continue
             per_rank = global_batch // dp
-            schedules = [("1F1B", 1)] + [("Interleaved1F1B", v) for v in (2, 4) if pp > 1 and pp * v <= shape.layers]
+            schedules = [("1F1B", 1)] + [("Interleaved1F1B", v) for v in (2, 4) if pp > 1]
             for mb in _divisors(per_rank):
                 if mb > max_micro_batch:
                     break
@@ -142,7 +144,7 @@ def search_layouts(shape: TransformerShape, n_gpus: int, *, global_batch: int, g
 def _fewest_checkpointed_blocks(shape: TransformerShape, layout: Layout, gpu: GpuCosts) -> StepPrediction | None:
     """The layout with the fewest fully checkpointed blocks per rank that still fits (a
     bisection: memory falls as blocks checkpoint), or None when all of them must."""
-    blocks = -(-shape.layers // (layout.pp * layout.virtual_stages)) * layout.virtual_stages
+    blocks = layout.blocks_per_rank(shape.layers)
     lo, hi = 0, blocks  # hi fits (all checkpointed), lo is tried
     best = None
     while lo < hi:

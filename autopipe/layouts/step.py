@@ -35,12 +35,11 @@ Example:
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 
 from .._checks import check_choice, check_int
-from .blocks import (RECOMPUTE_MODES, activation_bytes, block_matmuls, block_params_per_rank, head_flops_per_token,
-                     attention_flops_per_token, memory_bound_bytes, tp_collectives, tp_divides)
+from .blocks import (RECOMPUTE_MODES, activation_bytes, attention_flops_per_token, block_matmul_params, block_matmuls,
+                     block_params_per_rank, memory_bound_bytes, tp_collectives, tp_divides)
 from .gpu import GpuCosts
 from .shapes import TransformerShape
 
@@ -126,6 +125,11 @@ class Layout:
     def n_microbatches(self) -> int:
         return self.global_batch // (self.dp * self.micro_batch)
 
+    def blocks_per_rank(self, layers: int) -> int:
+        """Blocks on the fullest pipeline rank: ``virtual_stages`` stages of ``ceil(layers / (pp *
+        virtual_stages))`` blocks each."""
+        return -(-layers // (self.pp * self.virtual_stages)) * self.virtual_stages
+
     def describe(self) -> str:
         """One line: ``tp 8 x pp 2 x dp 4, micro-batch 1 x 64, 1F1B, full AC``."""
         parts = [f"tp {self.tp} x pp {self.pp} x dp {self.dp}" + (f" ({self.dp_mode})" if self.dp > 1 else ""),
@@ -176,7 +180,7 @@ def model_flops_per_token(shape: TransformerShape) -> float:
     """Training FLOPs per token without recomputation: 6 x matrix parameters (output layer
     included) plus the attention core's 12 x layers x hidden x seq_len (no causal discount,
     as torchtitan and the Llama 3 paper count MFU)."""
-    matrix = shape.layers * sum(m.out_features * m.in_features for m in block_matmuls(shape))
+    matrix = shape.layers * block_matmul_params(shape)
     return 6.0 * (matrix + shape.vocab * shape.hidden) + 12.0 * shape.layers * shape.hidden * shape.seq_len
 
 
@@ -235,15 +239,13 @@ def predict_step(shape: TransformerShape, layout: Layout, gpu: GpuCosts) -> Step
     tokens = layout.micro_batch * shape.seq_len
     node = gpu.topology.gpus_per_node
     blk = block_times(shape, layout, gpu, tokens)
-    blocks = math.ceil(shape.layers / (p * v)) * v  # on the fullest rank
+    blocks = layout.blocks_per_rank(shape.layers)
     checkpointed = blocks if layout.recompute_layers is None else min(layout.recompute_layers, blocks)
-    recompute_mode = layout.recompute
-    recompute_s = checkpointed * blk[recompute_mode] if recompute_mode != "none" else 0.0
-    collectives = tp_collectives(t, recompute="none")
-    tp_fwd = blocks * collectives["forward"] * blk["tp_collective_s"]
-    tp_bwd = blocks * collectives["backward"] * blk["tp_collective_s"]
-    if recompute_mode == "full":
-        tp_bwd += checkpointed * collectives["forward"] * blk["tp_collective_s"]
+    recompute_s = checkpointed * blk[layout.recompute] if layout.recompute != "none" else 0.0
+    # Checkpointed blocks run their mode's collectives, the others those of no recomputation.
+    kept, plain = tp_collectives(t, recompute=layout.recompute), tp_collectives(t, recompute="none")
+    tp_fwd = blocks * plain["forward"] * blk["tp_collective_s"]
+    tp_bwd = (checkpointed * kept["backward"] + (blocks - checkpointed) * plain["backward"]) * blk["tp_collective_s"]
 
     # The output layer and its loss (last rank): a vocabulary-sharded GEMM and the softmax over it.
     head_f = gpu.gemm_s(tokens, shape.vocab / t, shape.hidden) + gpu.memory_s(tokens * shape.vocab / t * 4 * 3)

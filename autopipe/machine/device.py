@@ -235,9 +235,9 @@ class Device:
             >>> d.memory, d.bandwidth, d.name
             ('80GB', 50000000000.0, 'H100')
         """
-        from .presets import ACCELERATORS, DEFAULT_EFFICIENCY, LINKS  # the tables import nothing of ours
+        from .presets import ACCELERATORS, DEFAULT_EFFICIENCY, LINKS, find_accelerator  # import nothing of ours
 
-        key = next((k for k in ACCELERATORS if isinstance(name, str) and k.lower() == name.lower()), None)
+        key = find_accelerator(name)
         if key is None:
             raise ValueError(f"Device.preset name={name!r} is not a known accelerator; use one of {sorted(ACCELERATORS)}")
         acc = ACCELERATORS[key]

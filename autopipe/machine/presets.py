@@ -61,3 +61,13 @@ ACCELERATORS: dict[str, Accelerator] = {
 #: Published runs report about 0.4: 38-43% BF16 MFU for Llama 3 405B on H100s (Llama 3
 #: paper, 2024, Table 4), 46% for PaLM 540B on TPU v4 (PaLM paper, 2022).
 DEFAULT_EFFICIENCY = 0.4
+
+
+def find_accelerator(name: object) -> str | None:
+    """The key of :data:`ACCELERATORS` that ``name`` spells in any case, or None.
+
+    Example:
+        >>> find_accelerator("h100-hbm2e"), find_accelerator("V100")
+        ('H100-HBM2e', None)
+    """
+    return next((k for k in ACCELERATORS if isinstance(name, str) and k.lower() == name.lower()), None)
