@@ -195,7 +195,7 @@ def _alias_report(pipe: Pipeline, canonical: str, aliases: list[str]) -> dict:
     ``listed``: how often each training stage module's ``named_parameters()`` lists one.
     """
     tensors = [dict(pipe.named_parameters())[canonical]] if canonical in dict(pipe.named_parameters()) else []
-    modules = {id(m): m for m in (*pipe._train_modules.values(), *pipe._eval_modules.values())}
+    modules = {id(m): m for m in (*pipe._train_modules.values(), *pipe._eval.traced().values())}
     for module in modules.values():
         tensors += [p for name, p in module.named_parameters(remove_duplicate=False) if name in aliases]
     listed = {s: sum(n in aliases for n, _ in m.named_parameters()) for s, m in pipe.stage_modules.items()}
@@ -227,15 +227,16 @@ def eval_trace_run(rank: int, world_size: int) -> dict:
     schedule, per_rank, split = CASES["1F1B"]
     pipe = build(tied_model(dropout=0.1), schedule, per_rank, split)
     aliases = ["shared.weight", "encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"]
-    result = {"alias": _alias_report(pipe, "shared.weight", aliases),
-              "separate_eval_trace": any(m is not pipe._train_modules[s] for s, m in pipe._eval_modules.items())}
-    # New values for every tensor: the eval trace must see them through every alias.
+    result = {"traced_before_eval": bool(pipe._eval.traced())}
+    # New values for every tensor: the eval trace, taken at the first eval-mode call, must see them through every alias.
     other = tied_model(seed=5, dropout=0.1).eval()
     pipe.load_state_dict(other.state_dict())
     pipe.eval()
     x, _ = batch(0)
     out = pipe(x)
     result["eval_output_diff"] = None if out is None else (out - other(x)).abs().max().item()
+    result["alias"] = _alias_report(pipe, "shared.weight", aliases)
+    result["separate_eval_trace"] = any(m is not pipe._train_modules[s] for s, m in pipe._eval.traced().items())
     return result
 
 

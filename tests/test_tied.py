@@ -108,6 +108,7 @@ def test_split_backward_uses_on_one_rank_share_one_memory(case):
 @pytest.mark.distributed
 def test_eval_mode_trace_reads_every_alias_of_the_tied_matrix():
     results = three_way_results()["eval"]
+    assert not any(r["traced_before_eval"] for r in results)  # the eval-mode trace waits for eval mode
     assert all(r["separate_eval_trace"] for r in results)  # dropout: traced again for eval
     assert all(r["alias"]["objects"] == 1 for r in results)
     last = results[1]

@@ -223,10 +223,11 @@ def prepare_replicas(dp: DataParallel, built: Any, schedule: str, mixed_precisio
         if spec.split_backward or spec.placement == "v":
             raise ValueError(f"data_parallel mode 'fsdp' runs schedules with one whole backward per stage and "
                              f"looped placement; schedule={schedule!r} is not one: use mode='replicate'")
-        if any(built.eval_modules[s] is not built.train_modules[s] for s in built.train_modules):
-            raise ValueError("data_parallel mode 'fsdp' shards the training trace's modules, but this model computes "
-                             "differently in eval mode (dropout, batch norm or a branch on training) and has a "
-                             "second trace that would not be sharded: use mode='replicate'")
+        # Told at the first eval-mode call, where the eval-mode trace is taken (runtime.stages.EvalModules).
+        built.eval.refusal = ("data_parallel mode 'fsdp' shards the training trace's modules, but this model computes "
+                              "differently in eval mode (dropout, batch norm or a branch on training) and needs a "
+                              "second trace that would not be sharded: run inference in train mode, or use "
+                              "mode='replicate'")
     modules = list(built.train_modules.values())
     seen: dict[int, torch.Tensor] = {}
     for module in modules:

@@ -31,7 +31,7 @@ class Inference:
     def __init__(self, built: RankStages, *, num_stages: int, schedule: str, n_microbatches: int,
                  loss_fn: Callable | None, failures: StepFailures, device: torch.device) -> None:
         self._train_modules = built.train_modules
-        self._eval_modules = built.eval_modules
+        self._eval = built.eval  # traced at the first eval-mode call
         self._train_stages = built.train_stages
         self._batch = built.batch
         self._num_stages = num_stages
@@ -54,7 +54,7 @@ class Inference:
         """The schedule that runs inference in this mode, built on first use."""
         key = (training, with_loss)
         if key not in self._schedules:
-            modules = self._train_modules if training else self._eval_modules
+            modules = self._train_modules if training else self._eval.get()
             if schedule_spec(self._schedule).placement == "v":
                 stages = [manual_stage(modules[s], s, self._num_stages, self._device, self._batch) for s in modules]
             else:
@@ -85,7 +85,7 @@ class Inference:
                 output = schedule.eval(*stage_args, target=stage_target, losses=losses if with_loss else None,
                                        **stage_kwargs)
             return output, losses
-        params = {id(p): p for m in (*self._train_modules.values(), *self._eval_modules.values())
+        params = {id(p): p for m in (*self._train_modules.values(), *self._eval.traced().values())
                   for p in m.parameters()}
         saved = [(p, p.grad) for p in params.values()]
         for p, _ in saved:

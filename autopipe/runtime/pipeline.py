@@ -213,7 +213,7 @@ class Pipeline(PipelineLifecycle):
         self._batch = built.batch
         self._names = built.names
         self._train_modules = built.train_modules
-        self._eval_modules = built.eval_modules
+        self._eval = built.eval
         self._train_stages = built.train_stages
         self._state = built.state
         self._use_leaves = built.use_leaves

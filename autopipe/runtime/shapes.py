@@ -107,7 +107,7 @@ class ShapeVariants:
         if len(self._kept) > KEPT_SHAPES:
             _, dropped = self._kept.popitem(last=False)
             dropped.inference.close()
-            forget_generated_source(dropped.built.generated_source)
+            forget_generated_source(dropped.built.generated_source_keys())
             gone = {id(leaf) for _, leaf in dropped.built.use_leaves}
             self._base.use_leaves[:] = [(c, leaf) for c, leaf in self._base.use_leaves if id(leaf) not in gone]
             if not self._warned:
@@ -121,6 +121,6 @@ class ShapeVariants:
         """Drop every other shape's stages and schedules, and the source torch.fx kept for all of them."""
         for found in self._kept.values():
             found.inference.close()
-            forget_generated_source(found.built.generated_source)
+            forget_generated_source(found.built.generated_source_keys())
         self._kept.clear()
-        forget_generated_source(self._base.generated_source)
+        forget_generated_source(self._base.generated_source_keys())

@@ -6,7 +6,7 @@ import copy
 import functools
 import gc
 import inspect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +39,7 @@ from .relay import relay_skip_connections
 from .step_failures import PlayThroughLoss, StepFailures, play_through_forward
 
 def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict], *, training: bool,
-                expected: int, unless_graph: list[str] | None = None,
+                expected: int, stop_after_export: Callable[[list[str]], bool] | None = None,
                 autocast: tuple[str, torch.device] | None = None, check_gradients: bool = False) -> Any:
     """``pipeline()`` on ``model`` in the given mode, each stage module ready to run split.
 
@@ -48,8 +48,9 @@ def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict],
     then wrap the wrapper. The returned ``Pipe`` carries ``autopipe_io``, the
     :class:`~autopipe.runtime.model_io.ModelIO` of the traced call.
 
-    With ``unless_graph`` (another trace's :func:`graph_text`), the split is skipped and None
-    returned when this trace computes the same graph: the export alone tells. With
+    ``stop_after_export``, when given, is called with the trace's :func:`graph_text` before
+    the split; where it returns True the split is skipped and None returned (the export
+    alone tells whether a trace computes what another does). With
     ``autocast`` (a mixed precision and the device the stages run on), the stage boundaries
     carry the dtypes autocast gives them there (:mod:`~autopipe.runtime.mixed_precision`).
     With ``check_gradients``, the traced program's gradients are compared with the model's on
@@ -73,7 +74,7 @@ def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict],
     model.train(training)
 
     def stop_if_alike(program: Any) -> None:
-        if unless_graph is not None and graph_text(program.graph) == unless_graph:
+        if stop_after_export is not None and stop_after_export(graph_text(program.graph)):
             raise _SameGraph
 
     try:
@@ -156,7 +157,7 @@ def run_generated_code(stage_module: nn.Module) -> int:
 
 
 class _SameGraph(Exception):
-    """Raised inside ``pipeline()`` to skip a split whose trace equals another's."""
+    """Raised inside ``pipeline()`` to stop after the export (``split_model(stop_after_export=...)``)."""
 
 
 def graph_text(graph: torch.fx.Graph) -> list[str]:
@@ -184,7 +185,7 @@ class RankStages:
     batch: TracedBatch
     names: StateNames
     train_modules: dict[int, nn.Module]
-    eval_modules: dict[int, nn.Module]
+    eval: EvalModules
     train_stages: list
     state: dict[str, torch.Tensor]
     use_leaves: list[tuple[str, nn.Parameter]]
@@ -197,6 +198,10 @@ class RankStages:
     #: Where torch.fx keeps the source it generated while building them (``compat.generated_source_recorded``).
     generated_source: list[str] = field(default_factory=list)
 
+    def generated_source_keys(self) -> list[str]:
+        """Every key torch.fx keeps generated source under for these stages, the eval-mode trace's included."""
+        return [*self.generated_source, *self.eval.generated_source]
+
 
 @dataclass
 class Retrace:
@@ -208,6 +213,8 @@ class Retrace:
     stage_indices: list[int]
     device: torch.device
     pp_group: Any
+    pp_rank: int  # this rank in the pipeline's group, and the group's size: the ranks that trace together
+    pp_size: int
     names: StateNames
     state: dict[str, torch.Tensor]
     traced: dict[int, nn.Module]  # the training stages first built, whose constants a retrace reuses
@@ -274,11 +281,6 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
                                 kind="gradient-mismatch") if comparison.differing else None
     raise_on_every_rank(mismatch, rank=rank, world_size=world_size,
                         what="build stages whose gradients are the model's")
-    # torch.export bakes train/eval behaviour (dropout, batch-norm statistics, branches on
-    # `self.training`) into the graph, so inference in eval mode needs its own trace over the
-    # same tensors wherever the two traces differ.
-    eval_pipe = split_model(local_model, split_spec, traced_example, training=False, expected=num_stages,
-                            unless_graph=train_pipe.autopipe_graph, autocast=autocast)
 
     # What each stage uses, under the original names: every rank computes it for every
     # stage, so all ranks agree on which parameters are shared and by whom.
@@ -315,9 +317,6 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
         for module in train_modules.values():
             meta_devices_to(module, device)
     state, use_leaves = _share_local_replicas(train_modules, names, leaf_per_use=split_backward)
-    eval_modules = train_modules
-    if eval_pipe is not None:
-        eval_modules = _build_eval_modules(eval_pipe, stage_indices, device, names, state, split_backward, meta)
     if weights is not None and not meta:
         unread: Exception | None = None
         try:
@@ -327,14 +326,17 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
         raise_on_every_rank(unread, rank=rank, world_size=world_size, what="read its weights")
     batch = TracedBatch(train_pipe.autopipe_io, example, n_microbatches)
     v_placement = schedule_spec(schedule).placement == "v"
-    train_stages = _ready_to_run(train_modules, eval_modules, train_stages, batch, checkpointed=checkpointed,
+    train_stages = _ready_to_run(train_modules, train_stages, batch, checkpointed=checkpointed,
                                  split_backward=split_backward, compile_options=compile_options,
                                  v_placement=v_placement, num_stages=num_stages, device=device, pp_group=pp_group,
                                  training=training)
     retrace = Retrace(model=twin, split_spec=split_spec, num_stages=num_stages, stage_indices=stage_indices,
-                      device=device, pp_group=pp_group, names=names, state=state, traced=train_modules,
-                      checkpointed=checkpointed, split_backward=split_backward, v_placement=v_placement,
-                      training=training, autocast=autocast, compile_options=compile_options)
+                      device=device, pp_group=pp_group, pp_rank=pp_rank, pp_size=len(set(stage_ranks)), names=names,
+                      state=state, traced=train_modules, checkpointed=checkpointed, split_backward=split_backward,
+                      v_placement=v_placement, training=training, autocast=autocast, compile_options=compile_options)
+    # A meta model's training trace is a meta trace already, to compare the eval-mode one with.
+    eval_modules = EvalModules(retrace, traced_example if meta else to_meta(traced_example), train_modules,
+                               train_graph=train_pipe.autopipe_graph if meta else None)
 
     # Parameters held on several ranks: their gradients are summed after each backward.
     # new_group is collective: every rank creates every group, in the same order.
@@ -355,23 +357,19 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
     # the system before training allocates.
     gc.collect()
     return_freed_heap()
-    return RankStages(batch=batch, names=names, train_modules=train_modules, eval_modules=eval_modules,
+    return RankStages(batch=batch, names=names, train_modules=train_modules, eval=eval_modules,
                       train_stages=train_stages, state=state, use_leaves=use_leaves, shared=shared,
                       grad_norm_rank=grad_norm_rank, unheld_state=unheld, unwritten=pending, retrace=retrace)
 
 
-def _ready_to_run(train_modules: Mapping[int, nn.Module], eval_modules: Mapping[int, nn.Module], train_stages: list,
-                  batch: TracedBatch, *, checkpointed: Sequence[int], split_backward: bool,
-                  compile_options: dict[str, Any] | None, v_placement: bool, num_stages: int,
-                  device: torch.device, pp_group: Any, training: bool) -> list:
+def _ready_to_run(train_modules: Mapping[int, nn.Module], train_stages: list, batch: TracedBatch, *,
+                  checkpointed: Sequence[int], split_backward: bool, compile_options: dict[str, Any] | None,
+                  v_placement: bool, num_stages: int, device: torch.device, pp_group: Any, training: bool) -> list:
     """Recompute, boundary guards and compilation on this rank's stage modules; the training stages to run."""
     for s in checkpointed:
         if s in train_modules:
             checkpoint_stage(train_modules[s])
-    for module in {id(m): m for m in (*train_modules.values(), *eval_modules.values())}.values():
-        guard_stage_boundaries(module, fresh_outputs=split_backward)
-        if compile_options is not None:  # in place: the stages, the state and the names keep the module
-            module.compile(**compile_options)
+    _guard_and_compile(train_modules.values(), split_backward, compile_options)
     if v_placement:
         # torch's Pipe.build_stage wires each stage's peers for the looped placement; a stage
         # placed in a V is a manual PipelineStage, which learns its peers from the schedule.
@@ -380,6 +378,14 @@ def _ready_to_run(train_modules: Mapping[int, nn.Module], eval_modules: Mapping[
     for module in train_modules.values():
         module.train(training)
     return train_stages
+
+
+def _guard_and_compile(modules: Iterable[nn.Module], split_backward: bool,
+                       compile_options: dict[str, Any] | None) -> None:
+    for module in modules:
+        guard_stage_boundaries(module, fresh_outputs=split_backward)
+        if compile_options is not None:  # in place: the stages, the state and the names keep the module
+            module.compile(**compile_options)
 
 
 @_generated_source_kept_with
@@ -391,10 +397,7 @@ def retrace_rank_stages(r: Retrace, batch: TracedBatch, dims: tuple[int, ...]) -
     gradients and optimizer steps reach the same parameters whatever shape a call has.
     """
     example = batch.meta_example(dims)
-    train_pipe = split_model(r.model, r.split_spec, example, training=True, expected=r.num_stages,
-                             autocast=r.autocast)
-    eval_pipe = split_model(r.model, r.split_spec, example, training=False, expected=r.num_stages,
-                            unless_graph=train_pipe.autopipe_graph, autocast=r.autocast)
+    train_pipe = split_twin(r, example, training=True)
     for s in r.stage_indices:
         _read_real_tensors(train_pipe.get_stage_module(s), r.names, r.state, constants_from=r.traced[s])
     train_stages = [train_pipe.build_stage(s, r.device, r.pp_group) for s in r.stage_indices]
@@ -403,18 +406,28 @@ def retrace_rank_stages(r: Retrace, batch: TracedBatch, dims: tuple[int, ...]) -
     for module in train_modules.values():
         meta_devices_to(module, r.device)
         use_leaves += tie_aliases(module, r.names, r.state, leaf_per_use=r.split_backward)
-    eval_modules = train_modules
-    if eval_pipe is not None:
-        eval_modules = _build_eval_modules(eval_pipe, r.stage_indices, r.device, r.names, r.state, r.split_backward,
-                                           meta=True, constants_from=r.traced)
     new_batch = TracedBatch(train_pipe.autopipe_io, example, batch.n_microbatches)
-    train_stages = _ready_to_run(train_modules, eval_modules, train_stages, new_batch, checkpointed=r.checkpointed,
+    train_stages = _ready_to_run(train_modules, train_stages, new_batch, checkpointed=r.checkpointed,
                                  split_backward=r.split_backward, compile_options=r.compile_options,
                                  v_placement=r.v_placement, num_stages=r.num_stages, device=r.device,
                                  pp_group=r.pp_group, training=r.training)
-    return RankStages(batch=new_batch, names=r.names, train_modules=train_modules, eval_modules=eval_modules,
+    return RankStages(batch=new_batch, names=r.names, train_modules=train_modules,
+                      eval=EvalModules(r, example, train_modules, train_graph=train_pipe.autopipe_graph),
                       train_stages=train_stages, state=r.state, use_leaves=use_leaves, shared=[], grad_norm_rank={},
                       unheld_state={}, unwritten={})
+
+
+def split_twin(r: Retrace, example: tuple[tuple, dict], *, training: bool,
+               stop_after_export: Callable[[list[str]], bool] | None = None) -> Any:
+    """:func:`split_model` on the model's meta twin and a meta ``example``.
+
+    Tensors the model's code creates without a device (``torch.arange(n)``) are made on the
+    meta device too, as the real model makes them beside its real inputs; the stages built
+    from the split point every ``device=meta`` at the real device (``compat.meta_devices_to``).
+    """
+    with torch.device("meta"):
+        return split_model(r.model, r.split_spec, example, training=training, expected=r.num_stages,
+                           autocast=r.autocast, stop_after_export=stop_after_export)
 
 
 def _share_local_replicas(modules: Mapping[int, nn.Module], names: StateNames, *, leaf_per_use: bool
@@ -439,18 +452,87 @@ def _read_real_tensors(module: nn.Module, names: StateNames, state: Mapping[str,
     materialize_leftovers(module, used_attribute_names(module))
 
 
+class EvalModules:
+    """This rank's stage modules for eval mode, traced at the first eval-mode call.
+
+    torch.export bakes train/eval behaviour (dropout, batch-norm statistics, branches on
+    ``self.training``) into the graph, so eval mode needs its own trace over the same tensors
+    wherever the two traces differ. That trace costs as much as the training one and many
+    pipelines only train, so it waits for the first forward or evaluation in eval mode, which
+    every rank of the pipeline makes together (a rank that cannot trace raises on all of them).
+    It is traced from the model's meta twin (:class:`Retrace`), as another input shape is; where
+    it computes what the training trace computes, the training stages serve eval mode too.
+    Both are compared as meta traces: a meta and a real trace of one model may differ in ops
+    that compute alike (a view for a reshape).
+
+    Example::
+
+        built = build_rank_stages(model, plan, ...)
+        built.eval.traced()   # {}: nothing traced yet
+        built.eval.get()      # traced now, on every rank of the pipeline
+    """
+
+    def __init__(self, retrace: Retrace, example: tuple[tuple, dict], train_modules: Mapping[int, nn.Module], *,
+                 train_graph: list[str] | None) -> None:
+        self._retrace = retrace
+        self._example = example  # one micro-batch on the meta device, at the training stages' shape
+        self._train_modules = dict(train_modules)
+        self._train_graph = train_graph  # the training trace's graph_text where it was a meta trace
+        self._modules: dict[int, nn.Module] | None = None
+        #: Why this pipeline cannot run a separate eval-mode trace (set by data parallelism that
+        #: shards the training trace's modules only); None where it can.
+        self.refusal: str | None = None
+        #: Where torch.fx keeps the source it generated for the eval-mode stages.
+        self.generated_source: list[str] = []
+
+    def get(self) -> dict[int, nn.Module]:
+        """The eval-mode stage modules by stage index, traced on the first call (collective)."""
+        if self._modules is None:
+            r = self._retrace
+            modules, error = None, None
+            try:
+                with generated_source_recorded() as keys:
+                    modules = self._trace()
+                self.generated_source.extend(keys)
+            except Exception as e:  # noqa: BLE001 - raised below, on every rank
+                error = e
+            raise_on_every_rank(error, rank=r.pp_rank, world_size=r.pp_size, group=r.pp_group,
+                                what="trace its stages in eval mode")
+            self._modules = modules
+        return self._modules
+
+    def traced(self) -> dict[int, nn.Module]:
+        """The eval-mode stage modules traced so far: empty before the first eval-mode call."""
+        return dict(self._modules or {})
+
+    def _trace(self) -> dict[int, nn.Module]:
+        r = self._retrace
+        train_graph = self._train_graph
+        if train_graph is None:  # the training stages came from a real trace: take a meta one to compare
+            seen: list[list[str]] = []
+            split_twin(r, self._example, training=True, stop_after_export=lambda graph: seen.append(graph) or True)
+            train_graph = seen[0]
+        eval_pipe = split_twin(r, self._example, training=False, stop_after_export=lambda graph: graph == train_graph)
+        if eval_pipe is None:
+            return dict(self._train_modules)
+        if self.refusal is not None:
+            raise ValueError(self.refusal)
+        modules = _build_eval_modules(eval_pipe, r.stage_indices, r.device, r.names, r.state, r.split_backward,
+                                      constants_from=r.traced)
+        _guard_and_compile(modules.values(), r.split_backward, r.compile_options)
+        return modules
+
+
 def _build_eval_modules(eval_pipe: Any, stage_indices: Sequence[int], device: torch.device, names: StateNames,
-                        state: Mapping[str, torch.Tensor], leaf_per_use: bool, meta: bool = False,
-                        constants_from: Mapping[int, nn.Module] | None = None) -> dict[int, nn.Module]:
-    """The eval-mode trace of this rank's stages, reading the training stages' tensors (every alias)."""
+                        state: Mapping[str, torch.Tensor], leaf_per_use: bool,
+                        constants_from: Mapping[int, nn.Module]) -> dict[int, nn.Module]:
+    """The eval-mode trace of this rank's stages (a meta trace), reading the training stages' tensors (every alias)."""
     modules: dict[int, nn.Module] = {}
     for s in stage_indices:
-        if meta:  # the training stages' tensors, before torch moves the module to the device
-            _read_real_tensors(eval_pipe.get_stage_module(s), names, state,
-                               constants_from=constants_from[s] if constants_from else None)
+        # The training stages' tensors, before torch moves the module to the device.
+        _read_real_tensors(eval_pipe.get_stage_module(s), names, state, constants_from=constants_from[s])
         module = eval_pipe.build_stage(s, device).submod
-        if meta:
-            meta_devices_to(module, device)
+        meta_devices_to(module, device)
         missing = sorted(set(stage_state(module, names)) - set(state))
         if missing:
             raise RuntimeError(f"stage {s}'s eval-mode trace reads {missing}, which its training trace "
