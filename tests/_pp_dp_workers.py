@@ -46,8 +46,7 @@ def pp_dp_run(rank: int, world_size: int, dp_mode: str, use_mesh: bool) -> dict:
     mesh = init_device_mesh("cpu", (DP, world_size // DP), mesh_dim_names=("dp", "pp")) if use_mesh else None
     results: dict = {f"{schedule}{'+tied' if tied else ''}": _case(schedule, dp_mode, tied, mesh)
                      for tied in (False, True) for schedule in SCHEDULES}
-    if dp_mode == "replicate":  # the batch convention does not depend on how the replicas reduce
-        results["1F1B+global"] = _case("1F1B", dp_mode, False, mesh, batch="global")
+    results["1F1B+global"] = _case("1F1B", dp_mode, False, mesh, batch="global")
     results["lengths"] = _lengths_case(dp_mode)
     results["1F1B+bf16"] = _bf16_case(dp_mode)
     x, y = global_batch()
@@ -55,16 +54,6 @@ def pp_dp_run(rank: int, world_size: int, dp_mode: str, use_mesh: bool) -> dict:
     results["bad_mesh_error"] = _error(lambda: Pipeline(tutorial_model(), example_args=(x[:MICROBATCH],),
                                                         loss_fn=loss_fn, split_points=SPLITS[2],
                                                         data_parallel=DataParallelOptions(mesh=bad_mesh)))
-    with Pipeline(tutorial_model(), example_args=(x[:MICROBATCH],), loss_fn=loss_fn, schedule="1F1B",
-                  n_microbatches=N_MICROBATCHES, split_points=SPLITS[2],
-                  data_parallel=DataParallelOptions(degree=DP, mode=dp_mode, batch="global")) as pipe:
-        results["bad_batch_error"] = _error(lambda: pipe.step(x[:12], target=y[:12]))
-        results["step_after_error"] = pipe.step(x, target=y).item()  # nothing was left half-done
-    with Pipeline(tutorial_model(), example_args=(x[:MICROBATCH],), loss_fn=loss_fn, schedule="1F1B",
-                  n_microbatches=N_MICROBATCHES, split_points=SPLITS[2],
-                  data_parallel=DataParallelOptions(degree=DP, mode=dp_mode)) as pipe:
-        # The global batch handed to a rank that expects its replica's rows.
-        results["global_to_replica_error"] = _error(lambda: pipe.step(x, target=y))
     # A plan made for pp x dp builds its mesh itself: no data_parallel= given.
     plan = autopipe.partition(tutorial_model(), world_size, (x[:MICROBATCH],),
                               data_parallel=DataParallelOptions(degree=DP, mode=dp_mode), loss_fn=False,
@@ -95,6 +84,11 @@ def _case(schedule: str, dp_mode: str, tied: bool, mesh, batch: str = "replica")
     with Pipeline(model, example_args=(x[:MICROBATCH],), loss_fn=loss_fn, schedule=schedule,
                   n_microbatches=N_MICROBATCHES, split_points=SPLITS[2 * stages_per_rank],
                   data_parallel=replicas, planner=autopipe.PlannerOptions(stages_per_rank=stages_per_rank)) as pipe:
+        refused = {}
+        if batch == "global":  # refused before any work: the step that follows must still be exact
+            refused["bad_batch_error"] = _error(lambda: pipe.step(x[:12], target=y[:12]))
+        elif schedule == "1F1B" and not tied:  # the global batch handed to a rank that expects its replica's rows
+            refused["global_to_replica_error"] = _error(lambda: pipe.step(x, target=y))
         given = (x, y) if batch == "global" else replica_batch(pipe, x, y)
         loss = pipe.step(given[0], target=given[1])
         ref = loss_fn(model(x), y)
@@ -118,7 +112,7 @@ def _case(schedule: str, dp_mode: str, tied: bool, mesh, batch: str = "replica")
                 "norm": norm.item(), "ref_norm": ref_norm.item(), "clipped_diff": clipped_diff,
                 "state_keys_match": sorted(full) == sorted(model.state_dict()), "state_diff": state_diff, "load_diff": load_diff,
                 "pp_rank": pipe.pp_rank, "dp_rank": pipe.data_parallel.dp_rank,
-                "stage_indices": pipe.stage_indices, "dp_mode": pipe.data_parallel.mode}
+                "stage_indices": pipe.stage_indices, "dp_mode": pipe.data_parallel.mode, **refused}
 
 
 def _lengths_case(dp_mode: str) -> dict:
@@ -127,7 +121,8 @@ def _lengths_case(dp_mode: str) -> dict:
     Under "replicate" the mean over the replicas equals the unsplit model's mean of the two
     batches' losses; FSDP shards the traced stages only and refuses, on every rank.
     """
-    model = tutorial_model()
+    # Under FSDP with dropout, which computes differently in eval mode: it trains, and eval mode is refused.
+    model = tutorial_model(dropout=0.1 if dp_mode == "fsdp" else 0.0)
     x, y = global_batch()
     half = len(x) // DP
     parts = [(x[:half, :5], y[:half, :5]), (x[half:, :7], y[half:, :7])]
@@ -136,8 +131,11 @@ def _lengths_case(dp_mode: str) -> dict:
                   data_parallel=DataParallelOptions(DP, dp_mode)) as pipe:
         rows, targets = parts[pipe.dp_rank]
         if dp_mode == "fsdp":
-            return {"error": _error(lambda: pipe.step(rows, target=targets)),
-                    "after": pipe.step(*replica_batch(pipe, x, y)[:1], target=replica_batch(pipe, x, y)[1]).item()}
+            result = {"error": _error(lambda: pipe.step(rows, target=targets)),
+                      "after": pipe.step(*replica_batch(pipe, x, y)[:1], target=replica_batch(pipe, x, y)[1]).item()}
+            pipe.eval()
+            result["eval_error"] = _error(lambda: pipe(replica_batch(pipe, x, y)[0]))
+            return result
         loss = pipe.step(rows, target=targets)
         ref = sum(loss_fn(model(a), b) for a, b in parts) / DP
         ref.backward()

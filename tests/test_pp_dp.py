@@ -23,8 +23,8 @@ from autopipe.runtime.data_parallel import DataParallel, check_mesh_arguments, r
 
 TOL = 1e-5
 CASES = [f"{s}{t}" for t in ("", "+tied") for s in workers.SCHEDULES]
-# (mode, case): every case under both reductions; the global-batch convention under one.
-MODE_CASES = [(m, c) for m in ("fsdp", "replicate") for c in CASES] + [("replicate", "1F1B+global")]
+# (mode, case): every case under both reductions, each replica given its rows or every rank the global batch.
+MODE_CASES = [(m, c) for m in ("fsdp", "replicate") for c in [*CASES, "1F1B+global"]]
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,6 +71,7 @@ def test_replicas_padded_to_their_own_lengths_equal_the_unsplit_model_or_fsdp_re
             assert case["error"].startswith("ValueError: the batch's inputs have sizes [") and \
                 "after the rows, but the pipeline was traced at [9]: FSDP shards" in case["error"], case
             assert math.isfinite(case["after"])
+            assert case["eval_error"].startswith("ValueError: data_parallel mode 'fsdp' shards the training trace's")
         else:
             assert abs(case["loss"] - case["ref_loss"]) < 1e-5 and case["grad_diff"] < 1e-5, case
 
@@ -95,9 +96,9 @@ def test_a_plan_for_pp_x_dp_builds_its_mesh_from_the_plan(dp_mode):
 def test_bad_mesh_and_bad_global_batch_raise_clear_errors_on_every_rank(dp_mode):
     for r in results(dp_mode):
         assert "dimensions named 'dp' and 'pp'" in r["bad_mesh_error"] and "('data', 'pp')" in r["bad_mesh_error"]
-        assert "12 rows" in r["bad_batch_error"] and "dp=2" in r["bad_batch_error"]
-        assert r["step_after_error"] > 0
-        error = r["global_to_replica_error"]  # DDP's convention by default: the global batch is named as such
+        refused = r["1F1B+global"]["bad_batch_error"]  # the case's exact step came after it
+        assert "12 rows" in refused and "dp=2" in refused
+        error = r["1F1B"]["global_to_replica_error"]  # DDP's convention by default: the global batch is named as such
         assert "shape (16, 9)" in error and "pass a batch of shape (8, 9)" in error
         assert "DistributedSampler" in error and "batch='global'" in error
 

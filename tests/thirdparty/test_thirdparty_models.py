@@ -2,8 +2,8 @@
 
 For each model of :data:`zoo.thirdparty.REGISTRY` (stock classes from
 transformers, diffusers, torchvision and timm at their default settings, tiny sizes), the
-planner is asked for 2 and 4 stages, with FLOP-estimated and with measured costs (the
-4-stage plans reuse the 2-stage plans' per-segment costs), and each plan it returns is
+planner is asked for 2 and 4 stages, with FLOP-estimated and with measured costs (each
+model traced once, and each kind of costs profiled once for both stage counts), and each plan it returns is
 built with the runtime's own stage builder (``autopipe.runtime.stages.split_model``, what
 :class:`autopipe.Pipeline` builds) and run in one process: the stages, run in order,
 must give the unsplit model's output.
@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 
 import autopipe
+from autopipe.planning.profile import SegmentCosts, profile_segments
+from autopipe.planning.tracing import TracedModel, trace
 from zoo.thirdparty import FAMILIES, REGISTRY, Built, get, package_missing
 from zoo.thirdparty_checks import TOLERANCE, check_split, first_line, output_difference
 from _planning import partition_with  # noqa: E402
@@ -30,9 +32,13 @@ TESTED = [name for name, entry in REGISTRY.items() if entry.unsupported is None]
 # Small profiles: the tests check that plans run, not how good they are.
 PROFILE = {"warmup": 0, "repeats": 1}
 
-# One model build, one plan per (model, stages, cost) and one check per distinct split,
-# shared by the tests of this module: the four plans of a model often repeat a split.
+# One model build and trace, one profile per (model, cost) and one check per distinct split,
+# shared by the tests of this module: the plans for 2 and 4 stages are made from the same
+# profile (partition given a profile reuses the trace it was measured on), and the four plans
+# of a model often repeat a split.
 _built: dict[str, Built] = {}
+_traced: dict[str, TracedModel] = {}
+_profiles: dict[tuple[str, str], SegmentCosts] = {}
 _plans: dict[tuple[str, int, str], autopipe.Plan | BaseException] = {}
 _checks: dict[tuple[str, tuple[str, ...]], float | BaseException] = {}
 
@@ -43,24 +49,25 @@ def _build(name: str) -> Built:
     return _built[name]
 
 
+def _profile(name: str, cost: str) -> SegmentCosts:
+    """The model's segment costs, counted or measured (small profiles: the tests check that plans run)."""
+    built = _build(name)
+    if name not in _traced:
+        _traced[name] = trace(built.model, built.example_args, built.example_kwargs)
+    if (name, cost) not in _profiles:
+        _profiles[name, cost] = profile_segments(_traced[name], cost=cost, progress=False,
+                                                 **(PROFILE if cost == "measured" else {}))
+    return _profiles[name, cost]
+
+
 def _plan(name: str, n_gpus: int, cost: str) -> autopipe.Plan:
     key = (name, n_gpus, cost)
     if key not in _plans:
         built = _build(name)
-        options: dict = {"cost": cost}
-        if n_gpus != 2:
-            # The per-segment costs do not depend on the stage count (FLOP estimates are the
-            # same every time): the 4-stage plan reuses the 2-stage plan's, which saves a
-            # profile per model. If that plan failed, this one profiles by itself.
-            try:
-                options["cost"] = _plan(name, 2, cost).segment_costs()
-            except Exception:  # noqa: BLE001 - the 2-stage test reports that failure
-                pass
         try:
             _plans[key] = partition_with(built.model, n_gpus, example_args=built.example_args,
-                                             example_kwargs=built.example_kwargs, **options,
-                                             profiling=autopipe.ProfileOptions(
-                                                 progress=False, **(PROFILE if cost == "measured" else {})))
+                                         example_kwargs=built.example_kwargs, cost=_profile(name, cost),
+                                         profiling=autopipe.ProfileOptions(progress=False))
         except Exception as e:  # noqa: BLE001 - kept, so the next test asking for it fails the same way at once
             _plans[key] = e
     if isinstance(_plans[key], BaseException):
