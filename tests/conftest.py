@@ -54,6 +54,14 @@ from autopipe.planning.tracing import trace
 os.environ.setdefault("AUTOPIPE_MEASURE_LINK", "0")
 os.environ.setdefault("AUTOPIPE_LINK_CACHE", "0")
 
+# The suite runs in two pytest-xdist workers (pyproject's addopts: ``-n 2 --dist loadfile``), one
+# per core of the test machine. Each computes with one thread, and so do the interpreters it starts:
+# two workers with a pool of threads each would oversubscribe the cores, and torch's thread pools
+# spin while they wait (the unit lane takes more than twice as long so).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+
 LANES = ("unit", "distributed", "slow")
 TESTS = Path(__file__).resolve().parent
 THIRDPARTY = TESTS / "thirdparty"
