@@ -18,7 +18,7 @@ from zoo import hf
 from zoo import build
 from autopipe.planning.default_loss import (ASSUMED_LOSS_NOTE, NO_LOSS_NOTE, assumed_loss, example_target_for,
                                             lm_vocabulary, pipeline_loss, token_cross_entropy)
-from autopipe.planning.tracing import trace
+from autopipe.planning.tracing import trace, traces_reused
 from autopipe.reporting.data import report_data
 from autopipe.reporting.html import plan_to_html
 from autopipe.reporting.markdown import plan_to_markdown
@@ -32,6 +32,14 @@ LANGUAGE_MODELS = ["seed_transformer", *HF_LMS]
 SIZES: dict[str, dict[str, Any]] = {
     "seed_transformer": {"vocab_size": 2000, "d_model": 32, "d_ff": 64, "num_layers": 3, "seq_len": 16},
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_trace_per_model():
+    """Every plan of one model here is made from its first trace (no test changes a model's modules or
+    modes), as ``plan_data_parallel`` plans every layout: the loss is what these tests compare."""
+    with traces_reused():
+        yield
 
 
 def user_lm_loss(output: Any, target: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import replace
 
 import pytest
@@ -65,13 +67,14 @@ def test_it_needs_a_process_group():
         profile_in_ranks(model, args, device="cpu")
 
 
-def _pipeline_worker(rank: int, world_size: int, flag: bool | None) -> dict:
+def _pipeline_worker(rank: int, world_size: int, flags: list[bool | None]) -> dict:
+    """For each ``in_ranks`` flag, the pipeline that plans for itself; then one given devices with their own speeds."""
     import torch.nn.functional as F
 
     import autopipe.planning.planner as planner
 
     model, args = _small_model()
-    seen = []
+    seen: list[str] = []
     real = planner.plan_partition
 
     def spy(*a, **k):
@@ -79,31 +82,44 @@ def _pipeline_worker(rank: int, world_size: int, flag: bool | None) -> dict:
         return real(*a, **k)
 
     profiling = autopipe.ProfileOptions(progress=False, repeats=2, warmup=0)
+    x = torch.cat([args[0]] * 2)
+    results: dict = {}
     planner.plan_partition = spy
     try:
-        pipe = autopipe.Pipeline(model, example_args=args, loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
-                                 schedule="1F1B", n_microbatches=2,
-                                 planner=autopipe.PlannerOptions(profiling=replace(profiling, in_ranks=flag)))
+        for flag in flags:
+            seen.clear()
+            pipe = autopipe.Pipeline(model, example_args=args,
+                                     loss_fn=lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()),
+                                     schedule="1F1B", n_microbatches=2,
+                                     planner=autopipe.PlannerOptions(profiling=replace(profiling, in_ranks=flag)))
+            loss = pipe.step(x, target=torch.zeros_like(x))
+            results[flag] = {"planner_got": list(seen), "split": pipe.plan.split_points,
+                             "loss_finite": loss is None or bool(torch.isfinite(loss))}
         # Devices with their own speeds: the default leaves the profile to rank 0 alone.
+        seen.clear()
         with_devices = autopipe.Pipeline(model, example_args=args, schedule="1F1B", n_microbatches=2,
                                          planner=autopipe.PlannerOptions(profiling=profiling,
                                                                          devices=[autopipe.Device()] * 2))
+        results["with_devices"] = {"planner_got": list(seen), "split": with_devices.plan.split_points}
     finally:
         planner.plan_partition = real
-    x = torch.cat([args[0]] * 2)
-    loss = pipe.step(x, target=torch.zeros_like(x))
-    return {"planner_got": seen, "split": pipe.plan.split_points, "loss_finite": loss is None or bool(torch.isfinite(loss)),
-            "with_devices_split": with_devices.plan.split_points}
+    return results
+
+
+@functools.lru_cache(maxsize=None)
+def pipeline_results() -> list[dict]:
+    return run_world(_pipeline_worker, 2, [True, None], timeout_s=180)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("flag", [True, None])
 def test_a_pipeline_plans_from_a_profile_every_rank_takes_by_default(flag):
-    results = run_world(_pipeline_worker, 2, flag, timeout_s=180, pg_timeout_s=90)
+    results = pipeline_results()
     # Only rank 0 plans: from the ranks' profile (SegmentCosts), then with devices from its own (None).
-    assert results[0]["planner_got"] == ["SegmentCosts", "NoneType"] and results[1]["planner_got"] == []
-    assert results[0]["split"] == results[1]["split"] and all(r["loss_finite"] for r in results)
-    assert results[0]["with_devices_split"] == results[1]["with_devices_split"]
+    assert results[0][flag]["planner_got"] == ["SegmentCosts"] and results[1][flag]["planner_got"] == []
+    assert results[0][flag]["split"] == results[1][flag]["split"] and all(r[flag]["loss_finite"] for r in results)
+    assert results[0]["with_devices"]["planner_got"] == ["NoneType"] and results[1]["with_devices"]["planner_got"] == []
+    assert results[0]["with_devices"]["split"] == results[1]["with_devices"]["split"]
 
 
 def test_the_default_profiles_in_the_ranks_only_when_nothing_else_gives_the_costs():
