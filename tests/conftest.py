@@ -2,7 +2,7 @@
 
 Every test is in exactly one lane, a marker this file sets at collection:
 
-- ``unit`` (``pytest -m unit``): everything that runs in this one process: tracing,
+- ``unit`` (``pytest -m unit``): everything that runs in the test process itself: tracing,
   profiling at test size, the partitioner, the simulator, plans, plan files, reports, the
   command line called in-process, the runtime's parts. No process is started. About a
   minute and a half on a quiet 2-core machine.
@@ -13,7 +13,14 @@ Every test is in exactly one lane, a marker this file sets at collection:
   benchmarks' smoke runs, the command line run as a user runs it (a subprocess per test).
   Several minutes.
 
-``pytest`` with no ``-m`` runs all three (what CI runs).
+``pytest`` with no ``-m`` runs all three (what CI runs). Every run is shared by two
+pytest-xdist workers that each take whole files (pyproject's ``addopts``), so the worlds and
+fixtures a file shares stay in one process; ``-n 0`` runs in one process, for a debugger.
+
+Where tests share costly work, they share it on purpose: each distributed scenario runs once
+per session in one world (``functools.lru_cache`` on the function that runs it), and the
+tests read its results; traced and profiled models are built once (the session fixtures below,
+module caches, ``traces_reused``) where the tests only read them.
 
 How a test gets its lane, first match wins:
 

@@ -71,8 +71,15 @@ def test_split_quality_compares_every_method_on_measured_stages_and_real_steps(t
     assert row["measured_candidates"] <= row["candidates"]
 
 
-def test_split_quality_sim_reports_lower_bounds_beside_each_stage_count(tmp_path):
-    data = _run("split_quality_sim", tmp_path / "sim.json")
+@pytest.fixture(scope="module")
+def sim_run(tmp_path_factory) -> tuple[Path, dict]:
+    """One smoke run of split_quality_sim, its results where render_docs looks for them: (that folder, the results)."""
+    root = tmp_path_factory.mktemp("benchmarks")
+    return root, _run("split_quality_sim", root / "split_quality_sim" / "results.json")
+
+
+def test_split_quality_sim_reports_lower_bounds_beside_each_stage_count(sim_run):
+    _, data = sim_run
     assert data["benchmark"] == "split_quality_sim"
     entries = [e for row in data["rows"] for e in row["by_stages"] if "autopipe" in e]
     assert [e["stages"] for e in entries] == [2, 4]
@@ -162,9 +169,8 @@ def test_scale_study_page_compares_each_reported_size_with_torchtitan():
     assert "m on 16 GPUs: torchtitan runs FSDP 16 (Table 1); no pp × dp layout fits 80 GB" in text
 
 
-def test_render_docs_writes_markdown_from_results(tmp_path):
-    _run("split_quality_sim", tmp_path / "split_quality_sim" / "results.json")
-    text = _render_docs(tmp_path)
+def test_render_docs_writes_markdown_from_results(sim_run):
+    text = _render_docs(sim_run[0])
     assert "# Benchmarks" in text and "Split quality at scale" in text
 
 
