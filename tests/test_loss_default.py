@@ -235,7 +235,7 @@ def _pipeline_plans_worker(rank: int, world_size: int) -> dict[str, Any]:
 def test_a_pipeline_plans_with_its_own_loss_as_partition_does() -> None:
     from _dist_utils import run_world
 
-    results = run_world(_pipeline_plans_worker, 2, timeout_s=240, pg_timeout_s=120)
+    results = run_world(_pipeline_plans_worker, 2, timeout_s=240)
     model, args = build("seed_transformer", **SIZES["seed_transformer"])
     expected = plan_of(model, args, **PIPE_SCHEDULE)
     for found in results:

@@ -30,7 +30,7 @@ FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 # ---------------------------------------------------------------------------- 2 gloo ranks
 @functools.lru_cache(maxsize=None)
 def resharding(tmp: str) -> list[dict]:
-    return run_world(workers.resharding_run, 2, tmp, timeout_s=420, pg_timeout_s=120)
+    return run_world(workers.resharding_run, 2, tmp, timeout_s=420)
 
 
 @pytest.fixture(scope="module")
