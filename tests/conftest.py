@@ -39,6 +39,7 @@ How a test gets its lane, first match wins:
 from __future__ import annotations
 
 import copy
+import gc
 import inspect
 import multiprocessing.process
 import os
@@ -128,6 +129,16 @@ def lane_of(item: pytest.Item) -> str:
     if reached & STARTS_A_PROCESS:
         return "slow"
     return "unit"
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Leave what collection made (torch, the test modules, the items) out of later garbage collections.
+
+    A full collection walks every tracked object; tracing and planning trigger many, and each
+    would otherwise walk the millions of objects imported torch and the test modules hold.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the markers
