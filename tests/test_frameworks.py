@@ -10,9 +10,18 @@ from autopipe import PlannerOptions, ProfileOptions
 from autopipe.models import seed_transformer
 from autopipe.planning import SegmentCost, profile_segments, trace
 from autopipe.planning.frameworks import restrict_to_target, target_units, toml
+from autopipe.planning.tracing import traces_reused
 
 QUIET = ProfileOptions(progress=False)
 TITAN = PlannerOptions(target="torchtitan", cost="flops", profiling=QUIET)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_trace_per_model():
+    """Every plan of one model here is made from its first trace (no test changes a model's modules or
+    modes): what these tests compare is where each framework may cut."""
+    with traces_reused():
+        yield
 
 
 @pytest.fixture(scope="module")
