@@ -397,7 +397,7 @@ def retrace_rank_stages(r: Retrace, batch: TracedBatch, dims: tuple[int, ...]) -
     gradients and optimizer steps reach the same parameters whatever shape a call has.
     """
     example = batch.meta_example(dims)
-    train_pipe = split_twin(r, example, training=True)
+    train_pipe = _split_twin(r, example, training=True)
     for s in r.stage_indices:
         _read_real_tensors(train_pipe.get_stage_module(s), r.names, r.state, constants_from=r.traced[s])
     train_stages = [train_pipe.build_stage(s, r.device, r.pp_group) for s in r.stage_indices]
@@ -417,7 +417,7 @@ def retrace_rank_stages(r: Retrace, batch: TracedBatch, dims: tuple[int, ...]) -
                       unheld_state={}, unwritten={})
 
 
-def split_twin(r: Retrace, example: tuple[tuple, dict], *, training: bool,
+def _split_twin(r: Retrace, example: tuple[tuple, dict], *, training: bool,
                stop_after_export: Callable[[list[str]], bool] | None = None) -> Any:
     """:func:`split_model` on the model's meta twin and a meta ``example``.
 
@@ -510,9 +510,9 @@ class EvalModules:
         train_graph = self._train_graph
         if train_graph is None:  # the training stages came from a real trace: take a meta one to compare
             seen: list[list[str]] = []
-            split_twin(r, self._example, training=True, stop_after_export=lambda graph: seen.append(graph) or True)
+            _split_twin(r, self._example, training=True, stop_after_export=lambda graph: seen.append(graph) or True)
             train_graph = seen[0]
-        eval_pipe = split_twin(r, self._example, training=False, stop_after_export=lambda graph: graph == train_graph)
+        eval_pipe = _split_twin(r, self._example, training=False, stop_after_export=lambda graph: graph == train_graph)
         if eval_pipe is None:
             return dict(self._train_modules)
         if self.refusal is not None:
