@@ -146,8 +146,9 @@ def test_an_accumulation_is_timed_only_after_a_backward_that_produced_weight_gra
     assert linear == (1.0, 1.0, 1.0) and relu == (1.0, 1.0, 0.0)
 
 
-def test_the_cache_flusher_writes_a_buffer_twice_the_last_level_cache():
+def test_the_cache_flusher_writes_a_buffer_twice_the_last_level_cache(monkeypatch):
     cpu = torch.device("cpu")
+    monkeypatch.delenv("AUTOPIPE_LLC_BYTES", raising=False)  # the size the host reports
     llc = last_level_cache_bytes(cpu)
     assert llc >= 1 << 20  # every CPU this runs on has at least 1 MiB of last-level cache
     flush = CacheFlusher(cpu)
@@ -157,6 +158,15 @@ def test_the_cache_flusher_writes_a_buffer_twice_the_last_level_cache():
     flush()
     assert int(flush.buffer[0]) == int(flush.buffer[-1]) != first  # every byte rewritten, new value
     assert CacheFlusher(cpu, nbytes=4096).nbytes == 4096
+
+
+def test_the_cache_size_the_environment_gives_replaces_the_hosts(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("AUTOPIPE_LLC_BYTES", "3MiB")
+    assert last_level_cache_bytes(cpu) == 3 << 20 and CacheFlusher(cpu).nbytes == 6 << 20
+    monkeypatch.setenv("AUTOPIPE_LLC_BYTES", "lots")
+    with pytest.raises(ValueError, match="AUTOPIPE_LLC_BYTES='lots' is not a memory size"):
+        CacheFlusher(cpu)
 
 
 def test_flush_cache_must_be_a_bool(small_traced):

@@ -9,6 +9,7 @@ Example:
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+
+from .device import parse_bytes
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
     """The device to profile on: the given one, else CUDA when present, else CPU.
@@ -162,15 +165,27 @@ class Timer:
 
 #: Last-level cache size assumed where the device does not say (bytes).
 _DEFAULT_LLC_BYTES = 32 << 20
+#: The environment variable that sets the cache size in place of what the device reports.
+LLC_BYTES_ENV = "AUTOPIPE_LLC_BYTES"
 
 
 def last_level_cache_bytes(device: torch.device) -> int:
     """The size of ``device``'s largest cache in bytes: the GPU's L2, the CPU's last level.
 
+    ``AUTOPIPE_LLC_BYTES`` (a size such as ``"32MiB"``, read as
+    :func:`~autopipe.machine.device.parse_bytes` reads it) is taken instead where set: a
+    virtual machine's ``/sys`` can report the whole socket's L3, of which it holds a share.
+
+    Raises:
+        ValueError: ``AUTOPIPE_LLC_BYTES`` is set but is not a size (the message names it).
+
     Example:
         >>> last_level_cache_bytes(torch.device("cpu")) > 0
         True
     """
+    given = os.environ.get(LLC_BYTES_ENV, "").strip()
+    if given:
+        return parse_bytes(given, name=LLC_BYTES_ENV)
     if device.type == "cuda":
         size = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 0)
         return size if size > 0 else _DEFAULT_LLC_BYTES
