@@ -39,6 +39,7 @@ MODULES = [
     "autopipe.layouts.shapes",
     "autopipe.layouts.blocks",
     "autopipe.layouts.gpu",
+    "autopipe.layouts.layout",
     "autopipe.layouts.step",
     "autopipe.layouts.search",
     "autopipe.layouts.sharding",

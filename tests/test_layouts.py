@@ -13,9 +13,10 @@ from hypothesis import given, settings, strategies as st
 from autopipe.layouts.blocks import (activation_bytes, block_flops, block_matmuls, block_params_per_rank,
                                      tp_collectives, tp_divides)
 from autopipe.layouts.gpu import GpuCosts
+from autopipe.layouts.layout import Layout
 from autopipe.layouts.search import candidate_layouts, search_layouts
 from autopipe.layouts.shapes import TransformerShape, megatron_gpt
-from autopipe.layouts.step import Layout, predict_step
+from autopipe.layouts.step import predict_step
 from autopipe.machine.topology import Topology
 from autopipe.planning.simulator import simulate
 
@@ -256,6 +257,16 @@ def test_megatrons_arguments_carry_every_degree_and_the_checkpointing():
         assert expected in args
     with pytest.raises(ValueError, match="does not divide the 80 blocks"):
         megatron_arguments(replace(layout, virtual_stages=3), shape)
+
+
+def test_a_predicted_step_exports_its_own_layout_and_shape():
+    shape, gpu = TransformerShape.named("llama3-70b"), GpuCosts("H100", Topology(gpus_per_node=8))
+    layout = Layout(tp=8, pp=2, dp=4, micro_batch=1, global_batch=64, dp_mode="fsdp", recompute="full")
+    p = predict_step(shape, layout, gpu)
+    assert p.to_torchtitan() == torchtitan_fields(layout, shape)
+    assert p.to_megatron() == megatron_arguments(layout, shape)
+    with pytest.raises(ValueError, match="zero1' has no torchtitan equivalent"):
+        predict_step(shape, replace(layout, dp_mode="zero1"), gpu).to_torchtitan()
 
 
 #: Megatron-LM's own training arguments, beside megatron-core's config fields.

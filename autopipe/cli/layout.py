@@ -25,11 +25,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..layouts.blocks import RECOMPUTE_MODES
-from ..layouts.exports import megatron_arguments, torchtitan_fields
 from ..layouts.gpu import GpuCosts
 from ..layouts.search import search_layouts
 from ..layouts.shapes import NAMED_SHAPES, TransformerShape
-from ..layouts.step import DP_MODES, LAYOUT_SCHEDULES, Layout, StepPrediction, predict_step
+from ..layouts.layout import DP_MODES, LAYOUT_SCHEDULES, Layout
+from ..layouts.step import StepPrediction, predict_step
 from ..machine.device import parse_bytes
 from ..machine.presets import ACCELERATORS, LINKS, find_accelerator
 from ..machine.topology import Topology
@@ -151,11 +151,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("\nwhere the step goes: " + ", ".join(f"{k.replace('_', ' ')} {v:.3g} s"
                                                for k, v in chosen.parts_s.items() if v > 0))
     try:
-        print("torchtitan:", json.dumps(torchtitan_fields(chosen.layout, shape)))
+        print("torchtitan:", json.dumps(chosen.to_torchtitan()))
     except ValueError as e:
         print(f"torchtitan: {e}")
     try:
-        print("Megatron-LM:", " ".join(megatron_arguments(chosen.layout, shape)))
+        print("Megatron-LM:", " ".join(chosen.to_megatron()))
     except ValueError as e:
         print(f"Megatron-LM: {e}")
     if args.json:

@@ -12,8 +12,8 @@ In the order the data flows:
 3. **Device costs.** :mod:`.gpu`: GEMMs, attention, element-wise work and collectives on a
    data-sheet GPU and its links, with the stated or fitted efficiency shares;
    :mod:`.calibrate` rescales them to one block measured on the GPU at hand.
-4. **Step.** :mod:`.step`: one :class:`Layout`'s step time, tokens/s per GPU, MFU and memory
-   per GPU, with the parts that hold it back.
+4. **Step.** :mod:`.layout` holds every choice of a :class:`Layout`; :mod:`.step` charges
+   one: step time, tokens/s and memory per GPU, MFU, and the parts that hold it back.
 5. **Search.** :mod:`.search`: every layout of N GPUs ranked, the fastest that fits first.
 6. **Exports.** :mod:`.exports`: a layout in torchtitan's config fields and Megatron-LM's
    arguments.
@@ -38,7 +38,7 @@ _PUBLIC = {
     "TransformerShape": "shapes",
     "GpuCosts": "gpu",
     "Efficiency": "gpu",
-    "Layout": "step",
+    "Layout": "layout",
     "StepPrediction": "step",
     "predict_step": "step",
     "LayoutSearch": "search",

@@ -26,7 +26,8 @@ from dataclasses import replace
 
 from .gpu import GpuCosts
 from .shapes import TransformerShape
-from .step import Layout, block_times
+from .layout import Layout
+from .step import block_times
 
 
 def block_seconds(shape: TransformerShape, gpu: GpuCosts, *, tokens: int, layout: Layout | None = None) -> float:

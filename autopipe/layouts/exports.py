@@ -1,4 +1,4 @@
-"""A :class:`~autopipe.layouts.step.Layout` in the words of the frameworks that run it.
+"""A :class:`~autopipe.layouts.layout.Layout` in the words of the frameworks that run it.
 
 - :func:`torchtitan_fields`: torchtitan 0.3.0's trainer config: its ``parallelism``,
   ``training`` and ``compile`` fields, the activation-checkpointing policy, the model
@@ -11,7 +11,7 @@ A choice the framework cannot express is refused by name rather than dropped.
 
 Example:
     >>> from autopipe.layouts.shapes import TransformerShape
-    >>> from autopipe.layouts.step import Layout
+    >>> from autopipe.layouts.layout import Layout
     >>> layout = Layout(tp=8, pp=4, dp=2, micro_batch=1, global_batch=64, schedule="Interleaved1F1B",
     ...                 virtual_stages=2, recompute="full", recompute_layers=3, sequence_parallel=True,
     ...                 dp_mode="zero1")
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .layout import Layout
 from .shapes import TransformerShape
-from .step import Layout
 
 
 def torchtitan_fields(layout: Layout, shape: TransformerShape) -> dict[str, Any]:

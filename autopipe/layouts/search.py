@@ -35,7 +35,8 @@ from dataclasses import dataclass, field, replace
 from .._checks import check_int
 from .gpu import GpuCosts
 from .shapes import TransformerShape
-from .step import Layout, StepPrediction, layout_problem, predict_step
+from .layout import Layout
+from .step import StepPrediction, layout_problem, predict_step
 
 
 @dataclass

@@ -1,10 +1,6 @@
 """A layout's training step on N GPUs: time, memory per GPU and what limits it.
 
-A :class:`Layout` fixes every choice a user makes for a Transformer at scale: the tensor-,
-pipeline- and data-parallel degrees (``tp x pp x dp`` GPUs), the micro-batch size and the
-global batch (so the micro-batch count), the schedule and its virtual stages, which blocks
-checkpoint how, sequence parallelism, how data parallelism keeps its state (replicated,
-ZeRO-1, FSDP) and the precision options. :func:`predict_step` charges it on a
+:func:`predict_step` charges a :class:`~autopipe.layouts.layout.Layout` on a
 :class:`~autopipe.layouts.gpu.GpuCosts`:
 
 - each rank's forward and backward per micro-batch: its blocks (:mod:`.blocks`), and the
@@ -24,6 +20,7 @@ gpus_per_node``.
 Example:
     >>> from autopipe.layouts.shapes import TransformerShape
     >>> from autopipe.layouts.gpu import GpuCosts
+    >>> from autopipe.layouts.layout import Layout
     >>> from autopipe.machine.topology import Topology
     >>> gpu = GpuCosts("H100", Topology(gpus_per_node=8))
     >>> shape = TransformerShape.named("llama3-8b")
@@ -36,15 +33,15 @@ Example:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
-from .._checks import check_choice, check_int
-from .blocks import (RECOMPUTE_MODES, activation_bytes, attention_flops_per_token, block_matmul_params, block_matmuls,
+from .blocks import (activation_bytes, attention_flops_per_token, block_matmul_params, block_matmuls,
                      block_params_per_rank, memory_bound_bytes, tp_collectives, tp_divides)
+from .exports import megatron_arguments, torchtitan_fields
 from .gpu import GpuCosts
+from .layout import Layout
 from .shapes import TransformerShape
 
-LAYOUT_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
-DP_MODES = ("replicate", "zero1", "fsdp")
 #: Bytes of state per parameter beside the bf16/fp16 weight, by data-parallel mode: an fp32
 #: gradient, an fp32 master copy and Adam's two fp32 moments (Megatron-LM's mixed precision).
 GRAD_BYTES, MASTER_AND_ADAM_BYTES = 4, 12
@@ -58,91 +55,6 @@ RESERVED_BYTES = 3e9
 ASYNC_TP_EXPOSED = 0.5
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Every choice of a training layout on ``tp * pp * dp`` GPUs.
-
-    Args:
-        tp, pp, dp: tensor-, pipeline- and data-parallel degrees.
-        micro_batch: sequences per micro-batch.
-        global_batch: sequences per step, over all data-parallel ranks.
-        schedule: one of :data:`LAYOUT_SCHEDULES`.
-        virtual_stages: stages per pipeline rank (Interleaved1F1B; 1 otherwise).
-        recompute: the checkpointing mode of checkpointed blocks (see
-            :data:`~autopipe.layouts.blocks.RECOMPUTE_MODES`).
-        recompute_layers: blocks per pipeline rank that checkpoint (Megatron-LM's
-            ``--recompute-num-layers``); None = all of them.
-        sequence_parallel: norms and dropouts sharded along the sequence over tp.
-        dp_mode: ``"replicate"``, ``"zero1"`` (optimizer state sharded over dp) or
-            ``"fsdp"`` (parameters, gradients and optimizer state sharded).
-        overlap_dp: the runtime overlaps gradient reduction with the backward.
-        flash: a fused attention kernel (no ``seq x seq`` scores kept).
-        float8: GEMMs of the blocks in float8.
-        compiled: stages compiled (element-wise chains fused).
-        async_tp: tensor-parallel collectives micro-pipelined with the GEMMs.
-
-    Raises:
-        ValueError: a degree or size that is not a positive integer, or an unknown choice.
-    """
-
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    micro_batch: int = 1
-    global_batch: int = 1
-    schedule: str = "1F1B"
-    virtual_stages: int = 1
-    recompute: str = "none"
-    recompute_layers: int | None = None
-    sequence_parallel: bool = False
-    dp_mode: str = "replicate"
-    overlap_dp: bool = True
-    flash: bool = True
-    float8: bool = False
-    compiled: bool = False
-    async_tp: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "pp", "dp", "micro_batch", "global_batch", "virtual_stages"):
-            check_int(f"Layout {name}", getattr(self, name))
-        check_choice("Layout schedule", self.schedule, LAYOUT_SCHEDULES)
-        check_choice("Layout recompute", self.recompute, RECOMPUTE_MODES)
-        check_choice("Layout dp_mode", self.dp_mode, DP_MODES)
-        if self.recompute_layers is not None:
-            check_int("Layout recompute_layers", self.recompute_layers, minimum=0)
-        if self.virtual_stages > 1 and self.schedule != "Interleaved1F1B":
-            raise ValueError(f"Layout virtual_stages={self.virtual_stages} needs schedule='Interleaved1F1B', "
-                             f"not {self.schedule!r}")
-        if self.global_batch % (self.dp * self.micro_batch):
-            raise ValueError(f"Layout global_batch={self.global_batch} must divide by dp x micro_batch = "
-                             f"{self.dp} x {self.micro_batch}")
-
-    @property
-    def n_gpus(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    @property
-    def n_microbatches(self) -> int:
-        return self.global_batch // (self.dp * self.micro_batch)
-
-    def blocks_per_rank(self, layers: int) -> int:
-        """Blocks on the fullest pipeline rank: ``virtual_stages`` stages of ``ceil(layers / (pp *
-        virtual_stages))`` blocks each."""
-        return -(-layers // (self.pp * self.virtual_stages)) * self.virtual_stages
-
-    def describe(self) -> str:
-        """One line: ``tp 8 x pp 2 x dp 4, micro-batch 1 x 64, 1F1B, full AC``."""
-        parts = [f"tp {self.tp} x pp {self.pp} x dp {self.dp}" + (f" ({self.dp_mode})" if self.dp > 1 else ""),
-                 f"micro-batch {self.micro_batch} x {self.n_microbatches}",
-                 self.schedule + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")]
-        if self.recompute != "none" and self.recompute_layers != 0:
-            some = "" if self.recompute_layers is None else f" on {self.recompute_layers} blocks/rank"
-            parts.append(f"{self.recompute} AC{some}")
-        parts += [flag for flag, on in (("SP", self.sequence_parallel), ("fp8", self.float8),
-                                        ("compiled", self.compiled), ("async TP", self.async_tp)) if on]
-        return ", ".join(parts)
-
-
 @dataclass
 class StepPrediction:
     """What :func:`predict_step` charges a layout: seconds, bytes and their parts."""
@@ -154,6 +66,45 @@ class StepPrediction:
     memory_bytes: float  # on the fullest rank
     parts_s: dict[str, float] = field(default_factory=dict)  # compute, recompute, tp_comm, pp_comm, bubble, dp_comm, optimizer
     memory_parts: dict[str, float] = field(default_factory=dict)
+    shape: TransformerShape | None = None  # the model it was charged for
+
+    def to_torchtitan(self) -> dict[str, Any]:
+        """This layout as torchtitan's config fields.
+
+        Returns:
+            The ``parallelism``, ``training``, ``compile`` and ``activation_checkpoint`` fields;
+            a choice torchtitan cannot express raises ValueError naming it
+            (:func:`~autopipe.layouts.exports.torchtitan_fields`).
+
+        Example:
+            >>> from autopipe.machine.topology import Topology
+            >>> layout = Layout(tp=8, dp=32, micro_batch=16, global_batch=512, dp_mode="fsdp", recompute="full")
+            >>> p = predict_step(TransformerShape.named("llama3-70b"), layout, GpuCosts("H100", Topology()))
+            >>> p.to_torchtitan()["parallelism"]["tensor_parallel_degree"], p.to_torchtitan()["activation_checkpoint"]
+            (8, 'full')
+        """
+        return torchtitan_fields(self.layout, self._shape())
+
+    def to_megatron(self) -> list[str]:
+        """This layout as Megatron-LM's arguments.
+
+        Returns:
+            The arguments, each flag followed by its value; a choice Megatron-LM cannot express
+            raises ValueError naming it (:func:`~autopipe.layouts.exports.megatron_arguments`).
+
+        Example:
+            >>> from autopipe.machine.topology import Topology
+            >>> layout = Layout(tp=4, pp=2, dp=4, micro_batch=1, global_batch=64, dp_mode="zero1")
+            >>> p = predict_step(TransformerShape.named("llama3-8b"), layout, GpuCosts("A100", Topology()))
+            >>> p.to_megatron()[:4]
+            ['--tensor-model-parallel-size', '4', '--pipeline-model-parallel-size', '2']
+        """
+        return megatron_arguments(self.layout, self._shape())
+
+    def _shape(self) -> TransformerShape:
+        if self.shape is None:
+            raise ValueError("this StepPrediction was made without its shape; predict_step records it")
+        return self.shape
 
     def to_dict(self) -> dict:
         return {"layout": asdict(self.layout), "describe": self.layout.describe(), "step_s": self.step_s,
@@ -290,7 +241,7 @@ def predict_step(shape: TransformerShape, layout: Layout, gpu: GpuCosts) -> Step
     memory = _memory(shape, layout, params, blocks, checkpointed, tokens, gpu)
     tokens_per_s = layout.global_batch * shape.seq_len / step_s / layout.n_gpus
     mfu = tokens_per_s * model_flops_per_token(shape) / gpu.peak
-    return StepPrediction(layout, step_s, tokens_per_s, mfu, sum(memory.values()), parts, memory)
+    return StepPrediction(layout, step_s, tokens_per_s, mfu, sum(memory.values()), parts, memory, shape)
 
 
 def _memory(shape: TransformerShape, layout: Layout, params: float, blocks: int, checkpointed: int,

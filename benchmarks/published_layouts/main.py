@@ -36,7 +36,8 @@ from _common import write_result  # noqa: E402
 from autopipe.layouts.gpu import Efficiency, GpuCosts  # noqa: E402
 from autopipe.layouts.search import search_layouts  # noqa: E402
 from autopipe.layouts.shapes import TransformerShape  # noqa: E402
-from autopipe.layouts.step import Layout, model_flops_per_token, predict_step  # noqa: E402
+from autopipe.layouts.layout import Layout  # noqa: E402
+from autopipe.layouts.step import model_flops_per_token, predict_step  # noqa: E402
 from autopipe.machine.topology import Topology  # noqa: E402
 
 #: The shares fitted, with the range searched for each and where the search starts (a fixed
