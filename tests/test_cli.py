@@ -311,6 +311,7 @@ def test_unwritable_output_path_is_one_line_before_any_work(workdir):
     (["plan", "tiny.py:make", "--gpus", "2", "--bandwidth", "fast"], ["--bandwidth 'fast' is not a rate"]),
     (["plan", "tiny.py:make", "--gpus", "2", "--action-overhead-ms", "-1"], ["--action-overhead-ms -1.0 must be"]),
     (["plan", "tiny.py:make", "--gpus", "2", "--memory", "1KiB", *FAST], ["per device fits (with 2 stages"]),
+    (["plan", "llama3-70b", "--gpus", "256"], ["is a named shape", "autopipe layout llama3-70b --gpus N"]),
 ])
 def test_user_mistakes_are_one_line_on_stderr(workdir, monkeypatch, capsys, argv, fragments):
     monkeypatch.chdir(workdir)

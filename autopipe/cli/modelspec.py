@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AutopipeError
+from ..layouts.shapes import NAMED_SHAPES
 
 #: Options of a Hugging Face spec that shape the example input rather than the config.
 HF_INPUT_OPTIONS = ("batch", "seq_len", "seed")
@@ -230,6 +231,10 @@ def _load_hugging_face(spec: str, options: dict[str, Any]) -> LoadedModel:
             try:  # a hub id: only from the local cache; autopipe never downloads anything
                 config = AutoConfig.from_pretrained(spec, local_files_only=True, **options)
             except OSError:
+                if spec.lower() in NAMED_SHAPES:
+                    raise ModelSpecError(
+                        f"MODEL={spec!r} is a named shape, which has no weights to profile; its layout on a "
+                        f"cluster: autopipe layout {spec} --gpus N --global-batch B") from None
                 raise ModelSpecError(
                     f"MODEL={spec!r} is no file, module or Hugging Face model type, and no "
                     f"Hugging Face config {spec!r} is in the local cache (autopipe never downloads); {_FORMS}"
