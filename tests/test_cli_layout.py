@@ -32,6 +32,16 @@ def test_a_config_json_and_a_given_layout_are_predicted_without_a_search(capsys,
     assert "layouts considered" not in out
     assert "tp 2 x pp 2 x dp 2 (zero1), micro-batch 1 x 8, 1F1B, full AC, SP" in out
     assert "--use-distributed-optimizer" in out and "no torchtitan equivalent" in out
+    # Megatron-LM's sequence parallelism, which gathers the inputs again, is charged less memory.
+    plain = ["layout", str(tmp_path), "--gpus", "8", "--global-batch", "16", "--device", "A100", "--tp", "2",
+             "--pp", "2", "--dp", "2", "--micro-batch", "1", "--dp-mode", "zero1"]
+    assert main(plain) == 0
+    kept = [line for line in capsys.readouterr().out.splitlines() if line.startswith("tp 2 x pp 2")][0]
+    assert main([*plain, "--sp-regather"]) == 0
+    regathered = [line for line in capsys.readouterr().out.splitlines() if line.startswith("tp 2 x pp 2")][0]
+    assert "SP, regathered" in regathered and "SP, regathered" not in kept
+    gigabytes = [float(line.split(" GB")[0].split()[-1]) for line in (kept, regathered)]
+    assert gigabytes[1] < gigabytes[0]
 
 
 @pytest.mark.parametrize("argv, message", [

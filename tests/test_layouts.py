@@ -109,8 +109,29 @@ def test_activations_follow_korthikanti_for_a_gpt_block():
     # Tensor parallelism alone leaves 10 h replicated; with sequence parallelism all of it divides.
     assert activation_bytes(gpt, 8, recompute="none", sequence_parallel=False, flash=False) == \
         pytest.approx(10 * h + 24 * h / 8 + 5 * a * s / 8)
-    assert activation_bytes(gpt, 8, recompute="selective", sequence_parallel=True, flash=False) == pytest.approx(34 * h / 8)
+    # Korthikanti's count with sequence parallelism assumes Megatron-LM gathers the norm outputs again.
+    assert activation_bytes(gpt, 8, recompute="selective", sequence_parallel=True, flash=False,
+                            sp_regather=True) == pytest.approx(34 * h / 8)
+    # torch's tensor-parallel API keeps them as gathered: 4h bytes stay whole.
+    assert activation_bytes(gpt, 8, recompute="selective", sequence_parallel=True, flash=False) == \
+        pytest.approx(30 * h / 8 + 4 * h)
     assert activation_bytes(gpt, 8, recompute="full", sequence_parallel=True, flash=False) == pytest.approx(2 * h / 8)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_a_llama_blocks_kept_bytes_are_the_hand_count(tp):
+    s = TransformerShape.named("llama3-8b")
+    h, f, kv = s.hidden, s.ffn, s.kv_width
+    sp = tp > 1
+    seq = h / tp if sp else h  # a tensor sharded along the sequence under sequence parallelism
+    # No checkpointing: both norm inputs, both norm outputs as the column-parallel projections
+    # gathered them (whole), q, k, v and the attention output, gate, up, activation, product.
+    none = 2 * (2 * seq + 2 * h + (2 * h + 2 * kv) / tp + 4 * f / tp)
+    assert activation_bytes(s, tp, recompute="none", sequence_parallel=sp, flash=True) == pytest.approx(none)
+    # torchtitan's op-level policy: the input, q, v, the attention output, gate, and down before its reduction.
+    selective = 2 * (seq + (h + kv + h + f) / tp + h)
+    assert activation_bytes(s, tp, recompute="selective", sequence_parallel=sp, flash=True) == pytest.approx(selective)
+    assert activation_bytes(s, tp, recompute="full", sequence_parallel=sp, flash=True) == pytest.approx(2 * seq)
 
 
 def test_checkpointing_more_blocks_needs_less_memory_and_more_time():
@@ -243,6 +264,8 @@ def test_torchtitans_fields_carry_every_degree_and_the_checkpointing():
         torchtitan_fields(replace(layout, recompute_layers=3), shape)
     with pytest.raises(ValueError, match="dp_mode='zero1' has no torchtitan equivalent"):
         torchtitan_fields(replace(layout, dp_mode="zero1"), shape)
+    with pytest.raises(ValueError, match="sp_regather=True: torchtitan keeps the inputs"):
+        torchtitan_fields(replace(layout, sp_regather=True), shape)
 
 
 def test_megatrons_arguments_carry_every_degree_and_the_checkpointing():

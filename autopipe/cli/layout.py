@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--float8", action="store_true", help="the blocks' GEMMs in float8")
     p.add_argument("--compile", action="store_true", help="stages compiled")
     p.add_argument("--async-tp", action="store_true", help="tensor-parallel collectives overlapped with the GEMMs")
+    p.add_argument("--sp-regather", action="store_true",
+                   help="sequence parallelism gathers the inputs again in the backward (Megatron-LM); default: "
+                        "kept whole, as torch's tensor-parallel API (torchtitan, autopipe) keeps them")
     p.add_argument("--top", type=int, default=5, help="how many layouts to list")
     p.add_argument("--json", metavar="FILE", help="write the layouts listed as JSON")
     given = p.add_argument_group("a layout to predict (all four degrees given: no search)")
@@ -116,7 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     topology = Topology(gpus_per_node=args.gpus_per_node, intra=args.intra or accelerator.link, inter=args.inter)
     gpu = GpuCosts(args.device, topology, dtype=args.dtype,
                    memory_bytes=parse_bytes(args.memory, name="--memory") if args.memory else None)
-    runtime = Layout(flash=not args.no_flash, float8=args.float8, compiled=args.compile, async_tp=args.async_tp)
+    runtime = Layout(flash=not args.no_flash, float8=args.float8, compiled=args.compile, async_tp=args.async_tp,
+                     sp_regather=args.sp_regather)
     given = {name: getattr(args, name) for name in _GIVEN if getattr(args, name) is not None}
     if given and len(given) < len(_GIVEN):
         raise ValueError(f"to predict a layout give all of --tp --pp --dp --micro-batch (missing: "

@@ -34,8 +34,8 @@ from .shapes import TransformerShape
 
 #: Activation-checkpointing modes of a block: ``"none"`` keeps everything the backward
 #: reads, ``"selective"`` recomputes the cheap parts (the attention core and its softmax for a
-#: GPT, as Korthikanti et al. 2022; the element-wise ops of the feed-forward for a Llama block,
-#: as torchtitan's op-level selective checkpointing), ``"full"`` keeps only the block's input.
+#: GPT, as Korthikanti et al. 2022; for a Llama block, torchtitan's op-level policy: the
+#: element-wise ops and every second matmul), ``"full"`` keeps only the block's input.
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
@@ -113,38 +113,44 @@ def block_params_per_rank(shape: TransformerShape, tp: int) -> float:
 
 
 def activation_bytes(shape: TransformerShape, tp: int, *, recompute: str, sequence_parallel: bool,
-                     flash: bool, dtype_bytes: int = 2) -> float:
+                     flash: bool, dtype_bytes: int = 2, sp_regather: bool = False) -> float:
     """Bytes one block keeps for its backward, per token and rank.
 
     A GPT block follows Korthikanti et al. 2022 (Sec. 4, per token: 34h with dropout masks,
     plus 5as for the unfused attention's scores, softmax and its dropout; 10h of it is
     replicated across tensor-parallel ranks unless sequence parallelism shards it). A Llama
-    block keeps, per token: the block input, both norm outputs, q, k, v, the attention output,
-    the second residual input (4h replicated), and for the feed-forward its gate, up,
-    activation and product (4f).
+    block, as torch's tensor-parallel API runs it, keeps per token both norm inputs, both
+    norm outputs as the column-parallel projections gathered them (whole even with sequence
+    parallelism, unless ``sp_regather``), q, k, v, the attention output, and the
+    feed-forward's gate, up, activation and product (4f). Selective checkpointing is
+    torchtitan's op-level policy: the input, every other matmul's output in forward order (q,
+    v, gate, down before its reduction) and the attention output are kept.
 
     Args:
         recompute: one of :data:`RECOMPUTE_MODES`.
         sequence_parallel: norms and residuals sharded along the sequence (tp > 1).
         flash: the attention kernel keeps no ``seq x seq`` scores.
+        sp_regather: with sequence parallelism, the backward gathers the norm outputs again
+            rather than keep them whole (Megatron-LM; Korthikanti's count assumes it).
     """
     if recompute not in RECOMPUTE_MODES:
         raise ValueError(f"recompute={recompute!r} is not a checkpointing mode; use one of {RECOMPUTE_MODES}")
     h, f, kv, a, s = shape.hidden, shape.ffn, shape.kv_width, shape.heads, shape.seq_len
     replicated_share = 1 / tp if sequence_parallel else 1.0
+    gathered_share = replicated_share if sp_regather else 1.0  # the two norm outputs
     if recompute == "full":  # the block's input, the residual stream
         return dtype_bytes * h * replicated_share
     scores = 0.0 if flash else 2.5 * a * s / tp  # 5as bytes at two-byte elements: scores, softmax, mask
     if shape.kind == "gpt":
-        # Korthikanti's 34h at two-byte elements: 10h replicated, 24h sharded.
-        kept = (5 * h * replicated_share + 12 * h / tp)
+        # Korthikanti's 34h at two-byte elements: 10h replicated (2h of it the norm outputs), 24h sharded.
+        kept = 3 * h * replicated_share + 2 * h * gathered_share + 12 * h / tp
         if recompute == "selective":  # the attention core is recomputed: its scores go
             return dtype_bytes * kept
         return dtype_bytes * (kept + scores)
-    replicated = 4 * h * replicated_share
-    attention = (2 * h + 2 * kv) / tp
-    ffn = (2 if recompute == "selective" else 4) * f / tp
-    return dtype_bytes * (replicated + attention + ffn + scores)
+    if recompute == "selective":
+        return dtype_bytes * (h * replicated_share + (2 * h + kv + f) / tp + h + scores)
+    norms = 2 * h * replicated_share + 2 * h * gathered_share
+    return dtype_bytes * (norms + (2 * h + 2 * kv) / tp + 4 * f / tp + scores)
 
 
 def memory_bound_bytes(shape: TransformerShape, tp: int, *, sequence_parallel: bool, dtype_bytes: int = 2

@@ -34,12 +34,16 @@ def torchtitan_fields(layout: Layout, shape: TransformerShape) -> dict[str, Any]
     converters (``Float8LinearConverter`` for float8).
 
     Raises:
-        ValueError: ZeRO-1 (torchtitan shards with FSDP or replicates), or checkpointing
-            only some blocks (torchtitan 0.3.0 applies one policy to every block).
+        ValueError: ZeRO-1 (torchtitan shards with FSDP or replicates), checkpointing only
+            some blocks (torchtitan 0.3.0 applies one policy to every block), or
+            ``sp_regather`` (torch's tensor-parallel API keeps the gathered inputs).
     """
     if layout.dp_mode == "zero1":
         raise ValueError("Layout dp_mode='zero1' has no torchtitan equivalent: torchtitan replicates "
                          "(data_parallel_replicate_degree) or shards with FSDP (data_parallel_shard_degree)")
+    if layout.sp_regather and layout.sequence_parallel:
+        raise ValueError("Layout sp_regather=True: torchtitan keeps the inputs sequence parallelism gathers "
+                         "(torch's tensor-parallel API); charge sp_regather=False to export")
     if layout.recompute_layers is not None and layout.recompute != "none":
         raise ValueError(f"Layout recompute_layers={layout.recompute_layers}: torchtitan 0.3.0 checkpoints every "
                          "block with one policy; export recompute_layers=None (all blocks) instead")

@@ -32,6 +32,9 @@ class Layout:
         recompute: checkpointed blocks' mode (:data:`~autopipe.layouts.blocks.RECOMPUTE_MODES`).
         recompute_layers: blocks per rank that checkpoint (``--recompute-num-layers``); None: all.
         sequence_parallel: norms and dropouts sharded along the sequence over tp.
+        sp_regather: the backward gathers the column-parallel inputs again instead of keeping
+            them whole (Megatron-LM does, overlapped with the input gradient's GEMM; torch's
+            tensor-parallel API, which torchtitan and autopipe run, keeps them).
         dp_mode: ``"replicate"``, ``"zero1"`` (optimizer state sharded) or ``"fsdp"`` (all state).
         overlap_dp: the runtime overlaps gradient reduction with the backward.
         flash: a fused attention kernel (no ``seq x seq`` scores kept).
@@ -53,6 +56,7 @@ class Layout:
     recompute: str = "none"
     recompute_layers: int | None = None
     sequence_parallel: bool = False
+    sp_regather: bool = False
     dp_mode: str = "replicate"
     overlap_dp: bool = True
     flash: bool = True
@@ -96,6 +100,7 @@ class Layout:
         if self.recompute != "none" and self.recompute_layers != 0:
             some = "" if self.recompute_layers is None else f" on {self.recompute_layers} blocks/rank"
             parts.append(f"{self.recompute} AC{some}")
-        parts += [flag for flag, on in (("SP", self.sequence_parallel), ("fp8", self.float8),
+        sp = "SP, regathered" if self.sp_regather else "SP"
+        parts += [flag for flag, on in ((sp, self.sequence_parallel), ("fp8", self.float8),
                                         ("compiled", self.compiled), ("async TP", self.async_tp)) if on]
         return ", ".join(parts)

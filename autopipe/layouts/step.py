@@ -141,7 +141,8 @@ def block_times(shape: TransformerShape, layout: Layout, gpu: GpuCosts, tokens: 
     "tp_collective_s"}`` (forward and backward compute, what full and selective
     recomputation re-run, one tensor-parallel collective's exposed seconds)."""
     t = layout.tp
-    fwd_mm = sum(gpu.gemm_s(tokens, *m.shape_at(t), fp8=layout.float8) for m in block_matmuls(shape))
+    mm_s = {m.name: gpu.gemm_s(tokens, *m.shape_at(t), fp8=layout.float8) for m in block_matmuls(shape)}
+    fwd_mm = sum(mm_s.values())
     if layout.float8:  # casts of each GEMM's activation input to float8 (read bf16, write fp8) and amax
         fwd_mm += gpu.memory_s(sum(3.0 * tokens * m.shape_at(t)[1] for m in block_matmuls(shape)))
     if layout.flash:
@@ -159,8 +160,13 @@ def block_times(shape: TransformerShape, layout: Layout, gpu: GpuCosts, tokens: 
     fwd = fwd_mm + attn_f + elementwise
     bwd = 2 * fwd_mm + attn_b + 2 * elementwise
     # Selective recomputation re-runs the cheap part: the attention core of a GPT block
-    # (Korthikanti et al.), the element-wise ops of a Llama block (torchtitan's op-level AC).
-    selective = (attn_f + elementwise) if shape.kind == "gpt" else elementwise
+    # (Korthikanti et al.); for a Llama block (torchtitan's op-level policy) the element-wise
+    # ops and the matmuls whose outputs it drops, k, out and up (halves of the fused kv and
+    # gate_up GEMMs here).
+    if shape.kind == "gpt":
+        selective = attn_f + elementwise
+    else:
+        selective = elementwise + mm_s["kv"] / 2 + mm_s["out"] + mm_s["gate_up"] / 2
     message = tokens * shape.hidden * gpu.dtype_bytes
     one = gpu.allreduce_s(message, t, crosses_nodes=t > gpu.topology.gpus_per_node)
     exposed = ASYNC_TP_EXPOSED if layout.async_tp else 1.0
@@ -269,13 +275,18 @@ def _memory(shape: TransformerShape, layout: Layout, params: float, blocks: int,
         in_flight = min(m, p)
     per_chunk = blocks / v
     sp, flash = layout.sequence_parallel, layout.flash
-    kept = activation_bytes(shape, t, recompute=layout.recompute, sequence_parallel=sp, flash=flash)
-    whole = activation_bytes(shape, t, recompute="none", sequence_parallel=sp, flash=flash)
+    kept = activation_bytes(shape, t, recompute=layout.recompute, sequence_parallel=sp, flash=flash,
+                            sp_regather=layout.sp_regather)
+    whole = activation_bytes(shape, t, recompute="none", sequence_parallel=sp, flash=flash,
+                             sp_regather=layout.sp_regather)
     frac = checkpointed / blocks
     per_block = frac * kept + (1 - frac) * whole
     activations = in_flight * per_chunk * per_block * tokens
     if layout.recompute != "none":
         activations += whole * tokens  # the block being recomputed holds its whole activations
-    logits = tokens * shape.vocab / t * (w + 4)  # the logits and their fp32 log-softmax (its gradient reuses it)
+    # The loss as torchtitan computes it, cross_entropy(logits.float()): the logits, their fp32
+    # copy and log-softmax in the forward; the log-softmax, its gradient and the logits'
+    # gradient, all fp32, in the backward.
+    logits = tokens * shape.vocab / t * max(w + 8, 12)
     return {"parameters_and_optimizer": state, "activations": activations, "logits": logits,
             "reserved": RESERVED_BYTES}

@@ -141,7 +141,7 @@ def own_layout(row: dict, efficiency: Efficiency, published: dict) -> dict:
     shape, layout = shape_of(row), layout_of(row)
     gpu = gpu_of(row, efficiency)
     runtime = replace(Layout(), flash=layout.flash, float8=layout.float8, compiled=layout.compiled,
-                      async_tp=layout.async_tp, overlap_dp=layout.overlap_dp)
+                      async_tp=layout.async_tp, overlap_dp=layout.overlap_dp, sp_regather=layout.sp_regather)
     started = time.perf_counter()
     found = search_layouts(shape, layout.n_gpus, global_batch=layout.global_batch, gpu=gpu, base=runtime,
                            max_micro_batch=max(8, layout.micro_batch))
