@@ -35,6 +35,7 @@ MODULES = [
     "autopipe.reporting.text",
     "autopipe.models.transformer",
     "autopipe.runtime.step_failures",
+    "autopipe.runtime.tensor_parallel",
     "autopipe.layouts",
     "autopipe.layouts.shapes",
     "autopipe.layouts.blocks",

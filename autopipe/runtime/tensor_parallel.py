@@ -1,0 +1,131 @@
+"""Tensor-parallel stages: a traced stage's weight matrices sharded over a tensor-parallel mesh.
+
+Which matrices shard comes from the planner's graph analysis (``find_tensor_parallel``); each
+becomes an ``nn.Linear`` over its own parameters for torch's ``ColwiseParallel`` /
+``RowwiseParallel``. docs/design.md, "Tensor-parallel stages", says why and how."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from ..layouts.sharding import TensorParallelPlan
+
+#: Ops whose output a reshape cannot view without a copy when they are not the identity.
+_STRIDING = (torch.ops.aten.transpose.int, torch.ops.aten.permute.default, torch.ops.aten.expand.default)
+
+
+def parallelize_stage(stage_module: nn.Module, tp_mesh: DeviceMesh,
+                      plan: TensorParallelPlan) -> dict[str, str]:
+    """Shard ``stage_module``'s column/row matrices over ``tp_mesh`` with torch's styles.
+
+    Args:
+        stage_module: one traced stage (``Pipe.get_stage_module``), changed in place.
+        tp_mesh: a one-dimensional mesh of the tensor-parallel ranks.
+        plan: :func:`~autopipe.layouts.sharding.find_tensor_parallel` of the model's trace.
+
+    Returns:
+        ``{module name: "column" | "row"}``: what was sharded (empty for a stage with no pair).
+
+    Raises:
+        ValueError: heads or features that do not divide by the mesh's size, nothing to shard,
+            or a matrix whose module is not a plain linear; before anything moves.
+
+    Example:
+        >>> parallelize_stage(nn.Linear(4, 4), type("Mesh", (), {"size": lambda self: 2})(),
+        ...                   TensorParallelPlan([]))
+        Traceback (most recent call last):
+        ValueError: tensor parallelism of degree 2 cannot shard this model: nothing to shard: no column/row pair of weight matrices
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp = tp_mesh.size()
+    why = plan.why_not(tp)
+    if why:
+        raise ValueError(f"tensor parallelism of degree {tp} cannot shard this model: {why}")
+    held = {name for name, _ in stage_module.named_parameters()}
+    styles = {m.parameter.rpartition(".")[0]: m.shard for m in plan.sharded() if m.parameter in held}
+    linears = {}
+    for name in styles:
+        linear = _as_linear(stage_module.get_submodule(name))
+        if linear is None:
+            raise ValueError(f"{name} does not run a plain linear in the traced stage; it cannot be sharded "
+                             "column- or row-wise")
+        linears[name] = linear
+    for name, linear in linears.items():
+        parent, _, leaf = name.rpartition(".")
+        setattr(stage_module.get_submodule(parent) if parent else stage_module, leaf, linear)
+    _copy_before_strided_reshapes(stage_module)
+    # A column matrix's output stays sharded (a DTensor) through the ops up to its row matrix,
+    # which all-reduces it into a plain tensor.
+    parallelize_module(stage_module, tp_mesh, {
+        name: ColwiseParallel(use_local_output=False) if shard == "column" else RowwiseParallel()
+        for name, shard in styles.items()})
+    return styles
+
+
+@contextlib.contextmanager
+def tensor_parallel_context(device: torch.device) -> Iterator[None]:
+    """Where tensor-parallel stages run their forward and backward (module docstring, 3).
+
+    Example:
+        >>> with tensor_parallel_context(torch.device("cpu")):
+        ...     pass
+    """
+    from torch.distributed.tensor.experimental import implicit_replication
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(implicit_replication())
+        if device.type == "cpu":
+            stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
+        yield
+
+
+def _as_linear(module: nn.Module) -> nn.Linear | None:
+    """An ``nn.Linear`` over ``module``'s own parameters, where its graph is one ``aten.linear``."""
+    if isinstance(module, nn.Linear):
+        return module
+    graph = getattr(module, "graph", None)
+    if graph is None:
+        return None
+    calls = [n for n in graph.nodes if n.op == "call_function"]
+    weight = getattr(module, "weight", None)
+    if len(calls) != 1 or calls[0].target is not torch.ops.aten.linear.default or weight is None:
+        return None
+    bias = getattr(module, "bias", None)
+    with torch.device("meta"):  # the parameters are the stage's own, swapped in below
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    linear.weight = weight
+    if bias is not None:
+        linear.bias = bias
+    return linear
+
+
+def _copy_before_strided_reshapes(stage_module: nn.Module) -> None:
+    """Give every reshape of a transposed, permuted or expanded tensor a contiguous input."""
+    for module in stage_module.modules():
+        graph = getattr(module, "graph", None)
+        if graph is None:
+            continue
+        changed = False
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target is not torch.ops.aten.reshape.default:
+                continue
+            source = node.args[0]
+            if isinstance(source, torch.fx.Node) and source.op == "call_function" and source.target in _STRIDING:
+                with graph.inserting_before(node):
+                    copied = graph.call_function(torch.ops.aten.clone.default, (source,),
+                                                 {"memory_format": torch.contiguous_format})
+                node.replace_input_with(source, copied)
+                changed = True
+        if changed:
+            graph.lint()
+            if hasattr(module, "finalize"):  # an unflattened InterpreterModule runs its own copy
+                module.finalize()
+            else:
+                module.recompile()

@@ -1,0 +1,68 @@
+"""Tensor-parallel stages (autopipe.runtime.tensor_parallel): a traced stage sharded over 2 gloo
+ranks computes the unsplit model's loss and every gradient, from the planner's own analysis."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+
+import _tensor_parallel_workers as workers
+from _dist_utils import run_world
+from autopipe.layouts.sharding import ShardedMatmul, TensorParallelPlan, find_tensor_parallel
+from autopipe.runtime.tensor_parallel import parallelize_stage
+
+TOL = 1e-5
+
+
+@functools.lru_cache(maxsize=None)
+def results(name: str) -> list[dict]:
+    return run_world(workers.stage_run, 2, name, timeout_s=300)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["seed_transformer", "llama"])
+def test_a_sharded_stage_gives_the_unsplit_loss_and_every_gradient(name):
+    if name == "llama":
+        pytest.importorskip("transformers", reason="transformers is not installed (pip install 'autopipe[hf]')")
+    for rank in results(name):
+        assert rank["loss"] == pytest.approx(rank["expected_loss"], abs=TOL)
+        assert rank["worst_grad"] <= TOL
+        assert rank["out_type"] == "Tensor"  # what leaves the stage is plain, whole
+
+
+@pytest.mark.distributed
+def test_each_rank_holds_half_of_every_sharded_matrix_along_its_side():
+    rank = results("seed_transformer")[0]
+    assert set(rank["sharded"].values()) == {"column", "row"}
+    for module, shard in rank["sharded"].items():
+        local, whole = rank["local_shapes"][module + ".weight"]
+        dim = 0 if shard == "column" else 1  # nn.Linear's weight is (out, in)
+        assert local[dim] * 2 == whole[dim] and local[1 - dim] == whole[1 - dim]
+
+
+class _Mesh:
+    """Stands for a mesh of ``n`` ranks where nothing may be communicated."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def size(self) -> int:
+        return self.n
+
+
+def test_heads_that_do_not_divide_are_refused_before_anything_moves():
+    model = nn.MultiheadAttention(12, 3, batch_first=True)
+    plan = TensorParallelPlan([ShardedMatmul("q.weight", 12, 12, "column", 0),
+                               ShardedMatmul("out.weight", 12, 12, "row", 0)], heads={0: (3, 3)})
+    with pytest.raises(ValueError, match="degree 2 cannot shard this model: 3 attention heads"):
+        parallelize_stage(model, _Mesh(2), plan)
+
+
+def test_a_model_with_nothing_to_shard_is_refused_naming_why():
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    plan = find_tensor_parallel(torch.export.export(model, (torch.randn(2, 4),)))
+    with pytest.raises(ValueError, match="nothing to shard"):
+        parallelize_stage(model, _Mesh(2), plan)
