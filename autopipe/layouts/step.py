@@ -72,9 +72,8 @@ class StepPrediction:
         """This layout as torchtitan's config fields.
 
         Returns:
-            The ``parallelism``, ``training``, ``compile`` and ``activation_checkpoint`` fields;
-            a choice torchtitan cannot express raises ValueError naming it
-            (:func:`~autopipe.layouts.exports.torchtitan_fields`).
+            torchtitan's config sections; a choice torchtitan cannot express raises ValueError
+            naming it (:func:`~autopipe.layouts.exports.torchtitan_fields`).
 
         Example:
             >>> from autopipe.machine.topology import Topology

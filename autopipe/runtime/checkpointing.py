@@ -1,4 +1,4 @@
-"""Per-stage activation checkpointing: trade a second forward for the stage's activation memory.
+"""Activation checkpointing: trade a second forward for activation memory, per stage or per block.
 
 Example:
         >>> import torch, torch.nn as nn
@@ -8,10 +8,24 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
+import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from .._checks import check_choice
+from ..layouts.blocks import RECOMPUTE_MODES
+
+#: The matmuls of torchtitan's op-level policy: every other one's output is kept.
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+#: Ops whose outputs the selective policy always keeps: the attention kernels'.
+_ALWAYS_KEPT = {
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
 
 #: The ``PlannerOptions.recompute`` value that takes the plan's choice (``plan.recompute_stages``):
 #: the stages the planner found must recompute to fit memory, none when everything fits.
@@ -34,6 +48,62 @@ def checkpoint_stage(stage_module: nn.Module) -> nn.Module:
     # An instance attribute wins over the class's forward in nn.Module.__call__.
     stage_module.forward = checkpointed_forward
     return stage_module
+
+
+def checkpoint_blocks(stage_module: nn.Module, blocks: Sequence[str], mode: str) -> list[str]:
+    """Checkpoint each named block of ``stage_module`` in place: ``"full"`` keeps its inputs
+    only; ``"selective"`` is torchtitan's op-level policy, which the layout planner charges:
+    the attention kernel's outputs and every other matmul's are kept, the rest recomputed.
+
+    Args:
+        stage_module: a stage holding the blocks; blocks: their names (absent ones skipped).
+        mode: ``"none"`` (nothing changes), ``"selective"`` or ``"full"``.
+
+    Returns:
+        The names of the blocks now checkpointed.
+
+    Raises:
+        ValueError: an unknown ``mode``.
+
+    Example:
+        >>> stack = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        >>> checkpoint_blocks(stack, ["0", "1", "2"], "selective")
+        ['0', '1']
+    """
+    check_choice("mode", mode, RECOMPUTE_MODES)
+    names = {name for name, _ in stage_module.named_modules()}
+    done = [b for b in blocks if b in names] if mode != "none" else []
+    for name in done:
+        block = stage_module.get_submodule(name)
+        plain_forward = block.forward
+        context_fn = _selective_contexts if mode == "selective" else None
+
+        def checkpointed_forward(*args, _forward=plain_forward, _context=context_fn, **kwargs):
+            if _context is None:
+                return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+            return checkpoint(_forward, *args, use_reentrant=False, context_fn=_context, **kwargs)
+
+        block.forward = checkpointed_forward
+    return done
+
+
+def _selective_contexts() -> tuple:
+    """Fresh contexts of the op-level policy for one checkpointed call: matmuls counted anew."""
+    counts = {"forward": 0, "recompute": 0}
+    return create_selective_checkpoint_contexts(functools.partial(_keep_every_other_matmul, counts))
+
+
+def _keep_every_other_matmul(counts: dict[str, int], ctx: object, op: object, *args: object,
+                             **kwargs: object) -> CheckpointPolicy:
+    if op in _ALWAYS_KEPT:
+        return CheckpointPolicy.MUST_SAVE
+    if op in _MATMULS:
+        # The forward and its recomputation count separately, so both keep the same matmuls.
+        phase = "recompute" if getattr(ctx, "is_recompute", False) else "forward"
+        counts[phase] += 1
+        if counts[phase] % 2 == 1:
+            return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def resolve_recompute(recompute: bool | Sequence[int] | str | None, num_stages: int,

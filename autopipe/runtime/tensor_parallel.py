@@ -1,8 +1,6 @@
-"""Tensor-parallel stages: a traced stage's weight matrices sharded over a tensor-parallel mesh.
-
-Which matrices shard comes from the planner's graph analysis (``find_tensor_parallel``); each
-becomes an ``nn.Linear`` over its own parameters for torch's ``ColwiseParallel`` /
-``RowwiseParallel``. docs/design.md, "Tensor-parallel stages", says why and how."""
+"""Tensor-parallel stages: a traced stage's matrices, found by the planner's graph analysis,
+sharded with torch's ``ColwiseParallel`` / ``RowwiseParallel`` (docs/design.md, "Tensor-parallel
+stages")."""
 
 from __future__ import annotations
 
@@ -32,14 +30,12 @@ def parallelize_stage(stage_module: nn.Module, tp_mesh: DeviceMesh,
         ``{module name: "column" | "row"}``: what was sharded (empty for a stage with no pair).
 
     Raises:
-        ValueError: heads or features that do not divide by the mesh's size, nothing to shard,
-            or a matrix whose module is not a plain linear; before anything moves.
+        ValueError: indivisible heads or features, nothing to shard, or a matrix's module not a plain linear.
 
     Example:
-        >>> parallelize_stage(nn.Linear(4, 4), type("Mesh", (), {"size": lambda self: 2})(),
-        ...                   TensorParallelPlan([]))
+        >>> parallelize_stage(nn.Linear(4, 4), type("M", (), {"size": lambda m: 2})(), TensorParallelPlan([]))
         Traceback (most recent call last):
-        ValueError: tensor parallelism of degree 2 cannot shard this model: nothing to shard: no column/row pair of weight matrices
+        ValueError: tensor parallelism of degree 2 cannot shard this model: nothing to shard...
     """
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -70,7 +66,8 @@ def parallelize_stage(stage_module: nn.Module, tp_mesh: DeviceMesh,
 
 @contextlib.contextmanager
 def tensor_parallel_context(device: torch.device) -> Iterator[None]:
-    """Where tensor-parallel stages run their forward and backward (module docstring, 3).
+    """Where tensor-parallel stages run forward and backward: whole tensors met by sharded ones are
+    taken as replicated; on the CPU attention runs its math kernel (docs/design.md says why).
 
     Example:
         >>> with tensor_parallel_context(torch.device("cpu")):
