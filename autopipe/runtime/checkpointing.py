@@ -51,23 +51,13 @@ def checkpoint_stage(stage_module: nn.Module) -> nn.Module:
 
 
 def checkpoint_blocks(stage_module: nn.Module, blocks: Sequence[str], mode: str) -> list[str]:
-    """Checkpoint each named block of ``stage_module`` in place: ``"full"`` keeps its inputs
-    only; ``"selective"`` is torchtitan's op-level policy, which the layout planner charges:
-    the attention kernel's outputs and every other matmul's are kept, the rest recomputed.
-
-    Args:
-        stage_module: a stage holding the blocks; blocks: their names (absent ones skipped).
-        mode: ``"none"`` (nothing changes), ``"selective"`` or ``"full"``.
-
-    Returns:
-        The names of the blocks now checkpointed.
-
-    Raises:
-        ValueError: an unknown ``mode``.
+    """Checkpoint the named ``blocks`` of ``stage_module`` in place (absent names skipped) and
+    return those checkpointed. ``mode="full"`` keeps each block's inputs only; ``"selective"``
+    is torchtitan's op-level policy, which the layout planner charges: the attention kernel's
+    outputs and every other matmul's are kept, the rest recomputed; ``"none"`` changes nothing.
 
     Example:
-        >>> stack = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
-        >>> checkpoint_blocks(stack, ["0", "1", "2"], "selective")
+        >>> checkpoint_blocks(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), ["0", "1", "2"], "selective")
         ['0', '1']
     """
     check_choice("mode", mode, RECOMPUTE_MODES)

@@ -19,18 +19,10 @@ _STRIDING = (torch.ops.aten.transpose.int, torch.ops.aten.permute.default, torch
 
 def parallelize_stage(stage_module: nn.Module, tp_mesh: DeviceMesh,
                       plan: TensorParallelPlan) -> dict[str, str]:
-    """Shard ``stage_module``'s column/row matrices over ``tp_mesh`` with torch's styles.
-
-    Args:
-        stage_module: one traced stage (``Pipe.get_stage_module``), changed in place.
-        tp_mesh: a one-dimensional mesh of the tensor-parallel ranks.
-        plan: :func:`~autopipe.layouts.sharding.find_tensor_parallel` of the model's trace.
-
-    Returns:
-        ``{module name: "column" | "row"}``: what was sharded (empty for a stage with no pair).
-
-    Raises:
-        ValueError: indivisible heads or features, nothing to shard, or a matrix's module not a plain linear.
+    """Shard the column/row matrices of ``stage_module`` (a traced stage, changed in place) over
+    the one-dimensional ``tp_mesh`` with torch's styles, as ``plan`` (``find_tensor_parallel``
+    of the model's trace) says; return ``{module name: "column" | "row"}``. Indivisible heads or
+    features, nothing to shard, or a matrix's module not a plain linear raise ValueError first.
 
     Example:
         >>> parallelize_stage(nn.Linear(4, 4), type("M", (), {"size": lambda m: 2})(), TensorParallelPlan([]))

@@ -1,0 +1,101 @@
+"""Where each rank of a tp × pp × dp layout runs. The layout planner orders ranks tensor-parallel
+first, then data-parallel, then pipeline (:mod:`autopipe.layouts.step`); ``torchrun`` numbers ranks
+node by node, so a ``(pp, dp, tp)`` mesh keeps each tensor-parallel group on one node."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .._checks import check_int
+
+#: The mesh's dimensions, outermost first: the layout planner's rank order, reversed.
+MESH_DIMS = ("pp", "dp", "tp")
+
+
+def check_placement(degrees: dict[str, int], world_size: int, ranks_per_node: int) -> None:
+    """Refuse degrees (``{"pp": p, "dp": d, "tp": t}``, 1 where left out) that do not make up
+    ``world_size``, or a tensor-parallel group that would span nodes of ``ranks_per_node``.
+
+    Example:
+        >>> check_placement({"pp": 2, "tp": 4}, 8, 2)
+        Traceback (most recent call last):
+        ValueError: tp=4 does not divide the 2 ranks of a node (LOCAL_WORLD_SIZE): ...
+    """
+    for dim, degree in degrees.items():
+        if dim not in MESH_DIMS:
+            raise ValueError(f"degree {dim!r} is not a mesh dimension; use {list(MESH_DIMS)}")
+        check_int(dim, degree)
+    pp, dp, tp = (degrees.get(dim, 1) for dim in MESH_DIMS)
+    if pp * dp * tp != world_size:
+        raise ValueError(f"pp x dp x tp = {pp} x {dp} x {tp} = {pp * dp * tp} ranks, but the world has {world_size}")
+    if ranks_per_node % tp:
+        raise ValueError(f"tp={tp} does not divide the {ranks_per_node} ranks of a node (LOCAL_WORLD_SIZE): each "
+                         "tensor-parallel group must lie inside one node")
+
+
+def layout_mesh(degrees: dict[str, int], device_type: str = "cpu") -> DeviceMesh:
+    """The ``(pp, dp, tp)`` mesh of ``degrees`` on this world, checked first (collective).
+
+    Example::
+
+        mesh = layout_mesh({"pp": 2, "tp": 2})   # on 4 ranks: tp groups [0, 1] and [2, 3]
+    """
+    world = dist.get_world_size()
+    check_placement(degrees, world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    return init_device_mesh(device_type, tuple(degrees.get(dim, 1) for dim in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+
+
+def check_mesh(mesh: DeviceMesh, degrees: dict[str, int]) -> None:
+    """Refuse a user's mesh that is not the plan's, naming the dimension that differs.
+
+    Example::
+
+        check_mesh(mesh, {"pp": 2, "tp": 2})   # ValueError: the mesh's 'tp' dimension has 4 ranks, ...
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    unknown = [name for name in names if name not in MESH_DIMS]
+    if unknown:
+        raise ValueError(f"the mesh's dimension {unknown[0]!r} is not one of {list(MESH_DIMS)}")
+    for dim in MESH_DIMS:
+        wanted = degrees.get(dim, 1)
+        if dim not in names:
+            if wanted != 1:
+                raise ValueError(f"the mesh has no {dim!r} dimension, the plan's {dim}={wanted}")
+        elif mesh.size(names.index(dim)) != wanted:
+            raise ValueError(f"the mesh's {dim!r} dimension has {mesh.size(names.index(dim))} ranks, the plan's "
+                             f"{dim}={wanted}")
+    if "tp" in names and names[-1] != "tp":
+        raise ValueError(f"the mesh's 'tp' dimension must be its last (innermost), so that each tensor-parallel "
+                         f"group is consecutive ranks on one node; its dimensions are {names}")
+
+
+def rank_nodes(mesh: DeviceMesh) -> list[dict[str, Any]]:
+    """Every rank's ``{"rank", "node", "pp", "dp", "tp"}``, in rank order (collective), for the report.
+
+    Example::
+
+        rank_nodes(layout_mesh({"tp": 2}))[1]   # {'rank': 1, 'node': 'host0', 'pp': 0, 'dp': 0, 'tp': 1}
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    mine = {"rank": dist.get_rank(), "node": socket.gethostname(),
+            **{dim: mesh.get_local_rank(dim) if dim in names else 0 for dim in MESH_DIMS}}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return sorted(everyone, key=lambda r: r["rank"])
+
+
+def groups_of(mesh: DeviceMesh, dim: str) -> list[list[int]]:
+    """The ranks of each group along ``dim`` (no communication).
+
+    Example::
+
+        groups_of(layout_mesh({"pp": 2, "tp": 2}), "pp")   # [[0, 2], [1, 3]]
+    """
+    names = list(mesh.mesh_dim_names)
+    grid = mesh.mesh.movedim(names.index(dim), -1)
+    return [[int(r) for r in row] for row in grid.reshape(-1, grid.shape[-1]).tolist()]
