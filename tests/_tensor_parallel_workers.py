@@ -54,3 +54,47 @@ def stage_run(rank: int, world_size: int, name: str) -> dict:
             local_shapes[pname] = (tuple(p.to_local().shape), tuple(p.shape))
     return {"loss": loss.item(), "expected_loss": expected_loss.item(), "worst_grad": worst,
             "sharded": sharded, "local_shapes": local_shapes, "out_type": type(out).__name__}
+
+
+def pipeline_run(rank: int, world_size: int, name: str, schedule: str) -> dict:
+    """Loss and every gradient of a pp 2 x tp 2 pipeline (torch's schedule over sharded stages)
+    against the unsplit model's, on two micro-batches."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, SplitPoint
+
+    from autopipe.runtime.placement import layout_mesh
+
+    model, args = _model(name)
+    reference = copy.deepcopy(model)
+    mesh = layout_mesh({"pp": 2, "tp": 2})
+    pp_rank = mesh.get_local_rank("pp")
+    plan = find_tensor_parallel(trace(model, args).exported)
+    split_at = next(n for n, _ in model.named_modules() if n.endswith("layers.1"))
+    micro = tuple(a[: a.shape[0] // 2] for a in args)
+    pipe = split_model(model, {split_at: SplitPoint.BEGINNING}, (micro, {}), training=True, expected=2)
+    module = pipe.get_stage_module(pp_rank)
+    parallelize_stage(module, mesh["tp"], plan)
+    stage = PipelineStage(module, pp_rank, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+
+    def loss_fn(out, target):
+        return (out[0] if isinstance(out, tuple) else out).float().pow(2).mean()
+
+    runner = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[schedule](stage, n_microbatches=2, loss_fn=loss_fn)
+    losses: list = []
+    with tensor_parallel_context(torch.device("cpu")):
+        if pp_rank == 0:
+            runner.step(*args)
+        else:
+            runner.step(target=torch.zeros(2), losses=losses)
+    expected_losses = []
+    for part in range(2):
+        chunk = tuple(a[part * micro[0].shape[0]:(part + 1) * micro[0].shape[0]] for a in args)
+        out = reference(*chunk)
+        expected_losses.append(loss_fn(out, None))
+    (sum(expected_losses) / 2).backward()
+    grads = dict(reference.named_parameters())
+    worst = 0.0
+    for pname, p in module.named_parameters():
+        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        worst = max(worst, (grad - grads[pname].grad).abs().max().item())
+    return {"losses": [float(x) for x in losses], "expected_losses": [float(x) for x in expected_losses],
+            "worst_grad": worst, "pp_rank": pp_rank, "tp_rank": mesh.get_local_rank("tp")}

@@ -1,5 +1,6 @@
 """Tensor-parallel stages (autopipe.runtime.tensor_parallel): a traced stage sharded over 2 gloo
-ranks computes the unsplit model's loss and every gradient, from the planner's own analysis."""
+ranks, and a pp 2 x tp 2 pipeline of them under torch's schedule on 4, compute the unsplit
+model's loss and every gradient, sharded as the planner's own analysis says."""
 
 from __future__ import annotations
 
@@ -31,6 +32,24 @@ def test_a_sharded_stage_gives_the_unsplit_loss_and_every_gradient(name):
         assert rank["loss"] == pytest.approx(rank["expected_loss"], abs=TOL)
         assert rank["worst_grad"] <= TOL
         assert rank["out_type"] == "Tensor"  # what leaves the stage is plain, whole
+
+
+@functools.lru_cache(maxsize=None)
+def pipeline_results(name: str) -> list[dict]:
+    return run_world(workers.pipeline_run, 4, name, "1F1B", timeout_s=300)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["seed_transformer", "llama"])
+def test_a_pp2_tp2_pipeline_of_sharded_stages_gives_the_unsplit_losses_and_gradients(name):
+    if name == "llama":
+        pytest.importorskip("transformers", reason="transformers is not installed (pip install 'autopipe[hf]')")
+    ranks = pipeline_results(name)
+    assert sorted((r["pp_rank"], r["tp_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    for rank in ranks:
+        assert rank["worst_grad"] <= TOL
+        if rank["pp_rank"] == 1:  # the last stage computes the loss of each micro-batch
+            assert rank["losses"] == pytest.approx(rank["expected_losses"], abs=TOL)
 
 
 @pytest.mark.distributed
