@@ -21,9 +21,28 @@ from autopipe.runtime.stages import split_model
 from autopipe.runtime.tensor_parallel import parallelize_stage, tensor_parallel_context
 
 
+class _Logits(nn.Module):
+    """A Hugging Face causal LM returning its logits alone."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
 def _model(name: str) -> tuple[nn.Module, tuple]:
     if name == "seed_transformer":
         return seed_transformer(num_layers=2, dropout=0.0)
+    if name == "qwen2":  # biases on the query, key and value projections
+        import transformers
+
+        torch.manual_seed(0)
+        config = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
+                                          max_position_embeddings=32)
+        return _Logits(transformers.AutoModelForCausalLM.from_config(config)), (torch.randint(0, 128, (2, 16)),)
     from zoo.hf import llama_from_config  # grouped-query attention: 4 query heads, 2 key-value heads
     return llama_from_config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                              vocab_size=128, seq_len=16)
