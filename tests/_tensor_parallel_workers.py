@@ -117,3 +117,19 @@ def pipeline_run(rank: int, world_size: int, name: str, schedule: str) -> dict:
         worst = max(worst, (grad - grads[pname].grad).abs().max().item())
     return {"losses": [float(x) for x in losses], "expected_losses": [float(x) for x in expected_losses],
             "worst_grad": worst, "pp_rank": pp_rank, "tp_rank": mesh.get_local_rank("tp")}
+
+
+def save_run(rank: int, world_size: int, name: str, checkpoint_dir: str) -> None:
+    """One SGD step of the stage sharded over the world, then its state saved with DCP."""
+    import torch.distributed.checkpoint as dcp
+
+    model, args = _model(name)
+    plan = find_tensor_parallel(trace(model, args).exported)
+    stage = split_model(model, {}, (args, {}), training=True, expected=1).get_stage_module(0)
+    parallelize_stage(stage, init_device_mesh("cpu", (world_size,)), plan)
+    optimizer = torch.optim.SGD(stage.parameters(), lr=0.1)
+    with tensor_parallel_context(torch.device("cpu")):
+        out = stage(*args)
+        (out[0] if isinstance(out, tuple) else out).float().pow(2).mean().backward()
+        optimizer.step()
+    dcp.save(stage.state_dict(), checkpoint_id=checkpoint_dir)

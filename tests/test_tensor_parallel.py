@@ -5,6 +5,7 @@ model's loss and every gradient, sharded as the planner's own analysis says."""
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -60,6 +61,27 @@ def test_each_rank_holds_half_of_every_sharded_matrix_along_its_side():
         local, whole = rank["local_shapes"][module + ".weight"]
         dim = 0 if shard == "column" else 1  # nn.Linear's weight is (out, in)
         assert local[dim] * 2 == whole[dim] and local[1 - dim] == whole[1 - dim]
+
+
+@pytest.mark.distributed
+def test_a_checkpoint_of_sharded_stages_loads_into_the_unsplit_model_exactly(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    run_world(workers.save_run, 2, "seed_transformer", str(tmp_path / "tp2"), timeout_s=300)
+    expected, args = workers._model("seed_transformer")  # the same step, unsplit
+    expected(*args).float().pow(2).mean().backward()
+    torch.optim.SGD(expected.parameters(), lr=0.1).step()
+    loaded, _ = workers._model("seed_transformer")
+    with torch.no_grad():
+        for p in loaded.parameters():
+            p.zero_()  # whatever the load leaves unset would show
+    state = loaded.state_dict()
+    with warnings.catch_warnings():  # torch says it assumes a single process: it is one, on purpose
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(tmp_path / "tp2"))
+    loaded.load_state_dict(state)
+    for name, p in expected.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], p, rtol=0, atol=1e-6)
 
 
 class _Mesh:
