@@ -48,31 +48,47 @@ def _model(name: str) -> tuple[nn.Module, tuple]:
                              vocab_size=128, seq_len=16)
 
 
-def stage_run(rank: int, world_size: int, name: str) -> dict:
-    """Loss and every gradient of the sharded stage against the unsplit model's."""
+def stage_run(rank: int, world_size: int, name: str, autocast: bool = False) -> dict:
+    """Loss and every gradient of the sharded stage against the unsplit model's. With
+    ``autocast`` both run under bf16 autocast, and each is also compared with the unsplit
+    model in fp32: how far bf16 alone moves the gradients is the yardstick."""
     model, args = _model(name)
-    reference = copy.deepcopy(model)
+    reference, exact = copy.deepcopy(model), copy.deepcopy(model)
     plan = find_tensor_parallel(trace(model, args).exported)
     stage = split_model(model, {}, (args, {}), training=True, expected=1).get_stage_module(0)
     sharded = parallelize_stage(stage, init_device_mesh("cpu", (world_size,)), plan)
-    with tensor_parallel_context(torch.device("cpu")):
+    precision = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+    with tensor_parallel_context(torch.device("cpu")), precision:
         out = stage(*args)
         out = out[0] if isinstance(out, tuple) else out
         loss = out.float().pow(2).mean()
+    with tensor_parallel_context(torch.device("cpu")):
         loss.backward()
-    expected = reference(*args)
-    expected = expected[0] if isinstance(expected, tuple) else expected
-    expected_loss = expected.float().pow(2).mean()
+    with precision:
+        expected_loss = _loss(reference(*args))
     expected_loss.backward()
+    _loss(exact(*args)).backward()
+    local_shapes = {pname: (tuple(p.to_local().shape), tuple(p.shape))
+                    for pname, p in stage.named_parameters() if isinstance(p, DTensor)}
+    return {"loss": loss.item(), "expected_loss": expected_loss.item(), "sharded": sharded,
+            "worst_grad": _worst(stage, reference), "local_shapes": local_shapes, "out_type": type(out).__name__,
+            "sharded_from_fp32": _worst(stage, exact, relative=True),
+            "unsplit_from_fp32": _worst(reference, exact, relative=True)}
+
+
+def _loss(out) -> torch.Tensor:
+    return (out[0] if isinstance(out, tuple) else out).float().pow(2).mean()
+
+
+def _worst(model: nn.Module, reference: nn.Module, *, relative: bool = False) -> float:
+    """The largest gradient difference, absolute or relative to the model's largest gradient element."""
     grads = dict(reference.named_parameters())
-    worst, local_shapes = 0.0, {}
-    for pname, p in stage.named_parameters():
+    scale = max(p.grad.abs().max().item() for p in reference.parameters()) if relative else 1.0
+    worst = 0.0
+    for pname, p in model.named_parameters():
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        worst = max(worst, (grad - grads[pname].grad).abs().max().item())
-        if isinstance(p, DTensor):
-            local_shapes[pname] = (tuple(p.to_local().shape), tuple(p.shape))
-    return {"loss": loss.item(), "expected_loss": expected_loss.item(), "worst_grad": worst,
-            "sharded": sharded, "local_shapes": local_shapes, "out_type": type(out).__name__}
+        worst = max(worst, (grad - grads[pname].grad).abs().max().item() / scale)
+    return worst
 
 
 def pipeline_run(rank: int, world_size: int, name: str, schedule: str) -> dict:
