@@ -14,7 +14,9 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from autopipe.layouts.sharding import find_tensor_parallel
 from autopipe.models import seed_transformer
+from autopipe.planning.tracing import trace
 from autopipe.runtime.stages import split_model
 from autopipe.runtime.tensor_parallel import parallelize_stage, tensor_parallel_context
 
@@ -52,9 +54,9 @@ def stage_run(rank: int, world_size: int, name: str, autocast: bool = False) -> 
     model in fp32: how far bf16 alone moves the gradients is the yardstick."""
     model, args = _model(name)
     reference, exact = copy.deepcopy(model), copy.deepcopy(model)
-    pipe = split_model(model, {}, (args, {}), training=True, expected=1)
-    stage = pipe.get_stage_module(0)
-    sharded = parallelize_stage(stage, init_device_mesh("cpu", (world_size,)), pipe.autopipe_tensor_parallel)
+    plan = find_tensor_parallel(trace(model, args).exported)
+    stage = split_model(model, {}, (args, {}), training=True, expected=1).get_stage_module(0)
+    sharded = parallelize_stage(stage, init_device_mesh("cpu", (world_size,)), plan)
     precision = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
     with tensor_parallel_context(torch.device("cpu")), precision:
         out = stage(*args)
@@ -100,11 +102,12 @@ def pipeline_run(rank: int, world_size: int, name: str, schedule: str) -> dict:
     reference = copy.deepcopy(model)
     mesh = layout_mesh({"pp": 2, "tp": 2})
     pp_rank = mesh.get_local_rank("pp")
+    plan = find_tensor_parallel(trace(model, args).exported)
     split_at = next(n for n, _ in model.named_modules() if n.endswith("layers.1"))
     micro = tuple(a[: a.shape[0] // 2] for a in args)
     pipe = split_model(model, {split_at: SplitPoint.BEGINNING}, (micro, {}), training=True, expected=2)
     module = pipe.get_stage_module(pp_rank)
-    parallelize_stage(module, mesh["tp"], pipe.autopipe_tensor_parallel)
+    parallelize_stage(module, mesh["tp"], plan)
     stage = PipelineStage(module, pp_rank, 2, torch.device("cpu"), group=mesh["pp"].get_group())
 
     def loss_fn(out, target):
@@ -137,9 +140,9 @@ def save_run(rank: int, world_size: int, name: str, checkpoint_dir: str) -> None
     import torch.distributed.checkpoint as dcp
 
     model, args = _model(name)
-    pipe = split_model(model, {}, (args, {}), training=True, expected=1)
-    stage = pipe.get_stage_module(0)
-    parallelize_stage(stage, init_device_mesh("cpu", (world_size,)), pipe.autopipe_tensor_parallel)
+    plan = find_tensor_parallel(trace(model, args).exported)
+    stage = split_model(model, {}, (args, {}), training=True, expected=1).get_stage_module(0)
+    parallelize_stage(stage, init_device_mesh("cpu", (world_size,)), plan)
     optimizer = torch.optim.SGD(stage.parameters(), lr=0.1)
     with tensor_parallel_context(torch.device("cpu")):
         out = stage(*args)

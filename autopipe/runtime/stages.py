@@ -15,7 +15,6 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 
-from ..layouts.sharding import find_tensor_parallel
 from ..machine.host_memory import return_freed_heap
 from ..planning import hf_compat
 from ..planning.inplace import clone_inputs_written_in_place
@@ -44,17 +43,19 @@ def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict],
                 autocast: tuple[str, torch.device] | None = None, check_gradients: bool = False) -> Any:
     """``pipeline()`` on ``model`` in the given mode, each stage module ready to run split.
 
-    The model's forwards are left as they were: torch's ``annotate_split_points`` wraps the split
-    modules' ``forward`` in place, and a second ``pipeline()`` on the same model would then wrap the
-    wrapper. The returned ``Pipe`` carries ``autopipe_io``, the :class:`~autopipe.runtime.model_io.ModelIO`
-    of the traced call, and ``autopipe_tensor_parallel``, what tensor parallelism can shard in it.
+    The model's forwards are left as they were: torch's ``annotate_split_points`` wraps the
+    split modules' ``forward`` in place, and a second ``pipeline()`` on the same model would
+    then wrap the wrapper. The returned ``Pipe`` carries ``autopipe_io``, the
+    :class:`~autopipe.runtime.model_io.ModelIO` of the traced call.
 
-    ``stop_after_export``, when given, is called with the trace's :func:`graph_text` before the split;
-    where it returns True the split is skipped and None returned (the export alone tells whether a
-    trace computes what another does). With ``autocast`` (a mixed precision and the stages' device),
-    the stage boundaries carry the dtypes autocast gives them there. With ``check_gradients``, the
-    traced program's gradients are compared with the model's on the example (``compare_with_eager``);
-    the Pipe carries the result as ``autopipe_gradient_check``.
+    ``stop_after_export``, when given, is called with the trace's :func:`graph_text` before
+    the split; where it returns True the split is skipped and None returned (the export
+    alone tells whether a trace computes what another does). With
+    ``autocast`` (a mixed precision and the device the stages run on), the stage boundaries
+    carry the dtypes autocast gives them there (:mod:`~autopipe.runtime.mixed_precision`).
+    With ``check_gradients``, the traced program's gradients are compared with the model's on
+    the example (:func:`~autopipe.planning.export_check.compare_with_eager`), and the Pipe
+    carries the result as ``autopipe_gradient_check`` for the caller to act on.
 
     Raises:
         ValueError: the split did not give ``expected`` stages (a split point that is not
@@ -112,7 +113,6 @@ def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict],
     #: The traced program's gradients against the model's, and the Functions kept whole.
     pipe.autopipe_gradient_check = comparison
     pipe.autopipe_kept_functions = kept_function_classes(exported[0].graph) if exported else []
-    pipe.autopipe_tensor_parallel = find_tensor_parallel(exported[0]) if exported else None
     _refuse_data_dependent_boundaries(pipe, list(split_spec))
     # torch's schedules and stages only pass tensors between neighbouring stages.
     relay_skip_connections(pipe)
