@@ -9,11 +9,12 @@ Example:
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
+                                    noop_context_fn)
 
 from .._checks import check_choice
 from ..layouts.blocks import RECOMPUTE_MODES
@@ -32,8 +33,9 @@ _ALWAYS_KEPT = {
 FOLLOW_PLAN = "auto"
 
 
-def checkpoint_stage(stage_module: nn.Module) -> nn.Module:
-    """Make ``stage_module`` recompute its activations in backward instead of storing them.
+def checkpoint_stage(stage_module: nn.Module, context_fn: Callable[[], tuple] = noop_context_fn) -> nn.Module:
+    """Make ``stage_module`` recompute its activations in backward instead of storing them
+    (what it keeps for the recomputation: ``context_fn``, as ``torch.utils.checkpoint`` takes it).
 
     Example:
         >>> m = checkpoint_stage(nn.Linear(2, 2))
@@ -43,7 +45,7 @@ def checkpoint_stage(stage_module: nn.Module) -> nn.Module:
     plain_forward = stage_module.forward
 
     def checkpointed_forward(*args, **kwargs):
-        return checkpoint(plain_forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(plain_forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
     # An instance attribute wins over the class's forward in nn.Module.__call__.
     stage_module.forward = checkpointed_forward
@@ -64,16 +66,8 @@ def checkpoint_blocks(stage_module: nn.Module, blocks: Sequence[str], mode: str)
     names = {name for name, _ in stage_module.named_modules()}
     done = [b for b in blocks if b in names] if mode != "none" else []
     for name in done:
-        block = stage_module.get_submodule(name)
-        plain_forward = block.forward
-        context_fn = _selective_contexts if mode == "selective" else None
-
-        def checkpointed_forward(*args, _forward=plain_forward, _context=context_fn, **kwargs):
-            if _context is None:
-                return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
-            return checkpoint(_forward, *args, use_reentrant=False, context_fn=_context, **kwargs)
-
-        block.forward = checkpointed_forward
+        context_fn = _selective_contexts if mode == "selective" else noop_context_fn
+        checkpoint_stage(stage_module.get_submodule(name), context_fn)
     return done
 
 
