@@ -60,13 +60,13 @@ class StepPrediction:
     """What :func:`predict_step` charges a layout: seconds, bytes and their parts."""
 
     layout: Layout
+    shape: TransformerShape  # the model it was charged for
     step_s: float
     tokens_per_s_per_gpu: float
     mfu: float  # model FLOPs (6 N + attention, no recomputation) per second over the dense peak
     memory_bytes: float  # on the fullest rank
     parts_s: dict[str, float] = field(default_factory=dict)  # compute, recompute, tp_comm, pp_comm, bubble, dp_comm, optimizer
     memory_parts: dict[str, float] = field(default_factory=dict)
-    shape: TransformerShape | None = None  # the model it was charged for
 
     def to_torchtitan(self) -> dict[str, Any]:
         """This layout as torchtitan's config fields.
@@ -82,7 +82,7 @@ class StepPrediction:
             >>> p.to_torchtitan()["parallelism"]["tensor_parallel_degree"], p.to_torchtitan()["activation_checkpoint"]
             (8, 'full')
         """
-        return torchtitan_fields(self.layout, self._shape())
+        return torchtitan_fields(self.layout, self.shape)
 
     def to_megatron(self) -> list[str]:
         """This layout as Megatron-LM's arguments.
@@ -98,12 +98,7 @@ class StepPrediction:
             >>> p.to_megatron()[:4]
             ['--tensor-model-parallel-size', '4', '--pipeline-model-parallel-size', '2']
         """
-        return megatron_arguments(self.layout, self._shape())
-
-    def _shape(self) -> TransformerShape:
-        if self.shape is None:
-            raise ValueError("this StepPrediction was made without its shape; predict_step records it")
-        return self.shape
+        return megatron_arguments(self.layout, self.shape)
 
     def to_dict(self) -> dict:
         return {"layout": asdict(self.layout), "describe": self.layout.describe(), "step_s": self.step_s,
@@ -246,7 +241,7 @@ def predict_step(shape: TransformerShape, layout: Layout, gpu: GpuCosts) -> Step
     memory = _memory(shape, layout, params, blocks, checkpointed, tokens, gpu)
     tokens_per_s = layout.global_batch * shape.seq_len / step_s / layout.n_gpus
     mfu = tokens_per_s * model_flops_per_token(shape) / gpu.peak
-    return StepPrediction(layout, step_s, tokens_per_s, mfu, sum(memory.values()), parts, memory, shape)
+    return StepPrediction(layout, shape, step_s, tokens_per_s, mfu, sum(memory.values()), parts, memory)
 
 
 def _memory(shape: TransformerShape, layout: Layout, params: float, blocks: int, checkpointed: int,
