@@ -38,14 +38,22 @@ def _model(name: str) -> tuple[nn.Module, tuple]:
     if name == "qwen2":  # biases on the query, key and value projections
         import transformers
 
-        torch.manual_seed(0)
         config = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                                           max_position_embeddings=32)
-        return _Logits(transformers.AutoModelForCausalLM.from_config(config)), (torch.randint(0, 128, (2, 16)),)
+        with torch.random.fork_rng(devices=[]):  # the rank's own RNG is left as it was
+            torch.manual_seed(0)
+            return _Logits(transformers.AutoModelForCausalLM.from_config(config)), (torch.randint(0, 128, (2, 16)),)
     from zoo.hf import llama_from_config  # grouped-query attention: 4 query heads, 2 key-value heads
     return llama_from_config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                              vocab_size=128, seq_len=16)
+
+
+def _sharded_stage(model: nn.Module, args: tuple, world_size: int) -> tuple[nn.Module, dict]:
+    """The model's one traced stage, sharded over a tensor-parallel mesh of the whole world."""
+    plan = find_tensor_parallel(trace(model, args).exported)
+    stage = split_model(model, {}, (args, {}), training=True, expected=1).get_stage_module(0)
+    return stage, parallelize_stage(stage, init_device_mesh("cpu", (world_size,)), plan)
 
 
 def stage_run(rank: int, world_size: int, name: str, autocast: bool = False) -> dict:
@@ -54,14 +62,12 @@ def stage_run(rank: int, world_size: int, name: str, autocast: bool = False) -> 
     model in fp32: how far bf16 alone moves the gradients is the yardstick."""
     model, args = _model(name)
     reference, exact = copy.deepcopy(model), copy.deepcopy(model)
-    plan = find_tensor_parallel(trace(model, args).exported)
-    stage = split_model(model, {}, (args, {}), training=True, expected=1).get_stage_module(0)
-    sharded = parallelize_stage(stage, init_device_mesh("cpu", (world_size,)), plan)
+    stage, sharded = _sharded_stage(model, args, world_size)
     precision = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
     with tensor_parallel_context(torch.device("cpu")), precision:
         out = stage(*args)
         out = out[0] if isinstance(out, tuple) else out
-        loss = out.float().pow(2).mean()
+        loss = _loss(out)
     with tensor_parallel_context(torch.device("cpu")):
         loss.backward()
     with precision:
@@ -111,7 +117,7 @@ def pipeline_run(rank: int, world_size: int, name: str, schedule: str) -> dict:
     stage = PipelineStage(module, pp_rank, 2, torch.device("cpu"), group=mesh["pp"].get_group())
 
     def loss_fn(out, target):
-        return (out[0] if isinstance(out, tuple) else out).float().pow(2).mean()
+        return _loss(out)
 
     runner = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[schedule](stage, n_microbatches=2, loss_fn=loss_fn)
     losses: list = []
@@ -140,12 +146,9 @@ def save_run(rank: int, world_size: int, name: str, checkpoint_dir: str) -> None
     import torch.distributed.checkpoint as dcp
 
     model, args = _model(name)
-    plan = find_tensor_parallel(trace(model, args).exported)
-    stage = split_model(model, {}, (args, {}), training=True, expected=1).get_stage_module(0)
-    parallelize_stage(stage, init_device_mesh("cpu", (world_size,)), plan)
+    stage, _ = _sharded_stage(model, args, world_size)
     optimizer = torch.optim.SGD(stage.parameters(), lr=0.1)
     with tensor_parallel_context(torch.device("cpu")):
-        out = stage(*args)
-        (out[0] if isinstance(out, tuple) else out).float().pow(2).mean().backward()
+        _loss(stage(*args)).backward()
         optimizer.step()
     dcp.save(stage.state_dict(), checkpoint_id=checkpoint_dir)
