@@ -32,20 +32,20 @@ class _Logits(nn.Module):
         return self.model(input_ids=input_ids, use_cache=False).logits
 
 
-def _model(name: str) -> tuple[nn.Module, tuple]:
+def _model(name: str, layers: int = 2) -> tuple[nn.Module, tuple]:
     if name == "seed_transformer":
-        return seed_transformer(num_layers=2, dropout=0.0)
+        return seed_transformer(num_layers=layers, dropout=0.0)
     if name == "qwen2":  # biases on the query, key and value projections
         import transformers
 
-        config = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        config = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                                           num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                                           max_position_embeddings=32)
         with torch.random.fork_rng(devices=[]):  # the rank's own RNG is left as it was
             torch.manual_seed(0)
             return _Logits(transformers.AutoModelForCausalLM.from_config(config)), (torch.randint(0, 128, (2, 16)),)
     from zoo.hf import llama_from_config  # grouped-query attention: 4 query heads, 2 key-value heads
-    return llama_from_config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+    return llama_from_config(num_hidden_layers=layers, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                              vocab_size=128, seq_len=16)
 
 
@@ -152,3 +152,52 @@ def save_run(rank: int, world_size: int, name: str, checkpoint_dir: str) -> None
         _loss(stage(*args)).backward()
         optimizer.step()
     dcp.save(stage.state_dict(), checkpoint_id=checkpoint_dir)
+
+
+def _split_points(model: nn.Module, stages: int) -> list[str]:
+    """Cut before every block after the first ``stages - 1`` ... one stage per block, the blocks found by name."""
+    blocks = [n for n, _ in model.named_modules() if n.rpartition(".")[2].isdigit() and n.count(".") <= 2
+              and n.rpartition(".")[0].endswith("layers")]
+    return blocks[1:stages]
+
+
+def pipe_run(rank: int, world_size: int, name: str, schedule: str, dp: int = 1, dp_mode: str = "fsdp",
+             autocast: bool = False) -> dict:
+    """One step of ``autopipe.Pipeline(tensor_parallel=2)`` on pp x dp x tp ranks against the unsplit
+    model on the same batch: every micro-batch's loss, every gradient (gathered), the clipped norm."""
+    import autopipe
+    from autopipe import DataParallelOptions
+    from autopipe.runtime import Pipeline
+
+    model, args = _model(name, layers=4)
+    reference = copy.deepcopy(model)
+    stages_per_rank = 1 if schedule in ("GPipe", "1F1B") else 2
+    pp = world_size // (2 * dp)
+    n_micro = 2 * pp
+    g = torch.Generator().manual_seed(7)
+    batch = (torch.randint(0, 128, (n_micro * dp * args[0].shape[0], args[0].shape[1]), generator=g),)
+    target = torch.zeros(batch[0].shape[0])
+    with Pipeline(model, example_args=tuple(a for a in args), loss_fn=lambda out, y: _loss(out),
+                  split_points=_split_points(model, pp * stages_per_rank), schedule=schedule,
+                  n_microbatches=n_micro, tensor_parallel=2,
+                  data_parallel=DataParallelOptions(degree=dp, mode=dp_mode, batch="global") if dp > 1 else None,
+                  planner=autopipe.PlannerOptions(mixed_precision="bf16") if autocast else None) as pipe:
+        loss = pipe.step(*batch, target=target)
+        norm = pipe.clip_grad_norm_(1e9)
+        grads = {n: data_full(p.grad) for n, p in pipe.named_parameters() if p.grad is not None}
+        without_grad = [n for n, p in pipe.named_parameters() if p.grad is None]
+        sharded = sorted(n for n, p in pipe.named_parameters() if isinstance(p, DTensor))
+        nodes = pipe.rank_nodes
+    micro = batch[0].shape[0] // (n_micro * dp)
+    expected = sum(_loss(reference(batch[0][i * micro:(i + 1) * micro])) for i in range(n_micro * dp)) / (n_micro * dp)
+    expected.backward()
+    ref = dict(reference.named_parameters())
+    worst = max((g - ref[n].grad).abs().max().item() for n, g in grads.items())
+    ref_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()])).item()
+    return {"loss": loss.item(), "expected_loss": expected.item(), "worst_grad": worst, "grads": sorted(grads),
+            "without_grad": without_grad, "sharded": sharded, "model_params": sorted(ref),
+            "norm": float(norm), "expected_norm": ref_norm, "nodes": nodes}
+
+
+def data_full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -83,14 +83,15 @@ def check_mesh_arguments(mesh: Any, dp_degree: Any, dp_mode: Any) -> None:
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
     names = tuple(mesh.mesh_dim_names or ())
-    if mesh.ndim != 2 or sorted(names) != ["dp", "pp"]:
+    if sorted(names) not in (["dp", "pp"], ["dp", "pp", "tp"]):
         raise ValueError(f"mesh must be 2-D with dimensions named 'dp' and 'pp' (e.g. init_device_mesh(device, "
-                         f"(dp, pp), mesh_dim_names=('dp', 'pp'))); got {mesh.ndim}-D with names {names}")
+                         f"(dp, pp), mesh_dim_names=('dp', 'pp'))), or 3-D with 'pp', 'dp' and 'tp' "
+                         f"(autopipe.runtime.placement.layout_mesh); got {mesh.ndim}-D with names {names}")
 
 
 @dataclass
 class DataParallel:
-    """Where this rank sits in the ``dp x pp`` mesh, and the reductions over ``dp``."""
+    """Where this rank sits in the ``dp x pp`` (or ``pp x dp x tp``) mesh, and the reductions over ``dp``."""
 
     mesh: DeviceMesh
     mode: str
@@ -105,10 +106,12 @@ class DataParallel:
     def from_mesh(cls, mesh: DeviceMesh, *, mode: str, batch: str = "replica") -> "DataParallel":
         """Read the coordinates of this rank from ``mesh`` (no communication)."""
         names = list(mesh.mesh_dim_names)
-        grid = mesh.mesh.permute(names.index("dp"), names.index("pp"))
-        return cls(mesh=mesh, mode=mode, dp_size=grid.shape[0], pp_size=grid.shape[1],
+        # Every pipeline (one per coordinate of the other dimensions: dp, and tp where there is one) in pp order.
+        grid = mesh.mesh.movedim(names.index("pp"), -1)
+        return cls(mesh=mesh, mode=mode, dp_size=mesh.size(names.index("dp")), pp_size=grid.shape[-1],
                    dp_rank=mesh.get_local_rank("dp"), pp_rank=mesh.get_local_rank("pp"),
-                   replicas=[[int(r) for r in row] for row in grid.tolist()], batch=batch)
+                   replicas=[[int(r) for r in row] for row in grid.reshape(-1, grid.shape[-1]).tolist()],
+                   batch=batch)
 
     @property
     def batch_replicas(self) -> int:
@@ -153,8 +156,9 @@ class DataParallel:
         tensors = [t for t in tensors if t.numel()]
         if not tensors:
             return
+        tensors = [local_tensor(t) for t in tensors]  # a tensor-parallel shard is the same in every replica
         flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
-        dist.broadcast(flat, src=self.replicas[0][self.pp_rank], group=self.dp_group)
+        dist.broadcast(flat, src=dist.get_global_rank(self.dp_group, 0), group=self.dp_group)
         offset = 0
         for t in tensors:
             t.copy_(flat[offset: offset + t.numel()].view_as(t).to(t.dtype))
@@ -185,7 +189,7 @@ class DataParallel:
     @torch.no_grad()
     def average_grads(self, params: Iterable[torch.Tensor]) -> None:
         """Average the gradients over the ``dp`` group, one all-reduce (``"replicate"`` only)."""
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in params if p.grad is not None]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1) for g in grads])

@@ -9,7 +9,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..planning.schedules import schedule_class, schedule_spec
-from .stages import MicrobatchMeanLoss, RankStages, make_schedule, manual_stage, rewrap_stage
+from .stage_schedule import MicrobatchMeanLoss, make_schedule
+from .stages import RankStages, manual_stage, rewrap_stage
 from .step_failures import StepFailures
 
 def zero_loss(output: Any, target: Any) -> torch.Tensor:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -60,8 +60,9 @@ def sum_shared_grads(shared: Shared, state: Mapping[str, torch.Tensor],
 
 def clip_grad_norm(named_parameters: Sequence[tuple[str, nn.Parameter]], first_use: Mapping[str, int], *,
                    rank: int, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                   device: torch.device, counts: bool = True) -> torch.Tensor:
-    """Scale this rank's gradients so that the norm over every rank's is at most ``max_norm``."""
+                   device: torch.device, counts: Callable[[torch.Tensor], bool] = lambda p: True) -> torch.Tensor:
+    """Scale this rank's gradients so that the norm over every rank's is at most ``max_norm``;
+    ``counts(p)``: whether this rank's ``p`` adds to the norm (a copy held elsewhere too counts once)."""
     for arg, value in (("max_norm", max_norm), ("norm_type", norm_type)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"{arg}={value!r} must be a number > 0 (norm_type may be float('inf'))")
@@ -69,7 +70,7 @@ def clip_grad_norm(named_parameters: Sequence[tuple[str, nn.Parameter]], first_u
         raise ValueError(f"max_norm={max_norm!r} must be finite")
     norm_type = float(norm_type)
     counted = [local_tensor(p.grad) for name, p in named_parameters
-               if counts and p.grad is not None and first_use.get(name, rank) == rank]
+               if p.grad is not None and first_use.get(name, rank) == rank and counts(p)]
     if norm_type == math.inf:
         local = max((g.detach().abs().max().double() for g in counted), default=torch.zeros((), dtype=torch.float64))
         total = local.to(device).reshape(1)

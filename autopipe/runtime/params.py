@@ -103,6 +103,12 @@ def used_attribute_names(stage_module: nn.Module) -> set[str]:
             for node in graph.nodes:
                 if node.op == "get_attr":
                     used.add(f"{scope}.{node.target}" if scope else str(node.target))
+                elif node.op == "call_module":  # an eager module in the graph (a tensor-parallel linear) uses all it holds
+                    called = module.get_submodule(str(node.target))
+                    if not isinstance(getattr(called, "graph", None), fx.Graph):
+                        prefix = f"{scope}.{node.target}" if scope else str(node.target)
+                        used.update(f"{prefix}.{n}" for n, _ in (*called.named_parameters(remove_duplicate=False),
+                                                                 *called.named_buffers(remove_duplicate=False)))
         for child_name, child in module.named_children():
             stack.append((f"{scope}.{child_name}" if scope else child_name, child))
     return used

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from .._checks import check_int
 from ..machine.precision import mixed_precision_context
@@ -17,8 +19,7 @@ from ..planning.options import DataParallelOptions, PlannerOptions
 from ..planning.plan import Plan
 from ..planning.schedules import TRAINING_STEP_KWARGS, schedule_spec, stage_ranks
 from .checkpointing import resolve_recompute
-from .data_parallel import (check_mesh_arguments, data_parallel_from_plan, full_tensor, prepare_replicas,
-                            resolve_data_parallel)
+from .data_parallel import check_mesh_arguments, data_parallel_from_plan, full_tensor, prepare_replicas
 from .call_inputs import CallInputs
 from .distributed import (DEFAULT_TIMEOUT_S, check_device, collective_device, default_device, init_distributed,
                           raise_on_every_rank)
@@ -28,11 +29,14 @@ from .materialize import WeightSource, check_weight_arguments
 from .sharded_state import (RankState, load_model_state_dict, load_optimizer_state_dict, model_state_dict,
                             optimizer_state_dict, read_checkpoint, save_checkpoint)
 from .model_state import clip_grad_norm, full_state_dict, grads_before, sum_shared_grads
+from .placement import place_rank, rank_nodes
 from .plan_setup import PlanRequest, check_model_and_inputs, check_ranks_agree_on_inputs, settle_plan
 from .shapes import ShapeVariants
 from .stage_timer import StageTimer, gather_stage_times
-from .stages import MicrobatchMeanLoss, build_rank_stages, compile_options, make_schedule
+from .stage_schedule import MicrobatchMeanLoss, make_schedule
+from .stages import build_rank_stages, compile_options
 from .step_failures import agree_on_failures, share_loss
+from .tensor_parallel import counts_once, tensor_parallel_context
 
 class Pipeline(PipelineLifecycle):
     """A model split into pipeline stages across the ranks of a ``torch.distributed`` job.
@@ -131,6 +135,7 @@ class Pipeline(PipelineLifecycle):
         n_microbatches: int | None = None,
         planner: PlannerOptions | None = None,
         data_parallel: int | DataParallelOptions | None = None,
+        tensor_parallel: int | None = None,
         weights: WeightSource | Callable[[nn.Module], Any] | None = None,
         device: torch.device | str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -146,6 +151,8 @@ class Pipeline(PipelineLifecycle):
         mesh = replicas.mesh
         dp_degree, dp_mode = data_parallel_from_plan(request.plan, mesh, replicas.degree, replicas.mode)
         check_mesh_arguments(mesh, dp_degree, dp_mode)
+        if tensor_parallel is not None:
+            check_int("tensor_parallel", tensor_parallel, what="ranks that shard each stage")
 
         if device is not None:
             check_device(device)
@@ -160,22 +167,28 @@ class Pipeline(PipelineLifecycle):
             torch.cuda.set_device(self.device)  # NCCL collectives use the current device
         check_ranks_agree_on_inputs(example_args, example_kwargs, self.world_size)
 
+        place = place_rank(mesh, dp_degree, dp_mode, tensor_parallel, world_size=self.world_size, rank=self.rank,
+                           device_type=self._comm_device().type, batch=replicas.batch)
         #: The data-parallel layout (:class:`~autopipe.runtime.data_parallel.DataParallel`), None for a pure pipeline.
-        self.data_parallel = resolve_data_parallel(mesh, dp_degree, dp_mode, world_size=self.world_size,
-                                                   device_type=self._comm_device().type, batch=replicas.batch)
-        dp = self.data_parallel
-        #: This rank's place in its pipeline (its rank when there is no data parallelism).
-        self.pp_rank: int = dp.pp_rank if dp else self.rank
+        self.data_parallel = dp = place.dp
+        #: This rank's place in its pipeline (its rank when there is no data or tensor parallelism).
+        self.pp_rank: int = place.pp_rank
         #: This rank's replica and the replica count (0 and 1 without data parallelism): what a
         #: ``DistributedSampler(dataset, num_replicas=pipe.dp_size, rank=pipe.dp_rank)`` needs.
         self.dp_rank: int = dp.dp_rank if dp else 0
         self.dp_size: int = dp.dp_size if dp else 1
+        #: This rank's place in its tensor-parallel group, and the group's size (0 and 1 without one).
+        self.tp_rank, self.tp_size = place.tp_rank, place.tp_size
+        self._place = place
+        #: Every rank's node and mesh coordinates under tensor parallelism (``placement.rank_nodes``), else None.
+        self.rank_nodes = rank_nodes(place.mesh) if place.tp_mesh is not None else None
 
         # ---- 3. one plan and schedule for all ranks (the traced gradients are checked in step 4, on every rank)
         with gradients_checked_later():
             layout = settle_plan(request, model, example_args, example_kwargs, loss_fn, rank=self.rank,
                                  world_size=self.world_size, device=self.device, comm_device=self._comm_device(),
-                                 pp_size=dp.pp_size if dp else None, mesh_given=mesh is not None)
+                                 pp_size=None if place.pipelines is None else place.pp_size,
+                                 mesh_given=mesh is not None)
         self.plan: Plan = layout.plan
         self.schedule: str = layout.schedule
         self.n_microbatches: int = layout.n_microbatches
@@ -205,9 +218,8 @@ class Pipeline(PipelineLifecycle):
             example=(tuple(example_args), dict(example_kwargs or {})), training=self.training,
             checkpointed=resolve_recompute(request.planner.recompute, self.num_stages, self.plan.recompute_stages),
             init_weights=init_weights, weights=weights, pp_rank=self.pp_rank,
-            replicas=dp.replicas if dp else None, pp_group=dp.pp_group if dp else None,
-            mixed_precision=self.mixed_precision,
-            compile_options=compiled)
+            replicas=place.pipelines, pp_group=place.pp_group, mixed_precision=self.mixed_precision,
+            compile_options=compiled, tp_mesh=place.tp_mesh)
         if dp:
             prepare_replicas(dp, built, self.schedule, self.mixed_precision)
         self._batch = built.batch
@@ -233,16 +245,20 @@ class Pipeline(PipelineLifecycle):
         self._shapes = ShapeVariants(built, schedule=self.schedule, num_stages=self.num_stages,
                                      n_microbatches=self.n_microbatches, train_loss=self._train_loss, loss_fn=loss_fn,
                                      failures=self._failures, device=self.device, rank=self.pp_rank,
-                                     world_size=dp.pp_size if dp else self.world_size,
-                                     group=dp.pp_group if dp else None)
+                                     world_size=place.pp_size, group=place.pp_group)
         self._inputs = CallInputs(built.batch, dp, n_microbatches=self.n_microbatches,
                                   has_first_stage=self.has_first_stage, has_last_stage=self.has_last_stage,
                                   device=self.device, placeholder_target=self._inference.placeholder_target,
                                   unwritten=built.unwritten)
 
     def _autocast(self) -> Any:
-        """The pipeline's mixed precision around a schedule's run (nothing without one)."""
-        return mixed_precision_context(self.mixed_precision, self.device)
+        """The pipeline's mixed precision and tensor parallelism around a schedule's run (nothing without them)."""
+        if self.tp_size == 1:
+            return mixed_precision_context(self.mixed_precision, self.device)
+        stack = contextlib.ExitStack()
+        stack.enter_context(tensor_parallel_context(self.device))
+        stack.enter_context(mixed_precision_context(self.mixed_precision, self.device))
+        return stack
 
     def _comm_device(self) -> torch.device:
         return collective_device(self.device)
@@ -412,8 +428,8 @@ class Pipeline(PipelineLifecycle):
 
     def _share_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The mean loss on every rank; every rank raises if a rank failed (step_failures.share_loss)."""
-        if self.data_parallel:  # every replica's last stage adds its mean: the sum of dp equal shards' means
-            losses = [loss / self.data_parallel.dp_size for loss in losses]
+        if self.dp_size * self.tp_size > 1:  # each replica's last stage (every tp rank of it) adds its mean
+            losses = [loss / (self.dp_size * self.tp_size) for loss in losses]
         return share_loss(losses, self._failures, rank=self.rank, world_size=self.world_size,
                           has_last_stage=self.has_last_stage, device=self._comm_device())
 
@@ -484,8 +500,12 @@ class Pipeline(PipelineLifecycle):
             >>> norm = pipe.clip_grad_norm_(1.0); opt.step()  # doctest: +SKIP
         """
         dp = self.data_parallel
-        # Replicated gradients are equal in every replica: one replica counts. FSDP shards count all.
-        counts = dp is None or dp.mode == "fsdp" or dp.dp_rank == 0
+        # Gradients equal in every replica (replicate mode) or tp rank count on the first only.
+        first_replica = dp is None or dp.mode == "fsdp" or dp.dp_rank == 0
+
+        def counts(p: torch.Tensor) -> bool:
+            return first_replica and counts_once(p) and (isinstance(p, DTensor) or self.tp_rank == 0)
+
         return clip_grad_norm(self.named_parameters(), self._grad_norm_rank, rank=self.pp_rank, max_norm=max_norm,
                               norm_type=norm_type, error_if_nonfinite=error_if_nonfinite, device=self._comm_device(),
                               counts=counts)
@@ -543,7 +563,7 @@ class Pipeline(PipelineLifecycle):
         local = {n: full_tensor(t.detach()) for n, t in self._state.items() if n in self._names.canonical}
         # Gathered from dp rank 0's replica only: the others hold the same model.
         return full_state_dict(local, self._unheld_state, self._names, self.world_size,
-                               sends=self.data_parallel is None or self.data_parallel.dp_rank == 0)
+                               sends=self.dp_rank == 0 and self.tp_rank == 0)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """``optimizer``'s state by parameter name, for ``torch.distributed.checkpoint``.

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .._checks import check_int
+from .data_parallel import DataParallel, resolve_data_parallel
 
 #: The mesh's dimensions, outermost first: the layout planner's rank order, reversed.
 MESH_DIMS = ("pp", "dp", "tp")
@@ -99,3 +101,59 @@ def groups_of(mesh: DeviceMesh, dim: str) -> list[list[int]]:
     names = list(mesh.mesh_dim_names)
     grid = mesh.mesh.movedim(names.index(dim), -1)
     return [[int(r) for r in row] for row in grid.reshape(-1, grid.shape[-1]).tolist()]
+
+
+@dataclass
+class RankPlace:
+    """Where this rank runs: its place in its pipeline, its replica, its tensor-parallel group."""
+
+    pp_rank: int
+    pp_size: int
+    pp_group: Any  # None: the whole world is one pipeline
+    pipelines: list[list[int]] | None  # every pipeline's ranks in pp order; None: the world's
+    dp: DataParallel | None
+    tp_mesh: DeviceMesh | None
+    mesh: DeviceMesh | None = None  # the whole (pp, dp, tp) mesh under tensor parallelism
+
+    @property
+    def tp_size(self) -> int:
+        return self.tp_mesh.size() if self.tp_mesh is not None else 1
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp_mesh.get_local_rank() if self.tp_mesh is not None else 0
+
+
+def place_rank(mesh: DeviceMesh | None, dp_degree: int | None, dp_mode: str, tp_degree: int | None, *,
+               world_size: int, rank: int, device_type: str, batch: str = "replica") -> RankPlace:
+    """This rank's :class:`RankPlace` under ``Pipeline(data_parallel=, tensor_parallel=)`` (creates the
+    mesh's process groups). Without tensor parallelism the ``(dp, pp)`` mesh of
+    :mod:`~autopipe.runtime.data_parallel`; with it, the ``(pp, dp, tp)`` mesh of :func:`layout_mesh`,
+    or the user's, checked against the degrees."""
+    given_tp = mesh is not None and "tp" in (mesh.mesh_dim_names or ())
+    if not given_tp and (tp_degree or 1) == 1:
+        dp = resolve_data_parallel(mesh, dp_degree, dp_mode, world_size=world_size, device_type=device_type,
+                                   batch=batch)
+        if dp is None:
+            return RankPlace(rank, world_size, None, None, None, None)
+        return RankPlace(dp.pp_rank, dp.pp_size, dp.pp_group, dp.replicas, dp, None)
+    if mesh is None:
+        dp_size, tp = dp_degree or 1, tp_degree
+        if world_size % (dp_size * tp):
+            raise ValueError(f"tensor_parallel={tp} x data_parallel={dp_size} does not divide the world size "
+                             f"{world_size}: pp x dp x tp must be the world size")
+        mesh = layout_mesh({"pp": world_size // (dp_size * tp), "dp": dp_size, "tp": tp}, device_type)
+    else:
+        names = list(mesh.mesh_dim_names)
+        if mesh.size() != world_size:
+            raise ValueError(f"the mesh holds {mesh.size()} ranks but the world has {world_size} processes; build "
+                             "the mesh over every rank")
+        if sorted(names) != sorted(MESH_DIMS):
+            raise ValueError(f"a mesh with a 'tp' dimension must have the dimensions {list(MESH_DIMS)}; got {names}")
+        degrees = {dim: mesh.size(names.index(dim)) for dim in names}
+        if tp_degree is not None:
+            degrees["tp"] = tp_degree
+        check_mesh(mesh, degrees)
+    dp = DataParallel.from_mesh(mesh, mode=dp_mode, batch=batch) if mesh["dp"].size() > 1 else None
+    return RankPlace(mesh.get_local_rank("pp"), mesh["pp"].size(), mesh["pp"].get_group(), groups_of(mesh, "pp"),
+                     dp, mesh["tp"], mesh)

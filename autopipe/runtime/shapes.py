@@ -27,7 +27,8 @@ import torch
 from .compat import forget_generated_source
 from .distributed import raise_on_every_rank
 from .inference import Inference
-from .stages import MicrobatchMeanLoss, RankStages, make_schedule, retrace_rank_stages
+from .stage_schedule import MicrobatchMeanLoss, make_schedule
+from .stages import RankStages, retrace_rank_stages
 from .step_failures import StepFailures
 
 #: How many shapes' stages a pipeline keeps besides the traced one; beyond it the least

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import functools
 import gc
-import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,13 +12,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 
+from ..layouts.sharding import TensorParallelPlan, find_tensor_parallel
 from ..machine.host_memory import return_freed_heap
 from ..planning import hf_compat
 from ..planning.inplace import clone_inputs_written_in_place
 from ..planning.plan import Plan
-from ..planning.schedules import schedule_class, schedule_spec
+from ..planning.schedules import schedule_spec
 from ..errors import ModelExportError
 from ..planning.autograd_functions import kept_function_classes
 from ..planning.export_check import EagerComparison, compare_with_eager, gradient_mismatch_message
@@ -36,11 +37,12 @@ from .model_io import ModelIO, TracedBatch, capture_export
 from .params import (StateNames, first_model_difference, first_use_ranks, model_signature, model_state_names,
                      shared_parameters, stage_state, tie_aliases, used_attribute_names)
 from .relay import relay_skip_connections
-from .step_failures import PlayThroughLoss, StepFailures, play_through_forward
+from .tensor_parallel import shard_stages
 
 def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict], *, training: bool,
                 expected: int, stop_after_export: Callable[[list[str]], bool] | None = None,
-                autocast: tuple[str, torch.device] | None = None, check_gradients: bool = False) -> Any:
+                autocast: tuple[str, torch.device] | None = None, check_gradients: bool = False,
+                tensor_parallel: bool = False) -> Any:
     """``pipeline()`` on ``model`` in the given mode, each stage module ready to run split.
 
     The model's forwards are left as they were: torch's ``annotate_split_points`` wraps the
@@ -55,7 +57,9 @@ def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict],
     carry the dtypes autocast gives them there (:mod:`~autopipe.runtime.mixed_precision`).
     With ``check_gradients``, the traced program's gradients are compared with the model's on
     the example (:func:`~autopipe.planning.export_check.compare_with_eager`), and the Pipe
-    carries the result as ``autopipe_gradient_check`` for the caller to act on.
+    carries the result as ``autopipe_gradient_check`` for the caller to act on. With
+    ``tensor_parallel``, it carries ``autopipe_tensor_parallel``: what the export lets tensor
+    parallelism shard (:func:`~autopipe.layouts.sharding.find_tensor_parallel`).
 
     Raises:
         ValueError: the split did not give ``expected`` stages (a split point that is not
@@ -113,6 +117,8 @@ def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict],
     #: The traced program's gradients against the model's, and the Functions kept whole.
     pipe.autopipe_gradient_check = comparison
     pipe.autopipe_kept_functions = kept_function_classes(exported[0].graph) if exported else []
+    if tensor_parallel:
+        pipe.autopipe_tensor_parallel = find_tensor_parallel(exported[0])
     _refuse_data_dependent_boundaries(pipe, list(split_spec))
     # torch's schedules and stages only pass tensors between neighbouring stages.
     relay_skip_connections(pipe)
@@ -224,6 +230,8 @@ class Retrace:
     training: bool
     autocast: tuple[str, torch.device] | None
     compile_options: dict[str, Any] | None
+    tp_mesh: DeviceMesh | None = None  # the tensor-parallel group, and what it shards in every trace
+    tp_plan: TensorParallelPlan | None = None
 
 
 def _generated_source_kept_with(build: Callable[..., RankStages]) -> Callable[..., RankStages]:
@@ -245,9 +253,10 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
                       init_weights: Callable[[nn.Module], Any] | None = None,
                       weights: WeightSource | None = None, pp_rank: int | None = None,
                       replicas: Sequence[Sequence[int]] | None = None, pp_group: Any = None,
-                      mixed_precision: str | None = None, compile_options: dict[str, Any] | None = None
-                      ) -> RankStages:
-    """Split a private copy of ``model`` at the plan's split points and build this rank's stages."""
+                      mixed_precision: str | None = None, compile_options: dict[str, Any] | None = None,
+                      tp_mesh: DeviceMesh | None = None) -> RankStages:
+    """Split a private copy of ``model`` at the plan's split points and build this rank's stages
+    (each sharded over ``tp_mesh`` where given: :mod:`~autopipe.runtime.tensor_parallel`)."""
     # Before anything is traced: ranks with different models would split differently and
     # disagree on the shared parameters' process groups.
     _check_same_model(model, world_size)
@@ -272,7 +281,7 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
     traced_example = to_meta(example) if meta else example
     autocast = (mixed_precision, device) if mixed_precision else None
     train_pipe = split_model(local_model, split_spec, traced_example, training=True, expected=num_stages,
-                             autocast=autocast, check_gradients=training)
+                             autocast=autocast, check_gradients=training, tensor_parallel=tp_mesh is not None)
     # Every rank traced the same model, so all should agree; a rank that differs still must not
     # leave the others waiting.
     comparison = train_pipe.autopipe_gradient_check
@@ -281,6 +290,10 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
                                 kind="gradient-mismatch") if comparison.differing else None
     raise_on_every_rank(mismatch, rank=rank, world_size=world_size,
                         what="build stages whose gradients are the model's")
+    tp_plan = train_pipe.autopipe_tensor_parallel if tp_mesh is not None else None
+    why = tp_plan.why_not(tp_mesh.size()) if tp_plan is not None else None
+    if why:  # every rank traced alike and raises alike, before the sharding's collectives
+        raise ValueError(f"tensor_parallel={tp_mesh.size()} cannot shard {type(model).__name__}: {why}")
 
     # What each stage uses, under the original names: every rank computes it for every
     # stage, so all ranks agree on which parameters are shared and by whom.
@@ -324,6 +337,10 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
         except Exception as e:  # noqa: BLE001 - raised below, on every rank
             unread = e
         raise_on_every_rank(unread, rank=rank, world_size=world_size, what="read its weights")
+    if tp_mesh is not None:
+        shard_stages(train_modules, tp_mesh, tp_plan)
+        for module in train_modules.values():  # the sharded parameters replace the whole ones
+            state.update((canon, tensor) for canon, (_, tensor) in stage_state(module, names).items())
     batch = TracedBatch(train_pipe.autopipe_io, example, n_microbatches)
     v_placement = schedule_spec(schedule).placement == "v"
     train_stages = _ready_to_run(train_modules, train_stages, batch, checkpointed=checkpointed,
@@ -333,7 +350,8 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
     retrace = Retrace(model=twin, split_spec=split_spec, num_stages=num_stages, stage_indices=stage_indices,
                       device=device, pp_group=pp_group, pp_rank=pp_rank, pp_size=len(set(stage_ranks)), names=names,
                       state=state, traced=train_modules, checkpointed=checkpointed, split_backward=split_backward,
-                      v_placement=v_placement, training=training, autocast=autocast, compile_options=compile_options)
+                      v_placement=v_placement, training=training, autocast=autocast, compile_options=compile_options,
+                      tp_mesh=tp_mesh, tp_plan=tp_plan)
     # A meta model's training trace is a meta trace already, to compare the eval-mode one with.
     eval_modules = EvalModules(retrace, traced_example if meta else to_meta(traced_example), train_modules,
                                train_graph=train_pipe.autopipe_graph if meta else None)
@@ -406,6 +424,8 @@ def retrace_rank_stages(r: Retrace, batch: TracedBatch, dims: tuple[int, ...]) -
     for module in train_modules.values():
         meta_devices_to(module, r.device)
         use_leaves += tie_aliases(module, r.names, r.state, leaf_per_use=r.split_backward)
+    if r.tp_mesh is not None:
+        shard_stages(train_modules, r.tp_mesh, r.tp_plan)
     new_batch = TracedBatch(train_pipe.autopipe_io, example, batch.n_microbatches)
     train_stages = _ready_to_run(train_modules, train_stages, new_batch, checkpointed=r.checkpointed,
                                  split_backward=r.split_backward, compile_options=r.compile_options,
@@ -519,6 +539,8 @@ class EvalModules:
             raise ValueError(self.refusal)
         modules = _build_eval_modules(eval_pipe, r.stage_indices, r.device, r.names, r.state, r.split_backward,
                                       constants_from=r.traced)
+        if r.tp_mesh is not None:
+            shard_stages(modules, r.tp_mesh, r.tp_plan)
         _guard_and_compile(modules.values(), r.split_backward, r.compile_options)
         return modules
 
@@ -599,52 +621,3 @@ def compile_options(compile: bool | dict[str, Any]) -> dict[str, Any] | None:
     if compile is False:
         return None
     return {} if compile is True else dict(compile)
-
-
-class MicrobatchMeanLoss:
-    """The user's per-micro-batch loss divided by the number of micro-batches a call holds.
-
-    A short last batch holds fewer micro-batches than the schedule runs: the runtime fills
-    it up with copies (``call_inputs``), and :meth:`start` makes the copies weigh nothing.
-    torch's last stage computes the losses in micro-batch order.
-
-    Example:
-        >>> loss = MicrobatchMeanLoss(lambda out, y: (out - y).abs().sum(), 4)
-        >>> loss(torch.ones(2), torch.zeros(2))
-        tensor(0.5000)
-    """
-
-    def __init__(self, loss_fn: Callable, n_microbatches: int, io: ModelIO | None = None) -> None:
-        self.loss_fn = loss_fn
-        self.n_microbatches = n_microbatches
-        self.io = io
-        self.held, self._calls = n_microbatches, 0
-
-    def start(self, held: int) -> None:
-        """A new call whose first ``held`` micro-batches are real (the rest fill a short batch)."""
-        self.held, self._calls = held, 0
-
-    def __call__(self, output: Any, target: Any, **kwargs: Any) -> torch.Tensor:
-        if self.io is not None:
-            output = self.io.unflatten_output(output)
-        index, self._calls = self._calls, self._calls + 1
-        loss = self.loss_fn(output, target, **kwargs)
-        return loss / self.held if index < self.held else loss * 0.0
-
-
-def make_schedule(schedule: str, stages: list, n_microbatches: int, loss_fn: Callable | None,
-                  failures: StepFailures, device: torch.device) -> Any:
-    """torch's schedule ``schedule`` over ``stages``, with failures played through."""
-    cls = schedule_class(schedule)
-    for stage in stages:
-        play_through_forward(stage.submod, failures, stage.stage_index, device)
-    if loss_fn is not None:
-        loss_fn = PlayThroughLoss(loss_fn, failures)
-    kwargs: dict[str, Any] = {"loss_fn": loss_fn}
-    # The loss is already divided by n_microbatches (MicrobatchMeanLoss), so torch must not
-    # divide the gradients again - its division would also hit gradients accumulated over
-    # earlier steps.
-    if "scale_grads" in inspect.signature(cls.__init__).parameters:
-        kwargs["scale_grads"] = False
-    first = stages[0] if schedule_spec(schedule).placement == "single" else stages
-    return cls(first, n_microbatches, **kwargs)

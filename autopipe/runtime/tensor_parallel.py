@@ -5,11 +5,12 @@ stages")."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from ..layouts.sharding import TensorParallelPlan
 
@@ -48,12 +49,38 @@ def parallelize_stage(stage_module: nn.Module, tp_mesh: DeviceMesh,
         parent, _, leaf = name.rpartition(".")
         setattr(stage_module.get_submodule(parent) if parent else stage_module, leaf, linear)
     _copy_before_strided_reshapes(stage_module)
+    # Stages traced again (another input length, eval mode) read the first stages' sharded
+    # parameters: torch's styles leave those as they are, and the same objects are put back.
+    already = {(name, p): param for name in styles for p, param in linears[name].named_parameters()
+               if isinstance(param, DTensor)}
     # A column matrix's output stays sharded (a DTensor) through the ops up to its row matrix,
     # which all-reduces it into a plain tensor.
     parallelize_module(stage_module, tp_mesh, {
         name: ColwiseParallel(use_local_output=False) if shard == "column" else RowwiseParallel()
         for name, shard in styles.items()})
+    for (name, p), param in already.items():
+        setattr(stage_module.get_submodule(name), p, param)
     return styles
+
+
+def shard_stages(modules: Mapping[int, nn.Module], tp_mesh: DeviceMesh, plan: TensorParallelPlan) -> None:
+    """:func:`parallelize_stage` on each of this rank's stage modules (collective over ``tp_mesh``)."""
+    for module in modules.values():
+        parallelize_stage(module, tp_mesh, plan)
+
+
+def counts_once(tensor: torch.Tensor) -> bool:
+    """Whether this rank's part of ``tensor`` is counted here in a sum over every rank: a plain
+    tensor always, a DTensor where this rank is the first of each mesh dimension that replicates it.
+
+    Example:
+        >>> counts_once(torch.ones(2))
+        True
+    """
+    if not isinstance(tensor, DTensor):
+        return True
+    mesh = tensor.device_mesh
+    return all(mesh.get_local_rank(d) == 0 for d, p in enumerate(tensor.placements) if p.is_replicate())
 
 
 @contextlib.contextmanager
