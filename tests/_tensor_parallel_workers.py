@@ -155,10 +155,10 @@ def save_run(rank: int, world_size: int, name: str, checkpoint_dir: str) -> None
 
 
 def _split_points(model: nn.Module, stages: int) -> list[str]:
-    """Cut before every block after the first ``stages - 1`` ... one stage per block, the blocks found by name."""
-    blocks = [n for n, _ in model.named_modules() if n.rpartition(".")[2].isdigit() and n.count(".") <= 2
-              and n.rpartition(".")[0].endswith("layers")]
-    return blocks[1:stages]
+    """Cut before blocks 1 .. stages - 1 of the model's block list (its longest ``nn.ModuleList``)."""
+    name, blocks = max(((n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)),
+                       key=lambda item: len(item[1]))
+    return [f"{name}.{i}" for i in range(1, stages)]
 
 
 def pipe_run(rank: int, world_size: int, name: str, schedule: str, dp: int = 1, dp_mode: str = "fsdp",

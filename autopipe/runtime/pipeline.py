@@ -10,7 +10,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from .._checks import check_int
 from ..machine.precision import mixed_precision_context
@@ -499,16 +498,11 @@ class Pipeline(PipelineLifecycle):
             >>> loss = pipe.step(x, target=y)  # doctest: +SKIP
             >>> norm = pipe.clip_grad_norm_(1.0); opt.step()  # doctest: +SKIP
         """
-        dp = self.data_parallel
-        # Gradients equal in every replica (replicate mode) or tp rank count on the first only.
-        first_replica = dp is None or dp.mode == "fsdp" or dp.dp_rank == 0
-
-        def counts(p: torch.Tensor) -> bool:
-            return first_replica and counts_once(p) and (isinstance(p, DTensor) or self.tp_rank == 0)
-
+        # A gradient held whole by several replicas or tp ranks counts once; shards count all.
+        coords = {"dp": self.dp_rank, "tp": self.tp_rank}
         return clip_grad_norm(self.named_parameters(), self._grad_norm_rank, rank=self.pp_rank, max_norm=max_norm,
                               norm_type=norm_type, error_if_nonfinite=error_if_nonfinite, device=self._comm_device(),
-                              counts=counts)
+                              counts=lambda p: counts_once(p, coords))
 
     def train(self, mode: bool = True) -> "Pipeline":
         """Switch to training (``mode=True``) or evaluation behaviour; returns the pipeline.

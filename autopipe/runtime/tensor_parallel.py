@@ -69,18 +69,20 @@ def shard_stages(modules: Mapping[int, nn.Module], tp_mesh: DeviceMesh, plan: Te
         parallelize_stage(module, tp_mesh, plan)
 
 
-def counts_once(tensor: torch.Tensor) -> bool:
-    """Whether this rank's part of ``tensor`` is counted here in a sum over every rank: a plain
-    tensor always, a DTensor where this rank is the first of each mesh dimension that replicates it.
+def counts_once(tensor: torch.Tensor, coords: Mapping[str, int]) -> bool:
+    """Whether this rank's part of ``tensor`` adds to a sum over every rank, where ``coords`` is this
+    rank's place along each parallel dimension (``{"dp": 1, "tp": 0}``): along a dimension that
+    shards it every part counts, along one that replicates it only the first rank's.
 
     Example:
-        >>> counts_once(torch.ones(2))
-        True
+        >>> counts_once(torch.ones(2), {"dp": 0, "tp": 1})
+        False
     """
-    if not isinstance(tensor, DTensor):
-        return True
-    mesh = tensor.device_mesh
-    return all(mesh.get_local_rank(d) == 0 for d, p in enumerate(tensor.placements) if p.is_replicate())
+    sharded: set[str] = set()
+    if isinstance(tensor, DTensor):
+        names = tensor.device_mesh.mesh_dim_names or ()
+        sharded = {names[d] for d, p in enumerate(tensor.placements) if names and not p.is_replicate()}
+    return all(rank == 0 for dim, rank in coords.items() if dim not in sharded)
 
 
 @contextlib.contextmanager
