@@ -1,12 +1,14 @@
-"""What each rank runs in the tensor-parallel stage tests (spawned by tests/_dist_utils.run_world).
+"""What each rank runs in the tensor-parallel tests (spawned by tests/_dist_utils.run_world).
 
-Every rank traces the same model, keeps one stage holding all of it, shards it over a
-tensor-parallel mesh of the whole world, and runs a forward and a backward. The unsplit model,
-run in the same process on the same batch, is the reference.
+A stage alone: every rank traces the same model, keeps one stage holding all of it, shards it
+over a tensor-parallel mesh of the whole world, and runs a forward and a backward. A pipeline:
+``autopipe.Pipeline(tensor_parallel=2)`` steps a batch. The unsplit model, run in the same process
+on the same batch, is the reference.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -34,7 +36,7 @@ class _Logits(nn.Module):
 
 def _model(name: str, layers: int = 2) -> tuple[nn.Module, tuple]:
     if name == "seed_transformer":
-        return seed_transformer(num_layers=layers, dropout=0.0)
+        return seed_transformer(128, d_model=64, d_ff=128, num_layers=layers, batch=2, seq_len=16)
     if name == "qwen2":  # biases on the query, key and value projections
         import transformers
 
@@ -56,102 +58,31 @@ def _sharded_stage(model: nn.Module, args: tuple, world_size: int) -> tuple[nn.M
     return stage, parallelize_stage(stage, init_device_mesh("cpu", (world_size,)), plan)
 
 
-def stage_run(rank: int, world_size: int, name: str, autocast: bool = False) -> dict:
-    """Loss and every gradient of the sharded stage against the unsplit model's. With
-    ``autocast`` both run under bf16 autocast, and each is also compared with the unsplit
-    model in fp32: how far bf16 alone moves the gradients is the yardstick."""
+def stage_run(rank: int, world_size: int, name: str) -> dict:
+    """Loss and every gradient of the sharded stage against the unsplit model's."""
     model, args = _model(name)
-    reference, exact = copy.deepcopy(model), copy.deepcopy(model)
+    reference = copy.deepcopy(model)
     stage, sharded = _sharded_stage(model, args, world_size)
-    precision = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
-    with tensor_parallel_context(torch.device("cpu")), precision:
+    with tensor_parallel_context(torch.device("cpu")):
         out = stage(*args)
         out = out[0] if isinstance(out, tuple) else out
         loss = _loss(out)
-    with tensor_parallel_context(torch.device("cpu")):
         loss.backward()
-    with precision:
-        expected_loss = _loss(reference(*args))
+    expected_loss = _loss(reference(*args))
     expected_loss.backward()
-    _loss(exact(*args)).backward()
     local_shapes = {pname: (tuple(p.to_local().shape), tuple(p.shape))
                     for pname, p in stage.named_parameters() if isinstance(p, DTensor)}
     return {"loss": loss.item(), "expected_loss": expected_loss.item(), "sharded": sharded,
-            "worst_grad": _worst(stage, reference), "local_shapes": local_shapes, "out_type": type(out).__name__,
-            "sharded_from_fp32": _worst(stage, exact, relative=True),
-            "unsplit_from_fp32": _worst(reference, exact, relative=True)}
+            "worst_grad": _worst(stage, reference), "local_shapes": local_shapes, "out_type": type(out).__name__}
 
 
 def _loss(out) -> torch.Tensor:
     return (out[0] if isinstance(out, tuple) else out).float().pow(2).mean()
 
 
-def _worst(model: nn.Module, reference: nn.Module, *, relative: bool = False) -> float:
-    """The largest gradient difference, absolute or relative to the model's largest gradient element."""
+def _worst(model: nn.Module, reference: nn.Module) -> float:
     grads = dict(reference.named_parameters())
-    scale = max(p.grad.abs().max().item() for p in reference.parameters()) if relative else 1.0
-    worst = 0.0
-    for pname, p in model.named_parameters():
-        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        worst = max(worst, (grad - grads[pname].grad).abs().max().item() / scale)
-    return worst
-
-
-def pipeline_run(rank: int, world_size: int, name: str, schedule: str) -> dict:
-    """Loss and every gradient of a pp 2 x tp 2 pipeline (torch's schedule over sharded stages)
-    against the unsplit model's, on two micro-batches."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, SplitPoint
-
-    from autopipe.runtime.placement import layout_mesh
-
-    model, args = _model(name)
-    reference = copy.deepcopy(model)
-    mesh = layout_mesh({"pp": 2, "tp": 2})
-    pp_rank = mesh.get_local_rank("pp")
-    plan = find_tensor_parallel(trace(model, args).exported)
-    split_at = next(n for n, _ in model.named_modules() if n.endswith("layers.1"))
-    micro = tuple(a[: a.shape[0] // 2] for a in args)
-    pipe = split_model(model, {split_at: SplitPoint.BEGINNING}, (micro, {}), training=True, expected=2)
-    module = pipe.get_stage_module(pp_rank)
-    parallelize_stage(module, mesh["tp"], plan)
-    stage = PipelineStage(module, pp_rank, 2, torch.device("cpu"), group=mesh["pp"].get_group())
-
-    def loss_fn(out, target):
-        return _loss(out)
-
-    runner = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}[schedule](stage, n_microbatches=2, loss_fn=loss_fn)
-    losses: list = []
-    with tensor_parallel_context(torch.device("cpu")):
-        if pp_rank == 0:
-            runner.step(*args)
-        else:
-            runner.step(target=torch.zeros(2), losses=losses)
-    expected_losses = []
-    for part in range(2):
-        chunk = tuple(a[part * micro[0].shape[0]:(part + 1) * micro[0].shape[0]] for a in args)
-        out = reference(*chunk)
-        expected_losses.append(loss_fn(out, None))
-    (sum(expected_losses) / 2).backward()
-    grads = dict(reference.named_parameters())
-    worst = 0.0
-    for pname, p in module.named_parameters():
-        grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        worst = max(worst, (grad - grads[pname].grad).abs().max().item())
-    return {"losses": [float(x) for x in losses], "expected_losses": [float(x) for x in expected_losses],
-            "worst_grad": worst, "pp_rank": pp_rank, "tp_rank": mesh.get_local_rank("tp")}
-
-
-def save_run(rank: int, world_size: int, name: str, checkpoint_dir: str) -> None:
-    """One SGD step of the stage sharded over the world, then its state saved with DCP."""
-    import torch.distributed.checkpoint as dcp
-
-    model, args = _model(name)
-    stage, _ = _sharded_stage(model, args, world_size)
-    optimizer = torch.optim.SGD(stage.parameters(), lr=0.1)
-    with tensor_parallel_context(torch.device("cpu")):
-        _loss(stage(*args)).backward()
-        optimizer.step()
-    dcp.save(stage.state_dict(), checkpoint_id=checkpoint_dir)
+    return max((data_full(p.grad) - grads[n].grad).abs().max().item() for n, p in model.named_parameters())
 
 
 def _split_points(model: nn.Module, stages: int) -> list[str]:
@@ -161,43 +92,127 @@ def _split_points(model: nn.Module, stages: int) -> list[str]:
     return [f"{name}.{i}" for i in range(1, stages)]
 
 
-def pipe_run(rank: int, world_size: int, name: str, schedule: str, dp: int = 1, dp_mode: str = "fsdp",
+def pipe_cases(rank: int, world_size: int, cases: dict[str, tuple]) -> dict:
+    """:func:`pipe_run` of each case, ``{key: (model, schedule, dp, activation_checkpoint, autocast)}``."""
+    return {key: pipe_run(rank, world_size, *case) for key, case in cases.items()}
+
+
+def pipe_run(rank: int, world_size: int, name: str, schedule: str, dp: int = 1, checkpoint: str = "none",
              autocast: bool = False) -> dict:
-    """One step of ``autopipe.Pipeline(tensor_parallel=2)`` on pp x dp x tp ranks against the unsplit
-    model on the same batch: every micro-batch's loss, every gradient (gathered), the clipped norm."""
+    """One step of ``autopipe.Pipeline(tensor_parallel=2)`` on pp x dp x tp ranks (FSDP over dp) against
+    the unsplit model on the same batch: the loss, every gradient (gathered), the clipped norm. Under
+    ``autocast`` both run in bf16, and each is also compared with the unsplit model in fp32."""
     import autopipe
     from autopipe import DataParallelOptions
     from autopipe.runtime import Pipeline
 
     model, args = _model(name, layers=4)
-    reference = copy.deepcopy(model)
+    reference, exact = copy.deepcopy(model), copy.deepcopy(model)
     stages_per_rank = 1 if schedule in ("GPipe", "1F1B") else 2
     pp = world_size // (2 * dp)
     n_micro = 2 * pp
     g = torch.Generator().manual_seed(7)
-    batch = (torch.randint(0, 128, (n_micro * dp * args[0].shape[0], args[0].shape[1]), generator=g),)
-    target = torch.zeros(batch[0].shape[0])
-    with Pipeline(model, example_args=tuple(a for a in args), loss_fn=lambda out, y: _loss(out),
-                  split_points=_split_points(model, pp * stages_per_rank), schedule=schedule,
-                  n_microbatches=n_micro, tensor_parallel=2,
-                  data_parallel=DataParallelOptions(degree=dp, mode=dp_mode, batch="global") if dp > 1 else None,
+    batch = torch.randint(0, 128, (n_micro * dp * args[0].shape[0], args[0].shape[1]), generator=g)
+    with Pipeline(model, example_args=args, loss_fn=lambda out, y: _loss(out), schedule=schedule,
+                  split_points=_split_points(model, pp * stages_per_rank), n_microbatches=n_micro,
+                  tensor_parallel=2, activation_checkpoint=checkpoint,
+                  data_parallel=DataParallelOptions(degree=dp, batch="global") if dp > 1 else None,
                   planner=autopipe.PlannerOptions(mixed_precision="bf16") if autocast else None) as pipe:
-        loss = pipe.step(*batch, target=target)
+        loss = pipe.step(batch, target=torch.zeros(len(batch)))
         norm = pipe.clip_grad_norm_(1e9)
         grads = {n: data_full(p.grad) for n, p in pipe.named_parameters() if p.grad is not None}
-        without_grad = [n for n, p in pipe.named_parameters() if p.grad is None]
-        sharded = sorted(n for n, p in pipe.named_parameters() if isinstance(p, DTensor))
-        nodes = pipe.rank_nodes
-    micro = batch[0].shape[0] // (n_micro * dp)
-    expected = sum(_loss(reference(batch[0][i * micro:(i + 1) * micro])) for i in range(n_micro * dp)) / (n_micro * dp)
-    expected.backward()
+        found = {"without_grad": [n for n, p in pipe.named_parameters() if p.grad is None],
+                 "sharded": sorted(n for n, p in pipe.named_parameters() if isinstance(p, DTensor)),
+                 "checkpointed": sorted(n for m in pipe.stage_modules.values() for n, sub in m.named_modules()
+                                        if getattr(sub.forward, "__name__", "") == "checkpointed_forward"),
+                 "nodes": pipe.rank_nodes, "place": (pipe.pp_rank, pipe.dp_rank, pipe.tp_rank)}
+    rows = len(batch) // (n_micro * dp)
+    precision = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+    for copy_, context in ((reference, precision), (exact, contextlib.nullcontext())):
+        with context:
+            expected = sum(_loss(copy_(batch[i * rows:(i + 1) * rows])) for i in range(n_micro * dp)) / (n_micro * dp)
+        expected.backward()
+        if copy_ is reference:
+            expected_loss = expected.item()
     ref = dict(reference.named_parameters())
-    worst = max((g - ref[n].grad).abs().max().item() for n, g in grads.items())
-    ref_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()])).item()
-    return {"loss": loss.item(), "expected_loss": expected.item(), "worst_grad": worst, "grads": sorted(grads),
-            "without_grad": without_grad, "sharded": sharded, "model_params": sorted(ref),
-            "norm": float(norm), "expected_norm": ref_norm, "nodes": nodes}
+    scale = max(p.grad.abs().max().item() for p in exact.parameters())
+    exact_grads = dict(exact.named_parameters())
+    return {"loss": loss.item(), "expected_loss": expected_loss, "grads": sorted(grads), "model_params": sorted(ref),
+            "worst_grad": max((g - ref[n].grad).abs().max().item() for n, g in grads.items()),
+            "sharded_from_fp32": max((g - exact_grads[n].grad).abs().max().item() for n, g in grads.items()) / scale,
+            "unsplit_from_fp32": max((p.grad - exact_grads[n].grad).abs().max().item() for n, p in ref.items()) / scale,
+            "norm": float(norm), "expected_norm": torch.linalg.vector_norm(
+                torch.stack([p.grad.norm() for p in reference.parameters()])).item(), **found}
+
+
+class _Normed(nn.Module):
+    """Blocks of a linear then a layer norm: the norm needs every feature, so no linear can be sharded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def refusals(rank: int, world_size: int) -> dict:
+    """What ``Pipeline(tensor_parallel=)`` says, on every rank, to a degree that does not divide the world,
+    a model with nothing to shard, and heads that do not divide."""
+    from autopipe.runtime import Pipeline
+
+    def error(model: nn.Module, args: tuple, tp: int) -> str:
+        try:
+            Pipeline(model, example_args=args, loss_fn=lambda out, y: _loss(out), tensor_parallel=tp,
+                     split_points=_split_points(model, 2), schedule="1F1B", n_microbatches=2).close()
+        except ValueError as e:
+            return str(e)
+        return "built"
+
+    return {"degree": error(*_model("seed_transformer"), 3),
+            "nothing": error(_Normed(), (torch.randn(2, 8),), 2),
+            "heads": error(*seed_transformer(128, d_model=48, num_heads=3, d_ff=96, num_layers=2, seq_len=8), 2)}
 
 
 def data_full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def resume_run(rank: int, world_size: int, name: str, checkpoint_dir: str) -> dict:
+    """AdamW steps of a pp 2 x tp 2 pipeline, saved after the first; a pp 4 pipeline (no tensor
+    parallelism) resumes from the checkpoint, model and optimizer, and takes the second step too."""
+    from autopipe.runtime import Pipeline
+
+    model, args = _model(name, layers=4)
+    g = torch.Generator().manual_seed(11)
+    batches = [(torch.randint(0, 128, (4 * args[0].shape[0], args[0].shape[1]), generator=g),) for _ in range(2)]
+    target = torch.zeros(batches[0][0].shape[0])
+
+    def build(stages: int, tp: int | None) -> tuple[Pipeline, torch.optim.Optimizer]:
+        pipe = Pipeline(copy.deepcopy(model), example_args=args, loss_fn=lambda out, y: _loss(out),
+                        split_points=_split_points(model, stages), schedule="1F1B", n_microbatches=4,
+                        tensor_parallel=tp)
+        return pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+
+    def step(pipe: Pipeline, optimizer: torch.optim.Optimizer, batch: tuple) -> float:
+        optimizer.zero_grad()
+        loss = pipe.step(*batch, target=target)
+        optimizer.step()
+        return loss.item()
+
+    sharded, sharded_opt = build(2, 2)
+    first = step(sharded, sharded_opt, batches[0])
+    saved = sharded.state_dict(full=True)
+    sharded.save_checkpoint(checkpoint_dir, sharded_opt)
+    second = step(sharded, sharded_opt, batches[1])
+    after = sharded.state_dict(full=True)
+    sharded.close()
+    resumed, resumed_opt = build(4, None)
+    resumed.load_checkpoint(checkpoint_dir, resumed_opt)
+    resumed_second = step(resumed, resumed_opt, batches[1])
+    resumed_after = resumed.state_dict(full=True)
+    resumed.close()
+    return {"first": first, "second": second, "resumed_second": resumed_second, "saved": saved if rank == 0 else None,
+            "worst_after": max((after[k] - resumed_after[k]).abs().max().item() for k in after)}

@@ -63,3 +63,10 @@ def test_tensor_parallel_groups_are_consecutive_ranks_of_one_node_and_each_rank_
 def test_a_group_that_would_span_nodes_is_refused_on_every_rank():
     per_rank = run_world(workers.mesh_run, 4, {"pp": 2, "tp": 2}, 1, timeout_s=120)
     assert all("tp=2 does not divide the 1 ranks of a node" in r["refused"] for r in per_rank)
+
+
+@pytest.mark.distributed
+def test_a_mesh_built_again_after_its_groups_were_destroyed_uses_its_own_groups():
+    # DTensor caches sharding decisions under meshes that compare equal; stale groups would be used.
+    for outcomes in run_world(workers.rebuilt_run, 4, timeout_s=120):
+        assert outcomes == ["64.0", "64.0"]

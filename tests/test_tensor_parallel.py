@@ -1,6 +1,7 @@
 """Tensor-parallel stages (autopipe.runtime.tensor_parallel): a traced stage sharded over 2 gloo
-ranks, and a pp 2 x tp 2 pipeline of them under torch's schedule on 4, compute the unsplit
-model's loss and every gradient, sharded as the planner's own analysis says."""
+ranks, and ``Pipeline(tensor_parallel=2)`` on pp 2 x tp 2 (4 ranks) and pp 2 x tp 2 x dp 2 (8, FSDP),
+compute the unsplit model's loss and every gradient, sharded as the planner's own analysis says;
+a pp 2 x tp 2 checkpoint resumes at pp 4 and loads into the unsplit model."""
 
 from __future__ import annotations
 
@@ -25,40 +26,11 @@ def results(name: str) -> list[dict]:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["seed_transformer", "llama", "qwen2"])
-def test_a_sharded_stage_gives_the_unsplit_loss_and_every_gradient(name):
-    if name != "seed_transformer":
-        pytest.importorskip("transformers", reason="transformers is not installed (pip install 'autopipe[hf]')")
-    for rank in results(name):
+def test_a_sharded_stage_gives_the_unsplit_loss_and_every_gradient():
+    for rank in results("seed_transformer"):
         assert rank["loss"] == pytest.approx(rank["expected_loss"], abs=TOL)
         assert rank["worst_grad"] <= TOL
         assert rank["out_type"] == "Tensor"  # what leaves the stage is plain, whole
-
-
-@pytest.mark.distributed
-def test_under_bf16_autocast_a_sharded_stage_is_within_bf16_rounding_of_the_unsplit_model():
-    for rank in run_world(workers.stage_run, 2, "seed_transformer", True, timeout_s=300):
-        assert rank["loss"] == pytest.approx(rank["expected_loss"], rel=2 ** -7)
-        # Sharded, bf16 moves the gradients from fp32 about as far as it does unsplit.
-        assert 0 < rank["sharded_from_fp32"] <= 2 * rank["unsplit_from_fp32"]
-
-
-@functools.lru_cache(maxsize=None)
-def pipeline_results(name: str) -> list[dict]:
-    return run_world(workers.pipeline_run, 4, name, "1F1B", timeout_s=300)
-
-
-@pytest.mark.distributed
-@pytest.mark.parametrize("name", ["seed_transformer", "llama"])
-def test_a_pp2_tp2_pipeline_of_sharded_stages_gives_the_unsplit_losses_and_gradients(name):
-    if name == "llama":
-        pytest.importorskip("transformers", reason="transformers is not installed (pip install 'autopipe[hf]')")
-    ranks = pipeline_results(name)
-    assert sorted((r["pp_rank"], r["tp_rank"]) for r in ranks) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    for rank in ranks:
-        assert rank["worst_grad"] <= TOL
-        if rank["pp_rank"] == 1:  # the last stage computes the loss of each micro-batch
-            assert rank["losses"] == pytest.approx(rank["expected_losses"], abs=TOL)
 
 
 @pytest.mark.distributed
@@ -66,30 +38,104 @@ def test_each_rank_holds_half_of_every_sharded_matrix_along_its_side():
     rank = results("seed_transformer")[0]
     assert set(rank["sharded"].values()) == {"column", "row"}
     for module, shard in rank["sharded"].items():
-        local, whole = rank["local_shapes"][module + ".weight"]
+        local, whole = rank["local_shapes"][f"{module}.weight"]
         dim = 0 if shard == "column" else 1  # nn.Linear's weight is (out, in)
         assert local[dim] * 2 == whole[dim] and local[1 - dim] == whole[1 - dim]
 
 
+#: ``Pipeline(tensor_parallel=2)`` on pp 2 x tp 2: (model, schedule, dp, activation_checkpoint, bf16 autocast).
+PP_TP = {
+    "seed-1F1B": ("seed_transformer", "1F1B"),
+    "seed-Interleaved1F1B": ("seed_transformer", "Interleaved1F1B"),
+    "seed-ZBVZeroBubble": ("seed_transformer", "ZBVZeroBubble"),
+    "llama-1F1B+selective": ("llama", "1F1B", 1, "selective"),
+    "llama-Interleaved1F1B": ("llama", "Interleaved1F1B"),
+    "llama-ZBVZeroBubble+full": ("llama", "ZBVZeroBubble", 1, "full"),
+    "qwen2-1F1B": ("qwen2", "1F1B"),
+    "llama-1F1B+bf16": ("llama", "1F1B", 1, "none", True),
+}
+#: The same on pp 2 x tp 2 x dp 2 (8 ranks), FSDP over dp.
+PP_TP_DP = {"llama-1F1B+fsdp": ("llama", "1F1B", 2)}
+
+
+def _transformers_imports() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def pipeline_results(world: int) -> dict:
+    cases = PP_TP if world == 4 else PP_TP_DP
+    runnable = {k: c for k, c in cases.items() if c[0] == "seed_transformer" or _transformers_imports()}
+    ranks = run_world(workers.pipe_cases, world, runnable, timeout_s=600)
+    return {key: [rank[key] for rank in ranks] for key in runnable}
+
+
+def _case(world: int, key: str) -> list[dict]:
+    found = pipeline_results(world)
+    if key not in found:
+        pytest.skip("transformers is not installed (pip install 'autopipe[hf]')")
+    return found[key]
+
+
 @pytest.mark.distributed
-def test_a_checkpoint_of_sharded_stages_loads_into_the_unsplit_model_exactly(tmp_path):
+@pytest.mark.parametrize("world,key", [(4, k) for k in PP_TP if "bf16" not in k] + [(8, k) for k in PP_TP_DP])
+def test_a_tensor_parallel_pipeline_gives_the_unsplit_loss_gradients_and_norm(world, key):
+    ranks = _case(world, key)
+    case = {**PP_TP, **PP_TP_DP}[key]
+    dp, checkpoint = (case[2] if len(case) > 2 else 1), (case[3] if len(case) > 3 else "none")
+    held: set[str] = set()
+    for rank in ranks:
+        assert rank["loss"] == pytest.approx(rank["expected_loss"], abs=TOL)
+        assert rank["worst_grad"] <= TOL
+        assert rank["norm"] == pytest.approx(rank["expected_norm"], rel=TOL)  # every shard counted once
+        assert rank["without_grad"] == [] and rank["sharded"]
+        assert bool(rank["checkpointed"]) == (checkpoint != "none")
+        held |= set(rank["grads"])
+    assert held == set(ranks[0]["model_params"])  # every parameter is some rank's
+    # tp innermost: ranks 2k and 2k + 1 shard the same stage; then dp, then pp.
+    assert [r["place"] for r in ranks] == [(i // (2 * dp), i // 2 % dp, i % 2) for i in range(world)]
+    assert [n["rank"] for n in ranks[0]["nodes"]] == list(range(world))
+
+
+@pytest.mark.distributed
+def test_under_bf16_autocast_a_tensor_parallel_pipeline_is_within_bf16_rounding_of_the_unsplit_model():
+    for rank in _case(4, "llama-1F1B+bf16"):
+        assert rank["loss"] == pytest.approx(rank["expected_loss"], rel=2 ** -7)
+        # Sharded, bf16 moves the gradients from fp32 about as far as it does unsplit.
+        assert 0 < rank["sharded_from_fp32"] <= 2 * rank["unsplit_from_fp32"]
+
+
+@pytest.mark.distributed
+def test_a_bad_degree_nothing_to_shard_and_indivisible_heads_are_refused_on_every_rank():
+    for rank in run_world(workers.refusals, 4, timeout_s=300):
+        assert "tensor_parallel=3 x data_parallel=1 does not divide the world size 4" in rank["degree"]
+        assert "cannot shard _Normed: nothing to shard" in rank["nothing"]
+        assert "3 attention heads (group 0) do not divide by tp=2" in rank["heads"]
+
+
+@pytest.mark.distributed
+def test_a_pp2_tp2_checkpoint_resumes_model_and_optimizer_at_pp4_and_loads_into_the_unsplit_model(tmp_path):
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install 'autopipe[hf]')")
     import torch.distributed.checkpoint as dcp
 
-    run_world(workers.save_run, 2, "seed_transformer", str(tmp_path / "tp2"), timeout_s=300)
-    expected, args = workers._model("seed_transformer")  # the same step, unsplit
-    expected(*args).float().pow(2).mean().backward()
-    torch.optim.SGD(expected.parameters(), lr=0.1).step()
-    loaded, _ = workers._model("seed_transformer")
+    ranks = run_world(workers.resume_run, 4, "llama", str(tmp_path / "pp2tp2"), timeout_s=300)
+    for rank in ranks:  # the pp 4 pipeline's second AdamW step is the pp 2 x tp 2 one's
+        assert rank["resumed_second"] == pytest.approx(rank["second"], abs=TOL)
+        assert rank["worst_after"] <= TOL
+    loaded, _ = workers._model("llama", layers=4)
     with torch.no_grad():
         for p in loaded.parameters():
             p.zero_()  # whatever the load leaves unset would show
     state = loaded.state_dict()
     with warnings.catch_warnings():  # torch says it assumes a single process: it is one, on purpose
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(tmp_path / "tp2"))
-    loaded.load_state_dict(state)
-    for name, p in expected.state_dict().items():
-        torch.testing.assert_close(loaded.state_dict()[name], p, rtol=0, atol=1e-6)
+        dcp.load({"model": state}, checkpoint_id=str(tmp_path / "pp2tp2"))
+    for name, p in ranks[0]["saved"].items():
+        torch.testing.assert_close(state[name], p, rtol=0, atol=0)
 
 
 class _Mesh:

@@ -71,6 +71,22 @@ def checkpoint_blocks(stage_module: nn.Module, blocks: Sequence[str], mode: str)
     return done
 
 
+def block_names(model: nn.Module) -> list[str]:
+    """The model's repeated blocks: the children of each ``nn.ModuleList`` of two or more modules
+    of one class, outside another such block (a block's own lists, MoE experts, are inside it).
+
+    Example:
+        >>> block_names(nn.Sequential(nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])))
+        ['0.0', '0.1']
+    """
+    blocks: list[str] = []
+    for name, module in model.named_modules():
+        inside = any(name.startswith(f"{b}.") for b in blocks)
+        if isinstance(module, nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1 and not inside:
+            blocks += [f"{name}.{i}" if name else str(i) for i in range(len(module))]
+    return blocks
+
+
 def _selective_contexts() -> tuple:
     """Fresh contexts of the op-level policy for one checkpointed call: matmuls counted anew."""
     counts = {"forward": 0, "recompute": 0}

@@ -601,3 +601,18 @@ def forget_generated_source(keys: list[str]) -> None:
         linecache.cache.pop(key, None)
     keys.clear()
 
+
+
+def forget_cached_sharding() -> None:
+    """Drop DTensor's cached sharding decisions before a new mesh is used. A ``DeviceMesh`` equals any
+    other of the same ranks and names whatever process groups it holds, so a decision cached for a
+    mesh whose groups were destroyed (a closed pipeline's world) would send the new mesh's tensors
+    through those groups: "Could not resolve the process group" (torch 2.11 to 2.13)."""
+    from torch.distributed.tensor import DTensor
+
+    native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's
+    if native is not None:
+        native()
+    cached = getattr(DTensor._op_dispatcher.sharding_propagator, "propagate_op_sharding", None)
+    if hasattr(cached, "cache_clear"):
+        cached.cache_clear()

@@ -4,30 +4,30 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .._checks import check_int
+from .._checks import check_choice, check_int
+from ..layouts.blocks import RECOMPUTE_MODES
 from ..machine.precision import mixed_precision_context
 from ..planning.export_check import gradients_checked_later
 from ..planning.options import DataParallelOptions, PlannerOptions
 from ..planning.plan import Plan
 from ..planning.schedules import TRAINING_STEP_KWARGS, schedule_spec, stage_ranks
 from .checkpointing import resolve_recompute
-from .data_parallel import check_mesh_arguments, data_parallel_from_plan, full_tensor, prepare_replicas
+from .data_parallel import check_mesh_arguments, data_parallel_from_plan, prepare_replicas
 from .call_inputs import CallInputs
-from .distributed import (DEFAULT_TIMEOUT_S, check_device, collective_device, default_device, init_distributed,
-                          raise_on_every_rank)
+from .distributed import DEFAULT_TIMEOUT_S, check_device, collective_device, default_device, init_distributed
 from .inference import Inference
 from .lifecycle import PipelineLifecycle
 from .materialize import WeightSource, check_weight_arguments
-from .sharded_state import (RankState, load_model_state_dict, load_optimizer_state_dict, model_state_dict,
-                            optimizer_state_dict, read_checkpoint, save_checkpoint)
-from .model_state import clip_grad_norm, full_state_dict, grads_before, sum_shared_grads
+from .pipeline_state import PipelineStateDicts
+from .sharded_state import RankState
+from .model_state import clip_grad_norm, grads_before, sum_shared_grads
 from .placement import place_rank, rank_nodes
 from .plan_setup import PlanRequest, check_model_and_inputs, check_ranks_agree_on_inputs, settle_plan
 from .shapes import ShapeVariants
@@ -37,7 +37,7 @@ from .stages import build_rank_stages, compile_options
 from .step_failures import agree_on_failures, share_loss
 from .tensor_parallel import counts_once, tensor_parallel_context
 
-class Pipeline(PipelineLifecycle):
+class Pipeline(PipelineLifecycle, PipelineStateDicts):
     """A model split into pipeline stages across the ranks of a ``torch.distributed`` job.
 
     Every rank constructs the ``Pipeline`` with the same arguments; each builds only its
@@ -89,6 +89,16 @@ class Pipeline(PipelineLifecycle):
             or with ``batch="global"`` every rank the whole global batch.
             Default: the plan's (a plan made with ``data_parallel=``), else none; a mode left
             None is the plan's, else ``"fsdp"``.
+        tensor_parallel: ranks that shard each stage (tensor parallelism within a pipeline): the
+            matrices the export's graph analysis pairs column- and row-wise
+            (:mod:`~autopipe.runtime.tensor_parallel`) are sharded with torch's tensor-parallel API
+            over the ``tp`` dimension of a ``(pp, dp, tp)`` mesh (:mod:`~autopipe.runtime.placement`:
+            ``tp`` innermost, so each group lies on one node), or the ``data_parallel`` mesh's.
+            Default: none.
+        activation_checkpoint: ``"none"`` (default), ``"selective"`` (torchtitan's op-level
+            policy) or ``"full"``: every block of the model's block lists recomputes in backward
+            (:func:`~autopipe.runtime.checkpointing.checkpoint_blocks`). Exclusive with stages
+            that ``recompute`` whole.
         weights: where the weights come from: a full state dict, ``.safetensors`` file or
             ``torch.distributed.checkpoint`` directory of the unsplit model (each rank reads
             only its own tensors), or, for a model built on the meta device, a function
@@ -135,6 +145,7 @@ class Pipeline(PipelineLifecycle):
         planner: PlannerOptions | None = None,
         data_parallel: int | DataParallelOptions | None = None,
         tensor_parallel: int | None = None,
+        activation_checkpoint: str = "none",
         weights: WeightSource | Callable[[nn.Module], Any] | None = None,
         device: torch.device | str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -152,6 +163,7 @@ class Pipeline(PipelineLifecycle):
         check_mesh_arguments(mesh, dp_degree, dp_mode)
         if tensor_parallel is not None:
             check_int("tensor_parallel", tensor_parallel, what="ranks that shard each stage")
+        check_choice("activation_checkpoint", activation_checkpoint, RECOMPUTE_MODES)
 
         if device is not None:
             check_device(device)
@@ -210,12 +222,16 @@ class Pipeline(PipelineLifecycle):
                              "gradients, then weight gradients) cannot split a compiled stage's backward; compile "
                              "with GPipe, 1F1B, Interleaved1F1B or LoopedBFS")
 
+        checkpointed = resolve_recompute(request.planner.recompute, self.num_stages, self.plan.recompute_stages)
+        if checkpointed and activation_checkpoint != "none":  # the same on every rank
+            raise ValueError(f"activation_checkpoint={activation_checkpoint!r} checkpoints every block, and the "
+                             f"plan or planner.recompute recomputes whole stages {checkpointed}: give one of the two")
         # ---- 4. build this rank's stages from a private copy of the model
         built = build_rank_stages(
             model, self.plan, schedule=self.schedule, n_microbatches=self.n_microbatches,
             stage_ranks=self.stage_ranks, rank=self.rank, world_size=self.world_size, device=self.device,
             example=(tuple(example_args), dict(example_kwargs or {})), training=self.training,
-            checkpointed=resolve_recompute(request.planner.recompute, self.num_stages, self.plan.recompute_stages),
+            checkpointed=checkpointed, block_mode=activation_checkpoint,
             init_weights=init_weights, weights=weights, pp_rank=self.pp_rank,
             replicas=place.pipelines, pp_group=place.pp_group, mixed_precision=self.mixed_precision,
             compile_options=compiled, tp_mesh=place.tp_mesh)
@@ -529,131 +545,6 @@ class Pipeline(PipelineLifecycle):
     def stage_modules(self) -> dict[int, nn.Module]:
         """This rank's stage modules (training trace), by stage index."""
         return dict(self._train_modules)
-
-    # ------------------------------------------------------------------ state dicts
-    def state_dict(self, *, full: bool = False) -> dict[str, torch.Tensor]:
-        """The parameters and persistent buffers under the original model's names.
-
-        Args:
-            full: False: this rank's part, every key of the unsplit model's ``state_dict()``
-                it holds (tied aliases included) and the tensors no stage reads - what
-                ``torch.distributed.checkpoint`` saves and loads, resharding by name
-                (:func:`~autopipe.runtime.sharded_state.model_state_dict`). True: the whole
-                model, gathered to every rank on the CPU - load it with
-                ``model.load_state_dict``. Collective: every rank must call it.
-
-        Returns:
-            ``{name: tensor}``; the local form holds detached views of the live tensors
-            (``dcp.load`` writes into them), the full form CPU copies.
-
-        Example:
-            >>> dcp.save({"model": pipe.state_dict(), "optim": pipe.optimizer_state_dict(opt)},
-            ...          checkpoint_id="ckpt/100")  # doctest: +SKIP
-            >>> model.load_state_dict(pipe.state_dict(full=True))  # doctest: +SKIP
-        """
-        if not full:
-            return model_state_dict(self._local)
-        self._inputs.refuse_placeholders("gather the full state dict", rank=self.rank, world_size=self.world_size)
-        local = {n: full_tensor(t.detach()) for n, t in self._state.items() if n in self._names.canonical}
-        # Gathered from dp rank 0's replica only: the others hold the same model.
-        return full_state_dict(local, self._unheld_state, self._names, self.world_size,
-                               sends=self.dp_rank == 0 and self.tp_rank == 0)
-
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """``optimizer``'s state by parameter name, for ``torch.distributed.checkpoint``.
-
-        The flattened form of torch's ``get_optimizer_state_dict`` (``state.<name>.exp_avg``,
-        ``param_groups.<name>.lr``; :func:`~autopipe.runtime.sharded_state.optimizer_state_dict`),
-        so the checkpoint reshards and the unsplit model resumes from it with torch's
-        ``set_state_dict``. A fresh optimizer is given its state first. No communication.
-
-        Example:
-            >>> pipe.load_optimizer_state_dict(opt, pipe.optimizer_state_dict(opt))  # doctest: +SKIP
-        """
-        return optimizer_state_dict(self._local, optimizer)
-
-    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> None:
-        """Load :meth:`optimizer_state_dict`'s form into ``optimizer``; other ranks' entries are ignored.
-
-        Raises:
-            KeyError: entries missing or naming no parameter. ValueError: foreign parameters.
-        """
-        load_optimizer_state_dict(self._local, optimizer, state)
-
-    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], *, strict: bool = True) -> None:
-        """Copy values into this rank's tensors from a full or per-rank state dict, or a DCP load.
-
-        Keys are the original model's names; any alias of a tied tensor will do. Each rank
-        takes what it holds (and the tensors no stage reads) and ignores the rest, so the same
-        full dict can be given to every rank. Non-persistent buffers (Llama's rotary
-        ``inv_freq``) are never required: the model computes them. Collective: every rank
-        checks its names and shapes before writing anything, and if one rank's dict does not
-        fit, every rank raises.
-
-        Args:
-            state_dict: ``model.state_dict()`` of the unsplit model, ``pipe.state_dict(full=True)``,
-                this rank's ``pipe.state_dict()``, or what ``dcp.load`` filled.
-            strict: raise if a tensor of this rank is missing or a key is not a name of the model.
-
-        Raises:
-            KeyError: (strict) names missing or unknown, listed. ValueError: a shape differs.
-            RuntimeError: on the other ranks, naming the rank whose dict did not fit.
-
-        Example:
-            >>> pipe.load_state_dict(torch.load("model.pt"))  # doctest: +SKIP
-        """
-        self._check_usable()
-        error: Exception | None = None
-        try:
-            load_model_state_dict(self._local, state_dict, strict=strict)
-        except Exception as e:  # noqa: BLE001 - raised below, on every rank
-            error = e
-        raise_on_every_rank(error, rank=self.rank, world_size=self.world_size, what="load the state dict")
-
-    def save_checkpoint(self, checkpoint_id: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Save the model (and ``optimizer``) as one ``torch.distributed.checkpoint`` directory.
-
-        Every rank writes its own tensors (``{"model": state_dict(), "optim":
-        optimizer_state_dict(optimizer)}``); any split, schedule or world size resumes from
-        it with :meth:`load_checkpoint`, and the unsplit model with torch's ``set_state_dict``.
-        Written beside ``checkpoint_id`` and moved there once every rank has written, so a failed
-        save leaves the previous checkpoint whole (:mod:`~autopipe.runtime.checkpoint_files`). Collective.
-
-        Raises:
-            CheckpointError: a rank could not write its part (on every rank; the previous
-                checkpoint stays). UnwrittenTensorsError: a meta tensor was never written.
-
-        Example:
-            >>> pipe.save_checkpoint("ckpt/100", opt)  # doctest: +SKIP
-        """
-        self._inputs.refuse_placeholders("save a checkpoint", rank=self.rank, world_size=self.world_size)
-        save_checkpoint(self._local, checkpoint_id, optimizer)
-
-    def load_checkpoint(self, checkpoint_id: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Resume the model (and ``optimizer``) from a checkpoint of :meth:`save_checkpoint`.
-
-        Before anything is read, every rank checks the checkpoint's list of tensors against
-        the whole model: a name the model does not have (another model's checkpoint), a
-        tensor it lacks or another shape is refused on every rank. Collective.
-
-        Args:
-            checkpoint_id: the checkpoint's directory.
-            optimizer: an optimizer over :meth:`parameters` to resume too (a fresh one is fine).
-
-        Raises:
-            KeyError / ValueError: the checkpoint does not fit the model (named); on the other
-                ranks a RuntimeError.
-            CheckpointError: the checkpoint is incomplete or damaged (a shard missing or short,
-                an unreadable ``.metadata``), or a rank could not read its part.
-
-        Example:
-            >>> opt = torch.optim.AdamW(pipe.parameters())  # doctest: +SKIP
-            >>> pipe.load_checkpoint("ckpt/100", opt)  # doctest: +SKIP
-        """
-        state = read_checkpoint(self._local, checkpoint_id, optimizer)
-        self.load_state_dict(state["model"])
-        if optimizer is not None:
-            self.load_optimizer_state_dict(optimizer, state["optim"])
 
     def __repr__(self) -> str:
         return (f"Pipeline(rank {self.rank}/{self.world_size}, stages {self.stage_indices} of "

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .._checks import check_int
+from .compat import forget_cached_sharding
 from .data_parallel import DataParallel, resolve_data_parallel
 
 #: The mesh's dimensions, outermost first: the layout planner's rank order, reversed.
@@ -154,6 +155,7 @@ def place_rank(mesh: DeviceMesh | None, dp_degree: int | None, dp_mode: str, tp_
         if tp_degree is not None:
             degrees["tp"] = tp_degree
         check_mesh(mesh, degrees)
+    forget_cached_sharding()
     dp = DataParallel.from_mesh(mesh, mode=dp_mode, batch=batch) if mesh["dp"].size() > 1 else None
     return RankPlace(mesh.get_local_rank("pp"), mesh["pp"].size(), mesh["pp"].get_group(), groups_of(mesh, "pp"),
                      dp, mesh["tp"], mesh)

@@ -25,7 +25,7 @@ from ..errors import ModelExportError
 from ..planning.autograd_functions import kept_function_classes
 from ..planning.export_check import EagerComparison, compare_with_eager, gradient_mismatch_message
 from ..planning.tracing import export_guards, release_last_export
-from .checkpointing import checkpoint_stage
+from .checkpointing import block_names, checkpoint_blocks, checkpoint_stage
 from .materialize import (WeightSource, check_state_fits, describe_weights, load_weights, materialize_leftovers,
                           materialize_rank, meta_twin, on_meta, stored_shapes, take_constants, to_meta)
 from .compat import (VStage, generated_source_recorded, guard_stage_boundaries, make_boundary_tensors_sendable,
@@ -232,6 +232,8 @@ class Retrace:
     compile_options: dict[str, Any] | None
     tp_mesh: DeviceMesh | None = None  # the tensor-parallel group, and what it shards in every trace
     tp_plan: TensorParallelPlan | None = None
+    blocks: Sequence[str] = ()  # the model's blocks, each checkpointed in ``block_mode``
+    block_mode: str = "none"
 
 
 def _generated_source_kept_with(build: Callable[..., RankStages]) -> Callable[..., RankStages]:
@@ -254,9 +256,10 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
                       weights: WeightSource | None = None, pp_rank: int | None = None,
                       replicas: Sequence[Sequence[int]] | None = None, pp_group: Any = None,
                       mixed_precision: str | None = None, compile_options: dict[str, Any] | None = None,
-                      tp_mesh: DeviceMesh | None = None) -> RankStages:
+                      tp_mesh: DeviceMesh | None = None, block_mode: str = "none") -> RankStages:
     """Split a private copy of ``model`` at the plan's split points and build this rank's stages
-    (each sharded over ``tp_mesh`` where given: :mod:`~autopipe.runtime.tensor_parallel`)."""
+    (each sharded over ``tp_mesh`` where given: :mod:`~autopipe.runtime.tensor_parallel`; each of
+    the model's blocks checkpointed in ``block_mode``: :func:`~autopipe.runtime.checkpointing.checkpoint_blocks`)."""
     # Before anything is traced: ranks with different models would split differently and
     # disagree on the shared parameters' process groups.
     _check_same_model(model, world_size)
@@ -343,7 +346,9 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
             state.update((canon, tensor) for canon, (_, tensor) in stage_state(module, names).items())
     batch = TracedBatch(train_pipe.autopipe_io, example, n_microbatches)
     v_placement = schedule_spec(schedule).placement == "v"
+    blocks = block_names(model) if block_mode != "none" else []
     train_stages = _ready_to_run(train_modules, train_stages, batch, checkpointed=checkpointed,
+                                 blocks=blocks, block_mode=block_mode,
                                  split_backward=split_backward, compile_options=compile_options,
                                  v_placement=v_placement, num_stages=num_stages, device=device, pp_group=pp_group,
                                  training=training)
@@ -351,7 +356,7 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
                       device=device, pp_group=pp_group, pp_rank=pp_rank, pp_size=len(set(stage_ranks)), names=names,
                       state=state, traced=train_modules, checkpointed=checkpointed, split_backward=split_backward,
                       v_placement=v_placement, training=training, autocast=autocast, compile_options=compile_options,
-                      tp_mesh=tp_mesh, tp_plan=tp_plan)
+                      tp_mesh=tp_mesh, tp_plan=tp_plan, blocks=blocks, block_mode=block_mode)
     # A meta model's training trace is a meta trace already, to compare the eval-mode one with.
     eval_modules = EvalModules(retrace, traced_example if meta else to_meta(traced_example), train_modules,
                                train_graph=train_pipe.autopipe_graph if meta else None)
@@ -382,11 +387,14 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
 
 def _ready_to_run(train_modules: Mapping[int, nn.Module], train_stages: list, batch: TracedBatch, *,
                   checkpointed: Sequence[int], split_backward: bool, compile_options: dict[str, Any] | None,
-                  v_placement: bool, num_stages: int, device: torch.device, pp_group: Any, training: bool) -> list:
+                  v_placement: bool, num_stages: int, device: torch.device, pp_group: Any, training: bool,
+                  blocks: Sequence[str] = (), block_mode: str = "none") -> list:
     """Recompute, boundary guards and compilation on this rank's stage modules; the training stages to run."""
     for s in checkpointed:
         if s in train_modules:
             checkpoint_stage(train_modules[s])
+    for module in train_modules.values():
+        checkpoint_blocks(module, blocks, block_mode)
     _guard_and_compile(train_modules.values(), split_backward, compile_options)
     if v_placement:
         # torch's Pipe.build_stage wires each stage's peers for the looped placement; a stage
@@ -430,7 +438,7 @@ def retrace_rank_stages(r: Retrace, batch: TracedBatch, dims: tuple[int, ...]) -
     train_stages = _ready_to_run(train_modules, train_stages, new_batch, checkpointed=r.checkpointed,
                                  split_backward=r.split_backward, compile_options=r.compile_options,
                                  v_placement=r.v_placement, num_stages=r.num_stages, device=r.device,
-                                 pp_group=r.pp_group, training=r.training)
+                                 pp_group=r.pp_group, training=r.training, blocks=r.blocks, block_mode=r.block_mode)
     return RankStages(batch=new_batch, names=r.names, train_modules=train_modules,
                       eval=EvalModules(r, example, train_modules, train_graph=train_pipe.autopipe_graph),
                       train_stages=train_stages, state=r.state, use_leaves=use_leaves, shared=[], grad_norm_rank={},
