@@ -2,7 +2,7 @@
 
 A stage alone: every rank traces the same model, keeps one stage holding all of it, shards it
 over a tensor-parallel mesh of the whole world, and runs a forward and a backward. A pipeline:
-``autopipe.Pipeline(tensor_parallel=2)`` steps a batch. The unsplit model, run in the same process
+``autopipe.Pipeline`` with ``DataParallelOptions(tensor_parallel=2)`` steps a batch. The unsplit model, run in the same process
 on the same batch, is the reference.
 """
 
@@ -16,6 +16,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from autopipe import DataParallelOptions
 from autopipe.layouts.sharding import find_tensor_parallel
 from autopipe.models import seed_transformer
 from autopipe.planning.tracing import trace
@@ -93,17 +94,16 @@ def _split_points(model: nn.Module, stages: int) -> list[str]:
 
 
 def pipe_cases(rank: int, world_size: int, cases: dict[str, tuple]) -> dict:
-    """:func:`pipe_run` of each case, ``{key: (model, schedule, dp, activation_checkpoint, autocast)}``."""
+    """:func:`pipe_run` of each case, ``{key: (model, schedule, dp, recompute, autocast)}``."""
     return {key: pipe_run(rank, world_size, *case) for key, case in cases.items()}
 
 
 def pipe_run(rank: int, world_size: int, name: str, schedule: str, dp: int = 1, checkpoint: str = "none",
              autocast: bool = False) -> dict:
-    """One step of ``autopipe.Pipeline(tensor_parallel=2)`` on pp x dp x tp ranks (FSDP over dp) against
+    """One step of a ``tensor_parallel=2`` ``autopipe.Pipeline`` on pp x dp x tp ranks (FSDP over dp) against
     the unsplit model on the same batch: the loss, every gradient (gathered), the clipped norm. Under
     ``autocast`` both run in bf16, and each is also compared with the unsplit model in fp32."""
     import autopipe
-    from autopipe import DataParallelOptions
     from autopipe.runtime import Pipeline
 
     model, args = _model(name, layers=4)
@@ -115,9 +115,9 @@ def pipe_run(rank: int, world_size: int, name: str, schedule: str, dp: int = 1, 
     batch = torch.randint(0, 128, (n_micro * dp * args[0].shape[0], args[0].shape[1]), generator=g)
     with Pipeline(model, example_args=args, loss_fn=lambda out, y: _loss(out), schedule=schedule,
                   split_points=_split_points(model, pp * stages_per_rank), n_microbatches=n_micro,
-                  tensor_parallel=2, activation_checkpoint=checkpoint,
-                  data_parallel=DataParallelOptions(degree=dp, batch="global") if dp > 1 else None,
-                  planner=autopipe.PlannerOptions(mixed_precision="bf16") if autocast else None) as pipe:
+                  data_parallel=DataParallelOptions(degree=dp if dp > 1 else None, batch="global", tensor_parallel=2),
+                  planner=autopipe.PlannerOptions(recompute=checkpoint if checkpoint != "none" else "auto",
+                                                  mixed_precision="bf16" if autocast else None)) as pipe:
         loss = pipe.step(batch, target=torch.zeros(len(batch)))
         norm = pipe.clip_grad_norm_(1e9)
         grads = {n: data_full(p.grad) for n, p in pipe.named_parameters() if p.grad is not None}
@@ -159,19 +159,28 @@ class _Normed(nn.Module):
 
 
 def refusals(rank: int, world_size: int) -> dict:
-    """What ``Pipeline(tensor_parallel=)`` says, on every rank, to a degree that does not divide the world,
+    """What a ``tensor_parallel`` Pipeline says, on every rank, to a degree that does not divide the world,
     a model with nothing to shard, and heads that do not divide."""
     from autopipe.runtime import Pipeline
 
     def error(model: nn.Module, args: tuple, tp: int) -> str:
         try:
-            Pipeline(model, example_args=args, loss_fn=lambda out, y: _loss(out), tensor_parallel=tp,
+            Pipeline(model, example_args=args, loss_fn=lambda out, y: _loss(out),
+                     data_parallel=DataParallelOptions(tensor_parallel=tp),
                      split_points=_split_points(model, 2), schedule="1F1B", n_microbatches=2).close()
         except ValueError as e:
             return str(e)
         return "built"
 
-    return {"degree": error(*_model("seed_transformer"), 3),
+    found = {}
+    try:
+        from zoo.hf import gpt2_from_config
+    except ImportError:  # transformers is not installed
+        pass
+    else:  # q, k and v fused in one Conv1D: not a plain linear
+        found["gpt2"] = error(*gpt2_from_config(n_layer=2, n_embd=64, n_head=4,
+                                                vocab_size=128, seq_len=16), 2)
+    return {**found, "degree": error(*_model("seed_transformer"), 3),
             "nothing": error(_Normed(), (torch.randn(2, 8),), 2),
             "heads": error(*seed_transformer(128, d_model=48, num_heads=3, d_ff=96, num_layers=2, seq_len=8), 2)}
 
@@ -193,7 +202,7 @@ def resume_run(rank: int, world_size: int, name: str, checkpoint_dir: str) -> di
     def build(stages: int, tp: int | None) -> tuple[Pipeline, torch.optim.Optimizer]:
         pipe = Pipeline(copy.deepcopy(model), example_args=args, loss_fn=lambda out, y: _loss(out),
                         split_points=_split_points(model, stages), schedule="1F1B", n_microbatches=4,
-                        tensor_parallel=tp)
+                        data_parallel=DataParallelOptions(tensor_parallel=tp))
         return pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-2)
 
     def step(pipe: Pipeline, optimizer: torch.optim.Optimizer, batch: tuple) -> float:

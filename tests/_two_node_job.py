@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+from autopipe import DataParallelOptions
 from autopipe.models import seed_transformer
 from autopipe.runtime import Pipeline
 
@@ -30,7 +31,7 @@ def main(out_dir: str) -> None:
     batch = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(3))
     target = torch.zeros(len(batch))
     pipe = Pipeline(model, example_args=args, loss_fn=_loss, split_points=["layers.1"], schedule="1F1B",
-                    n_microbatches=2, tensor_parallel=2, timeout_s=60)
+                    n_microbatches=2, data_parallel=DataParallelOptions(tensor_parallel=2), timeout_s=60)
     loss = pipe.step(batch, target=target)
     grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad) for n, p in pipe.named_parameters()}
     expected = (_loss(reference(batch[:2]), None) + _loss(reference(batch[2:]), None)) / 2

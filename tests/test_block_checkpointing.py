@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopipe.models import seed_transformer
-from autopipe.runtime.checkpointing import checkpoint_blocks
+from autopipe.runtime.checkpointing import block_names, checkpoint_blocks, resolve_recompute
 from autopipe.runtime.stages import split_model
 
 BLOCKS = ["layers.0", "layers.1"]
@@ -62,3 +62,35 @@ def test_each_mode_gives_the_same_numbers_and_recomputes_its_share_of_the_matmul
 def test_an_unknown_mode_is_refused_naming_the_modes():
     with pytest.raises(ValueError, match="mode='some'"):
         checkpoint_blocks(torch.nn.Linear(2, 2), [""], "some")
+
+
+class _Experts(torch.nn.Module):
+    """A block holding a list of its own (MoE experts): only the outer list's children are blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+
+def test_the_blocks_are_the_repeated_modules_of_a_list_outside_any_other_block():
+    model, _ = seed_transformer(100, d_model=16, num_heads=2, d_ff=32, num_layers=3, seq_len=4)
+    assert block_names(model) == ["layers.0", "layers.1", "layers.2"]
+    moe = torch.nn.Module()
+    moe.layers = torch.nn.ModuleList(_Experts() for _ in range(2))
+    assert block_names(moe) == ["layers.0", "layers.1"]
+
+
+def test_a_per_block_mode_recomputes_no_whole_stage_and_partition_refuses_it_and_tensor_parallelism():
+    import autopipe
+    from autopipe.planning.options import DataParallelOptions, PlannerOptions
+
+    assert resolve_recompute("selective", 2) == [] and resolve_recompute("full", 2) == []
+    with pytest.raises(ValueError, match="or per block one of \\['selective', 'full'\\]"):
+        PlannerOptions(recompute="some")
+    model, args = seed_transformer(100, d_model=16, num_heads=2, d_ff=32, num_layers=2, seq_len=4)
+    with pytest.raises(ValueError, match="'full' or 'selective' \\(per block\\) checkpoint a Pipeline"):
+        autopipe.partition(model, 2, args, planner=PlannerOptions(recompute="full"))
+    with pytest.raises(ValueError, match="tensor_parallel=2\\) is for a Pipeline.*autopipe layout"):
+        autopipe.partition(model, 2, args, data_parallel=DataParallelOptions(tensor_parallel=2))
+    with pytest.raises(ValueError, match="DataParallelOptions tensor_parallel=0"):
+        DataParallelOptions(tensor_parallel=0)

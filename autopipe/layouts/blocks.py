@@ -30,13 +30,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..planning.options import BLOCK_RECOMPUTE
 from .shapes import TransformerShape
 
 #: Activation-checkpointing modes of a block: ``"none"`` keeps everything the backward
 #: reads, ``"selective"`` recomputes the cheap parts (the attention core and its softmax for a
 #: GPT, as Korthikanti et al. 2022; for a Llama block, torchtitan's op-level policy: the
 #: element-wise ops and every second matmul), ``"full"`` keeps only the block's input.
-RECOMPUTE_MODES = ("none", "selective", "full")
+RECOMPUTE_MODES = ("none", *BLOCK_RECOMPUTE)
 
 
 @dataclass(frozen=True)

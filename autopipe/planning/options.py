@@ -19,6 +19,10 @@ if TYPE_CHECKING:
 
 #: What each rank is given under pipeline x data parallel (``DataParallelOptions.batch``).
 DP_BATCHES = ("replica", "global")
+
+#: How a block can be checkpointed (:data:`autopipe.layouts.blocks.RECOMPUTE_MODES` adds ``"none"``);
+#: as ``PlannerOptions.recompute``, a Pipeline checkpoints each block so rather than whole stages.
+BLOCK_RECOMPUTE = ("selective", "full")
 #: Accepted values of ``PlannerOptions.objective``.
 OBJECTIVES = ("step", "bottleneck")
 #: The frameworks a plan can be made for (``PlannerOptions(target=...)``, :mod:`autopipe.planning.frameworks`).
@@ -111,7 +115,12 @@ class DataParallelOptions:
             plan's (a Pipeline), else ``"fsdp"``.
         mesh: a 2-D ``DeviceMesh`` with dimensions ``"dp"`` and ``"pp"`` to run on (a
             Pipeline only), in place of the ``(degree, world / degree)`` mesh built from
-            ``degree`` (consecutive ranks form a pipeline); give one of the two.
+            ``degree`` (consecutive ranks form a pipeline); give one of the two. With tensor
+            parallelism, a 3-D one with ``"pp"``, ``"dp"`` and ``"tp"``, ``tp`` last.
+        tensor_parallel: ranks that shard each stage (a Pipeline only): its matrices, paired
+            column- and row-wise by the export's graph analysis, sharded with torch's
+            tensor-parallel API over the ``tp`` dimension of a ``(pp, dp, tp)`` mesh, each
+            group on one node (:mod:`autopipe.runtime.tensor_parallel`). None: the mesh's, else 1.
         batch: what each rank's ``step``/``evaluate`` is given (a Pipeline only):
             ``"replica"`` (default, DDP's convention) its replica's own rows, ``n_microbatches``
             micro-batches, e.g. from a ``DistributedSampler(dataset,
@@ -129,9 +138,12 @@ class DataParallelOptions:
     mode: str | None = None
     mesh: Any = None
     batch: str = "replica"
+    tensor_parallel: int | None = None
 
     def __post_init__(self) -> None:
         check_choice("DataParallelOptions batch", self.batch, DP_BATCHES)
+        if self.tensor_parallel is not None:
+            check_int("DataParallelOptions tensor_parallel", self.tensor_parallel)
 
     @classmethod
     def of(cls, value: Any) -> DataParallelOptions:
@@ -142,7 +154,7 @@ class DataParallelOptions:
 
         Example:
             >>> DataParallelOptions.of(2)
-            DataParallelOptions(degree=2, mode=None, mesh=None, batch='replica')
+            DataParallelOptions(degree=2, mode=None, mesh=None, batch='replica', tensor_parallel=None)
         """
         if value is None:
             return cls()
@@ -197,7 +209,9 @@ class PlannerOptions:
             planner may have some stages recompute their activations in the backward and
             picks the fastest split that fits (``plan.recompute_stages``, which a Pipeline
             follows); ``False``: no stage recomputes. A Pipeline also takes ``True`` (every
-            stage) or a list of stage indices, to checkpoint by hand.
+            stage) or a list of stage indices, to checkpoint by hand, or per block of the
+            model's block lists (``layers.0``, ...), as ``autopipe layout`` plans: ``"full"``
+            (each keeps its input) or ``"selective"`` (torchtitan's op-level policy).
         mixed_precision: ``"bf16"`` or ``"fp16"``: the model trains under ``torch.autocast``
             in that dtype, its weights, gradients and optimizer state in float32. The planner
             profiles the segments under autocast; a Pipeline runs every step, evaluation and
@@ -259,10 +273,11 @@ class PlannerOptions:
             if getattr(self, name) is not None:
                 check_int(f"PlannerOptions {name}", getattr(self, name), not_int=TypeError)
         r = self.recompute
-        if not (isinstance(r, bool) or (isinstance(r, str) and r == "auto")
+        if not (isinstance(r, bool) or (isinstance(r, str) and r in ("auto", *BLOCK_RECOMPUTE))
                 or (isinstance(r, Sequence) and not isinstance(r, (str, bytes)))):
             raise ValueError(f"PlannerOptions recompute={r!r} is not an option; use 'auto' (the planner decides), "
-                             "False (never), or, for a Pipeline, True (every stage) or a list of stage indices")
+                             "False (never), or, for a Pipeline, True (every stage), a list of stage indices, "
+                             f"or per block one of {list(BLOCK_RECOMPUTE)}")
 
     @classmethod
     def of(cls, value: Any) -> PlannerOptions:

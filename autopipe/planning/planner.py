@@ -160,8 +160,8 @@ def partition(
                         f"{type(model).__name__}")
     if not (o.recompute is False or o.recompute == "auto"):
         raise ValueError(f"planner.recompute={o.recompute!r}: partition() takes 'auto' (recompute on the stages "
-                         "that need it when memory binds) or False (never); True or stage indices checkpoint a "
-                         "Pipeline's hand split")
+                         "that need it when memory binds) or False (never); True, stage indices, 'full' or "
+                         "'selective' (per block) checkpoint a Pipeline")
     return plan_partition(model, n_gpus, example_args, example_kwargs, loss_fn=loss_fn,
                           example_target=example_target, schedule=schedule, n_microbatches=n_microbatches,
                           data_parallel=data_parallel, **{f.name: getattr(o, f.name) for f in fields(o)})
@@ -202,6 +202,10 @@ def plan_partition(
     if replicas.mesh is not None:
         raise ValueError("data_parallel=DataParallelOptions(mesh=...) is for a Pipeline, which runs on the mesh; "
                          "partition() plans for n_gpus ranks: give degree= (and mode=) instead")
+    if (replicas.tensor_parallel or 1) > 1:
+        raise ValueError(f"data_parallel=DataParallelOptions(tensor_parallel={replicas.tensor_parallel}) is for a "
+                         "Pipeline; partition() plans pipeline x data parallel layouts, and `autopipe layout` plans "
+                         "tensor-parallel ones")
     degree, dp_mode = 1 if replicas.degree is None else replicas.degree, replicas.mode or "fsdp"
     if not (degree == 1 and type(degree) is int) or isinstance(devices, Topology):
         # Every (pp, dp) factorization of n_gpus, each pipeline planned by this function (data_parallel.py).

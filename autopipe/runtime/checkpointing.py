@@ -18,6 +18,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selecti
 
 from .._checks import check_choice
 from ..layouts.blocks import RECOMPUTE_MODES
+from ..planning.options import BLOCK_RECOMPUTE
 
 #: The matmuls of torchtitan's op-level policy: every other one's output is kept.
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
@@ -117,6 +118,8 @@ def resolve_recompute(recompute: bool | Sequence[int] | str | None, num_stages: 
         ([1], [])
     """
     if isinstance(recompute, str):
+        if recompute in BLOCK_RECOMPUTE:  # blocks, not stages, are checkpointed
+            return []
         if recompute != FOLLOW_PLAN:
             raise ValueError(f"planner.recompute={recompute!r} is not an option; use {FOLLOW_PLAN!r} (the "
                              "plan's recompute_stages), True (every stage), False (none) or a list of stage indices")

@@ -11,11 +11,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .._checks import check_choice, check_int
-from ..layouts.blocks import RECOMPUTE_MODES
+from .._checks import check_int
 from ..machine.precision import mixed_precision_context
 from ..planning.export_check import gradients_checked_later
-from ..planning.options import DataParallelOptions, PlannerOptions
+from ..planning.options import BLOCK_RECOMPUTE, DataParallelOptions, PlannerOptions
 from ..planning.plan import Plan
 from ..planning.schedules import TRAINING_STEP_KWARGS, schedule_spec, stage_ranks
 from .checkpointing import resolve_recompute
@@ -75,7 +74,8 @@ class Pipeline(PipelineLifecycle, PipelineStateDicts):
             ``profiling.in_ranks`` allows), and for any split ``stages_per_rank`` (default:
             the plan's, else the schedule's) and ``recompute``: ``"auto"`` (default: the stages
             the plan recomputes, ``plan.recompute_stages``), False, True (every stage) or a
-            list of stage indices; a checkpointed stage recomputes its forward in backward.
+            list of stage indices; a checkpointed stage recomputes its forward in backward; or
+            ``"full"`` / ``"selective"``: each block of the model's block lists instead.
         data_parallel: pipeline x data parallel: a replica count, or a
             :class:`~autopipe.planning.options.DataParallelOptions` with the count (``degree``:
             a ``(degree, world / degree)`` mesh is built, consecutive ranks forming a pipeline)
@@ -88,17 +88,8 @@ class Pipeline(PipelineLifecycle, PipelineStateDicts):
             ``DistributedSampler(num_replicas=pipe.dp_size, rank=pipe.dp_rank)`` yields them),
             or with ``batch="global"`` every rank the whole global batch.
             Default: the plan's (a plan made with ``data_parallel=``), else none; a mode left
-            None is the plan's, else ``"fsdp"``.
-        tensor_parallel: ranks that shard each stage (tensor parallelism within a pipeline): the
-            matrices the export's graph analysis pairs column- and row-wise
-            (:mod:`~autopipe.runtime.tensor_parallel`) are sharded with torch's tensor-parallel API
-            over the ``tp`` dimension of a ``(pp, dp, tp)`` mesh (:mod:`~autopipe.runtime.placement`:
-            ``tp`` innermost, so each group lies on one node), or the ``data_parallel`` mesh's.
-            Default: none.
-        activation_checkpoint: ``"none"`` (default), ``"selective"`` (torchtitan's op-level
-            policy) or ``"full"``: every block of the model's block lists recomputes in backward
-            (:func:`~autopipe.runtime.checkpointing.checkpoint_blocks`). Exclusive with stages
-            that ``recompute`` whole.
+            None is the plan's, else ``"fsdp"``. ``DataParallelOptions(tensor_parallel=2)`` shards
+            each stage over 2 ranks of a ``(pp, dp, tp)`` mesh (docs/training.md §15).
         weights: where the weights come from: a full state dict, ``.safetensors`` file or
             ``torch.distributed.checkpoint`` directory of the unsplit model (each rank reads
             only its own tensors), or, for a model built on the meta device, a function
@@ -144,8 +135,6 @@ class Pipeline(PipelineLifecycle, PipelineStateDicts):
         n_microbatches: int | None = None,
         planner: PlannerOptions | None = None,
         data_parallel: int | DataParallelOptions | None = None,
-        tensor_parallel: int | None = None,
-        activation_checkpoint: str = "none",
         weights: WeightSource | Callable[[nn.Module], Any] | None = None,
         device: torch.device | str | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -161,9 +150,6 @@ class Pipeline(PipelineLifecycle, PipelineStateDicts):
         mesh = replicas.mesh
         dp_degree, dp_mode = data_parallel_from_plan(request.plan, mesh, replicas.degree, replicas.mode)
         check_mesh_arguments(mesh, dp_degree, dp_mode)
-        if tensor_parallel is not None:
-            check_int("tensor_parallel", tensor_parallel, what="ranks that shard each stage")
-        check_choice("activation_checkpoint", activation_checkpoint, RECOMPUTE_MODES)
 
         if device is not None:
             check_device(device)
@@ -178,7 +164,7 @@ class Pipeline(PipelineLifecycle, PipelineStateDicts):
             torch.cuda.set_device(self.device)  # NCCL collectives use the current device
         check_ranks_agree_on_inputs(example_args, example_kwargs, self.world_size)
 
-        place = place_rank(mesh, dp_degree, dp_mode, tensor_parallel, world_size=self.world_size, rank=self.rank,
+        place = place_rank(mesh, dp_degree, dp_mode, replicas.tensor_parallel, world_size=self.world_size, rank=self.rank,
                            device_type=self._comm_device().type, batch=replicas.batch)
         #: The data-parallel layout (:class:`~autopipe.runtime.data_parallel.DataParallel`), None for a pure pipeline.
         self.data_parallel = dp = place.dp
@@ -222,16 +208,14 @@ class Pipeline(PipelineLifecycle, PipelineStateDicts):
                              "gradients, then weight gradients) cannot split a compiled stage's backward; compile "
                              "with GPipe, 1F1B, Interleaved1F1B or LoopedBFS")
 
-        checkpointed = resolve_recompute(request.planner.recompute, self.num_stages, self.plan.recompute_stages)
-        if checkpointed and activation_checkpoint != "none":  # the same on every rank
-            raise ValueError(f"activation_checkpoint={activation_checkpoint!r} checkpoints every block, and the "
-                             f"plan or planner.recompute recomputes whole stages {checkpointed}: give one of the two")
+        recompute = request.planner.recompute
         # ---- 4. build this rank's stages from a private copy of the model
         built = build_rank_stages(
             model, self.plan, schedule=self.schedule, n_microbatches=self.n_microbatches,
             stage_ranks=self.stage_ranks, rank=self.rank, world_size=self.world_size, device=self.device,
             example=(tuple(example_args), dict(example_kwargs or {})), training=self.training,
-            checkpointed=checkpointed, block_mode=activation_checkpoint,
+            checkpointed=resolve_recompute(recompute, self.num_stages, self.plan.recompute_stages),
+            block_mode=recompute if recompute in BLOCK_RECOMPUTE else "none",
             init_weights=init_weights, weights=weights, pp_rank=self.pp_rank,
             replicas=place.pipelines, pp_group=place.pp_group, mixed_precision=self.mixed_precision,
             compile_options=compiled, tp_mesh=place.tp_mesh)
