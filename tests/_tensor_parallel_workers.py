@@ -225,3 +225,38 @@ def resume_run(rank: int, world_size: int, name: str, checkpoint_dir: str) -> di
     resumed.close()
     return {"first": first, "second": second, "resumed_second": resumed_second, "saved": saved if rank == 0 else None,
             "worst_after": max((after[k] - resumed_after[k]).abs().max().item() for k in after)}
+
+
+def lengths_run(rank: int, world_size: int) -> dict:
+    """A pp 2 x tp 2 pipeline called at another sequence length than it traced: a training step
+    (stages traced again, sharded over the same parameters), and, for a model with dropout, eval-mode
+    forwards at both lengths (its eval-mode trace, sharded too), each against the unsplit model."""
+    from autopipe.runtime import Pipeline
+
+    def build(dropout: float) -> tuple[nn.Module, Pipeline]:
+        model, args = seed_transformer(128, d_model=64, d_ff=128, num_layers=2, batch=2, seq_len=16, dropout=dropout)
+        pipe = Pipeline(copy.deepcopy(model), example_args=args, loss_fn=lambda out, y: _loss(out),
+                        split_points=["layers.1"], schedule="1F1B", n_microbatches=2,
+                        data_parallel=DataParallelOptions(tensor_parallel=2))
+        return model, pipe
+
+    g = torch.Generator().manual_seed(5)
+    short = torch.randint(0, 128, (4, 8), generator=g)
+    model, pipe = build(0.0)
+    loss = pipe.step(short, target=torch.zeros(4)).item()
+    grads = {n: data_full(p.grad) for n, p in pipe.named_parameters()}
+    pipe.close()
+    expected = (_loss(model(short[:2])) + _loss(model(short[2:]))) / 2
+    expected.backward()
+    whole = dict(model.named_parameters())
+    out = {"short_loss": loss, "short_expected": expected.item(),
+           "short_worst_grad": max((g_ - whole[n].grad).abs().max().item() for n, g_ in grads.items())}
+    model, pipe = build(0.1)
+    pipe.eval()
+    model.eval()
+    for key, tokens in (("traced", torch.randint(0, 128, (4, 16), generator=g)), ("short", short)):
+        got = pipe(tokens)
+        if got is not None:  # the last stage's ranks
+            out[f"eval_{key}_worst"] = (got - model(tokens)).abs().max().item()
+    pipe.close()
+    return out

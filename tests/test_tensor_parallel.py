@@ -163,3 +163,15 @@ def test_a_model_with_nothing_to_shard_is_refused_naming_why():
     plan = find_tensor_parallel(torch.export.export(model, (torch.randn(2, 4),)))
     with pytest.raises(ValueError, match="nothing to shard"):
         parallelize_stage(model, _Mesh(2), plan)
+
+
+@pytest.mark.distributed
+def test_other_lengths_and_eval_mode_trace_sharded_stages_that_compute_as_the_unsplit_model():
+    ranks = run_world(workers.lengths_run, 4, timeout_s=300)
+    for rank in ranks:
+        assert rank["short_loss"] == pytest.approx(rank["short_expected"], abs=TOL)
+        assert rank["short_worst_grad"] <= TOL
+    last = [r for r in ranks if "eval_traced_worst" in r]
+    assert len(last) == 2  # both ranks of the last stage's tensor-parallel group
+    for rank in last:  # dropout makes the eval-mode trace another one
+        assert rank["eval_traced_worst"] <= TOL and rank["eval_short_worst"] <= TOL

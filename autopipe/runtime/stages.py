@@ -546,7 +546,7 @@ class EvalModules:
         if self.refusal is not None:
             raise ValueError(self.refusal)
         modules = _build_eval_modules(eval_pipe, r.stage_indices, r.device, r.names, r.state, r.split_backward,
-                                      constants_from=r.traced)
+                                      constants_from=r.traced, pp_group=r.pp_group)
         if r.tp_mesh is not None:
             shard_stages(modules, r.tp_mesh, r.tp_plan)
         _guard_and_compile(modules.values(), r.split_backward, r.compile_options)
@@ -555,13 +555,13 @@ class EvalModules:
 
 def _build_eval_modules(eval_pipe: Any, stage_indices: Sequence[int], device: torch.device, names: StateNames,
                         state: Mapping[str, torch.Tensor], leaf_per_use: bool,
-                        constants_from: Mapping[int, nn.Module]) -> dict[int, nn.Module]:
+                        constants_from: Mapping[int, nn.Module], pp_group: Any = None) -> dict[int, nn.Module]:
     """The eval-mode trace of this rank's stages (a meta trace), reading the training stages' tensors (every alias)."""
     modules: dict[int, nn.Module] = {}
     for s in stage_indices:
         # The training stages' tensors, before torch moves the module to the device.
         _read_real_tensors(eval_pipe.get_stage_module(s), names, state, constants_from=constants_from[s])
-        module = eval_pipe.build_stage(s, device).submod
+        module = eval_pipe.build_stage(s, device, pp_group).submod  # the pipeline's group, not the world
         meta_devices_to(module, device)
         missing = sorted(set(stage_state(module, names)) - set(state))
         if missing:
