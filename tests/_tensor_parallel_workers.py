@@ -21,7 +21,7 @@ from autopipe.layouts.sharding import find_tensor_parallel
 from autopipe.models import seed_transformer
 from autopipe.planning.tracing import trace
 from autopipe.runtime.stages import split_model
-from autopipe.runtime.tensor_parallel import parallelize_stage, tensor_parallel_context
+from autopipe.runtime.tensor_parallel import CollectiveCount, parallelize_stage, tensor_parallel_context
 
 
 class _Logits(nn.Module):
@@ -118,14 +118,19 @@ def pipe_run(rank: int, world_size: int, name: str, schedule: str, dp: int = 1, 
                   data_parallel=DataParallelOptions(degree=dp if dp > 1 else None, batch="global", tensor_parallel=2),
                   planner=autopipe.PlannerOptions(recompute=checkpoint if checkpoint != "none" else "auto",
                                                   mixed_precision="bf16" if autocast else None)) as pipe:
-        loss = pipe.step(batch, target=torch.zeros(len(batch)))
+        with CollectiveCount() as collectives:
+            loss = pipe.step(batch, target=torch.zeros(len(batch)))
         norm = pipe.clip_grad_norm_(1e9)
         grads = {n: data_full(p.grad) for n, p in pipe.named_parameters() if p.grad is not None}
         found = {"without_grad": [n for n, p in pipe.named_parameters() if p.grad is None],
                  "sharded": sorted(n for n, p in pipe.named_parameters() if isinstance(p, DTensor)),
                  "checkpointed": sorted(n for m in pipe.stage_modules.values() for n, sub in m.named_modules()
                                         if getattr(sub.forward, "__name__", "") == "checkpointed_forward"),
-                 "nodes": pipe.rank_nodes, "place": (pipe.pp_rank, pipe.dp_rank, pipe.tp_rank)}
+                 "nodes": pipe.rank_nodes, "place": (pipe.pp_rank, pipe.dp_rank, pipe.tp_rank),
+                 "collectives": collectives.counts, "blocks": sum(
+                     1 for m in pipe.stage_modules.values() for n, _ in m.named_modules() if n.count(".") <= 2
+                     and n.rpartition(".")[2].isdigit() and n.rpartition(".")[0].endswith("layers")),
+                 "n_microbatches": pipe.n_microbatches}
     rows = len(batch) // (n_micro * dp)
     precision = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
     for copy_, context in ((reference, precision), (exact, contextlib.nullcontext())):

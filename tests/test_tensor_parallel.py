@@ -102,6 +102,18 @@ def test_a_tensor_parallel_pipeline_gives_the_unsplit_loss_gradients_and_norm(wo
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("key", ["seed-1F1B", "llama-Interleaved1F1B"])
+def test_each_block_all_reduces_twice_forward_and_twice_backward_as_the_layout_model_charges(key):
+    # q, k and v (and gate and up) read one replicated input: one all-reduce of its gradient, not one each.
+    from autopipe.layouts.blocks import tp_collectives
+
+    per_block = sum(tp_collectives(2, recompute="none").values())
+    for rank in _case(4, key):
+        assert rank["blocks"] > 0
+        assert rank["collectives"] == {"all_reduce": rank["n_microbatches"] * rank["blocks"] * per_block}
+
+
+@pytest.mark.distributed
 def test_under_bf16_autocast_a_tensor_parallel_pipeline_is_within_bf16_rounding_of_the_unsplit_model():
     for rank in _case(4, "llama-1F1B+bf16"):
         assert rank["loss"] == pytest.approx(rank["expected_loss"], rel=2 ** -7)

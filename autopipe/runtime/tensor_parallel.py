@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..layouts.sharding import TensorParallelPlan
 
@@ -60,6 +62,7 @@ def parallelize_stage(stage_module: nn.Module, tp_mesh: DeviceMesh,
         for name, shard in styles.items()})
     for (name, p), param in already.items():
         setattr(stage_module.get_submodule(name), p, param)
+    _replicate_shared_inputs(stage_module, tp_mesh, {name for name, shard in styles.items() if shard == "column"})
     return styles
 
 
@@ -83,6 +86,28 @@ def counts_once(tensor: torch.Tensor, coords: Mapping[str, int]) -> bool:
         names = tensor.device_mesh.mesh_dim_names or ()
         sharded = {names[d] for d, p in enumerate(tensor.placements) if names and not p.is_replicate()}
     return all(rank == 0 for dim, rank in coords.items() if dim not in sharded)
+
+
+class CollectiveCount(TorchDispatchMode):
+    """Counts, by name, the collectives DTensor issues while it is active (torch's functional
+    ``_c10d_functional`` ops): what a tensor-parallel step communicates.
+
+    Example::
+
+        with CollectiveCount() as count:
+            pipe.step(x, target=y)
+        count.counts   # {'all_reduce': 64}
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        name = func.__name__.split(".")[0]
+        if func.namespace == "_c10d_functional" and name.startswith(("all_", "reduce_", "broadcast")):
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
@@ -124,6 +149,54 @@ def _as_linear(module: nn.Module) -> nn.Linear | None:
     return linear
 
 
+class _Replicated(nn.Module):
+    """A whole tensor as a replicated DTensor, made once for every column matrix that reads it."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.mesh = mesh
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import Replicate
+
+        return DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+
+
+def _replicate_shared_inputs(stage_module: nn.Module, tp_mesh: DeviceMesh, columns: set[str]) -> None:
+    """Column matrices that read one tensor (q, k and v; gate and up) read one replicated DTensor of it,
+    so the backward sums their input gradients before one all-reduce, not after one each: torch's
+    ``ColwiseParallel`` would otherwise wrap the tensor once per matrix."""
+    for scope, module in stage_module.named_modules():
+        graph = getattr(module, "graph", None)
+        if graph is None:
+            continue
+        readers: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+        for node in graph.nodes:
+            full = f"{scope}.{node.target}" if scope else str(node.target)
+            if node.op == "call_module" and full in columns and node.args and isinstance(node.args[0], torch.fx.Node):
+                readers.setdefault(node.args[0], []).append(node)
+        shared = {source: nodes for source, nodes in readers.items() if len(nodes) > 1}
+        for k, (source, nodes) in enumerate(shared.items()):
+            name, replicate = f"autopipe_replicated_{k}", _Replicated(tp_mesh)
+            # The graph's own GraphModule (an unflattened module's generated copy) must hold it too.
+            for owner in {id(m): m for m in (module, graph.owning_module) if m is not None}.values():
+                owner.add_module(name, replicate)
+            with graph.inserting_after(source):
+                replicated = graph.call_module(name, (source,))
+            for node in nodes:
+                node.replace_input_with(source, replicated)
+        if shared:
+            _recompile(module, graph)
+
+
+def _recompile(module: nn.Module, graph: torch.fx.Graph) -> None:
+    graph.lint()
+    if hasattr(module, "finalize"):  # an unflattened InterpreterModule runs its own copy
+        module.finalize()
+    else:
+        module.recompile()
+
+
 def _copy_before_strided_reshapes(stage_module: nn.Module) -> None:
     """Give every reshape of a transposed, permuted or expanded tensor a contiguous input."""
     for module in stage_module.modules():
@@ -142,8 +215,4 @@ def _copy_before_strided_reshapes(stage_module: nn.Module) -> None:
                 node.replace_input_with(source, copied)
                 changed = True
         if changed:
-            graph.lint()
-            if hasattr(module, "finalize"):  # an unflattened InterpreterModule runs its own copy
-                module.finalize()
-            else:
-                module.recompile()
+            _recompile(module, graph)
