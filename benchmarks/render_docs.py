@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))  # the checkout's autopipe, for its defaults
 # Order of the page; anything else found is appended.
 ORDER = ("peers", "real_steps", "frameworks", "precision", "split_quality", "split_quality_sim", "planner_scaling", "runtime_overhead", "prediction_accuracy",
          "schedule_memory", "trace_profile", "gpu_one_rank", "models", "meta_planning", "recompute", "meta_model",
-         "scale_study", "published_layouts", "layout_search_speed")
+         "scale_study", "published_layouts", "layout_search_speed", "tensor_parallel")
 TITLES = {
     "peers": "0. autopipe against the real peers (2 and 4 stages, measured)",
     "real_steps": "0b. Every layer-level split of stock decoder LMs, real steps against predictions",
@@ -55,6 +55,7 @@ TITLES = {
     "scale_study": "13. Pipeline × data parallel at scale, simulated",
     "published_layouts": "14. Layouts at scale: predictions against published measured runs",
     "layout_search_speed": "15. Layout search time at scale",
+    "tensor_parallel": "16. pp 2 against tp 2 on two gloo ranks, real steps against predictions",
 }
 # What each benchmark measures, in a sentence or three; the folder's README has the method.
 ABOUT = {
@@ -120,7 +121,8 @@ RERUN_OPTIONS = {"recompute": "`--smoke` for a tiny run that only checks the scr
                  "meta_model": "`--layers 2 --seq 64` for a quick look",
                  "scale_study": "`--quick` for a tiny model that only checks the script",
                  "published_layouts": "`--smoke` for three rows without the fit; seconds, no GPU",
-                 "layout_search_speed": "`--smoke` for a small Llama on 64 GPUs"}
+                 "layout_search_speed": "`--smoke` for a small Llama on 64 GPUs",
+                 "tensor_parallel": "`--smoke` for a tiny model that only checks the script"}
 BEHIND_TOL = 0.03  # a ratio within 3% counts as a tie: the split-quality target, and about the run-to-run noise
 #: Where a renderer's section splits: above it, the headline on docs/benchmarks.md; below
 #: it, every row, on the benchmark's own generated RESULTS.md.
@@ -869,11 +871,11 @@ def _median(xs: list[float]) -> float | None:
 
 
 def render_retrace_memory(d: dict[str, Any], behind: list[str]) -> str:
-    """One line per rank: resident memory and linecache entries after warm-up and at the end."""
-    return "\n".join(
-        f"* rank {r['rank']}, {d.get('steps')} steps: resident memory {r['rss_after_warmup_mb']:.1f} MB after warm-up, "
-        f"{r['rss_end_mb']:.1f} MB at the end (+{r['growth_after_warmup_mb']:.1f} MB); linecache entries "
-        f"{r['linecache_after_warmup']} then {r['linecache_end']}." for r in d.get("summary", []))
+    """One line: each rank's resident memory and linecache entries after warm-up and at the end."""
+    return f"After {d.get('steps')} steps: " + "; ".join(
+        f"rank {r['rank']}, resident memory {r['rss_after_warmup_mb']:.1f} MB after warm-up, "
+        f"{r['rss_end_mb']:.1f} MB at the end (+{r['growth_after_warmup_mb']:.1f} MB), linecache entries "
+        f"{r['linecache_after_warmup']} then {r['linecache_end']}" for r in d.get("summary", [])) + "."
 
 
 def render_layout_search_speed(d: dict[str, Any], behind: list[str]) -> str:
@@ -882,6 +884,23 @@ def render_layout_search_speed(d: dict[str, Any], behind: list[str]) -> str:
              f"{r['total_s']:.1f} s", f"{r['peak_rss_bytes'] / 2**30:.2f} GiB", f"{r['layouts_considered']:,}", r["best"]]
             for r in d.get("rows", [])]
     return table(["case", "GPUs", "build and trace", "search", "total", "peak memory", "layouts", "best"], rows)
+
+
+def render_tensor_parallel(d: dict[str, Any], behind: list[str]) -> str:
+    """pp 2 and tp 2: measured and predicted steps; the tensor-parallel collectives, counted and timed."""
+    c = d["collectives"]
+    steps = "; ".join(f"{name}: {ms(d[key]['measured_s'])} ms measured, {ms(d[key]['predicted_s'])} ms predicted "
+                      f"({pct(d[key]['predicted_s'] / d[key]['measured_s'] - 1)})" for name, key in (("pp 2", "pp"),
+                                                                                                    ("tp 2", "tp")))
+    if d["tp"]["predicted_s"] < 0.75 * d["tp"]["measured_s"]:
+        behind.append(f"tensor parallel: a tp 2 step on gloo is predicted {ms(d['tp']['predicted_s'])} ms, measured "
+                      f"{ms(d['tp']['measured_s'])} ms (section 16)")
+    return (f"{steps}. tp 2 over pp 2: {d['tp_over_pp_measured']:.2f}× measured, {d['tp_over_pp_predicted']:.2f}× "
+            f"predicted. Per tp step {sum(c['counted'].values())} all-reduces counted, {c['allreduces_charged']} "
+            f"charged; one all-reduce of a block's activation ({c['message_bytes'] / 1024:.0f} KiB) takes "
+            f"{c['allreduce_measured_s'] * 1e6:.0f} µs on gloo (median), charged {c['allreduce_charged_s'] * 1e6:.0f} "
+            f"µs over the measured link. Left unexplained by compute and the measured all-reduces: "
+            f"{ms(d['tp_unexplained_s'])} ms of the tp step.")
 
 
 def ratio_x(x: float | None) -> str:
@@ -931,6 +950,7 @@ RENDERERS: dict[str, Callable[[dict[str, Any], list[str]], str]] = {
     "scale_study": render_scale_study,
     "published_layouts": render_published_layouts,
     "layout_search_speed": render_layout_search_speed,
+    "tensor_parallel": render_tensor_parallel,
     "retrace_memory": render_retrace_memory,
 }
 
@@ -996,8 +1016,7 @@ def render(results_dir: Path) -> tuple[str, dict[str, str]]:
         "The scripts never assert on a time: they report medians of interleaved runs and ratios measured within "
         "one run. Each section names the machine it ran on. On a shared machine timings are noisy: compare ratios "
         "within a section, not milliseconds across sections. What these measurements taught about the cost model "
-        "is in [design.md](design.md).",
-        "",
+        "is in [design.md](design.md). "
         "`python benchmarks/run_all.py` runs them all, one after another (`--only NAME ...` for some), and "
         "`python benchmarks/render_docs.py` rewrites this page and each benchmark's RESULTS.md (every row of "
         "the tables shown here in part).",

@@ -367,3 +367,14 @@ def test_layout_search_speed_times_each_phase_in_a_fresh_process(tmp_path):
     assert row["case"] == "llama-small" and row["layers"] == 8 and row["layouts_considered"] > 0
     assert all(_finite_positive(row[k]) for k in ("trace_s", "search_s", "total_s", "peak_rss_bytes"))
     assert row["total_s"] >= row["trace_s"] + row["search_s"]
+
+
+def test_tensor_parallel_steps_pp2_and_tp2_beside_their_predictions_and_counts_the_collectives(tmp_path):
+    data = _run("tensor_parallel", tmp_path / "tp.json")
+    for key in ("pp", "tp"):
+        assert _finite_positive(data[key]["measured_s"]) and _finite_positive(data[key]["predicted_s"])
+        assert len(data[key]["rounds_s"]) == data["rounds"]
+    collectives = data["collectives"]
+    # 4 blocks x 4 micro-batches x (2 forward + 2 backward), as the layout model charges them.
+    assert collectives["counted"] == {"all_reduce": 64} and collectives["allreduces_charged"] == 64
+    assert _finite_positive(collectives["allreduce_measured_s"]) and _finite_positive(collectives["link"]["latency_s"])

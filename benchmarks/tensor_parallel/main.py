@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
         "math_over_default_compute": profile["math_over_default_compute"],
         "tp_over_pp_measured": steps["tp"] / steps["pp"],
         "tp_over_pp_predicted": tp_predicted / profile["pp_predicted_s"],
-        "host": {"before": host_before, "after": host_info()}, "wall_s": time.perf_counter() - t0,
+        "threads_per_process": 1, "host_start": host_before, "host_end": host_info(), "wall_s": time.perf_counter() - t0,
     }
     out = Path(args.out) if args.out else Path(__file__).with_name("results_smoke.json" if args.smoke else "results.json")
     write_result(out, result)
