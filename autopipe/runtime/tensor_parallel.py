@@ -44,7 +44,8 @@ def parallelize_stage(stage_module: nn.Module, tp_mesh: DeviceMesh,
     for name in styles:
         linear = _as_linear(stage_module.get_submodule(name))
         if linear is None:
-            raise ValueError(f"{name} does not run a plain linear in the traced stage; it cannot be sharded "
+            raise ValueError(f"{name} does not run a plain linear in the traced stage (one aten.linear on its own "
+                             "weight; GPT-2's Conv1D is an addmm on a transposed weight); it cannot be sharded "
                              "column- or row-wise")
         linears[name] = linear
     for name, linear in linears.items():
