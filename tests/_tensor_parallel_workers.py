@@ -1,9 +1,7 @@
 """What each rank runs in the tensor-parallel tests (spawned by tests/_dist_utils.run_world).
 
-A stage alone: every rank traces the same model, keeps one stage holding all of it, shards it
-over a tensor-parallel mesh of the whole world, and runs a forward and a backward. A pipeline:
-``autopipe.Pipeline`` with ``DataParallelOptions(tensor_parallel=2)`` steps a batch. The unsplit model, run in the same process
-on the same batch, is the reference.
+``autopipe.Pipeline`` with ``DataParallelOptions(tensor_parallel=2)`` steps, evaluates, saves and
+resumes; the unsplit model, run in the same process on the same batch, is the reference.
 """
 
 from __future__ import annotations
@@ -13,15 +11,11 @@ import copy
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from autopipe import DataParallelOptions
-from autopipe.layouts.sharding import find_tensor_parallel
 from autopipe.models import seed_transformer
-from autopipe.planning.tracing import trace
-from autopipe.runtime.stages import split_model
-from autopipe.runtime.tensor_parallel import CollectiveCount, parallelize_stage, tensor_parallel_context
+from autopipe.runtime.tensor_parallel import CollectiveCount
 
 
 class _Logits(nn.Module):
@@ -52,38 +46,8 @@ def _model(name: str, layers: int = 2) -> tuple[nn.Module, tuple]:
                              vocab_size=128, seq_len=16)
 
 
-def _sharded_stage(model: nn.Module, args: tuple, world_size: int) -> tuple[nn.Module, dict]:
-    """The model's one traced stage, sharded over a tensor-parallel mesh of the whole world."""
-    plan = find_tensor_parallel(trace(model, args).exported)
-    stage = split_model(model, {}, (args, {}), training=True, expected=1).get_stage_module(0)
-    return stage, parallelize_stage(stage, init_device_mesh("cpu", (world_size,)), plan)
-
-
-def stage_run(rank: int, world_size: int, name: str) -> dict:
-    """Loss and every gradient of the sharded stage against the unsplit model's."""
-    model, args = _model(name)
-    reference = copy.deepcopy(model)
-    stage, sharded = _sharded_stage(model, args, world_size)
-    with tensor_parallel_context(torch.device("cpu")):
-        out = stage(*args)
-        out = out[0] if isinstance(out, tuple) else out
-        loss = _loss(out)
-        loss.backward()
-    expected_loss = _loss(reference(*args))
-    expected_loss.backward()
-    local_shapes = {pname: (tuple(p.to_local().shape), tuple(p.shape))
-                    for pname, p in stage.named_parameters() if isinstance(p, DTensor)}
-    return {"loss": loss.item(), "expected_loss": expected_loss.item(), "sharded": sharded,
-            "worst_grad": _worst(stage, reference), "local_shapes": local_shapes, "out_type": type(out).__name__}
-
-
 def _loss(out) -> torch.Tensor:
     return (out[0] if isinstance(out, tuple) else out).float().pow(2).mean()
-
-
-def _worst(model: nn.Module, reference: nn.Module) -> float:
-    grads = dict(reference.named_parameters())
-    return max((data_full(p.grad) - grads[n].grad).abs().max().item() for n, p in model.named_parameters())
 
 
 def _split_points(model: nn.Module, stages: int) -> list[str]:
@@ -93,16 +57,30 @@ def _split_points(model: nn.Module, stages: int) -> list[str]:
     return [f"{name}.{i}" for i in range(1, stages)]
 
 
+def _short_step(pipe, model: nn.Module, batch: torch.Tensor) -> dict:
+    """A step at another sequence length: its loss and worst gradient against ``model``'s (unstepped)."""
+    pipe.zero_grad()
+    loss = pipe.step(batch, target=torch.zeros(len(batch))).item()
+    rows = len(batch) // pipe.n_microbatches
+    expected = sum(_loss(model(batch[i * rows:(i + 1) * rows])) for i in range(pipe.n_microbatches)) / pipe.n_microbatches
+    expected.backward()
+    whole = dict(model.named_parameters())
+    return {"loss": loss, "expected": expected.item(), "worst_grad": max(
+        (data_full(p.grad) - whole[n].grad).abs().max().item() for n, p in pipe.named_parameters())}
+
+
 def pipe_cases(rank: int, world_size: int, cases: dict[str, tuple]) -> dict:
-    """:func:`pipe_run` of each case, ``{key: (model, schedule, dp, recompute, autocast)}``."""
+    """:func:`pipe_run` of each case, ``{key: (model, schedule, dp, recompute, autocast, short)}``."""
     return {key: pipe_run(rank, world_size, *case) for key, case in cases.items()}
 
 
 def pipe_run(rank: int, world_size: int, name: str, schedule: str, dp: int = 1, checkpoint: str = "none",
-             autocast: bool = False) -> dict:
+             autocast: bool = False, short: bool = False) -> dict:
     """One step of a ``tensor_parallel=2`` ``autopipe.Pipeline`` on pp x dp x tp ranks (FSDP over dp) against
     the unsplit model on the same batch: the loss, every gradient (gathered), the clipped norm. Under
-    ``autocast`` both run in bf16, and each is also compared with the unsplit model in fp32."""
+    ``autocast`` both run in bf16, and each is also compared with the unsplit model in fp32. With
+    ``short``, a second step at half the sequence length (the stages traced again, sharded over the
+    same parameters), against the unsplit model too."""
     import autopipe
     from autopipe.runtime import Pipeline
 
@@ -128,9 +106,13 @@ def pipe_run(rank: int, world_size: int, name: str, schedule: str, dp: int = 1, 
                                         if getattr(sub.forward, "__name__", "") == "checkpointed_forward"),
                  "nodes": pipe.rank_nodes, "place": (pipe.pp_rank, pipe.dp_rank, pipe.tp_rank),
                  "collectives": collectives.counts, "blocks": sum(
-                     1 for m in pipe.stage_modules.values() for n, _ in m.named_modules() if n.count(".") <= 2
-                     and n.rpartition(".")[2].isdigit() and n.rpartition(".")[0].endswith("layers")),
-                 "n_microbatches": pipe.n_microbatches}
+                     1 for m in pipe.stage_modules.values() for n, _ in m.named_modules()
+                     if n.rpartition(".")[2].isdigit() and n.rpartition(".")[0].endswith("layers")),
+                 "n_microbatches": pipe.n_microbatches,
+                 "local_shapes": {n: (tuple(p.to_local().shape), tuple(p.shape)) for n, p in pipe.named_parameters()
+                                  if isinstance(p, DTensor)}}
+        if short:
+            found["short"] = _short_step(pipe, copy.deepcopy(exact), batch[:, : batch.shape[1] // 2])
     rows = len(batch) // (n_micro * dp)
     precision = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
     for copy_, context in ((reference, precision), (exact, contextlib.nullcontext())):
@@ -232,36 +214,22 @@ def resume_run(rank: int, world_size: int, name: str, checkpoint_dir: str) -> di
             "worst_after": max((after[k] - resumed_after[k]).abs().max().item() for k in after)}
 
 
-def lengths_run(rank: int, world_size: int) -> dict:
-    """A pp 2 x tp 2 pipeline called at another sequence length than it traced: a training step
-    (stages traced again, sharded over the same parameters), and, for a model with dropout, eval-mode
-    forwards at both lengths (its eval-mode trace, sharded too), each against the unsplit model."""
+def eval_run(rank: int, world_size: int) -> dict:
+    """A pp 2 x tp 2 pipeline of a model with dropout in eval mode: its eval-mode trace (another one)
+    is sharded too; forwards at the traced length and at half of it against the unsplit model."""
     from autopipe.runtime import Pipeline
 
-    def build(dropout: float) -> tuple[nn.Module, Pipeline]:
-        model, args = seed_transformer(128, d_model=64, d_ff=128, num_layers=2, batch=2, seq_len=16, dropout=dropout)
-        pipe = Pipeline(copy.deepcopy(model), example_args=args, loss_fn=lambda out, y: _loss(out),
-                        split_points=["layers.1"], schedule="1F1B", n_microbatches=2,
-                        data_parallel=DataParallelOptions(tensor_parallel=2))
-        return model, pipe
-
+    model, args = seed_transformer(128, d_model=64, d_ff=128, num_layers=2, batch=2, seq_len=16, dropout=0.1)
     g = torch.Generator().manual_seed(5)
-    short = torch.randint(0, 128, (4, 8), generator=g)
-    model, pipe = build(0.0)
-    loss = pipe.step(short, target=torch.zeros(4)).item()
-    grads = {n: data_full(p.grad) for n, p in pipe.named_parameters()}
-    pipe.close()
-    expected = (_loss(model(short[:2])) + _loss(model(short[2:]))) / 2
-    expected.backward()
-    whole = dict(model.named_parameters())
-    out = {"short_loss": loss, "short_expected": expected.item(),
-           "short_worst_grad": max((g_ - whole[n].grad).abs().max().item() for n, g_ in grads.items())}
-    model, pipe = build(0.1)
-    pipe.eval()
-    model.eval()
-    for key, tokens in (("traced", torch.randint(0, 128, (4, 16), generator=g)), ("short", short)):
-        got = pipe(tokens)
-        if got is not None:  # the last stage's ranks
-            out[f"eval_{key}_worst"] = (got - model(tokens)).abs().max().item()
-    pipe.close()
+    out = {}
+    with Pipeline(copy.deepcopy(model), example_args=args, loss_fn=lambda out, y: _loss(out),
+                  split_points=["layers.1"], schedule="1F1B", n_microbatches=2,
+                  data_parallel=DataParallelOptions(tensor_parallel=2)) as pipe:
+        pipe.eval()
+        model.eval()
+        for key, length in (("traced", 16), ("short", 8)):
+            tokens = torch.randint(0, 128, (4, length), generator=g)
+            got = pipe(tokens)
+            if got is not None:  # the last stage's ranks
+                out[f"{key}_worst"] = (got - model(tokens)).abs().max().item()
     return out

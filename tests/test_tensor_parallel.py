@@ -1,7 +1,8 @@
-"""Tensor-parallel stages (autopipe.runtime.tensor_parallel): a traced stage sharded over 2 gloo
-ranks, and ``Pipeline`` with ``DataParallelOptions(tensor_parallel=2)`` on pp 2 x tp 2 (4 ranks) and pp 2 x tp 2 x dp 2 (8, FSDP),
-compute the unsplit model's loss and every gradient, sharded as the planner's own analysis says;
-a pp 2 x tp 2 checkpoint resumes at pp 4 and loads into the unsplit model."""
+"""Tensor-parallel stages (autopipe.runtime.tensor_parallel): ``Pipeline`` with
+``DataParallelOptions(tensor_parallel=2)`` on pp 2 x tp 2 (4 gloo ranks) and pp 2 x tp 2 x dp 2 (8, FSDP)
+computes the unsplit model's loss and every gradient, sharded as the planner's own analysis says; it
+steps at other lengths and evaluates; a pp 2 x tp 2 checkpoint resumes at pp 4 and loads into the
+unsplit model."""
 
 from __future__ import annotations
 
@@ -20,38 +21,14 @@ from autopipe.runtime.tensor_parallel import parallelize_stage
 TOL = 1e-5
 
 
-@functools.lru_cache(maxsize=None)
-def results(name: str) -> list[dict]:
-    return run_world(workers.stage_run, 2, name, timeout_s=300)
-
-
-@pytest.mark.distributed
-def test_a_sharded_stage_gives_the_unsplit_loss_and_every_gradient():
-    for rank in results("seed_transformer"):
-        assert rank["loss"] == pytest.approx(rank["expected_loss"], abs=TOL)
-        assert rank["worst_grad"] <= TOL
-        assert rank["out_type"] == "Tensor"  # what leaves the stage is plain, whole
-
-
-@pytest.mark.distributed
-def test_each_rank_holds_half_of_every_sharded_matrix_along_its_side():
-    rank = results("seed_transformer")[0]
-    assert set(rank["sharded"].values()) == {"column", "row"}
-    for module, shard in rank["sharded"].items():
-        local, whole = rank["local_shapes"][f"{module}.weight"]
-        dim = 0 if shard == "column" else 1  # nn.Linear's weight is (out, in)
-        assert local[dim] * 2 == whole[dim] and local[1 - dim] == whole[1 - dim]
-
-
-#: A ``tensor_parallel=2`` Pipeline on pp 2 x tp 2: (model, schedule, dp, planner.recompute, bf16 autocast).
+#: A ``tensor_parallel=2`` Pipeline on pp 2 x tp 2: (model, schedule, dp, planner.recompute, bf16 autocast,
+#: a second step at another length).
 PP_TP = {
-    "seed-1F1B": ("seed_transformer", "1F1B"),
+    "seed-1F1B": ("seed_transformer", "1F1B", 1, "none", False, True),  # then a step at another length
     "seed-Interleaved1F1B": ("seed_transformer", "Interleaved1F1B"),
-    "seed-ZBVZeroBubble": ("seed_transformer", "ZBVZeroBubble"),
     "llama-1F1B+selective": ("llama", "1F1B", 1, "selective"),
-    "llama-Interleaved1F1B": ("llama", "Interleaved1F1B"),
     "llama-ZBVZeroBubble+full": ("llama", "ZBVZeroBubble", 1, "full"),
-    "qwen2-1F1B": ("qwen2", "1F1B"),
+    "qwen2-Interleaved1F1B": ("qwen2", "Interleaved1F1B"),
     "llama-1F1B+bf16": ("llama", "1F1B", 1, "none", True),
 }
 #: The same on pp 2 x tp 2 x dp 2 (8 ranks), FSDP over dp.
@@ -102,7 +79,27 @@ def test_a_tensor_parallel_pipeline_gives_the_unsplit_loss_gradients_and_norm(wo
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("key", ["seed-1F1B", "llama-Interleaved1F1B"])
+def test_each_rank_holds_half_of_every_sharded_matrix_along_its_side():
+    rank = _case(4, "seed-1F1B")[0]
+    assert rank["local_shapes"]
+    for name, (local, whole) in rank["local_shapes"].items():
+        row = name.rpartition(".")[0].endswith(("out_linear", "fc2"))
+        if row and name.endswith("bias"):  # added after the all-reduce: whole on every rank
+            assert local == whole, name
+            continue
+        dim = 1 if row else 0  # nn.Linear's weight is (out, in): columns shard outputs, rows inputs
+        assert local[dim] * 2 == whole[dim] and local[:dim] + local[dim + 1:] == whole[:dim] + whole[dim + 1:], name
+
+
+@pytest.mark.distributed
+def test_a_step_at_another_length_traces_sharded_stages_that_train_as_the_unsplit_model():
+    for rank in _case(4, "seed-1F1B"):
+        assert rank["short"]["loss"] == pytest.approx(rank["short"]["expected"], abs=TOL)
+        assert rank["short"]["worst_grad"] <= TOL
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("key", ["seed-1F1B", "qwen2-Interleaved1F1B"])
 def test_each_block_all_reduces_twice_forward_and_twice_backward_as_the_layout_model_charges(key):
     # q, k and v (and gate and up) read one replicated input: one all-reduce of its gradient, not one each.
     from autopipe.layouts.blocks import tp_collectives
@@ -178,12 +175,9 @@ def test_a_model_with_nothing_to_shard_is_refused_naming_why():
 
 
 @pytest.mark.distributed
-def test_other_lengths_and_eval_mode_trace_sharded_stages_that_compute_as_the_unsplit_model():
-    ranks = run_world(workers.lengths_run, 4, timeout_s=300)
-    for rank in ranks:
-        assert rank["short_loss"] == pytest.approx(rank["short_expected"], abs=TOL)
-        assert rank["short_worst_grad"] <= TOL
-    last = [r for r in ranks if "eval_traced_worst" in r]
+def test_in_eval_mode_a_model_with_dropout_traces_sharded_stages_that_forward_as_the_unsplit_model():
+    ranks = run_world(workers.eval_run, 4, timeout_s=300)
+    last = [r for r in ranks if r]
     assert len(last) == 2  # both ranks of the last stage's tensor-parallel group
     for rank in last:  # dropout makes the eval-mode trace another one
-        assert rank["eval_traced_worst"] <= TOL and rank["eval_short_worst"] <= TOL
+        assert rank["traced_worst"] <= TOL and rank["short_worst"] <= TOL
