@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from autopipe import DataParallelOptions
+from autopipe import DataParallelOptions, PlannerOptions
 from autopipe.models import seed_transformer
 from autopipe.runtime.tensor_parallel import CollectiveCount
 
@@ -150,11 +150,12 @@ def refusals(rank: int, world_size: int) -> dict:
     a model with nothing to shard, and heads that do not divide."""
     from autopipe.runtime import Pipeline
 
-    def error(model: nn.Module, args: tuple, tp: int) -> str:
+    def error(model: nn.Module, args: tuple, tp: int, schedule: str = "1F1B", recompute: str = "auto") -> str:
+        stages = 2 if schedule == "1F1B" else 4
         try:
             Pipeline(model, example_args=args, loss_fn=lambda out, y: _loss(out),
-                     data_parallel=DataParallelOptions(tensor_parallel=tp),
-                     split_points=_split_points(model, 2), schedule="1F1B", n_microbatches=2).close()
+                     data_parallel=DataParallelOptions(tensor_parallel=tp), planner=PlannerOptions(recompute=recompute),
+                     split_points=_split_points(model, stages), schedule=schedule, n_microbatches=4).close()
         except ValueError as e:
             return str(e)
         return "built"
@@ -168,6 +169,7 @@ def refusals(rank: int, world_size: int) -> dict:
         found["gpt2"] = error(*gpt2_from_config(n_layer=2, n_embd=64, n_head=4,
                                                 vocab_size=128, seq_len=16), 2)
     return {**found, "degree": error(*_model("seed_transformer"), 3),
+            "selective_split_backward": error(*_model("seed_transformer", layers=4), 2, "ZBVZeroBubble", "selective"),
             "nothing": error(_Normed(), (torch.randn(2, 8),), 2),
             "heads": error(*seed_transformer(128, d_model=48, num_heads=3, d_ff=96, num_layers=2, seq_len=8), 2)}
 

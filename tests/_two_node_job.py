@@ -37,7 +37,7 @@ def main(out_dir: str) -> None:
     expected = (_loss(reference(batch[:2]), None) + _loss(reference(batch[2:]), None)) / 2
     expected.backward()
     whole = dict(reference.named_parameters())
-    report = {"rank": pipe.rank, "host": socket.gethostname(), "nodes": pipe.rank_nodes,
+    report = {"rank": pipe.rank, "host": socket.gethostname(), "nodes": pipe.rank_nodes, "repr": repr(pipe),
               "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]), "loss": loss.item(),
               "expected_loss": expected.item(),
               "worst_grad": max((g - whole[n].grad).abs().max().item() for n, g in grads.items())}

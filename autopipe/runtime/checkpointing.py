@@ -22,11 +22,14 @@ from ..planning.options import BLOCK_RECOMPUTE
 
 #: The matmuls of torchtitan's op-level policy: every other one's output is kept.
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
-#: Ops whose outputs the selective policy always keeps: the attention kernels'.
+#: Ops whose outputs the selective policy always keeps: the attention kernels', and a tensor-parallel
+#: reduction's, so the recomputation communicates nothing (torchtitan keeps its reduce-scatters too).
 _ALWAYS_KEPT = {
     torch.ops.aten._scaled_dot_product_flash_attention.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops._c10d_functional.all_reduce.default,
+    torch.ops._c10d_functional.reduce_scatter_tensor.default,
 }
 
 #: The ``PlannerOptions.recompute`` value that takes the plan's choice (``plan.recompute_stages``):
@@ -55,9 +58,10 @@ def checkpoint_stage(stage_module: nn.Module, context_fn: Callable[[], tuple] = 
 
 def checkpoint_blocks(stage_module: nn.Module, blocks: Sequence[str], mode: str) -> list[str]:
     """Checkpoint the named ``blocks`` of ``stage_module`` in place (absent names skipped) and
-    return those checkpointed. ``mode="full"`` keeps each block's inputs only; ``"selective"``
-    is torchtitan's op-level policy, which the layout planner charges: the attention kernel's
-    outputs and every other matmul's are kept, the rest recomputed; ``"none"`` changes nothing.
+    return those checkpointed. ``mode="full"`` keeps each block's inputs only; ``"selective"`` is
+    torchtitan's op-level policy, which the layout planner charges: the attention kernel's outputs,
+    every other matmul's and tensor-parallel reductions' are kept, the rest recomputed; ``"none"``
+    changes nothing.
 
     Example:
         >>> checkpoint_blocks(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), ["0", "1", "2"], "selective")

@@ -209,6 +209,11 @@ class Pipeline(PipelineLifecycle, PipelineStateDicts):
                              "with GPipe, 1F1B, Interleaved1F1B or LoopedBFS")
 
         recompute = request.planner.recompute
+        if recompute == "selective" and schedule_spec(self.schedule).split_backward:  # the same on every rank
+            raise ValueError(f"planner.recompute='selective' with schedule={self.schedule!r}: torch's selective "
+                             "checkpointing allows one backward per region, and this schedule splits it (input "
+                             "gradients, then weight gradients); use 'full', or GPipe, 1F1B, Interleaved1F1B or "
+                             "LoopedBFS")
         # ---- 4. build this rank's stages from a private copy of the model
         built = build_rank_stages(
             model, self.plan, schedule=self.schedule, n_microbatches=self.n_microbatches,
@@ -531,6 +536,10 @@ class Pipeline(PipelineLifecycle, PipelineStateDicts):
         return dict(self._train_modules)
 
     def __repr__(self) -> str:
-        return (f"Pipeline(rank {self.rank}/{self.world_size}, stages {self.stage_indices} of "
+        place = ""
+        if self.rank_nodes is not None:  # where tensor parallelism placed this rank
+            mine = self.rank_nodes[self.rank]
+            place = f", pp {mine['pp']} dp {mine['dp']} tp {mine['tp']} of tp={self.tp_size} on {mine['node']}"
+        return (f"Pipeline(rank {self.rank}/{self.world_size}{place}, stages {self.stage_indices} of "
                 f"{self.num_stages}, split at {self.plan.split_points}, {self.schedule} x"
                 f"{self.n_microbatches} micro-batches, device {self.device})")
