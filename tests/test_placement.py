@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import _placement_workers as workers
 from _dist_utils import run_world
-from autopipe.runtime.placement import MESH_DIMS, check_mesh, check_placement
+from autopipe.runtime.placement import MESH_DIMS, check_mesh, check_placement, place_rank
 
 
 def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
@@ -47,6 +47,16 @@ def test_a_users_mesh_is_checked_against_the_plan_naming_the_dimension():
         check_mesh(_mesh((2, 2), ("tp", "pp")), {"pp": 2, "tp": 2})
     with pytest.raises(ValueError, match="dimension 'cp' is not one of"):
         check_mesh(_mesh((2,), ("cp",)), {})
+
+
+def test_a_pipelines_mesh_that_disagrees_with_its_tensor_parallel_degree_is_refused_naming_why():
+    args = dict(world_size=4, rank=0, device_type="cpu")
+    with pytest.raises(ValueError, match="the mesh's 'tp' dimension has 2 ranks, the plan's tp=4"):
+        place_rank(_mesh((2, 1, 2), MESH_DIMS), None, "fsdp", 4, **args)
+    with pytest.raises(ValueError, match=r"tensor parallelism needs a mesh with the dimensions \['pp', 'dp', 'tp'\]"):
+        place_rank(_mesh((2, 2), ("dp", "pp")), None, "fsdp", 2, **args)
+    with pytest.raises(ValueError, match="the mesh holds 2 ranks but the world has 4"):
+        place_rank(_mesh((1, 1, 2), MESH_DIMS), None, "fsdp", None, **args)
 
 
 @pytest.mark.distributed

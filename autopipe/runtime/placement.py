@@ -127,8 +127,8 @@ class RankPlace:
 
 def place_rank(mesh: DeviceMesh | None, dp_degree: int | None, dp_mode: str, tp_degree: int | None, *,
                world_size: int, rank: int, device_type: str, batch: str = "replica") -> RankPlace:
-    """This rank's :class:`RankPlace` under ``Pipeline(data_parallel=, tensor_parallel=)`` (creates the
-    mesh's process groups). Without tensor parallelism the ``(dp, pp)`` mesh of
+    """This rank's :class:`RankPlace` under ``Pipeline(data_parallel=DataParallelOptions(degree=, mesh=,
+    tensor_parallel=))`` (creates the mesh's process groups). Without tensor parallelism the ``(dp, pp)`` mesh of
     :mod:`~autopipe.runtime.data_parallel`; with it, the ``(pp, dp, tp)`` mesh of :func:`layout_mesh`,
     or the user's, checked against the degrees."""
     given_tp = mesh is not None and "tp" in (mesh.mesh_dim_names or ())
@@ -150,7 +150,8 @@ def place_rank(mesh: DeviceMesh | None, dp_degree: int | None, dp_mode: str, tp_
             raise ValueError(f"the mesh holds {mesh.size()} ranks but the world has {world_size} processes; build "
                              "the mesh over every rank")
         if sorted(names) != sorted(MESH_DIMS):
-            raise ValueError(f"a mesh with a 'tp' dimension must have the dimensions {list(MESH_DIMS)}; got {names}")
+            raise ValueError(f"tensor parallelism needs a mesh with the dimensions {list(MESH_DIMS)} (or none: the "
+                             f"pipeline builds it from the degrees); got {names}")
         degrees = {dim: mesh.size(names.index(dim)) for dim in names}
         if tp_degree is not None:
             degrees["tp"] = tp_degree
