@@ -192,7 +192,7 @@ def resume_run(rank: int, world_size: int, name: str, checkpoint_dir: str) -> di
         pipe = Pipeline(copy.deepcopy(model), example_args=args, loss_fn=lambda out, y: _loss(out),
                         split_points=_split_points(model, stages), schedule="1F1B", n_microbatches=4,
                         data_parallel=DataParallelOptions(tensor_parallel=tp))
-        return pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+        return pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-3)
 
     def step(pipe: Pipeline, optimizer: torch.optim.Optimizer, batch: tuple) -> float:
         optimizer.zero_grad()

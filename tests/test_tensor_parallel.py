@@ -27,10 +27,10 @@ PP_TP = {
     "seed-1F1B+selective": ("seed_transformer", "1F1B", 1, "selective", False, True),  # then another length
     "qwen2-Interleaved1F1B+full": ("qwen2", "Interleaved1F1B", 1, "full"),
     "llama-ZBVZeroBubble": ("llama", "ZBVZeroBubble"),
-    "llama-1F1B+bf16": ("llama", "1F1B", 1, "none", True),
+    "seed-1F1B+bf16": ("seed_transformer", "1F1B", 1, "none", True),
 }
 #: The same on pp 2 x tp 2 x dp 2 (8 ranks), FSDP over dp.
-PP_TP_DP = {"llama-1F1B+fsdp": ("llama", "1F1B", 2)}
+PP_TP_DP = {"seed-1F1B+fsdp": ("seed_transformer", "1F1B", 2)}
 
 
 def _transformers_imports() -> bool:
@@ -116,7 +116,7 @@ def test_each_block_all_reduces_as_often_as_the_layout_model_charges(key):
 
 @pytest.mark.distributed
 def test_under_bf16_autocast_a_tensor_parallel_pipeline_is_within_bf16_rounding_of_the_unsplit_model():
-    for rank in _case(4, "llama-1F1B+bf16"):
+    for rank in _case(4, "seed-1F1B+bf16"):
         assert rank["loss"] == pytest.approx(rank["expected_loss"], rel=2 ** -7)
         # Sharded, bf16 moves the gradients from fp32 about as far as it does unsplit.
         assert 0 < rank["sharded_from_fp32"] <= 2 * rank["unsplit_from_fp32"]
@@ -135,14 +135,13 @@ def test_a_bad_degree_nothing_to_shard_and_indivisible_heads_are_refused_on_ever
 
 @pytest.mark.distributed
 def test_a_pp2_tp2_checkpoint_resumes_model_and_optimizer_at_pp4_and_loads_into_the_unsplit_model(tmp_path):
-    pytest.importorskip("transformers", reason="transformers is not installed (pip install 'autopipe[hf]')")
     import torch.distributed.checkpoint as dcp
 
-    ranks = run_world(workers.resume_run, 4, "llama", str(tmp_path / "pp2tp2"), timeout_s=300)
+    ranks = run_world(workers.resume_run, 4, "seed_transformer", str(tmp_path / "pp2tp2"), timeout_s=300)
     for rank in ranks:  # the pp 4 pipeline's second AdamW step is the pp 2 x tp 2 one's
         assert rank["resumed_second"] == pytest.approx(rank["second"], abs=TOL)
         assert rank["worst_after"] <= TOL
-    loaded, _ = workers._model("llama", layers=4)
+    loaded, _ = workers._model("seed_transformer", layers=4)
     with torch.no_grad():
         for p in loaded.parameters():
             p.zero_()  # whatever the load leaves unset would show
