@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 
-from autopipe.runtime.placement import groups_of, layout_mesh, rank_nodes
+from autopipe.runtime.data_parallel import groups_of
+from autopipe.runtime.placement import layout_mesh, rank_nodes
 
 
 def mesh_run(rank: int, world_size: int, degrees: dict, ranks_per_node: int) -> dict:

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from autopipe import DataParallelOptions, PlannerOptions
 from autopipe.models import seed_transformer
+from autopipe.runtime.checkpointing import block_names
 from autopipe.runtime.tensor_parallel import CollectiveCount
 
 
@@ -51,10 +52,8 @@ def _loss(out) -> torch.Tensor:
 
 
 def _split_points(model: nn.Module, stages: int) -> list[str]:
-    """Cut before blocks 1 .. stages - 1 of the model's block list (its longest ``nn.ModuleList``)."""
-    name, blocks = max(((n, m) for n, m in model.named_modules() if isinstance(m, nn.ModuleList)),
-                       key=lambda item: len(item[1]))
-    return [f"{name}.{i}" for i in range(1, stages)]
+    """Cut before blocks 1 .. stages - 1 of the model's blocks (``checkpointing.block_names``)."""
+    return block_names(model)[1:stages]
 
 
 def _short_step(pipe, model: nn.Module, batch: torch.Tensor) -> dict:
@@ -105,9 +104,8 @@ def pipe_run(rank: int, world_size: int, name: str, schedule: str, dp: int = 1, 
                  "checkpointed": sorted(n for m in pipe.stage_modules.values() for n, sub in m.named_modules()
                                         if getattr(sub.forward, "__name__", "") == "checkpointed_forward"),
                  "nodes": pipe.rank_nodes, "place": (pipe.pp_rank, pipe.dp_rank, pipe.tp_rank),
-                 "collectives": collectives.counts, "blocks": sum(
-                     1 for m in pipe.stage_modules.values() for n, _ in m.named_modules()
-                     if n.rpartition(".")[2].isdigit() and n.rpartition(".")[0].endswith("layers")),
+                 "collectives": collectives.counts, "blocks": len(set(block_names(model)).intersection(
+                     n for m in pipe.stage_modules.values() for n, _ in m.named_modules())),
                  "n_microbatches": pipe.n_microbatches,
                  "local_shapes": {n: (tuple(p.to_local().shape), tuple(p.shape)) for n, p in pipe.named_parameters()
                                   if isinstance(p, DTensor)}}

@@ -70,8 +70,8 @@ def checkpoint_blocks(stage_module: nn.Module, blocks: Sequence[str], mode: str)
     check_choice("mode", mode, RECOMPUTE_MODES)
     names = {name for name, _ in stage_module.named_modules()}
     done = [b for b in blocks if b in names] if mode != "none" else []
+    context_fn = _selective_contexts if mode == "selective" else noop_context_fn
     for name in done:
-        context_fn = _selective_contexts if mode == "selective" else noop_context_fn
         checkpoint_stage(stage_module.get_submodule(name), context_fn)
     return done
 

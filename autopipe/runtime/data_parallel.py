@@ -107,11 +107,9 @@ class DataParallel:
         """Read the coordinates of this rank from ``mesh`` (no communication)."""
         names = list(mesh.mesh_dim_names)
         # Every pipeline (one per coordinate of the other dimensions: dp, and tp where there is one) in pp order.
-        grid = mesh.mesh.movedim(names.index("pp"), -1)
-        return cls(mesh=mesh, mode=mode, dp_size=mesh.size(names.index("dp")), pp_size=grid.shape[-1],
+        return cls(mesh=mesh, mode=mode, dp_size=mesh.size(names.index("dp")), pp_size=mesh.size(names.index("pp")),
                    dp_rank=mesh.get_local_rank("dp"), pp_rank=mesh.get_local_rank("pp"),
-                   replicas=[[int(r) for r in row] for row in grid.reshape(-1, grid.shape[-1]).tolist()],
-                   batch=batch)
+                   replicas=groups_of(mesh, "pp"), batch=batch)
 
     @property
     def batch_replicas(self) -> int:
@@ -199,6 +197,18 @@ class DataParallel:
         for g in grads:
             g.copy_(flat[offset: offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+def groups_of(mesh: DeviceMesh, dim: str) -> list[list[int]]:
+    """The ranks of each group along ``dim`` (no communication).
+
+    Example::
+
+        groups_of(placement.layout_mesh({"pp": 2, "tp": 2}), "pp")   # [[0, 2], [1, 3]]
+    """
+    names = list(mesh.mesh_dim_names)
+    grid = mesh.mesh.movedim(names.index(dim), -1)
+    return [[int(r) for r in row] for row in grid.reshape(-1, grid.shape[-1]).tolist()]
 
 
 def resolve_data_parallel(mesh: DeviceMesh | None, dp_degree: int | None, dp_mode: str, *, world_size: int,

@@ -176,7 +176,6 @@ class Pipeline(PipelineLifecycle, PipelineStateDicts):
         self.dp_size: int = dp.dp_size if dp else 1
         #: This rank's place in its tensor-parallel group, and the group's size (0 and 1 without one).
         self.tp_rank, self.tp_size = place.tp_rank, place.tp_size
-        self._place = place
         #: Every rank's node and mesh coordinates under tensor parallelism (``placement.rank_nodes``), else None.
         self.rank_nodes = rank_nodes(place.mesh) if place.tp_mesh is not None else None
 
@@ -257,10 +256,9 @@ class Pipeline(PipelineLifecycle, PipelineStateDicts):
 
     def _autocast(self) -> Any:
         """The pipeline's mixed precision and tensor parallelism around a schedule's run (nothing without them)."""
-        if self.tp_size == 1:
-            return mixed_precision_context(self.mixed_precision, self.device)
         stack = contextlib.ExitStack()
-        stack.enter_context(tensor_parallel_context(self.device))
+        if self.tp_size > 1:
+            stack.enter_context(tensor_parallel_context(self.device))
         stack.enter_context(mixed_precision_context(self.mixed_precision, self.device))
         return stack
 

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .._checks import check_int
 from .compat import forget_cached_sharding
-from .data_parallel import DataParallel, resolve_data_parallel
+from .data_parallel import DataParallel, groups_of, resolve_data_parallel
 
 #: The mesh's dimensions, outermost first: the layout planner's rank order, reversed.
 MESH_DIMS = ("pp", "dp", "tp")
@@ -90,18 +90,6 @@ def rank_nodes(mesh: DeviceMesh) -> list[dict[str, Any]]:
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     return sorted(everyone, key=lambda r: r["rank"])
-
-
-def groups_of(mesh: DeviceMesh, dim: str) -> list[list[int]]:
-    """The ranks of each group along ``dim`` (no communication).
-
-    Example::
-
-        groups_of(layout_mesh({"pp": 2, "tp": 2}), "pp")   # [[0, 2], [1, 3]]
-    """
-    names = list(mesh.mesh_dim_names)
-    grid = mesh.mesh.movedim(names.index(dim), -1)
-    return [[int(r) for r in row] for row in grid.reshape(-1, grid.shape[-1]).tolist()]
 
 
 @dataclass
