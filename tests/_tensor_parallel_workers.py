@@ -30,6 +30,37 @@ class _Logits(nn.Module):
         return self.model(input_ids=input_ids, use_cache=False).logits
 
 
+class _FusedBlock(nn.Module):
+    """A pre-norm block whose q, k and v come from one ``nn.Linear``, split along its features."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads, self.norm1, self.norm2 = heads, nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.out = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, width = x.shape
+        q, k, v = (p.view(b, t, self.heads, -1).transpose(1, 2)
+                   for p in self.qkv(self.norm1(x)).split(width, dim=-1))
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(a.transpose(1, 2).reshape(b, t, width))
+        return x + self.down(torch.relu(self.up(self.norm2(x))))
+
+
+class _FusedLM(nn.Module):
+    def __init__(self, layers: int, width: int = 64, heads: int = 4, vocab: int = 128) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(vocab, width), nn.Linear(width, vocab)
+        self.blocks = nn.ModuleList(_FusedBlock(width, heads) for _ in range(layers))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 def _model(name: str, layers: int = 2) -> tuple[nn.Module, tuple]:
     if name == "seed_transformer":
         return seed_transformer(128, d_model=64, d_ff=128, num_layers=layers, batch=2, seq_len=16)
@@ -42,6 +73,14 @@ def _model(name: str, layers: int = 2) -> tuple[nn.Module, tuple]:
         with torch.random.fork_rng(devices=[]):  # the rank's own RNG is left as it was
             torch.manual_seed(0)
             return _Logits(transformers.AutoModelForCausalLM.from_config(config)), (torch.randint(0, 128, (2, 16)),)
+    if name == "fused":  # q, k and v in one nn.Linear
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            return _FusedLM(layers), (torch.randint(0, 128, (2, 16)),)
+    if name == "gpt2":  # q, k and v fused in one Conv1D, a matrix stored (in, out); tied embedding and head
+        from zoo.hf import gpt2_from_config
+
+        return gpt2_from_config(n_layer=layers, n_embd=64, n_head=4, vocab_size=128, seq_len=16)
     from zoo.hf import llama_from_config  # grouped-query attention: 4 query heads, 2 key-value heads
     return llama_from_config(num_hidden_layers=layers, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                              vocab_size=128, seq_len=16)

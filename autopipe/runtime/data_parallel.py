@@ -41,6 +41,41 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def stored_form(t: Any) -> Any:
+    """``t`` as a checkpoint holds it: a DTensor sharded strided (the parts of one fused matrix, each
+    sliced) resharded into contiguous blocks, which ``torch.distributed.checkpoint`` can write
+    (collective over its mesh); anything else as it is. :func:`placed_like` undoes it.
+
+    Example:
+        >>> stored_form(torch.ones(2)).shape
+        torch.Size([2])
+    """
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not isinstance(t, DTensor) or not any(isinstance(p, _StridedShard) for p in t.placements):
+        return t
+    return t.redistribute(t.device_mesh, [Shard(p.dim) if isinstance(p, _StridedShard) else p for p in t.placements])
+
+
+def placed_like(value: Any, like: Any) -> Any:
+    """``value`` (read from a checkpoint) in the placements of ``like``, the live DTensor it is loaded into."""
+    if isinstance(value, DTensor) and isinstance(like, DTensor) and tuple(value.placements) != tuple(like.placements):
+        return value.redistribute(like.device_mesh, like.placements)
+    return value
+
+
+def _fsdp_placement(param: nn.Parameter) -> Any:
+    """Where FSDP2 shards ``param``: its rows, or its columns where tensor parallelism sharded the rows
+    strided (one fused matrix's q, k and v, each sliced): a second cut of those rows would be a layout
+    no DTensor placement describes, and ``full_tensor`` and checkpoints would read it wrongly."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    strided = isinstance(param, DTensor) and any(isinstance(p, _StridedShard) and p.dim == 0 for p in param.placements)
+    return Shard(1) if strided and param.dim() > 1 else None
+
+
 def data_parallel_from_plan(plan: Any, mesh: Any, dp_degree: int | None,
                             dp_mode: str | None) -> tuple[int | None, str]:
     """``(dp_degree, dp_mode)`` to build with: the caller's, else the plan's, else a pure pipeline and ``"fsdp"``.
@@ -181,7 +216,8 @@ class DataParallel:
         for stage in stages:
             module = modules[stage.stage_index]
             # Gathered once per step, not once per micro-batch (torchtitan's setting under pipelining).
-            fully_shard(module, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
+            fully_shard(module, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy,
+                        shard_placement_fn=_fsdp_placement)
             stage.submod = module
 
     @torch.no_grad()

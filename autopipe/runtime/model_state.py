@@ -12,7 +12,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .._checks import listed
-from .data_parallel import local_tensor
+from .data_parallel import local_tensor, placed_like
 from .params import StateNames, fold_use_leaf_grads
 
 #: ``(canonical names, process group)`` for each set of parameters this rank shares with
@@ -143,6 +143,6 @@ def load_local_state(state: Mapping[str, torch.Tensor], names: StateNames, state
                 if not isinstance(value, DTensor):
                     value = distribute_tensor(value.to(tensor.device), tensor.device_mesh, tensor.placements,
                                               src_data_rank=None)
-                tensor.to_local().copy_(value.to_local())
+                tensor.to_local().copy_(placed_like(value, tensor).to_local())
             elif value is not tensor and value.data_ptr() != tensor.data_ptr():
                 tensor.copy_(value)

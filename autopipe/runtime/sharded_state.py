@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from .._checks import listed
 from .checkpoint_files import checkpoint_to_read, load_into, save_replacing
+from .data_parallel import placed_like, stored_form
 from .distributed import raise_on_every_rank
 from .materialize import check_state_fits
 from .model_state import load_local_state
@@ -47,7 +48,7 @@ def model_state_dict(local: RankState) -> dict[str, torch.Tensor]:
         if tensor is None:
             tensor = local.unheld.get(canon)
         if tensor is not None:
-            out[key] = tensor.detach()
+            out[key] = stored_form(tensor.detach())
     return out
 
 
@@ -67,7 +68,7 @@ def optimizer_state_dict(local: RankState, optimizer: torch.optim.Optimizer) -> 
     for group, fqns in zip(optimizer.param_groups, groups):
         for param, fqn in zip(group["params"], fqns):
             for name, value in optimizer.state.get(param, {}).items():
-                _flatten(f"{_STATE}.{fqn}.{name}", value, flat)
+                _flatten(f"{_STATE}.{fqn}.{name}", stored_form(value), flat)
     for group, fqns in zip(optimizer.param_groups, groups):
         for fqn in fqns:
             for key, value in group.items():
@@ -106,7 +107,7 @@ def load_optimizer_state_dict(local: RankState, optimizer: torch.optim.Optimizer
         for param, fqn in zip(group["params"], fqns):
             entries = optimizer.state.get(param, {})
             if entries:
-                loaded_state[index] = {name: _unflatten(f"{_STATE}.{fqn}.{name}", value, state)
+                loaded_state[index] = {name: placed_like(_unflatten(f"{_STATE}.{fqn}.{name}", value, state), value)
                                        for name, value in entries.items()}
             index += 1
     optimizer.load_state_dict({"state": loaded_state, "param_groups": loaded_groups})

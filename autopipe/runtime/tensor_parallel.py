@@ -16,6 +16,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..layouts.sharding import TensorParallelPlan
 
+#: Ops that only view a matrix product's input or output.
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default)
+#: Ops that split a fused projection's output into its parts.
+_SPLITS = (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default, torch.ops.aten.chunk.default)
 #: Ops whose output a reshape cannot view without a copy when they are not the identity.
 _STRIDING = (torch.ops.aten.transpose.int, torch.ops.aten.permute.default, torch.ops.aten.expand.default)
 
@@ -40,29 +44,37 @@ def parallelize_stage(stage_module: nn.Module, tp_mesh: DeviceMesh,
         raise ValueError(f"tensor parallelism of degree {tp} cannot shard this model: {why}")
     held = {name for name, _ in stage_module.named_parameters()}
     styles = {m.parameter.rpartition(".")[0]: m.shard for m in plan.sharded() if m.parameter in held}
-    linears = {}
-    for name in styles:
-        linear = _as_linear(stage_module.get_submodule(name))
-        if linear is None:
-            raise ValueError(f"{name} does not run a plain linear in the traced stage (one aten.linear on its own "
-                             "weight; GPT-2's Conv1D is an addmm on a transposed weight); it cannot be sharded "
-                             "column- or row-wise")
-        linears[name] = linear
-    for name, linear in linears.items():
-        parent, _, leaf = name.rpartition(".")
-        setattr(stage_module.get_submodule(parent) if parent else stage_module, leaf, linear)
+    linears, matrices = {}, {}
+    for name, shard in styles.items():
+        module = stage_module.get_submodule(name)
+        parts = _fused_parts(stage_module, name) if shard == "column" else 1
+        linear = _as_linear(module)
+        if linear is not None and parts == 1:
+            linears[name] = linear
+            continue
+        if linear is None and not _stores_transposed(module):
+            raise ValueError(f"{name} does not run one matrix product on its own weight in the traced stage "
+                             "(an aten.linear, or an addmm/mm on a weight stored (in, out) as GPT-2's Conv1D "
+                             "stores it); it cannot be sharded column- or row-wise")
+        matrices[name] = _ShardedMatrix(module.weight, getattr(module, "bias", None), tp_mesh, shard=shard,
+                                        transposed=linear is None, parts=parts)
+    for name, replacement in {**linears, **matrices}.items():
+        _put_module(stage_module, name, replacement)
     _copy_before_strided_reshapes(stage_module)
     # Stages traced again (another input length, eval mode) read the first stages' sharded
     # parameters: torch's styles leave those as they are, and the same objects are put back.
-    already = {(name, p): param for name in styles for p, param in linears[name].named_parameters()
+    already = {(name, p): param for name in linears for p, param in linears[name].named_parameters()
                if isinstance(param, DTensor)}
     # A column matrix's output stays sharded (a DTensor) through the ops up to its row matrix,
     # which all-reduces it into a plain tensor.
     parallelize_module(stage_module, tp_mesh, {
-        name: ColwiseParallel(use_local_output=False) if shard == "column" else RowwiseParallel()
-        for name, shard in styles.items()})
+        name: ColwiseParallel(use_local_output=False) if styles[name] == "column" else RowwiseParallel()
+        for name in linears})
     for (name, p), param in already.items():
         setattr(stage_module.get_submodule(name), p, param)
+    for name, matrix in matrices.items():
+        if matrix.parts > 1:
+            _return_parts(stage_module, name)
     _replicate_shared_inputs(stage_module, tp_mesh, {name for name, shard in styles.items() if shard == "column"})
     return styles
 
@@ -150,6 +162,137 @@ def _as_linear(module: nn.Module) -> nn.Linear | None:
     return linear
 
 
+def _stores_transposed(module: nn.Module) -> bool:
+    """Whether ``module`` runs one addmm/mm on its own weight stored (in, out), views around it (GPT-2's Conv1D)."""
+    if type(module).__name__ == "Conv1D":  # transformers' own, called eagerly
+        return True
+    graph = getattr(module, "graph", None)
+    if graph is None or getattr(module, "weight", None) is None or module.weight.dim() != 2:
+        return False
+    products = [n for n in graph.nodes if n.op == "call_function" and n.target not in _VIEWS]
+    if len(products) != 1 or products[0].target not in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default):
+        return False
+    node = products[0]
+    with_bias = node.target is torch.ops.aten.addmm.default
+    operands = {"weight": node.args[2 if with_bias else 1], **({"bias": node.args[0]} if with_bias else {})}
+    return all(isinstance(a, torch.fx.Node) and a.op == "get_attr" and a.target == attr for attr, a in operands.items())
+
+
+def _fused_parts(stage_module: nn.Module, name: str) -> int:
+    """Into how many equal parts along its features the stage splits the output of column matrix ``name``
+    and reads nothing else of it (q, k and v of one fused matrix: 3); 1 where it does not."""
+    parent, graph, call = _call_of(stage_module, name)
+    if call is None or len(call.users) != 1:
+        return 1
+    (split,) = call.users
+    out = call.meta.get("val")
+    if split.op != "call_function" or split.target not in _SPLITS or not isinstance(out, torch.Tensor):
+        return 1
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    width, size = out.shape[-1], split.args[1]
+    if not isinstance(dim, int) or dim % out.dim() != out.dim() - 1:
+        return 1
+    if split.target is torch.ops.aten.split_with_sizes.default:
+        return len(size) if len(set(size)) == 1 and len(size) > 1 else 1
+    if split.target is torch.ops.aten.chunk.default:
+        return size if width % size == 0 else 1
+    return width // size if width % size == 0 and width > size else 1
+
+
+def _return_parts(stage_module: nn.Module, name: str) -> None:
+    """Let the stage read the parts of fused matrix ``name`` from the tuple its :class:`_ShardedMatrix` returns."""
+    parent, graph, call = _call_of(stage_module, name)
+    (split,) = call.users
+    split.replace_all_uses_with(call)
+    graph.erase_node(split)
+    _recompile(parent, graph)
+
+
+def _call_of(stage_module: nn.Module, name: str) -> tuple[nn.Module, Any, torch.fx.Node | None]:
+    """The module holding ``name``, its graph and the one node calling ``name`` (None unless exactly one)."""
+    parent_name, _, leaf = name.rpartition(".")
+    parent = stage_module.get_submodule(parent_name) if parent_name else stage_module
+    graph = getattr(parent, "graph", None)
+    calls = [n for n in graph.nodes if n.op == "call_module" and n.target == leaf] if graph is not None else []
+    return parent, graph, calls[0] if len(calls) == 1 else None
+
+
+def _put_module(stage_module: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, leaf = name.rpartition(".")
+    parent = stage_module.get_submodule(parent_name) if parent_name else stage_module
+    for owner in _owners(parent, getattr(parent, "graph", None)):
+        setattr(owner, leaf, module)
+
+
+def _owners(module: nn.Module, graph: Any) -> list[nn.Module]:
+    """``module`` and its graph's own GraphModule (an unflattened module's generated copy), which must hold its submodules too."""
+    return list({id(m): m for m in (module, getattr(graph, "owning_module", None)) if m is not None}.values())
+
+
+class _ShardedMatrix(nn.Module):
+    """One weight matrix torch's styles do not shard: one stored (in, out), ``x @ weight + bias``
+    (GPT-2's Conv1D), or a column matrix whose output the stage splits into equal parts (q, k and v
+    in one). Each rank holds its slice of every part (torch's ``_StridedShard``, the placement FSDP2
+    gives a tensor-parallel shard), so every part comes out sharded by head, as Megatron shards a
+    fused projection. Columns return DTensors sharded along their features, rows a plain tensor."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mesh: DeviceMesh, *, shard: str,
+                 transposed: bool, parts: int) -> None:
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        super().__init__()
+        self.mesh, self.shard, self.parts = mesh, shard, parts
+        self.out_dim = 1 if transposed else 0  # the weight's dimension of output features
+        if shard == "row":
+            placements = (Shard(1 - self.out_dim), Replicate())  # the bias is added after the all-reduce
+        elif parts > 1:
+            # The bias stays whole: FSDP2 would shard a strided shard of it again along its only
+            # dimension, which no placement describes; each rank slices its parts in the forward.
+            placements = (_StridedShard(self.out_dim, split_factor=parts), Replicate())
+        else:
+            placements = (Shard(self.out_dim), Shard(0))
+        self.weight = _distributed(weight, mesh, placements[0])
+        self.register_parameter("bias", None if bias is None else _distributed(bias, mesh, placements[1]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        from torch.distributed.tensor import Replicate, Shard
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        if self.shard == "row":
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, self.mesh, [Shard(-1)], run_check=False)
+            y = torch.matmul(x, self._oriented(self.weight)).redistribute(self.mesh, [Replicate()]).to_local()
+            return y if self.bias is None else y + self.bias.to_local()
+        if not isinstance(x, DTensor):
+            x = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
+        weights = self.weight.to_local().chunk(self.parts, dim=self.out_dim)
+        biases = [None] * self.parts
+        if self.bias is not None:
+            # Slicing is local; the backward all-gathers the bias's gradient.
+            bias = self.bias.redistribute(self.mesh, [_StridedShard(0, split_factor=self.parts)]) if self.parts > 1 \
+                else self.bias
+            biases = bias.to_local().chunk(self.parts)
+        outputs = []
+        for w, b in zip(weights, biases):
+            y = torch.matmul(x, self._oriented(DTensor.from_local(w, self.mesh, [Shard(self.out_dim)], run_check=False)))
+            outputs.append(y if b is None else y + DTensor.from_local(b, self.mesh, [Shard(0)], run_check=False))
+        return outputs[0] if self.parts == 1 else tuple(outputs)
+
+    def _oriented(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` as the (in, out) right-hand side of ``x @ weight``."""
+        return weight if self.out_dim == 1 else weight.t()
+
+
+def _distributed(tensor: torch.Tensor, mesh: DeviceMesh, placement: Any) -> nn.Parameter:
+    """``tensor`` sharded over ``mesh``: a parameter sharded already (a stage traced again) is kept."""
+    from torch.distributed.tensor import distribute_tensor
+
+    if isinstance(tensor, DTensor):
+        return tensor
+    return nn.Parameter(distribute_tensor(tensor.detach(), mesh, [placement]), requires_grad=tensor.requires_grad)
+
+
 class _Replicated(nn.Module):
     """A whole tensor as a replicated DTensor, made once for every column matrix that reads it."""
 
@@ -180,7 +323,7 @@ def _replicate_shared_inputs(stage_module: nn.Module, tp_mesh: DeviceMesh, colum
         for k, (source, nodes) in enumerate(shared.items()):
             name, replicate = f"autopipe_replicated_{k}", _Replicated(tp_mesh)
             # The graph's own GraphModule (an unflattened module's generated copy) must hold it too.
-            for owner in {id(m): m for m in (module, graph.owning_module) if m is not None}.values():
+            for owner in _owners(module, graph):
                 owner.add_module(name, replicate)
             with graph.inserting_after(source):
                 replicated = graph.call_module(name, (source,))
