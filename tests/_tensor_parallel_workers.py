@@ -147,7 +147,9 @@ def pipe_run(rank: int, world_size: int, name: str, schedule: str, dp: int = 1, 
                      n for m in pipe.stage_modules.values() for n, _ in m.named_modules())),
                  "n_microbatches": pipe.n_microbatches,
                  "local_shapes": {n: (tuple(p.to_local().shape), tuple(p.shape)) for n, p in pipe.named_parameters()
-                                  if isinstance(p, DTensor)}}
+                                  if isinstance(p, DTensor)},
+                 "strided": sorted(n for n, p in pipe.named_parameters() if isinstance(p, DTensor)
+                                   and any(type(q).__name__ == "_StridedShard" for q in p.placements))}
         if short:
             found["short"] = _short_step(pipe, copy.deepcopy(exact), batch[:, : batch.shape[1] // 2])
     rows = len(batch) // (n_micro * dp)
@@ -197,15 +199,7 @@ def refusals(rank: int, world_size: int) -> dict:
             return str(e)
         return "built"
 
-    found = {}
-    try:
-        from zoo.hf import gpt2_from_config
-    except ImportError:  # transformers is not installed
-        pass
-    else:  # q, k and v fused in one Conv1D: not a plain linear
-        found["gpt2"] = error(*gpt2_from_config(n_layer=2, n_embd=64, n_head=4,
-                                                vocab_size=128, seq_len=16), 2)
-    return {**found, "degree": error(*_model("seed_transformer"), 3),
+    return {"degree": error(*_model("seed_transformer"), 3),
             "selective_split_backward": error(*_model("seed_transformer", layers=4), 2, "ZBVZeroBubble", "selective"),
             "nothing": error(_Normed(), (torch.randn(2, 8),), 2),
             "heads": error(*seed_transformer(128, d_model=48, num_heads=3, d_ff=96, num_layers=2, seq_len=8), 2)}
