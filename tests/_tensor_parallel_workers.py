@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from autopipe import DataParallelOptions, PlannerOptions
+from autopipe.errors import PipelineStepError
 from autopipe.models import seed_transformer
 from autopipe.runtime.checkpointing import block_names
 from autopipe.runtime.tensor_parallel import CollectiveCount
@@ -95,12 +96,13 @@ def _split_points(model: nn.Module, stages: int) -> list[str]:
     return block_names(model)[1:stages]
 
 
-def _short_step(pipe, model: nn.Module, batch: torch.Tensor) -> dict:
+def _short_step(pipe, model: nn.Module, batch: torch.Tensor, target: torch.Tensor, loss_of) -> dict:
     """A step at another sequence length: its loss and worst gradient against ``model``'s (unstepped)."""
     pipe.zero_grad()
-    loss = pipe.step(batch, target=torch.zeros(len(batch))).item()
+    loss = pipe.step(batch, target=target).item()
     rows = len(batch) // pipe.n_microbatches
-    expected = sum(_loss(model(batch[i * rows:(i + 1) * rows])) for i in range(pipe.n_microbatches)) / pipe.n_microbatches
+    expected = sum(loss_of(model(batch[i * rows:(i + 1) * rows]), target[i * rows:(i + 1) * rows])
+                   for i in range(pipe.n_microbatches)) / pipe.n_microbatches
     expected.backward()
     whole = dict(model.named_parameters())
     return {"loss": loss, "expected": expected.item(), "worst_grad": max(
@@ -108,17 +110,24 @@ def _short_step(pipe, model: nn.Module, batch: torch.Tensor) -> dict:
 
 
 def pipe_cases(rank: int, world_size: int, cases: dict[str, tuple]) -> dict:
-    """:func:`pipe_run` of each case, ``{key: (model, schedule, dp, recompute, autocast, short)}``."""
+    """:func:`pipe_run` of each case, ``{key: (model, schedule, dp, recompute, autocast, short, vocab)}``."""
     return {key: pipe_run(rank, world_size, *case) for key, case in cases.items()}
 
 
+def _cross_entropy(out, target: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy over the vocabulary: under ``loss_parallel`` it reads sharded logits."""
+    logits = out[0] if isinstance(out, tuple) else out
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+
 def pipe_run(rank: int, world_size: int, name: str, schedule: str, dp: int = 1, checkpoint: str = "none",
-             autocast: bool = False, short: bool = False) -> dict:
+             autocast: bool = False, short: bool = False, vocab: bool = False) -> dict:
     """One step of a ``tensor_parallel=2`` ``autopipe.Pipeline`` on pp x dp x tp ranks (FSDP over dp) against
     the unsplit model on the same batch: the loss, every gradient (gathered), the clipped norm. Under
     ``autocast`` both run in bf16, and each is also compared with the unsplit model in fp32. With
     ``short``, a second step at half the sequence length (the stages traced again, sharded over the
-    same parameters), against the unsplit model too."""
+    same parameters), against the unsplit model too. With ``vocab``, the output layer is sharded along
+    the vocabulary too (``loss_parallel``) and the loss is a cross-entropy of the next tokens."""
     import autopipe
     from autopipe.runtime import Pipeline
 
@@ -129,13 +138,23 @@ def pipe_run(rank: int, world_size: int, name: str, schedule: str, dp: int = 1, 
     n_micro = 2 * pp
     g = torch.Generator().manual_seed(7)
     batch = torch.randint(0, 128, (n_micro * dp * args[0].shape[0], args[0].shape[1]), generator=g)
-    with Pipeline(model, example_args=args, loss_fn=lambda out, y: _loss(out), schedule=schedule,
+    target = torch.roll(batch, -1, dims=1) if vocab else torch.zeros(len(batch))
+    loss_of = _cross_entropy if vocab else (lambda out, y: _loss(out))
+    with Pipeline(model, example_args=args, loss_fn=loss_of, schedule=schedule,
                   split_points=_split_points(model, pp * stages_per_rank), n_microbatches=n_micro,
-                  data_parallel=DataParallelOptions(degree=dp if dp > 1 else None, batch="global", tensor_parallel=2),
+                  data_parallel=DataParallelOptions(degree=dp if dp > 1 else None, batch="global", tensor_parallel=2,
+                                                    loss_parallel=vocab),
                   planner=autopipe.PlannerOptions(recompute=checkpoint if checkpoint != "none" else "auto",
                                                   mixed_precision="bf16" if autocast else None)) as pipe:
+        failed = None
+        if vocab:  # a loss_fn that raises on sharded logits is played through to an error on every rank
+            try:
+                pipe.step(batch, target=target[:, :1])
+            except PipelineStepError as e:
+                failed = str(e)
+            pipe.zero_grad()
         with CollectiveCount() as collectives:
-            loss = pipe.step(batch, target=torch.zeros(len(batch)))
+            loss = pipe.step(batch, target=target)
         norm = pipe.clip_grad_norm_(1e9)
         grads = {n: data_full(p.grad) for n, p in pipe.named_parameters() if p.grad is not None}
         found = {"without_grad": [n for n, p in pipe.named_parameters() if p.grad is None],
@@ -150,13 +169,22 @@ def pipe_run(rank: int, world_size: int, name: str, schedule: str, dp: int = 1, 
                                   if isinstance(p, DTensor)},
                  "strided": sorted(n for n, p in pipe.named_parameters() if isinstance(p, DTensor)
                                    and any(type(q).__name__ == "_StridedShard" for q in p.placements))}
+        found["failed_step"] = failed
+        if vocab:  # the whole logits, gathered from the shards, on the last stage's ranks
+            pipe.eval()
+            logits = pipe(batch)
+            pipe.train()
+            found["forward_worst"] = None if logits is None else (logits - exact(batch)).abs().max().item()
         if short:
-            found["short"] = _short_step(pipe, copy.deepcopy(exact), batch[:, : batch.shape[1] // 2])
+            half = batch.shape[1] // 2
+            found["short"] = _short_step(pipe, copy.deepcopy(exact), batch[:, :half],
+                                         target[:, :half] if vocab else target, loss_of)
     rows = len(batch) // (n_micro * dp)
     precision = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
     for copy_, context in ((reference, precision), (exact, contextlib.nullcontext())):
         with context:
-            expected = sum(_loss(copy_(batch[i * rows:(i + 1) * rows])) for i in range(n_micro * dp)) / (n_micro * dp)
+            expected = sum(loss_of(copy_(batch[i * rows:(i + 1) * rows]), target[i * rows:(i + 1) * rows])
+                           for i in range(n_micro * dp)) / (n_micro * dp)
         expected.backward()
         if copy_ is reference:
             expected_loss = expected.item()
@@ -189,20 +217,33 @@ def refusals(rank: int, world_size: int) -> dict:
     a model with nothing to shard, and heads that do not divide."""
     from autopipe.runtime import Pipeline
 
-    def error(model: nn.Module, args: tuple, tp: int, schedule: str = "1F1B", recompute: str = "auto") -> str:
+    def error(model: nn.Module, args: tuple, tp: int, schedule: str = "1F1B", recompute: str = "auto",
+              loss_parallel: bool = False) -> str:
         stages = 2 if schedule == "1F1B" else 4
         try:
             Pipeline(model, example_args=args, loss_fn=lambda out, y: _loss(out),
-                     data_parallel=DataParallelOptions(tensor_parallel=tp), planner=PlannerOptions(recompute=recompute),
+                     data_parallel=DataParallelOptions(tensor_parallel=tp, loss_parallel=loss_parallel),
+                     planner=PlannerOptions(recompute=recompute),
                      split_points=_split_points(model, stages), schedule=schedule, n_microbatches=4).close()
         except ValueError as e:
             return str(e)
         return "built"
 
-    return {"degree": error(*_model("seed_transformer"), 3),
+    found = {}
+    if name_imports("transformers"):  # GPT-2's output layer is its input embedding
+        found["tied_head"] = error(*_model("gpt2"), 2, loss_parallel=True)
+    return {**found, "degree": error(*_model("seed_transformer"), 3),
             "selective_split_backward": error(*_model("seed_transformer", layers=4), 2, "ZBVZeroBubble", "selective"),
             "nothing": error(_Normed(), (torch.randn(2, 8),), 2),
             "heads": error(*seed_transformer(128, d_model=48, num_heads=3, d_ff=96, num_layers=2, seq_len=8), 2)}
+
+
+def name_imports(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
 
 
 def data_full(t: torch.Tensor) -> torch.Tensor:

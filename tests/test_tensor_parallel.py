@@ -29,6 +29,8 @@ PP_TP = {
     "llama-ZBVZeroBubble": ("llama", "ZBVZeroBubble"),
     "seed-1F1B+bf16": ("seed_transformer", "1F1B", 1, "none", True),
     "gpt2-1F1B": ("gpt2", "1F1B", 1, "none", False, True),  # fused q, k, v in a Conv1D; then another length
+    # The output layer sharded along the vocabulary, a cross-entropy under loss_parallel; then another length.
+    "seed-1F1B+loss_parallel": ("seed_transformer", "1F1B", 1, "none", False, True, True),
 }
 #: The same on pp 2 x tp 2 x dp 2 (8 ranks), FSDP over dp: q, k and v fused in one nn.Linear, whose
 #: strided shard FSDP2 cuts along the other dimension.
@@ -38,11 +40,7 @@ PLAIN = ("seed_transformer", "fused")
 
 
 def _transformers_imports() -> bool:
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return workers.name_imports("transformers")
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,7 +101,20 @@ def test_a_fused_qkv_matrix_is_sharded_by_head_in_each_of_its_parts():
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("key", ["seed-1F1B+selective", "gpt2-1F1B"])
+def test_with_loss_parallel_the_output_layer_is_sharded_along_the_vocabulary_and_its_loss_is_the_unsplit_one():
+    # Its loss, gradients and norm are the unsplit model's: the first test of this file.
+    ranks = _case(4, "seed-1F1B+loss_parallel")
+    for rank in ranks:  # a step whose loss_fn raised (a target too short) first: every rank was told, none hung
+        assert "in loss_fn" in rank["failed_step"] and "failed on rank 2, 3" in rank["failed_step"]
+    last = [rank for rank in ranks if rank["forward_worst"] is not None]
+    assert len(last) == 2  # the tp group of the last stage holds the output layer, half the vocabulary each
+    for rank in last:
+        assert rank["local_shapes"]["out_linear.weight"] == ((64, 64), (128, 64))
+        assert rank["forward_worst"] <= TOL  # pipe(x) gives the whole logits
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("key", ["seed-1F1B+selective", "gpt2-1F1B", "seed-1F1B+loss_parallel"])
 def test_a_step_at_another_length_traces_sharded_stages_that_train_as_the_unsplit_model(key):
     for rank in _case(4, key):
         assert rank["short"]["loss"] == pytest.approx(rank["short"]["expected"], abs=TOL)
@@ -147,6 +158,9 @@ def test_a_bad_degree_nothing_to_shard_and_indivisible_heads_are_refused_on_ever
         assert "cannot shard _Normed: nothing to shard" in rank["nothing"]
         assert "3 attention heads (group 0) do not divide by tp=2" in rank["heads"]
         assert "selective checkpointing allows one backward per region" in rank["selective_split_backward"]
+        if "tied_head" in rank:  # transformers is installed
+            assert "cannot shard the output layer's lm_head.weight: it is tied to transformer.wte.weight" \
+                in rank["tied_head"]
 
 
 @pytest.mark.distributed
@@ -192,6 +206,16 @@ def test_a_model_with_nothing_to_shard_is_refused_naming_why():
     plan = find_tensor_parallel(torch.export.export(model, (torch.randn(2, 4),)))
     with pytest.raises(ValueError, match="nothing to shard"):
         parallelize_stage(model, _Mesh(2), plan)
+
+
+def test_loss_parallel_without_tensor_parallelism_is_refused_before_anything_runs():
+    from autopipe import DataParallelOptions
+    from autopipe.runtime import Pipeline
+
+    model, args = workers._model("seed_transformer")
+    with pytest.raises(ValueError, match=r"loss_parallel=True\) shards the output layer over the tensor-parallel"):
+        Pipeline(model, example_args=args, loss_fn=workers._cross_entropy,
+                 data_parallel=DataParallelOptions(loss_parallel=True))
 
 
 class _Doubled(nn.Linear):

@@ -35,7 +35,7 @@ Example:
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -78,6 +78,11 @@ class TensorParallelPlan:
 
     def sharded(self) -> list[ShardedMatmul]:
         return [m for m in self.matmuls if m.shard in ("column", "row")]
+
+    def with_output_sharded(self) -> "TensorParallelPlan":
+        """This plan with the output layer sharded column-wise as well: its logits split along the
+        vocabulary, for a loss that reads them so (torch's ``loss_parallel``)."""
+        return replace(self, matmuls=[replace(m, shard="column") if m.shard == "vocab" else m for m in self.matmuls])
 
     def why_not(self, tp: int) -> str | None:
         """None when every sharded dimension divides by ``tp``, else the first that does not."""

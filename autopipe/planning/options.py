@@ -121,6 +121,11 @@ class DataParallelOptions:
             column- and row-wise by the export's graph analysis, sharded with torch's
             tensor-parallel API over the ``tp`` dimension of a ``(pp, dp, tp)`` mesh, each
             group on one node (:mod:`autopipe.runtime.tensor_parallel`). None: the mesh's, else 1.
+        loss_parallel: with tensor parallelism, shard the output layer along the vocabulary too
+            (a Pipeline only): ``loss_fn`` receives the logits as a DTensor sharded along their
+            last dimension and runs under torch's ``loss_parallel()``, so ``cross_entropy``
+            never gathers them. The layout planner charges every tp > 1 layout so. False: the
+            output layer stays whole on every rank of the group.
         batch: what each rank's ``step``/``evaluate`` is given (a Pipeline only):
             ``"replica"`` (default, DDP's convention) its replica's own rows, ``n_microbatches``
             micro-batches, e.g. from a ``DistributedSampler(dataset,
@@ -139,9 +144,12 @@ class DataParallelOptions:
     mesh: Any = None
     batch: str = "replica"
     tensor_parallel: int | None = None
+    loss_parallel: bool = False
 
     def __post_init__(self) -> None:
         check_choice("DataParallelOptions batch", self.batch, DP_BATCHES)
+        if not isinstance(self.loss_parallel, bool):
+            raise TypeError(f"DataParallelOptions loss_parallel must be True or False, got {self.loss_parallel!r}")
         if self.tensor_parallel is not None:
             check_int("DataParallelOptions tensor_parallel", self.tensor_parallel)
 
@@ -154,7 +162,7 @@ class DataParallelOptions:
 
         Example:
             >>> DataParallelOptions.of(2)
-            DataParallelOptions(degree=2, mode=None, mesh=None, batch='replica', tensor_parallel=None)
+            DataParallelOptions(degree=2, mode=None, mesh=None, batch='replica', tensor_parallel=None, loss_parallel=False)
         """
         if value is None:
             return cls()

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._pytree import tree_map
 
 from .._checks import check_int
 from ..machine.precision import mixed_precision_context
@@ -18,7 +19,7 @@ from ..planning.options import BLOCK_RECOMPUTE, DataParallelOptions, PlannerOpti
 from ..planning.plan import Plan
 from ..planning.schedules import TRAINING_STEP_KWARGS, schedule_spec, stage_ranks
 from .checkpointing import resolve_recompute
-from .data_parallel import check_mesh_arguments, data_parallel_from_plan, prepare_replicas
+from .data_parallel import check_mesh_arguments, data_parallel_from_plan, full_tensor, prepare_replicas
 from .call_inputs import CallInputs
 from .distributed import DEFAULT_TIMEOUT_S, check_device, collective_device, default_device, init_distributed
 from .inference import Inference
@@ -150,6 +151,10 @@ class Pipeline(PipelineLifecycle, PipelineStateDicts):
         mesh = replicas.mesh
         dp_degree, dp_mode = data_parallel_from_plan(request.plan, mesh, replicas.degree, replicas.mode)
         check_mesh_arguments(mesh, dp_degree, dp_mode)
+        names = getattr(mesh, "mesh_dim_names", None) or ()
+        if replicas.loss_parallel and (replicas.tensor_parallel or (mesh.size(names.index("tp")) if "tp" in names else 1)) < 2:
+            raise ValueError("data_parallel=DataParallelOptions(loss_parallel=True) shards the output layer over the "
+                             "tensor-parallel ranks: give tensor_parallel= of 2 or more (or a mesh with a 'tp' dimension)")
 
         if device is not None:
             check_device(device)
@@ -176,6 +181,8 @@ class Pipeline(PipelineLifecycle, PipelineStateDicts):
         self.dp_size: int = dp.dp_size if dp else 1
         #: This rank's place in its tensor-parallel group, and the group's size (0 and 1 without one).
         self.tp_rank, self.tp_size = place.tp_rank, place.tp_size
+        #: Whether the output layer is sharded along the vocabulary, its logits given to ``loss_fn`` so.
+        self.loss_parallel: bool = replicas.loss_parallel
         #: Every rank's node and mesh coordinates under tensor parallelism (``placement.rank_nodes``), else None.
         self.rank_nodes = rank_nodes(place.mesh) if place.tp_mesh is not None else None
 
@@ -222,7 +229,7 @@ class Pipeline(PipelineLifecycle, PipelineStateDicts):
             block_mode=recompute if recompute in BLOCK_RECOMPUTE else "none",
             init_weights=init_weights, weights=weights, pp_rank=self.pp_rank,
             replicas=place.pipelines, pp_group=place.pp_group, mixed_precision=self.mixed_precision,
-            compile_options=compiled, tp_mesh=place.tp_mesh)
+            compile_options=compiled, tp_mesh=place.tp_mesh, loss_parallel=replicas.loss_parallel)
         if dp:
             prepare_replicas(dp, built, self.schedule, self.mixed_precision)
         self._batch = built.batch
@@ -258,7 +265,7 @@ class Pipeline(PipelineLifecycle, PipelineStateDicts):
         """The pipeline's mixed precision and tensor parallelism around a schedule's run (nothing without them)."""
         stack = contextlib.ExitStack()
         if self.tp_size > 1:
-            stack.enter_context(tensor_parallel_context(self.device))
+            stack.enter_context(tensor_parallel_context(self.device, loss_parallel=self.loss_parallel))
         stack.enter_context(mixed_precision_context(self.mixed_precision, self.device))
         return stack
 
@@ -419,7 +426,9 @@ class Pipeline(PipelineLifecycle, PipelineStateDicts):
         with self._failures.guard("forward", self.rank), self._autocast():
             output, _ = self._at_shape()[1].run(*placed, training=self.training, with_loss=False)
             agree_on_failures(self._failures, rank=self.rank, world_size=self.world_size, device=self._comm_device())
-        return self._batch.io.unflatten_output(self._inputs.trim(output)) if self.has_last_stage else None
+        if not self.has_last_stage:
+            return None
+        return self._batch.io.unflatten_output(tree_map(full_tensor, self._inputs.trim(output)))
 
     __call__ = forward
 
@@ -430,6 +439,7 @@ class Pipeline(PipelineLifecycle, PipelineStateDicts):
 
     def _share_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The mean loss on every rank; every rank raises if a rank failed (step_failures.share_loss)."""
+        losses = [full_tensor(loss) for loss in losses]  # a loss of sharded logits is a DTensor
         if self.dp_size * self.tp_size > 1:  # each replica's last stage (every tp rank of it) adds its mean
             losses = [loss / (self.dp_size * self.tp_size) for loss in losses]
         return share_loss(losses, self._failures, rank=self.rank, world_size=self.world_size,

@@ -37,7 +37,7 @@ from .model_io import ModelIO, TracedBatch, capture_export
 from .params import (StateNames, first_model_difference, first_use_ranks, model_signature, model_state_names,
                      shared_parameters, stage_state, tie_aliases, used_attribute_names)
 from .relay import relay_skip_connections
-from .tensor_parallel import shard_stages
+from .tensor_parallel import shard_stages, vocabulary_parallel
 
 def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict], *, training: bool,
                 expected: int, stop_after_export: Callable[[list[str]], bool] | None = None,
@@ -256,9 +256,11 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
                       weights: WeightSource | None = None, pp_rank: int | None = None,
                       replicas: Sequence[Sequence[int]] | None = None, pp_group: Any = None,
                       mixed_precision: str | None = None, compile_options: dict[str, Any] | None = None,
-                      tp_mesh: DeviceMesh | None = None, block_mode: str = "none") -> RankStages:
+                      tp_mesh: DeviceMesh | None = None, loss_parallel: bool = False,
+                      block_mode: str = "none") -> RankStages:
     """Split a private copy of ``model`` at the plan's split points and build this rank's stages
-    (each sharded over ``tp_mesh`` where given: :mod:`~autopipe.runtime.tensor_parallel`; each of
+    (each sharded over ``tp_mesh`` where given, the output layer too with ``loss_parallel``:
+    :mod:`~autopipe.runtime.tensor_parallel`; each of
     the model's blocks checkpointed in ``block_mode``: :func:`~autopipe.runtime.checkpointing.checkpoint_blocks`)."""
     # Before anything is traced: ranks with different models would split differently and
     # disagree on the shared parameters' process groups.
@@ -294,6 +296,8 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
     raise_on_every_rank(mismatch, rank=rank, world_size=world_size,
                         what="build stages whose gradients are the model's")
     tp_plan = train_pipe.autopipe_tensor_parallel if tp_mesh is not None else None
+    if tp_plan is not None and loss_parallel:  # refused alike on every rank, as the check below
+        tp_plan = vocabulary_parallel(tp_plan, model)
     why = tp_plan.why_not(tp_mesh.size()) if tp_plan is not None else None
     if why:  # every rank traced alike and raises alike, before the sharding's collectives
         raise ValueError(f"tensor_parallel={tp_mesh.size()} cannot shard {type(model).__name__}: {why}")

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..errors import PipelineStepError
@@ -276,12 +277,18 @@ class _ZerosInGraph(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,  # noqa: D102
                 *anchors: torch.Tensor) -> torch.Tensor:
-        ctx.anchor_meta = [(a.shape, a.dtype, a.device) for a in anchors]
+        # A DTensor anchor (tensor-parallel logits) takes a DTensor gradient of its own placements.
+        ctx.anchor_meta = [(a.to_local().shape, a.dtype, a.device, (a.device_mesh, a.placements))
+                           if isinstance(a, DTensor) else (a.shape, a.dtype, a.device, None) for a in anchors]
         return torch.zeros(shape, dtype=dtype, device=device)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # noqa: D102
-        return (None, None, None, *(torch.zeros(s, dtype=d, device=dev) for s, d, dev in ctx.anchor_meta))
+        zeros = []
+        for shape, dtype, device, placed in ctx.anchor_meta:
+            zero = torch.zeros(shape, dtype=dtype, device=device)
+            zeros.append(DTensor.from_local(zero, *placed, run_check=False) if placed else zero)
+        return (None, None, None, *zeros)
 
 
 def _zeros_like_value(value: Any, anchors: list[torch.Tensor], device: torch.device) -> Any:

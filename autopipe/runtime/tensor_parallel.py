@@ -85,6 +85,37 @@ def shard_stages(modules: Mapping[int, nn.Module], tp_mesh: DeviceMesh, plan: Te
         parallelize_stage(module, tp_mesh, plan)
 
 
+def vocabulary_parallel(plan: TensorParallelPlan, model: nn.Module) -> TensorParallelPlan:
+    """``plan`` with ``model``'s output layer sharded along the vocabulary too, its logits left
+    sharded for a loss run under torch's ``loss_parallel`` (``DataParallelOptions(loss_parallel=True)``).
+
+    Raises:
+        ValueError: the export has no output layer to shard (no matrix whose output columns
+            reach the model's output or its loss alone), or its weight is tied to another
+            parameter (an input embedding, which stays whole).
+
+    Example:
+        >>> vocabulary_parallel(TensorParallelPlan([]), nn.Linear(2, 2))
+        Traceback (most recent call last):
+        ValueError: loss_parallel=True shards the model's output layer along the vocabulary, but...
+    """
+    heads = [m.parameter for m in plan.matmuls if m.shard == "vocab"]
+    if not heads:
+        raise ValueError("loss_parallel=True shards the model's output layer along the vocabulary, but its export "
+                         "has none: no matrix whose output columns reach the model's output or its loss alone")
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for head in heads:
+        tied = [n for n in names.get(id(params.get(head)), []) if n != head]
+        if tied:
+            raise ValueError(f"loss_parallel=True cannot shard the output layer's {head}: it is tied to {tied[0]}, "
+                             "which stays whole on every rank; untie them (tie_word_embeddings=False) or leave "
+                             "loss_parallel off")
+    return plan.with_output_sharded()
+
+
 def counts_once(tensor: torch.Tensor, coords: Mapping[str, int]) -> bool:
     """Whether this rank's part of ``tensor`` adds to a sum over every rank, where ``coords`` is this
     rank's place along each parallel dimension (``{"dp": 1, "tp": 0}``): along a dimension that
@@ -124,19 +155,24 @@ class CollectiveCount(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def tensor_parallel_context(device: torch.device) -> Iterator[None]:
+def tensor_parallel_context(device: torch.device, loss_parallel: bool = False) -> Iterator[None]:
     """Where tensor-parallel stages run forward and backward: whole tensors met by sharded ones are
-    taken as replicated; on the CPU attention runs its math kernel (docs/design.md says why).
+    taken as replicated; on the CPU attention runs its math kernel (docs/design.md says why); with
+    ``loss_parallel``, a cross-entropy of logits sharded along the vocabulary runs on the shards
+    (torch's ``loss_parallel``), forward and backward.
 
     Example:
         >>> with tensor_parallel_context(torch.device("cpu")):
         ...     pass
     """
     from torch.distributed.tensor.experimental import implicit_replication
+    from torch.distributed.tensor.parallel import loss_parallel as sharded_loss
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(implicit_replication())
+        if loss_parallel:
+            stack.enter_context(sharded_loss())
         if device.type == "cpu":
             stack.enter_context(sdpa_kernel([SDPBackend.MATH]))
         yield
