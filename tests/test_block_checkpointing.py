@@ -92,5 +92,9 @@ def test_a_per_block_mode_recomputes_no_whole_stage_and_partition_refuses_it_and
         autopipe.partition(model, 2, args, planner=PlannerOptions(recompute="full"))
     with pytest.raises(ValueError, match="tensor_parallel=2\\) is for a Pipeline.*autopipe layout"):
         autopipe.partition(model, 2, args, data_parallel=DataParallelOptions(tensor_parallel=2))
+    with pytest.raises(ValueError, match="loss_parallel=True\\) is for a Pipeline.*autopipe layout"):
+        autopipe.partition(model, 2, args, data_parallel=DataParallelOptions(loss_parallel=True))
     with pytest.raises(ValueError, match="DataParallelOptions tensor_parallel=0"):
         DataParallelOptions(tensor_parallel=0)
+    with pytest.raises(TypeError, match="DataParallelOptions loss_parallel must be True or False, got 'yes'"):
+        DataParallelOptions(loss_parallel="yes")

@@ -203,8 +203,8 @@ def plan_partition(
         raise ValueError("data_parallel=DataParallelOptions(mesh=...) is for a Pipeline, which runs on the mesh; "
                          "partition() plans for n_gpus ranks: give degree= (and mode=) instead")
     if (replicas.tensor_parallel or 1) > 1 or replicas.loss_parallel:
-        raise ValueError(f"data_parallel=DataParallelOptions(tensor_parallel={replicas.tensor_parallel}, "
-                         f"loss_parallel={replicas.loss_parallel}) is for a "
+        given = f"tensor_parallel={replicas.tensor_parallel}" if replicas.tensor_parallel else "loss_parallel=True"
+        raise ValueError(f"data_parallel=DataParallelOptions({given}) is for a "
                          "Pipeline; partition() plans pipeline x data parallel layouts, and `autopipe layout` plans "
                          "tensor-parallel ones")
     degree, dp_mode = 1 if replicas.degree is None else replicas.degree, replicas.mode or "fsdp"
