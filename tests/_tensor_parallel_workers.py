@@ -121,7 +121,7 @@ def _cross_entropy(out, target: torch.Tensor) -> torch.Tensor:
 
 
 def pipe_run(rank: int, world_size: int, name: str, schedule: str, dp: int = 1, checkpoint: str = "none",
-             autocast: bool = False, short: bool = False, vocab: bool = False) -> dict:
+             autocast: bool = False, short: bool = False, vocab: bool = False, sequence: bool = False) -> dict:
     """One step of a ``tensor_parallel=2`` ``autopipe.Pipeline`` on pp x dp x tp ranks (FSDP over dp) against
     the unsplit model on the same batch: the loss, every gradient (gathered), the clipped norm. Under
     ``autocast`` both run in bf16, and each is also compared with the unsplit model in fp32. With
@@ -143,7 +143,7 @@ def pipe_run(rank: int, world_size: int, name: str, schedule: str, dp: int = 1, 
     with Pipeline(model, example_args=args, loss_fn=loss_of, schedule=schedule,
                   split_points=_split_points(model, pp * stages_per_rank), n_microbatches=n_micro,
                   data_parallel=DataParallelOptions(degree=dp if dp > 1 else None, batch="global", tensor_parallel=2,
-                                                    loss_parallel=vocab),
+                                                    loss_parallel=vocab, sequence_parallel=sequence),
                   planner=autopipe.PlannerOptions(recompute=checkpoint if checkpoint != "none" else "auto",
                                                   mixed_precision="bf16" if autocast else None)) as pipe:
         failed = None

@@ -213,7 +213,7 @@ def test_loss_parallel_without_tensor_parallelism_is_refused_before_anything_run
     from autopipe.runtime import Pipeline
 
     model, args = workers._model("seed_transformer")
-    with pytest.raises(ValueError, match=r"loss_parallel=True\) shards the output layer over the tensor-parallel"):
+    with pytest.raises(ValueError, match=r"loss_parallel=True\) shards over the tensor-parallel"):
         Pipeline(model, example_args=args, loss_fn=workers._cross_entropy,
                  data_parallel=DataParallelOptions(loss_parallel=True))
 

@@ -126,6 +126,10 @@ class DataParallelOptions:
             last dimension and runs under torch's ``loss_parallel()``, so ``cross_entropy``
             never gathers them. The layout planner charges every tp > 1 layout so. False: the
             output layer stays whole on every rank of the group.
+        sequence_parallel: with tensor parallelism, run what lies between a block's row matrix and
+            the next column one (residual adds, norms, dropout) on sequence shards, Megatron-LM's
+            sequence parallelism (a Pipeline only): rows reduce-scatter, columns all-gather, the
+            stage boundaries stay whole.
         batch: what each rank's ``step``/``evaluate`` is given (a Pipeline only):
             ``"replica"`` (default, DDP's convention) its replica's own rows, ``n_microbatches``
             micro-batches, e.g. from a ``DistributedSampler(dataset,
@@ -145,11 +149,13 @@ class DataParallelOptions:
     batch: str = "replica"
     tensor_parallel: int | None = None
     loss_parallel: bool = False
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         check_choice("DataParallelOptions batch", self.batch, DP_BATCHES)
-        if not isinstance(self.loss_parallel, bool):
-            raise TypeError(f"DataParallelOptions loss_parallel must be True or False, got {self.loss_parallel!r}")
+        for name in ("loss_parallel", "sequence_parallel"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"DataParallelOptions {name} must be True or False, got {getattr(self, name)!r}")
         if self.tensor_parallel is not None:
             check_int("DataParallelOptions tensor_parallel", self.tensor_parallel)
 
@@ -162,7 +168,7 @@ class DataParallelOptions:
 
         Example:
             >>> DataParallelOptions.of(2)
-            DataParallelOptions(degree=2, mode=None, mesh=None, batch='replica', tensor_parallel=None, loss_parallel=False)
+            DataParallelOptions(degree=2, mode=None, mesh=None, batch='replica', tensor_parallel=None, loss_parallel=False, sequence_parallel=False)
         """
         if value is None:
             return cls()

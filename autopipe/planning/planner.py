@@ -202,8 +202,9 @@ def plan_partition(
     if replicas.mesh is not None:
         raise ValueError("data_parallel=DataParallelOptions(mesh=...) is for a Pipeline, which runs on the mesh; "
                          "partition() plans for n_gpus ranks: give degree= (and mode=) instead")
-    if (replicas.tensor_parallel or 1) > 1 or replicas.loss_parallel:
-        given = f"tensor_parallel={replicas.tensor_parallel}" if replicas.tensor_parallel else "loss_parallel=True"
+    runtime_only = [f"{name}=True" for name in ("loss_parallel", "sequence_parallel") if getattr(replicas, name)]
+    if (replicas.tensor_parallel or 1) > 1 or runtime_only:
+        given = f"tensor_parallel={replicas.tensor_parallel}" if replicas.tensor_parallel else runtime_only[0]
         raise ValueError(f"data_parallel=DataParallelOptions({given}) is for a "
                          "Pipeline; partition() plans pipeline x data parallel layouts, and `autopipe layout` plans "
                          "tensor-parallel ones")

@@ -57,7 +57,10 @@ class Inference:
         if key not in self._schedules:
             modules = self._train_modules if training else self._eval.get()
             if schedule_spec(self._schedule).placement == "v":
-                stages = [manual_stage(modules[s], s, self._num_stages, self._device, self._batch) for s in modules]
+                # The training stages' group: the pipeline's own ranks under pp x dp or pp x tp.
+                group = self._train_stages[0].group
+                stages = [manual_stage(modules[s], s, self._num_stages, self._device, self._batch, group)
+                          for s in modules]
             else:
                 # Fresh stage objects: a schedule keeps per-stage communication state that
                 # a forward-only run would overwrite for the training schedule.

@@ -35,7 +35,7 @@ from .stage_timer import StageTimer, gather_stage_times
 from .stage_schedule import MicrobatchMeanLoss, make_schedule
 from .stages import build_rank_stages, compile_options
 from .step_failures import agree_on_failures, share_loss
-from .tensor_parallel import counts_once, tensor_parallel_context
+from .tensor_parallel import counts_once, sum_partial_gradients, tensor_parallel_context
 
 class Pipeline(PipelineLifecycle, PipelineStateDicts):
     """A model split into pipeline stages across the ranks of a ``torch.distributed`` job.
@@ -152,9 +152,11 @@ class Pipeline(PipelineLifecycle, PipelineStateDicts):
         dp_degree, dp_mode = data_parallel_from_plan(request.plan, mesh, replicas.degree, replicas.mode)
         check_mesh_arguments(mesh, dp_degree, dp_mode)
         names = getattr(mesh, "mesh_dim_names", None) or ()
-        if replicas.loss_parallel and (replicas.tensor_parallel or (mesh.size(names.index("tp")) if "tp" in names else 1)) < 2:
-            raise ValueError("data_parallel=DataParallelOptions(loss_parallel=True) shards the output layer over the "
-                             "tensor-parallel ranks: give tensor_parallel= of 2 or more (or a mesh with a 'tp' dimension)")
+        for option in ("loss_parallel", "sequence_parallel"):
+            if getattr(replicas, option) and (replicas.tensor_parallel or (mesh.size(names.index("tp")) if "tp" in names
+                                                                         else 1)) < 2:
+                raise ValueError(f"data_parallel=DataParallelOptions({option}=True) shards over the tensor-parallel "
+                                 "ranks: give tensor_parallel= of 2 or more (or a mesh with a 'tp' dimension)")
 
         if device is not None:
             check_device(device)
@@ -183,6 +185,8 @@ class Pipeline(PipelineLifecycle, PipelineStateDicts):
         self.tp_rank, self.tp_size = place.tp_rank, place.tp_size
         #: Whether the output layer is sharded along the vocabulary, its logits given to ``loss_fn`` so.
         self.loss_parallel: bool = replicas.loss_parallel
+        #: Whether norms and residual adds run on sequence shards (Megatron-LM's sequence parallelism).
+        self.sequence_parallel: bool = replicas.sequence_parallel
         #: Every rank's node and mesh coordinates under tensor parallelism (``placement.rank_nodes``), else None.
         self.rank_nodes = rank_nodes(place.mesh) if place.tp_mesh is not None else None
 
@@ -229,7 +233,8 @@ class Pipeline(PipelineLifecycle, PipelineStateDicts):
             block_mode=recompute if recompute in BLOCK_RECOMPUTE else "none",
             init_weights=init_weights, weights=weights, pp_rank=self.pp_rank,
             replicas=place.pipelines, pp_group=place.pp_group, mixed_precision=self.mixed_precision,
-            compile_options=compiled, tp_mesh=place.tp_mesh, loss_parallel=replicas.loss_parallel)
+            compile_options=compiled, tp_mesh=place.tp_mesh, loss_parallel=replicas.loss_parallel,
+            sequence_parallel=replicas.sequence_parallel)
         if dp:
             prepare_replicas(dp, built, self.schedule, self.mixed_precision)
         self._batch = built.batch
@@ -319,6 +324,8 @@ class Pipeline(PipelineLifecycle, PipelineStateDicts):
         with self._failures.guard("step", self.rank), self._autocast():
             schedule.step(*stage_args, target=stage_target, losses=losses, **TRAINING_STEP_KWARGS, **stage_kwargs)
             loss = self._share_loss(losses)  # also tells every rank whether any rank failed
+        if self.sequence_parallel:  # a norm's weight read sequence shards: each rank holds a part
+            sum_partial_gradients(self.parameters())
         # Every copy of a parameter shared by stages or ranks gets the sum of their gradients.
         sum_shared_grads(self._shared, self._state, self._use_leaves, before)
         if self.data_parallel and self.data_parallel.mode == "replicate":

@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, SplitPoint, pipeline
 
-from ..layouts.sharding import TensorParallelPlan, find_tensor_parallel
+from ..layouts.sharding import find_tensor_parallel
 from ..machine.host_memory import return_freed_heap
 from ..planning import hf_compat
 from ..planning.inplace import clone_inputs_written_in_place
@@ -31,13 +31,14 @@ from .materialize import (WeightSource, check_state_fits, describe_weights, load
 from .compat import (VStage, generated_source_recorded, guard_stage_boundaries, make_boundary_tensors_sendable,
                      meta_devices_to, rename_nodes_shadowing_self, safe_submodule_outlining, stage_call_order,
                      stages_in_split_order, static_stage_meta)
+from .data_parallel import local_tensor
 from .distributed import gather_digests, raise_on_every_rank
 from .mixed_precision import carry_autocast_dtypes
 from .model_io import ModelIO, TracedBatch, capture_export
 from .params import (StateNames, first_model_difference, first_use_ranks, model_signature, model_state_names,
                      shared_parameters, stage_state, tie_aliases, used_attribute_names)
 from .relay import relay_skip_connections
-from .tensor_parallel import shard_stages, vocabulary_parallel
+from .tensor_parallel import StageSharding, shard_stages, vocabulary_parallel
 
 def split_model(model: nn.Module, split_spec: dict, example: tuple[tuple, dict], *, training: bool,
                 expected: int, stop_after_export: Callable[[list[str]], bool] | None = None,
@@ -230,8 +231,7 @@ class Retrace:
     training: bool
     autocast: tuple[str, torch.device] | None
     compile_options: dict[str, Any] | None
-    tp_mesh: DeviceMesh | None = None  # the tensor-parallel group, and what it shards in every trace
-    tp_plan: TensorParallelPlan | None = None
+    tp: StageSharding | None = None  # what tensor parallelism shards in every trace
     blocks: Sequence[str] = ()  # the model's blocks, each checkpointed in ``block_mode``
     block_mode: str = "none"
 
@@ -257,9 +257,10 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
                       replicas: Sequence[Sequence[int]] | None = None, pp_group: Any = None,
                       mixed_precision: str | None = None, compile_options: dict[str, Any] | None = None,
                       tp_mesh: DeviceMesh | None = None, loss_parallel: bool = False,
-                      block_mode: str = "none") -> RankStages:
+                      sequence_parallel: bool = False, block_mode: str = "none") -> RankStages:
     """Split a private copy of ``model`` at the plan's split points and build this rank's stages
-    (each sharded over ``tp_mesh`` where given, the output layer too with ``loss_parallel``:
+    (each sharded over ``tp_mesh`` where given, the output layer too with ``loss_parallel``, the
+    norms over sequence shards with ``sequence_parallel``:
     :mod:`~autopipe.runtime.tensor_parallel`; each of
     the model's blocks checkpointed in ``block_mode``: :func:`~autopipe.runtime.checkpointing.checkpoint_blocks`)."""
     # Before anything is traced: ranks with different models would split differently and
@@ -344,8 +345,9 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
         except Exception as e:  # noqa: BLE001 - raised below, on every rank
             unread = e
         raise_on_every_rank(unread, rank=rank, world_size=world_size, what="read its weights")
-    if tp_mesh is not None:
-        shard_stages(train_modules, tp_mesh, tp_plan)
+    tp = StageSharding(tp_mesh, tp_plan, sequence_parallel) if tp_mesh is not None else None
+    if tp is not None:
+        shard_stages(train_modules, tp)
         for module in train_modules.values():  # the sharded parameters replace the whole ones
             state.update((canon, tensor) for canon, (_, tensor) in stage_state(module, names).items())
     batch = TracedBatch(train_pipe.autopipe_io, example, n_microbatches)
@@ -360,7 +362,7 @@ def build_rank_stages(model: nn.Module, plan: Plan, *, schedule: str, n_microbat
                       device=device, pp_group=pp_group, pp_rank=pp_rank, pp_size=len(set(stage_ranks)), names=names,
                       state=state, traced=train_modules, checkpointed=checkpointed, split_backward=split_backward,
                       v_placement=v_placement, training=training, autocast=autocast, compile_options=compile_options,
-                      tp_mesh=tp_mesh, tp_plan=tp_plan, blocks=blocks, block_mode=block_mode)
+                      tp=tp, blocks=blocks, block_mode=block_mode)
     # A meta model's training trace is a meta trace already, to compare the eval-mode one with.
     eval_modules = EvalModules(retrace, traced_example if meta else to_meta(traced_example), train_modules,
                                train_graph=train_pipe.autopipe_graph if meta else None)
@@ -436,8 +438,8 @@ def retrace_rank_stages(r: Retrace, batch: TracedBatch, dims: tuple[int, ...]) -
     for module in train_modules.values():
         meta_devices_to(module, r.device)
         use_leaves += tie_aliases(module, r.names, r.state, leaf_per_use=r.split_backward)
-    if r.tp_mesh is not None:
-        shard_stages(train_modules, r.tp_mesh, r.tp_plan)
+    if r.tp is not None:
+        shard_stages(train_modules, r.tp)
     new_batch = TracedBatch(train_pipe.autopipe_io, example, batch.n_microbatches)
     train_stages = _ready_to_run(train_modules, train_stages, new_batch, checkpointed=r.checkpointed,
                                  split_backward=r.split_backward, compile_options=r.compile_options,
@@ -551,8 +553,8 @@ class EvalModules:
             raise ValueError(self.refusal)
         modules = _build_eval_modules(eval_pipe, r.stage_indices, r.device, r.names, r.state, r.split_backward,
                                       constants_from=r.traced, pp_group=r.pp_group)
-        if r.tp_mesh is not None:
-            shard_stages(modules, r.tp_mesh, r.tp_plan)
+        if r.tp is not None:
+            shard_stages(modules, r.tp)
         _guard_and_compile(modules.values(), r.split_backward, r.compile_options)
         return modules
 
@@ -601,7 +603,7 @@ def _copy_shared_from_first_use(shared: Sequence[tuple[list[str], Any]], state: 
         for name in names:
             by_source.setdefault(first_use[name], []).append(name)
         for source in sorted(by_source):
-            params = [state[n] for n in by_source[source]]
+            params = [local_tensor(state[n]) for n in by_source[source]]  # a DTensor's: tp ranks hold their own
             flat = torch.cat([p.detach().reshape(-1) for p in params])
             dist.broadcast(flat, src=source, group=group)
             offset = 0

@@ -5,7 +5,8 @@ stages")."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -24,18 +25,22 @@ _SPLITS = (torch.ops.aten.split.Tensor, torch.ops.aten.split_with_sizes.default,
 _STRIDING = (torch.ops.aten.transpose.int, torch.ops.aten.permute.default, torch.ops.aten.expand.default)
 
 
-def parallelize_stage(stage_module: nn.Module, tp_mesh: DeviceMesh,
-                      plan: TensorParallelPlan) -> dict[str, str]:
+def parallelize_stage(stage_module: nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan, *,
+                      sequence_parallel: bool = False) -> dict[str, str]:
     """Shard the column/row matrices of ``stage_module`` (a traced stage, changed in place) over
     the one-dimensional ``tp_mesh`` with torch's styles, as ``plan`` (``find_tensor_parallel``
     of the model's trace) says; return ``{module name: "column" | "row"}``. Indivisible heads or
     features, nothing to shard, or a matrix's module not a plain linear raise ValueError first.
+    With ``sequence_parallel``, what runs between a row matrix and the next column one (the
+    residual adds, the norms) runs on sequence shards: rows reduce-scatter along dimension 1,
+    columns all-gather their input, and the stage's outputs are gathered whole.
 
     Example:
         >>> parallelize_stage(nn.Linear(4, 4), type("M", (), {"size": lambda m: 2})(), TensorParallelPlan([]))
         Traceback (most recent call last):
         ValueError: tensor parallelism of degree 2 cannot shard this model: nothing to shard...
     """
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     tp = tp_mesh.size()
@@ -57,7 +62,7 @@ def parallelize_stage(stage_module: nn.Module, tp_mesh: DeviceMesh,
                              "(an aten.linear, or an addmm/mm on a weight stored (in, out) as GPT-2's Conv1D "
                              "stores it); it cannot be sharded column- or row-wise")
         matrices[name] = _ShardedMatrix(module.weight, getattr(module, "bias", None), tp_mesh, shard=shard,
-                                        transposed=linear is None, parts=parts)
+                                        transposed=linear is None, parts=parts, sequence_parallel=sequence_parallel)
     for name, replacement in {**linears, **matrices}.items():
         _put_module(stage_module, name, replacement)
     _copy_before_strided_reshapes(stage_module)
@@ -67,22 +72,51 @@ def parallelize_stage(stage_module: nn.Module, tp_mesh: DeviceMesh,
                if isinstance(param, DTensor)}
     # A column matrix's output stays sharded (a DTensor) through the ops up to its row matrix,
     # which all-reduces it into a plain tensor.
+    row = RowwiseParallel(output_layouts=Shard(1), use_local_output=False) if sequence_parallel else RowwiseParallel()
     parallelize_module(stage_module, tp_mesh, {
-        name: ColwiseParallel(use_local_output=False) if styles[name] == "column" else RowwiseParallel()
-        for name in linears})
+        name: ColwiseParallel(use_local_output=False) if styles[name] == "column" else row for name in linears})
     for (name, p), param in already.items():
         setattr(stage_module.get_submodule(name), p, param)
     for name, matrix in matrices.items():
         if matrix.parts > 1:
             _return_parts(stage_module, name)
-    _replicate_shared_inputs(stage_module, tp_mesh, {name for name, shard in styles.items() if shard == "column"})
+    columns = {name for name, shard in styles.items() if shard == "column"}
+    # Under sequence parallelism every column's input is gathered (from its sequence shards) first.
+    _replicate_shared_inputs(stage_module, tp_mesh, columns, readers=1 if sequence_parallel else 2)
+    if sequence_parallel:
+        _replicate_other_parameters(stage_module, tp_mesh)
+        _whole_boundaries(stage_module, tp_mesh)
+        _drop_metadata_asserts(stage_module)
     return styles
 
 
-def shard_stages(modules: Mapping[int, nn.Module], tp_mesh: DeviceMesh, plan: TensorParallelPlan) -> None:
-    """:func:`parallelize_stage` on each of this rank's stage modules (collective over ``tp_mesh``)."""
+@dataclass(frozen=True)
+class StageSharding:
+    """How tensor parallelism shards every trace of a rank's stages: over ``mesh`` (its ``tp``
+    group), the matrices ``plan`` names, with or without sequence parallelism."""
+
+    mesh: DeviceMesh
+    plan: TensorParallelPlan
+    sequence_parallel: bool = False
+
+
+def shard_stages(modules: Mapping[int, nn.Module], sharding: StageSharding) -> None:
+    """:func:`parallelize_stage` on each of this rank's stage modules (collective over the ``tp`` group)."""
     for module in modules.values():
-        parallelize_stage(module, tp_mesh, plan)
+        parallelize_stage(module, sharding.mesh, sharding.plan, sequence_parallel=sharding.sequence_parallel)
+
+
+@torch.no_grad()
+def sum_partial_gradients(params: Iterable[torch.Tensor]) -> None:
+    """Sum over the ``tp`` group the gradients DTensor left partial: a replicated parameter that
+    read sequence shards (a norm's weight under sequence parallelism) has a part of its
+    gradient on each rank. One all-reduce each; the other gradients are left as they are."""
+    from torch.distributed.tensor import Replicate
+
+    for p in params:
+        grad = p.grad
+        if isinstance(grad, DTensor) and any(q.is_partial() for q in grad.placements):
+            p.grad = grad.redistribute(grad.device_mesh, [Replicate() if q.is_partial() else q for q in grad.placements])
 
 
 def vocabulary_parallel(plan: TensorParallelPlan, model: nn.Module) -> TensorParallelPlan:
@@ -273,12 +307,12 @@ class _ShardedMatrix(nn.Module):
     fused projection. Columns return DTensors sharded along their features, rows a plain tensor."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mesh: DeviceMesh, *, shard: str,
-                 transposed: bool, parts: int) -> None:
+                 transposed: bool, parts: int, sequence_parallel: bool = False) -> None:
         from torch.distributed.tensor import Replicate, Shard
         from torch.distributed.tensor.placement_types import _StridedShard
 
         super().__init__()
-        self.mesh, self.shard, self.parts = mesh, shard, parts
+        self.mesh, self.shard, self.parts, self.sequence_parallel = mesh, shard, parts, sequence_parallel
         self.out_dim = 1 if transposed else 0  # the weight's dimension of output features
         if shard == "row":
             placements = (Shard(1 - self.out_dim), Replicate())  # the bias is added after the all-reduce
@@ -298,7 +332,11 @@ class _ShardedMatrix(nn.Module):
         if self.shard == "row":
             if not isinstance(x, DTensor):
                 x = DTensor.from_local(x, self.mesh, [Shard(-1)], run_check=False)
-            y = torch.matmul(x, self._oriented(self.weight)).redistribute(self.mesh, [Replicate()]).to_local()
+            y = torch.matmul(x, self._oriented(self.weight))
+            if self.sequence_parallel:  # reduce-scattered along the sequence, left sharded
+                y = y.redistribute(self.mesh, [Shard(1)])
+                return y if self.bias is None else y + self.bias
+            y = y.redistribute(self.mesh, [Replicate()]).to_local()
             return y if self.bias is None else y + self.bias.to_local()
         if not isinstance(x, DTensor):
             x = DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
@@ -339,23 +377,27 @@ class _Replicated(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import Replicate
 
+        if isinstance(x, DTensor):  # sequence shards, gathered
+            return x.redistribute(self.mesh, [Replicate()])
         return DTensor.from_local(x, self.mesh, [Replicate()], run_check=False)
 
 
-def _replicate_shared_inputs(stage_module: nn.Module, tp_mesh: DeviceMesh, columns: set[str]) -> None:
+def _replicate_shared_inputs(stage_module: nn.Module, tp_mesh: DeviceMesh, columns: set[str],
+                             readers: int = 2) -> None:
     """Column matrices that read one tensor (q, k and v; gate and up) read one replicated DTensor of it,
     so the backward sums their input gradients before one all-reduce, not after one each: torch's
-    ``ColwiseParallel`` would otherwise wrap the tensor once per matrix."""
+    ``ColwiseParallel`` would otherwise wrap the tensor once per matrix. Tensors read by fewer than
+    ``readers`` columns are left to the columns."""
     for scope, module in stage_module.named_modules():
         graph = getattr(module, "graph", None)
         if graph is None:
             continue
-        readers: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+        found: dict[torch.fx.Node, list[torch.fx.Node]] = {}
         for node in graph.nodes:
             full = f"{scope}.{node.target}" if scope else str(node.target)
             if node.op == "call_module" and full in columns and node.args and isinstance(node.args[0], torch.fx.Node):
-                readers.setdefault(node.args[0], []).append(node)
-        shared = {source: nodes for source, nodes in readers.items() if len(nodes) > 1}
+                found.setdefault(node.args[0], []).append(node)
+        shared = {source: nodes for source, nodes in found.items() if len(nodes) >= readers}
         for k, (source, nodes) in enumerate(shared.items()):
             name, replicate = f"autopipe_replicated_{k}", _Replicated(tp_mesh)
             # The graph's own GraphModule (an unflattened module's generated copy) must hold it too.
@@ -366,6 +408,84 @@ def _replicate_shared_inputs(stage_module: nn.Module, tp_mesh: DeviceMesh, colum
             for node in nodes:
                 node.replace_input_with(source, replicated)
         if shared:
+            _recompile(module, graph)
+
+
+def _replicate_other_parameters(stage_module: nn.Module, mesh: DeviceMesh) -> None:
+    """Every parameter tensor parallelism leaves whole becomes a replicated DTensor, so that where
+    it meets sequence shards (a norm's weight) DTensor keeps its gradient as the partial sum it is
+    (:func:`sum_partial_gradients` completes it); a plain tensor's would be one rank's part."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    replaced: dict[int, nn.Parameter] = {}
+    for module in list(stage_module.modules()):
+        for name, param in list(module.named_parameters(recurse=False)):
+            if isinstance(param, DTensor):
+                continue
+            if id(param) not in replaced:
+                replaced[id(param)] = nn.Parameter(distribute_tensor(param.detach(), mesh, [Replicate()],
+                                                                     src_data_rank=None),
+                                                   requires_grad=param.requires_grad)
+            for owner in _owners(module, getattr(module, "graph", None)):
+                setattr(owner, name, replaced[id(param)])
+
+
+class _Whole(nn.Module):
+    """A stage's output whole again: sequence shards gathered, a replicated DTensor its local
+    tensor; logits sharded along the vocabulary (``loss_parallel``) stay as they are."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        super().__init__()
+        self.mesh = mesh
+
+    def forward(self, x: Any) -> Any:
+        from torch.distributed.tensor import Replicate
+
+        if not isinstance(x, DTensor) or any(p.is_shard(x.ndim - 1) for p in x.placements):
+            return x
+        return x.redistribute(self.mesh, [Replicate()]).to_local()
+
+
+def _whole_boundaries(stage_module: nn.Module, mesh: DeviceMesh) -> None:
+    """The stage's floating-point inputs enter as replicated DTensors (:class:`_Replicated`), so the
+    gradient sent back across the cut is gathered from the shards that used them (implicit
+    replication would leave it unwritten), and every output leaves whole (:class:`_Whole`)."""
+    graph = getattr(stage_module, "graph", None)
+    if graph is None:
+        return
+    for owner in _owners(stage_module, graph):
+        owner.add_module("autopipe_whole", _Whole(mesh))
+        owner.add_module("autopipe_replicated_input", _Replicated(mesh))
+    inputs = [n for n in graph.nodes if n.op == "placeholder"]
+    for node in inputs:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and value.is_floating_point() and node.users:
+            with graph.inserting_after(inputs[-1]):  # after every placeholder, as a graph must be
+                replicated = graph.call_module("autopipe_replicated_input", (node,))
+            replicated.meta = dict(node.meta)
+            node.replace_all_uses_with(replicated, delete_user_cb=lambda user: user is not replicated)
+    output = next(n for n in graph.nodes if n.op == "output")
+
+    def whole(node: torch.fx.Node) -> torch.fx.Node:
+        with graph.inserting_before(output):
+            gathered = graph.call_module("autopipe_whole", (node,))
+        gathered.meta = dict(node.meta)  # the same whole value (torch's stage reads its shape)
+        return gathered
+
+    output.args = torch.fx.node.map_arg(output.args, whole)
+    _recompile(stage_module, graph)
+
+
+def _drop_metadata_asserts(stage_module: nn.Module) -> None:
+    """Remove the trace's dtype checks (``aten._assert_tensor_metadata``, what a ``.to(dtype)`` leaves):
+    DTensor has no rule for them, and under sequence parallelism the tensors they check are DTensors."""
+    for module in stage_module.modules():
+        graph = getattr(module, "graph", None)
+        checks = [n for n in graph.nodes if n.op == "call_function" and not n.users
+                  and n.target is torch.ops.aten._assert_tensor_metadata.default] if graph is not None else []
+        for node in checks:
+            graph.erase_node(node)
+        if checks:
             _recompile(module, graph)
 
 
