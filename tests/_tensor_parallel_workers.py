@@ -110,7 +110,7 @@ def _short_step(pipe, model: nn.Module, batch: torch.Tensor, target: torch.Tenso
 
 
 def pipe_cases(rank: int, world_size: int, cases: dict[str, tuple]) -> dict:
-    """:func:`pipe_run` of each case, ``{key: (model, schedule, dp, recompute, autocast, short, vocab)}``."""
+    """:func:`pipe_run` of each case, ``{key: (model, schedule, dp, recompute, autocast, short, vocab, sequence)}``."""
     return {key: pipe_run(rank, world_size, *case) for key, case in cases.items()}
 
 
@@ -127,7 +127,8 @@ def pipe_run(rank: int, world_size: int, name: str, schedule: str, dp: int = 1, 
     ``autocast`` both run in bf16, and each is also compared with the unsplit model in fp32. With
     ``short``, a second step at half the sequence length (the stages traced again, sharded over the
     same parameters), against the unsplit model too. With ``vocab``, the output layer is sharded along
-    the vocabulary too (``loss_parallel``) and the loss is a cross-entropy of the next tokens."""
+    the vocabulary too (``loss_parallel``) and the loss is a cross-entropy of the next tokens; with
+    ``sequence``, sequence parallel."""
     import autopipe
     from autopipe.runtime import Pipeline
 
@@ -167,6 +168,8 @@ def pipe_run(rank: int, world_size: int, name: str, schedule: str, dp: int = 1, 
                  "n_microbatches": pipe.n_microbatches,
                  "local_shapes": {n: (tuple(p.to_local().shape), tuple(p.shape)) for n, p in pipe.named_parameters()
                                   if isinstance(p, DTensor)},
+                 "replicated_whole": sorted(n for n, p in pipe.named_parameters() if isinstance(p, DTensor)
+                                            and all(q.is_replicate() for q in p.placements[-1:]) and "norm" in n),
                  "strided": sorted(n for n, p in pipe.named_parameters() if isinstance(p, DTensor)
                                    and any(type(q).__name__ == "_StridedShard" for q in p.placements))}
         found["failed_step"] = failed
@@ -250,9 +253,10 @@ def data_full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def resume_run(rank: int, world_size: int, name: str, checkpoint_dir: str) -> dict:
-    """AdamW steps of a pp 2 x tp 2 pipeline, saved after the first; a pp 4 pipeline (no tensor
-    parallelism) resumes from the checkpoint, model and optimizer, and takes the second step too."""
+def resume_run(rank: int, world_size: int, name: str, checkpoint_dir: str, sequence: bool = False) -> dict:
+    """AdamW steps of a pp 2 x tp 2 pipeline (``sequence``: sequence parallel), saved after the first; a
+    pp 4 pipeline (no tensor parallelism) resumes from the checkpoint, model and optimizer, and takes
+    the second step too."""
     from autopipe.runtime import Pipeline
 
     model, args = _model(name, layers=4)
@@ -263,7 +267,7 @@ def resume_run(rank: int, world_size: int, name: str, checkpoint_dir: str) -> di
     def build(stages: int, tp: int | None) -> tuple[Pipeline, torch.optim.Optimizer]:
         pipe = Pipeline(copy.deepcopy(model), example_args=args, loss_fn=lambda out, y: _loss(out),
                         split_points=_split_points(model, stages), schedule="1F1B", n_microbatches=4,
-                        data_parallel=DataParallelOptions(tensor_parallel=tp))
+                        data_parallel=DataParallelOptions(tensor_parallel=tp, sequence_parallel=sequence and tp is not None))
         return pipe, torch.optim.AdamW(pipe.parameters(), lr=1e-3)
 
     def step(pipe: Pipeline, optimizer: torch.optim.Optimizer, batch: tuple) -> float:

@@ -29,12 +29,13 @@ PP_TP = {
     "llama-ZBVZeroBubble": ("llama", "ZBVZeroBubble"),
     "seed-1F1B+bf16": ("seed_transformer", "1F1B", 1, "none", True),
     "gpt2-1F1B": ("gpt2", "1F1B", 1, "none", False, True),  # fused q, k, v in a Conv1D; then another length
-    # The output layer sharded along the vocabulary, a cross-entropy under loss_parallel; then another length.
-    "seed-1F1B+loss_parallel": ("seed_transformer", "1F1B", 1, "none", False, True, True),
+    # The output layer sharded along the vocabulary, a cross-entropy under loss_parallel, norms on sequence
+    # shards; then another length.
+    "seed-1F1B+loss_parallel+sp": ("seed_transformer", "1F1B", 1, "none", False, True, True, True),
 }
-#: The same on pp 2 x tp 2 x dp 2 (8 ranks), FSDP over dp: q, k and v fused in one nn.Linear, whose
-#: strided shard FSDP2 cuts along the other dimension.
-PP_TP_DP = {"fused-1F1B+fsdp": ("fused", "1F1B", 2)}
+#: The same on pp 2 x tp 2 x dp 2 (8 ranks), FSDP over dp, sequence parallel: q, k and v fused in one
+#: nn.Linear, whose strided shard FSDP2 cuts along the other dimension.
+PP_TP_DP = {"fused-1F1B+fsdp+sp": ("fused", "1F1B", 2, "none", False, False, False, True)}
 #: Models without Hugging Face's transformers.
 PLAIN = ("seed_transformer", "fused")
 
@@ -103,7 +104,7 @@ def test_a_fused_qkv_matrix_is_sharded_by_head_in_each_of_its_parts():
 @pytest.mark.distributed
 def test_with_loss_parallel_the_output_layer_is_sharded_along_the_vocabulary_and_its_loss_is_the_unsplit_one():
     # Its loss, gradients and norm are the unsplit model's: the first test of this file.
-    ranks = _case(4, "seed-1F1B+loss_parallel")
+    ranks = _case(4, "seed-1F1B+loss_parallel+sp")
     for rank in ranks:  # a step whose loss_fn raised (a target too short) first: every rank was told, none hung
         assert "in loss_fn" in rank["failed_step"] and "failed on rank 2, 3" in rank["failed_step"]
     last = [rank for rank in ranks if rank["forward_worst"] is not None]
@@ -114,7 +115,7 @@ def test_with_loss_parallel_the_output_layer_is_sharded_along_the_vocabulary_and
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("key", ["seed-1F1B+selective", "gpt2-1F1B", "seed-1F1B+loss_parallel"])
+@pytest.mark.parametrize("key", ["seed-1F1B+selective", "gpt2-1F1B", "seed-1F1B+loss_parallel+sp"])
 def test_a_step_at_another_length_traces_sharded_stages_that_train_as_the_unsplit_model(key):
     for rank in _case(4, key):
         assert rank["short"]["loss"] == pytest.approx(rank["short"]["expected"], abs=TOL)
@@ -144,6 +145,23 @@ def test_each_block_all_reduces_as_often_as_the_layout_model_charges(key):
 
 
 @pytest.mark.distributed
+@pytest.mark.parametrize("world,key", [(4, "seed-1F1B+loss_parallel+sp"), (8, "fused-1F1B+fsdp+sp")])
+def test_under_sequence_parallelism_each_block_reduce_scatters_and_gathers_as_the_layout_model_charges(world, key):
+    # Each all-reduce becomes a reduce-scatter and an all-gather: 4 of each per block and micro-batch.
+    # A stage's input arrives whole, so where its first column's input gradient meets the residual
+    # path's sequence shards decides whether that one is reduce-scattered or all-reduced (DTensor
+    # picks): at most one per micro-batch and stage (1F1B: one stage per rank) differs.
+    from autopipe.layouts.blocks import tp_collectives
+
+    per_block = sum(tp_collectives(2, recompute="none").values())
+    for rank in _case(world, key):
+        charged = rank["n_microbatches"] * rank["blocks"] * per_block
+        assert charged - rank["n_microbatches"] <= rank["collectives"]["reduce_scatter_tensor"] <= charged
+        assert rank["collectives"]["all_gather_into_tensor"] >= charged
+        assert rank["replicated_whole"]  # the norms: replicated DTensors, gradients summed over the group
+
+
+@pytest.mark.distributed
 def test_under_bf16_autocast_a_tensor_parallel_pipeline_is_within_bf16_rounding_of_the_unsplit_model():
     for rank in _case(4, "seed-1F1B+bf16"):
         assert rank["loss"] == pytest.approx(rank["expected_loss"], rel=2 ** -7)
@@ -164,10 +182,11 @@ def test_a_bad_degree_nothing_to_shard_and_indivisible_heads_are_refused_on_ever
 
 
 @pytest.mark.distributed
-def test_a_pp2_tp2_checkpoint_resumes_model_and_optimizer_at_pp4_and_loads_into_the_unsplit_model(tmp_path):
+def test_a_sequence_parallel_pp2_tp2_checkpoint_resumes_model_and_optimizer_at_pp4_and_loads_into_the_unsplit_model(
+        tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    ranks = run_world(workers.resume_run, 4, "fused", str(tmp_path / "pp2tp2"), timeout_s=300)
+    ranks = run_world(workers.resume_run, 4, "fused", str(tmp_path / "pp2tp2"), True, timeout_s=300)
     for rank in ranks:  # the pp 4 pipeline's second AdamW step is the pp 2 x tp 2 one's
         assert rank["resumed_second"] == pytest.approx(rank["second"], abs=TOL)
         assert rank["worst_after"] <= TOL
