@@ -16,6 +16,7 @@ def test_a_named_shape_is_searched_and_the_best_layout_printed_with_its_exports(
     out = capsys.readouterr().out
     assert "Llama 3.1 8B: 32 blocks" in out and "layouts considered" in out
     assert "torchtitan: {" in out and "Megatron-LM: --tensor-model-parallel-size" in out
+    assert "autopipe.Pipeline: schedule=" in out and "DataParallelOptions(" in out
     listed = json.loads(out_json.read_text())
     assert len(listed) == 3 and listed[0]["tokens_per_s_per_gpu"] >= listed[-1]["tokens_per_s_per_gpu"]
     assert all(r["layout"]["tp"] * r["layout"]["pp"] * r["layout"]["dp"] == 16 for r in listed)

@@ -244,7 +244,7 @@ def test_a_bad_layout_names_the_argument(kwargs, message):
 
 # ----------------------------------------------------------------------------- exports
 
-from autopipe.layouts.exports import megatron_arguments, torchtitan_fields  # noqa: E402
+from autopipe.layouts.exports import megatron_arguments, pipeline_options, torchtitan_fields  # noqa: E402
 
 
 def test_torchtitans_fields_carry_every_degree_and_the_checkpointing():
@@ -282,12 +282,30 @@ def test_megatrons_arguments_carry_every_degree_and_the_checkpointing():
         megatron_arguments(replace(layout, virtual_stages=3), shape)
 
 
+def test_a_pipelines_options_carry_every_degree_the_micro_batches_and_the_checkpointing():
+    layout = Layout(tp=4, pp=4, dp=2, micro_batch=2, global_batch=64, schedule="Interleaved1F1B", virtual_stages=2,
+                    recompute="selective", sequence_parallel=True, dp_mode="fsdp", compiled=True)
+    options = pipeline_options(layout)
+    assert (options["schedule"], options["n_microbatches"], options["stages_per_rank"]) == ("Interleaved1F1B", 16, 2)
+    replicas = options["data_parallel"]
+    assert (replicas.degree, replicas.mode, replicas.tensor_parallel) == (2, "fsdp", 4)
+    assert replicas.loss_parallel and replicas.sequence_parallel  # the output layer charged vocabulary-sharded
+    assert (options["planner"].recompute, options["planner"].compile) == ("selective", True)
+    assert pipeline_options(replace(layout, recompute="none"))["planner"].recompute is False
+    for change, named in (({"dp_mode": "zero1"}, "dp_mode='zero1'"), ({"float8": True}, "float8=True"),
+                          ({"async_tp": True}, "async_tp=True"), ({"sp_regather": True}, "sp_regather=True"),
+                          ({"recompute_layers": 3}, "recompute_layers=3")):
+        with pytest.raises(ValueError, match=f"Layout {named}: autopipe.Pipeline does not run it"):
+            pipeline_options(replace(layout, **change))
+
+
 def test_a_predicted_step_exports_its_own_layout_and_shape():
     shape, gpu = TransformerShape.named("llama3-70b"), GpuCosts("H100", Topology(gpus_per_node=8))
     layout = Layout(tp=8, pp=2, dp=4, micro_batch=1, global_batch=64, dp_mode="fsdp", recompute="full")
     p = predict_step(shape, layout, gpu)
     assert p.to_torchtitan() == torchtitan_fields(layout, shape)
     assert p.to_megatron() == megatron_arguments(layout, shape)
+    assert p.to_pipeline()["data_parallel"] == pipeline_options(layout)["data_parallel"]
     with pytest.raises(ValueError, match="zero1' has no torchtitan equivalent"):
         predict_step(shape, replace(layout, dp_mode="zero1"), gpu).to_torchtitan()
 

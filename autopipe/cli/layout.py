@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import replace
@@ -162,6 +163,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("Megatron-LM:", " ".join(chosen.to_megatron()))
     except ValueError as e:
         print(f"Megatron-LM: {e}")
+    try:
+        print("autopipe.Pipeline:", ", ".join(f"{k}={_changed(v)}" for k, v in chosen.to_pipeline().items()))
+    except ValueError as e:
+        print(f"autopipe.Pipeline: {e}")
     if args.json:
         Path(args.json).write_text(json.dumps([p.to_dict() for p in listed], indent=1) + "\n")
     return 0
@@ -171,3 +176,12 @@ def _largest_parts(p: StepPrediction) -> str:
     """The step's largest parts beside compute."""
     others = sorted(((v, k) for k, v in p.parts_s.items() if k != "compute" and v > 0), reverse=True)[:2]
     return ", ".join(f"{k.replace('_', ' ')} {v / p.step_s:.0%}" for v, k in others) or "compute only"
+
+
+def _changed(value: object) -> str:
+    """``value`` as Python, an options object with only the fields it changes from their defaults."""
+    if not dataclasses.is_dataclass(value):
+        return repr(value)
+    changed = [f"{f.name}={getattr(value, f.name)!r}" for f in dataclasses.fields(value)
+               if getattr(value, f.name) != f.default]
+    return f"{type(value).__name__}({', '.join(changed)})"

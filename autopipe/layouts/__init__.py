@@ -48,6 +48,7 @@ _PUBLIC = {
     "calibrate_on_block": "calibrate",
     "torchtitan_fields": "exports",
     "megatron_arguments": "exports",
+    "pipeline_options": "exports",
 }
 
 __all__ = list(_PUBLIC)

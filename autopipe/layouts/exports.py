@@ -6,6 +6,7 @@
 - :func:`megatron_arguments`: Megatron-LM's command-line arguments; the parallelism and
   recomputation ones are megatron-core config fields (``--tensor-model-parallel-size`` is
   ``tensor_model_parallel_size``).
+- :func:`pipeline_options`: ``autopipe.Pipeline``'s own keyword arguments.
 
 A choice the framework cannot express is refused by name rather than dropped.
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..planning.options import DataParallelOptions, PlannerOptions
 from .layout import Layout
 from .shapes import TransformerShape
 
@@ -111,3 +113,39 @@ def megatron_arguments(layout: Layout, shape: TransformerShape) -> list[str]:
         raise ValueError("Layout async_tp=True: Megatron-LM overlaps tensor-parallel communication with its own "
                          "options (--tp-comm-overlap, with Transformer Engine); set async_tp=False to export")
     return args
+
+
+def pipeline_options(layout: Layout) -> dict[str, Any]:
+    """``autopipe.Pipeline``'s keyword arguments for ``layout``, to run it on ``layout.gpus`` ranks:
+    the schedule, the micro-batches each replica runs per step, the mesh's degrees (the output
+    layer sharded along the vocabulary, as every tp > 1 layout is charged) and per-block
+    checkpointing. The split points are the Pipeline's own to plan.
+
+    Raises:
+        ValueError: ZeRO-1 (the Pipeline shards with FSDP2 or replicates), checkpointing only
+            some blocks, float8 GEMMs, asynchronous tensor parallelism or ``sp_regather``, none of
+            which the Pipeline runs.
+
+    Example:
+        >>> layout = Layout(tp=2, pp=2, dp=2, micro_batch=1, global_batch=16, recompute="selective",
+        ...                 sequence_parallel=True, dp_mode="fsdp")
+        >>> options = pipeline_options(layout)
+        >>> options["n_microbatches"], options["data_parallel"].tensor_parallel, options["planner"].recompute
+        (8, 2, 'selective')
+    """
+    refused = {"dp_mode='zero1'": layout.dp_mode == "zero1", "float8=True": layout.float8,
+               "async_tp=True": layout.async_tp, "sp_regather=True": layout.sp_regather and layout.sequence_parallel,
+               f"recompute_layers={layout.recompute_layers}": layout.recompute_layers is not None
+               and layout.recompute != "none"}
+    for choice, on in refused.items():
+        if on:
+            raise ValueError(f"Layout {choice}: autopipe.Pipeline does not run it (it shards with FSDP2 or "
+                             "replicates, checkpoints every block alike, in the layout's precision, with torch's "
+                             "tensor-parallel API); export the layout without it")
+    data_parallel = DataParallelOptions(degree=layout.dp, mode=layout.dp_mode if layout.dp > 1 else None,
+                                        tensor_parallel=layout.tp, loss_parallel=layout.tp > 1,
+                                        sequence_parallel=layout.sequence_parallel and layout.tp > 1)
+    return {"schedule": layout.schedule, "n_microbatches": layout.global_batch // (layout.dp * layout.micro_batch),
+            "stages_per_rank": layout.virtual_stages, "data_parallel": data_parallel,
+            "planner": PlannerOptions(recompute=layout.recompute if layout.recompute != "none" else False,
+                                      compile=layout.compiled)}

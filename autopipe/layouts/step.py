@@ -37,7 +37,7 @@ from typing import Any
 
 from .blocks import (activation_bytes, attention_flops_per_token, block_matmul_params, block_matmuls,
                      block_params_per_rank, memory_bound_bytes, tp_collectives, tp_divides)
-from .exports import megatron_arguments, torchtitan_fields
+from .exports import megatron_arguments, pipeline_options, torchtitan_fields
 from .gpu import GpuCosts
 from .layout import Layout
 from .shapes import TransformerShape
@@ -99,6 +99,23 @@ class StepPrediction:
             ['--tensor-model-parallel-size', '4', '--pipeline-model-parallel-size', '2']
         """
         return megatron_arguments(self.layout, self.shape)
+
+    def to_pipeline(self) -> dict[str, Any]:
+        """This layout as ``autopipe.Pipeline``'s keyword arguments.
+
+        Returns:
+            ``schedule``, ``n_microbatches``, ``stages_per_rank``, ``data_parallel`` and
+            ``planner``; a choice the Pipeline does not run raises ValueError naming it
+            (:func:`~autopipe.layouts.exports.pipeline_options`).
+
+        Example:
+            >>> from autopipe.machine.topology import Topology
+            >>> layout = Layout(tp=2, pp=2, dp=2, micro_batch=1, global_batch=16, dp_mode="fsdp")
+            >>> p = predict_step(TransformerShape.named("llama3-8b"), layout, GpuCosts("A100", Topology()))
+            >>> p.to_pipeline()["data_parallel"].loss_parallel
+            True
+        """
+        return pipeline_options(self.layout)
 
     def to_dict(self) -> dict:
         return {"layout": asdict(self.layout), "describe": self.layout.describe(), "step_s": self.step_s,
