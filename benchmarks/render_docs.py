@@ -900,7 +900,19 @@ def render_tensor_parallel(d: dict[str, Any], behind: list[str]) -> str:
             f"charged; one all-reduce of a block's activation ({c['message_bytes'] / 1024:.0f} KiB) takes "
             f"{c['allreduce_measured_s'] * 1e6:.0f} µs on gloo (median), charged {c['allreduce_charged_s'] * 1e6:.0f} "
             f"µs over the measured link. Left unexplained by compute and the measured all-reduces: "
-            f"{ms(d['tp_unexplained_s'])} ms of the tp step.")
+            f"{ms(d['tp_unexplained_s'])} ms of the tp step." + _sequence_parallel(d))
+
+
+def _sequence_parallel(d: dict[str, Any]) -> str:
+    """The tp 2 step with sequence parallelism and the vocabulary-sharded output, where the run has it."""
+    sp = d.get("tp_sp")
+    if not sp:
+        return ""
+    names = {"reduce_scatter_tensor": "reduce-scatters", "all_gather_into_tensor": "all-gathers",
+             "all_reduce": "all-reduces"}
+    counted = ", ".join(f"{n} {names.get(k, k)}" for k, n in sorted(sp["collectives_counted"].items()))
+    return (f" With sequence parallelism and `loss_parallel` (as layouts are charged), tp 2 steps in "
+            f"{ms(sp['measured_s'])} ms ({sp['measured_s'] / d['tp']['measured_s']:.2f}× tp 2), counting {counted}.")
 
 
 def ratio_x(x: float | None) -> str:

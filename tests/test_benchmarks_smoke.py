@@ -377,4 +377,9 @@ def test_tensor_parallel_steps_pp2_and_tp2_beside_their_predictions_and_counts_t
     collectives = data["collectives"]
     # 4 blocks x 4 micro-batches x (2 forward + 2 backward), as the layout model charges them.
     assert collectives["counted"] == {"all_reduce": 64} and collectives["allreduces_charged"] == 64
+    # Sequence parallel: each all-reduce a reduce-scatter and an all-gather, less one at the stage's input.
+    sp = data["tp_sp"]
+    assert _finite_positive(sp["measured_s"]) and len(sp["rounds_s"]) == data["rounds"]
+    assert 64 - 4 <= sp["collectives_counted"]["reduce_scatter_tensor"] <= 64
+    assert sp["collectives_counted"]["all_gather_into_tensor"] >= 64
     assert _finite_positive(collectives["allreduce_measured_s"]) and _finite_positive(collectives["link"]["latency_s"])

@@ -3,7 +3,10 @@
 One model (the seed Transformer, plain torch, 4 blocks) on 2 CPU ranks, one thread each:
 
 * **pp 2**: ``autopipe.Pipeline`` split before ``layers.2``, 1F1B, 4 micro-batches;
-* **tp 2**: one stage on both ranks, ``DataParallelOptions(tensor_parallel=2)``, 4 micro-batches.
+* **tp 2**: one stage on both ranks, ``DataParallelOptions(tensor_parallel=2)``, 4 micro-batches;
+* **tp 2 sp**: the same with ``sequence_parallel=True`` and ``loss_parallel=True``, as a layout with
+  tp > 1 is charged (its collectives reduce-scatters and all-gathers of the same bytes, its
+  output layer sharded along the vocabulary).
 
 Both pipelines are built in the same world and stepped in interleaved rounds (pp, tp, pp, tp,
 ...); a variant's step is the median over the rounds of the slower rank's step. Beside them:
@@ -122,7 +125,9 @@ def world(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any]:
     target = torch.randint(0, SIZES[job["size"]]["vocab"], batch.shape, generator=g)
     common = dict(example_args=args, loss_fn=_loss, schedule="1F1B", n_microbatches=N_MICROBATCHES)
     pipes = {"pp": Pipeline(model, split_points=SPLIT, **common),
-             "tp": Pipeline(model, split_points=[], data_parallel=DataParallelOptions(tensor_parallel=2), **common)}
+             "tp": Pipeline(model, split_points=[], data_parallel=DataParallelOptions(tensor_parallel=2), **common),
+             "tp_sp": Pipeline(model, split_points=[], data_parallel=DataParallelOptions(
+                 tensor_parallel=2, sequence_parallel=True, loss_parallel=True), **common)}
     steps: dict[str, list[float]] = {k: [] for k in pipes}
     for _ in range(job["warmup"]):
         for key, pipe in pipes.items():
@@ -130,9 +135,11 @@ def world(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any]:
     for _ in range(job["rounds"]):
         for key, pipe in pipes.items():
             steps[key].append(_timed_step(pipe, batch, target))
-    with CollectiveCount() as comm:
-        pipes["tp"].step(batch, target=target)
-    counts = dict(comm.counts)
+    counts = {}
+    for key in ("tp", "tp_sp"):
+        with CollectiveCount() as comm:
+            pipes[key].step(batch, target=target)
+        counts[key] = dict(comm.counts)
 
     from autopipe.machine.link import measure_link_in_group
 
@@ -151,7 +158,8 @@ def world(rank: int, world_size: int, job: dict[str, Any]) -> dict[str, Any]:
         times.append(time.perf_counter() - t0)
     for pipe in pipes.values():
         pipe.close()
-    return {"steps_s": steps, "tp_comm_counts": counts, "message_bytes": message,
+    return {"steps_s": steps, "tp_comm_counts": counts["tp"], "tp_sp_comm_counts": counts["tp_sp"],
+            "message_bytes": message,
             "link": {"bandwidth_bytes_per_s": link.bandwidth_bytes_per_s, "latency_s": link.latency_s},
             "allreduce_measured_s": median(times)}
 
@@ -200,6 +208,8 @@ def main(argv: list[str] | None = None) -> None:
         "tp": {"measured_s": steps["tp"], "predicted_s": tp_predicted, "rounds_s": measured["steps_s"]["tp"],
                "compute_predicted_s": profile["tp_compute_s"], "compute_parts_s": profile["tp_compute_parts_s"],
                "comm_charged_s": charged["tp_comm_charged_s"]},
+        "tp_sp": {"measured_s": steps["tp_sp"], "rounds_s": measured["steps_s"]["tp_sp"],
+                  "collectives_counted": measured["tp_sp_comm_counts"]},
         "collectives": {"counted": measured["tp_comm_counts"], "allreduces_charged": charged["allreduces_charged"],
                         "message_bytes": measured["message_bytes"], "link": measured["link"],
                         "allreduce_measured_s": measured["allreduce_measured_s"],
@@ -218,6 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"pp 2: {steps['pp'] * 1e3:.1f} ms measured, {profile['pp_predicted_s'] * 1e3:.1f} ms predicted")
     print(f"tp 2: {steps['tp'] * 1e3:.1f} ms measured, {tp_predicted * 1e3:.1f} ms predicted "
           f"({charged['tp_comm_charged_s'] * 1e3:.1f} ms of it all-reduces)")
+    print(f"tp 2 sp + loss_parallel: {steps['tp_sp'] * 1e3:.1f} ms measured; collectives "
+          f"{measured['tp_sp_comm_counts']}")
     print(f"all-reduces per step: {measured['tp_comm_counts']} counted, {charged['allreduces_charged']} charged; "
           f"one: {measured['allreduce_measured_s'] * 1e6:.0f} us measured, "
           f"{charged['allreduce_charged_s'] * 1e6:.0f} us charged")
