@@ -30,8 +30,8 @@ def parallelize_stage(stage_module: nn.Module, tp_mesh: DeviceMesh, plan: Tensor
     """Shard the column/row matrices of ``stage_module`` (a traced stage, changed in place) over
     the one-dimensional ``tp_mesh`` with torch's styles, as ``plan`` (``find_tensor_parallel``
     of the model's trace) says; return ``{module name: "column" | "row"}``. Indivisible heads or
-    features, nothing to shard, or a matrix's module not a plain linear raise ValueError first.
-    With ``sequence_parallel``, what runs between a row matrix and the next column one (the
+    features, nothing to shard, or a matrix's module running more than its one product raise
+    ValueError first. With ``sequence_parallel``, what runs between a row matrix and the next column one (the
     residual adds, the norms) runs on sequence shards: rows reduce-scatter along dimension 1,
     columns all-gather their input, and the stage's outputs are gathered whole.
 
@@ -71,7 +71,7 @@ def parallelize_stage(stage_module: nn.Module, tp_mesh: DeviceMesh, plan: Tensor
     already = {(name, p): param for name in linears for p, param in linears[name].named_parameters()
                if isinstance(param, DTensor)}
     # A column matrix's output stays sharded (a DTensor) through the ops up to its row matrix,
-    # which all-reduces it into a plain tensor.
+    # which all-reduces it into a plain tensor (reduce-scatters it, under sequence parallelism).
     row = RowwiseParallel(output_layouts=Shard(1), use_local_output=False) if sequence_parallel else RowwiseParallel()
     parallelize_module(stage_module, tp_mesh, {
         name: ColwiseParallel(use_local_output=False) if styles[name] == "column" else row for name in linears})
