@@ -28,7 +28,7 @@ from .materialize import WeightSource, check_weight_arguments
 from .pipeline_state import PipelineStateDicts
 from .sharded_state import RankState
 from .model_state import clip_grad_norm, grads_before, sum_shared_grads
-from .placement import place_rank, rank_nodes
+from .placement import place_rank, rank_nodes, tensor_parallel_size
 from .plan_setup import PlanRequest, check_model_and_inputs, check_ranks_agree_on_inputs, settle_plan
 from .shapes import ShapeVariants
 from .stage_timer import StageTimer, gather_stage_times
@@ -151,10 +151,8 @@ class Pipeline(PipelineLifecycle, PipelineStateDicts):
         mesh = replicas.mesh
         dp_degree, dp_mode = data_parallel_from_plan(request.plan, mesh, replicas.degree, replicas.mode)
         check_mesh_arguments(mesh, dp_degree, dp_mode)
-        names = getattr(mesh, "mesh_dim_names", None) or ()
         for option in ("loss_parallel", "sequence_parallel"):
-            if getattr(replicas, option) and (replicas.tensor_parallel or (mesh.size(names.index("tp")) if "tp" in names
-                                                                         else 1)) < 2:
+            if getattr(replicas, option) and tensor_parallel_size(mesh, replicas.tensor_parallel) < 2:
                 raise ValueError(f"data_parallel=DataParallelOptions({option}=True) shards over the tensor-parallel "
                                  "ranks: give tensor_parallel= of 2 or more (or a mesh with a 'tp' dimension)")
 

@@ -31,8 +31,9 @@ class PipelineStateDicts:
                 ``model.load_state_dict``. Collective: every rank must call it.
 
         Returns:
-            ``{name: tensor}``; the local form holds detached views of the live tensors
-            (``dcp.load`` writes into them), the full form CPU copies.
+            ``{name: tensor}``; the local form holds detached views of the live tensors (a
+            fused matrix's strided shard as a contiguous copy: give what ``dcp.load`` filled to
+            :meth:`load_state_dict`), the full form CPU copies.
 
         Example:
             >>> dcp.save({"model": pipe.state_dict(), "optim": pipe.optimizer_state_dict(opt)},

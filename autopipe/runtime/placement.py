@@ -113,6 +113,18 @@ class RankPlace:
         return self.tp_mesh.get_local_rank() if self.tp_mesh is not None else 0
 
 
+def tensor_parallel_size(mesh: DeviceMesh | None, tp_degree: int | None) -> int:
+    """The tensor-parallel degree a Pipeline is asked for: ``tp_degree``, else the size of ``mesh``'s
+    ``tp`` dimension, else 1 (no communication).
+
+    Example:
+        >>> tensor_parallel_size(None, None), tensor_parallel_size(None, 2)
+        (1, 2)
+    """
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    return tp_degree or (mesh.size(names.index("tp")) if "tp" in names else 1)
+
+
 def place_rank(mesh: DeviceMesh | None, dp_degree: int | None, dp_mode: str, tp_degree: int | None, *,
                world_size: int, rank: int, device_type: str, batch: str = "replica") -> RankPlace:
     """This rank's :class:`RankPlace` under ``Pipeline(data_parallel=DataParallelOptions(degree=, mesh=,

@@ -137,12 +137,9 @@ def vocabulary_parallel(plan: TensorParallelPlan, model: nn.Module) -> TensorPar
     if not heads:
         raise ValueError("loss_parallel=True shards the model's output layer along the vocabulary, but its export "
                          "has none: no matrix whose output columns reach the model's output or its loss alone")
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
     params = dict(model.named_parameters(remove_duplicate=False))
     for head in heads:
-        tied = [n for n in names.get(id(params.get(head)), []) if n != head]
+        tied = [n for n, p in params.items() if n != head and p is params.get(head)]
         if tied:
             raise ValueError(f"loss_parallel=True cannot shard the output layer's {head}: it is tied to {tied[0]}, "
                              "which stays whole on every rank; untie them (tie_word_embeddings=False) or leave "
@@ -278,18 +275,22 @@ def _return_parts(stage_module: nn.Module, name: str) -> None:
     _recompile(parent, graph)
 
 
+def _parent_of(stage_module: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The module holding submodule ``name``, and ``name`` within it."""
+    parent_name, _, leaf = name.rpartition(".")
+    return (stage_module.get_submodule(parent_name) if parent_name else stage_module), leaf
+
+
 def _call_of(stage_module: nn.Module, name: str) -> tuple[nn.Module, Any, torch.fx.Node | None]:
     """The module holding ``name``, its graph and the one node calling ``name`` (None unless exactly one)."""
-    parent_name, _, leaf = name.rpartition(".")
-    parent = stage_module.get_submodule(parent_name) if parent_name else stage_module
+    parent, leaf = _parent_of(stage_module, name)
     graph = getattr(parent, "graph", None)
     calls = [n for n in graph.nodes if n.op == "call_module" and n.target == leaf] if graph is not None else []
     return parent, graph, calls[0] if len(calls) == 1 else None
 
 
 def _put_module(stage_module: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, leaf = name.rpartition(".")
-    parent = stage_module.get_submodule(parent_name) if parent_name else stage_module
+    parent, leaf = _parent_of(stage_module, name)
     for owner in _owners(parent, getattr(parent, "graph", None)):
         setattr(owner, leaf, module)
 
@@ -400,7 +401,6 @@ def _replicate_shared_inputs(stage_module: nn.Module, tp_mesh: DeviceMesh, colum
         shared = {source: nodes for source, nodes in found.items() if len(nodes) >= readers}
         for k, (source, nodes) in enumerate(shared.items()):
             name, replicate = f"autopipe_replicated_{k}", _Replicated(tp_mesh)
-            # The graph's own GraphModule (an unflattened module's generated copy) must hold it too.
             for owner in _owners(module, graph):
                 owner.add_module(name, replicate)
             with graph.inserting_after(source):
